@@ -1,0 +1,290 @@
+//! Errors of the core, one enum per concern. All are `Clone + PartialEq` so
+//! tests can assert on them; causes are kept as text (adapters never put a
+//! connection string into one).
+
+use std::fmt;
+
+use thiserror::Error;
+
+/// A result with the core's [`Error`] as default error.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// A rule of SPEC "Validation" that input broke.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum ValidationError {
+    /// A required field is empty (after trimming, for `event_type`).
+    #[error("{field} must not be empty")]
+    Empty {
+        /// The field.
+        field: &'static str,
+    },
+    /// A field is longer than its limit, in characters.
+    #[error("{field} is {actual} characters long, at most {max} are allowed")]
+    TooLong {
+        /// The field.
+        field: &'static str,
+        /// The limit.
+        max: usize,
+        /// What was given.
+        actual: usize,
+    },
+    /// The payload is valid JSON but not an object.
+    #[error("payload must be a JSON object, found {found}")]
+    PayloadNotObject {
+        /// The JSON kind found.
+        found: &'static str,
+    },
+    /// The payload is an empty object.
+    #[error("payload must not be an empty object")]
+    PayloadEmpty,
+    /// The payload is larger than allowed once serialized.
+    #[error("payload is {actual} bytes, at most {max} are allowed")]
+    PayloadTooLarge {
+        /// The limit in bytes.
+        max: usize,
+        /// The serialized size.
+        actual: usize,
+    },
+    /// The payload holds a NaN or infinite number.
+    #[error("payload contains a NaN or infinite number")]
+    PayloadNotFinite,
+    /// The payload bytes are not JSON at all.
+    #[error("payload is not valid JSON: {reason}")]
+    PayloadNotJson {
+        /// What the parser said.
+        reason: String,
+    },
+    /// More headers than allowed.
+    #[error("{actual} headers, at most {max} are allowed")]
+    TooManyHeaders {
+        /// The limit.
+        max: usize,
+        /// How many were given.
+        actual: usize,
+    },
+    /// A header key is too long.
+    #[error("header key {key:?}... is {actual} characters long, at most {max} are allowed")]
+    HeaderKeyTooLong {
+        /// The key, cut at the limit.
+        key: String,
+        /// The limit.
+        max: usize,
+        /// The key's length.
+        actual: usize,
+    },
+    /// A header value is too long.
+    #[error("header {key:?} has a value of {actual} characters, at most {max} are allowed")]
+    HeaderValueTooLong {
+        /// The key.
+        key: String,
+        /// The limit.
+        max: usize,
+        /// The value's length.
+        actual: usize,
+    },
+    /// A header key or value is not UTF-8.
+    #[error("header {key:?} is not valid UTF-8")]
+    HeaderNotUtf8 {
+        /// The key, decoded lossily.
+        key: String,
+    },
+    /// A required header is missing and there is no fallback.
+    #[error("required header {name:?} is missing")]
+    MissingHeader {
+        /// The header.
+        name: String,
+    },
+    /// A worker id holds a character outside `[A-Za-z0-9.\-/:]`.
+    #[error("worker_id may only contain A-Z a-z 0-9 . - / :, found {character:?}")]
+    WorkerIdCharacter {
+        /// The first offending character.
+        character: char,
+    },
+    /// A stored status is not one of pending / completed / failed.
+    #[error("unknown inbox status {status:?}")]
+    UnknownStatus {
+        /// What was stored.
+        status: String,
+    },
+    /// A configuration value is out of range.
+    #[error("invalid configuration: {reason}")]
+    Config {
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+/// The kind of a store failure, so callers can decide without parsing text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum StoreErrorKind {
+    /// The connection was lost or could not be made.
+    Connection,
+    /// A statement or acquiring a connection timed out.
+    Timeout,
+    /// A constraint was violated.
+    Integrity,
+    /// A serialization failure or deadlock: the transaction can be retried.
+    Serialization,
+    /// Anything else.
+    Other,
+}
+
+impl fmt::Display for StoreErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Connection => "connection lost",
+            Self::Timeout => "timeout",
+            Self::Integrity => "integrity violation",
+            Self::Serialization => "serialization failure",
+            Self::Other => "storage error",
+        })
+    }
+}
+
+/// A failure of the store, with its cause as text.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("{kind}: {cause}")]
+pub struct StoreError {
+    /// What kind of failure.
+    pub kind: StoreErrorKind,
+    /// The cause, as the adapter reported it (never a connection string).
+    pub cause: String,
+}
+
+impl StoreError {
+    /// A store error of a kind with a cause.
+    pub fn new(kind: StoreErrorKind, cause: impl Into<String>) -> Self {
+        Self {
+            kind,
+            cause: cause.into(),
+        }
+    }
+}
+
+/// Where in the runner's protocol a storage failure happened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum PersistStage {
+    /// Opening the transaction.
+    Begin,
+    /// Inserting or reading the inbox row.
+    Insert,
+    /// Locking an existing row.
+    Lock,
+    /// Marking the row completed.
+    Complete,
+    /// Committing the transaction.
+    Commit,
+    /// Recording a poison message.
+    DeadLetter,
+}
+
+impl fmt::Display for PersistStage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Begin => "begin",
+            Self::Insert => "insert",
+            Self::Lock => "lock",
+            Self::Complete => "complete",
+            Self::Commit => "commit",
+            Self::DeadLetter => "dead-letter",
+        })
+    }
+}
+
+/// The inbox could not persist a message: nothing of it was committed.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("inbox persist failed at {stage}: {source}")]
+pub struct InboxPersistError {
+    /// The step that failed.
+    pub stage: PersistStage,
+    /// The store's error.
+    #[source]
+    pub source: StoreError,
+}
+
+/// A failure of the consumer (the broker side).
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum ConsumerError {
+    /// Fetching the next message failed.
+    #[error("fetch failed: {0}")]
+    Fetch(String),
+    /// Committing a position failed.
+    #[error("commit failed: {0}")]
+    Commit(String),
+    /// Rewinding to a position failed.
+    #[error("rewind failed: {0}")]
+    Rewind(String),
+    /// This consumer no longer owns the partition (another took it over).
+    #[error("fenced: {0}")]
+    Fenced(String),
+    /// The consumer is gone (crashed or closed).
+    #[error("consumer closed: {0}")]
+    Closed(String),
+}
+
+/// The error a handler returns. Any `std::error::Error` converts into it with
+/// `?`; [`HandlerError::msg`] makes one from text.
+pub struct HandlerError {
+    message: String,
+    source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
+}
+
+impl HandlerError {
+    /// An error from a message.
+    pub fn msg(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    /// The underlying error, when there is one.
+    pub fn source(&self) -> Option<&(dyn std::error::Error + Send + Sync + 'static)> {
+        self.source.as_deref()
+    }
+}
+
+impl fmt::Display for HandlerError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl fmt::Debug for HandlerError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HandlerError")
+            .field("message", &self.message)
+            .finish()
+    }
+}
+
+impl<E: std::error::Error + Send + Sync + 'static> From<E> for HandlerError {
+    fn from(error: E) -> Self {
+        Self {
+            message: error.to_string(),
+            source: Some(Box::new(error)),
+        }
+    }
+}
+
+/// The core's error for operations outside a single message's processing.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Input or configuration broke a validation rule.
+    #[error(transparent)]
+    Validation(#[from] ValidationError),
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The inbox could not persist a message.
+    #[error(transparent)]
+    Persist(#[from] InboxPersistError),
+    /// The consumer failed.
+    #[error(transparent)]
+    Consumer(#[from] ConsumerError),
+}

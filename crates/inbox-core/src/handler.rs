@@ -1,0 +1,61 @@
+//! The handler trait: what the user writes.
+
+use async_trait::async_trait;
+
+use crate::error::HandlerError;
+use crate::model::Message;
+use crate::outcome::HandlerResult;
+
+/// Handles one message inside the inbox transaction `Tx`.
+///
+/// The handler writes its business data through `tx`, so those writes commit
+/// or roll back with the inbox row. Return `Ok(())` (with `type Output = ()`)
+/// for success, or a [`HandlerResult`] for a skip or a retry. An `Err`, a
+/// timeout and a panic are all failures: the transaction rolls back.
+///
+/// ```
+/// use async_trait::async_trait;
+/// use inbox_core::{Handler, HandlerError, HandlerResult, Message};
+///
+/// struct Skipper;
+///
+/// #[async_trait]
+/// impl<Tx: Send + 'static> Handler<Tx> for Skipper {
+///     type Output = HandlerResult;
+///     async fn handle(&self, message: &Message, _tx: &mut Tx) -> Result<HandlerResult, HandlerError> {
+///         if message.event_type == "noise" {
+///             return Ok(HandlerResult::skipped());
+///         }
+///         Ok(HandlerResult::completed())
+///     }
+/// }
+/// ```
+#[async_trait]
+pub trait Handler<Tx: Send>: Send + Sync {
+    /// What `handle` returns on `Ok`: `()` or a [`HandlerResult`].
+    type Output: Into<HandlerResult> + Send;
+
+    /// Handles `message`, writing through `tx`.
+    async fn handle(&self, message: &Message, tx: &mut Tx) -> Result<Self::Output, HandlerError>;
+}
+
+/// The absent handler: a runner built with it lands rows `pending` for a
+/// batch processor (see [`Runner::land_only`](crate::Runner::land_only)).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoHandler;
+
+#[async_trait]
+impl<Tx: Send + 'static> Handler<Tx> for NoHandler {
+    type Output = ();
+    async fn handle(&self, _message: &Message, _tx: &mut Tx) -> Result<(), HandlerError> {
+        Err(HandlerError::msg("no handler"))
+    }
+}
+
+#[async_trait]
+impl<Tx: Send, H: Handler<Tx> + ?Sized> Handler<Tx> for std::sync::Arc<H> {
+    type Output = H::Output;
+    async fn handle(&self, message: &Message, tx: &mut Tx) -> Result<Self::Output, HandlerError> {
+        (**self).handle(message, tx).await
+    }
+}

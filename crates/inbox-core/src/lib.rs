@@ -1,0 +1,72 @@
+//! # inbox-core
+//!
+//! The session-agnostic core of a transactional inbox: consume messages so
+//! that each one's effect happens exactly once, even when the handler fails
+//! halfway, the process dies or the broker redelivers.
+//!
+//! It holds the model ([`Message`], [`InboxRow`], [`InboxStatus`]) and its
+//! validation, handler results ([`HandlerResult`]), ack strategies
+//! ([`AckStrategy`]), the pure [`decision`] module, the traits adapters
+//! implement ([`InboxStore`], [`InboxTransaction`], [`Consumer`],
+//! [`Metrics`]) and the [`Runner`] that drives them. It has no database and
+//! no broker code: it cannot open a savepoint because it does not know there
+//! is a session.
+//!
+//! ```
+//! use async_trait::async_trait;
+//! use inbox_core::{Handler, HandlerError, Message, Runner, RunnerConfig};
+//! use inbox_testkit::{MemBroker, MemStore, MemTx};
+//! use serde_json::json;
+//!
+//! /// Writes one invoice per order, through the inbox transaction.
+//! struct Billing;
+//!
+//! #[async_trait]
+//! impl Handler<MemTx> for Billing {
+//!     type Output = ();
+//!     async fn handle(&self, m: &Message, tx: &mut MemTx) -> Result<(), HandlerError> {
+//!         tx.insert_business("invoices", &m.message_id);
+//!         Ok(())
+//!     }
+//! }
+//!
+//! # tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap().block_on(async {
+//! let broker = MemBroker::new();
+//! broker.produce("orders", 0, Message::new("order-1", "orders", "order.created", json!({"total": 10})));
+//! broker.produce("orders", 0, Message::new("order-1", "orders", "order.created", json!({"total": 10})));
+//! let store = MemStore::new();
+//! let config = RunnerConfig::new("billing", "worker-1").unwrap();
+//! let mut runner = Runner::new(store.clone(), broker.consumer("billing"), Billing, config);
+//!
+//! let first = runner.process_one().await.unwrap().unwrap();
+//! assert!(first.processed && first.committed);
+//! let second = runner.process_one().await.unwrap().unwrap();
+//! assert!(second.duplicate && second.committed && !second.processed);
+//! assert_eq!(store.business_count("invoices"), 1);
+//! # });
+//! ```
+
+pub mod consumer;
+pub mod decision;
+pub mod error;
+pub mod handler;
+pub mod metrics;
+pub mod model;
+pub mod outcome;
+pub mod runner;
+pub mod store;
+pub mod strategy;
+
+pub use consumer::Consumer;
+pub use error::{
+    ConsumerError, Error, HandlerError, InboxPersistError, PersistStage, Result, StoreError,
+    StoreErrorKind, ValidationError,
+};
+pub use handler::{Handler, NoHandler};
+pub use metrics::{CountingMetrics, Counts, MetricEvent, Metrics, NoopMetrics};
+pub use model::{InboxRow, InboxStatus, Message, NewInboxRow, Position, RowId, WorkerId};
+pub use outcome::{Failure, HandlerResult, Outcome, OutcomeClass};
+pub use runner::{Backoff, ProcessError, ProcessResult, RunSummary, Runner, RunnerConfig};
+pub use store::{Found, InboxStore, InboxTransaction, LockResult, RowRef};
+pub use strategy::{AckPolicy, AckStrategy};
+pub use tokio_util::sync::CancellationToken;

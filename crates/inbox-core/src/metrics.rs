@@ -1,0 +1,155 @@
+//! Metrics: the runner reports events; [`NoopMetrics`] ignores them and
+//! [`CountingMetrics`] counts them (handy for tests and for exporting).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use crate::decision::Tally;
+
+/// One thing the runner reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MetricEvent {
+    /// A message was consumed (every delivery, once).
+    Consumed,
+    /// The one counter a message moves.
+    Tally(Tally),
+    /// A commit to the broker succeeded.
+    Committed,
+    /// A commit to the broker failed.
+    CommitFailed,
+    /// A message was rewound for redelivery.
+    Rewound,
+    /// The handler ran for this long.
+    HandlerDuration(Duration),
+    /// Consumer lag of a partition (records behind the high watermark).
+    Lag {
+        /// Partition.
+        partition: i32,
+        /// Records behind.
+        lag: i64,
+    },
+}
+
+/// Receives the runner's events. Every method has a no-op default.
+pub trait Metrics: Send + Sync {
+    /// Records one event.
+    fn record(&self, event: MetricEvent) {
+        let _ = event;
+    }
+}
+
+/// Ignores everything.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoopMetrics;
+
+impl Metrics for NoopMetrics {}
+
+impl<M: Metrics + ?Sized> Metrics for Arc<M> {
+    fn record(&self, event: MetricEvent) {
+        (**self).record(event);
+    }
+}
+
+/// A snapshot of [`CountingMetrics`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counts {
+    /// Deliveries.
+    pub consumed: u64,
+    /// Handler successes.
+    pub processed: u64,
+    /// Handler skips.
+    pub skipped: u64,
+    /// Handler or storage failures.
+    pub failed: u64,
+    /// Duplicates.
+    pub duplicate: u64,
+    /// Landed without a handler.
+    pub landed: u64,
+    /// Held elsewhere.
+    pub deferred: u64,
+    /// Found `failed`.
+    pub terminal: u64,
+    /// Dead-lettered.
+    pub poison: u64,
+    /// Successful commits.
+    pub committed: u64,
+    /// Failed commits.
+    pub commit_failed: u64,
+    /// Rewinds.
+    pub rewound: u64,
+    /// Handler runs.
+    pub handler_runs: u64,
+}
+
+impl Counts {
+    /// The sum of the exclusive per-message counters; equals `consumed`.
+    pub fn tallied(&self) -> u64 {
+        self.processed
+            + self.skipped
+            + self.failed
+            + self.duplicate
+            + self.landed
+            + self.deferred
+            + self.terminal
+            + self.poison
+    }
+}
+
+/// Counts events with atomics.
+#[derive(Debug, Default)]
+pub struct CountingMetrics {
+    counters: [AtomicU64; 13],
+}
+
+impl CountingMetrics {
+    /// A fresh counter set.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The counts so far.
+    pub fn snapshot(&self) -> Counts {
+        let c = |i: usize| self.counters[i].load(Ordering::Relaxed);
+        Counts {
+            consumed: c(0),
+            processed: c(1),
+            skipped: c(2),
+            failed: c(3),
+            duplicate: c(4),
+            landed: c(5),
+            deferred: c(6),
+            terminal: c(7),
+            poison: c(8),
+            committed: c(9),
+            commit_failed: c(10),
+            rewound: c(11),
+            handler_runs: c(12),
+        }
+    }
+}
+
+impl Metrics for CountingMetrics {
+    fn record(&self, event: MetricEvent) {
+        let index = match event {
+            MetricEvent::Consumed => 0,
+            MetricEvent::Tally(t) => match t {
+                Tally::Processed => 1,
+                Tally::Skipped => 2,
+                Tally::Failed => 3,
+                Tally::Duplicate => 4,
+                Tally::Landed => 5,
+                Tally::Deferred => 6,
+                Tally::Terminal => 7,
+                Tally::Poison => 8,
+            },
+            MetricEvent::Committed => 9,
+            MetricEvent::CommitFailed => 10,
+            MetricEvent::Rewound => 11,
+            MetricEvent::HandlerDuration(_) => 12,
+            MetricEvent::Lag { .. } => return,
+        };
+        self.counters[index].fetch_add(1, Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,660 @@
+//! The model: the consumed message, the inbox row and its status, and the
+//! validation rules of the contract (SPEC "Validation").
+//!
+//! Validation is explicit: [`Message::validate`] checks a message for a consumer
+//! group and returns the first rule it breaks as a [`ValidationError`]. The
+//! runner calls it before anything is written, so bad input never reaches a
+//! store.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::error::ValidationError;
+
+/// Largest serialized payload accepted, in bytes.
+pub const MAX_PAYLOAD_BYTES: usize = 1_000_000;
+/// Longest `message_id`, `source` or `consumer_group`, in characters.
+pub const MAX_ID_CHARS: usize = 255;
+/// Longest `event_type`, in characters (after trimming).
+pub const MAX_EVENT_TYPE_CHARS: usize = 100;
+/// Most headers a message may carry.
+pub const MAX_HEADERS: usize = 100;
+/// Longest header key, in characters.
+pub const MAX_HEADER_KEY_CHARS: usize = 64;
+/// Longest header value, in characters.
+pub const MAX_HEADER_VALUE_CHARS: usize = 512;
+/// Longest worker id, in characters.
+pub const MAX_WORKER_ID_CHARS: usize = 255;
+/// Default attempt budget of an inbox row (used by the batch processor only).
+pub const DEFAULT_MAX_ATTEMPTS: i32 = 5;
+
+/// Where a message sits in the broker: topic, partition and offset.
+///
+/// Commits are cumulative per `(topic, partition)`: committing a position
+/// acknowledges it and everything before it on the same partition.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Position {
+    /// Topic the record was read from.
+    pub topic: String,
+    /// Partition within the topic.
+    pub partition: i32,
+    /// Offset of the record within the partition.
+    pub offset: i64,
+}
+
+impl Position {
+    /// A position from its parts.
+    pub fn new(topic: impl Into<String>, partition: i32, offset: i64) -> Self {
+        Self {
+            topic: topic.into(),
+            partition,
+            offset,
+        }
+    }
+
+    /// The `(topic, partition)` this position belongs to.
+    pub fn partition_key(&self) -> (String, i32) {
+        (self.topic.clone(), self.partition)
+    }
+}
+
+impl fmt::Display for Position {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}:{}", self.topic, self.partition, self.offset)
+    }
+}
+
+/// One message consumed from the broker.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Message {
+    /// Identity of the message: together with the consumer group it is the
+    /// deduplication key.
+    pub message_id: String,
+    /// Where it came from (for Kafka: the topic).
+    pub source: String,
+    /// What happened, e.g. `order.created`.
+    pub event_type: String,
+    /// The JSON payload; must be a non-empty object.
+    pub payload: Value,
+    /// Headers, UTF-8 keys and values.
+    pub headers: BTreeMap<String, String>,
+    /// Trace id, when the producer set one.
+    pub trace_id: Option<String>,
+    /// Correlation id, when the producer set one.
+    pub correlation_id: Option<String>,
+    /// Causation id, when the producer set one.
+    pub causation_id: Option<String>,
+    /// Version of the payload schema, when the producer set one.
+    pub schema_version: Option<String>,
+    /// Position in the broker, when it came from one.
+    pub position: Option<Position>,
+}
+
+impl Message {
+    /// A message with the required fields and nothing else.
+    ///
+    /// ```
+    /// use inbox_core::Message;
+    /// let m = Message::new("order-1", "orders", "order.created", serde_json::json!({"id": 1}));
+    /// assert_eq!(m.validate("billing"), Ok(()));
+    /// ```
+    pub fn new(
+        message_id: impl Into<String>,
+        source: impl Into<String>,
+        event_type: impl Into<String>,
+        payload: Value,
+    ) -> Self {
+        Self {
+            message_id: message_id.into(),
+            source: source.into(),
+            event_type: event_type.into(),
+            payload,
+            headers: BTreeMap::new(),
+            trace_id: None,
+            correlation_id: None,
+            causation_id: None,
+            schema_version: None,
+            position: None,
+        }
+    }
+
+    /// The same message at a broker position.
+    pub fn at(mut self, position: Position) -> Self {
+        self.position = Some(position);
+        self
+    }
+
+    /// The same message with one more header.
+    pub fn with_header(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.insert(key.into(), value.into());
+        self
+    }
+
+    /// Checks every rule of SPEC "Validation" for this message consumed by
+    /// `consumer_group`, and returns the first one broken.
+    ///
+    /// # Errors
+    ///
+    /// A [`ValidationError`] naming the field and the rule.
+    pub fn validate(&self, consumer_group: &str) -> Result<(), ValidationError> {
+        check_id("message_id", &self.message_id)?;
+        check_id("source", &self.source)?;
+        check_id("consumer_group", consumer_group)?;
+        validate_event_type(&self.event_type)?;
+        validate_payload(&self.payload)?;
+        validate_headers(&self.headers)
+    }
+}
+
+fn check_id(field: &'static str, value: &str) -> Result<(), ValidationError> {
+    if value.is_empty() {
+        return Err(ValidationError::Empty { field });
+    }
+    let chars = value.chars().count();
+    if chars > MAX_ID_CHARS {
+        return Err(ValidationError::TooLong {
+            field,
+            max: MAX_ID_CHARS,
+            actual: chars,
+        });
+    }
+    Ok(())
+}
+
+/// Checks an event type: non-empty after trimming, at most 100 characters.
+///
+/// # Errors
+///
+/// [`ValidationError::Empty`] or [`ValidationError::TooLong`].
+pub fn validate_event_type(event_type: &str) -> Result<(), ValidationError> {
+    let trimmed = event_type.trim();
+    if trimmed.is_empty() {
+        return Err(ValidationError::Empty {
+            field: "event_type",
+        });
+    }
+    let chars = trimmed.chars().count();
+    if chars > MAX_EVENT_TYPE_CHARS {
+        return Err(ValidationError::TooLong {
+            field: "event_type",
+            max: MAX_EVENT_TYPE_CHARS,
+            actual: chars,
+        });
+    }
+    Ok(())
+}
+
+/// Checks a payload: a non-empty JSON object of at most 1,000,000 bytes
+/// serialized, with finite numbers only.
+///
+/// # Errors
+///
+/// [`ValidationError::PayloadNotObject`], [`ValidationError::PayloadEmpty`],
+/// [`ValidationError::PayloadTooLarge`] or [`ValidationError::PayloadNotFinite`].
+pub fn validate_payload(payload: &Value) -> Result<(), ValidationError> {
+    let Value::Object(map) = payload else {
+        return Err(ValidationError::PayloadNotObject {
+            found: json_kind(payload),
+        });
+    };
+    if map.is_empty() {
+        return Err(ValidationError::PayloadEmpty);
+    }
+    if !all_finite(payload) {
+        return Err(ValidationError::PayloadNotFinite);
+    }
+    let bytes = serde_json::to_vec(payload)
+        .map_err(|_| ValidationError::PayloadNotFinite)?
+        .len();
+    if bytes > MAX_PAYLOAD_BYTES {
+        return Err(ValidationError::PayloadTooLarge {
+            max: MAX_PAYLOAD_BYTES,
+            actual: bytes,
+        });
+    }
+    Ok(())
+}
+
+fn all_finite(value: &Value) -> bool {
+    match value {
+        Value::Number(n) => n.as_f64().is_none_or(f64::is_finite),
+        Value::Array(items) => items.iter().all(all_finite),
+        Value::Object(map) => map.values().all(all_finite),
+        Value::Null | Value::Bool(_) | Value::String(_) => true,
+    }
+}
+
+fn json_kind(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "boolean",
+        Value::Number(_) => "number",
+        Value::String(_) => "string",
+        Value::Array(_) => "array",
+        Value::Object(_) => "object",
+    }
+}
+
+/// Checks headers: at most 100, keys at most 64 and values at most 512
+/// characters. (Keys and values are Rust strings, so UTF-8 holds by type;
+/// adapters decoding raw bytes report [`ValidationError::HeaderNotUtf8`].)
+///
+/// # Errors
+///
+/// [`ValidationError::TooManyHeaders`], [`ValidationError::HeaderKeyTooLong`],
+/// [`ValidationError::HeaderValueTooLong`] or [`ValidationError::Empty`] for an
+/// empty key.
+pub fn validate_headers(headers: &BTreeMap<String, String>) -> Result<(), ValidationError> {
+    if headers.len() > MAX_HEADERS {
+        return Err(ValidationError::TooManyHeaders {
+            max: MAX_HEADERS,
+            actual: headers.len(),
+        });
+    }
+    for (key, value) in headers {
+        if key.is_empty() {
+            return Err(ValidationError::Empty {
+                field: "header key",
+            });
+        }
+        let key_chars = key.chars().count();
+        if key_chars > MAX_HEADER_KEY_CHARS {
+            return Err(ValidationError::HeaderKeyTooLong {
+                key: key.chars().take(MAX_HEADER_KEY_CHARS).collect(),
+                max: MAX_HEADER_KEY_CHARS,
+                actual: key_chars,
+            });
+        }
+        let value_chars = value.chars().count();
+        if value_chars > MAX_HEADER_VALUE_CHARS {
+            return Err(ValidationError::HeaderValueTooLong {
+                key: key.clone(),
+                max: MAX_HEADER_VALUE_CHARS,
+                actual: value_chars,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Decodes one raw header into UTF-8 key and value, as adapters must.
+///
+/// # Errors
+///
+/// [`ValidationError::HeaderNotUtf8`] naming the key (lossily) when either
+/// part is not UTF-8.
+pub fn decode_header(key: &[u8], value: &[u8]) -> Result<(String, String), ValidationError> {
+    let lossy_key = String::from_utf8_lossy(key).into_owned();
+    let key = String::from_utf8(key.to_vec()).map_err(|_| ValidationError::HeaderNotUtf8 {
+        key: lossy_key.clone(),
+    })?;
+    let value = String::from_utf8(value.to_vec())
+        .map_err(|_| ValidationError::HeaderNotUtf8 { key: lossy_key })?;
+    Ok((key, value))
+}
+
+/// The identity of a worker, written to `locked_by`: `[A-Za-z0-9.\-/:]`, at
+/// most 255 characters, checked when it is configured.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct WorkerId(String);
+
+impl WorkerId {
+    /// Validates and wraps a worker id.
+    ///
+    /// ```
+    /// use inbox_core::WorkerId;
+    /// assert!(WorkerId::new("billing-1.eu/pod:7").is_ok());
+    /// assert!(WorkerId::new("has space").is_err());
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`ValidationError::Empty`], [`ValidationError::TooLong`] or
+    /// [`ValidationError::WorkerIdCharacter`].
+    pub fn new(id: impl Into<String>) -> Result<Self, ValidationError> {
+        let id = id.into();
+        if id.is_empty() {
+            return Err(ValidationError::Empty { field: "worker_id" });
+        }
+        let chars = id.chars().count();
+        if chars > MAX_WORKER_ID_CHARS {
+            return Err(ValidationError::TooLong {
+                field: "worker_id",
+                max: MAX_WORKER_ID_CHARS,
+                actual: chars,
+            });
+        }
+        if let Some(bad) = id
+            .chars()
+            .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '/' | ':')))
+        {
+            return Err(ValidationError::WorkerIdCharacter { character: bad });
+        }
+        Ok(Self(id))
+    }
+
+    /// The id as a string slice.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for WorkerId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Status of an inbox row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum InboxStatus {
+    /// Landed, not yet handled (or handled with a retry by the batch processor).
+    Pending,
+    /// Handled (successfully, or skipped by decision). Redeliveries are duplicates.
+    Completed,
+    /// The batch processor spent the attempt budget. Terminal until requeued.
+    Failed,
+}
+
+impl InboxStatus {
+    /// The lower-case name stored in the database.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Completed => "completed",
+            Self::Failed => "failed",
+        }
+    }
+
+    /// Parses the stored name.
+    ///
+    /// # Errors
+    ///
+    /// [`ValidationError::UnknownStatus`] for anything else.
+    pub fn parse(s: &str) -> Result<Self, ValidationError> {
+        match s {
+            "pending" => Ok(Self::Pending),
+            "completed" => Ok(Self::Completed),
+            "failed" => Ok(Self::Failed),
+            other => Err(ValidationError::UnknownStatus {
+                status: other.to_owned(),
+            }),
+        }
+    }
+}
+
+impl fmt::Display for InboxStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Identifier of an inbox row, assigned by the store.
+pub type RowId = i64;
+
+/// One inbox row as stored: one per `(message_id, consumer_group)`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InboxRow {
+    /// Row id.
+    pub id: RowId,
+    /// Message id (part of the unique key).
+    pub message_id: String,
+    /// Consumer group (part of the unique key).
+    pub consumer_group: String,
+    /// Source of the message.
+    pub source: String,
+    /// Event type of the message.
+    pub event_type: String,
+    /// Payload of the message.
+    pub payload: Value,
+    /// Status.
+    pub status: InboxStatus,
+    /// Counted failures so far (batch processor only).
+    pub attempts_made: i32,
+    /// Attempt budget (batch processor only).
+    pub max_attempts: i32,
+    /// Last error recorded by the batch processor.
+    pub last_error: Option<String>,
+    /// When the row is next due (batch processor only).
+    pub scheduled_at: DateTime<Utc>,
+    /// When the row was completed; set exactly when `status` is completed.
+    pub completed_at: Option<DateTime<Utc>>,
+    /// When the current lock was taken; set exactly when `locked_by` is.
+    pub locked_at: Option<DateTime<Utc>>,
+    /// Who holds the lock.
+    pub locked_by: Option<String>,
+    /// When the row was created.
+    pub created_at: DateTime<Utc>,
+    /// When the row was last changed.
+    pub updated_at: DateTime<Utc>,
+}
+
+impl InboxRow {
+    /// Whether the row is locked by a worker.
+    pub fn is_locked(&self) -> bool {
+        self.locked_by.is_some()
+    }
+}
+
+/// What a store needs to insert a row for a message.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewInboxRow {
+    /// Message id.
+    pub message_id: String,
+    /// Consumer group.
+    pub consumer_group: String,
+    /// Source.
+    pub source: String,
+    /// Event type (trimmed).
+    pub event_type: String,
+    /// Payload.
+    pub payload: Value,
+    /// Attempt budget for the batch processor.
+    pub max_attempts: i32,
+}
+
+impl NewInboxRow {
+    /// The row for a (validated) message in a consumer group.
+    pub fn for_message(message: &Message, consumer_group: &str, max_attempts: i32) -> Self {
+        Self {
+            message_id: message.message_id.clone(),
+            consumer_group: consumer_group.to_owned(),
+            source: message.source.clone(),
+            event_type: message.event_type.trim().to_owned(),
+            payload: message.payload.clone(),
+            max_attempts,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn ok() -> Message {
+        Message::new("m-1", "orders", "order.created", json!({"id": 1}))
+    }
+
+    #[test]
+    fn a_valid_message_passes() {
+        assert_eq!(ok().validate("billing"), Ok(()));
+    }
+
+    #[test]
+    fn ids_are_non_empty_and_bounded() {
+        let mut m = ok();
+        m.message_id = String::new();
+        assert_eq!(
+            m.validate("g"),
+            Err(ValidationError::Empty {
+                field: "message_id"
+            })
+        );
+        m.message_id = "é".repeat(255);
+        assert_eq!(m.validate("g"), Ok(()), "255 characters (510 bytes) pass");
+        m.message_id = "x".repeat(256);
+        assert_eq!(
+            m.validate("g"),
+            Err(ValidationError::TooLong {
+                field: "message_id",
+                max: 255,
+                actual: 256
+            })
+        );
+        let mut m = ok();
+        m.source = String::new();
+        assert_eq!(
+            m.validate("g"),
+            Err(ValidationError::Empty { field: "source" })
+        );
+        m.source = "s".repeat(256);
+        assert!(matches!(
+            m.validate("g"),
+            Err(ValidationError::TooLong {
+                field: "source",
+                ..
+            })
+        ));
+        assert_eq!(
+            ok().validate(""),
+            Err(ValidationError::Empty {
+                field: "consumer_group"
+            })
+        );
+        assert!(matches!(
+            ok().validate(&"g".repeat(256)),
+            Err(ValidationError::TooLong {
+                field: "consumer_group",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn event_type_is_trimmed_then_checked() {
+        let mut m = ok();
+        m.event_type = "   ".into();
+        assert_eq!(
+            m.validate("g"),
+            Err(ValidationError::Empty {
+                field: "event_type"
+            })
+        );
+        m.event_type = format!("  {}  ", "e".repeat(100));
+        assert_eq!(m.validate("g"), Ok(()));
+        m.event_type = "e".repeat(101);
+        assert_eq!(
+            m.validate("g"),
+            Err(ValidationError::TooLong {
+                field: "event_type",
+                max: 100,
+                actual: 101
+            })
+        );
+    }
+
+    #[test]
+    fn payload_rules() {
+        assert_eq!(
+            validate_payload(&json!([1])),
+            Err(ValidationError::PayloadNotObject { found: "array" })
+        );
+        assert_eq!(
+            validate_payload(&json!("s")),
+            Err(ValidationError::PayloadNotObject { found: "string" })
+        );
+        assert_eq!(
+            validate_payload(&json!({})),
+            Err(ValidationError::PayloadEmpty)
+        );
+        let big = json!({ "k": "x".repeat(MAX_PAYLOAD_BYTES) });
+        assert!(matches!(
+            validate_payload(&big),
+            Err(ValidationError::PayloadTooLarge { max: 1_000_000, .. })
+        ));
+        // exactly at the limit: {"k":"..."} is 8 bytes of framing
+        let edge = json!({ "k": "x".repeat(MAX_PAYLOAD_BYTES - 8) });
+        assert_eq!(validate_payload(&edge), Ok(()));
+        let over = json!({ "k": "x".repeat(MAX_PAYLOAD_BYTES - 7) });
+        assert!(validate_payload(&over).is_err());
+        // NaN cannot even be parsed from JSON text
+        assert!(serde_json::from_str::<Value>(r#"{"x": NaN}"#).is_err());
+        assert!(serde_json::from_str::<Value>(r#"{"x": Infinity}"#).is_err());
+    }
+
+    #[test]
+    fn header_rules() {
+        let mut h = BTreeMap::new();
+        for i in 0..100 {
+            h.insert(format!("k{i}"), "v".into());
+        }
+        assert_eq!(validate_headers(&h), Ok(()));
+        h.insert("one-more".into(), "v".into());
+        assert_eq!(
+            validate_headers(&h),
+            Err(ValidationError::TooManyHeaders {
+                max: 100,
+                actual: 101
+            })
+        );
+        let mut h = BTreeMap::new();
+        h.insert("k".repeat(65), "v".into());
+        assert!(matches!(
+            validate_headers(&h),
+            Err(ValidationError::HeaderKeyTooLong { actual: 65, .. })
+        ));
+        let mut h = BTreeMap::new();
+        h.insert("k".into(), "v".repeat(513));
+        assert!(matches!(
+            validate_headers(&h),
+            Err(ValidationError::HeaderValueTooLong { actual: 513, .. })
+        ));
+        assert_eq!(
+            decode_header(b"k", &[0xff, 0xfe]),
+            Err(ValidationError::HeaderNotUtf8 { key: "k".into() })
+        );
+        assert_eq!(
+            decode_header(b"k", b"v"),
+            Ok(("k".to_owned(), "v".to_owned()))
+        );
+    }
+
+    #[test]
+    fn worker_id_rules() {
+        assert!(WorkerId::new("a.b-c/d:1").is_ok());
+        assert_eq!(
+            WorkerId::new(""),
+            Err(ValidationError::Empty { field: "worker_id" })
+        );
+        assert_eq!(
+            WorkerId::new("a b"),
+            Err(ValidationError::WorkerIdCharacter { character: ' ' })
+        );
+        assert_eq!(
+            WorkerId::new("a_b"),
+            Err(ValidationError::WorkerIdCharacter { character: '_' })
+        );
+        assert!(matches!(
+            WorkerId::new("w".repeat(256)),
+            Err(ValidationError::TooLong { max: 255, .. })
+        ));
+        assert!(WorkerId::new("w".repeat(255)).is_ok());
+    }
+
+    #[test]
+    fn status_round_trips() {
+        for s in [
+            InboxStatus::Pending,
+            InboxStatus::Completed,
+            InboxStatus::Failed,
+        ] {
+            assert_eq!(InboxStatus::parse(s.as_str()), Ok(s));
+        }
+        assert!(InboxStatus::parse("done").is_err());
+    }
+}

@@ -1,0 +1,109 @@
+//! The transactional store adapters implement.
+//!
+//! A store opens one transaction per message ([`InboxStore::begin`]); the
+//! transaction ([`InboxTransaction`]) creates or gets the inbox row, locks
+//! it, completes it, and commits or rolls back. The handler writes its own
+//! business data through the same transaction value, whose concrete type is
+//! the adapter's (`inbox-postgres` hands out a sea-orm transaction, the
+//! testkit an in-memory one), so the handler's writes commit or roll back
+//! with the row.
+//!
+//! # Errors
+//!
+//! Every method returns a [`StoreError`] whose [`kind`](StoreError::kind)
+//! tells a lost connection from a timeout, an integrity violation or a
+//! serialization failure. Causes never hold a connection string.
+//!
+//! # Cancel safety
+//!
+//! A transaction dropped without `commit` must roll back (as sea-orm's and
+//! the testkit's do): the runner's handler timeout relies on it.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::error::{StoreError, ValidationError};
+use crate::model::{InboxRow, InboxStatus, Message, NewInboxRow, RowId, WorkerId};
+
+/// What `insert_or_get` found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Found {
+    /// No row existed; this transaction inserted it (`pending`, unlocked,
+    /// visible to others only on commit).
+    Inserted,
+    /// A row existed with this status.
+    Existing(InboxStatus),
+}
+
+/// The row `insert_or_get` returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowRef {
+    /// Its id.
+    pub id: RowId,
+    /// Whether it is new.
+    pub found: Found,
+}
+
+/// Result of trying to lock an existing `pending` row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LockResult {
+    /// This transaction holds the row.
+    Acquired,
+    /// Someone else holds it (a lease in `locked_by`, or a row lock).
+    Busy,
+}
+
+/// The store: opens transactions and runs maintenance.
+#[async_trait]
+pub trait InboxStore: Send + Sync {
+    /// The transaction type; the handler receives `&mut Self::Tx`.
+    type Tx: InboxTransaction;
+
+    /// Opens a transaction.
+    async fn begin(&self) -> Result<Self::Tx, StoreError>;
+
+    /// Records a poison message (one that cannot become a valid row) with the
+    /// reason, durably, before the runner commits it.
+    async fn dead_letter(
+        &self,
+        message: &Message,
+        consumer_group: &str,
+        error: &ValidationError,
+    ) -> Result<(), StoreError>;
+
+    /// Reads a row by its unique key, outside any transaction.
+    async fn find(
+        &self,
+        message_id: &str,
+        consumer_group: &str,
+    ) -> Result<Option<InboxRow>, StoreError>;
+
+    /// Unlocks rows whose lock is older than `older_than`; returns how many.
+    async fn release_stale_locks(&self, older_than: Duration) -> Result<u64, StoreError>;
+
+    /// Deletes at most `batch` completed rows completed more than
+    /// `older_than` ago; returns how many.
+    async fn delete_completed(&self, older_than: Duration, batch: u64) -> Result<u64, StoreError>;
+}
+
+/// One open transaction: the inbox row's steps, and the handler's writes.
+#[async_trait]
+pub trait InboxTransaction: Send + Sized {
+    /// Inserts the row unless `(message_id, consumer_group)` exists, and says
+    /// which happened. A row inserted here is held by this transaction until
+    /// it ends.
+    async fn insert_or_get(&mut self, row: &NewInboxRow) -> Result<RowRef, StoreError>;
+
+    /// Locks an existing `pending` row for this transaction.
+    async fn lock(&mut self, id: RowId, worker: &WorkerId) -> Result<LockResult, StoreError>;
+
+    /// Marks the row `completed` (and unlocked).
+    async fn complete(&mut self, id: RowId) -> Result<(), StoreError>;
+
+    /// Commits: the row and the handler's writes become durable together.
+    async fn commit(self) -> Result<(), StoreError>;
+
+    /// Rolls back: the row's changes and the handler's writes are gone.
+    async fn rollback(self) -> Result<(), StoreError>;
+}

@@ -1,0 +1,410 @@
+//! The store conformance suite: every store adapter calls
+//! [`run_conformance`] from its own `tests/conformance.rs`, and the
+//! in-memory store is the first to pass it. No check is optional.
+//!
+//! A store writes business data through its transaction in its own way (SQL,
+//! or [`MemTx::insert_business`](crate::MemTx::insert_business)), so the
+//! suite takes a [`BusinessFixture`] that does it for the adapter.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use inbox_core::{
+    Found, InboxStatus, InboxStore, InboxTransaction, LockResult, Message, NewInboxRow, StoreError,
+    ValidationError, WorkerId,
+};
+use serde_json::json;
+
+/// How the suite writes and reads business data for a store.
+#[async_trait]
+pub trait BusinessFixture<Tx: Send>: Send + Sync {
+    /// Writes one business row identified by `key` through `tx`.
+    async fn write(&self, tx: &mut Tx, key: &str) -> Result<(), StoreError>;
+    /// Whether a committed business row `key` exists (read outside any
+    /// transaction, as another connection would).
+    async fn exists(&self, key: &str) -> Result<bool, StoreError>;
+}
+
+/// A conformance check that failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConformanceError {
+    /// The check.
+    pub check: &'static str,
+    /// What went wrong.
+    pub reason: String,
+}
+
+impl std::fmt::Display for ConformanceError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "conformance check {} failed: {}",
+            self.check, self.reason
+        )
+    }
+}
+
+impl std::error::Error for ConformanceError {}
+
+/// The names of the checks that passed.
+pub type ConformanceReport = Vec<&'static str>;
+
+struct Ctx<'a, S, F> {
+    store: &'a S,
+    fixture: &'a F,
+    prefix: String,
+    group: String,
+}
+
+fn fail(check: &'static str, reason: impl Into<String>) -> ConformanceError {
+    ConformanceError {
+        check,
+        reason: reason.into(),
+    }
+}
+
+fn ensure(
+    check: &'static str,
+    cond: bool,
+    reason: impl FnOnce() -> String,
+) -> Result<(), ConformanceError> {
+    if cond {
+        Ok(())
+    } else {
+        Err(fail(check, reason()))
+    }
+}
+
+fn store_err(check: &'static str) -> impl Fn(StoreError) -> ConformanceError {
+    move |e| fail(check, format!("store error: {e}"))
+}
+
+impl<S, F> Ctx<'_, S, F>
+where
+    S: InboxStore,
+    F: BusinessFixture<S::Tx>,
+{
+    fn row(&self, name: &str) -> NewInboxRow {
+        NewInboxRow {
+            message_id: format!("{}-{name}", self.prefix),
+            consumer_group: self.group.clone(),
+            source: "conformance".to_owned(),
+            event_type: "conformance.checked".to_owned(),
+            payload: json!({ "check": name }),
+            max_attempts: 3,
+        }
+    }
+
+    async fn insert_commits_a_pending_unlocked_row(&self) -> Result<(), ConformanceError> {
+        const C: &str = "insert_commits_a_pending_unlocked_row";
+        let e = store_err(C);
+        let row = self.row("insert");
+        let mut tx = self.store.begin().await.map_err(&e)?;
+        let r = tx.insert_or_get(&row).await.map_err(&e)?;
+        ensure(C, r.found == Found::Inserted, || {
+            format!("found {:?}", r.found)
+        })?;
+        tx.commit().await.map_err(&e)?;
+        let stored = self
+            .store
+            .find(&row.message_id, &row.consumer_group)
+            .await
+            .map_err(&e)?
+            .ok_or_else(|| fail(C, "row missing after commit"))?;
+        ensure(C, stored.id == r.id, || {
+            format!("id {} != {}", stored.id, r.id)
+        })?;
+        ensure(C, stored.status == InboxStatus::Pending, || {
+            format!("{:?}", stored.status)
+        })?;
+        ensure(C, !stored.is_locked() && stored.locked_at.is_none(), || {
+            "locked".into()
+        })?;
+        ensure(
+            C,
+            stored.attempts_made == 0 && stored.max_attempts == 3,
+            || format!("attempts {}/{}", stored.attempts_made, stored.max_attempts),
+        )?;
+        ensure(C, stored.completed_at.is_none(), || {
+            "completed_at set".into()
+        })?;
+        ensure(
+            C,
+            stored.payload == row.payload && stored.event_type == row.event_type,
+            || "payload or event type changed".into(),
+        )?;
+        ensure(C, stored.source == row.source, || "source changed".into())
+    }
+
+    async fn second_insert_finds_the_existing_row(&self) -> Result<(), ConformanceError> {
+        const C: &str = "second_insert_finds_the_existing_row";
+        let e = store_err(C);
+        let row = self.row("dup");
+        let mut tx = self.store.begin().await.map_err(&e)?;
+        let first = tx.insert_or_get(&row).await.map_err(&e)?;
+        tx.commit().await.map_err(&e)?;
+        let mut tx = self.store.begin().await.map_err(&e)?;
+        let second = tx.insert_or_get(&row).await.map_err(&e)?;
+        tx.rollback().await.map_err(&e)?;
+        ensure(C, second.id == first.id, || "another row was made".into())?;
+        ensure(
+            C,
+            second.found == Found::Existing(InboxStatus::Pending),
+            || format!("found {:?}", second.found),
+        )?;
+        // Same message id in another group is another row.
+        let mut other = row.clone();
+        other.consumer_group = format!("{}-other", self.group);
+        let mut tx = self.store.begin().await.map_err(&e)?;
+        let third = tx.insert_or_get(&other).await.map_err(&e)?;
+        tx.rollback().await.map_err(&e)?;
+        ensure(
+            C,
+            third.found == Found::Inserted && third.id != first.id,
+            || "the key must include the consumer group".into(),
+        )
+    }
+
+    async fn rollback_leaves_nothing(&self) -> Result<(), ConformanceError> {
+        const C: &str = "rollback_leaves_nothing";
+        let e = store_err(C);
+        let row = self.row("rollback");
+        let key = format!("{}-rollback-effect", self.prefix);
+        let mut tx = self.store.begin().await.map_err(&e)?;
+        tx.insert_or_get(&row).await.map_err(&e)?;
+        self.fixture.write(&mut tx, &key).await.map_err(&e)?;
+        tx.rollback().await.map_err(&e)?;
+        let found = self
+            .store
+            .find(&row.message_id, &row.consumer_group)
+            .await
+            .map_err(&e)?;
+        ensure(C, found.is_none(), || "row survived a rollback".into())?;
+        ensure(C, !self.fixture.exists(&key).await.map_err(&e)?, || {
+            "business write survived a rollback".into()
+        })
+    }
+
+    async fn dropped_transaction_rolls_back(&self) -> Result<(), ConformanceError> {
+        const C: &str = "dropped_transaction_rolls_back";
+        let e = store_err(C);
+        let row = self.row("dropped");
+        let key = format!("{}-dropped-effect", self.prefix);
+        {
+            let mut tx = self.store.begin().await.map_err(&e)?;
+            tx.insert_or_get(&row).await.map_err(&e)?;
+            self.fixture.write(&mut tx, &key).await.map_err(&e)?;
+        }
+        // Give an adapter that rolls back in the background a moment.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let found = self
+                .store
+                .find(&row.message_id, &row.consumer_group)
+                .await
+                .map_err(&e)?;
+            let exists = self.fixture.exists(&key).await.map_err(&e)?;
+            ensure(C, found.is_none() && !exists, || {
+                "a dropped transaction committed".into()
+            })?;
+            // The key must be free again: a new insert gets it.
+            let mut tx = self.store.begin().await.map_err(&e)?;
+            let r = tx.insert_or_get(&row).await.map_err(&e)?;
+            if r.found == Found::Inserted {
+                tx.rollback().await.map_err(&e)?;
+                return Ok(());
+            }
+            tx.rollback().await.map_err(&e)?;
+            if tokio::time::Instant::now() > deadline {
+                return Err(fail(C, "the dropped transaction still holds the row"));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn complete_commits_with_business_writes(&self) -> Result<(), ConformanceError> {
+        const C: &str = "complete_commits_with_business_writes";
+        let e = store_err(C);
+        let row = self.row("complete");
+        let key = format!("{}-complete-effect", self.prefix);
+        let mut tx = self.store.begin().await.map_err(&e)?;
+        let r = tx.insert_or_get(&row).await.map_err(&e)?;
+        self.fixture.write(&mut tx, &key).await.map_err(&e)?;
+        tx.complete(r.id).await.map_err(&e)?;
+        tx.commit().await.map_err(&e)?;
+        let stored = self
+            .store
+            .find(&row.message_id, &row.consumer_group)
+            .await
+            .map_err(&e)?
+            .ok_or_else(|| fail(C, "row missing"))?;
+        ensure(C, stored.status == InboxStatus::Completed, || {
+            format!("{:?}", stored.status)
+        })?;
+        ensure(C, stored.completed_at.is_some(), || {
+            "completed_at not set".into()
+        })?;
+        ensure(
+            C,
+            stored.locked_by.is_none() && stored.locked_at.is_none(),
+            || "still locked".into(),
+        )?;
+        ensure(C, self.fixture.exists(&key).await.map_err(&e)?, || {
+            "business write lost".into()
+        })?;
+        let mut tx = self.store.begin().await.map_err(&e)?;
+        let again = tx.insert_or_get(&row).await.map_err(&e)?;
+        tx.rollback().await.map_err(&e)?;
+        ensure(
+            C,
+            again.found == Found::Existing(InboxStatus::Completed),
+            || format!("found {:?}", again.found),
+        )
+    }
+
+    async fn lock_is_exclusive(&self) -> Result<(), ConformanceError> {
+        const C: &str = "lock_is_exclusive";
+        let e = store_err(C);
+        let row = self.row("lock");
+        let worker = WorkerId::new("conformance-1").map_err(|v| fail(C, v.to_string()))?;
+        let mut tx = self.store.begin().await.map_err(&e)?;
+        let r = tx.insert_or_get(&row).await.map_err(&e)?;
+        tx.commit().await.map_err(&e)?;
+        let mut a = self.store.begin().await.map_err(&e)?;
+        let mut b = self.store.begin().await.map_err(&e)?;
+        let la = a.lock(r.id, &worker).await.map_err(&e)?;
+        let lb = b.lock(r.id, &worker).await.map_err(&e)?;
+        ensure(C, la == LockResult::Acquired, || {
+            format!("first lock {la:?}")
+        })?;
+        ensure(C, lb == LockResult::Busy, || format!("second lock {lb:?}"))?;
+        a.rollback().await.map_err(&e)?;
+        let lb = b.lock(r.id, &worker).await.map_err(&e)?;
+        b.rollback().await.map_err(&e)?;
+        ensure(C, lb == LockResult::Acquired, || {
+            format!("lock after release {lb:?}")
+        })
+    }
+
+    async fn maintenance(&self) -> Result<(), ConformanceError> {
+        const C: &str = "maintenance";
+        let e = store_err(C);
+        let done = self.row("retention-done");
+        let pending = self.row("retention-pending");
+        let mut tx = self.store.begin().await.map_err(&e)?;
+        let d = tx.insert_or_get(&done).await.map_err(&e)?;
+        tx.insert_or_get(&pending).await.map_err(&e)?;
+        tx.complete(d.id).await.map_err(&e)?;
+        tx.commit().await.map_err(&e)?;
+        let kept = self
+            .store
+            .delete_completed(Duration::from_secs(3600), 1000)
+            .await
+            .map_err(&e)?;
+        let still = self
+            .store
+            .find(&done.message_id, &done.consumer_group)
+            .await
+            .map_err(&e)?;
+        ensure(C, still.is_some(), || {
+            format!("a fresh completed row was deleted ({kept})")
+        })?;
+        let mut deleted = 0;
+        for _ in 0..10_000 {
+            let n = self
+                .store
+                .delete_completed(Duration::ZERO, 1)
+                .await
+                .map_err(&e)?;
+            ensure(C, n <= 1, || format!("batch of 1 deleted {n}"))?;
+            deleted += n;
+            if n == 0 {
+                break;
+            }
+        }
+        ensure(C, deleted >= 1, || "nothing deleted".into())?;
+        let gone = self
+            .store
+            .find(&done.message_id, &done.consumer_group)
+            .await
+            .map_err(&e)?;
+        ensure(C, gone.is_none(), || "completed row not deleted".into())?;
+        let kept = self
+            .store
+            .find(&pending.message_id, &pending.consumer_group)
+            .await
+            .map_err(&e)?;
+        ensure(C, kept.is_some(), || "a pending row was deleted".into())?;
+        let released = self
+            .store
+            .release_stale_locks(Duration::from_secs(3600))
+            .await
+            .map_err(&e)?;
+        ensure(C, released == 0, || {
+            format!("released {released} healthy locks")
+        })
+    }
+
+    async fn dead_letter_is_accepted(&self) -> Result<(), ConformanceError> {
+        const C: &str = "dead_letter_is_accepted";
+        let message = Message::new(
+            format!("{}-poison", self.prefix),
+            "conformance",
+            "x",
+            json!([1]),
+        );
+        let error = ValidationError::PayloadNotObject { found: "array" };
+        self.store
+            .dead_letter(&message, &self.group, &error)
+            .await
+            .map_err(store_err(C))
+    }
+}
+
+static RUNS: AtomicU64 = AtomicU64::new(0);
+
+/// Runs every check against `store`, writing business data with `fixture`.
+/// Rows use a fresh id prefix, so the suite can run on a store that holds
+/// other data.
+///
+/// # Errors
+///
+/// The first check that failed.
+pub async fn run_conformance<S, F>(
+    store: &S,
+    fixture: &F,
+) -> Result<ConformanceReport, ConformanceError>
+where
+    S: InboxStore,
+    F: BusinessFixture<S::Tx>,
+{
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let run = RUNS.fetch_add(1, Ordering::Relaxed);
+    let ctx = Ctx {
+        store,
+        fixture,
+        prefix: format!("conf-{nanos}-{run}"),
+        group: format!("conformance-{run}"),
+    };
+    let mut passed = Vec::new();
+    ctx.insert_commits_a_pending_unlocked_row().await?;
+    passed.push("insert_commits_a_pending_unlocked_row");
+    ctx.second_insert_finds_the_existing_row().await?;
+    passed.push("second_insert_finds_the_existing_row");
+    ctx.rollback_leaves_nothing().await?;
+    passed.push("rollback_leaves_nothing");
+    ctx.dropped_transaction_rolls_back().await?;
+    passed.push("dropped_transaction_rolls_back");
+    ctx.complete_commits_with_business_writes().await?;
+    passed.push("complete_commits_with_business_writes");
+    ctx.lock_is_exclusive().await?;
+    passed.push("lock_is_exclusive");
+    ctx.maintenance().await?;
+    passed.push("maintenance");
+    ctx.dead_letter_is_accepted().await?;
+    passed.push("dead_letter_is_accepted");
+    Ok(passed)
+}

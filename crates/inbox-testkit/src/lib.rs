@@ -1,0 +1,72 @@
+//! # inbox-testkit
+//!
+//! Everything needed to test an inbox without real services, and the suite
+//! every real store must pass:
+//!
+//! - [`MemStore`]: an in-memory store with real transaction semantics and a
+//!   business table written through the same transaction;
+//! - [`MemBroker`]: partitions and offsets, cumulative commits, rewind, and a
+//!   new consumer in a group starting from the committed offsets;
+//! - named fault points ([`StoreFault`], [`BrokerFault`]);
+//! - [`run_conformance`]: the store conformance suite.
+//!
+//! ```
+//! use inbox_core::{Consumer, Message};
+//! use inbox_testkit::MemBroker;
+//! use serde_json::json;
+//!
+//! # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
+//! let broker = MemBroker::new();
+//! broker.produce("orders", 0, Message::new("a", "orders", "order.created", json!({"n": 1})));
+//! let mut first = broker.consumer("billing");
+//! let m = first.next().await.unwrap().unwrap();
+//! drop(first); // crashed before committing
+//! let mut second = broker.consumer("billing");
+//! assert_eq!(second.next().await.unwrap().unwrap(), m, "redelivered");
+//! second.commit(&m).await.unwrap();
+//! assert!(broker.consumer("billing").next().await.unwrap().is_none());
+//! # });
+//! ```
+
+mod broker;
+mod conformance;
+mod store;
+
+pub use broker::{BrokerFault, CommitRecord, MemBroker, MemConsumer};
+pub use conformance::{BusinessFixture, ConformanceError, ConformanceReport, run_conformance};
+pub use store::{DeadLetter, MemStore, MemTx, StoreFault};
+
+use async_trait::async_trait;
+use inbox_core::StoreError;
+
+/// The conformance fixture for [`MemStore`]: business rows go to the
+/// `conformance` table.
+#[derive(Debug, Clone)]
+pub struct MemFixture {
+    store: MemStore,
+}
+
+impl MemFixture {
+    /// The fixture for `store`.
+    pub fn new(store: &MemStore) -> Self {
+        Self {
+            store: store.clone(),
+        }
+    }
+}
+
+#[async_trait]
+impl BusinessFixture<MemTx> for MemFixture {
+    async fn write(&self, tx: &mut MemTx, key: &str) -> Result<(), StoreError> {
+        tx.insert_business("conformance", key);
+        Ok(())
+    }
+
+    async fn exists(&self, key: &str) -> Result<bool, StoreError> {
+        Ok(self
+            .store
+            .business_rows("conformance")
+            .iter()
+            .any(|k| k == key))
+    }
+}

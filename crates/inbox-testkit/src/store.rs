@@ -1,0 +1,490 @@
+//! An in-memory store with real transaction semantics.
+//!
+//! Writes are staged in the [`MemTx`] until `commit` and vanish on rollback
+//! or drop; the `(message_id, consumer_group)` key is unique across open
+//! transactions (an uncommitted insert holds the row, as PostgreSQL's does);
+//! row locks hold until the transaction ends. A business table (`invoices`,
+//! say) is written through the same transaction, so tests can count effects.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, TimeZone, Utc};
+use inbox_core::{
+    Found, InboxRow, InboxStatus, InboxStore, InboxTransaction, LockResult, Message, NewInboxRow,
+    RowId, RowRef, StoreError, StoreErrorKind, ValidationError, WorkerId,
+};
+
+/// A named point where the store can be made to fail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StoreFault {
+    /// `begin` fails (connection lost before anything happened).
+    Begin,
+    /// `insert_or_get` fails.
+    Insert,
+    /// `lock` fails.
+    Lock,
+    /// `complete` fails.
+    Complete,
+    /// `commit` fails and nothing is applied (a crash before the commit).
+    Commit,
+    /// `commit` is applied but reports a lost connection (the ambiguous
+    /// commit: durable, yet the caller thinks it failed).
+    CommitLostAfterApply,
+    /// `dead_letter` fails.
+    DeadLetter,
+}
+
+/// A dead letter the store recorded.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeadLetter {
+    /// The message as delivered.
+    pub message: Message,
+    /// The consumer group.
+    pub consumer_group: String,
+    /// Why it is poison.
+    pub error: ValidationError,
+}
+
+type TxId = u64;
+type Key = (String, String);
+
+#[derive(Debug)]
+struct State {
+    next_row: RowId,
+    next_tx: TxId,
+    rows: BTreeMap<RowId, InboxRow>,
+    keys: HashMap<Key, RowId>,
+    /// Uncommitted inserts: key -> (tx, row id).
+    reserved: HashMap<Key, (TxId, RowId)>,
+    row_locks: HashMap<RowId, TxId>,
+    business: BTreeMap<String, Vec<String>>,
+    dead_letters: Vec<DeadLetter>,
+    now: DateTime<Utc>,
+    faults: HashMap<StoreFault, u32>,
+}
+
+impl State {
+    fn take_fault(&mut self, point: StoreFault) -> Result<(), StoreError> {
+        match self.faults.get_mut(&point) {
+            Some(n) if *n > 0 => {
+                *n -= 1;
+                Err(StoreError::new(
+                    StoreErrorKind::Connection,
+                    format!("injected fault at {point:?}"),
+                ))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn release(&mut self, tx: TxId) {
+        self.reserved.retain(|_, (owner, _)| *owner != tx);
+        self.row_locks.retain(|_, owner| *owner != tx);
+    }
+}
+
+/// The in-memory store. Cloning shares the same data.
+#[derive(Debug, Clone)]
+pub struct MemStore {
+    inner: Arc<Mutex<State>>,
+}
+
+impl Default for MemStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MemStore {
+    /// An empty store whose clock starts at 2026-01-01T00:00:00Z.
+    pub fn new() -> Self {
+        let now = Utc
+            .with_ymd_and_hms(2026, 1, 1, 0, 0, 0)
+            .single()
+            .unwrap_or(DateTime::<Utc>::MIN_UTC);
+        Self {
+            inner: Arc::new(Mutex::new(State {
+                next_row: 1,
+                next_tx: 1,
+                rows: BTreeMap::new(),
+                keys: HashMap::new(),
+                reserved: HashMap::new(),
+                row_locks: HashMap::new(),
+                business: BTreeMap::new(),
+                dead_letters: Vec::new(),
+                now,
+                faults: HashMap::new(),
+            })),
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock cannot leave the state half-written
+        // (every update is a single step), so a poisoned lock is still usable.
+        self.inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Makes the next `times` calls at `point` fail.
+    pub fn fail_next(&self, point: StoreFault, times: u32) {
+        self.state().faults.insert(point, times);
+    }
+
+    /// Clears every armed fault.
+    pub fn clear_faults(&self) {
+        self.state().faults.clear();
+    }
+
+    /// Moves the store's clock forward.
+    pub fn advance(&self, by: Duration) {
+        let mut s = self.state();
+        s.now += chrono::Duration::from_std(by).unwrap_or(chrono::Duration::MAX);
+    }
+
+    /// The store's clock.
+    pub fn now(&self) -> DateTime<Utc> {
+        self.state().now
+    }
+
+    /// The committed row for a key.
+    pub fn row(&self, message_id: &str, consumer_group: &str) -> Option<InboxRow> {
+        let s = self.state();
+        let id = s
+            .keys
+            .get(&(message_id.to_owned(), consumer_group.to_owned()))?;
+        s.rows.get(id).cloned()
+    }
+
+    /// Every committed row.
+    pub fn rows(&self) -> Vec<InboxRow> {
+        self.state().rows.values().cloned().collect()
+    }
+
+    /// How many committed business rows `table` holds.
+    pub fn business_count(&self, table: &str) -> usize {
+        self.state().business.get(table).map_or(0, Vec::len)
+    }
+
+    /// The committed business rows of `table`.
+    pub fn business_rows(&self, table: &str) -> Vec<String> {
+        self.state()
+            .business
+            .get(table)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// The dead letters recorded.
+    pub fn dead_letters(&self) -> Vec<DeadLetter> {
+        self.state().dead_letters.clone()
+    }
+
+    /// Lands a committed `pending` row directly (as a runner without handler
+    /// would) and returns its id.
+    pub fn land(&self, row: &NewInboxRow) -> RowId {
+        let mut s = self.state();
+        let id = s.next_row;
+        s.next_row += 1;
+        let now = s.now;
+        s.rows.insert(id, new_row(id, row, now));
+        s.keys
+            .insert((row.message_id.clone(), row.consumer_group.clone()), id);
+        id
+    }
+
+    /// Sets a committed lease on a row, as a batch processor holding it
+    /// would. Returns false when there is no such row.
+    pub fn hold_lock(&self, message_id: &str, consumer_group: &str, worker: &WorkerId) -> bool {
+        self.update_row(message_id, consumer_group, |row, now| {
+            row.locked_by = Some(worker.as_str().to_owned());
+            row.locked_at = Some(now);
+        })
+    }
+
+    /// Marks a committed row `failed` (a spent budget). Returns false when
+    /// there is no such row.
+    pub fn mark_failed(&self, message_id: &str, consumer_group: &str, error: &str) -> bool {
+        self.update_row(message_id, consumer_group, |row, _| {
+            row.status = InboxStatus::Failed;
+            row.attempts_made = row.max_attempts;
+            row.last_error = Some(error.to_owned());
+            row.locked_by = None;
+            row.locked_at = None;
+        })
+    }
+
+    fn update_row(
+        &self,
+        message_id: &str,
+        consumer_group: &str,
+        f: impl FnOnce(&mut InboxRow, DateTime<Utc>),
+    ) -> bool {
+        let mut s = self.state();
+        let now = s.now;
+        let Some(id) = s
+            .keys
+            .get(&(message_id.to_owned(), consumer_group.to_owned()))
+            .copied()
+        else {
+            return false;
+        };
+        match s.rows.get_mut(&id) {
+            Some(row) => {
+                f(row, now);
+                row.updated_at = now;
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+fn new_row(id: RowId, row: &NewInboxRow, now: DateTime<Utc>) -> InboxRow {
+    InboxRow {
+        id,
+        message_id: row.message_id.clone(),
+        consumer_group: row.consumer_group.clone(),
+        source: row.source.clone(),
+        event_type: row.event_type.clone(),
+        payload: row.payload.clone(),
+        status: InboxStatus::Pending,
+        attempts_made: 0,
+        max_attempts: row.max_attempts,
+        last_error: None,
+        scheduled_at: now,
+        completed_at: None,
+        locked_at: None,
+        locked_by: None,
+        created_at: now,
+        updated_at: now,
+    }
+}
+
+#[derive(Debug)]
+enum Staged {
+    Insert(Box<InboxRow>),
+    Complete(RowId),
+    Business(String, String),
+}
+
+/// A transaction of [`MemStore`]. Dropping it without `commit` rolls back.
+#[derive(Debug)]
+pub struct MemTx {
+    id: TxId,
+    store: MemStore,
+    staged: Vec<Staged>,
+    open: bool,
+}
+
+impl MemTx {
+    /// Stages a business row (`key`) in `table`: durable on commit, gone on
+    /// rollback.
+    pub fn insert_business(&mut self, table: &str, key: &str) {
+        self.staged
+            .push(Staged::Business(table.to_owned(), key.to_owned()));
+    }
+
+    /// How many business rows `table` would hold if this transaction
+    /// committed now (committed rows plus this transaction's own).
+    pub fn business_count(&self, table: &str) -> usize {
+        let own = self
+            .staged
+            .iter()
+            .filter(|s| matches!(s, Staged::Business(t, _) if t == table))
+            .count();
+        self.store.business_count(table) + own
+    }
+
+    fn finish(&mut self) {
+        if self.open {
+            self.open = false;
+            self.store.state().release(self.id);
+        }
+    }
+}
+
+impl Drop for MemTx {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}
+
+#[async_trait]
+impl InboxStore for MemStore {
+    type Tx = MemTx;
+
+    async fn begin(&self) -> Result<MemTx, StoreError> {
+        let mut s = self.state();
+        s.take_fault(StoreFault::Begin)?;
+        let id = s.next_tx;
+        s.next_tx += 1;
+        Ok(MemTx {
+            id,
+            store: self.clone(),
+            staged: Vec::new(),
+            open: true,
+        })
+    }
+
+    async fn dead_letter(
+        &self,
+        message: &Message,
+        consumer_group: &str,
+        error: &ValidationError,
+    ) -> Result<(), StoreError> {
+        let mut s = self.state();
+        s.take_fault(StoreFault::DeadLetter)?;
+        s.dead_letters.push(DeadLetter {
+            message: message.clone(),
+            consumer_group: consumer_group.to_owned(),
+            error: error.clone(),
+        });
+        Ok(())
+    }
+
+    async fn find(
+        &self,
+        message_id: &str,
+        consumer_group: &str,
+    ) -> Result<Option<InboxRow>, StoreError> {
+        Ok(self.row(message_id, consumer_group))
+    }
+
+    async fn release_stale_locks(&self, older_than: Duration) -> Result<u64, StoreError> {
+        let mut s = self.state();
+        let cutoff =
+            s.now - chrono::Duration::from_std(older_than).unwrap_or(chrono::Duration::MAX);
+        let now = s.now;
+        let mut released = 0;
+        for row in s.rows.values_mut() {
+            if row.locked_at.is_some_and(|at| at < cutoff) {
+                row.locked_at = None;
+                row.locked_by = None;
+                row.updated_at = now;
+                released += 1;
+            }
+        }
+        Ok(released)
+    }
+
+    async fn delete_completed(&self, older_than: Duration, batch: u64) -> Result<u64, StoreError> {
+        let mut s = self.state();
+        let cutoff =
+            s.now - chrono::Duration::from_std(older_than).unwrap_or(chrono::Duration::MAX);
+        let doomed: Vec<RowId> = s
+            .rows
+            .values()
+            .filter(|r| r.status == InboxStatus::Completed)
+            .filter(|r| r.completed_at.is_some_and(|at| at <= cutoff))
+            .filter(|r| !s.row_locks.contains_key(&r.id))
+            .map(|r| r.id)
+            .take(usize::try_from(batch).unwrap_or(usize::MAX))
+            .collect();
+        for id in &doomed {
+            if let Some(row) = s.rows.remove(id) {
+                s.keys.remove(&(row.message_id, row.consumer_group));
+            }
+        }
+        Ok(doomed.len() as u64)
+    }
+}
+
+#[async_trait]
+impl InboxTransaction for MemTx {
+    async fn insert_or_get(&mut self, row: &NewInboxRow) -> Result<RowRef, StoreError> {
+        let mut s = self.store.state();
+        s.take_fault(StoreFault::Insert)?;
+        let key = (row.message_id.clone(), row.consumer_group.clone());
+        if let Some(id) = s.keys.get(&key).copied() {
+            let status = s.rows.get(&id).map_or(InboxStatus::Pending, |r| r.status);
+            return Ok(RowRef {
+                id,
+                found: Found::Existing(status),
+            });
+        }
+        if let Some((owner, id)) = s.reserved.get(&key).copied() {
+            // Another open transaction inserted it: it holds the row.
+            let found = if owner == self.id {
+                Found::Inserted
+            } else {
+                Found::Existing(InboxStatus::Pending)
+            };
+            return Ok(RowRef { id, found });
+        }
+        let id = s.next_row;
+        s.next_row += 1;
+        s.reserved.insert(key, (self.id, id));
+        s.row_locks.insert(id, self.id);
+        let now = s.now;
+        drop(s);
+        self.staged
+            .push(Staged::Insert(Box::new(new_row(id, row, now))));
+        Ok(RowRef {
+            id,
+            found: Found::Inserted,
+        })
+    }
+
+    async fn lock(&mut self, id: RowId, _worker: &WorkerId) -> Result<LockResult, StoreError> {
+        let mut s = self.store.state();
+        s.take_fault(StoreFault::Lock)?;
+        if let Some(owner) = s.row_locks.get(&id) {
+            return Ok(if *owner == self.id {
+                LockResult::Acquired
+            } else {
+                LockResult::Busy
+            });
+        }
+        if s.rows.get(&id).is_some_and(InboxRow::is_locked) {
+            return Ok(LockResult::Busy);
+        }
+        s.row_locks.insert(id, self.id);
+        Ok(LockResult::Acquired)
+    }
+
+    async fn complete(&mut self, id: RowId) -> Result<(), StoreError> {
+        self.store.state().take_fault(StoreFault::Complete)?;
+        self.staged.push(Staged::Complete(id));
+        Ok(())
+    }
+
+    async fn commit(mut self) -> Result<(), StoreError> {
+        let store = self.store.clone();
+        let mut s = store.state();
+        s.take_fault(StoreFault::Commit)?;
+        let lost_after_apply = s.take_fault(StoreFault::CommitLostAfterApply);
+        let now = s.now;
+        for op in self.staged.drain(..) {
+            match op {
+                Staged::Insert(row) => {
+                    s.keys
+                        .insert((row.message_id.clone(), row.consumer_group.clone()), row.id);
+                    s.rows.insert(row.id, *row);
+                }
+                Staged::Complete(id) => {
+                    if let Some(row) = s.rows.get_mut(&id) {
+                        row.status = InboxStatus::Completed;
+                        row.completed_at = Some(now);
+                        row.locked_at = None;
+                        row.locked_by = None;
+                        row.updated_at = now;
+                    }
+                }
+                Staged::Business(table, key) => s.business.entry(table).or_default().push(key),
+            }
+        }
+        s.release(self.id);
+        self.open = false;
+        lost_after_apply
+    }
+
+    async fn rollback(mut self) -> Result<(), StoreError> {
+        self.staged.clear();
+        self.finish();
+        Ok(())
+    }
+}

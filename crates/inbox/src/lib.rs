@@ -1,0 +1,37 @@
+//! # inbox
+//!
+//! One dependency line for the whole inbox: the core is always here, the
+//! adapters behind features.
+//!
+//! ```toml
+//! [dependencies]
+//! inbox = { version = "0.1", features = ["postgres", "kafka"] }
+//! ```
+//!
+//! | feature | module | what |
+//! |---|---|---|
+//! | (always) | the crate root | `inbox-core`: model, decision, traits, runner |
+//! | `postgres` | [`postgres`] | `inbox-postgres`: the PostgreSQL store |
+//! | `kafka` | [`kafka`] | `inbox-kafka`: the Kafka consumer |
+//! | `testkit` | [`testkit`] | `inbox-testkit`: in-memory store and broker, conformance suite |
+//!
+//! ```
+//! use inbox::{AckStrategy, RunnerConfig};
+//! let config = RunnerConfig::new("billing", "worker-1").unwrap()
+//!     .with_strategy(AckStrategy::default());
+//! assert_eq!(config.consumer_group, "billing");
+//! ```
+
+pub use inbox_core::*;
+
+/// The PostgreSQL adapter (feature `postgres`).
+#[cfg(feature = "postgres")]
+pub use inbox_postgres as postgres;
+
+/// The Kafka adapter (feature `kafka`).
+#[cfg(feature = "kafka")]
+pub use inbox_kafka as kafka;
+
+/// The testkit (feature `testkit`).
+#[cfg(feature = "testkit")]
+pub use inbox_testkit as testkit;

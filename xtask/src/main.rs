@@ -1,0 +1,88 @@
+//! `cargo xtask`: the project's automation.
+//!
+//! - `cargo xtask test`: fmt check, clippy with `-D warnings`, docs with
+//!   warnings denied, and every test of the workspace.
+//! - `cargo xtask demo`: the main job, the billing scenario.
+
+mod demo;
+
+use std::process::{Command, ExitCode};
+
+use anyhow::{Context, Result, bail};
+
+const HELP: &str = "\
+cargo xtask <command>
+
+commands:
+  test    fmt check, clippy -D warnings, cargo doc, every test of the workspace
+  demo    run the billing demo and check every order has exactly one invoice
+  help    this text
+";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        None | Some("help" | "--help" | "-h") => {
+            print!("{HELP}");
+            Ok(())
+        }
+        Some("test") => test(),
+        Some("demo") => demo::run(),
+        Some(other) => {
+            eprint!("unknown command {other:?}\n\n{HELP}");
+            return ExitCode::from(2);
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn cargo(args: &[&str], env: &[(&str, &str)]) -> Result<()> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    println!("$ cargo {}", args.join(" "));
+    let status = Command::new(&cargo)
+        .args(args)
+        .envs(env.iter().copied())
+        .current_dir(workspace_root())
+        .status()
+        .with_context(|| format!("running cargo {}", args.join(" ")))?;
+    if !status.success() {
+        bail!("cargo {} failed ({status})", args.join(" "));
+    }
+    Ok(())
+}
+
+fn workspace_root() -> std::path::PathBuf {
+    let manifest = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    manifest
+        .parent()
+        .map_or_else(|| manifest.clone(), std::path::Path::to_path_buf)
+}
+
+fn test() -> Result<()> {
+    cargo(&["fmt", "--all", "--check"], &[])?;
+    cargo(
+        &[
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--all-features",
+            "--",
+            "-D",
+            "warnings",
+        ],
+        &[],
+    )?;
+    cargo(
+        &["doc", "--workspace", "--no-deps", "--all-features"],
+        &[("RUSTDOCFLAGS", "-D warnings")],
+    )?;
+    cargo(&["test", "--workspace", "--all-features"], &[])?;
+    println!("xtask test: all checks passed");
+    Ok(())
+}

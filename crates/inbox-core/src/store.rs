@@ -79,7 +79,7 @@ pub trait InboxStore: Send + Sync {
         consumer_group: &str,
     ) -> Result<Option<InboxRow>, StoreError>;
 
-    /// Unlocks rows whose lock is older than `older_than`; returns how many.
+    /// Unlocks rows whose lock is at least `older_than` old; returns how many.
     async fn release_stale_locks(&self, older_than: Duration) -> Result<u64, StoreError>;
 
     /// Deletes at most `batch` completed rows completed more than

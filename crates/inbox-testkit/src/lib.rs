@@ -30,6 +30,7 @@
 
 mod broker;
 mod conformance;
+pub mod scenarios;
 mod store;
 
 pub use broker::{BrokerFault, CommitRecord, MemBroker, MemConsumer};

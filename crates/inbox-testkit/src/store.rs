@@ -361,7 +361,7 @@ impl InboxStore for MemStore {
         let now = s.now;
         let mut released = 0;
         for row in s.rows.values_mut() {
-            if row.locked_at.is_some_and(|at| at < cutoff) {
+            if row.locked_at.is_some_and(|at| at <= cutoff) {
                 row.locked_at = None;
                 row.locked_by = None;
                 row.updated_at = now;

@@ -1,0 +1,59 @@
+//! The contract's scenarios on the in-memory store and broker.
+
+use inbox_testkit::MemStore;
+use inbox_testkit::scenarios;
+
+#[tokio::test]
+async fn handler_retry_four_deliveries() {
+    scenarios::handler_retry_four_deliveries(MemStore::new()).await;
+}
+
+#[tokio::test]
+async fn handler_skipped() {
+    scenarios::handler_skipped(MemStore::new()).await;
+}
+
+#[tokio::test]
+async fn write_then_fail_every_strategy() {
+    scenarios::write_then_fail_every_strategy(MemStore::new()).await;
+}
+
+#[tokio::test]
+async fn cumulative_commit_trap() {
+    scenarios::cumulative_commit_trap(MemStore::new()).await;
+}
+
+#[tokio::test]
+async fn no_handler_lands() {
+    scenarios::no_handler_lands(MemStore::new()).await;
+}
+
+#[tokio::test]
+async fn pending_row_is_handled() {
+    scenarios::pending_row_is_handled(MemStore::new()).await;
+}
+
+#[tokio::test]
+async fn locked_elsewhere_is_deferred() {
+    scenarios::locked_elsewhere_is_deferred(MemStore::new()).await;
+}
+
+#[tokio::test]
+async fn failed_row_is_terminal() {
+    scenarios::failed_row_is_terminal(MemStore::new()).await;
+}
+
+#[tokio::test]
+async fn timeout_and_panic_are_failures() {
+    scenarios::timeout_and_panic_are_failures(MemStore::new()).await;
+}
+
+#[tokio::test]
+async fn commit_failure_then_duplicate() {
+    scenarios::commit_failure_then_duplicate(MemStore::new()).await;
+}
+
+#[tokio::test]
+async fn all_scenarios_share_one_store() {
+    scenarios::run_all(MemStore::new()).await;
+}

@@ -1,0 +1,750 @@
+//! The contract's scenarios as generic async functions, so that every store
+//! runs the same stories with the same asserted results: the in-memory store
+//! from `inbox-core`'s tests, PostgreSQL from `inbox-postgres`'s.
+//!
+//! Each function takes a fresh store (or one whose other data does not share
+//! its consumer groups) and panics with a message on the first assertion
+//! that fails: these are test helpers.
+//!
+//! # Panics
+//!
+//! On any broken expectation, naming it.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use inbox_core::{
+    AckPolicy, AckStrategy, CountingMetrics, Handler, HandlerError, HandlerResult, InboxRow,
+    InboxStatus, InboxStore, Message, NewInboxRow, ProcessResult, Runner, RunnerConfig, WorkerId,
+};
+use serde_json::json;
+
+use crate::MemBroker;
+
+/// A transaction a test handler can write an invoice through.
+#[async_trait]
+pub trait WriteInvoice: Send {
+    /// Writes one invoice for `order` in this transaction.
+    async fn write_invoice(&mut self, order: &str) -> Result<(), HandlerError>;
+}
+
+#[async_trait]
+impl WriteInvoice for crate::MemTx {
+    async fn write_invoice(&mut self, order: &str) -> Result<(), HandlerError> {
+        self.insert_business("invoices", order);
+        Ok(())
+    }
+}
+
+/// What a store offers the scenarios beyond [`InboxStore`]: counting
+/// invoices and setting up rows as a batch processor would leave them.
+#[async_trait]
+pub trait ScenarioStore: InboxStore + Clone + 'static {
+    /// Committed invoices for `order` (read as another connection would).
+    async fn invoices(&self, order: &str) -> usize;
+    /// Lands a committed `pending` row.
+    async fn land(&self, row: &NewInboxRow);
+    /// Puts a committed lease on a row (a batch processor holds it).
+    async fn hold_lock(&self, message_id: &str, consumer_group: &str, worker: &WorkerId);
+    /// Marks a row `failed` (the batch processor spent its budget).
+    async fn mark_failed(&self, message_id: &str, consumer_group: &str);
+}
+
+#[async_trait]
+impl ScenarioStore for crate::MemStore {
+    async fn invoices(&self, order: &str) -> usize {
+        self.business_rows("invoices")
+            .iter()
+            .filter(|k| k.as_str() == order)
+            .count()
+    }
+    async fn land(&self, row: &NewInboxRow) {
+        crate::MemStore::land(self, row);
+    }
+    async fn hold_lock(&self, message_id: &str, consumer_group: &str, worker: &WorkerId) {
+        assert!(crate::MemStore::hold_lock(
+            self,
+            message_id,
+            consumer_group,
+            worker
+        ));
+    }
+    async fn mark_failed(&self, message_id: &str, consumer_group: &str) {
+        assert!(crate::MemStore::mark_failed(
+            self,
+            message_id,
+            consumer_group,
+            "budget spent"
+        ));
+    }
+}
+
+/// One scripted behaviour of [`ScriptedHandler`]. Every call first writes an
+/// invoice for the message, then does this.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Act {
+    /// Return `Ok(())`.
+    Succeed,
+    /// Return `skipped()`.
+    Skip,
+    /// Return `retry(..)`.
+    Retry,
+    /// Return `Err(..)`.
+    Fail,
+    /// Panic.
+    Panic,
+    /// Sleep far past any timeout.
+    Hang,
+}
+
+/// A handler that writes an invoice, then acts as scripted (then as `then`
+/// once the script is used up), and counts its calls.
+#[derive(Debug)]
+pub struct ScriptedHandler {
+    script: Mutex<VecDeque<Act>>,
+    then: Act,
+    calls: AtomicUsize,
+}
+
+impl ScriptedHandler {
+    /// A handler that acts out `script`, then `then` forever.
+    pub fn new(script: impl IntoIterator<Item = Act>, then: Act) -> Arc<Self> {
+        Arc::new(Self {
+            script: Mutex::new(script.into_iter().collect()),
+            then,
+            calls: AtomicUsize::new(0),
+        })
+    }
+
+    /// How many times it ran.
+    pub fn calls(&self) -> usize {
+        self.calls.load(Ordering::SeqCst)
+    }
+
+    fn next_act(&self) -> Act {
+        self.script
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .pop_front()
+            .unwrap_or(self.then)
+    }
+}
+
+#[async_trait]
+impl<Tx: WriteInvoice + 'static> Handler<Tx> for ScriptedHandler {
+    type Output = HandlerResult;
+    async fn handle(&self, message: &Message, tx: &mut Tx) -> Result<HandlerResult, HandlerError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        let act = self.next_act();
+        tx.write_invoice(&message.message_id).await?;
+        match act {
+            Act::Succeed => Ok(HandlerResult::completed()),
+            Act::Skip => Ok(HandlerResult::skipped()),
+            Act::Retry => Ok(HandlerResult::retry("try again later")),
+            Act::Fail => Err(HandlerError::msg("payment provider timed out")),
+            Act::Panic => panic!("handler bug"),
+            Act::Hang => {
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+                Ok(HandlerResult::completed())
+            }
+        }
+    }
+}
+
+fn order(id: &str) -> Message {
+    Message::new(id, "orders", "order.created", json!({ "order": id }))
+}
+
+fn config(group: &str, strategy: AckStrategy) -> RunnerConfig {
+    let mut c = RunnerConfig::new(group, "scenario-worker").unwrap_or_else(|e| panic!("{e}"));
+    c.strategy = strategy;
+    c.handler_timeout = Duration::from_millis(200);
+    c
+}
+
+async fn next<S, C, H, M>(runner: &mut Runner<S, C, H, M>) -> ProcessResult
+where
+    S: InboxStore,
+    C: inbox_core::Consumer,
+    H: Handler<S::Tx>,
+    M: inbox_core::Metrics,
+{
+    runner
+        .process_one()
+        .await
+        .unwrap_or_else(|e| panic!("fetch failed: {e}"))
+        .unwrap_or_else(|| panic!("expected a delivery, the consumer had none"))
+}
+
+async fn row<S: InboxStore>(store: &S, id: &str, group: &str) -> Option<InboxRow> {
+    store
+        .find(id, group)
+        .await
+        .unwrap_or_else(|e| panic!("find failed: {e}"))
+}
+
+/// `(status, locked_by)` of a row, as the design note prints it.
+async fn inbox_state<S: InboxStore>(
+    store: &S,
+    id: &str,
+    group: &str,
+) -> Option<(InboxStatus, Option<String>)> {
+    row(store, id, group).await.map(|r| (r.status, r.locked_by))
+}
+
+/// The design note's `handler_retry` scenario and its four-delivery script:
+/// the handler returns `retry()` on its first call; the message is produced
+/// three times in all.
+pub async fn handler_retry_four_deliveries<S>(store: S)
+where
+    S: ScenarioStore,
+    S::Tx: WriteInvoice,
+{
+    let group = "billing-retry";
+    let broker = MemBroker::new();
+    for _ in 0..3 {
+        broker.produce("orders", 0, order("order-1"));
+    }
+    let handler = ScriptedHandler::new([Act::Retry], Act::Succeed);
+    let metrics = Arc::new(CountingMetrics::new());
+    let mut runner = Runner::new(
+        store.clone(),
+        broker.consumer(group),
+        handler.clone(),
+        config(group, AckStrategy::default()),
+    )
+    .with_metrics(metrics.clone());
+
+    // delivery 1: committed=False processed=False handler_calls=1 invoices=0 inbox=None
+    let d1 = next(&mut runner).await;
+    assert_eq!((d1.committed, d1.processed), (false, false), "delivery 1");
+    assert!(d1.rewound, "delivery 1 is rewound");
+    assert_eq!(handler.calls(), 1);
+    assert_eq!(store.invoices("order-1").await, 0);
+    assert_eq!(inbox_state(&store, "order-1", group).await, None);
+    assert_eq!(broker.committed(group, "orders", 0), None);
+
+    // delivery 2: committed=True processed=True handler_calls=2 invoices=1 inbox=(completed, None)
+    let d2 = next(&mut runner).await;
+    assert_eq!(d2.position, d1.position, "the rewound message comes again");
+    assert_eq!((d2.committed, d2.processed), (true, true), "delivery 2");
+    assert_eq!(handler.calls(), 2);
+    assert_eq!(store.invoices("order-1").await, 1);
+    assert_eq!(
+        inbox_state(&store, "order-1", group).await,
+        Some((InboxStatus::Completed, None))
+    );
+
+    // delivery 3: committed=True processed=False handler_calls=2 invoices=1 inbox=(completed, None)
+    let d3 = next(&mut runner).await;
+    assert_eq!(
+        (d3.committed, d3.processed, d3.duplicate),
+        (true, false, true)
+    );
+    assert_eq!(handler.calls(), 2);
+    assert_eq!(store.invoices("order-1").await, 1);
+    assert_eq!(
+        inbox_state(&store, "order-1", group).await,
+        Some((InboxStatus::Completed, None))
+    );
+
+    // release_stale_locks(1) -> 0
+    let released = store
+        .release_stale_locks(Duration::from_secs(1))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(released, 0);
+
+    // delivery 4: as delivery 3
+    let d4 = next(&mut runner).await;
+    assert_eq!(
+        (d4.committed, d4.processed, d4.duplicate),
+        (true, false, true)
+    );
+    assert_eq!(handler.calls(), 2);
+    assert_eq!(store.invoices("order-1").await, 1);
+    assert_eq!(
+        inbox_state(&store, "order-1", group).await,
+        Some((InboxStatus::Completed, None))
+    );
+    assert_eq!(broker.committed(group, "orders", 0), Some(3));
+
+    let c = metrics.snapshot();
+    assert_eq!(c.consumed, 4);
+    assert_eq!((c.failed, c.processed, c.duplicate), (1, 1, 2));
+    assert_eq!(c.tallied(), c.consumed, "one counter per delivery");
+    assert_eq!((c.committed, c.rewound, c.handler_runs), (3, 1, 2));
+}
+
+/// The design note's `handler_skipped` scenario: after the first delivery
+/// the row is completed and unlocked; the redelivery is a committed
+/// duplicate and the handler is not called again.
+pub async fn handler_skipped<S>(store: S)
+where
+    S: ScenarioStore,
+    S::Tx: WriteInvoice,
+{
+    let group = "billing-skip";
+    let broker = MemBroker::new();
+    broker.produce("orders", 0, order("order-2"));
+    broker.produce("orders", 0, order("order-2"));
+    let handler = ScriptedHandler::new([], Act::Skip);
+    let metrics = Arc::new(CountingMetrics::new());
+    let mut runner = Runner::new(
+        store.clone(),
+        broker.consumer(group),
+        handler.clone(),
+        config(group, AckStrategy::default()),
+    )
+    .with_metrics(metrics.clone());
+    let d1 = next(&mut runner).await;
+    assert_eq!(
+        (d1.committed, d1.processed, d1.duplicate),
+        (true, false, false)
+    );
+    assert_eq!(d1.outcome, Some(inbox_core::Outcome::Skipped));
+    let r = row(&store, "order-2", group)
+        .await
+        .unwrap_or_else(|| panic!("row missing"));
+    assert_eq!(r.status, InboxStatus::Completed);
+    assert!(r.locked_by.is_none() && r.locked_at.is_none());
+    assert!(r.completed_at.is_some());
+    assert_eq!(
+        store.invoices("order-2").await,
+        1,
+        "a skip commits the transaction (the handler's writes stay)"
+    );
+    let d2 = next(&mut runner).await;
+    assert_eq!(
+        (d2.committed, d2.processed, d2.duplicate),
+        (true, false, true)
+    );
+    assert_eq!(handler.calls(), 1);
+    let c = metrics.snapshot();
+    assert_eq!(
+        (c.consumed, c.skipped, c.duplicate, c.committed),
+        (2, 1, 1, 2)
+    );
+}
+
+/// What [`write_then_fail`] saw for one strategy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FailureStory {
+    /// Whether the fresh consumer received the message again.
+    pub redelivered: bool,
+    /// Handler runs in all.
+    pub handler_runs: usize,
+    /// Invoices in the end.
+    pub invoices: usize,
+}
+
+/// A handler writes an invoice then fails on its first call, under
+/// `strategy`; the consumer is dropped and a fresh one in the same group
+/// drains the topic (the handler succeeds from then on).
+pub async fn write_then_fail<S>(store: S, strategy: AckStrategy, group: &str) -> FailureStory
+where
+    S: ScenarioStore,
+    S::Tx: WriteInvoice,
+{
+    let id = format!("order-3-{group}");
+    let broker = MemBroker::new();
+    broker.produce("orders", 0, order(&id));
+    let handler = ScriptedHandler::new([Act::Fail], Act::Succeed);
+    let mut runner = Runner::new(
+        store.clone(),
+        broker.consumer(group),
+        handler.clone(),
+        config(group, strategy),
+    );
+    let first = next(&mut runner).await;
+    assert!(!first.processed);
+    assert_eq!(
+        store.invoices(&id).await,
+        0,
+        "the failed run rolled back"
+    );
+    assert_eq!(
+        row(&store, &id, group).await,
+        None,
+        "and so did the row"
+    );
+    drop(runner);
+    let mut fresh = Runner::new(
+        store.clone(),
+        broker.consumer(group),
+        handler.clone(),
+        config(group, strategy),
+    );
+    let mut redelivered = false;
+    while let Some(r) = fresh.process_one().await.unwrap_or_else(|e| panic!("{e}")) {
+        redelivered = true;
+        assert!(r.processed && r.committed);
+    }
+    FailureStory {
+        redelivered,
+        handler_runs: handler.calls(),
+        invoices: store.invoices(&id).await,
+    }
+}
+
+/// Runs [`write_then_fail`] under every strategy setting and asserts the
+/// SPEC's answer for each.
+pub async fn write_then_fail_every_strategy<S>(store: S)
+where
+    S: ScenarioStore,
+    S::Tx: WriteInvoice,
+{
+    let lost = FailureStory {
+        redelivered: false,
+        handler_runs: 1,
+        invoices: 0,
+    };
+    let retried = FailureStory {
+        redelivered: true,
+        handler_runs: 2,
+        invoices: 1,
+    };
+    let cases = [
+        (AckStrategy::AtMostOnce, "wtf-amo", lost),
+        (
+            AckStrategy::AtLeastOnce {
+                policy: AckPolicy::OnPersist,
+            },
+            "wtf-persist",
+            lost,
+        ),
+        (
+            AckStrategy::AtLeastOnce {
+                policy: AckPolicy::OnSuccess,
+            },
+            "wtf-success",
+            retried,
+        ),
+        (
+            AckStrategy::ExactlyOnceInbox {
+                commit_on_failed: false,
+            },
+            "wtf-eoi",
+            retried,
+        ),
+        (
+            AckStrategy::ExactlyOnceInbox {
+                commit_on_failed: true,
+            },
+            "wtf-eoi-cof",
+            lost,
+        ),
+    ];
+    for (strategy, group, expected) in cases {
+        let story = write_then_fail(store.clone(), strategy, group).await;
+        assert_eq!(story, expected, "{strategy:?}");
+    }
+}
+
+/// The cumulative-commit trap: message N fails under ExactlyOnceInbox while
+/// N+1 waits on the same partition; N+1 must not be committed (which would
+/// acknowledge N) before N is handled.
+pub async fn cumulative_commit_trap<S>(store: S)
+where
+    S: ScenarioStore,
+    S::Tx: WriteInvoice,
+{
+    let group = "billing-trap";
+    let broker = MemBroker::new();
+    broker.produce("orders", 0, order("order-n"));
+    broker.produce("orders", 0, order("order-n1"));
+    let handler = ScriptedHandler::new([Act::Fail], Act::Succeed);
+    let mut runner = Runner::new(
+        store.clone(),
+        broker.consumer(group),
+        handler.clone(),
+        config(group, AckStrategy::default()),
+    );
+    let d1 = next(&mut runner).await;
+    assert_eq!(d1.message_id, "order-n");
+    assert!(!d1.committed && d1.rewound);
+    assert!(broker.commit_log().is_empty(), "nothing acknowledged yet");
+    let d2 = next(&mut runner).await;
+    assert_eq!(d2.message_id, "order-n", "N again before N+1");
+    assert!(d2.processed && d2.committed);
+    let d3 = next(&mut runner).await;
+    assert_eq!(d3.message_id, "order-n1");
+    let offsets: Vec<i64> = broker.commit_log().iter().map(|c| c.next_offset).collect();
+    assert_eq!(offsets, vec![1, 2], "N committed before N+1, never past it");
+    assert_eq!(store.invoices("order-n").await, 1);
+    assert_eq!(store.invoices("order-n1").await, 1);
+}
+
+/// No handler: the row lands `pending`, unlocked; committed; not processed.
+/// A second delivery is a duplicate.
+pub async fn no_handler_lands<S>(store: S)
+where
+    S: ScenarioStore,
+{
+    let group = "landing";
+    let broker = MemBroker::new();
+    broker.produce("orders", 0, order("order-4"));
+    broker.produce("orders", 0, order("order-4"));
+    for strategy in AckStrategy::ALL {
+        let group = format!(
+            "{group}-{}",
+            AckStrategy::ALL
+                .iter()
+                .position(|s| *s == strategy)
+                .unwrap_or(0)
+        );
+        let metrics = Arc::new(CountingMetrics::new());
+        let mut runner = Runner::land_only(
+            store.clone(),
+            broker.consumer(&group),
+            config(&group, strategy),
+        )
+        .with_metrics(metrics.clone());
+        let d1 = next(&mut runner).await;
+        assert!(
+            d1.committed && !d1.processed && !d1.duplicate,
+            "{strategy:?}"
+        );
+        let r = row(&store, "order-4", &group)
+            .await
+            .unwrap_or_else(|| panic!("not landed"));
+        assert_eq!(r.status, InboxStatus::Pending);
+        assert!(r.locked_by.is_none());
+        let d2 = next(&mut runner).await;
+        assert!(d2.committed && d2.duplicate, "{strategy:?}");
+        let c = metrics.snapshot();
+        assert_eq!((c.landed, c.duplicate, c.committed), (1, 1, 2));
+    }
+}
+
+/// A row landed earlier without a handler: the runner locks it, runs the
+/// handler and completes it.
+pub async fn pending_row_is_handled<S>(store: S)
+where
+    S: ScenarioStore,
+    S::Tx: WriteInvoice,
+{
+    let group = "billing-pending";
+    let m = order("order-5");
+    store.land(&NewInboxRow::for_message(&m, group, 5)).await;
+    let broker = MemBroker::new();
+    broker.produce("orders", 0, m);
+    let handler = ScriptedHandler::new([], Act::Succeed);
+    let mut runner = Runner::new(
+        store.clone(),
+        broker.consumer(group),
+        handler.clone(),
+        config(group, AckStrategy::default()),
+    );
+    let d = next(&mut runner).await;
+    assert!(d.processed && d.committed && !d.duplicate);
+    assert_eq!(handler.calls(), 1);
+    let r = row(&store, "order-5", group)
+        .await
+        .unwrap_or_else(|| panic!("row"));
+    assert_eq!(r.status, InboxStatus::Completed);
+    assert_eq!(store.invoices("order-5").await, 1);
+}
+
+/// A pending row held by someone else: the handler is not run; committed
+/// under AtLeastOnce+OnPersist; rewound under ExactlyOnceInbox and
+/// OnSuccess until the lock is released, then handled.
+pub async fn locked_elsewhere_is_deferred<S>(store: S)
+where
+    S: ScenarioStore,
+    S::Tx: WriteInvoice,
+{
+    let other = WorkerId::new("batch-processor-1").unwrap_or_else(|e| panic!("{e}"));
+    let cases = [
+        (AckStrategy::default(), "locked-eoi", false),
+        (
+            AckStrategy::AtLeastOnce {
+                policy: AckPolicy::OnSuccess,
+            },
+            "locked-success",
+            false,
+        ),
+        (
+            AckStrategy::AtLeastOnce {
+                policy: AckPolicy::OnPersist,
+            },
+            "locked-persist",
+            true,
+        ),
+    ];
+    for (strategy, group, committed) in cases {
+        let id = format!("order-6-{group}");
+        let m = order(&id);
+        store.land(&NewInboxRow::for_message(&m, group, 5)).await;
+        store.hold_lock(&id, group, &other).await;
+        let broker = MemBroker::new();
+        broker.produce("orders", 0, m);
+        let handler = ScriptedHandler::new([], Act::Succeed);
+        let mut runner = Runner::new(
+            store.clone(),
+            broker.consumer(group),
+            handler.clone(),
+            config(group, strategy),
+        );
+        let d = next(&mut runner).await;
+        assert_eq!(handler.calls(), 0, "{strategy:?}: handler must not run");
+        assert!(!d.processed && !d.duplicate);
+        assert_eq!(d.committed, committed, "{strategy:?}");
+        assert_eq!(d.rewound, !committed, "{strategy:?}");
+        if !committed {
+            let again = next(&mut runner).await;
+            assert_eq!(again.position, d.position, "delivered again");
+            assert_eq!(handler.calls(), 0);
+            // The batch processor's lease goes stale and is released.
+            let released = store
+                .release_stale_locks(Duration::ZERO)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert!(released >= 1);
+            let handled = next(&mut runner).await;
+            assert!(handled.processed && handled.committed, "{strategy:?}");
+            assert_eq!(handler.calls(), 1);
+            assert_eq!(store.invoices(&id).await, 1);
+        }
+    }
+}
+
+/// A `failed` row is terminal: the handler does not run; committed.
+pub async fn failed_row_is_terminal<S>(store: S)
+where
+    S: ScenarioStore,
+    S::Tx: WriteInvoice,
+{
+    let group = "billing-failed-row";
+    let m = order("order-7");
+    store.land(&NewInboxRow::for_message(&m, group, 5)).await;
+    store.mark_failed("order-7", group).await;
+    let broker = MemBroker::new();
+    broker.produce("orders", 0, m);
+    let handler = ScriptedHandler::new([], Act::Succeed);
+    let metrics = Arc::new(CountingMetrics::new());
+    let mut runner = Runner::new(
+        store.clone(),
+        broker.consumer(group),
+        handler.clone(),
+        config(group, AckStrategy::default()),
+    )
+    .with_metrics(metrics.clone());
+    let d = next(&mut runner).await;
+    assert_eq!(handler.calls(), 0);
+    assert!(d.committed && !d.processed && !d.duplicate);
+    assert_eq!(d.decision.tally, inbox_core::decision::Tally::Terminal);
+    assert_eq!(metrics.snapshot().terminal, 1);
+    assert_eq!(
+        row(&store, "order-7", group).await.map(|r| r.status),
+        Some(InboxStatus::Failed)
+    );
+}
+
+/// A timeout and a panic are failures like any other: rolled back, rewound,
+/// counted once; the next delivery succeeds.
+pub async fn timeout_and_panic_are_failures<S>(store: S)
+where
+    S: ScenarioStore,
+    S::Tx: WriteInvoice,
+{
+    for (act, group) in [
+        (Act::Hang, "billing-timeout"),
+        (Act::Panic, "billing-panic"),
+    ] {
+        let broker = MemBroker::new();
+        broker.produce("orders", 0, order("order-8"));
+        let handler = ScriptedHandler::new([act], Act::Succeed);
+        let metrics = Arc::new(CountingMetrics::new());
+        let mut runner = Runner::new(
+            store.clone(),
+            broker.consumer(group),
+            handler.clone(),
+            config(group, AckStrategy::default()),
+        )
+        .with_metrics(metrics.clone());
+        let d = next(&mut runner).await;
+        assert!(!d.processed && !d.committed && d.rewound, "{act:?}");
+        assert!(
+            matches!(
+                (&d.outcome, act),
+                (
+                    Some(inbox_core::Outcome::Failed(inbox_core::Failure::Timeout)),
+                    Act::Hang
+                ) | (
+                    Some(inbox_core::Outcome::Failed(inbox_core::Failure::Panic(_))),
+                    Act::Panic
+                )
+            ),
+            "{act:?}: {:?}",
+            d.outcome
+        );
+        assert_eq!(row(&store, "order-8", group).await, None);
+        let d2 = next(&mut runner).await;
+        assert!(d2.processed && d2.committed);
+        let c = metrics.snapshot();
+        assert_eq!((c.failed, c.processed, c.consumed), (1, 1, 2), "{act:?}");
+    }
+    assert_eq!(store.invoices("order-8").await, 2, "one per group");
+}
+
+/// The broker commit fails after the transaction committed: the effect is
+/// durable, the message is not acknowledged, and a fresh consumer's
+/// redelivery is a duplicate.
+pub async fn commit_failure_then_duplicate<S>(store: S)
+where
+    S: ScenarioStore,
+    S::Tx: WriteInvoice,
+{
+    let group = "billing-commit-failure";
+    let broker = MemBroker::new();
+    broker.produce("orders", 0, order("order-9"));
+    broker.fail_next(crate::BrokerFault::Commit, 1);
+    let handler = ScriptedHandler::new([], Act::Succeed);
+    let metrics = Arc::new(CountingMetrics::new());
+    let mut runner = Runner::new(
+        store.clone(),
+        broker.consumer(group),
+        handler.clone(),
+        config(group, AckStrategy::default()),
+    )
+    .with_metrics(metrics.clone());
+    let d = next(&mut runner).await;
+    assert!(!d.committed);
+    assert!(matches!(d.error, Some(inbox_core::ProcessError::Commit(_))));
+    assert_eq!(store.invoices("order-9").await, 1);
+    assert_eq!(metrics.snapshot().commit_failed, 1);
+    drop(runner);
+    let mut fresh = Runner::new(
+        store.clone(),
+        broker.consumer(group),
+        handler.clone(),
+        config(group, AckStrategy::default()),
+    );
+    let again = next(&mut fresh).await;
+    assert!(again.duplicate && again.committed);
+    assert_eq!(handler.calls(), 1);
+    assert_eq!(store.invoices("order-9").await, 1);
+}
+
+/// Every scenario above, in order, on one store.
+pub async fn run_all<S>(store: S)
+where
+    S: ScenarioStore,
+    S::Tx: WriteInvoice,
+{
+    handler_retry_four_deliveries(store.clone()).await;
+    handler_skipped(store.clone()).await;
+    write_then_fail_every_strategy(store.clone()).await;
+    cumulative_commit_trap(store.clone()).await;
+    no_handler_lands(store.clone()).await;
+    pending_row_is_handled(store.clone()).await;
+    locked_elsewhere_is_deferred(store.clone()).await;
+    failed_row_is_terminal(store.clone()).await;
+    timeout_and_panic_are_failures(store.clone()).await;
+    commit_failure_then_duplicate(store).await;
+}

@@ -362,16 +362,8 @@ where
     );
     let first = next(&mut runner).await;
     assert!(!first.processed);
-    assert_eq!(
-        store.invoices(&id).await,
-        0,
-        "the failed run rolled back"
-    );
-    assert_eq!(
-        row(&store, &id, group).await,
-        None,
-        "and so did the row"
-    );
+    assert_eq!(store.invoices(&id).await, 0, "the failed run rolled back");
+    assert_eq!(row(&store, &id, group).await, None, "and so did the row");
     drop(runner);
     let mut fresh = Runner::new(
         store.clone(),

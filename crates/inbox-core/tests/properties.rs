@@ -1,0 +1,271 @@
+//! Property tests: the decision module over its whole input space against an
+//! oracle written from SPEC's text, and the runner over random delivery
+//! sequences, handler outcomes, faults and consumer crashes.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use inbox_core::decision::{self, CommitPoint, RowAfter, RowState, Tally, TxAction};
+use inbox_core::{AckPolicy, AckStrategy, CountingMetrics, Message, OutcomeClass, Runner, RunnerConfig};
+use inbox_testkit::scenarios::{Act, ScriptedHandler};
+use inbox_testkit::{BrokerFault, MemBroker, MemStore, StoreFault};
+use proptest::prelude::*;
+use serde_json::json;
+
+fn strategy() -> impl Strategy<Value = AckStrategy> {
+    proptest::sample::select(AckStrategy::ALL.to_vec())
+}
+
+fn row_state() -> impl Strategy<Value = RowState> {
+    proptest::sample::select(RowState::ALL.to_vec())
+}
+
+fn outcome() -> impl Strategy<Value = OutcomeClass> {
+    proptest::sample::select(vec![
+        OutcomeClass::Success,
+        OutcomeClass::Skip,
+        OutcomeClass::Failure,
+    ])
+}
+
+/// SPEC, read cell by cell: (commit point, rewind) when the message still
+/// has to be handled (a handler failure, or a row held elsewhere).
+fn spec_unsettled(s: AckStrategy, is_failure: bool) -> (CommitPoint, bool) {
+    match s {
+        AckStrategy::AtMostOnce => (CommitPoint::Before, false),
+        AckStrategy::AtLeastOnce { policy: AckPolicy::OnPersist } => (CommitPoint::After, false),
+        AckStrategy::AtLeastOnce { policy: AckPolicy::OnSuccess } => (CommitPoint::Never, true),
+        AckStrategy::ExactlyOnceInbox { commit_on_failed } if is_failure && commit_on_failed => {
+            (CommitPoint::After, false)
+        }
+        AckStrategy::ExactlyOnceInbox { .. } => (CommitPoint::Never, true),
+    }
+}
+
+proptest! {
+    #[test]
+    fn decision_matches_spec(s in strategy(), has_handler in any::<bool>(), row in row_state(), o in outcome()) {
+        let d = decision::decide(s, has_handler, row, o);
+        let runs = has_handler && matches!(row, RowState::New | RowState::PendingUnlocked);
+        prop_assert_eq!(d.handler_ran, runs);
+        let failed = runs && o == OutcomeClass::Failure;
+        prop_assert_eq!(d.transaction == TxAction::Rollback, failed);
+        prop_assert_eq!(d.processed, runs && o == OutcomeClass::Success);
+        let settled = if s == AckStrategy::AtMostOnce { CommitPoint::Before } else { CommitPoint::After };
+        let (commit, rewind) = if failed {
+            spec_unsettled(s, true)
+        } else if has_handler && row == RowState::PendingLockedElsewhere {
+            spec_unsettled(s, false)
+        } else {
+            (settled, false)
+        };
+        prop_assert_eq!((d.commit, d.rewind), (commit, rewind));
+        // A message is rewound exactly when it is not committed.
+        prop_assert_eq!(d.rewind, d.commit == CommitPoint::Never);
+        let duplicate = row == RowState::Completed
+            || (!has_handler && matches!(row, RowState::PendingUnlocked | RowState::PendingLockedElsewhere));
+        prop_assert_eq!(d.duplicate, duplicate);
+        let row_after = match (runs, o, row, has_handler) {
+            (true, OutcomeClass::Failure, RowState::New, _) => RowAfter::Absent,
+            (true, OutcomeClass::Failure, _, _) => RowAfter::Pending,
+            (true, _, _, _) => RowAfter::Completed,
+            (false, _, RowState::New, false) => RowAfter::Pending,
+            _ => RowAfter::AsBefore,
+        };
+        prop_assert_eq!(d.row_after, row_after);
+        let tally = match (runs, o, row) {
+            (true, OutcomeClass::Success, _) => Tally::Processed,
+            (true, OutcomeClass::Skip, _) => Tally::Skipped,
+            (true, OutcomeClass::Failure, _) => Tally::Failed,
+            (false, _, RowState::Failed) => Tally::Terminal,
+            (false, _, _) if duplicate => Tally::Duplicate,
+            (false, _, RowState::New) => Tally::Landed,
+            _ => Tally::Deferred,
+        };
+        prop_assert_eq!(d.tally, tally);
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Step {
+    /// Process one delivery.
+    Deliver,
+    /// The consumer process dies between messages; a new one starts.
+    Crash,
+    /// The next store commit fails (nothing applied).
+    FailTxCommit,
+    /// The next store commit applies but reports a lost connection.
+    AmbiguousTxCommit,
+    /// The next broker commit crashes the consumer.
+    CrashAtBrokerCommit,
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        8 => Just(Step::Deliver),
+        1 => Just(Step::Crash),
+        1 => Just(Step::FailTxCommit),
+        1 => Just(Step::AmbiguousTxCommit),
+        1 => Just(Step::CrashAtBrokerCommit),
+    ]
+}
+
+fn act() -> impl Strategy<Value = Act> {
+    prop_oneof![
+        4 => Just(Act::Succeed),
+        1 => Just(Act::Skip),
+        2 => Just(Act::Fail),
+        2 => Just(Act::Retry),
+    ]
+}
+
+struct World {
+    ids: Vec<String>,
+    invoices: BTreeMap<String, usize>,
+    committed_all: bool,
+    consumed: u64,
+    tallied: u64,
+    deliveries: u64,
+}
+
+fn simulate(strategy: AckStrategy, ids: Vec<(u8, i32)>, acts: Vec<Act>, steps: Vec<Step>) -> World {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .expect("runtime");
+    rt.block_on(async move {
+        let store = MemStore::new();
+        let broker = MemBroker::new();
+        let mut produced = Vec::new();
+        for (id, partition) in &ids {
+            let id = format!("m-{id}");
+            broker.produce(
+                "orders",
+                *partition,
+                Message::new(id.clone(), "orders", "order.created", json!({ "id": id })),
+            );
+            produced.push(id);
+        }
+        let handler = ScriptedHandler::new(acts, Act::Succeed);
+        let metrics = Arc::new(CountingMetrics::new());
+        let config = RunnerConfig::new("billing", "prop-worker")
+            .expect("config")
+            .with_strategy(strategy);
+        let make = |broker: &MemBroker| {
+            Runner::new(store.clone(), broker.consumer("billing"), handler.clone(), config.clone())
+                .with_metrics(metrics.clone())
+        };
+        let mut runner = make(&broker);
+        let mut scripted = steps.into_iter();
+        // Scripted steps first, then deliver until the broker has nothing
+        // left for the group (bounded).
+        for _ in 0..10_000 {
+            let step = scripted.next().unwrap_or(Step::Deliver);
+            match step {
+                Step::Crash => runner = make(&broker),
+                Step::FailTxCommit => store.fail_next(StoreFault::Commit, 1),
+                Step::AmbiguousTxCommit => store.fail_next(StoreFault::CommitLostAfterApply, 1),
+                Step::CrashAtBrokerCommit => broker.fail_next(BrokerFault::CrashOnCommit, 1),
+                Step::Deliver => match runner.process_one().await {
+                    Ok(Some(r)) => {
+                        if matches!(
+                            r.error,
+                            Some(inbox_core::ProcessError::Commit(inbox_core::ConsumerError::Closed(_)))
+                                | Some(inbox_core::ProcessError::Rewind(inbox_core::ConsumerError::Closed(_)))
+                        ) {
+                            runner = make(&broker);
+                        }
+                    }
+                    Ok(None) => {
+                        if scripted.len() == 0 {
+                            break;
+                        }
+                    }
+                    Err(_) => runner = make(&broker),
+                },
+            }
+        }
+        store.clear_faults();
+        broker.clear_faults();
+        let mut invoices = BTreeMap::new();
+        for key in store.business_rows("invoices") {
+            *invoices.entry(key).or_insert(0) += 1;
+        }
+        let mut per_partition: BTreeMap<i32, i64> = BTreeMap::new();
+        for (_, p) in &ids {
+            *per_partition.entry(*p).or_insert(0) += 1;
+        }
+        let committed_all = per_partition
+            .iter()
+            .all(|(p, n)| broker.committed("billing", "orders", *p) == Some(*n));
+        let c = metrics.snapshot();
+        World {
+            ids: produced,
+            invoices,
+            committed_all,
+            consumed: c.consumed,
+            tallied: c.tallied(),
+            deliveries: broker.deliveries(),
+        }
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, .. ProptestConfig::default() })]
+
+    #[test]
+    fn exactly_once_inbox_never_doubles_and_never_loses(
+        ids in proptest::collection::vec((0u8..6, 0i32..2), 1..10),
+        acts in proptest::collection::vec(act(), 0..12),
+        steps in proptest::collection::vec(step(), 0..30),
+        commit_on_failed in any::<bool>(),
+    ) {
+        let strategy = AckStrategy::ExactlyOnceInbox { commit_on_failed };
+        let world = simulate(strategy, ids, acts, steps);
+        for (key, n) in &world.invoices {
+            prop_assert!(*n <= 1, "{key} has {n} effects");
+        }
+        if !commit_on_failed {
+            // Every handler eventually succeeds (the script ends in Succeed):
+            // every message has exactly one effect and everything is committed.
+            let distinct: BTreeSet<&String> = world.ids.iter().collect();
+            for id in distinct {
+                prop_assert_eq!(world.invoices.get(id).copied(), Some(1), "{} lost", id);
+            }
+        }
+        prop_assert!(world.committed_all, "everything is committed in the end");
+        prop_assert_eq!(world.consumed, world.tallied, "one counter per delivery");
+        prop_assert_eq!(world.consumed, world.deliveries);
+    }
+
+    #[test]
+    fn at_most_once_never_doubles(
+        ids in proptest::collection::vec((0u8..6, 0i32..2), 1..10),
+        acts in proptest::collection::vec(act(), 0..12),
+        steps in proptest::collection::vec(step(), 0..30),
+    ) {
+        let world = simulate(AckStrategy::AtMostOnce, ids, acts, steps);
+        for (key, n) in &world.invoices {
+            prop_assert!(*n <= 1, "{key} has {n} effects");
+        }
+        prop_assert_eq!(world.consumed, world.tallied);
+        prop_assert_eq!(world.consumed, world.deliveries);
+    }
+
+    #[test]
+    fn at_least_once_counts_add_up(
+        ids in proptest::collection::vec((0u8..6, 0i32..2), 1..10),
+        acts in proptest::collection::vec(act(), 0..12),
+        steps in proptest::collection::vec(step(), 0..30),
+        on_success in any::<bool>(),
+    ) {
+        let policy = if on_success { AckPolicy::OnSuccess } else { AckPolicy::OnPersist };
+        let world = simulate(AckStrategy::AtLeastOnce { policy }, ids, acts, steps);
+        // The inbox row deduplicates under every strategy.
+        for (key, n) in &world.invoices {
+            prop_assert!(*n <= 1, "{key} has {n} effects");
+        }
+        prop_assert!(world.committed_all);
+        prop_assert_eq!(world.consumed, world.tallied);
+    }
+}

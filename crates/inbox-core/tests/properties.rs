@@ -6,7 +6,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use inbox_core::decision::{self, CommitPoint, RowAfter, RowState, Tally, TxAction};
-use inbox_core::{AckPolicy, AckStrategy, CountingMetrics, Message, OutcomeClass, Runner, RunnerConfig};
+use inbox_core::{
+    AckPolicy, AckStrategy, CountingMetrics, Message, OutcomeClass, Runner, RunnerConfig,
+};
 use inbox_testkit::scenarios::{Act, ScriptedHandler};
 use inbox_testkit::{BrokerFault, MemBroker, MemStore, StoreFault};
 use proptest::prelude::*;
@@ -33,8 +35,12 @@ fn outcome() -> impl Strategy<Value = OutcomeClass> {
 fn spec_unsettled(s: AckStrategy, is_failure: bool) -> (CommitPoint, bool) {
     match s {
         AckStrategy::AtMostOnce => (CommitPoint::Before, false),
-        AckStrategy::AtLeastOnce { policy: AckPolicy::OnPersist } => (CommitPoint::After, false),
-        AckStrategy::AtLeastOnce { policy: AckPolicy::OnSuccess } => (CommitPoint::Never, true),
+        AckStrategy::AtLeastOnce {
+            policy: AckPolicy::OnPersist,
+        } => (CommitPoint::After, false),
+        AckStrategy::AtLeastOnce {
+            policy: AckPolicy::OnSuccess,
+        } => (CommitPoint::Never, true),
         AckStrategy::ExactlyOnceInbox { commit_on_failed } if is_failure && commit_on_failed => {
             (CommitPoint::After, false)
         }
@@ -152,8 +158,13 @@ fn simulate(strategy: AckStrategy, ids: Vec<(u8, i32)>, acts: Vec<Act>, steps: V
             .expect("config")
             .with_strategy(strategy);
         let make = |broker: &MemBroker| {
-            Runner::new(store.clone(), broker.consumer("billing"), handler.clone(), config.clone())
-                .with_metrics(metrics.clone())
+            Runner::new(
+                store.clone(),
+                broker.consumer("billing"),
+                handler.clone(),
+                config.clone(),
+            )
+            .with_metrics(metrics.clone())
         };
         let mut runner = make(&broker);
         let mut scripted = steps.into_iter();
@@ -170,8 +181,11 @@ fn simulate(strategy: AckStrategy, ids: Vec<(u8, i32)>, acts: Vec<Act>, steps: V
                     Ok(Some(r)) => {
                         if matches!(
                             r.error,
-                            Some(inbox_core::ProcessError::Commit(inbox_core::ConsumerError::Closed(_)))
-                                | Some(inbox_core::ProcessError::Rewind(inbox_core::ConsumerError::Closed(_)))
+                            Some(inbox_core::ProcessError::Commit(
+                                inbox_core::ConsumerError::Closed(_)
+                            )) | Some(inbox_core::ProcessError::Rewind(
+                                inbox_core::ConsumerError::Closed(_)
+                            ))
                         ) {
                             runner = make(&broker);
                         }

@@ -1,13 +1,58 @@
 //! # inbox-postgres
 //!
-//! The PostgreSQL adapter of the inbox, on `sea-orm`. It will hold the
-//! migration that creates the inbox table and its indexes, the store that
-//! implements [`inbox_core::InboxStore`] over one `DatabaseTransaction` per
-//! message (the handler writes its business rows through that same
-//! transaction), and the mapping of database errors to
-//! [`inbox_core::StoreError`].
+//! The PostgreSQL adapter of the inbox, on `sea-orm`: the migration that
+//! creates the inbox table, and [`PgStore`], which implements
+//! [`inbox_core::InboxStore`] with one `DatabaseTransaction` per message.
+//! The handler receives that transaction ([`PgTx::connection`]), so its
+//! business writes commit or roll back with the inbox row.
 //!
+//! ```no_run
+//! use async_trait::async_trait;
+//! use inbox_core::{Handler, HandlerError, Message, Runner, RunnerConfig};
+//! use inbox_postgres::{PgStore, PgTx, TableName};
+//! use sea_orm::{ConnectionTrait, DbBackend, Statement};
+//!
+//! struct Billing;
+//!
+//! #[async_trait]
+//! impl Handler<PgTx> for Billing {
+//!     type Output = ();
+//!     async fn handle(&self, m: &Message, tx: &mut PgTx) -> Result<(), HandlerError> {
+//!         tx.connection()
+//!             .execute_raw(Statement::from_sql_and_values(
+//!                 DbBackend::Postgres,
+//!                 "INSERT INTO invoices (order_id) VALUES ($1)",
+//!                 [m.message_id.clone().into()],
+//!             ))
+//!             .await?;
+//!         Ok(())
+//!     }
+//! }
+//!
+//! # async fn run(consumer: impl inbox_core::Consumer) -> Result<(), Box<dyn std::error::Error>> {
+//! let store = PgStore::connect("postgres://app@localhost/app", TableName::default()).await?;
+//! store.create_tables().await?; // or add InboxMigration to your migrator
+//! let config = RunnerConfig::new("billing", "billing-1")?;
+//! let mut runner = Runner::new(store, consumer, Billing, config);
+//! runner.run(inbox_core::CancellationToken::new()).await;
+//! # Ok(()) }
 //! ```
-//! // The adapter is not built yet; the core it will plug into is:
-//! use inbox_core::InboxStore as _;
-//! ```
+//!
+//! ## Round trips
+//!
+//! A handled message costs `BEGIN`, one insert-or-get statement, the
+//! handler's own statements, one `UPDATE` that completes the row, and
+//! `COMMIT`: 4 round trips plus the handler's. A duplicate costs 3 (`BEGIN`,
+//! insert-or-get, `COMMIT`), a failure 3 plus the handler's (`BEGIN`,
+//! insert-or-get, `ROLLBACK`). See `docs/postgres.md`.
+
+mod error;
+mod migration;
+mod schema;
+mod store;
+
+pub use error::{kind_of_sqlstate, map_db_err};
+pub use migration::InboxMigration;
+pub use schema::{MAX_TABLE_NAME, TableName, create_statements, drop_statements};
+pub use sea_orm;
+pub use store::{PgStore, PgTx};

@@ -30,6 +30,7 @@
 
 mod broker;
 mod conformance;
+pub mod pg;
 pub mod scenarios;
 mod store;
 

@@ -1,0 +1,104 @@
+//! Mapping database errors to the core's typed [`StoreError`], keeping the
+//! cause and never a connection string.
+
+use inbox_core::{StoreError, StoreErrorKind};
+use sea_orm::DbErr;
+use sea_orm::sqlx;
+
+/// The kind of a PostgreSQL SQLSTATE code.
+pub fn kind_of_sqlstate(code: &str) -> StoreErrorKind {
+    match code {
+        "40001" | "40P01" => StoreErrorKind::Serialization,
+        "57014" | "55P03" => StoreErrorKind::Timeout,
+        "57P01" | "57P02" | "57P03" => StoreErrorKind::Connection,
+        c if c.starts_with("08") => StoreErrorKind::Connection,
+        c if c.starts_with("23") => StoreErrorKind::Integrity,
+        _ => StoreErrorKind::Other,
+    }
+}
+
+fn kind_of_sqlx(e: &sqlx::Error) -> StoreErrorKind {
+    match e {
+        sqlx::Error::Database(db) => db
+            .code()
+            .map_or(StoreErrorKind::Other, |c| kind_of_sqlstate(&c)),
+        sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::PoolClosed => {
+            StoreErrorKind::Connection
+        }
+        sqlx::Error::PoolTimedOut => StoreErrorKind::Timeout,
+        sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed => StoreErrorKind::Connection,
+        _ => StoreErrorKind::Other,
+    }
+}
+
+/// Maps a sea-orm error to a [`StoreError`], walking the cause chain for
+/// the driver's error.
+pub fn map_db_err(e: &DbErr) -> StoreError {
+    let mut kind = match e {
+        DbErr::ConnectionAcquire(_) | DbErr::Conn(_) => StoreErrorKind::Connection,
+        _ => StoreErrorKind::Other,
+    };
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = source {
+        if let Some(sqlx_err) = err.downcast_ref::<sqlx::Error>() {
+            let k = kind_of_sqlx(sqlx_err);
+            if k != StoreErrorKind::Other {
+                kind = k;
+            }
+            break;
+        }
+        source = err.source();
+    }
+    if kind == StoreErrorKind::Other && matches!(e.sql_err(), Some(_)) {
+        kind = StoreErrorKind::Integrity;
+    }
+    StoreError::new(kind, e.to_string())
+}
+
+/// Removes `url` and its password from an error's cause.
+pub(crate) fn redact(mut e: StoreError, url: &str) -> StoreError {
+    if !url.is_empty() {
+        e.cause = e.cause.replace(url, "<database url>");
+    }
+    if let Some(password) = password_of(url) {
+        e.cause = e.cause.replace(password, "<password>");
+    }
+    e
+}
+
+fn password_of(url: &str) -> Option<&str> {
+    let rest = url.split_once("://")?.1;
+    let userinfo = rest.split_once('@')?.0;
+    let password = userinfo.split_once(':')?.1;
+    (!password.is_empty()).then_some(password)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sqlstates() {
+        assert_eq!(kind_of_sqlstate("23505"), StoreErrorKind::Integrity);
+        assert_eq!(kind_of_sqlstate("23514"), StoreErrorKind::Integrity);
+        assert_eq!(kind_of_sqlstate("40001"), StoreErrorKind::Serialization);
+        assert_eq!(kind_of_sqlstate("40P01"), StoreErrorKind::Serialization);
+        assert_eq!(kind_of_sqlstate("57014"), StoreErrorKind::Timeout);
+        assert_eq!(kind_of_sqlstate("08006"), StoreErrorKind::Connection);
+        assert_eq!(kind_of_sqlstate("57P01"), StoreErrorKind::Connection);
+        assert_eq!(kind_of_sqlstate("42P01"), StoreErrorKind::Other);
+    }
+
+    #[test]
+    fn redaction_removes_url_and_password() {
+        let url = "postgres://app:s3cret@db:5432/x";
+        let e = StoreError::new(
+            StoreErrorKind::Connection,
+            format!("cannot reach {url}; auth s3cret failed"),
+        );
+        let r = redact(e, url);
+        assert!(!r.cause.contains("s3cret"), "{}", r.cause);
+        assert!(!r.cause.contains(url));
+        assert_eq!(password_of("postgres://u@h/db"), None);
+    }
+}

@@ -1,0 +1,210 @@
+//! Validated identifiers and the SQL of the inbox tables.
+//!
+//! Nothing the user configures is pasted into SQL raw: schema and table
+//! names are checked against `[a-z_][a-z0-9_]*` and quoted.
+
+use inbox_core::ValidationError;
+
+/// Longest table name accepted: index names add a suffix and PostgreSQL
+/// identifiers stop at 63 bytes.
+pub const MAX_TABLE_NAME: usize = 40;
+
+/// A validated, optionally schema-qualified table name.
+///
+/// ```
+/// use inbox_postgres::TableName;
+/// let t = TableName::new(Some("billing"), "inbox").unwrap();
+/// assert_eq!(t.qualified(), r#""billing"."inbox""#);
+/// assert!(TableName::new(None, "inbox; DROP TABLE x").is_err());
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableName {
+    schema: Option<String>,
+    table: String,
+}
+
+fn check_ident(field: &'static str, name: &str) -> Result<(), ValidationError> {
+    if name.is_empty() {
+        return Err(ValidationError::Empty { field });
+    }
+    if name.len() > MAX_TABLE_NAME {
+        return Err(ValidationError::TooLong {
+            field,
+            max: MAX_TABLE_NAME,
+            actual: name.len(),
+        });
+    }
+    let mut chars = name.chars();
+    let first_ok = chars
+        .next()
+        .is_some_and(|c| c.is_ascii_lowercase() || c == '_');
+    if !first_ok || !chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_') {
+        return Err(ValidationError::Config {
+            reason: format!("{field} {name:?} must match [a-z_][a-z0-9_]*"),
+        });
+    }
+    Ok(())
+}
+
+impl TableName {
+    /// A table name, in `schema` when given.
+    ///
+    /// # Errors
+    ///
+    /// A [`ValidationError`] when a part is empty, longer than 40 bytes, or
+    /// not of the form `[a-z_][a-z0-9_]*`.
+    pub fn new(schema: Option<&str>, table: &str) -> Result<Self, ValidationError> {
+        if let Some(s) = schema {
+            check_ident("schema", s)?;
+        }
+        check_ident("table", table)?;
+        Ok(Self {
+            schema: schema.map(str::to_owned),
+            table: table.to_owned(),
+        })
+    }
+
+    /// The quoted, qualified name for SQL.
+    pub fn qualified(&self) -> String {
+        self.with_suffix("")
+    }
+
+    /// The bare table name.
+    pub fn table(&self) -> &str {
+        &self.table
+    }
+
+    fn with_suffix(&self, suffix: &str) -> String {
+        match &self.schema {
+            Some(s) => format!("\"{s}\".\"{}{suffix}\"", self.table),
+            None => format!("\"{}{suffix}\"", self.table),
+        }
+    }
+
+    /// The dead-letter table next to the inbox table.
+    pub fn dead_letters(&self) -> String {
+        self.with_suffix("_dead_letters")
+    }
+
+    /// An index name (unqualified: indexes live in their table's schema).
+    fn index(&self, suffix: &str) -> String {
+        format!("\"{}_{suffix}\"", self.table)
+    }
+}
+
+impl Default for TableName {
+    fn default() -> Self {
+        Self {
+            schema: None,
+            table: "inbox".to_owned(),
+        }
+    }
+}
+
+/// The statements that create the inbox and dead-letter tables.
+pub fn create_statements(t: &TableName) -> Vec<String> {
+    let q = t.qualified();
+    vec![
+        format!(
+            "CREATE TABLE IF NOT EXISTS {q} (
+    id             BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    message_id     VARCHAR(255) NOT NULL,
+    consumer_group VARCHAR(255) NOT NULL,
+    source         VARCHAR(255) NOT NULL,
+    event_type     VARCHAR(100) NOT NULL,
+    payload        JSONB NOT NULL,
+    status         TEXT NOT NULL DEFAULT 'pending',
+    attempts_made  INTEGER NOT NULL DEFAULT 0,
+    max_attempts   INTEGER NOT NULL,
+    last_error     TEXT,
+    scheduled_at   TIMESTAMPTZ NOT NULL DEFAULT now(),
+    completed_at   TIMESTAMPTZ,
+    locked_at      TIMESTAMPTZ,
+    locked_by      VARCHAR(255),
+    created_at     TIMESTAMPTZ NOT NULL DEFAULT now(),
+    updated_at     TIMESTAMPTZ NOT NULL DEFAULT now(),
+    CONSTRAINT {status} CHECK (status IN ('pending', 'completed', 'failed')),
+    CONSTRAINT {attempts} CHECK (attempts_made >= 0 AND attempts_made <= max_attempts),
+    CONSTRAINT {completed} CHECK ((status = 'completed') = (completed_at IS NOT NULL)),
+    CONSTRAINT {lock} CHECK ((locked_at IS NULL) = (locked_by IS NULL))
+)",
+            status = t.index("status_known"),
+            attempts = t.index("attempts_within_budget"),
+            completed = t.index("completed_at_iff_completed"),
+            lock = t.index("lock_both_or_neither"),
+        ),
+        // Deduplication: one row per message and consumer group.
+        format!(
+            "CREATE UNIQUE INDEX IF NOT EXISTS {} ON {q} (message_id, consumer_group)",
+            t.index("message_group_key")
+        ),
+        // The batch processor's fetch: due, unlocked, pending rows.
+        format!(
+            "CREATE INDEX IF NOT EXISTS {} ON {q} (scheduled_at) WHERE status = 'pending' AND locked_by IS NULL",
+            t.index("due_pending")
+        ),
+        // release_stale_locks: rows with a lease, by its age.
+        format!(
+            "CREATE INDEX IF NOT EXISTS {} ON {q} (locked_at) WHERE locked_by IS NOT NULL",
+            t.index("locked")
+        ),
+        // delete_completed: completed rows by age.
+        format!(
+            "CREATE INDEX IF NOT EXISTS {} ON {q} (completed_at) WHERE status = 'completed'",
+            t.index("completed")
+        ),
+        format!(
+            "CREATE TABLE IF NOT EXISTS {} (
+    id             BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    consumer_group VARCHAR(255) NOT NULL,
+    message_id     TEXT NOT NULL,
+    source         TEXT NOT NULL,
+    topic          TEXT,
+    partition      INTEGER,
+    record_offset  BIGINT,
+    message        JSONB NOT NULL,
+    error          TEXT NOT NULL,
+    created_at     TIMESTAMPTZ NOT NULL DEFAULT now()
+)",
+            t.dead_letters()
+        ),
+    ]
+}
+
+/// The statements that drop both tables.
+pub fn drop_statements(t: &TableName) -> Vec<String> {
+    vec![
+        format!("DROP TABLE IF EXISTS {}", t.dead_letters()),
+        format!("DROP TABLE IF EXISTS {}", t.qualified()),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identifiers_are_validated() {
+        assert!(TableName::new(None, "inbox_2").is_ok());
+        assert!(TableName::new(Some("app"), "_inbox").is_ok());
+        for bad in ["", "Inbox", "in-box", "1inbox", "inbox\"", "a b", "x;y"] {
+            assert!(TableName::new(None, bad).is_err(), "{bad:?}");
+            assert!(
+                TableName::new(Some(bad), "inbox").is_err(),
+                "schema {bad:?}"
+            );
+        }
+        assert!(TableName::new(None, &"a".repeat(41)).is_err());
+        assert!(TableName::new(None, &"a".repeat(40)).is_ok());
+    }
+
+    #[test]
+    fn names_are_quoted() {
+        let t = TableName::new(Some("s"), "inbox").expect("valid");
+        assert_eq!(t.qualified(), "\"s\".\"inbox\"");
+        assert_eq!(t.dead_letters(), "\"s\".\"inbox_dead_letters\"");
+        assert_eq!(TableName::default().qualified(), "\"inbox\"");
+        let sql = create_statements(&t).join(";");
+        assert!(sql.contains("ON \"s\".\"inbox\" (message_id, consumer_group)"));
+    }
+}

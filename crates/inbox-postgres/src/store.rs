@@ -1,0 +1,367 @@
+//! The store: one `DatabaseTransaction` per message.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use inbox_core::{
+    Found, InboxRow, InboxStatus, InboxStore, InboxTransaction, LockResult, Message, NewInboxRow,
+    RowId, RowRef, StoreError, StoreErrorKind, ValidationError, WorkerId,
+};
+use sea_orm::{
+    ConnectionTrait, Database, DatabaseConnection, DatabaseTransaction, DbBackend, DbErr,
+    QueryResult, Statement, TransactionTrait, Value,
+};
+
+use crate::error::map_db_err;
+use crate::schema::{TableName, create_statements};
+
+/// The SQL of every statement, rendered once for a table.
+#[derive(Debug)]
+struct Sql {
+    insert_or_get: String,
+    get: String,
+    lock: String,
+    complete: String,
+    find: String,
+    release: String,
+    delete_completed: String,
+    dead_letter: String,
+}
+
+impl Sql {
+    fn new(t: &TableName) -> Self {
+        let q = t.qualified();
+        Self {
+            // One round trip: insert, or return the existing row. When a
+            // concurrent transaction inserted the key and commits while we
+            // wait, the statement's snapshot cannot see its row and returns
+            // nothing; `get` then reads it with a fresh snapshot.
+            insert_or_get: format!(
+                "WITH ins AS (
+                    INSERT INTO {q} (message_id, consumer_group, source, event_type, payload, max_attempts)
+                    VALUES ($1, $2, $3, $4, $5, $6)
+                    ON CONFLICT (message_id, consumer_group) DO NOTHING
+                    RETURNING id, status)
+                 SELECT id, status, TRUE AS inserted FROM ins
+                 UNION ALL
+                 SELECT id, status, FALSE FROM {q}
+                  WHERE message_id = $1 AND consumer_group = $2 AND NOT EXISTS (SELECT 1 FROM ins)"
+            ),
+            get: format!(
+                "SELECT id, status, FALSE AS inserted FROM {q} WHERE message_id = $1 AND consumer_group = $2"
+            ),
+            lock: format!(
+                "SELECT status, locked_by FROM {q} WHERE id = $1 FOR UPDATE SKIP LOCKED"
+            ),
+            complete: format!(
+                "UPDATE {q} SET status = 'completed', completed_at = now(), locked_at = NULL,
+                        locked_by = NULL, updated_at = now()
+                  WHERE id = $1"
+            ),
+            find: format!(
+                "SELECT id, message_id, consumer_group, source, event_type, payload, status,
+                        attempts_made, max_attempts, last_error, scheduled_at, completed_at,
+                        locked_at, locked_by, created_at, updated_at
+                   FROM {q} WHERE message_id = $1 AND consumer_group = $2"
+            ),
+            release: format!(
+                "UPDATE {q} SET locked_at = NULL, locked_by = NULL, updated_at = now()
+                  WHERE locked_by IS NOT NULL AND locked_at <= now() - make_interval(secs => $1)"
+            ),
+            delete_completed: format!(
+                "DELETE FROM {q} WHERE id IN (
+                    SELECT id FROM {q}
+                     WHERE status = 'completed' AND completed_at <= now() - make_interval(secs => $1)
+                     ORDER BY completed_at
+                     LIMIT $2
+                     FOR UPDATE SKIP LOCKED)"
+            ),
+            dead_letter: format!(
+                "INSERT INTO {} (consumer_group, message_id, source, topic, partition, record_offset, message, error)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+                t.dead_letters()
+            ),
+        }
+    }
+}
+
+fn stmt(sql: &str, values: Vec<Value>) -> Statement {
+    Statement::from_sql_and_values(DbBackend::Postgres, sql, values)
+}
+
+fn secs(d: Duration) -> Value {
+    Value::from(d.as_secs_f64())
+}
+
+/// The PostgreSQL inbox store. Cloning shares the pool.
+#[derive(Debug, Clone)]
+pub struct PgStore {
+    db: DatabaseConnection,
+    table: TableName,
+    sql: Arc<Sql>,
+}
+
+impl PgStore {
+    /// A store over an open sea-orm connection, using `table`.
+    pub fn new(db: DatabaseConnection, table: TableName) -> Self {
+        let sql = Arc::new(Sql::new(&table));
+        Self { db, table, sql }
+    }
+
+    /// Connects to `url` and uses `table`. The URL never appears in an error.
+    ///
+    /// # Errors
+    ///
+    /// A [`StoreError`] of kind `Connection` (or another kind) when the
+    /// database cannot be reached.
+    pub async fn connect(url: &str, table: TableName) -> Result<Self, StoreError> {
+        let db = Database::connect(url)
+            .await
+            .map_err(|e| crate::error::redact(map_db_err(&e), url))?;
+        Ok(Self::new(db, table))
+    }
+
+    /// Creates the inbox and dead-letter tables and their indexes if they do
+    /// not exist (what [`crate::InboxMigration`] does in a migrator).
+    ///
+    /// # Errors
+    ///
+    /// A [`StoreError`] when a statement fails.
+    pub async fn create_tables(&self) -> Result<(), StoreError> {
+        for sql in create_statements(&self.table) {
+            self.db
+                .execute_unprepared(&sql)
+                .await
+                .map_err(|e| map_db_err(&e))?;
+        }
+        Ok(())
+    }
+
+    /// The connection pool, for the application's own queries.
+    pub fn connection(&self) -> &DatabaseConnection {
+        &self.db
+    }
+
+    /// The table this store uses.
+    pub fn table(&self) -> &TableName {
+        &self.table
+    }
+}
+
+/// One message's transaction. The handler writes through
+/// [`PgTx::connection`], so its writes commit or roll back with the row.
+/// Dropping it without `commit` rolls back.
+#[derive(Debug)]
+pub struct PgTx {
+    tx: DatabaseTransaction,
+    sql: Arc<Sql>,
+}
+
+impl PgTx {
+    /// The transaction, for the handler's own statements (any sea-orm query
+    /// taking `&impl ConnectionTrait`).
+    pub fn connection(&self) -> &DatabaseTransaction {
+        &self.tx
+    }
+}
+
+fn get<T: sea_orm::TryGetable>(row: &QueryResult, col: &str) -> Result<T, StoreError> {
+    row.try_get::<T>("", col).map_err(|e| map_db_err(&e))
+}
+
+fn status(s: &str) -> Result<InboxStatus, StoreError> {
+    InboxStatus::parse(s).map_err(|e| StoreError::new(StoreErrorKind::Integrity, e.to_string()))
+}
+
+fn row_ref(row: &QueryResult) -> Result<RowRef, StoreError> {
+    let id: i64 = get(row, "id")?;
+    let inserted: bool = get(row, "inserted")?;
+    let found = if inserted {
+        Found::Inserted
+    } else {
+        Found::Existing(status(&get::<String>(row, "status")?)?)
+    };
+    Ok(RowRef { id, found })
+}
+
+fn inbox_row(r: &QueryResult) -> Result<InboxRow, StoreError> {
+    Ok(InboxRow {
+        id: get(r, "id")?,
+        message_id: get(r, "message_id")?,
+        consumer_group: get(r, "consumer_group")?,
+        source: get(r, "source")?,
+        event_type: get(r, "event_type")?,
+        payload: get(r, "payload")?,
+        status: status(&get::<String>(r, "status")?)?,
+        attempts_made: get(r, "attempts_made")?,
+        max_attempts: get(r, "max_attempts")?,
+        last_error: get(r, "last_error")?,
+        scheduled_at: get::<DateTime<Utc>>(r, "scheduled_at")?,
+        completed_at: get(r, "completed_at")?,
+        locked_at: get(r, "locked_at")?,
+        locked_by: get(r, "locked_by")?,
+        created_at: get(r, "created_at")?,
+        updated_at: get(r, "updated_at")?,
+    })
+}
+
+fn db(e: DbErr) -> StoreError {
+    map_db_err(&e)
+}
+
+#[async_trait]
+impl InboxStore for PgStore {
+    type Tx = PgTx;
+
+    async fn begin(&self) -> Result<PgTx, StoreError> {
+        let tx = self.db.begin().await.map_err(db)?;
+        Ok(PgTx {
+            tx,
+            sql: self.sql.clone(),
+        })
+    }
+
+    async fn dead_letter(
+        &self,
+        message: &Message,
+        consumer_group: &str,
+        error: &ValidationError,
+    ) -> Result<(), StoreError> {
+        let position = message.position.as_ref();
+        let raw = serde_json::to_value(message)
+            .map_err(|e| StoreError::new(StoreErrorKind::Other, e.to_string()))?;
+        self.db
+            .execute_raw(stmt(
+                &self.sql.dead_letter,
+                vec![
+                    consumer_group.into(),
+                    message.message_id.clone().into(),
+                    message.source.clone().into(),
+                    position.map(|p| p.topic.clone()).into(),
+                    position.map(|p| p.partition).into(),
+                    position.map(|p| p.offset).into(),
+                    raw.into(),
+                    error.to_string().into(),
+                ],
+            ))
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+
+    async fn find(
+        &self,
+        message_id: &str,
+        consumer_group: &str,
+    ) -> Result<Option<InboxRow>, StoreError> {
+        let row = self
+            .db
+            .query_one_raw(stmt(
+                &self.sql.find,
+                vec![message_id.into(), consumer_group.into()],
+            ))
+            .await
+            .map_err(db)?;
+        row.as_ref().map(inbox_row).transpose()
+    }
+
+    async fn release_stale_locks(&self, older_than: Duration) -> Result<u64, StoreError> {
+        let r = self
+            .db
+            .execute_raw(stmt(&self.sql.release, vec![secs(older_than)]))
+            .await
+            .map_err(db)?;
+        Ok(r.rows_affected())
+    }
+
+    async fn delete_completed(&self, older_than: Duration, batch: u64) -> Result<u64, StoreError> {
+        let limit = i64::try_from(batch).unwrap_or(i64::MAX);
+        let r = self
+            .db
+            .execute_raw(stmt(
+                &self.sql.delete_completed,
+                vec![secs(older_than), limit.into()],
+            ))
+            .await
+            .map_err(db)?;
+        Ok(r.rows_affected())
+    }
+}
+
+#[async_trait]
+impl InboxTransaction for PgTx {
+    async fn insert_or_get(&mut self, row: &NewInboxRow) -> Result<RowRef, StoreError> {
+        let found = self
+            .tx
+            .query_one_raw(stmt(
+                &self.sql.insert_or_get,
+                vec![
+                    row.message_id.clone().into(),
+                    row.consumer_group.clone().into(),
+                    row.source.clone().into(),
+                    row.event_type.clone().into(),
+                    row.payload.clone().into(),
+                    row.max_attempts.into(),
+                ],
+            ))
+            .await
+            .map_err(db)?;
+        if let Some(found) = found {
+            return row_ref(&found);
+        }
+        let again = self
+            .tx
+            .query_one_raw(stmt(
+                &self.sql.get,
+                vec![
+                    row.message_id.clone().into(),
+                    row.consumer_group.clone().into(),
+                ],
+            ))
+            .await
+            .map_err(db)?
+            .ok_or_else(|| {
+                StoreError::new(
+                    StoreErrorKind::Serialization,
+                    "inbox row vanished between insert and read; retry",
+                )
+            })?;
+        row_ref(&again)
+    }
+
+    async fn lock(&mut self, id: RowId, _worker: &WorkerId) -> Result<LockResult, StoreError> {
+        let row = self
+            .tx
+            .query_one_raw(stmt(&self.sql.lock, vec![id.into()]))
+            .await
+            .map_err(db)?;
+        let Some(row) = row else {
+            return Ok(LockResult::Busy);
+        };
+        let locked_by: Option<String> = get(&row, "locked_by")?;
+        let pending = status(&get::<String>(&row, "status")?)? == InboxStatus::Pending;
+        Ok(if locked_by.is_none() && pending {
+            LockResult::Acquired
+        } else {
+            LockResult::Busy
+        })
+    }
+
+    async fn complete(&mut self, id: RowId) -> Result<(), StoreError> {
+        self.tx
+            .execute_raw(stmt(&self.sql.complete, vec![id.into()]))
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+
+    async fn commit(self) -> Result<(), StoreError> {
+        self.tx.commit().await.map_err(db)
+    }
+
+    async fn rollback(self) -> Result<(), StoreError> {
+        self.tx.rollback().await.map_err(db)
+    }
+}

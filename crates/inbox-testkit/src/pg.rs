@@ -1,0 +1,510 @@
+//! A throwaway PostgreSQL for integration tests.
+//!
+//! [`server`] returns the process's server: the one `DATABASE_URL` names,
+//! or else one started here: `initdb` (as the `postgres` user when running
+//! as root) into a temporary directory, on a free port, with durability
+//! turned off. A reaper process stops it and removes the directory when the
+//! test process ends, even when a test fails or panics.
+//! [`PgServer::create_database`] gives each test its own database, so tests
+//! run in parallel.
+//!
+//! A test that needs PostgreSQL and cannot get one fails with the reason:
+//! it is never skipped.
+
+use std::fmt;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Why no PostgreSQL could be had.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HarnessError(pub String);
+
+impl fmt::Display for HarnessError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "no PostgreSQL for the tests: {}", self.0)
+    }
+}
+
+impl std::error::Error for HarnessError {}
+
+/// A PostgreSQL server for the tests.
+#[derive(Debug)]
+pub struct PgServer {
+    /// URL of the server's `postgres` database (an admin connection).
+    admin_url: String,
+    psql: PathBuf,
+    data_dir: Option<PathBuf>,
+}
+
+static SERVER: OnceLock<Result<PgServer, HarnessError>> = OnceLock::new();
+static DATABASES: AtomicU64 = AtomicU64::new(0);
+
+/// The process's server, started on first use.
+///
+/// # Errors
+///
+/// A [`HarnessError`] saying why none could be started.
+pub fn server() -> Result<&'static PgServer, HarnessError> {
+    SERVER
+        .get_or_init(|| match std::env::var("DATABASE_URL") {
+            Ok(url) if !url.is_empty() => Ok(PgServer {
+                admin_url: url,
+                psql: find_bin("psql").unwrap_or_else(|_| PathBuf::from("psql")),
+                data_dir: None,
+            }),
+            _ => PgServer::start(),
+        })
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+fn bin_dirs() -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    if let Ok(d) = std::env::var("PG_BIN") {
+        dirs.push(PathBuf::from(d));
+    }
+    if let Ok(entries) = std::fs::read_dir("/usr/lib/postgresql") {
+        let mut versions: Vec<PathBuf> = entries.flatten().map(|e| e.path().join("bin")).collect();
+        versions.sort();
+        versions.reverse();
+        dirs.extend(versions);
+    }
+    dirs
+}
+
+fn find_bin(name: &str) -> Result<PathBuf, HarnessError> {
+    bin_dirs()
+        .into_iter()
+        .map(|d| d.join(name))
+        .find(|p| p.exists())
+        .ok_or_else(|| {
+            HarnessError(format!(
+                "{name} not found under /usr/lib/postgresql/*/bin or $PG_BIN; install the PostgreSQL server or set DATABASE_URL"
+            ))
+        })
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+fn run(mut cmd: Command, what: &str) -> Result<(), HarnessError> {
+    let out = cmd
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| HarnessError(format!("{what}: {e}")))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(HarnessError(format!(
+            "{what} failed ({}): {}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )))
+    }
+}
+
+/// A command run as the `postgres` user when we are root (initdb refuses root).
+fn as_postgres(bin: &Path, root: bool) -> Command {
+    if root {
+        let mut c = Command::new("runuser");
+        c.args(["-u", "postgres", "--"]).arg(bin);
+        c
+    } else {
+        Command::new(bin)
+    }
+}
+
+impl PgServer {
+    fn start() -> Result<Self, HarnessError> {
+        let initdb = find_bin("initdb")?;
+        let pg_ctl = find_bin("pg_ctl")?;
+        let psql = find_bin("psql")?;
+        let root = is_root();
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let dir = std::env::temp_dir().join(format!("inbox-pg-{}-{nanos}", std::process::id()));
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| HarnessError(format!("creating {}: {e}", dir.display())))?;
+        if root {
+            let mut chown = Command::new("chown");
+            chown.arg("postgres:postgres").arg(&dir);
+            run(chown, "chown of the data directory to postgres")?;
+        }
+        let data = dir.join("data");
+        let mut init = as_postgres(&initdb, root);
+        init.arg("-D").arg(&data).args([
+            "-A",
+            "trust",
+            "-U",
+            "postgres",
+            "-E",
+            "UTF8",
+            "--no-sync",
+        ]);
+        run(init, "initdb")?;
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map_err(|e| HarnessError(format!("finding a free port: {e}")))?
+            .port();
+        let options = format!(
+            "-p {port} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=300",
+            dir.display()
+        );
+        let mut start = as_postgres(&pg_ctl, root);
+        start
+            .arg("-D")
+            .arg(&data)
+            .arg("-l")
+            .arg(dir.join("server.log"))
+            .args(["-w", "-t", "60", "-o", &options, "start"]);
+        run(start, "pg_ctl start")?;
+        spawn_reaper(&pg_ctl, &data, &dir, root);
+        eprintln!(
+            "inbox-testkit: started PostgreSQL on 127.0.0.1:{port} ({})",
+            dir.display()
+        );
+        Ok(Self {
+            admin_url: format!("postgres://postgres@127.0.0.1:{port}/postgres"),
+            psql,
+            data_dir: Some(dir),
+        })
+    }
+
+    /// The data directory of a server started here (None for `DATABASE_URL`).
+    pub fn data_dir(&self) -> Option<&Path> {
+        self.data_dir.as_deref()
+    }
+
+    /// The admin URL (the server's `postgres` database, or `DATABASE_URL`).
+    pub fn admin_url(&self) -> &str {
+        &self.admin_url
+    }
+
+    /// Runs SQL on the admin connection with `psql`.
+    ///
+    /// # Errors
+    ///
+    /// A [`HarnessError`] with psql's output.
+    pub fn psql(&self, sql: &str) -> Result<(), HarnessError> {
+        let mut cmd = Command::new(&self.psql);
+        cmd.args([
+            "-X",
+            "-q",
+            "-v",
+            "ON_ERROR_STOP=1",
+            "-d",
+            &self.admin_url,
+            "-c",
+            sql,
+        ]);
+        run(cmd, "psql").map_err(|e| HarnessError(e.0.replace(&self.admin_url, "<database url>")))
+    }
+
+    /// Creates a fresh database and returns its URL.
+    ///
+    /// # Errors
+    ///
+    /// A [`HarnessError`] when `CREATE DATABASE` fails.
+    pub fn create_database(&self) -> Result<String, HarnessError> {
+        let n = DATABASES.fetch_add(1, Ordering::Relaxed);
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let name = format!("inbox_test_{}_{n}_{nanos}", std::process::id());
+        self.psql(&format!("CREATE DATABASE {name}"))?;
+        Ok(with_database(&self.admin_url, &name))
+    }
+}
+
+/// `url` with its database replaced by `name`.
+pub fn with_database(url: &str, name: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (url, None),
+    };
+    let after_scheme = base.find("://").map_or(0, |i| i + 3);
+    let prefix = match base[after_scheme..].find('/') {
+        Some(i) => &base[..after_scheme + i],
+        None => base,
+    };
+    match query {
+        Some(q) => format!("{prefix}/{name}?{q}"),
+        None => format!("{prefix}/{name}"),
+    }
+}
+
+/// Starts a detached shell that waits for this process to end, then stops
+/// the server and removes its directory.
+fn spawn_reaper(pg_ctl: &Path, data: &Path, dir: &Path, root: bool) {
+    let pid = std::process::id();
+    let stop = if root {
+        format!(
+            "runuser -u postgres -- '{}' -D '{}' -m immediate stop",
+            pg_ctl.display(),
+            data.display()
+        )
+    } else {
+        format!(
+            "'{}' -D '{}' -m immediate stop",
+            pg_ctl.display(),
+            data.display()
+        )
+    };
+    let script = format!(
+        "while kill -0 {pid} 2>/dev/null; do sleep 0.5; done; {stop} >/dev/null 2>&1; rm -rf '{}'",
+        dir.display()
+    );
+    let spawned = Command::new("setsid")
+        .args(["sh", "-c", &script])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn();
+    if spawned.is_err() {
+        // Without setsid, a plain sh still outlives us as an orphan.
+        let _ = Command::new("sh")
+            .args(["-c", &script])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn database_is_replaced_in_urls() {
+        assert_eq!(
+            with_database("postgres://u@h:1/postgres", "t"),
+            "postgres://u@h:1/t"
+        );
+        assert_eq!(
+            with_database("postgres://u:p@h/db?sslmode=disable", "t"),
+            "postgres://u:p@h/t?sslmode=disable"
+        );
+        assert_eq!(with_database("postgres://h", "t"), "postgres://h/t");
+    }
+}
+
+#[cfg(feature = "postgres")]
+pub use with_store::*;
+
+#[cfg(feature = "postgres")]
+mod with_store {
+    use async_trait::async_trait;
+    use inbox_core::{HandlerError, NewInboxRow, StoreError, WorkerId};
+    use inbox_postgres::sea_orm::{ConnectionTrait, DbBackend, QueryResult, Statement, Value};
+    use inbox_postgres::{PgStore, PgTx, TableName, map_db_err};
+
+    use super::{HarnessError, server};
+    use crate::BusinessFixture;
+    use crate::scenarios::{ScenarioStore, WriteInvoice};
+
+    fn stmt(sql: &str, values: Vec<Value>) -> Statement {
+        Statement::from_sql_and_values(DbBackend::Postgres, sql, values)
+    }
+
+    /// A store on a fresh database of the test server, with the inbox
+    /// tables and an `invoices (id, order_id)` business table created.
+    ///
+    /// # Errors
+    ///
+    /// A [`HarnessError`] when the server or the database cannot be had.
+    pub async fn fresh_store() -> Result<PgStore, HarnessError> {
+        fresh_store_with(TableName::default()).await
+    }
+
+    /// As [`fresh_store`], with another inbox table name.
+    ///
+    /// # Errors
+    ///
+    /// A [`HarnessError`] when the server or the database cannot be had.
+    pub async fn fresh_store_with(table: TableName) -> Result<PgStore, HarnessError> {
+        let url = server()?.create_database()?;
+        let store = PgStore::connect(&url, table)
+            .await
+            .map_err(|e| HarnessError(e.to_string()))?;
+        store
+            .create_tables()
+            .await
+            .map_err(|e| HarnessError(e.to_string()))?;
+        for sql in [
+            "CREATE TABLE IF NOT EXISTS invoices (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL)",
+            "CREATE TABLE IF NOT EXISTS conformance (key TEXT NOT NULL)",
+        ] {
+            store
+                .connection()
+                .execute_unprepared(sql)
+                .await
+                .map_err(|e| HarnessError(e.to_string()))?;
+        }
+        Ok(store)
+    }
+
+    /// Counts rows with a `SELECT count(*) ...` on the pool (another
+    /// connection than any open transaction).
+    ///
+    /// # Errors
+    ///
+    /// The mapped database error.
+    pub async fn count(store: &PgStore, sql: &str, values: Vec<Value>) -> Result<i64, StoreError> {
+        let row: Option<QueryResult> = store
+            .connection()
+            .query_one_raw(stmt(sql, values))
+            .await
+            .map_err(|e| map_db_err(&e))?;
+        match row {
+            Some(r) => r.try_get_by_index::<i64>(0).map_err(|e| map_db_err(&e)),
+            None => Ok(0),
+        }
+    }
+
+    #[async_trait]
+    impl WriteInvoice for PgTx {
+        async fn write_invoice(&mut self, order: &str) -> Result<(), HandlerError> {
+            self.connection()
+                .execute_raw(stmt(
+                    "INSERT INTO invoices (order_id) VALUES ($1)",
+                    vec![order.into()],
+                ))
+                .await?;
+            Ok(())
+        }
+    }
+
+    fn expect(what: &str, r: Result<u64, StoreError>) {
+        match r {
+            Ok(1) => {}
+            Ok(n) => panic!("{what}: {n} rows changed, expected 1"),
+            Err(e) => panic!("{what}: {e}"),
+        }
+    }
+
+    async fn exec(store: &PgStore, sql: String, values: Vec<Value>) -> Result<u64, StoreError> {
+        store
+            .connection()
+            .execute_raw(stmt(&sql, values))
+            .await
+            .map(|r| r.rows_affected())
+            .map_err(|e| map_db_err(&e))
+    }
+
+    #[async_trait]
+    impl ScenarioStore for PgStore {
+        async fn invoices(&self, order: &str) -> usize {
+            let n = count(
+                self,
+                "SELECT count(*) FROM invoices WHERE order_id = $1",
+                vec![order.into()],
+            )
+            .await
+            .unwrap_or_else(|e| panic!("counting invoices: {e}"));
+            usize::try_from(n).unwrap_or(usize::MAX)
+        }
+
+        async fn land(&self, row: &NewInboxRow) {
+            let sql = format!(
+                "INSERT INTO {} (message_id, consumer_group, source, event_type, payload, max_attempts)
+                 VALUES ($1, $2, $3, $4, $5, $6)",
+                self.table().qualified()
+            );
+            let r = exec(
+                self,
+                sql,
+                vec![
+                    row.message_id.clone().into(),
+                    row.consumer_group.clone().into(),
+                    row.source.clone().into(),
+                    row.event_type.clone().into(),
+                    row.payload.clone().into(),
+                    row.max_attempts.into(),
+                ],
+            )
+            .await;
+            expect("land", r);
+        }
+
+        async fn hold_lock(&self, message_id: &str, consumer_group: &str, worker: &WorkerId) {
+            let sql = format!(
+                "UPDATE {} SET locked_by = $3, locked_at = now() WHERE message_id = $1 AND consumer_group = $2",
+                self.table().qualified()
+            );
+            let r = exec(
+                self,
+                sql,
+                vec![
+                    message_id.into(),
+                    consumer_group.into(),
+                    worker.as_str().into(),
+                ],
+            )
+            .await;
+            expect("hold_lock", r);
+        }
+
+        async fn mark_failed(&self, message_id: &str, consumer_group: &str) {
+            let sql = format!(
+                "UPDATE {} SET status = 'failed', attempts_made = max_attempts, last_error = 'budget spent',
+                        locked_by = NULL, locked_at = NULL
+                  WHERE message_id = $1 AND consumer_group = $2",
+                self.table().qualified()
+            );
+            let r = exec(self, sql, vec![message_id.into(), consumer_group.into()]).await;
+            expect("mark_failed", r);
+        }
+    }
+
+    /// The conformance fixture for [`PgStore`]: business rows go to the
+    /// `conformance` table through the transaction.
+    #[derive(Debug, Clone)]
+    pub struct PgFixture {
+        store: PgStore,
+    }
+
+    impl PgFixture {
+        /// The fixture for `store` (made by [`fresh_store`]).
+        pub fn new(store: &PgStore) -> Self {
+            Self {
+                store: store.clone(),
+            }
+        }
+    }
+
+    #[async_trait]
+    impl BusinessFixture<PgTx> for PgFixture {
+        async fn write(&self, tx: &mut PgTx, key: &str) -> Result<(), StoreError> {
+            tx.connection()
+                .execute_raw(stmt(
+                    "INSERT INTO conformance (key) VALUES ($1)",
+                    vec![key.into()],
+                ))
+                .await
+                .map(|_| ())
+                .map_err(|e| map_db_err(&e))
+        }
+
+        async fn exists(&self, key: &str) -> Result<bool, StoreError> {
+            let n = count(
+                &self.store,
+                "SELECT count(*) FROM conformance WHERE key = $1",
+                vec![key.into()],
+            )
+            .await?;
+            Ok(n > 0)
+        }
+    }
+}

@@ -2,8 +2,8 @@
 //! cause and never a connection string.
 
 use inbox_core::{StoreError, StoreErrorKind};
-use sea_orm::DbErr;
 use sea_orm::sqlx;
+use sea_orm::{ConnAcquireErr, DbErr, RuntimeErr};
 
 /// The kind of a PostgreSQL SQLSTATE code.
 pub fn kind_of_sqlstate(code: &str) -> StoreErrorKind {
@@ -31,27 +31,22 @@ fn kind_of_sqlx(e: &sqlx::Error) -> StoreErrorKind {
     }
 }
 
-/// Maps a sea-orm error to a [`StoreError`], walking the cause chain for
-/// the driver's error.
+/// Maps a sea-orm error to a [`StoreError`] by the driver's SQLSTATE or
+/// error kind, keeping the message as the cause.
 pub fn map_db_err(e: &DbErr) -> StoreError {
-    let mut kind = match e {
-        DbErr::ConnectionAcquire(_) | DbErr::Conn(_) => StoreErrorKind::Connection,
+    let driver = match e {
+        DbErr::Conn(RuntimeErr::SqlxError(x))
+        | DbErr::Exec(RuntimeErr::SqlxError(x))
+        | DbErr::Query(RuntimeErr::SqlxError(x)) => Some(kind_of_sqlx(x)),
+        _ => None,
+    };
+    let kind = match (driver, e) {
+        (Some(k), _) if k != StoreErrorKind::Other => k,
+        (_, DbErr::ConnectionAcquire(ConnAcquireErr::Timeout)) => StoreErrorKind::Timeout,
+        (_, DbErr::ConnectionAcquire(_) | DbErr::Conn(_)) => StoreErrorKind::Connection,
+        _ if e.sql_err().is_some() => StoreErrorKind::Integrity,
         _ => StoreErrorKind::Other,
     };
-    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(err) = source {
-        if let Some(sqlx_err) = err.downcast_ref::<sqlx::Error>() {
-            let k = kind_of_sqlx(sqlx_err);
-            if k != StoreErrorKind::Other {
-                kind = k;
-            }
-            break;
-        }
-        source = err.source();
-    }
-    if kind == StoreErrorKind::Other && matches!(e.sql_err(), Some(_)) {
-        kind = StoreErrorKind::Integrity;
-    }
     StoreError::new(kind, e.to_string())
 }
 

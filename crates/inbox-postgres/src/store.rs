@@ -10,8 +10,8 @@ use inbox_core::{
     RowId, RowRef, StoreError, StoreErrorKind, ValidationError, WorkerId,
 };
 use sea_orm::{
-    ConnectionTrait, Database, DatabaseConnection, DatabaseTransaction, DbBackend, DbErr,
-    QueryResult, Statement, TransactionTrait, Value,
+    ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DatabaseTransaction, DbBackend,
+    DbErr, QueryResult, Statement, TransactionTrait, Value,
 };
 
 use crate::error::map_db_err;
@@ -110,14 +110,20 @@ impl PgStore {
         Self { db, table, sql }
     }
 
-    /// Connects to `url` and uses `table`. The URL never appears in an error.
+    /// Connects to `url` (10 s connect and acquire timeouts, statement
+    /// logging off) and uses `table`. The URL never appears in an error.
     ///
     /// # Errors
     ///
     /// A [`StoreError`] of kind `Connection` (or another kind) when the
     /// database cannot be reached.
     pub async fn connect(url: &str, table: TableName) -> Result<Self, StoreError> {
-        let db = Database::connect(url)
+        let mut options = ConnectOptions::new(url.to_owned());
+        options
+            .connect_timeout(Duration::from_secs(10))
+            .acquire_timeout(Duration::from_secs(10))
+            .sqlx_logging(false);
+        let db = Database::connect(options)
             .await
             .map_err(|e| crate::error::redact(map_db_err(&e), url))?;
         Ok(Self::new(db, table))

@@ -1,0 +1,356 @@
+//! Races, rollbacks, bad input and error mapping on a real PostgreSQL.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use inbox_core::{
+    Handler, HandlerError, InboxStore, Message, ProcessError, Runner, RunnerConfig, StoreErrorKind,
+    ValidationError,
+};
+use inbox_postgres::{PgStore, PgTx, TableName};
+use inbox_testkit::MemBroker;
+use inbox_testkit::pg::{count, fresh_store};
+use inbox_testkit::scenarios::{Act, ScriptedHandler, WriteInvoice};
+use serde_json::json;
+use tokio::sync::Notify;
+
+async fn store() -> PgStore {
+    fresh_store().await.unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn order(id: &str) -> Message {
+    Message::new(id, "orders", "order.created", json!({ "order": id }))
+}
+
+fn config() -> RunnerConfig {
+    RunnerConfig::new("billing", "worker-1").expect("config")
+}
+
+/// Writes an invoice, then (on its first call only) waits at a gate.
+struct Gated {
+    entered: Notify,
+    release: Notify,
+    calls: AtomicUsize,
+}
+
+#[async_trait]
+impl Handler<PgTx> for Gated {
+    type Output = ();
+    async fn handle(&self, m: &Message, tx: &mut PgTx) -> Result<(), HandlerError> {
+        let call = self.calls.fetch_add(1, Ordering::SeqCst);
+        tx.write_invoice(&m.message_id).await?;
+        if call == 0 {
+            self.entered.notify_one();
+            self.release.notified().await;
+        }
+        Ok(())
+    }
+}
+
+async fn wait_for(what: &str, mut cond: impl AsyncFnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !cond().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_runners_racing_on_one_message_have_one_effect() {
+    let store = store().await;
+    let handler = Arc::new(Gated {
+        entered: Notify::new(),
+        release: Notify::new(),
+        calls: AtomicUsize::new(0),
+    });
+    let (broker_a, broker_b) = (MemBroker::new(), MemBroker::new());
+    broker_a.produce("orders", 0, order("race-1"));
+    broker_b.produce("orders", 0, order("race-1"));
+    let mut a = Runner::new(
+        store.clone(),
+        broker_a.consumer("billing"),
+        handler.clone(),
+        config(),
+    );
+    let mut b = Runner::new(
+        store.clone(),
+        broker_b.consumer("billing"),
+        handler.clone(),
+        config(),
+    );
+    let task_a = tokio::spawn(async move { a.process_one().await });
+    handler.entered.notified().await;
+    // A holds its uncommitted row; B's insert must wait for it.
+    let task_b = tokio::spawn(async move { b.process_one().await });
+    let probe = store.clone();
+    wait_for("B to block on A's row", async || {
+        count(
+            &probe,
+            "SELECT count(*) FROM pg_locks WHERE NOT granted",
+            vec![],
+        )
+        .await
+        .unwrap_or(0)
+            > 0
+    })
+    .await;
+    handler.release.notify_one();
+    let ra = task_a
+        .await
+        .expect("join")
+        .expect("fetch")
+        .expect("delivery");
+    let rb = task_b
+        .await
+        .expect("join")
+        .expect("fetch")
+        .expect("delivery");
+    assert!(ra.processed && ra.committed, "{ra:?}");
+    assert!(rb.duplicate && rb.committed && !rb.processed, "{rb:?}");
+    assert_eq!(
+        handler.calls.load(Ordering::SeqCst),
+        1,
+        "the loser never ran the handler"
+    );
+    let invoices = count(
+        &store,
+        "SELECT count(*) FROM invoices WHERE order_id = 'race-1'",
+        vec![],
+    )
+    .await
+    .expect("count");
+    assert_eq!(invoices, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_writes_then_fails_leaves_nothing() {
+    let store = store().await;
+    let broker = MemBroker::new();
+    broker.produce("orders", 0, order("fail-1"));
+    let handler = ScriptedHandler::new([Act::Fail], Act::Fail);
+    let mut runner = Runner::new(
+        store.clone(),
+        broker.consumer("billing"),
+        handler.clone(),
+        config(),
+    );
+    let r = runner
+        .process_one()
+        .await
+        .expect("fetch")
+        .expect("delivery");
+    assert!(!r.processed && !r.committed && r.rewound);
+    assert_eq!(handler.calls(), 1);
+    // Read back from another connection (a second pool on the same database).
+    let other = PgStore::new(store.connection().clone(), TableName::default());
+    let invoices = count(&other, "SELECT count(*) FROM invoices", vec![])
+        .await
+        .expect("count");
+    let rows = count(
+        &other,
+        "SELECT count(*) FROM inbox WHERE message_id = 'fail-1'",
+        vec![],
+    )
+    .await
+    .expect("count");
+    assert_eq!(
+        (invoices, rows),
+        (0, 0),
+        "business row and inbox row both absent"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_is_refused_before_anything_is_written() {
+    let store = store().await;
+    let broker = MemBroker::new();
+    let bad = [
+        (
+            Message::new("", "orders", "e", json!({"a": 1})),
+            ValidationError::Empty {
+                field: "message_id",
+            },
+        ),
+        (
+            Message::new("b1", "", "e", json!({"a": 1})),
+            ValidationError::Empty { field: "source" },
+        ),
+        (
+            Message::new("b2", "orders", " ", json!({"a": 1})),
+            ValidationError::Empty {
+                field: "event_type",
+            },
+        ),
+        (
+            Message::new("b3", "orders", "e".repeat(101), json!({"a": 1})),
+            ValidationError::TooLong {
+                field: "event_type",
+                max: 100,
+                actual: 101,
+            },
+        ),
+        (
+            Message::new("b4", "orders", "e", json!([1])),
+            ValidationError::PayloadNotObject { found: "array" },
+        ),
+        (
+            Message::new("b5", "orders", "e", json!({})),
+            ValidationError::PayloadEmpty,
+        ),
+        (
+            Message::new("b6", "orders", "e", json!({"k": "x".repeat(1_000_000)})),
+            ValidationError::PayloadTooLarge {
+                max: 1_000_000,
+                actual: 1_000_008,
+            },
+        ),
+        (
+            Message::new("i".repeat(256), "orders", "e", json!({"a": 1})),
+            ValidationError::TooLong {
+                field: "message_id",
+                max: 255,
+                actual: 256,
+            },
+        ),
+        (
+            Message::new("b7", "orders", "e", json!({"a": 1})).with_header("k".repeat(65), "v"),
+            ValidationError::HeaderKeyTooLong {
+                key: "k".repeat(64),
+                max: 64,
+                actual: 65,
+            },
+        ),
+        (
+            Message::new("b8", "orders", "e", json!({"a": 1})).with_header("k", "v".repeat(513)),
+            ValidationError::HeaderValueTooLong {
+                key: "k".into(),
+                max: 512,
+                actual: 513,
+            },
+        ),
+    ];
+    let n = bad.len();
+    for (m, _) in &bad {
+        broker.produce("orders", 0, m.clone());
+    }
+    let handler = ScriptedHandler::new([], Act::Succeed);
+    let mut runner = Runner::new(
+        store.clone(),
+        broker.consumer("billing"),
+        handler.clone(),
+        config(),
+    );
+    for (_, expected) in bad {
+        let r = runner
+            .process_one()
+            .await
+            .expect("fetch")
+            .expect("delivery");
+        assert_eq!(r.error, Some(ProcessError::Invalid(expected)));
+        assert!(r.committed, "poison is committed after its dead letter");
+    }
+    assert_eq!(handler.calls(), 0);
+    assert_eq!(
+        count(&store, "SELECT count(*) FROM inbox", vec![])
+            .await
+            .expect("count"),
+        0
+    );
+    assert_eq!(
+        count(&store, "SELECT count(*) FROM invoices", vec![])
+            .await
+            .expect("count"),
+        0
+    );
+    let dead = count(&store, "SELECT count(*) FROM inbox_dead_letters", vec![])
+        .await
+        .expect("count");
+    assert_eq!(dead, n as i64);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_constraints_hold_and_map_to_integrity_errors() {
+    let store = store().await;
+    let mut tx = store.begin().await.expect("begin");
+    use inbox_core::InboxTransaction;
+    let row = inbox_core::NewInboxRow::for_message(&order("c-1"), "billing", 3);
+    tx.insert_or_get(&row).await.expect("insert");
+    tx.commit().await.expect("commit");
+    use inbox_postgres::sea_orm::ConnectionTrait;
+    for sql in [
+        "UPDATE inbox SET attempts_made = 4 WHERE message_id = 'c-1'",
+        "UPDATE inbox SET status = 'completed' WHERE message_id = 'c-1'",
+        "UPDATE inbox SET completed_at = now() WHERE message_id = 'c-1'",
+        "UPDATE inbox SET locked_by = 'w' WHERE message_id = 'c-1'",
+        "UPDATE inbox SET locked_at = now() WHERE message_id = 'c-1'",
+        "UPDATE inbox SET status = 'done' WHERE message_id = 'c-1'",
+        "INSERT INTO inbox (message_id, consumer_group, source, event_type, payload, max_attempts) VALUES ('c-1', 'billing', 's', 'e', '{}', 3)",
+    ] {
+        let err = store
+            .connection()
+            .execute_unprepared(sql)
+            .await
+            .expect_err(sql);
+        let mapped = inbox_postgres::map_db_err(&err);
+        assert_eq!(mapped.kind, StoreErrorKind::Integrity, "{sql}: {mapped}");
+    }
+}
+
+#[tokio::test]
+async fn an_unreachable_database_is_a_connection_error_without_the_url() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("port")
+        .port();
+    let url = format!("postgres://app:hunter2secret@127.0.0.1:{port}/app?connect_timeout=2");
+    let err = PgStore::connect(&url, TableName::default())
+        .await
+        .expect_err("nothing listens there");
+    assert!(
+        matches!(
+            err.kind,
+            StoreErrorKind::Connection | StoreErrorKind::Timeout
+        ),
+        "{err}"
+    );
+    let text = format!("{err} {err:?}");
+    assert!(!text.contains("hunter2secret"), "{text}");
+    assert!(!text.contains(&url), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_configured_schema_and_table_are_used() {
+    let server = inbox_testkit::pg::server().unwrap_or_else(|e| panic!("{e}"));
+    let url = server.create_database().unwrap_or_else(|e| panic!("{e}"));
+    let plain = PgStore::connect(&url, TableName::default())
+        .await
+        .expect("connect");
+    use inbox_postgres::sea_orm::ConnectionTrait;
+    plain
+        .connection()
+        .execute_unprepared("CREATE SCHEMA billing")
+        .await
+        .expect("schema");
+    let table = TableName::new(Some("billing"), "my_inbox").expect("valid");
+    let store = PgStore::connect(&url, table).await.expect("connect");
+    store.create_tables().await.expect("tables");
+    let broker = MemBroker::new();
+    broker.produce("orders", 0, order("s-1"));
+    let mut runner = Runner::land_only(store.clone(), broker.consumer("billing"), config());
+    let r = runner
+        .process_one()
+        .await
+        .expect("fetch")
+        .expect("delivery");
+    assert!(r.committed);
+    let n = count(&store, "SELECT count(*) FROM billing.my_inbox", vec![])
+        .await
+        .expect("count");
+    assert_eq!(n, 1);
+    assert!(store.find("s-1", "billing").await.expect("find").is_some());
+}

@@ -1,0 +1,60 @@
+//! The contract's scenarios again, with the PostgreSQL store and the
+//! in-memory broker: the same generic functions and asserted results as on
+//! the in-memory store (invoices counted with SQL, rows read back with SQL).
+
+use inbox_testkit::pg::fresh_store;
+use inbox_testkit::scenarios;
+
+async fn store() -> inbox_postgres::PgStore {
+    fresh_store().await.unwrap_or_else(|e| panic!("{e}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_retry_four_deliveries() {
+    scenarios::handler_retry_four_deliveries(store().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_skipped() {
+    scenarios::handler_skipped(store().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_then_fail_every_strategy() {
+    scenarios::write_then_fail_every_strategy(store().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cumulative_commit_trap() {
+    scenarios::cumulative_commit_trap(store().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_handler_lands() {
+    scenarios::no_handler_lands(store().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pending_row_is_handled() {
+    scenarios::pending_row_is_handled(store().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn locked_elsewhere_is_deferred() {
+    scenarios::locked_elsewhere_is_deferred(store().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_row_is_terminal() {
+    scenarios::failed_row_is_terminal(store().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timeout_and_panic_are_failures() {
+    scenarios::timeout_and_panic_are_failures(store().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commit_failure_then_duplicate() {
+    scenarios::commit_failure_then_duplicate(store().await).await;
+}

@@ -1,0 +1,115 @@
+//! Round trips per message, measured from the server's statement log: a
+//! handled message, a duplicate and a failure (steady state: statements are
+//! already prepared on the connection).
+
+use std::time::Duration;
+
+use inbox_core::{Message, Runner, RunnerConfig};
+use inbox_postgres::sea_orm::{ConnectOptions, Database};
+use inbox_postgres::{PgStore, TableName};
+use inbox_testkit::MemBroker;
+use inbox_testkit::pg::server;
+use inbox_testkit::scenarios::{Act, ScriptedHandler};
+use serde_json::json;
+
+fn statements_logged(log: &str) -> usize {
+    log.lines()
+        .filter(|l| l.contains("LOG:  statement:") || l.contains("LOG:  execute "))
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn round_trips_per_message() {
+    let server = server().unwrap_or_else(|e| panic!("{e}"));
+    let Some(dir) = server.data_dir() else {
+        eprintln!(
+            "SKIPPED round_trips_per_message: DATABASE_URL is set, so there is no server log to read"
+        );
+        return;
+    };
+    let log_path = dir.join("server.log");
+    let url = server.create_database().unwrap_or_else(|e| panic!("{e}"));
+    let name = url.rsplit('/').next().unwrap_or_default().to_owned();
+    server
+        .psql(&format!("ALTER DATABASE {name} SET log_statement = 'all'"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    // One connection, so every statement is prepared once and reused.
+    let mut options = ConnectOptions::new(url.clone());
+    options
+        .max_connections(1)
+        .min_connections(1)
+        .sqlx_logging(false);
+    let db = Database::connect(options).await.expect("connect");
+    let store = PgStore::new(db, TableName::default());
+    store.create_tables().await.expect("tables");
+    inbox_postgres::sea_orm::ConnectionTrait::execute_unprepared(
+        store.connection(),
+        "CREATE TABLE invoices (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL)",
+    )
+    .await
+    .expect("invoices");
+
+    let broker = MemBroker::new();
+    let m = |id: &str| Message::new(id, "orders", "order.created", json!({ "id": id }));
+    // warm-up: prepares every statement on the connection
+    broker.produce("orders", 0, m("warm-1"));
+    broker.produce("orders", 0, m("warm-1"));
+    broker.produce("orders", 0, m("warm-2"));
+    broker.produce("orders", 0, m("warm-2"));
+    // measured: handled, duplicate, failure (then its redelivery)
+    broker.produce("orders", 0, m("new"));
+    broker.produce("orders", 0, m("new"));
+    broker.produce("orders", 0, m("fails"));
+    let handler = ScriptedHandler::new(
+        [
+            Act::Succeed,
+            Act::Fail,
+            Act::Succeed,
+            Act::Succeed,
+            Act::Fail,
+        ],
+        Act::Succeed,
+    );
+    let config = RunnerConfig::new("billing", "w").expect("config");
+    let mut runner = Runner::new(store.clone(), broker.consumer("billing"), handler, config);
+    let mut step = async |label: &str| {
+        let before = statements_logged(&std::fs::read_to_string(&log_path).unwrap_or_default());
+        let r = runner
+            .process_one()
+            .await
+            .expect("fetch")
+            .expect("delivery");
+        // the log is written asynchronously by the server; wait for it to settle
+        let mut after = before;
+        for _ in 0..50 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let now = statements_logged(&std::fs::read_to_string(&log_path).unwrap_or_default());
+            if now == after && now > before {
+                break;
+            }
+            after = now;
+        }
+        println!("{label}: {} round trips", after - before);
+        (after - before, r)
+    };
+    step("warm-up handled").await;
+    step("warm-up duplicate").await;
+    step("warm-up failure").await;
+    step("warm-up redelivery").await;
+    step("warm-up duplicate after redelivery").await;
+    let (handled, r) = step("handled").await;
+    assert!(r.processed);
+    let (duplicate, r) = step("duplicate").await;
+    assert!(r.duplicate);
+    let (failure, r) = step("failure").await;
+    assert!(!r.processed && r.rewound);
+    // BEGIN, insert-or-get, the handler's INSERT, UPDATE (complete), COMMIT
+    assert_eq!(
+        handled, 5,
+        "handled message: 4 round trips + the handler's 1"
+    );
+    // BEGIN, insert-or-get, COMMIT
+    assert_eq!(duplicate, 3, "duplicate");
+    // BEGIN, insert-or-get, the handler's INSERT, ROLLBACK
+    assert_eq!(failure, 4, "failure: 3 round trips + the handler's 1");
+}

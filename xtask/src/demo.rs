@@ -128,7 +128,7 @@ async fn billing() -> Result<()> {
         );
         broker.produce("orders", partition, m.clone());
         produced += 1;
-        if order % 50 == 0 {
+        if order.is_multiple_of(50) {
             // The producer retried: the same order twice.
             broker.produce("orders", partition, m);
             produced += 1;
@@ -176,7 +176,7 @@ async fn billing() -> Result<()> {
                     describe(&r)
                 );
             }
-            if crashes < 2 && delivery % 700 == 0 {
+            if crashes < 2 && delivery.is_multiple_of(700) {
                 // The process will die between its transaction commit and
                 // the broker commit of the next message.
                 broker.fail_next(BrokerFault::CrashOnCommit, 1);

@@ -1,10 +1,12 @@
 //! `cargo xtask`: the project's automation.
 //!
-//! - `cargo xtask test`: fmt check, clippy with `-D warnings`, docs with
+//! - `cargo xtask test`: installs what is missing (PostgreSQL server
+//!   binaries), then fmt check, clippy with `-D warnings`, docs with
 //!   warnings denied, and every test of the workspace.
 //! - `cargo xtask demo`: the main job, the billing scenario.
 
 mod demo;
+mod setup;
 
 use std::process::{Command, ExitCode};
 
@@ -27,7 +29,7 @@ fn main() -> ExitCode {
             Ok(())
         }
         Some("test") => test(),
-        Some("demo") => demo::run(),
+        Some("demo") => setup::postgres().and_then(|()| demo::run()),
         Some(other) => {
             eprint!("unknown command {other:?}\n\n{HELP}");
             return ExitCode::from(2);
@@ -65,6 +67,7 @@ fn workspace_root() -> std::path::PathBuf {
 }
 
 fn test() -> Result<()> {
+    setup::postgres()?;
     cargo(&["fmt", "--all", "--check"], &[])?;
     cargo(
         &[

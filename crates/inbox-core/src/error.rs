@@ -6,7 +6,7 @@ use std::fmt;
 
 use thiserror::Error;
 
-/// A result with the core's [`Error`] as default error.
+/// A result with the core's [`Error`](enum@Error) as default error.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// A rule of SPEC "Validation" that input broke.

@@ -6,7 +6,7 @@
 //! scope is the runner's, not the decision module's: a batched driver can put
 //! many messages into one transaction (a savepoint each, or one optimistic
 //! multi-row insert replayed without the message that failed) and ask the
-//! same [`decision`](crate::decision) functions what to do with each.
+//! same [`decision`](mod@crate::decision) functions what to do with each.
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;

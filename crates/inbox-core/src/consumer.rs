@@ -16,7 +16,21 @@
 use async_trait::async_trait;
 
 use crate::error::ConsumerError;
-use crate::model::Message;
+use crate::model::{Message, Position};
+
+/// An acknowledgement the runner stores inside the inbox transaction (see
+/// [`Consumer::transactional_ack`]): the partition's next offset, guarded by
+/// the consumer's owner epoch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TxAck {
+    /// The consumer group.
+    pub consumer_group: String,
+    /// The acknowledged message's position; the stored next offset is
+    /// `position.offset + 1`.
+    pub position: Position,
+    /// The epoch this consumer holds the partition under.
+    pub owner_epoch: i64,
+}
 
 /// A source of messages with commit and rewind.
 #[async_trait]
@@ -30,4 +44,24 @@ pub trait Consumer: Send {
 
     /// Goes back so `message` is the next one delivered on its partition.
     async fn rewind(&mut self, message: &Message) -> Result<(), ConsumerError>;
+
+    /// When the consumer keeps its offsets in the inbox's database, the
+    /// acknowledgement of `message` to write inside the inbox transaction
+    /// (so the effect and the acknowledgement commit together). `None`
+    /// (the default): the runner calls [`Consumer::commit`] instead.
+    fn transactional_ack(&self, message: &Message) -> Option<TxAck> {
+        let _ = message;
+        None
+    }
+
+    /// Told that a transaction carrying `message`'s [`TxAck`] committed.
+    fn acked_in_transaction(&mut self, message: &Message) {
+        let _ = message;
+    }
+
+    /// Told that storing an acknowledgement for `message`'s partition was
+    /// refused because another consumer owns it now: stop reading it.
+    fn fenced(&mut self, message: &Message) {
+        let _ = message;
+    }
 }

@@ -293,9 +293,27 @@ pub fn on_early_commit_failure() -> Decision {
     }
 }
 
+/// The decision when storing the acknowledgement was refused because
+/// another consumer owns the partition now (a stale epoch): the transaction
+/// rolls back, nothing is committed, and the message is not rewound either:
+/// this consumer stops reading the partition, whose owner delivers it.
+pub fn on_fenced() -> Decision {
+    Decision {
+        handler_ran: false,
+        transaction: TxAction::Rollback,
+        row_after: RowAfter::AsBefore,
+        processed: false,
+        duplicate: false,
+        commit: CommitPoint::Never,
+        rewind: false,
+        tally: Tally::Failed,
+    }
+}
+
 /// The decision for a poison message (it cannot become a valid row): it is
-/// recorded as a dead letter in a transaction of its own, then committed,
-/// under every strategy.
+/// recorded as a dead letter in a transaction of its own (which also stores
+/// the acknowledgement when the consumer keeps offsets in the database),
+/// then committed, under every strategy.
 pub fn on_poison() -> Decision {
     Decision {
         handler_ran: false,
@@ -524,6 +542,11 @@ mod tests {
         let d = on_early_commit_failure();
         assert_eq!((d.commit, d.rewind, d.tally), (Never, true, Tally::Failed));
         assert!(!d.handler_ran);
+        let f = on_fenced();
+        assert_eq!(
+            (f.commit, f.rewind, f.transaction),
+            (Never, false, TxAction::Rollback)
+        );
         let p = on_poison();
         assert_eq!((p.commit, p.rewind, p.tally), (After, false, Tally::Poison));
     }

@@ -127,6 +127,9 @@ pub enum StoreErrorKind {
     Integrity,
     /// A serialization failure or deadlock: the transaction can be retried.
     Serialization,
+    /// This consumer's claim on a partition is stale: another consumer took
+    /// the partition over (its owner epoch is newer).
+    Fenced,
     /// Anything else.
     Other,
 }
@@ -138,6 +141,7 @@ impl fmt::Display for StoreErrorKind {
             Self::Timeout => "timeout",
             Self::Integrity => "integrity violation",
             Self::Serialization => "serialization failure",
+            Self::Fenced => "fenced",
             Self::Other => "storage error",
         })
     }
@@ -179,6 +183,8 @@ pub enum PersistStage {
     Commit,
     /// Recording a poison message.
     DeadLetter,
+    /// Storing the consumer's acknowledgement inside the transaction.
+    Ack,
 }
 
 impl fmt::Display for PersistStage {
@@ -190,6 +196,7 @@ impl fmt::Display for PersistStage {
             Self::Complete => "complete",
             Self::Commit => "commit",
             Self::DeadLetter => "dead-letter",
+            Self::Ack => "acknowledgement",
         })
     }
 }

@@ -57,7 +57,7 @@ pub mod runner;
 pub mod store;
 pub mod strategy;
 
-pub use consumer::Consumer;
+pub use consumer::{Consumer, TxAck};
 pub use error::{
     ConsumerError, Error, HandlerError, InboxPersistError, PersistStage, Result, StoreError,
     StoreErrorKind, ValidationError,

@@ -30,6 +30,19 @@ pub enum MetricEvent {
         /// Records behind.
         lag: i64,
     },
+    /// The broker returned records starting after the requested offset: on
+    /// a topic without compaction or transactions, a broker fault.
+    OffsetGap {
+        /// Partition.
+        partition: i32,
+        /// How many offsets were skipped.
+        missing: i64,
+    },
+    /// This consumer lost a partition to another (its epoch is stale).
+    Fenced {
+        /// Partition.
+        partition: i32,
+    },
 }
 
 /// Receives the runner's events. Every method has a no-op default.
@@ -148,7 +161,9 @@ impl Metrics for CountingMetrics {
             MetricEvent::CommitFailed => 10,
             MetricEvent::Rewound => 11,
             MetricEvent::HandlerDuration(_) => 12,
-            MetricEvent::Lag { .. } => return,
+            MetricEvent::Lag { .. }
+            | MetricEvent::OffsetGap { .. }
+            | MetricEvent::Fenced { .. } => return,
         };
         self.counters[index].fetch_add(1, Ordering::Relaxed);
     }

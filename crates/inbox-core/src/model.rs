@@ -92,6 +92,14 @@ pub struct Message {
     pub schema_version: Option<String>,
     /// Position in the broker, when it came from one.
     pub position: Option<Position>,
+    /// The record's raw value bytes as the broker delivered them, kept by
+    /// adapters so a poison message's dead letter holds what arrived.
+    #[serde(skip)]
+    pub raw: Option<Vec<u8>>,
+    /// Why the adapter could not decode the record, when it could not: the
+    /// message is then poison and [`Message::validate`] returns this first.
+    #[serde(skip)]
+    pub decode_error: Option<ValidationError>,
 }
 
 impl Message {
@@ -119,6 +127,8 @@ impl Message {
             causation_id: None,
             schema_version: None,
             position: None,
+            raw: None,
+            decode_error: None,
         }
     }
 
@@ -135,12 +145,16 @@ impl Message {
     }
 
     /// Checks every rule of SPEC "Validation" for this message consumed by
-    /// `consumer_group`, and returns the first one broken.
+    /// `consumer_group`, and returns the first one broken (or the adapter's
+    /// decode error, when it set one).
     ///
     /// # Errors
     ///
     /// A [`ValidationError`] naming the field and the rule.
     pub fn validate(&self, consumer_group: &str) -> Result<(), ValidationError> {
+        if let Some(e) = &self.decode_error {
+            return Err(e.clone());
+        }
         check_id("message_id", &self.message_id)?;
         check_id("source", &self.source)?;
         check_id("consumer_group", consumer_group)?;

@@ -18,7 +18,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::consumer::Consumer;
 use crate::decision::{self, CommitPoint, Decision, RowState, Step, TxAction};
-use crate::error::{ConsumerError, InboxPersistError, PersistStage, StoreError, ValidationError};
+use crate::error::{
+    ConsumerError, InboxPersistError, PersistStage, StoreError, StoreErrorKind, ValidationError,
+};
 use crate::handler::{Handler, NoHandler};
 use crate::metrics::{MetricEvent, Metrics, NoopMetrics};
 use crate::model::{
@@ -251,6 +253,21 @@ struct Work {
     outcome: Option<Outcome>,
     error: Option<ProcessError>,
     committed_before: bool,
+    /// The acknowledgement was stored in the committed transaction.
+    acked_in_tx: bool,
+}
+
+impl Work {
+    fn new(decision: Decision, row_id: Option<RowId>, outcome: Option<Outcome>) -> Self {
+        Self {
+            decision,
+            row_id,
+            outcome,
+            error: None,
+            committed_before: false,
+            acked_in_tx: false,
+        }
+    }
 }
 
 impl<S, C, H, M> Runner<S, C, H, M>
@@ -318,24 +335,23 @@ where
         self.settle(message, work).await
     }
 
-    async fn poison(&self, message: &Message, invalid: ValidationError) -> Work {
+    async fn poison(&mut self, message: &Message, invalid: ValidationError) -> Work {
         tracing::warn!(message_id = %message.message_id, error = %invalid, "poison message");
-        match self
-            .store
+        let decision = decision::on_poison();
+        let mut tx = match self.store.begin().await {
+            Ok(tx) => tx,
+            Err(e) => return self.storage_failure(PersistStage::Begin, e, None, None),
+        };
+        if let Err(e) = tx
             .dead_letter(message, &self.config.consumer_group, &invalid)
             .await
         {
-            Ok(()) => Work {
-                decision: decision::on_poison(),
-                row_id: None,
-                outcome: None,
-                error: Some(ProcessError::Invalid(invalid)),
-                committed_before: false,
-            },
-            Err(source) => {
-                self.storage_failure(PersistStage::DeadLetter, source, None, None, false)
-            }
+            abandon(tx).await;
+            return self.storage_failure(PersistStage::DeadLetter, e, None, None);
         }
+        let mut work = Work::new(decision, None, None);
+        work.error = Some(ProcessError::Invalid(invalid));
+        self.commit_tx(tx, message, work).await
     }
 
     fn storage_failure(
@@ -344,18 +360,42 @@ where
         source: StoreError,
         row_id: Option<RowId>,
         outcome: Option<Outcome>,
-        committed_before: bool,
     ) -> Work {
         tracing::warn!(%stage, error = %source, "inbox storage failure");
-        let mut decision = decision::on_storage_failure(self.config.strategy);
+        let mut decision = if source.kind == StoreErrorKind::Fenced {
+            decision::on_fenced()
+        } else {
+            decision::on_storage_failure(self.config.strategy)
+        };
         decision.handler_ran = outcome.is_some();
-        Work {
-            decision,
-            row_id,
-            outcome,
-            error: Some(ProcessError::Persist(InboxPersistError { stage, source })),
-            committed_before,
+        let mut work = Work::new(decision, row_id, outcome);
+        work.error = Some(ProcessError::Persist(InboxPersistError { stage, source }));
+        work
+    }
+
+    /// Commits `tx` (storing the acknowledgement in it when the consumer
+    /// keeps offsets transactionally and the decision commits after the
+    /// transaction), or turns a failure into the storage-failure decision.
+    async fn commit_tx(&mut self, mut tx: S::Tx, message: &Message, mut work: Work) -> Work {
+        let ack = if work.decision.commit == CommitPoint::After
+            && (work.decision.tally == decision::Tally::Poison
+                || matches!(self.config.strategy, AckStrategy::ExactlyOnceInbox { .. }))
+        {
+            self.consumer.transactional_ack(message)
+        } else {
+            None
+        };
+        if let Some(ack) = &ack
+            && let Err(e) = tx.store_ack(ack).await
+        {
+            abandon(tx).await;
+            return self.storage_failure(PersistStage::Ack, e, work.row_id, work.outcome);
         }
+        if let Err(e) = tx.commit().await {
+            return self.storage_failure(PersistStage::Commit, e, work.row_id, work.outcome);
+        }
+        work.acked_in_tx = ack.is_some();
+        work
     }
 
     async fn handle_valid(&mut self, message: &Message) -> Work {
@@ -369,21 +409,23 @@ where
                 }
                 Err(e) => {
                     self.metrics.record(MetricEvent::CommitFailed);
-                    return Work {
-                        decision: decision::on_early_commit_failure(),
-                        row_id: None,
-                        outcome: None,
-                        error: Some(ProcessError::Commit(e)),
-                        committed_before,
-                    };
+                    let mut work = Work::new(decision::on_early_commit_failure(), None, None);
+                    work.error = Some(ProcessError::Commit(e));
+                    return work;
                 }
             }
         }
+        let mut work = self.transaction(message).await;
+        work.committed_before = committed_before;
+        work
+    }
+
+    /// The transaction of one valid message.
+    async fn transaction(&mut self, message: &Message) -> Work {
+        let strategy = self.config.strategy;
         let mut tx = match self.store.begin().await {
             Ok(tx) => tx,
-            Err(e) => {
-                return self.storage_failure(PersistStage::Begin, e, None, None, committed_before);
-            }
+            Err(e) => return self.storage_failure(PersistStage::Begin, e, None, None),
         };
         let new_row = NewInboxRow::for_message(
             message,
@@ -394,7 +436,7 @@ where
             Ok(row) => row,
             Err(e) => {
                 abandon(tx).await;
-                return self.storage_failure(PersistStage::Insert, e, None, None, committed_before);
+                return self.storage_failure(PersistStage::Insert, e, None, None);
             }
         };
         let has_handler = self.handler.is_some();
@@ -409,13 +451,7 @@ where
                     Ok(LockResult::Busy) => RowState::PendingLockedElsewhere,
                     Err(e) => {
                         abandon(tx).await;
-                        return self.storage_failure(
-                            PersistStage::Lock,
-                            e,
-                            Some(row.id),
-                            None,
-                            committed_before,
-                        );
+                        return self.storage_failure(PersistStage::Lock, e, Some(row.id), None);
                     }
                 }
             }
@@ -446,34 +482,15 @@ where
             && let Err(e) = tx.complete(row.id).await
         {
             abandon(tx).await;
-            return self.storage_failure(
-                PersistStage::Complete,
-                e,
-                Some(row.id),
-                outcome,
-                committed_before,
-            );
+            return self.storage_failure(PersistStage::Complete, e, Some(row.id), outcome);
         }
+        let work = Work::new(decision, Some(row.id), outcome);
         match decision.transaction {
-            TxAction::Commit => {
-                if let Err(e) = tx.commit().await {
-                    return self.storage_failure(
-                        PersistStage::Commit,
-                        e,
-                        Some(row.id),
-                        outcome,
-                        committed_before,
-                    );
-                }
+            TxAction::Commit => self.commit_tx(tx, message, work).await,
+            TxAction::Rollback => {
+                abandon(tx).await;
+                work
             }
-            TxAction::Rollback => abandon(tx).await,
-        }
-        Work {
-            decision,
-            row_id: Some(row.id),
-            outcome,
-            error: None,
-            committed_before,
         }
     }
 
@@ -485,9 +502,14 @@ where
             outcome,
             mut error,
             committed_before,
+            acked_in_tx,
         } = work;
         let mut committed = committed_before;
-        if decision.commit == CommitPoint::After {
+        if acked_in_tx {
+            self.consumer.acked_in_transaction(&message);
+            self.metrics.record(MetricEvent::Committed);
+            committed = true;
+        } else if decision.commit == CommitPoint::After {
             match self.consumer.commit(&message).await {
                 Ok(()) => {
                     self.metrics.record(MetricEvent::Committed);
@@ -496,9 +518,21 @@ where
                 Err(e) => {
                     tracing::warn!(message_id = %message.message_id, error = %e, "commit failed");
                     self.metrics.record(MetricEvent::CommitFailed);
+                    if matches!(e, ConsumerError::Fenced(_)) {
+                        self.consumer.fenced(&message);
+                    }
                     error.get_or_insert(ProcessError::Commit(e));
                 }
             }
+        }
+        let fenced = matches!(
+            &error,
+            Some(ProcessError::Persist(InboxPersistError { source, .. }))
+                if source.kind == StoreErrorKind::Fenced
+        );
+        if fenced {
+            tracing::warn!(message_id = %message.message_id, "partition fenced: another consumer owns it");
+            self.consumer.fenced(&message);
         }
         let mut rewound = false;
         if decision.rewind {
@@ -514,7 +548,7 @@ where
             }
         }
         self.metrics.record(MetricEvent::Tally(decision.tally));
-        let processed = decision.processed && error.is_none();
+        let processed = decision.processed && !matches!(error, Some(ProcessError::Persist(_)));
         ProcessResult {
             message_id: message.message_id,
             position: message.position,

@@ -23,6 +23,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
+use crate::consumer::TxAck;
 use crate::error::{StoreError, ValidationError};
 use crate::model::{InboxRow, InboxStatus, Message, NewInboxRow, RowId, WorkerId};
 
@@ -63,15 +64,6 @@ pub trait InboxStore: Send + Sync {
     /// Opens a transaction.
     async fn begin(&self) -> Result<Self::Tx, StoreError>;
 
-    /// Records a poison message (one that cannot become a valid row) with the
-    /// reason, durably, before the runner commits it.
-    async fn dead_letter(
-        &self,
-        message: &Message,
-        consumer_group: &str,
-        error: &ValidationError,
-    ) -> Result<(), StoreError>;
-
     /// Reads a row by its unique key, outside any transaction.
     async fn find(
         &self,
@@ -106,4 +98,24 @@ pub trait InboxTransaction: Send + Sized {
 
     /// Rolls back: the row's changes and the handler's writes are gone.
     async fn rollback(self) -> Result<(), StoreError>;
+
+    /// Records a poison message (one that cannot become a valid row) with the
+    /// reason; durable when the transaction commits.
+    async fn dead_letter(
+        &mut self,
+        message: &Message,
+        consumer_group: &str,
+        error: &ValidationError,
+    ) -> Result<(), StoreError>;
+
+    /// Stores a consumer's acknowledgement in this transaction, failing with
+    /// [`StoreErrorKind::Fenced`](crate::StoreErrorKind::Fenced) when the
+    /// epoch is stale. The default refuses: the store keeps no offsets.
+    async fn store_ack(&mut self, ack: &TxAck) -> Result<(), StoreError> {
+        let _ = ack;
+        Err(StoreError::new(
+            crate::StoreErrorKind::Other,
+            "this store cannot keep consumer acknowledgements",
+        ))
+    }
 }

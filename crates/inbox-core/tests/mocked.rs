@@ -2,7 +2,9 @@
 //! which of commit and rewind it makes, how often, and in which order.
 
 use async_trait::async_trait;
-use inbox_core::{AckStrategy, Consumer, ConsumerError, Message, Position, Runner, RunnerConfig};
+use inbox_core::{
+    AckStrategy, Consumer, ConsumerError, Message, Position, Runner, RunnerConfig, TxAck,
+};
 use inbox_testkit::MemStore;
 use inbox_testkit::scenarios::{Act, ScriptedHandler};
 use mockall::{Sequence, mock};
@@ -15,12 +17,20 @@ mock! {
         async fn next(&mut self) -> Result<Option<Message>, ConsumerError>;
         async fn commit(&mut self, message: &Message) -> Result<(), ConsumerError>;
         async fn rewind(&mut self, message: &Message) -> Result<(), ConsumerError>;
+        fn transactional_ack(&self, message: &Message) -> Option<TxAck>;
+        fn acked_in_transaction(&mut self, message: &Message);
+        fn fenced(&mut self, message: &Message);
     }
 }
 
 fn message() -> Message {
     Message::new("m-1", "orders", "order.created", json!({"n": 1}))
         .at(Position::new("orders", 0, 7))
+}
+
+fn plain(mut consumer: MockSource) -> MockSource {
+    consumer.expect_transactional_ack().returning(|_| None);
+    consumer
 }
 
 fn runner(
@@ -48,7 +58,7 @@ async fn exactly_once_failure_rewinds_and_never_commits() {
         .withf(|m| m.position == Some(Position::new("orders", 0, 7)))
         .times(1)
         .returning(|_| Ok(()));
-    let mut r = runner(consumer, Act::Fail, AckStrategy::default());
+    let mut r = runner(plain(consumer), Act::Fail, AckStrategy::default());
     let result = r.process_message(message()).await;
     assert!(result.rewound && !result.committed);
 }
@@ -58,7 +68,7 @@ async fn success_commits_once_and_never_rewinds() {
     let mut consumer = MockSource::new();
     consumer.expect_commit().times(1).returning(|_| Ok(()));
     consumer.expect_rewind().never();
-    let mut r = runner(consumer, Act::Succeed, AckStrategy::default());
+    let mut r = runner(plain(consumer), Act::Succeed, AckStrategy::default());
     assert!(r.process_message(message()).await.committed);
 }
 
@@ -72,7 +82,7 @@ async fn at_most_once_commits_before_the_handler_and_not_after() {
         .in_sequence(&mut seq)
         .returning(|_| Ok(()));
     consumer.expect_rewind().never();
-    let mut r = runner(consumer, Act::Fail, AckStrategy::AtMostOnce);
+    let mut r = runner(plain(consumer), Act::Fail, AckStrategy::AtMostOnce);
     let result = r.process_message(message()).await;
     assert!(result.committed && !result.processed && !result.rewound);
 }
@@ -85,7 +95,7 @@ async fn a_failed_rewind_is_reported() {
         .expect_rewind()
         .times(1)
         .returning(|_| Err(ConsumerError::Rewind("broker gone".into())));
-    let mut r = runner(consumer, Act::Retry, AckStrategy::default());
+    let mut r = runner(plain(consumer), Act::Retry, AckStrategy::default());
     let result = r.process_message(message()).await;
     assert!(!result.rewound && !result.committed);
     assert_eq!(
@@ -94,4 +104,92 @@ async fn a_failed_rewind_is_reported() {
             "broker gone".into()
         )))
     );
+}
+
+fn ack(epoch: i64) -> TxAck {
+    TxAck {
+        consumer_group: "billing".into(),
+        position: Position::new("orders", 0, 7),
+        owner_epoch: epoch,
+    }
+}
+
+#[tokio::test]
+async fn exactly_once_stores_the_ack_in_the_transaction_and_never_calls_commit() {
+    let store = MemStore::new();
+    let epoch = store.claim_partition("billing", "orders", 0);
+    let mut consumer = MockSource::new();
+    consumer
+        .expect_transactional_ack()
+        .returning(move |_| Some(ack(epoch)));
+    consumer.expect_commit().never();
+    consumer.expect_rewind().never();
+    consumer
+        .expect_acked_in_transaction()
+        .times(1)
+        .return_const(());
+    let config = RunnerConfig::new("billing", "w").expect("config");
+    let handler = ScriptedHandler::new([], Act::Succeed);
+    let mut r = Runner::new(store.clone(), consumer, handler, config);
+    let result = r.process_message(message()).await;
+    assert!(result.committed && result.processed);
+    assert_eq!(
+        store.acked("billing", "orders", 0),
+        Some(8),
+        "next offset stored with the effect"
+    );
+    assert_eq!(store.business_count("invoices"), 1);
+}
+
+#[tokio::test]
+async fn a_stale_epoch_rolls_the_effect_back_and_fences_the_partition() {
+    let store = MemStore::new();
+    let old = store.claim_partition("billing", "orders", 0);
+    let _taken_over = store.claim_partition("billing", "orders", 0);
+    let mut consumer = MockSource::new();
+    consumer
+        .expect_transactional_ack()
+        .returning(move |_| Some(ack(old)));
+    consumer.expect_commit().never();
+    consumer.expect_rewind().never();
+    consumer.expect_acked_in_transaction().never();
+    consumer.expect_fenced().times(1).return_const(());
+    let config = RunnerConfig::new("billing", "w").expect("config");
+    let handler = ScriptedHandler::new([], Act::Succeed);
+    let mut r = Runner::new(store.clone(), consumer, handler.clone(), config);
+    let result = r.process_message(message()).await;
+    assert!(!result.committed && !result.processed && !result.rewound);
+    assert_eq!(handler.calls(), 1);
+    assert_eq!(
+        store.business_count("invoices"),
+        0,
+        "the handler's write rolled back"
+    );
+    assert_eq!(store.row("m-1", "billing"), None);
+    assert_eq!(store.acked("billing", "orders", 0), None);
+}
+
+#[tokio::test]
+async fn poison_is_dead_lettered_with_its_ack_in_one_transaction() {
+    let store = MemStore::new();
+    let epoch = store.claim_partition("billing", "orders", 0);
+    let mut consumer = MockSource::new();
+    consumer
+        .expect_transactional_ack()
+        .returning(move |_| Some(ack(epoch)));
+    consumer.expect_commit().never();
+    consumer
+        .expect_acked_in_transaction()
+        .times(1)
+        .return_const(());
+    let config = RunnerConfig::new("billing", "w").expect("config");
+    let handler = ScriptedHandler::new([], Act::Succeed);
+    let mut r = Runner::new(store.clone(), consumer, handler.clone(), config);
+    let mut poison = message();
+    poison.payload = serde_json::json!("not an object");
+    let result = r.process_message(poison).await;
+    assert!(result.committed);
+    assert_eq!(handler.calls(), 0);
+    assert_eq!(store.dead_letters().len(), 1);
+    assert_eq!(store.acked("billing", "orders", 0), Some(8));
 }

@@ -55,4 +55,4 @@ pub use error::{kind_of_sqlstate, map_db_err};
 pub use migration::InboxMigration;
 pub use schema::{MAX_TABLE_NAME, TableName, create_statements, drop_statements};
 pub use sea_orm;
-pub use store::{PgStore, PgTx};
+pub use store::{Claim, PgStore, PgTx};

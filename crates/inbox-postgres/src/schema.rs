@@ -86,6 +86,11 @@ impl TableName {
         self.with_suffix("_dead_letters")
     }
 
+    /// The consumer-offsets table next to the inbox table.
+    pub fn offsets(&self) -> String {
+        self.with_suffix("_offsets")
+    }
+
     /// An index name (unqualified: indexes live in their table's schema).
     fn index(&self, suffix: &str) -> String {
         format!("\"{}_{suffix}\"", self.table)
@@ -163,10 +168,26 @@ pub fn create_statements(t: &TableName) -> Vec<String> {
     partition      INTEGER,
     record_offset  BIGINT,
     message        JSONB NOT NULL,
+    raw            BYTEA,
     error          TEXT NOT NULL,
     created_at     TIMESTAMPTZ NOT NULL DEFAULT now()
 )",
             t.dead_letters()
+        ),
+        // Each partition's next offset per consumer group, written in the
+        // same transaction as the inbox row; owner_epoch fences a consumer
+        // that lost the partition to another.
+        format!(
+            "CREATE TABLE IF NOT EXISTS {} (
+    consumer_group VARCHAR(255) NOT NULL,
+    topic          TEXT NOT NULL,
+    partition      INTEGER NOT NULL,
+    next_offset    BIGINT,
+    owner_epoch    BIGINT NOT NULL DEFAULT 0,
+    updated_at     TIMESTAMPTZ NOT NULL DEFAULT now(),
+    PRIMARY KEY (consumer_group, topic, partition)
+)",
+            t.offsets()
         ),
     ]
 }
@@ -174,6 +195,7 @@ pub fn create_statements(t: &TableName) -> Vec<String> {
 /// The statements that drop both tables.
 pub fn drop_statements(t: &TableName) -> Vec<String> {
     vec![
+        format!("DROP TABLE IF EXISTS {}", t.offsets()),
         format!("DROP TABLE IF EXISTS {}", t.dead_letters()),
         format!("DROP TABLE IF EXISTS {}", t.qualified()),
     ]

@@ -7,7 +7,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use inbox_core::{
     Found, InboxRow, InboxStatus, InboxStore, InboxTransaction, LockResult, Message, NewInboxRow,
-    RowId, RowRef, StoreError, StoreErrorKind, ValidationError, WorkerId,
+    RowId, RowRef, StoreError, StoreErrorKind, TxAck, ValidationError, WorkerId,
 };
 use sea_orm::{
     ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DatabaseTransaction, DbBackend,
@@ -28,6 +28,8 @@ struct Sql {
     release: String,
     delete_completed: String,
     dead_letter: String,
+    store_ack: String,
+    claim: String,
 }
 
 impl Sql {
@@ -79,9 +81,22 @@ impl Sql {
                      FOR UPDATE SKIP LOCKED)"
             ),
             dead_letter: format!(
-                "INSERT INTO {} (consumer_group, message_id, source, topic, partition, record_offset, message, error)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+                "INSERT INTO {} (consumer_group, message_id, source, topic, partition, record_offset, message, error, raw)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
                 t.dead_letters()
+            ),
+            store_ack: format!(
+                "UPDATE {} SET next_offset = $4, updated_at = now()
+                  WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND owner_epoch = $5",
+                t.offsets()
+            ),
+            claim: format!(
+                "INSERT INTO {o} AS o (consumer_group, topic, partition, owner_epoch)
+                 VALUES ($1, $2, $3, 1)
+                 ON CONFLICT (consumer_group, topic, partition)
+                 DO UPDATE SET owner_epoch = o.owner_epoch + 1, updated_at = now()
+                 RETURNING next_offset, owner_epoch",
+                o = t.offsets()
             ),
         }
     }
@@ -229,34 +244,6 @@ impl InboxStore for PgStore {
         })
     }
 
-    async fn dead_letter(
-        &self,
-        message: &Message,
-        consumer_group: &str,
-        error: &ValidationError,
-    ) -> Result<(), StoreError> {
-        let position = message.position.as_ref();
-        let raw = serde_json::to_value(message)
-            .map_err(|e| StoreError::new(StoreErrorKind::Other, e.to_string()))?;
-        self.db
-            .execute_raw(stmt(
-                &self.sql.dead_letter,
-                vec![
-                    consumer_group.into(),
-                    message.message_id.clone().into(),
-                    message.source.clone().into(),
-                    position.map(|p| p.topic.clone()).into(),
-                    position.map(|p| p.partition).into(),
-                    position.map(|p| p.offset).into(),
-                    raw.into(),
-                    error.to_string().into(),
-                ],
-            ))
-            .await
-            .map_err(db)?;
-        Ok(())
-    }
-
     async fn find(
         &self,
         message_id: &str,
@@ -369,5 +356,123 @@ impl InboxTransaction for PgTx {
 
     async fn rollback(self) -> Result<(), StoreError> {
         self.tx.rollback().await.map_err(db)
+    }
+
+    async fn dead_letter(
+        &mut self,
+        message: &Message,
+        consumer_group: &str,
+        error: &ValidationError,
+    ) -> Result<(), StoreError> {
+        let position = message.position.as_ref();
+        let as_json = serde_json::to_value(message)
+            .map_err(|e| StoreError::new(StoreErrorKind::Other, e.to_string()))?;
+        self.tx
+            .execute_raw(stmt(
+                &self.sql.dead_letter,
+                vec![
+                    consumer_group.into(),
+                    message.message_id.clone().into(),
+                    message.source.clone().into(),
+                    position.map(|p| p.topic.clone()).into(),
+                    position.map(|p| p.partition).into(),
+                    position.map(|p| p.offset).into(),
+                    as_json.into(),
+                    error.to_string().into(),
+                    message.raw.clone().into(),
+                ],
+            ))
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+
+    async fn store_ack(&mut self, ack: &TxAck) -> Result<(), StoreError> {
+        let r = self
+            .tx
+            .execute_raw(stmt(&self.sql.store_ack, ack_values(ack)))
+            .await
+            .map_err(db)?;
+        if r.rows_affected() == 0 {
+            return Err(fenced(ack));
+        }
+        Ok(())
+    }
+}
+
+fn ack_values(ack: &TxAck) -> Vec<Value> {
+    vec![
+        ack.consumer_group.clone().into(),
+        ack.position.topic.clone().into(),
+        ack.position.partition.into(),
+        (ack.position.offset + 1).into(),
+        ack.owner_epoch.into(),
+    ]
+}
+
+fn fenced(ack: &TxAck) -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Fenced,
+        format!(
+            "{}:{} of group {} is no longer owned under epoch {}",
+            ack.position.topic, ack.position.partition, ack.consumer_group, ack.owner_epoch
+        ),
+    )
+}
+
+/// A partition claimed by [`PgStore::claim_partition`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Claim {
+    /// The stored next offset, if any was ever stored.
+    pub next_offset: Option<i64>,
+    /// The new owner epoch.
+    pub owner_epoch: i64,
+}
+
+impl PgStore {
+    /// Takes over a partition for `consumer_group`: bumps its owner epoch
+    /// (fencing any previous owner) and returns the stored next offset.
+    ///
+    /// # Errors
+    ///
+    /// The mapped database error.
+    pub async fn claim_partition(
+        &self,
+        consumer_group: &str,
+        topic: &str,
+        partition: i32,
+    ) -> Result<Claim, StoreError> {
+        let row = self
+            .db
+            .query_one_raw(stmt(
+                &self.sql.claim,
+                vec![consumer_group.into(), topic.into(), partition.into()],
+            ))
+            .await
+            .map_err(db)?
+            .ok_or_else(|| StoreError::new(StoreErrorKind::Other, "claim returned no row"))?;
+        Ok(Claim {
+            next_offset: get(&row, "next_offset")?,
+            owner_epoch: get(&row, "owner_epoch")?,
+        })
+    }
+
+    /// Stores an acknowledgement outside any inbox transaction (for the
+    /// strategies that commit before or after it), with the same epoch check.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreErrorKind::Fenced`] when the epoch is stale, or the mapped
+    /// database error.
+    pub async fn store_ack(&self, ack: &TxAck) -> Result<(), StoreError> {
+        let r = self
+            .db
+            .execute_raw(stmt(&self.sql.store_ack, ack_values(ack)))
+            .await
+            .map_err(db)?;
+        if r.rows_affected() == 0 {
+            return Err(fenced(ack));
+        }
+        Ok(())
     }
 }

@@ -348,6 +348,7 @@ where
 
     async fn dead_letter_is_accepted(&self) -> Result<(), ConformanceError> {
         const C: &str = "dead_letter_is_accepted";
+        let e = store_err(C);
         let message = Message::new(
             format!("{}-poison", self.prefix),
             "conformance",
@@ -355,10 +356,11 @@ where
             json!([1]),
         );
         let error = ValidationError::PayloadNotObject { found: "array" };
-        self.store
-            .dead_letter(&message, &self.group, &error)
+        let mut tx = self.store.begin().await.map_err(&e)?;
+        tx.dead_letter(&message, &self.group, &error)
             .await
-            .map_err(store_err(C))
+            .map_err(&e)?;
+        tx.commit().await.map_err(&e)
     }
 }
 

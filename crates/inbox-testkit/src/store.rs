@@ -14,7 +14,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, TimeZone, Utc};
 use inbox_core::{
     Found, InboxRow, InboxStatus, InboxStore, InboxTransaction, LockResult, Message, NewInboxRow,
-    RowId, RowRef, StoreError, StoreErrorKind, ValidationError, WorkerId,
+    RowId, RowRef, StoreError, StoreErrorKind, TxAck, ValidationError, WorkerId,
 };
 
 /// A named point where the store can be made to fail.
@@ -62,6 +62,10 @@ struct State {
     row_locks: HashMap<RowId, TxId>,
     business: BTreeMap<String, Vec<String>>,
     dead_letters: Vec<DeadLetter>,
+    /// Acknowledged next offsets by (group, topic, partition).
+    acks: HashMap<(String, String, i32), i64>,
+    /// Owner epochs by (group, topic, partition).
+    epochs: HashMap<(String, String, i32), i64>,
     now: DateTime<Utc>,
     faults: HashMap<StoreFault, u32>,
 }
@@ -115,6 +119,8 @@ impl MemStore {
                 row_locks: HashMap::new(),
                 business: BTreeMap::new(),
                 dead_letters: Vec::new(),
+                acks: HashMap::new(),
+                epochs: HashMap::new(),
                 now,
                 faults: HashMap::new(),
             })),
@@ -181,6 +187,26 @@ impl MemStore {
     /// The dead letters recorded.
     pub fn dead_letters(&self) -> Vec<DeadLetter> {
         self.state().dead_letters.clone()
+    }
+
+    /// Takes over a partition for `group`: bumps and returns its owner epoch
+    /// (acknowledgements under an older epoch are then refused as fenced).
+    pub fn claim_partition(&self, group: &str, topic: &str, partition: i32) -> i64 {
+        let mut s = self.state();
+        let epoch = s
+            .epochs
+            .entry((group.to_owned(), topic.to_owned(), partition))
+            .or_insert(0);
+        *epoch += 1;
+        *epoch
+    }
+
+    /// The acknowledged next offset stored for a partition.
+    pub fn acked(&self, group: &str, topic: &str, partition: i32) -> Option<i64> {
+        self.state()
+            .acks
+            .get(&(group.to_owned(), topic.to_owned(), partition))
+            .copied()
     }
 
     /// Lands a committed `pending` row directly (as a runner without handler
@@ -269,6 +295,8 @@ enum Staged {
     Insert(Box<InboxRow>),
     Complete(RowId),
     Business(String, String),
+    DeadLetter(Box<DeadLetter>),
+    Ack((String, String, i32), i64),
 }
 
 /// A transaction of [`MemStore`]. Dropping it without `commit` rolls back.
@@ -328,22 +356,6 @@ impl InboxStore for MemStore {
             staged: Vec::new(),
             open: true,
         })
-    }
-
-    async fn dead_letter(
-        &self,
-        message: &Message,
-        consumer_group: &str,
-        error: &ValidationError,
-    ) -> Result<(), StoreError> {
-        let mut s = self.state();
-        s.take_fault(StoreFault::DeadLetter)?;
-        s.dead_letters.push(DeadLetter {
-            message: message.clone(),
-            consumer_group: consumer_group.to_owned(),
-            error: error.clone(),
-        });
-        Ok(())
     }
 
     async fn find(
@@ -475,6 +487,10 @@ impl InboxTransaction for MemTx {
                     }
                 }
                 Staged::Business(table, key) => s.business.entry(table).or_default().push(key),
+                Staged::DeadLetter(dead) => s.dead_letters.push(*dead),
+                Staged::Ack(key, next) => {
+                    s.acks.insert(key, next);
+                }
             }
         }
         s.release(self.id);
@@ -485,6 +501,43 @@ impl InboxTransaction for MemTx {
     async fn rollback(mut self) -> Result<(), StoreError> {
         self.staged.clear();
         self.finish();
+        Ok(())
+    }
+
+    async fn dead_letter(
+        &mut self,
+        message: &Message,
+        consumer_group: &str,
+        error: &ValidationError,
+    ) -> Result<(), StoreError> {
+        self.store.state().take_fault(StoreFault::DeadLetter)?;
+        self.staged.push(Staged::DeadLetter(Box::new(DeadLetter {
+            message: message.clone(),
+            consumer_group: consumer_group.to_owned(),
+            error: error.clone(),
+        })));
+        Ok(())
+    }
+
+    async fn store_ack(&mut self, ack: &TxAck) -> Result<(), StoreError> {
+        let s = self.store.state();
+        let key = (
+            ack.consumer_group.clone(),
+            ack.position.topic.clone(),
+            ack.position.partition,
+        );
+        let current = s.epochs.get(&key).copied().unwrap_or(0);
+        if current != ack.owner_epoch {
+            return Err(StoreError::new(
+                StoreErrorKind::Fenced,
+                format!(
+                    "epoch {} is stale, partition owned under epoch {current}",
+                    ack.owner_epoch
+                ),
+            ));
+        }
+        drop(s);
+        self.staged.push(Staged::Ack(key, ack.position.offset + 1));
         Ok(())
     }
 }

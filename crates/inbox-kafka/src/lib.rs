@@ -1,13 +1,149 @@
 //! # inbox-kafka
 //!
-//! The Kafka adapter of the inbox, on `rskafka`. It will hold a consumer
-//! implementing [`inbox_core::Consumer`] that fetches each partition in
-//! order with a bounded prefetch, decodes records into
-//! [`inbox_core::Message`], dead-letters poison records, and stores each
-//! partition's next offset in PostgreSQL in the same transaction as the
-//! inbox row, with epoch fencing.
+//! The Kafka adapter of the inbox, on `rskafka`: a [`KafkaConsumer`] for one
+//! consumer group over a configured set of `(topic, partition)` pairs.
 //!
+//! `rskafka` has no consumer groups and no offset commits by design. That
+//! suits an inbox: each partition's next offset lives in the consumer's own
+//! PostgreSQL database (the `*_offsets` table of [`inbox_postgres`]), and
+//! under `ExactlyOnceInbox` it is written **in the same transaction** as the
+//! inbox row and the handler's writes, so the effect and the acknowledgement
+//! can never disagree.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use async_trait::async_trait;
+//! use inbox_core::{CancellationToken, Handler, HandlerError, Message, RunnerConfig};
+//! use inbox_kafka::{KafkaConfig, run_partitioned};
+//! use inbox_postgres::{PgStore, PgTx, TableName};
+//!
+//! struct Billing;
+//!
+//! #[async_trait]
+//! impl Handler<PgTx> for Billing {
+//!     type Output = ();
+//!     async fn handle(&self, m: &Message, tx: &mut PgTx) -> Result<(), HandlerError> {
+//!         // write through tx.connection(): commits or rolls back with the inbox row
+//!         Ok(())
+//!     }
+//! }
+//!
+//! # async fn main_() -> Result<(), Box<dyn std::error::Error>> {
+//! let store = PgStore::connect("postgres://app@localhost/app", TableName::default()).await?;
+//! store.create_tables().await?;
+//! let kafka = KafkaConfig::new(
+//!     vec!["localhost:9092".into()],
+//!     "billing",
+//!     (0..4).map(|p| ("orders".to_owned(), p)).collect(),
+//! );
+//! let runner = RunnerConfig::new("billing", "billing-1")?;
+//! // four partitions, two workers: each worker reads its partitions in order
+//! let cancel = CancellationToken::new();
+//! run_partitioned(kafka, store, Arc::new(Billing), runner, 2, cancel).await?;
+//! # Ok(()) }
 //! ```
-//! // The adapter is not built yet; the core it will plug into is:
-//! use inbox_core::Consumer as _;
-//! ```
+//!
+//! - Decoding: [`JsonDecoder`] by default, or any [`Decode`] / closure.
+//! - Poison records (not JSON, not an object, empty, oversized, a required
+//!   header missing, a header that is not UTF-8) become dead letters with
+//!   their raw bytes, committed in the same transaction; the partition goes
+//!   on.
+//! - Fencing: claiming a partition bumps its owner epoch; every offset write
+//!   checks it; a consumer whose epoch is stale has its transaction fail and
+//!   stops reading the partition ([`KafkaConsumer::fenced_partitions`]).
+//! - Gaps: a broker that returns records starting after the requested
+//!   offset is logged as an error and counted ([`ConsumerStats::gaps`]).
+
+mod consumer;
+mod decode;
+
+pub use consumer::{ConsumerStats, KafkaConfig, KafkaConsumer, KafkaError, StartPosition};
+pub use decode::{Decode, JsonDecoder, RecordView, decode_or_poison};
+
+use std::sync::Arc;
+
+use inbox_core::{
+    CancellationToken, Handler, Metrics, NoopMetrics, RunSummary, Runner, RunnerConfig,
+};
+use inbox_postgres::{PgStore, PgTx};
+
+/// Runs up to `workers` runners concurrently, the configured partitions
+/// dealt out among them round-robin; each runner reads its partitions
+/// strictly in order. Returns when `cancel` fires and every runner has
+/// finished its message in flight.
+///
+/// # Errors
+///
+/// A [`KafkaError`] when a consumer cannot connect.
+pub async fn run_partitioned<H>(
+    config: KafkaConfig,
+    store: PgStore,
+    handler: Arc<H>,
+    runner: RunnerConfig,
+    workers: usize,
+    cancel: CancellationToken,
+) -> Result<Vec<RunSummary>, KafkaError>
+where
+    H: Handler<PgTx> + 'static,
+{
+    run_partitioned_with_metrics(
+        config,
+        store,
+        handler,
+        runner,
+        workers,
+        cancel,
+        Arc::new(NoopMetrics),
+    )
+    .await
+}
+
+/// [`run_partitioned`] reporting to `metrics`.
+///
+/// # Errors
+///
+/// A [`KafkaError`] when a consumer cannot connect.
+pub async fn run_partitioned_with_metrics<H>(
+    config: KafkaConfig,
+    store: PgStore,
+    handler: Arc<H>,
+    runner: RunnerConfig,
+    workers: usize,
+    cancel: CancellationToken,
+    metrics: Arc<dyn Metrics>,
+) -> Result<Vec<RunSummary>, KafkaError>
+where
+    H: Handler<PgTx> + 'static,
+{
+    let workers = workers.clamp(1, config.partitions.len().max(1));
+    let mut groups: Vec<Vec<(String, i32)>> = vec![Vec::new(); workers];
+    for (i, p) in config.partitions.iter().enumerate() {
+        groups[i % workers].push(p.clone());
+    }
+    let mut tasks = Vec::with_capacity(workers);
+    for partitions in groups {
+        let consumer = KafkaConsumer::connect(
+            KafkaConfig {
+                partitions,
+                ..config.clone()
+            },
+            store.clone(),
+        )
+        .await?
+        .with_metrics(metrics.clone());
+        let mut r = Runner::new(store.clone(), consumer, handler.clone(), runner.clone())
+            .with_metrics(metrics.clone());
+        let cancel = cancel.clone();
+        tasks.push(tokio::spawn(async move { r.run(cancel).await }));
+    }
+    let mut summaries = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        match t.await {
+            Ok(s) => summaries.push(s),
+            Err(e) => {
+                return Err(KafkaError::Config(format!("a runner task failed: {e}")));
+            }
+        }
+    }
+    Ok(summaries)
+}

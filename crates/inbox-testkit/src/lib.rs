@@ -30,8 +30,11 @@
 
 mod broker;
 mod conformance;
+#[cfg(feature = "kafka")]
+pub mod kafka;
 pub mod pg;
 pub mod scenarios;
+pub mod service;
 mod store;
 
 pub use broker::{BrokerFault, CommitRecord, MemBroker, MemConsumer};

@@ -12,20 +12,21 @@
 //! it is never skipped.
 
 use std::fmt;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
+
+use crate::service::{free_port, is_root, run, spawn_reaper, temp_dir};
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-/// Why no PostgreSQL could be had.
+/// Why a test service (PostgreSQL, the broker) could not be had.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HarnessError(pub String);
 
 impl fmt::Display for HarnessError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "no PostgreSQL for the tests: {}", self.0)
+        write!(f, "test service unavailable: {}", self.0)
     }
 }
 
@@ -88,31 +89,6 @@ fn find_bin(name: &str) -> Result<PathBuf, HarnessError> {
         })
 }
 
-fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-        .unwrap_or(false)
-}
-
-fn run(mut cmd: Command, what: &str) -> Result<(), HarnessError> {
-    let out = cmd
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| HarnessError(format!("{what}: {e}")))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(HarnessError(format!(
-            "{what} failed ({}): {}{}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        )))
-    }
-}
-
 /// A command run as the `postgres` user when we are root (initdb refuses root).
 fn as_postgres(bin: &Path, root: bool) -> Command {
     if root {
@@ -130,12 +106,7 @@ impl PgServer {
         let pg_ctl = find_bin("pg_ctl")?;
         let psql = find_bin("psql")?;
         let root = is_root();
-        let nanos = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos());
-        let dir = std::env::temp_dir().join(format!("inbox-pg-{}-{nanos}", std::process::id()));
-        std::fs::create_dir_all(&dir)
-            .map_err(|e| HarnessError(format!("creating {}: {e}", dir.display())))?;
+        let dir = temp_dir("inbox-pg")?;
         if root {
             let mut chown = Command::new("chown");
             chown.arg("postgres:postgres").arg(&dir);
@@ -153,10 +124,7 @@ impl PgServer {
             "--no-sync",
         ]);
         run(init, "initdb")?;
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map_err(|e| HarnessError(format!("finding a free port: {e}")))?
-            .port();
+        let port = free_port()?;
         let options = format!(
             "-p {port} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=300",
             dir.display()
@@ -169,7 +137,7 @@ impl PgServer {
             .arg(dir.join("server.log"))
             .args(["-w", "-t", "60", "-o", &options, "start"]);
         run(start, "pg_ctl start")?;
-        spawn_reaper(&pg_ctl, &data, &dir, root);
+        reap(&pg_ctl, &data, &dir, root);
         eprintln!(
             "inbox-testkit: started PostgreSQL on 127.0.0.1:{port} ({})",
             dir.display()
@@ -244,42 +212,14 @@ pub fn with_database(url: &str, name: &str) -> String {
     }
 }
 
-/// Starts a detached shell that waits for this process to end, then stops
-/// the server and removes its directory.
-fn spawn_reaper(pg_ctl: &Path, data: &Path, dir: &Path, root: bool) {
-    let pid = std::process::id();
-    let stop = if root {
-        format!(
-            "runuser -u postgres -- '{}' -D '{}' -m immediate stop",
-            pg_ctl.display(),
-            data.display()
-        )
-    } else {
-        format!(
-            "'{}' -D '{}' -m immediate stop",
-            pg_ctl.display(),
-            data.display()
-        )
-    };
-    let script = format!(
-        "while kill -0 {pid} 2>/dev/null; do sleep 0.5; done; {stop} >/dev/null 2>&1; rm -rf '{}'",
-        dir.display()
+fn reap(pg_ctl: &Path, data: &Path, dir: &Path, root: bool) {
+    let stop = format!(
+        "{}'{}' -D '{}' -m immediate stop",
+        if root { "runuser -u postgres -- " } else { "" },
+        pg_ctl.display(),
+        data.display()
     );
-    let spawned = Command::new("setsid")
-        .args(["sh", "-c", &script])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn();
-    if spawned.is_err() {
-        // Without setsid, a plain sh still outlives us as an orphan.
-        let _ = Command::new("sh")
-            .args(["-c", &script])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn();
-    }
+    spawn_reaper(&stop, dir);
 }
 
 #[cfg(test)]

@@ -1,0 +1,393 @@
+//! The Kafka consumer: fetch per partition, offsets in PostgreSQL.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use inbox_core::{
+    Consumer, ConsumerError, Message, MetricEvent, Metrics, NoopMetrics, StoreErrorKind, TxAck,
+};
+use inbox_postgres::PgStore;
+use rskafka::client::partition::{OffsetAt, PartitionClient, UnknownTopicHandling};
+use rskafka::client::{Client, ClientBuilder};
+use rskafka::record::RecordAndOffset;
+
+use crate::decode::{Decode, JsonDecoder, RecordView, decode_or_poison};
+
+/// Where a partition is read from when no offset is stored for it yet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StartPosition {
+    /// The earliest record the broker still has.
+    #[default]
+    Earliest,
+    /// Only records produced from now on.
+    Latest,
+}
+
+/// Configuration of a [`KafkaConsumer`].
+#[derive(Clone)]
+pub struct KafkaConfig {
+    /// Bootstrap brokers, `host:port`.
+    pub brokers: Vec<String>,
+    /// The consumer group (the offsets and the inbox rows are per group).
+    pub consumer_group: String,
+    /// The `(topic, partition)` pairs this consumer reads.
+    pub partitions: Vec<(String, i32)>,
+    /// Where to start a partition with no stored offset.
+    pub start: StartPosition,
+    /// How long a fetch may wait for records. Default 10 ms (brokers such as
+    /// tansu hold a fetch for its whole max-wait).
+    pub max_wait: Duration,
+    /// Most bytes one fetch returns per partition: the prefetch buffer of a
+    /// partition never holds more than one fetch. Default 1 MiB.
+    pub fetch_max_bytes: i32,
+    /// The decoder. Default [`JsonDecoder`].
+    pub decoder: Arc<dyn Decode>,
+}
+
+impl std::fmt::Debug for KafkaConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaConfig")
+            .field("brokers", &self.brokers)
+            .field("consumer_group", &self.consumer_group)
+            .field("partitions", &self.partitions)
+            .field("start", &self.start)
+            .field("max_wait", &self.max_wait)
+            .field("fetch_max_bytes", &self.fetch_max_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KafkaConfig {
+    /// A configuration with defaults.
+    pub fn new(
+        brokers: Vec<String>,
+        consumer_group: impl Into<String>,
+        partitions: Vec<(String, i32)>,
+    ) -> Self {
+        Self {
+            brokers,
+            consumer_group: consumer_group.into(),
+            partitions,
+            start: StartPosition::Earliest,
+            max_wait: Duration::from_millis(10),
+            fetch_max_bytes: 1024 * 1024,
+            decoder: Arc::new(JsonDecoder::default()),
+        }
+    }
+}
+
+/// Errors of the Kafka adapter.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum KafkaError {
+    /// The broker could not be reached or refused a request.
+    #[error("kafka: {0}")]
+    Broker(#[from] rskafka::client::error::Error),
+    /// The offsets could not be read or claimed.
+    #[error("offsets: {0}")]
+    Offsets(#[from] inbox_core::StoreError),
+    /// The configuration is unusable.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+}
+
+struct Partition {
+    client: PartitionClient,
+    topic: String,
+    partition: i32,
+    epoch: i64,
+    /// Next offset to fetch.
+    next_fetch: i64,
+    buffer: VecDeque<RecordAndOffset>,
+    buffered_bytes: usize,
+    high_watermark: i64,
+    fenced: bool,
+}
+
+/// Statistics of a [`KafkaConsumer`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ConsumerStats {
+    /// Fetch requests made.
+    pub fetches: u64,
+    /// Records fetched.
+    pub records: u64,
+    /// Times the broker returned records starting after the requested offset.
+    pub gaps: u64,
+    /// Offsets skipped over by those gaps.
+    pub missing: i64,
+    /// Largest number of bytes buffered for one partition.
+    pub max_buffered_bytes: usize,
+}
+
+/// A consumer of a set of partitions for one consumer group, with each
+/// partition's next offset kept in PostgreSQL (see the crate docs).
+pub struct KafkaConsumer {
+    group: String,
+    config: KafkaConfig,
+    partitions: Vec<Partition>,
+    cursor: usize,
+    metrics: Arc<dyn Metrics>,
+    store: PgStore,
+    stats: ConsumerStats,
+    _client: Client,
+}
+
+impl std::fmt::Debug for KafkaConsumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaConsumer")
+            .field("group", &self.group)
+            .field("config", &self.config)
+            .field("stats", &self.stats)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KafkaConsumer {
+    /// Connects to the brokers and claims every configured partition in
+    /// `store`'s offsets table: bumps its owner epoch (fencing any previous
+    /// owner) and starts from the stored next offset, or from
+    /// `config.start` when none is stored.
+    ///
+    /// # Errors
+    ///
+    /// A [`KafkaError`] when the broker or the database cannot be reached.
+    pub async fn connect(config: KafkaConfig, store: PgStore) -> Result<Self, KafkaError> {
+        if config.partitions.is_empty() {
+            return Err(KafkaError::Config("no partitions configured".into()));
+        }
+        if config.fetch_max_bytes < 1 {
+            return Err(KafkaError::Config(
+                "fetch_max_bytes must be positive".into(),
+            ));
+        }
+        let client = ClientBuilder::new(config.brokers.clone()).build().await?;
+        let mut partitions = Vec::with_capacity(config.partitions.len());
+        for (topic, partition) in &config.partitions {
+            let pc = client
+                .partition_client(topic.clone(), *partition, UnknownTopicHandling::Retry)
+                .await?;
+            let claim = store
+                .claim_partition(&config.consumer_group, topic, *partition)
+                .await?;
+            let next_fetch = match claim.next_offset {
+                Some(o) => o,
+                None => match config.start {
+                    StartPosition::Earliest => pc.get_offset(OffsetAt::Earliest).await?,
+                    StartPosition::Latest => pc.get_offset(OffsetAt::Latest).await?,
+                },
+            };
+            tracing::info!(%topic, partition, epoch = claim.owner_epoch, next_fetch, "partition claimed");
+            partitions.push(Partition {
+                client: pc,
+                topic: topic.clone(),
+                partition: *partition,
+                epoch: claim.owner_epoch,
+                next_fetch,
+                buffer: VecDeque::new(),
+                buffered_bytes: 0,
+                high_watermark: next_fetch,
+                fenced: false,
+            });
+        }
+        Ok(Self {
+            group: config.consumer_group.clone(),
+            config,
+            partitions,
+            cursor: 0,
+            metrics: Arc::new(NoopMetrics),
+            store,
+            stats: ConsumerStats::default(),
+            _client: client,
+        })
+    }
+
+    /// The same consumer reporting lag, gaps and fencing to `metrics`.
+    pub fn with_metrics(mut self, metrics: Arc<dyn Metrics>) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
+    /// The statistics so far.
+    pub fn stats(&self) -> ConsumerStats {
+        self.stats
+    }
+
+    /// The partitions this consumer lost to another (it stopped reading them).
+    pub fn fenced_partitions(&self) -> Vec<(String, i32)> {
+        self.partitions
+            .iter()
+            .filter(|p| p.fenced)
+            .map(|p| (p.topic.clone(), p.partition))
+            .collect()
+    }
+
+    /// Records behind the high watermark, summed over the partitions still
+    /// owned, as of the last fetch.
+    pub fn lag(&self) -> i64 {
+        self.partitions
+            .iter()
+            .filter(|p| !p.fenced)
+            .map(|p| p.high_watermark - self.next_to_deliver(p))
+            .sum()
+    }
+
+    fn next_to_deliver(&self, p: &Partition) -> i64 {
+        p.buffer.front().map_or(p.next_fetch, |r| r.offset)
+    }
+
+    fn index_of(&self, message: &Message) -> Option<usize> {
+        let pos = message.position.as_ref()?;
+        self.partitions
+            .iter()
+            .position(|p| p.topic == pos.topic && p.partition == pos.partition)
+    }
+
+    async fn fill(&mut self, index: usize) -> Result<(), ConsumerError> {
+        let max_wait = i32::try_from(self.config.max_wait.as_millis()).unwrap_or(i32::MAX);
+        let max_bytes = self.config.fetch_max_bytes;
+        let p = &mut self.partitions[index];
+        let (records, high_watermark) = p
+            .client
+            .fetch_records(p.next_fetch, 1..max_bytes, max_wait)
+            .await
+            .map_err(|e| ConsumerError::Fetch(format!("{}:{}: {e}", p.topic, p.partition)))?;
+        self.stats.fetches += 1;
+        p.high_watermark = high_watermark;
+        let mut expected = p.next_fetch;
+        for record in records {
+            if record.offset < expected {
+                continue;
+            }
+            if record.offset > expected {
+                let missing = record.offset - expected;
+                tracing::error!(
+                    topic = %p.topic,
+                    partition = p.partition,
+                    requested = expected,
+                    returned = record.offset,
+                    "the broker skipped {missing} offsets: on a topic without compaction or transactions this is a broker fault"
+                );
+                self.stats.gaps += 1;
+                self.stats.missing += missing;
+                self.metrics.record(MetricEvent::OffsetGap {
+                    partition: p.partition,
+                    missing,
+                });
+            }
+            expected = record.offset + 1;
+            p.buffered_bytes += record.record.approximate_size();
+            p.buffer.push_back(record);
+        }
+        self.stats.records += u64::try_from(p.buffer.len()).unwrap_or(0);
+        self.stats.max_buffered_bytes = self.stats.max_buffered_bytes.max(p.buffered_bytes);
+        p.next_fetch = expected;
+        let lag = p.high_watermark - p.buffer.front().map_or(p.next_fetch, |r| r.offset);
+        self.metrics.record(MetricEvent::Lag {
+            partition: p.partition,
+            lag,
+        });
+        Ok(())
+    }
+
+    fn pop(&mut self, index: usize) -> Option<Message> {
+        let p = &mut self.partitions[index];
+        let record = p.buffer.pop_front()?;
+        p.buffered_bytes = p
+            .buffered_bytes
+            .saturating_sub(record.record.approximate_size());
+        let view = RecordView {
+            topic: &p.topic,
+            partition: p.partition,
+            offset: record.offset,
+            key: record.record.key.as_deref(),
+            value: record.record.value.as_deref(),
+            headers: &record.record.headers,
+        };
+        Some(decode_or_poison(self.config.decoder.as_ref(), &view))
+    }
+
+    fn ack(&self, message: &Message) -> Option<TxAck> {
+        let index = self.index_of(message)?;
+        let p = &self.partitions[index];
+        Some(TxAck {
+            consumer_group: self.group.clone(),
+            position: message.position.clone()?,
+            owner_epoch: p.epoch,
+        })
+    }
+}
+
+#[async_trait]
+impl Consumer for KafkaConsumer {
+    /// Round-robin over the owned partitions: the next buffered record of
+    /// the next partition, fetching when its buffer is empty. `None` when no
+    /// partition has a record ready.
+    async fn next(&mut self) -> Result<Option<Message>, ConsumerError> {
+        let n = self.partitions.len();
+        for step in 0..n {
+            let index = (self.cursor + step) % n;
+            if self.partitions[index].fenced {
+                continue;
+            }
+            if self.partitions[index].buffer.is_empty() {
+                self.fill(index).await?;
+            }
+            if let Some(message) = self.pop(index) {
+                self.cursor = index + 1;
+                return Ok(Some(message));
+            }
+        }
+        Ok(None)
+    }
+
+    async fn commit(&mut self, message: &Message) -> Result<(), ConsumerError> {
+        let ack = self.ack(message).ok_or_else(|| {
+            ConsumerError::Commit("message is not from this consumer's partitions".into())
+        })?;
+        self.store.store_ack(&ack).await.map_err(|e| {
+            if e.kind == StoreErrorKind::Fenced {
+                ConsumerError::Fenced(e.cause)
+            } else {
+                ConsumerError::Commit(e.to_string())
+            }
+        })
+    }
+
+    async fn rewind(&mut self, message: &Message) -> Result<(), ConsumerError> {
+        let index = self.index_of(message).ok_or_else(|| {
+            ConsumerError::Rewind("message is not from this consumer's partitions".into())
+        })?;
+        let offset = message.position.as_ref().map_or(0, |p| p.offset);
+        let p = &mut self.partitions[index];
+        p.buffer.clear();
+        p.buffered_bytes = 0;
+        p.next_fetch = offset;
+        Ok(())
+    }
+
+    fn transactional_ack(&self, message: &Message) -> Option<TxAck> {
+        self.ack(message)
+    }
+
+    fn fenced(&mut self, message: &Message) {
+        if let Some(index) = self.index_of(message) {
+            let p = &mut self.partitions[index];
+            if !p.fenced {
+                tracing::warn!(
+                    topic = %p.topic,
+                    partition = p.partition,
+                    epoch = p.epoch,
+                    "fenced: another consumer owns this partition now; it is no longer read here"
+                );
+                p.fenced = true;
+                p.buffer.clear();
+                p.buffered_bytes = 0;
+                self.metrics.record(MetricEvent::Fenced {
+                    partition: p.partition,
+                });
+            }
+        }
+    }
+}

@@ -1,0 +1,329 @@
+//! Turning a Kafka record into the core's [`Message`].
+//!
+//! [`JsonDecoder`] is the default: the payload is the record value as a JSON
+//! object; `message_id` comes from the first present of a list of headers
+//! (default `message_id`, then `event_id`) or falls back to
+//! `topic:partition:offset`; `event_type` from a header or a payload field;
+//! `source` is the topic; trace / correlation / causation ids and
+//! `schema_version` from headers. Any [`Decode`] (or a closure) can replace
+//! it.
+//!
+//! A record that cannot be decoded is not an error of the consumer: it
+//! becomes a [`Message`] carrying its `decode_error` and raw bytes, which the
+//! runner dead-letters and commits (a poison message).
+
+use std::collections::BTreeMap;
+
+use inbox_core::model::{MAX_PAYLOAD_BYTES, decode_header};
+use inbox_core::{Message, Position, ValidationError};
+use serde_json::Value;
+
+/// A borrowed view of one fetched record.
+#[derive(Debug, Clone, Copy)]
+pub struct RecordView<'a> {
+    /// Topic.
+    pub topic: &'a str,
+    /// Partition.
+    pub partition: i32,
+    /// Offset.
+    pub offset: i64,
+    /// Key bytes.
+    pub key: Option<&'a [u8]>,
+    /// Value bytes.
+    pub value: Option<&'a [u8]>,
+    /// Headers (keys are UTF-8 by the protocol; values are bytes).
+    pub headers: &'a BTreeMap<String, Vec<u8>>,
+}
+
+impl RecordView<'_> {
+    /// The record's position.
+    pub fn position(&self) -> Position {
+        Position::new(self.topic, self.partition, self.offset)
+    }
+}
+
+/// Decodes a record into a message.
+pub trait Decode: Send + Sync {
+    /// The message for `record`, or the rule it breaks.
+    ///
+    /// # Errors
+    ///
+    /// The [`ValidationError`] that makes the record poison.
+    fn decode(&self, record: &RecordView<'_>) -> Result<Message, ValidationError>;
+}
+
+impl<F> Decode for F
+where
+    F: Fn(&RecordView<'_>) -> Result<Message, ValidationError> + Send + Sync,
+{
+    fn decode(&self, record: &RecordView<'_>) -> Result<Message, ValidationError> {
+        self(record)
+    }
+}
+
+/// The default decoder: JSON object payloads, ids and metadata from headers.
+#[derive(Debug, Clone)]
+pub struct JsonDecoder {
+    /// Headers tried in order for `message_id`. Default `message_id`,
+    /// `event_id`.
+    pub message_id_headers: Vec<String>,
+    /// Whether a record without any of them is poison (default false: the
+    /// id falls back to `topic:partition:offset`).
+    pub require_message_id: bool,
+    /// Header holding the event type. Default `event_type`.
+    pub event_type_header: String,
+    /// Payload field holding the event type when the header is absent.
+    /// Default `event_type`.
+    pub event_type_field: String,
+}
+
+impl Default for JsonDecoder {
+    fn default() -> Self {
+        Self {
+            message_id_headers: vec!["message_id".into(), "event_id".into()],
+            require_message_id: false,
+            event_type_header: "event_type".into(),
+            event_type_field: "event_type".into(),
+        }
+    }
+}
+
+fn headers(record: &RecordView<'_>) -> Result<BTreeMap<String, String>, ValidationError> {
+    record
+        .headers
+        .iter()
+        .map(|(k, v)| decode_header(k.as_bytes(), v))
+        .collect()
+}
+
+impl JsonDecoder {
+    fn message_id(
+        &self,
+        record: &RecordView<'_>,
+        headers: &BTreeMap<String, String>,
+    ) -> Result<String, ValidationError> {
+        if let Some(id) = self.message_id_headers.iter().find_map(|h| headers.get(h)) {
+            return Ok(id.clone());
+        }
+        if self.require_message_id {
+            return Err(ValidationError::MissingHeader {
+                name: self.message_id_headers.join(" or "),
+            });
+        }
+        Ok(format!(
+            "{}:{}:{}",
+            record.topic, record.partition, record.offset
+        ))
+    }
+}
+
+impl Decode for JsonDecoder {
+    fn decode(&self, record: &RecordView<'_>) -> Result<Message, ValidationError> {
+        let headers = headers(record)?;
+        let message_id = self.message_id(record, &headers)?;
+        let bytes = record.value.unwrap_or_default();
+        if bytes.is_empty() {
+            return Err(ValidationError::PayloadNotJson {
+                reason: "the record has no value".into(),
+            });
+        }
+        if bytes.len() > MAX_PAYLOAD_BYTES {
+            return Err(ValidationError::PayloadTooLarge {
+                max: MAX_PAYLOAD_BYTES,
+                actual: bytes.len(),
+            });
+        }
+        let payload: Value =
+            serde_json::from_slice(bytes).map_err(|e| ValidationError::PayloadNotJson {
+                reason: e.to_string(),
+            })?;
+        let event_type = headers
+            .get(&self.event_type_header)
+            .cloned()
+            .or_else(|| {
+                payload
+                    .get(&self.event_type_field)
+                    .and_then(Value::as_str)
+                    .map(str::to_owned)
+            })
+            .ok_or_else(|| ValidationError::MissingHeader {
+                name: self.event_type_header.clone(),
+            })?;
+        let mut message = Message::new(message_id, record.topic, event_type, payload);
+        message.trace_id = headers.get("trace_id").cloned();
+        message.correlation_id = headers.get("correlation_id").cloned();
+        message.causation_id = headers.get("causation_id").cloned();
+        message.schema_version = headers.get("schema_version").cloned();
+        message.headers = headers;
+        message.position = Some(record.position());
+        Ok(message)
+    }
+}
+
+/// Decodes `record` with `decoder`; a record that cannot be decoded becomes
+/// a poison message carrying the error, its raw value and its position.
+pub fn decode_or_poison(decoder: &dyn Decode, record: &RecordView<'_>) -> Message {
+    match decoder.decode(record) {
+        Ok(mut m) => {
+            m.position = Some(record.position());
+            m
+        }
+        Err(error) => {
+            let id = record
+                .headers
+                .get("message_id")
+                .and_then(|v| String::from_utf8(v.clone()).ok())
+                .filter(|s| !s.is_empty())
+                .unwrap_or_else(|| {
+                    format!("{}:{}:{}", record.topic, record.partition, record.offset)
+                });
+            let mut m = Message::new(id, record.topic, "", Value::Null);
+            m.position = Some(record.position());
+            m.raw = Some(record.value.unwrap_or_default().to_vec());
+            m.decode_error = Some(error);
+            m
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view<'a>(value: Option<&'a [u8]>, headers: &'a BTreeMap<String, Vec<u8>>) -> RecordView<'a> {
+        RecordView {
+            topic: "orders",
+            partition: 2,
+            offset: 41,
+            key: None,
+            value,
+            headers,
+        }
+    }
+
+    fn h(pairs: &[(&str, &[u8])]) -> BTreeMap<String, Vec<u8>> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), v.to_vec()))
+            .collect()
+    }
+
+    #[test]
+    fn decodes_ids_and_metadata_from_headers() {
+        let headers = h(&[
+            ("event_id", b"e-1"),
+            ("event_type", b"order.created"),
+            ("trace_id", b"t"),
+            ("correlation_id", b"c"),
+            ("causation_id", b"z"),
+            ("schema_version", b"2"),
+        ]);
+        let m = JsonDecoder::default()
+            .decode(&view(Some(br#"{"id": 1}"#), &headers))
+            .expect("decodes");
+        assert_eq!(m.message_id, "e-1", "event_id is the second choice");
+        assert_eq!(m.event_type, "order.created");
+        assert_eq!(m.source, "orders");
+        assert_eq!(
+            (
+                m.trace_id.as_deref(),
+                m.correlation_id.as_deref(),
+                m.causation_id.as_deref(),
+                m.schema_version.as_deref()
+            ),
+            (Some("t"), Some("c"), Some("z"), Some("2"))
+        );
+        assert_eq!(m.position, Some(Position::new("orders", 2, 41)));
+    }
+
+    #[test]
+    fn message_id_header_wins_then_falls_back_to_the_position() {
+        let headers = h(&[("message_id", b"m-1"), ("event_id", b"e-1")]);
+        let m = JsonDecoder::default()
+            .decode(&view(Some(br#"{"event_type": "x", "a": 1}"#), &headers))
+            .expect("decodes");
+        assert_eq!(m.message_id, "m-1");
+        assert_eq!(m.event_type, "x", "event type from the payload field");
+        let none = BTreeMap::new();
+        let m = JsonDecoder::default()
+            .decode(&view(Some(br#"{"event_type": "x"}"#), &none))
+            .expect("decodes");
+        assert_eq!(m.message_id, "orders:2:41");
+        let strict = JsonDecoder {
+            require_message_id: true,
+            ..JsonDecoder::default()
+        };
+        assert!(matches!(
+            strict.decode(&view(Some(br#"{"event_type": "x"}"#), &none)),
+            Err(ValidationError::MissingHeader { .. })
+        ));
+    }
+
+    #[test]
+    fn poison_kinds_are_typed() {
+        let none = BTreeMap::new();
+        let d = JsonDecoder::default();
+        assert!(matches!(
+            d.decode(&view(Some(b"{nope"), &none)),
+            Err(ValidationError::PayloadNotJson { .. })
+        ));
+        assert!(matches!(
+            d.decode(&view(None, &none)),
+            Err(ValidationError::PayloadNotJson { .. })
+        ));
+        assert!(matches!(
+            d.decode(&view(Some(b""), &none)),
+            Err(ValidationError::PayloadNotJson { .. })
+        ));
+        assert!(matches!(
+            d.decode(&view(Some(br#"{"a": 1}"#), &none)),
+            Err(ValidationError::MissingHeader { .. })
+        ));
+        let big = vec![b' '; MAX_PAYLOAD_BYTES + 1];
+        assert!(matches!(
+            d.decode(&view(Some(&big), &none)),
+            Err(ValidationError::PayloadTooLarge { .. })
+        ));
+        let bad = h(&[("event_type", &[0xff, 0xfe])]);
+        assert_eq!(
+            d.decode(&view(Some(br#"{"a": 1}"#), &bad)).err(),
+            Some(ValidationError::HeaderNotUtf8 {
+                key: "event_type".into()
+            })
+        );
+        // not an object: decodes, then fails validation in the runner
+        let m = d
+            .decode(&view(Some(b"[1, 2]"), &h(&[("event_type", b"x")])))
+            .expect("decodes");
+        assert_eq!(
+            m.validate("g"),
+            Err(ValidationError::PayloadNotObject { found: "array" })
+        );
+    }
+
+    #[test]
+    fn a_poison_record_keeps_its_bytes_and_position() {
+        let headers = h(&[("message_id", b"m-9")]);
+        let m = decode_or_poison(&JsonDecoder::default(), &view(Some(b"\x00\x01"), &headers));
+        assert_eq!(m.message_id, "m-9");
+        assert_eq!(m.raw.as_deref(), Some(&b"\x00\x01"[..]));
+        assert!(m.decode_error.is_some());
+        assert!(m.validate("g").is_err());
+        assert_eq!(m.position, Some(Position::new("orders", 2, 41)));
+    }
+
+    #[test]
+    fn closures_decode_too() {
+        let custom = |r: &RecordView<'_>| -> Result<Message, ValidationError> {
+            Ok(Message::new(
+                format!("k-{}", r.offset),
+                r.topic,
+                "custom",
+                serde_json::json!({"x": 1}),
+            ))
+        };
+        let none = BTreeMap::new();
+        let m = decode_or_poison(&custom, &view(None, &none));
+        assert_eq!(m.message_id, "k-41");
+    }
+}

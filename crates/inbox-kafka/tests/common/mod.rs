@@ -1,0 +1,135 @@
+//! Shared set-up of the end-to-end suites: a fresh database and a fresh
+//! topic on the test broker per test.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::time::Duration;
+
+use inbox_core::{AckStrategy, Consumer, Runner, RunnerConfig};
+use inbox_kafka::{KafkaConfig, KafkaConsumer};
+use inbox_postgres::PgStore;
+use inbox_testkit::kafka::{Broker, broker, json_record};
+use inbox_testkit::pg::{count, fresh_store};
+use serde_json::json;
+
+pub struct Env {
+    pub store: PgStore,
+    pub broker: &'static Broker,
+    pub topic: String,
+    pub partitions: i32,
+}
+
+pub async fn env(prefix: &str, partitions: i32) -> Env {
+    let store = fresh_store().await.unwrap_or_else(|e| panic!("{e}"));
+    let broker = broker().unwrap_or_else(|e| panic!("{e}"));
+    let topic = broker
+        .topic(prefix, partitions)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    Env {
+        store,
+        broker,
+        topic,
+        partitions,
+    }
+}
+
+impl Env {
+    pub fn kafka_config(&self, group: &str) -> KafkaConfig {
+        let mut c = KafkaConfig::new(
+            vec![self.broker.address().to_owned()],
+            group,
+            (0..self.partitions)
+                .map(|p| (self.topic.clone(), p))
+                .collect(),
+        );
+        c.max_wait = Duration::from_millis(10);
+        c
+    }
+
+    pub async fn consumer(&self, group: &str) -> KafkaConsumer {
+        KafkaConsumer::connect(self.kafka_config(group), self.store.clone())
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Produces orders `ids` on `partition` in batches of 3 records.
+    pub async fn produce_orders(&self, partition: i32, ids: &[&str]) -> Vec<i64> {
+        let records = ids
+            .iter()
+            .map(|id| {
+                json_record(
+                    &json!({ "order": id, "total": 10 }),
+                    &[("message_id", id), ("event_type", "order.created")],
+                )
+            })
+            .collect();
+        self.broker
+            .produce(&self.topic, partition, records, 3)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    pub async fn invoices(&self, order: &str) -> i64 {
+        count(
+            &self.store,
+            "SELECT count(*) FROM invoices WHERE order_id = $1",
+            vec![order.into()],
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    pub async fn total_invoices(&self) -> i64 {
+        count(&self.store, "SELECT count(*) FROM invoices", vec![])
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    pub async fn stored_offset(&self, group: &str, partition: i32) -> Option<i64> {
+        let n = count(
+            &self.store,
+            "SELECT coalesce(max(next_offset), -1) FROM inbox_offsets WHERE consumer_group = $1 AND topic = $2 AND partition = $3",
+            vec![group.into(), self.topic.clone().into(), partition.into()],
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+        (n >= 0).then_some(n)
+    }
+}
+
+pub fn config(group: &str, strategy: AckStrategy) -> RunnerConfig {
+    let mut c = RunnerConfig::new(group, "kafka-test-worker")
+        .unwrap_or_else(|e| panic!("{e}"))
+        .with_strategy(strategy);
+    c.handler_timeout = Duration::from_secs(5);
+    c
+}
+
+/// Processes deliveries until the consumer has had nothing for a few
+/// polls in a row (bounded); returns the results.
+pub async fn drain<S, C, H, M>(runner: &mut Runner<S, C, H, M>) -> Vec<inbox_core::ProcessResult>
+where
+    S: inbox_core::InboxStore,
+    C: Consumer,
+    H: inbox_core::Handler<S::Tx>,
+    M: inbox_core::Metrics,
+{
+    let mut results = Vec::new();
+    let mut idle = 0;
+    for _ in 0..100_000 {
+        match runner.process_one().await.unwrap_or_else(|e| panic!("{e}")) {
+            Some(r) => {
+                idle = 0;
+                results.push(r);
+            }
+            None => {
+                idle += 1;
+                if idle >= 5 {
+                    break;
+                }
+            }
+        }
+    }
+    results
+}

@@ -74,6 +74,17 @@ pub fn broker() -> Result<&'static Broker, HarnessError> {
 
 impl Broker {
     fn start() -> Result<Self, HarnessError> {
+        Self::start_with_storage("sqlite://tansu.db")
+    }
+
+    /// Starts another broker with the given `--storage-engine` (relative
+    /// paths are taken from its temporary directory), e.g. `memory://tansu/`
+    /// for a forward-only throughput run. Stopped when the process ends.
+    ///
+    /// # Errors
+    ///
+    /// A [`HarnessError`] saying why it could not start.
+    pub fn start_with_storage(storage: &str) -> Result<Self, HarnessError> {
         let tansu = tansu_binary().ok_or_else(|| {
             HarnessError(
                 "tansu not found ($TANSU, ~/.cargo/bin, PATH): run `cargo xtask test`, which installs it, or set KAFKA_BROKERS".into(),
@@ -97,7 +108,7 @@ impl Broker {
                 &url,
             ])
             // a relative sqlite path is taken from the working directory
-            .args(["--storage-engine", "sqlite://tansu.db"])
+            .args(["--storage-engine", storage])
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(err)

@@ -30,6 +30,7 @@
 
 mod broker;
 mod conformance;
+mod faulty;
 #[cfg(feature = "kafka")]
 pub mod kafka;
 pub mod pg;
@@ -39,6 +40,7 @@ mod store;
 
 pub use broker::{BrokerFault, CommitRecord, MemBroker, MemConsumer};
 pub use conformance::{BusinessFixture, ConformanceError, ConformanceReport, run_conformance};
+pub use faulty::{FaultyStore, FaultyTx};
 pub use store::{DeadLetter, MemStore, MemTx, StoreFault};
 
 use async_trait::async_trait;

@@ -35,6 +35,8 @@ pub enum StoreFault {
     CommitLostAfterApply,
     /// `dead_letter` fails.
     DeadLetter,
+    /// `store_ack` fails.
+    Ack,
 }
 
 /// A dead letter the store recorded.
@@ -520,7 +522,8 @@ impl InboxTransaction for MemTx {
     }
 
     async fn store_ack(&mut self, ack: &TxAck) -> Result<(), StoreError> {
-        let s = self.store.state();
+        let mut s = self.store.state();
+        s.take_fault(StoreFault::Ack)?;
         let key = (
             ack.consumer_group.clone(),
             ack.position.topic.clone(),

@@ -1,0 +1,386 @@
+//! End to end: a Kafka-protocol broker (tansu, sqlite storage) -> the
+//! runner -> PostgreSQL. Every test has its own database and topic.
+
+mod common;
+
+use std::time::Duration;
+
+use inbox_core::{
+    AckPolicy, AckStrategy, InboxStatus, InboxStore, PersistStage, ProcessError, Runner,
+    StoreErrorKind,
+};
+use inbox_testkit::scenarios::{Act, ScriptedHandler};
+use inbox_testkit::{FaultyStore, StoreFault};
+
+use common::{config, drain, env};
+
+async fn inbox_state(
+    env: &common::Env,
+    id: &str,
+    group: &str,
+) -> Option<(InboxStatus, Option<String>)> {
+    env.store
+        .find(id, group)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .map(|r| (r.status, r.locked_by))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_retry_four_deliveries() {
+    let env = env("retry", 1).await;
+    env.produce_orders(0, &["order-1", "order-1", "order-1"])
+        .await;
+    let handler = ScriptedHandler::new([Act::Retry], Act::Succeed);
+    let g = "billing";
+    let mut runner = Runner::new(
+        env.store.clone(),
+        env.consumer(g).await,
+        handler.clone(),
+        config(g, AckStrategy::default()),
+    );
+    let next = async |runner: &mut Runner<_, _, _>| {
+        runner
+            .process_one()
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .unwrap_or_else(|| panic!("no delivery"))
+    };
+    let d1 = next(&mut runner).await;
+    assert_eq!((d1.committed, d1.processed), (false, false));
+    assert_eq!(handler.calls(), 1);
+    assert_eq!(env.invoices("order-1").await, 0);
+    assert_eq!(inbox_state(&env, "order-1", g).await, None);
+    assert_eq!(env.stored_offset(g, 0).await, None);
+
+    let d2 = next(&mut runner).await;
+    assert_eq!(d2.position, d1.position, "the rewound record comes again");
+    assert_eq!((d2.committed, d2.processed), (true, true));
+    assert_eq!(handler.calls(), 2);
+    assert_eq!(env.invoices("order-1").await, 1);
+    assert_eq!(
+        inbox_state(&env, "order-1", g).await,
+        Some((InboxStatus::Completed, None))
+    );
+    assert_eq!(env.stored_offset(g, 0).await, Some(1));
+
+    let d3 = next(&mut runner).await;
+    assert_eq!(
+        (d3.committed, d3.processed, d3.duplicate),
+        (true, false, true)
+    );
+    assert_eq!(handler.calls(), 2);
+    assert_eq!(env.invoices("order-1").await, 1);
+    assert_eq!(env.stored_offset(g, 0).await, Some(2));
+
+    let released = env
+        .store
+        .release_stale_locks(Duration::from_secs(1))
+        .await
+        .expect("release");
+    assert_eq!(released, 0);
+
+    let d4 = next(&mut runner).await;
+    assert_eq!(
+        (d4.committed, d4.processed, d4.duplicate),
+        (true, false, true)
+    );
+    assert_eq!(handler.calls(), 2);
+    assert_eq!(env.invoices("order-1").await, 1);
+    assert_eq!(
+        inbox_state(&env, "order-1", g).await,
+        Some((InboxStatus::Completed, None))
+    );
+    assert_eq!(env.stored_offset(g, 0).await, Some(3));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_skipped() {
+    let env = env("skipped", 1).await;
+    env.produce_orders(0, &["order-2", "order-2"]).await;
+    let handler = ScriptedHandler::new([], Act::Skip);
+    let mut runner = Runner::new(
+        env.store.clone(),
+        env.consumer("billing").await,
+        handler.clone(),
+        config("billing", AckStrategy::default()),
+    );
+    let results = drain(&mut runner).await;
+    assert_eq!(results.len(), 2);
+    assert!(results[0].committed && !results[0].processed && !results[0].duplicate);
+    assert!(results[1].committed && results[1].duplicate);
+    assert_eq!(handler.calls(), 1);
+    assert_eq!(
+        inbox_state(&env, "order-2", "billing").await,
+        Some((InboxStatus::Completed, None))
+    );
+    assert_eq!(env.stored_offset("billing", 0).await, Some(2));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_then_fail_under_each_strategy_then_a_new_consumer() {
+    let env = env("strategies", 1).await;
+    let cases = [
+        (AckStrategy::AtMostOnce, "amo", false, 1, 0),
+        (
+            AckStrategy::AtLeastOnce {
+                policy: AckPolicy::OnPersist,
+            },
+            "persist",
+            false,
+            1,
+            0,
+        ),
+        (
+            AckStrategy::AtLeastOnce {
+                policy: AckPolicy::OnSuccess,
+            },
+            "success",
+            true,
+            2,
+            1,
+        ),
+        (
+            AckStrategy::ExactlyOnceInbox {
+                commit_on_failed: false,
+            },
+            "eoi",
+            true,
+            2,
+            1,
+        ),
+        (
+            AckStrategy::ExactlyOnceInbox {
+                commit_on_failed: true,
+            },
+            "eoi-cof",
+            false,
+            1,
+            0,
+        ),
+    ];
+    for (strategy, group, redelivered, runs, invoices) in cases {
+        let id = format!("order-{group}");
+        // each case its own record, read by its own group from its offset
+        let offset = env.produce_orders(0, &[&id]).await[0];
+        env.store
+            .claim_partition(group, &env.topic, 0)
+            .await
+            .expect("claim");
+        inbox_testkit::pg::count(
+            &env.store,
+            "UPDATE inbox_offsets SET next_offset = $1 WHERE consumer_group = $2 RETURNING 1::bigint",
+            vec![offset.into(), group.into()],
+        )
+        .await
+        .expect("position the group");
+        let handler = ScriptedHandler::new([Act::Fail], Act::Succeed);
+        let mut first = Runner::new(
+            env.store.clone(),
+            env.consumer(group).await,
+            handler.clone(),
+            config(group, strategy),
+        );
+        let r = first.process_one().await.expect("fetch").expect("delivery");
+        assert!(!r.processed, "{strategy:?}");
+        assert_eq!(
+            env.invoices(&id).await,
+            0,
+            "{strategy:?}: the failed write rolled back"
+        );
+        drop(first); // the process goes away without a shutdown
+        let mut second = Runner::new(
+            env.store.clone(),
+            env.consumer(group).await,
+            handler.clone(),
+            config(group, strategy),
+        );
+        let again = drain(&mut second).await;
+        assert_eq!(!again.is_empty(), redelivered, "{strategy:?}: redelivered?");
+        assert_eq!(handler.calls(), runs, "{strategy:?}: handler runs");
+        assert_eq!(env.invoices(&id).await, invoices, "{strategy:?}: invoices");
+    }
+}
+
+/// How a consumer dies while handling the 4th of 6 records (the middle of
+/// the second produced batch).
+#[derive(Debug, Clone, Copy)]
+enum Crash {
+    At(StoreFault),
+    DuringHandler,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_at_each_step_leaves_exactly_one_effect() {
+    let crashes = [
+        Crash::At(StoreFault::Begin),
+        Crash::At(StoreFault::Insert),
+        Crash::DuringHandler,
+        Crash::At(StoreFault::Complete),
+        Crash::At(StoreFault::Ack),
+        Crash::At(StoreFault::Commit),
+        Crash::At(StoreFault::CommitLostAfterApply),
+    ];
+    for crash in crashes {
+        let env = env("crash", 1).await;
+        let ids: Vec<String> = (0..6).map(|i| format!("o-{i}")).collect();
+        let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+        env.produce_orders(0, &refs).await;
+        let store = FaultyStore::new(env.store.clone());
+        let script = match crash {
+            Crash::DuringHandler => vec![Act::Succeed, Act::Succeed, Act::Succeed, Act::Hang],
+            Crash::At(_) => vec![],
+        };
+        let handler = ScriptedHandler::new(script, Act::Succeed);
+        let mut runner = Runner::new(
+            store.clone(),
+            env.consumer("billing").await,
+            handler.clone(),
+            config("billing", AckStrategy::default()),
+        );
+        for _ in 0..3 {
+            let r = runner
+                .process_one()
+                .await
+                .expect("fetch")
+                .expect("delivery");
+            assert!(r.processed && r.committed);
+        }
+        match crash {
+            Crash::At(fault) => {
+                store.fail_next(fault, 1);
+                let r = runner
+                    .process_one()
+                    .await
+                    .expect("fetch")
+                    .expect("delivery");
+                assert!(!r.committed, "{crash:?}");
+            }
+            Crash::DuringHandler => {
+                let cut =
+                    tokio::time::timeout(Duration::from_millis(300), runner.process_one()).await;
+                assert!(cut.is_err(), "the handler hangs; the process dies under it");
+            }
+        }
+        drop(runner); // crash: no shutdown, nothing more from this consumer
+        let mut fresh = Runner::new(
+            env.store.clone(),
+            env.consumer("billing").await,
+            handler.clone(),
+            config("billing", AckStrategy::default()),
+        );
+        drain(&mut fresh).await;
+        for id in &ids {
+            assert_eq!(env.invoices(id).await, 1, "{crash:?}: {id}");
+            assert_eq!(
+                inbox_state(&env, id, "billing").await,
+                Some((InboxStatus::Completed, None)),
+                "{crash:?}: {id}"
+            );
+        }
+        assert_eq!(env.stored_offset("billing", 0).await, Some(6), "{crash:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_consumers_on_one_partition_never_both_commit_an_effect() {
+    for strategy in [
+        AckStrategy::default(),
+        AckStrategy::AtLeastOnce {
+            policy: AckPolicy::OnSuccess,
+        },
+    ] {
+        let env = env("fencing", 1).await;
+        env.produce_orders(0, &["f-1", "f-2", "f-3", "f-4"]).await;
+        let handler = ScriptedHandler::new([], Act::Succeed);
+        let mut a = Runner::new(
+            env.store.clone(),
+            env.consumer("billing").await,
+            handler.clone(),
+            config("billing", strategy),
+        );
+        // B is configured with the same partition and takes it over.
+        let mut b = Runner::new(
+            env.store.clone(),
+            env.consumer("billing").await,
+            handler.clone(),
+            config("billing", strategy),
+        );
+        let r = a.process_one().await.expect("fetch").expect("delivery");
+        assert!(
+            !r.committed,
+            "{strategy:?}: the stale owner cannot acknowledge"
+        );
+        match (&r.error, strategy) {
+            (Some(ProcessError::Persist(e)), AckStrategy::ExactlyOnceInbox { .. }) => {
+                assert_eq!(
+                    (e.stage, e.source.kind),
+                    (PersistStage::Ack, StoreErrorKind::Fenced)
+                );
+                assert!(
+                    !r.processed,
+                    "its transaction failed: the effect rolled back"
+                );
+            }
+            (Some(ProcessError::Commit(inbox_core::ConsumerError::Fenced(_))), _) => {}
+            other => panic!("{strategy:?}: expected fencing, got {other:?}"),
+        }
+        assert_eq!(
+            a.consumer_mut().fenced_partitions(),
+            vec![(env.topic.clone(), 0)],
+            "{strategy:?}: A says it was fenced"
+        );
+        assert!(
+            a.process_one().await.expect("fetch").is_none(),
+            "A stopped reading"
+        );
+        let results = drain(&mut b).await;
+        assert_eq!(results.len(), 4, "{strategy:?}");
+        for id in ["f-1", "f-2", "f-3", "f-4"] {
+            assert_eq!(env.invoices(id).await, 1, "{strategy:?}: {id}");
+        }
+        assert_eq!(env.stored_offset("billing", 0).await, Some(4));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lag_is_reported_per_partition() {
+    use std::sync::{Arc, Mutex};
+    #[derive(Default)]
+    struct Lags(Mutex<Vec<(i32, i64)>>);
+    impl inbox_core::Metrics for Lags {
+        fn record(&self, e: inbox_core::MetricEvent) {
+            if let inbox_core::MetricEvent::Lag { partition, lag } = e {
+                self.0.lock().expect("lock").push((partition, lag));
+            }
+        }
+    }
+    let env = env("lag", 1).await;
+    let ids: Vec<String> = (0..10).map(|i| format!("l-{i}")).collect();
+    let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    env.produce_orders(0, &refs).await;
+    let lags = Arc::new(Lags::default());
+    let consumer = env.consumer("billing").await.with_metrics(lags.clone());
+    let handler = ScriptedHandler::new([], Act::Succeed);
+    let mut runner = Runner::new(
+        env.store.clone(),
+        consumer,
+        handler,
+        config("billing", AckStrategy::default()),
+    );
+    for _ in 0..4 {
+        runner
+            .process_one()
+            .await
+            .expect("fetch")
+            .expect("delivery");
+    }
+    assert_eq!(runner.consumer_mut().lag(), 6, "10 produced, 4 handled");
+    assert_eq!(
+        lags.0.lock().expect("lock").first(),
+        Some(&(0, 10)),
+        "lag at the first fetch"
+    );
+    drain(&mut runner).await;
+    assert_eq!(runner.consumer_mut().lag(), 0);
+}

@@ -1,0 +1,159 @@
+//! Fault points around any store: [`FaultyStore`] wraps a real store (the
+//! PostgreSQL one, say) and fails the named step a given number of times,
+//! so crash scenarios run against real services too.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use inbox_core::{
+    HandlerError, InboxRow, InboxStore, InboxTransaction, LockResult, Message, NewInboxRow, RowId,
+    RowRef, StoreError, StoreErrorKind, TxAck, ValidationError, WorkerId,
+};
+
+use crate::StoreFault;
+use crate::scenarios::WriteInvoice;
+
+type Faults = Arc<Mutex<HashMap<StoreFault, u32>>>;
+
+fn take(faults: &Faults, point: StoreFault) -> Result<(), StoreError> {
+    let mut f = faults
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    match f.get_mut(&point) {
+        Some(n) if *n > 0 => {
+            *n -= 1;
+            Err(StoreError::new(
+                StoreErrorKind::Connection,
+                format!("injected fault at {point:?}"),
+            ))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// A store whose steps can be made to fail. Cloning shares the faults.
+#[derive(Debug, Clone)]
+pub struct FaultyStore<S> {
+    inner: S,
+    faults: Faults,
+}
+
+impl<S> FaultyStore<S> {
+    /// Wraps `inner` with no fault armed.
+    pub fn new(inner: S) -> Self {
+        Self {
+            inner,
+            faults: Arc::default(),
+        }
+    }
+
+    /// Makes the next `times` calls at `point` fail.
+    /// [`StoreFault::CommitLostAfterApply`] commits, then reports failure.
+    pub fn fail_next(&self, point: StoreFault, times: u32) {
+        self.faults
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(point, times);
+    }
+
+    /// The wrapped store.
+    pub fn inner(&self) -> &S {
+        &self.inner
+    }
+}
+
+/// A transaction of [`FaultyStore`].
+#[derive(Debug)]
+pub struct FaultyTx<T> {
+    inner: T,
+    faults: Faults,
+}
+
+impl<T> FaultyTx<T> {
+    /// The wrapped transaction (for the handler's own writes).
+    pub fn inner_mut(&mut self) -> &mut T {
+        &mut self.inner
+    }
+}
+
+#[async_trait]
+impl<T: WriteInvoice> WriteInvoice for FaultyTx<T> {
+    async fn write_invoice(&mut self, order: &str) -> Result<(), HandlerError> {
+        self.inner.write_invoice(order).await
+    }
+}
+
+#[async_trait]
+impl<S: InboxStore> InboxStore for FaultyStore<S> {
+    type Tx = FaultyTx<S::Tx>;
+
+    async fn begin(&self) -> Result<Self::Tx, StoreError> {
+        take(&self.faults, StoreFault::Begin)?;
+        Ok(FaultyTx {
+            inner: self.inner.begin().await?,
+            faults: self.faults.clone(),
+        })
+    }
+
+    async fn find(
+        &self,
+        message_id: &str,
+        consumer_group: &str,
+    ) -> Result<Option<InboxRow>, StoreError> {
+        self.inner.find(message_id, consumer_group).await
+    }
+
+    async fn release_stale_locks(&self, older_than: Duration) -> Result<u64, StoreError> {
+        self.inner.release_stale_locks(older_than).await
+    }
+
+    async fn delete_completed(&self, older_than: Duration, batch: u64) -> Result<u64, StoreError> {
+        self.inner.delete_completed(older_than, batch).await
+    }
+}
+
+#[async_trait]
+impl<T: InboxTransaction> InboxTransaction for FaultyTx<T> {
+    async fn insert_or_get(&mut self, row: &NewInboxRow) -> Result<RowRef, StoreError> {
+        take(&self.faults, StoreFault::Insert)?;
+        self.inner.insert_or_get(row).await
+    }
+
+    async fn lock(&mut self, id: RowId, worker: &WorkerId) -> Result<LockResult, StoreError> {
+        take(&self.faults, StoreFault::Lock)?;
+        self.inner.lock(id, worker).await
+    }
+
+    async fn complete(&mut self, id: RowId) -> Result<(), StoreError> {
+        take(&self.faults, StoreFault::Complete)?;
+        self.inner.complete(id).await
+    }
+
+    async fn commit(self) -> Result<(), StoreError> {
+        take(&self.faults, StoreFault::Commit)?;
+        let lost = take(&self.faults, StoreFault::CommitLostAfterApply);
+        self.inner.commit().await?;
+        lost
+    }
+
+    async fn rollback(self) -> Result<(), StoreError> {
+        self.inner.rollback().await
+    }
+
+    async fn dead_letter(
+        &mut self,
+        message: &Message,
+        consumer_group: &str,
+        error: &ValidationError,
+    ) -> Result<(), StoreError> {
+        take(&self.faults, StoreFault::DeadLetter)?;
+        self.inner.dead_letter(message, consumer_group, error).await
+    }
+
+    async fn store_ack(&mut self, ack: &TxAck) -> Result<(), StoreError> {
+        take(&self.faults, StoreFault::Ack)?;
+        self.inner.store_ack(ack).await
+    }
+}

@@ -305,7 +305,11 @@ impl KafkaConsumer {
             value: record.record.value.as_deref(),
             headers: &record.record.headers,
         };
-        Some(decode_or_poison(self.config.decoder.as_ref(), &view))
+        let mut message = decode_or_poison(self.config.decoder.as_ref(), &view);
+        // Moved, not copied: kept so a message that fails validation later
+        // is dead-lettered with the bytes that arrived.
+        message.raw = Some(record.record.value.unwrap_or_default());
+        Some(message)
     }
 
     fn ack(&self, message: &Message) -> Option<TxAck> {

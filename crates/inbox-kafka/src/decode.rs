@@ -161,7 +161,8 @@ impl Decode for JsonDecoder {
 }
 
 /// Decodes `record` with `decoder`; a record that cannot be decoded becomes
-/// a poison message carrying the error, its raw value and its position.
+/// a poison message carrying the error and its position (the consumer then
+/// moves the record's raw value into it, for the dead letter).
 pub fn decode_or_poison(decoder: &dyn Decode, record: &RecordView<'_>) -> Message {
     match decoder.decode(record) {
         Ok(mut m) => {
@@ -179,7 +180,6 @@ pub fn decode_or_poison(decoder: &dyn Decode, record: &RecordView<'_>) -> Messag
                 });
             let mut m = Message::new(id, record.topic, "", Value::Null);
             m.position = Some(record.position());
-            m.raw = Some(record.value.unwrap_or_default().to_vec());
             m.decode_error = Some(error);
             m
         }
@@ -302,11 +302,10 @@ mod tests {
     }
 
     #[test]
-    fn a_poison_record_keeps_its_bytes_and_position() {
+    fn a_poison_record_keeps_its_id_error_and_position() {
         let headers = h(&[("message_id", b"m-9")]);
         let m = decode_or_poison(&JsonDecoder::default(), &view(Some(b"\x00\x01"), &headers));
         assert_eq!(m.message_id, "m-9");
-        assert_eq!(m.raw.as_deref(), Some(&b"\x00\x01"[..]));
         assert!(m.decode_error.is_some());
         assert!(m.validate("g").is_err());
         assert_eq!(m.position, Some(Position::new("orders", 2, 41)));

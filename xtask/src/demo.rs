@@ -1,45 +1,56 @@
-//! The billing demo against a real PostgreSQL: orders (some duplicated by
-//! the producer) are consumed from the in-memory broker by a billing handler
-//! that writes an invoice through the inbox transaction and then fails now
-//! and then; the consumer crashes twice midway. At the end every order must
-//! have exactly one invoice, counted with SQL.
+//! The main job: Kafka-protocol broker -> runner -> PostgreSQL.
 //!
-//! PostgreSQL: `DATABASE_URL` when set, else a throwaway server started
-//! here (and stopped when the demo ends).
+//! It starts PostgreSQL and the broker (or uses `DATABASE_URL` /
+//! `KAFKA_BROKERS`), produces a few thousand order messages on four
+//! partitions (some duplicated on purpose, a handful of poison records),
+//! runs the billing consumer (two workers, two partitions each) whose
+//! handler fails at random a few percent of the time, shows a live progress
+//! line, and prints a summary. It exits non-zero unless every valid order
+//! has exactly one invoice (counted with SQL) and every poison record is a
+//! dead letter.
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use async_trait::async_trait;
 use inbox_core::{
-    ConsumerError, CountingMetrics, Handler, HandlerError, Message, ProcessError, ProcessResult,
-    Runner, RunnerConfig,
+    CancellationToken, CountingMetrics, Handler, HandlerError, Message, MetricEvent, Metrics,
+    RunnerConfig,
 };
+use inbox_kafka::{KafkaConfig, run_partitioned_with_metrics};
 use inbox_postgres::sea_orm::{ConnectionTrait, DbBackend, Statement};
 use inbox_postgres::{PgStore, PgTx, TableName};
-use inbox_testkit::{BrokerFault, MemBroker};
+use inbox_testkit::kafka::{json_record, raw_record};
 use serde_json::json;
 
-const ORDERS: u64 = 2_000;
+const ORDERS: u64 = 3_000;
 const PARTITIONS: i32 = 4;
+const WORKERS: usize = 2;
 const GROUP: &str = "billing-demo";
 const INVOICES: &str = "inbox_demo_invoices";
-/// Deliveries printed in full at the start; after that only the unusual ones.
-const SHOWN: u64 = 25;
+const FAIL_PERCENT: u64 = 3;
+const FETCH_MAX_BYTES: i32 = 256 * 1024;
 
-/// A small deterministic generator (xorshift), so the demo is repeatable.
+/// A small deterministic generator (xorshift), shared by the workers.
 struct Dice(AtomicU64);
 
 impl Dice {
     fn roll(&self, percent: u64) -> bool {
-        let mut x = self.0.load(Ordering::Relaxed);
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.0.store(x, Ordering::Relaxed);
-        x % 100 < percent
+        let next = |mut x: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let prev = self
+            .0
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |x| Some(next(x)))
+            .unwrap_or(1);
+        next(prev) % 100 < percent
     }
 }
 
@@ -63,19 +74,40 @@ impl Handler<PgTx> for Billing {
                 ],
             ))
             .await?;
-        if self.dice.roll(3) {
+        if self.dice.roll(FAIL_PERCENT) {
             return Err(HandlerError::msg("payment provider timed out"));
         }
         Ok(())
     }
 }
 
-fn describe(r: &ProcessResult) -> String {
-    match (&r.outcome, &r.error) {
-        (_, Some(e)) => format!("{e:?}"),
-        (Some(o), None) => format!("{o:?}"),
-        (None, None) if r.duplicate => "duplicate".to_owned(),
-        (None, None) => format!("{:?}", r.decision.tally),
+/// Counts, and keeps the last lag seen per partition.
+#[derive(Default)]
+struct DemoMetrics {
+    counts: CountingMetrics,
+    lag: Mutex<BTreeMap<i32, i64>>,
+    gaps: AtomicU64,
+}
+
+impl Metrics for DemoMetrics {
+    fn record(&self, event: MetricEvent) {
+        match event {
+            MetricEvent::Lag { partition, lag } => {
+                if let Ok(mut l) = self.lag.lock() {
+                    l.insert(partition, lag);
+                }
+            }
+            MetricEvent::OffsetGap { .. } => {
+                self.gaps.fetch_add(1, Ordering::Relaxed);
+            }
+            other => self.counts.record(other),
+        }
+    }
+}
+
+impl DemoMetrics {
+    fn lag(&self) -> i64 {
+        self.lag.lock().map(|l| l.values().sum()).unwrap_or(-1)
     }
 }
 
@@ -94,158 +126,228 @@ async fn database() -> Result<String> {
         println!("PostgreSQL: using DATABASE_URL");
         return Ok(url);
     }
-    println!("PostgreSQL: DATABASE_URL not set, starting a throwaway server");
     let server = inbox_testkit::pg::server().map_err(|e| anyhow::anyhow!("{e}"))?;
+    println!("PostgreSQL: started a throwaway server (DATABASE_URL not set)");
     server.create_database().map_err(|e| anyhow::anyhow!("{e}"))
+}
+
+async fn scalar(store: &PgStore, sql: &str) -> Result<i64> {
+    store
+        .connection()
+        .query_one_raw(Statement::from_string(DbBackend::Postgres, sql.to_owned()))
+        .await?
+        .context("no row")?
+        .try_get_by_index::<i64>(0)
+        .map_err(Into::into)
+}
+
+/// Produces the orders; returns (valid order ids, messages produced,
+/// poison records produced).
+async fn produce(broker: &inbox_testkit::kafka::Broker, topic: &str) -> Result<(u64, u64, u64)> {
+    let mut per_partition: BTreeMap<i32, Vec<rskafka::record::Record>> = BTreeMap::new();
+    let mut produced = 0;
+    for order in 1..=ORDERS {
+        let partition = i32::try_from(order % u64::try_from(PARTITIONS)?)?;
+        let id = format!("order-{order}");
+        let record = json_record(
+            &json!({ "order_id": order, "total": order * 10 }),
+            &[("message_id", &id), ("event_type", "order.created")],
+        );
+        let records = per_partition.entry(partition).or_default();
+        records.push(record.clone());
+        produced += 1;
+        if order.is_multiple_of(40) {
+            // The producer retried: the same order twice.
+            records.push(record);
+            produced += 1;
+        }
+    }
+    let header = |pairs: &[(&str, &[u8])]| -> BTreeMap<String, Vec<u8>> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), v.to_vec()))
+            .collect()
+    };
+    let poison = vec![
+        raw_record(
+            Some(b"{not json".to_vec()),
+            header(&[("message_id", b"poison-1")]),
+        ),
+        raw_record(
+            Some(b"[1, 2, 3]".to_vec()),
+            header(&[("event_type", b"order.created")]),
+        ),
+        raw_record(None, header(&[("event_type", b"order.created")])),
+        raw_record(Some(br#"{"order_id": 0}"#.to_vec()), header(&[])),
+        raw_record(
+            Some(br#"{"order_id": 0}"#.to_vec()),
+            header(&[("event_type", &[0xff, 0xfe])]),
+        ),
+        raw_record(
+            Some(b"{}".to_vec()),
+            header(&[("event_type", b"order.created")]),
+        ),
+    ];
+    let poison_count = poison.len() as u64;
+    for (i, p) in poison.into_iter().enumerate() {
+        let partition = i32::try_from(i)? % PARTITIONS;
+        let records = per_partition.entry(partition).or_default();
+        let at = records.len() / 2 + i;
+        records.insert(at.min(records.len()), p);
+        produced += 1;
+    }
+    for (partition, records) in per_partition {
+        broker
+            .produce(topic, partition, records, 50)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+    }
+    Ok((ORDERS, produced, poison_count))
 }
 
 async fn billing() -> Result<()> {
     let url = database().await?;
+    let broker = inbox_testkit::kafka::broker().map_err(|e| anyhow::anyhow!("{e}"))?;
+    println!(
+        "broker: {} (tansu unless KAFKA_BROKERS is set)",
+        broker.address()
+    );
     let store = PgStore::connect(&url, TableName::new(None, "inbox_demo")?)
         .await
         .context("connecting to PostgreSQL")?;
     store.create_tables().await?;
-    let db = store.connection();
-    db.execute_unprepared(&format!(
-        "CREATE TABLE IF NOT EXISTS {INVOICES} (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL, total BIGINT NOT NULL)"
-    ))
-    .await?;
+    store
+        .connection()
+        .execute_unprepared(&format!(
+            "CREATE TABLE IF NOT EXISTS {INVOICES} (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL, total BIGINT NOT NULL)"
+        ))
+        .await?;
     // A re-run on the same database starts clean (the demo's own tables only).
-    db.execute_unprepared(&format!(
-        "TRUNCATE {INVOICES}, inbox_demo, inbox_demo_dead_letters"
-    ))
-    .await?;
-
-    let broker = MemBroker::new();
-    let mut produced = 0;
-    for order in 1..=ORDERS {
-        let partition = i32::try_from(order % u64::try_from(PARTITIONS)?)?;
-        let m = Message::new(
-            format!("order-{order}"),
-            "orders",
-            "order.created",
-            json!({ "order_id": order, "total": order * 10 }),
-        );
-        broker.produce("orders", partition, m.clone());
-        produced += 1;
-        if order.is_multiple_of(50) {
-            // The producer retried: the same order twice.
-            broker.produce("orders", partition, m);
-            produced += 1;
-        }
-    }
-    println!("produced {produced} messages for {ORDERS} orders on {PARTITIONS} partitions");
+    store
+        .connection()
+        .execute_unprepared(&format!(
+            "TRUNCATE {INVOICES}, inbox_demo, inbox_demo_dead_letters, inbox_demo_offsets"
+        ))
+        .await?;
+    let topic = broker
+        .topic("orders-demo", PARTITIONS)
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let (orders, produced, poison) = produce(broker, &topic).await?;
+    println!(
+        "produced {produced} records on {topic} ({PARTITIONS} partitions): {orders} orders, {} duplicates, {poison} poison",
+        produced - orders - poison
+    );
 
     let handler = Arc::new(Billing {
         dice: Dice(AtomicU64::new(0x9E37_79B9_7F4A_7C15)),
         calls: AtomicU64::new(0),
     });
-    let metrics = Arc::new(CountingMetrics::new());
-    let config = RunnerConfig::new(GROUP, "demo-worker-1")?;
-    println!(
-        "{:>5}  {:<11} {:<8} {:>9} {:>9} {:>9}  outcome",
-        "#", "message", "position", "processed", "duplicate", "committed"
+    let metrics = Arc::new(DemoMetrics::default());
+    let mut kafka = KafkaConfig::new(
+        vec![broker.address().to_owned()],
+        GROUP,
+        (0..PARTITIONS).map(|p| (topic.clone(), p)).collect(),
     );
+    kafka.fetch_max_bytes = FETCH_MAX_BYTES;
+    let mut runner = RunnerConfig::new(GROUP, "demo-worker")?;
+    runner.redelivery_backoff.initial = Duration::from_millis(5);
+    println!(
+        "consuming with {WORKERS} workers; prefetch buffer: one fetch of at most {} KiB per partition",
+        FETCH_MAX_BYTES / 1024
+    );
+    let cancel = CancellationToken::new();
     let started = Instant::now();
-    let mut delivery = 0u64;
-    let mut crashes = 0u32;
-    'consumers: loop {
-        let mut runner = Runner::new(
-            store.clone(),
-            broker.consumer(GROUP),
-            handler.clone(),
-            config.clone(),
+    let run = tokio::spawn(run_partitioned_with_metrics(
+        kafka,
+        store.clone(),
+        handler.clone(),
+        runner,
+        WORKERS,
+        cancel.clone(),
+        metrics.clone(),
+    ));
+    let deadline = started + Duration::from_secs(600);
+    loop {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let c = metrics.counts.snapshot();
+        print!(
+            "\r  consumed {:>5}  processed {:>5}  duplicates {:>3}  failures {:>3}  dead letters {:>2}  lag {:>5}  {:>5.1} s ",
+            c.consumed,
+            c.processed,
+            c.duplicate,
+            c.failed,
+            c.poison,
+            metrics.lag(),
+            started.elapsed().as_secs_f64()
+        );
+        std::io::stdout().flush().ok();
+        let stored: i64 = scalar(
+            &store,
+            "SELECT coalesce(sum(next_offset), 0)::bigint FROM inbox_demo_offsets",
         )
-        .with_metrics(metrics.clone());
-        while let Some(r) = runner.process_one().await? {
-            delivery += 1;
-            let unusual = !r.processed || r.error.is_some();
-            if delivery <= SHOWN || unusual {
-                let position = r
-                    .position
-                    .as_ref()
-                    .map(|p| format!("{}:{}", p.partition, p.offset))
-                    .unwrap_or_default();
-                println!(
-                    "{delivery:>5}  {:<11} {:<8} {:>9} {:>9} {:>9}  {}",
-                    r.message_id,
-                    position,
-                    r.processed,
-                    r.duplicate,
-                    r.committed,
-                    describe(&r)
-                );
-            }
-            if crashes < 2 && delivery.is_multiple_of(700) {
-                // The process will die between its transaction commit and
-                // the broker commit of the next message.
-                broker.fail_next(BrokerFault::CrashOnCommit, 1);
-            }
-            if matches!(
-                r.error,
-                Some(ProcessError::Commit(ConsumerError::Closed(_)))
-            ) {
-                crashes += 1;
-                println!(
-                    "       -- consumer crashed; a new one starts from the committed offsets --"
-                );
-                continue 'consumers;
-            }
+        .await?;
+        if u64::try_from(stored)? >= produced || Instant::now() > deadline || run.is_finished() {
+            break;
         }
-        break;
     }
     let elapsed = started.elapsed();
-    let counts = metrics.snapshot();
-
-    let rows = db
-        .query_all_raw(Statement::from_string(
-            DbBackend::Postgres,
-            format!("SELECT order_id, count(*) AS n FROM {INVOICES} GROUP BY order_id"),
-        ))
-        .await?;
-    let mut wrong = Vec::new();
-    let mut invoiced = 0u64;
-    for row in &rows {
-        let order: String = row.try_get("", "order_id")?;
-        let n: i64 = row.try_get("", "n")?;
-        if n != 1 {
-            wrong.push(format!("{order}: {n} invoices"));
-        }
-        invoiced += 1;
-    }
-    let total: i64 = db
-        .query_one_raw(Statement::from_string(
-            DbBackend::Postgres,
-            format!("SELECT count(*) AS n FROM {INVOICES}"),
-        ))
-        .await?
-        .context("count")?
-        .try_get("", "n")?;
+    cancel.cancel();
+    let summaries = run.await?.context("running the consumers")?;
     println!();
+    let c = metrics.counts.snapshot();
+    let invoices = scalar(&store, &format!("SELECT count(*) FROM {INVOICES}")).await?;
+    let invoiced_orders = scalar(
+        &store,
+        &format!("SELECT count(DISTINCT order_id) FROM {INVOICES}"),
+    )
+    .await?;
+    let doubled = scalar(
+        &store,
+        &format!("SELECT count(*) FROM (SELECT 1 FROM {INVOICES} GROUP BY order_id HAVING count(*) > 1) d"),
+    )
+    .await?;
+    let dead = scalar(&store, "SELECT count(*) FROM inbox_demo_dead_letters").await?;
+    println!("summary");
+    println!("  records produced        {produced}");
+    println!("  consumed (deliveries)   {}", c.consumed);
+    println!("  processed               {}", c.processed);
+    println!("  duplicates              {}", c.duplicate);
     println!(
-        "deliveries {}  handler calls {}  processed {}  duplicates {}  failures {}  rewinds {}  commit failures {}  crashes {crashes}",
-        counts.consumed,
-        handler.calls.load(Ordering::Relaxed),
-        counts.processed,
-        counts.duplicate,
-        counts.failed,
-        counts.rewound,
-        counts.commit_failed
+        "  failures / redeliveries {} / {}  (handler calls {})",
+        c.failed,
+        c.rewound,
+        handler.calls.load(Ordering::Relaxed)
+    );
+    println!("  dead letters            {dead}");
+    println!(
+        "  broker gaps             {}",
+        metrics.gaps.load(Ordering::Relaxed)
+    );
+    println!("  lag at the end          {}", metrics.lag());
+    println!(
+        "  workers                 {} ({} deliveries)",
+        summaries.len(),
+        summaries.iter().map(|s| s.messages).sum::<u64>()
     );
     println!(
-        "{} deliveries in {:.2} s: {:.0} messages/s (one transaction per message)",
-        counts.consumed,
-        elapsed.as_secs_f64(),
-        counts.consumed as f64 / elapsed.as_secs_f64()
+        "  throughput              {:.0} messages/s ({} deliveries in {:.2} s, one transaction each)",
+        c.consumed as f64 / elapsed.as_secs_f64(),
+        c.consumed,
+        elapsed.as_secs_f64()
     );
-    if invoiced != ORDERS || u64::try_from(total)? != ORDERS || !wrong.is_empty() {
+    let orders = i64::try_from(orders)?;
+    if invoices != orders
+        || invoiced_orders != orders
+        || doubled != 0
+        || dead != i64::try_from(poison)?
+    {
         bail!(
-            "check FAILED: {total} invoices for {invoiced} of {ORDERS} orders; {}",
-            wrong.join(", ")
+            "check FAILED: {invoices} invoices for {invoiced_orders} of {orders} orders, {doubled} orders invoiced twice, {dead} of {poison} poison records dead-lettered"
         );
     }
     println!(
-        "check passed (SQL): {ORDERS} orders, {total} invoices, every order invoiced exactly once"
+        "check passed (SQL): {orders} valid orders, {invoices} invoices, every order invoiced exactly once; {dead} poison records dead-lettered"
     );
     Ok(())
 }

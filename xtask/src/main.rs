@@ -1,7 +1,7 @@
 //! `cargo xtask`: the project's automation.
 //!
 //! - `cargo xtask test`: installs what is missing (PostgreSQL server
-//!   binaries), then fmt check, clippy with `-D warnings`, docs with
+//!   binaries, tansu), then fmt check, clippy with `-D warnings`, docs with
 //!   warnings denied, and every test of the workspace.
 //! - `cargo xtask demo`: the main job, the billing scenario.
 
@@ -29,7 +29,9 @@ fn main() -> ExitCode {
             Ok(())
         }
         Some("test") => test(),
-        Some("demo") => setup::postgres().and_then(|()| demo::run()),
+        Some("demo") => setup::postgres()
+            .and_then(|()| setup::tansu())
+            .and_then(|()| demo::run()),
         Some(other) => {
             eprint!("unknown command {other:?}\n\n{HELP}");
             return ExitCode::from(2);
@@ -68,6 +70,7 @@ fn workspace_root() -> std::path::PathBuf {
 
 fn test() -> Result<()> {
     setup::postgres()?;
+    setup::tansu()?;
     cargo(&["fmt", "--all", "--check"], &[])?;
     cargo(
         &[

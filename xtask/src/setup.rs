@@ -1,11 +1,13 @@
 //! Installs what the tests and the demo need on a fresh machine, so the
 //! README's two commands work as they are: the PostgreSQL server binaries
-//! (and a `postgres` user, since `initdb` refuses root).
+//! (and a `postgres` user, since `initdb` refuses root) and the `tansu`
+//! broker.
 
 use std::path::Path;
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
+use inbox_testkit::service::is_root;
 
 fn has_pg_server() -> bool {
     std::fs::read_dir("/usr/lib/postgresql")
@@ -23,14 +25,6 @@ fn sh(cmd: &str) -> Result<()> {
         bail!("{cmd} failed ({status})");
     }
     Ok(())
-}
-
-fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-        .unwrap_or(false)
 }
 
 /// Makes sure a PostgreSQL can be started (or `DATABASE_URL` is set).
@@ -56,6 +50,39 @@ pub(crate) fn postgres() -> Result<()> {
     {
         println!("setup: creating the postgres user (initdb refuses to run as root)");
         sh("useradd --system --home-dir /var/lib/postgresql --shell /bin/bash postgres")?;
+    }
+    Ok(())
+}
+
+/// Makes sure a Kafka-protocol broker can be started (or `KAFKA_BROKERS` is
+/// set): installs `tansu` from crates.io when it is missing.
+pub(crate) fn tansu() -> Result<()> {
+    if std::env::var("KAFKA_BROKERS").is_ok_and(|b| !b.is_empty()) {
+        return Ok(());
+    }
+    if inbox_testkit::kafka::tansu_binary().is_some() {
+        return Ok(());
+    }
+    println!(
+        "setup: the tansu broker is not installed; building it with `cargo install tansu --locked --features libsql,dynostore`"
+    );
+    println!("setup: this takes about 10 minutes on 2 cores, once per machine");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    let status = Command::new(cargo)
+        .args([
+            "install",
+            "tansu",
+            "--locked",
+            "--features",
+            "libsql,dynostore",
+        ])
+        .status()
+        .context("running cargo install tansu")?;
+    if !status.success() {
+        bail!("cargo install tansu failed ({status})");
+    }
+    if inbox_testkit::kafka::tansu_binary().is_none() {
+        bail!("tansu was installed but is not in ~/.cargo/bin or PATH");
     }
     Ok(())
 }

@@ -197,7 +197,10 @@ async fn a_broker_that_skips_offsets_is_caught_and_counted() {
         .expect("fetch")
         .expect("delivery");
     let stats = runner.consumer_mut().stats();
-    eprintln!("first delivery after restarting at 5: {:?}, stats {stats:?}", first.position);
+    eprintln!(
+        "first delivery after restarting at 5: {:?}, stats {stats:?}",
+        first.position
+    );
     match first.position.as_ref().map(|p| p.offset) {
         Some(5) => assert_eq!(stats.gaps, 0, "this broker answered correctly"),
         Some(offset) => {

@@ -388,36 +388,31 @@ impl InboxTransaction for PgTx {
     }
 
     async fn store_ack(&mut self, ack: &TxAck) -> Result<(), StoreError> {
-        let r = self
-            .tx
-            .execute_raw(stmt(&self.sql.store_ack, ack_values(ack)))
-            .await
-            .map_err(db)?;
-        if r.rows_affected() == 0 {
-            return Err(fenced(ack));
-        }
-        Ok(())
+        write_ack(&self.tx, &self.sql.store_ack, ack).await
     }
 }
 
-fn ack_values(ack: &TxAck) -> Vec<Value> {
-    vec![
+/// Stores the next offset of `ack` on `conn` (a transaction or the pool),
+/// refusing it as fenced when the owner epoch is stale.
+async fn write_ack(conn: &impl ConnectionTrait, sql: &str, ack: &TxAck) -> Result<(), StoreError> {
+    let values = vec![
         ack.consumer_group.clone().into(),
         ack.position.topic.clone().into(),
         ack.position.partition.into(),
         (ack.position.offset + 1).into(),
         ack.owner_epoch.into(),
-    ]
-}
-
-fn fenced(ack: &TxAck) -> StoreError {
-    StoreError::new(
-        StoreErrorKind::Fenced,
-        format!(
-            "{}:{} of group {} is no longer owned under epoch {}",
-            ack.position.topic, ack.position.partition, ack.consumer_group, ack.owner_epoch
-        ),
-    )
+    ];
+    let r = conn.execute_raw(stmt(sql, values)).await.map_err(db)?;
+    if r.rows_affected() == 0 {
+        return Err(StoreError::new(
+            StoreErrorKind::Fenced,
+            format!(
+                "{}:{} of group {} is no longer owned under epoch {}",
+                ack.position.topic, ack.position.partition, ack.consumer_group, ack.owner_epoch
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// A partition claimed by [`PgStore::claim_partition`].
@@ -465,14 +460,6 @@ impl PgStore {
     /// [`StoreErrorKind::Fenced`] when the epoch is stale, or the mapped
     /// database error.
     pub async fn store_ack(&self, ack: &TxAck) -> Result<(), StoreError> {
-        let r = self
-            .db
-            .execute_raw(stmt(&self.sql.store_ack, ack_values(ack)))
-            .await
-            .map_err(db)?;
-        if r.rows_affected() == 0 {
-            return Err(fenced(ack));
-        }
-        Ok(())
+        write_ack(&self.db, &self.sql.store_ack, ack).await
     }
 }

@@ -166,6 +166,33 @@ fn config(group: &str, strategy: AckStrategy) -> RunnerConfig {
     c
 }
 
+/// A runner of these scenarios.
+type ScenarioRunner<S> = Runner<S, crate::MemConsumer, Arc<ScriptedHandler>, Arc<CountingMetrics>>;
+
+/// The runners of these scenarios: `store`, a consumer of `broker` in
+/// `group`, `handler`, and fresh counters (returned too).
+fn runner_for<S>(
+    store: &S,
+    broker: &MemBroker,
+    group: &str,
+    handler: &Arc<ScriptedHandler>,
+    strategy: AckStrategy,
+) -> (ScenarioRunner<S>, Arc<CountingMetrics>)
+where
+    S: ScenarioStore,
+    S::Tx: WriteInvoice,
+{
+    let metrics = Arc::new(CountingMetrics::new());
+    let runner = Runner::new(
+        store.clone(),
+        broker.consumer(group),
+        handler.clone(),
+        config(group, strategy),
+    )
+    .with_metrics(metrics.clone());
+    (runner, metrics)
+}
+
 async fn next<S, C, H, M>(runner: &mut Runner<S, C, H, M>) -> ProcessResult
 where
     S: InboxStore,
@@ -210,14 +237,8 @@ where
         broker.produce("orders", 0, order("order-1"));
     }
     let handler = ScriptedHandler::new([Act::Retry], Act::Succeed);
-    let metrics = Arc::new(CountingMetrics::new());
-    let mut runner = Runner::new(
-        store.clone(),
-        broker.consumer(group),
-        handler.clone(),
-        config(group, AckStrategy::default()),
-    )
-    .with_metrics(metrics.clone());
+    let (mut runner, metrics) =
+        runner_for(&store, &broker, group, &handler, AckStrategy::default());
 
     // delivery 1: committed=False processed=False handler_calls=1 invoices=0 inbox=None
     let d1 = next(&mut runner).await;
@@ -293,14 +314,8 @@ where
     broker.produce("orders", 0, order("order-2"));
     broker.produce("orders", 0, order("order-2"));
     let handler = ScriptedHandler::new([], Act::Skip);
-    let metrics = Arc::new(CountingMetrics::new());
-    let mut runner = Runner::new(
-        store.clone(),
-        broker.consumer(group),
-        handler.clone(),
-        config(group, AckStrategy::default()),
-    )
-    .with_metrics(metrics.clone());
+    let (mut runner, metrics) =
+        runner_for(&store, &broker, group, &handler, AckStrategy::default());
     let d1 = next(&mut runner).await;
     assert_eq!(
         (d1.committed, d1.processed, d1.duplicate),
@@ -354,23 +369,13 @@ where
     let broker = MemBroker::new();
     broker.produce("orders", 0, order(&id));
     let handler = ScriptedHandler::new([Act::Fail], Act::Succeed);
-    let mut runner = Runner::new(
-        store.clone(),
-        broker.consumer(group),
-        handler.clone(),
-        config(group, strategy),
-    );
+    let (mut runner, _) = runner_for(&store, &broker, group, &handler, strategy);
     let first = next(&mut runner).await;
     assert!(!first.processed);
     assert_eq!(store.invoices(&id).await, 0, "the failed run rolled back");
     assert_eq!(row(&store, &id, group).await, None, "and so did the row");
     drop(runner);
-    let mut fresh = Runner::new(
-        store.clone(),
-        broker.consumer(group),
-        handler.clone(),
-        config(group, strategy),
-    );
+    let (mut fresh, _) = runner_for(&store, &broker, group, &handler, strategy);
     let mut redelivered = false;
     while let Some(r) = fresh.process_one().await.unwrap_or_else(|e| panic!("{e}")) {
         redelivered = true;
@@ -450,12 +455,7 @@ where
     broker.produce("orders", 0, order("order-n"));
     broker.produce("orders", 0, order("order-n1"));
     let handler = ScriptedHandler::new([Act::Fail], Act::Succeed);
-    let mut runner = Runner::new(
-        store.clone(),
-        broker.consumer(group),
-        handler.clone(),
-        config(group, AckStrategy::default()),
-    );
+    let (mut runner, _) = runner_for(&store, &broker, group, &handler, AckStrategy::default());
     let d1 = next(&mut runner).await;
     assert_eq!(d1.message_id, "order-n");
     assert!(!d1.committed && d1.rewound);
@@ -526,12 +526,7 @@ where
     let broker = MemBroker::new();
     broker.produce("orders", 0, m);
     let handler = ScriptedHandler::new([], Act::Succeed);
-    let mut runner = Runner::new(
-        store.clone(),
-        broker.consumer(group),
-        handler.clone(),
-        config(group, AckStrategy::default()),
-    );
+    let (mut runner, _) = runner_for(&store, &broker, group, &handler, AckStrategy::default());
     let d = next(&mut runner).await;
     assert!(d.processed && d.committed && !d.duplicate);
     assert_eq!(handler.calls(), 1);
@@ -576,12 +571,7 @@ where
         let broker = MemBroker::new();
         broker.produce("orders", 0, m);
         let handler = ScriptedHandler::new([], Act::Succeed);
-        let mut runner = Runner::new(
-            store.clone(),
-            broker.consumer(group),
-            handler.clone(),
-            config(group, strategy),
-        );
+        let (mut runner, _) = runner_for(&store, &broker, group, &handler, strategy);
         let d = next(&mut runner).await;
         assert_eq!(handler.calls(), 0, "{strategy:?}: handler must not run");
         assert!(!d.processed && !d.duplicate);
@@ -618,14 +608,8 @@ where
     let broker = MemBroker::new();
     broker.produce("orders", 0, m);
     let handler = ScriptedHandler::new([], Act::Succeed);
-    let metrics = Arc::new(CountingMetrics::new());
-    let mut runner = Runner::new(
-        store.clone(),
-        broker.consumer(group),
-        handler.clone(),
-        config(group, AckStrategy::default()),
-    )
-    .with_metrics(metrics.clone());
+    let (mut runner, metrics) =
+        runner_for(&store, &broker, group, &handler, AckStrategy::default());
     let d = next(&mut runner).await;
     assert_eq!(handler.calls(), 0);
     assert!(d.committed && !d.processed && !d.duplicate);
@@ -651,14 +635,8 @@ where
         let broker = MemBroker::new();
         broker.produce("orders", 0, order("order-8"));
         let handler = ScriptedHandler::new([act], Act::Succeed);
-        let metrics = Arc::new(CountingMetrics::new());
-        let mut runner = Runner::new(
-            store.clone(),
-            broker.consumer(group),
-            handler.clone(),
-            config(group, AckStrategy::default()),
-        )
-        .with_metrics(metrics.clone());
+        let (mut runner, metrics) =
+            runner_for(&store, &broker, group, &handler, AckStrategy::default());
         let d = next(&mut runner).await;
         assert!(!d.processed && !d.committed && d.rewound, "{act:?}");
         assert!(
@@ -697,26 +675,15 @@ where
     broker.produce("orders", 0, order("order-9"));
     broker.fail_next(crate::BrokerFault::Commit, 1);
     let handler = ScriptedHandler::new([], Act::Succeed);
-    let metrics = Arc::new(CountingMetrics::new());
-    let mut runner = Runner::new(
-        store.clone(),
-        broker.consumer(group),
-        handler.clone(),
-        config(group, AckStrategy::default()),
-    )
-    .with_metrics(metrics.clone());
+    let (mut runner, metrics) =
+        runner_for(&store, &broker, group, &handler, AckStrategy::default());
     let d = next(&mut runner).await;
     assert!(!d.committed);
     assert!(matches!(d.error, Some(inbox_core::ProcessError::Commit(_))));
     assert_eq!(store.invoices("order-9").await, 1);
     assert_eq!(metrics.snapshot().commit_failed, 1);
     drop(runner);
-    let mut fresh = Runner::new(
-        store.clone(),
-        broker.consumer(group),
-        handler.clone(),
-        config(group, AckStrategy::default()),
-    );
+    let (mut fresh, _) = runner_for(&store, &broker, group, &handler, AckStrategy::default());
     let again = next(&mut fresh).await;
     assert!(again.duplicate && again.committed);
     assert_eq!(handler.calls(), 1);

@@ -9,7 +9,7 @@ use inbox_core::{
     PersistStage, ProcessError, Runner, RunnerConfig, ValidationError,
 };
 use inbox_testkit::scenarios::{Act, ScriptedHandler};
-use inbox_testkit::{BrokerFault, MemBroker, MemStore, StoreFault};
+use inbox_testkit::{BrokerFault, MemBroker, MemConsumer, MemStore, StoreFault};
 use serde_json::json;
 
 fn order(id: &str) -> Message {
@@ -20,6 +20,26 @@ fn config(strategy: AckStrategy) -> RunnerConfig {
     RunnerConfig::new("billing", "worker-1")
         .expect("valid config")
         .with_strategy(strategy)
+}
+
+type TestRunner = Runner<MemStore, MemConsumer, Arc<ScriptedHandler>, Arc<CountingMetrics>>;
+
+/// A runner on `store` and `broker` (group "billing") with fresh counters.
+fn runner(
+    store: &MemStore,
+    broker: &MemBroker,
+    handler: &Arc<ScriptedHandler>,
+    strategy: AckStrategy,
+) -> (TestRunner, Arc<CountingMetrics>) {
+    let metrics = Arc::new(CountingMetrics::new());
+    let runner = Runner::new(
+        store.clone(),
+        broker.consumer("billing"),
+        handler.clone(),
+        config(strategy),
+    )
+    .with_metrics(metrics.clone());
+    (runner, metrics)
 }
 
 #[tokio::test]
@@ -41,14 +61,7 @@ async fn storage_failure_at_each_stage_rolls_back_and_rewinds() {
         }
         broker.produce("orders", 0, m);
         let handler = ScriptedHandler::new([], Act::Succeed);
-        let metrics = Arc::new(CountingMetrics::new());
-        let mut runner = Runner::new(
-            store.clone(),
-            broker.consumer("billing"),
-            handler.clone(),
-            config(AckStrategy::default()),
-        )
-        .with_metrics(metrics.clone());
+        let (mut runner, metrics) = runner(&store, &broker, &handler, AckStrategy::default());
         store.fail_next(fault, 1);
         let r = runner
             .process_one()
@@ -81,12 +94,7 @@ async fn storage_failure_under_at_most_once_is_committed_and_lost() {
     let broker = MemBroker::new();
     broker.produce("orders", 0, order("o-1"));
     let handler = ScriptedHandler::new([], Act::Succeed);
-    let mut runner = Runner::new(
-        store.clone(),
-        broker.consumer("billing"),
-        handler.clone(),
-        config(AckStrategy::AtMostOnce),
-    );
+    let (mut runner, _) = runner(&store, &broker, &handler, AckStrategy::AtMostOnce);
     store.fail_next(StoreFault::Commit, 1);
     let r = runner
         .process_one()
@@ -104,12 +112,7 @@ async fn ambiguous_commit_is_redelivered_as_a_duplicate() {
     let broker = MemBroker::new();
     broker.produce("orders", 0, order("o-1"));
     let handler = ScriptedHandler::new([], Act::Succeed);
-    let mut runner = Runner::new(
-        store.clone(),
-        broker.consumer("billing"),
-        handler.clone(),
-        config(AckStrategy::default()),
-    );
+    let (mut runner, _) = runner(&store, &broker, &handler, AckStrategy::default());
     store.fail_next(StoreFault::CommitLostAfterApply, 1);
     let r = runner
         .process_one()
@@ -137,12 +140,7 @@ async fn at_most_once_commit_failure_does_not_run_the_handler() {
     broker.produce("orders", 0, order("o-1"));
     broker.fail_next(BrokerFault::Commit, 1);
     let handler = ScriptedHandler::new([], Act::Succeed);
-    let mut runner = Runner::new(
-        store.clone(),
-        broker.consumer("billing"),
-        handler.clone(),
-        config(AckStrategy::AtMostOnce),
-    );
+    let (mut runner, _) = runner(&store, &broker, &handler, AckStrategy::AtMostOnce);
     let r = runner
         .process_one()
         .await
@@ -171,14 +169,7 @@ async fn poison_is_dead_lettered_then_committed() {
     );
     broker.produce("orders", 0, order("good"));
     let handler = ScriptedHandler::new([], Act::Succeed);
-    let metrics = Arc::new(CountingMetrics::new());
-    let mut runner = Runner::new(
-        store.clone(),
-        broker.consumer("billing"),
-        handler.clone(),
-        config(AckStrategy::default()),
-    )
-    .with_metrics(metrics.clone());
+    let (mut runner, metrics) = runner(&store, &broker, &handler, AckStrategy::default());
     store.fail_next(StoreFault::DeadLetter, 1);
     let r = runner
         .process_one()
@@ -265,12 +256,7 @@ async fn every_validation_rule_is_refused_before_anything_is_written() {
         broker.produce("orders", 0, m);
     }
     let handler = ScriptedHandler::new([], Act::Succeed);
-    let mut runner = Runner::new(
-        store.clone(),
-        broker.consumer("billing"),
-        handler.clone(),
-        config(AckStrategy::default()),
-    );
+    let (mut runner, _) = runner(&store, &broker, &handler, AckStrategy::default());
     while let Some(r) = runner.process_one().await.expect("fetch") {
         assert!(
             matches!(r.error, Some(ProcessError::Invalid(_))),
@@ -291,12 +277,7 @@ async fn run_backs_off_on_redelivery_and_stops_on_cancel() {
     let broker = MemBroker::new();
     broker.produce("orders", 0, order("o-1"));
     let handler = ScriptedHandler::new([Act::Fail, Act::Fail, Act::Fail], Act::Succeed);
-    let mut runner = Runner::new(
-        store.clone(),
-        broker.consumer("billing"),
-        handler.clone(),
-        config(AckStrategy::default()),
-    );
+    let (mut runner, _) = runner(&store, &broker, &handler, AckStrategy::default());
     let cancel = CancellationToken::new();
     let stop = cancel.clone();
     let watcher_store = store.clone();
@@ -326,12 +307,7 @@ async fn run_backs_off_exponentially_when_the_store_fails() {
     broker.produce("orders", 0, order("o-1"));
     store.fail_next(StoreFault::Begin, 4);
     let handler = ScriptedHandler::new([], Act::Succeed);
-    let mut runner = Runner::new(
-        store.clone(),
-        broker.consumer("billing"),
-        handler.clone(),
-        config(AckStrategy::default()),
-    );
+    let (mut runner, _) = runner(&store, &broker, &handler, AckStrategy::default());
     let cancel = CancellationToken::new();
     let stop = cancel.clone();
     let watcher_store = store.clone();

@@ -8,7 +8,7 @@ use inbox_core::{
     AckStrategy, CancellationToken, CountingMetrics, InboxStore, Message, NewInboxRow,
     PersistStage, ProcessError, Runner, RunnerConfig, ValidationError,
 };
-use inbox_testkit::scenarios::{Act, ScriptedHandler};
+use inbox_testkit::scenarios::{Act, ScenarioStore, ScriptedHandler};
 use inbox_testkit::{BrokerFault, MemBroker, MemConsumer, MemStore, StoreFault};
 use serde_json::json;
 
@@ -57,7 +57,9 @@ async fn storage_failure_at_each_stage_rolls_back_and_rewinds() {
         let m = order("o-1");
         if fault == StoreFault::Lock {
             // lock is only reached for a row that landed earlier
-            store.land(&NewInboxRow::for_message(&m, "billing", 5));
+            store
+                .land(&NewInboxRow::for_message(&m, "billing", 5))
+                .await;
         }
         broker.produce("orders", 0, m);
         let handler = ScriptedHandler::new([], Act::Succeed);

@@ -246,7 +246,7 @@ pub use with_store::*;
 #[cfg(feature = "postgres")]
 mod with_store {
     use async_trait::async_trait;
-    use inbox_core::{HandlerError, NewInboxRow, StoreError, WorkerId};
+    use inbox_core::{HandlerError, StoreError, WorkerId};
     use inbox_postgres::sea_orm::{ConnectionTrait, DbBackend, QueryResult, Statement, Value};
     use inbox_postgres::{PgStore, PgTx, TableName, map_db_err};
 
@@ -354,28 +354,6 @@ mod with_store {
             .await
             .unwrap_or_else(|e| panic!("counting invoices: {e}"));
             usize::try_from(n).unwrap_or(usize::MAX)
-        }
-
-        async fn land(&self, row: &NewInboxRow) {
-            let sql = format!(
-                "INSERT INTO {} (message_id, consumer_group, source, event_type, payload, max_attempts)
-                 VALUES ($1, $2, $3, $4, $5, $6)",
-                self.table().qualified()
-            );
-            let r = exec(
-                self,
-                sql,
-                vec![
-                    row.message_id.clone().into(),
-                    row.consumer_group.clone().into(),
-                    row.source.clone().into(),
-                    row.event_type.clone().into(),
-                    row.payload.clone().into(),
-                    row.max_attempts.into(),
-                ],
-            )
-            .await;
-            expect("land", r);
         }
 
         async fn hold_lock(&self, message_id: &str, consumer_group: &str, worker: &WorkerId) {

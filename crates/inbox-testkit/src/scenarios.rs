@@ -19,7 +19,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use inbox_core::{
     AckPolicy, AckStrategy, CountingMetrics, Handler, HandlerError, HandlerResult, InboxRow,
-    InboxStatus, InboxStore, Message, NewInboxRow, ProcessResult, Runner, RunnerConfig, WorkerId,
+    InboxStatus, InboxStore, InboxTransaction, Message, NewInboxRow, ProcessResult, Runner,
+    RunnerConfig, WorkerId,
 };
 use serde_json::json;
 
@@ -46,8 +47,25 @@ impl WriteInvoice for crate::MemTx {
 pub trait ScenarioStore: InboxStore + Clone + 'static {
     /// Committed invoices for `order` (read as another connection would).
     async fn invoices(&self, order: &str) -> usize;
-    /// Lands a committed `pending` row.
-    async fn land(&self, row: &NewInboxRow);
+    /// Lands a committed `pending` row, through the store's own
+    /// insert-or-get, as a runner without a handler would.
+    ///
+    /// # Panics
+    ///
+    /// When the store fails or the row already exists.
+    async fn land(&self, row: &NewInboxRow) {
+        let mut tx = self.begin().await.unwrap_or_else(|e| panic!("land: {e}"));
+        let found = tx
+            .insert_or_get(row)
+            .await
+            .unwrap_or_else(|e| panic!("land: {e}"));
+        assert_eq!(
+            found.found,
+            inbox_core::Found::Inserted,
+            "land: the row existed"
+        );
+        tx.commit().await.unwrap_or_else(|e| panic!("land: {e}"));
+    }
     /// Puts a committed lease on a row (a batch processor holds it).
     async fn hold_lock(&self, message_id: &str, consumer_group: &str, worker: &WorkerId);
     /// Marks a row `failed` (the batch processor spent its budget).
@@ -61,9 +79,6 @@ impl ScenarioStore for crate::MemStore {
             .iter()
             .filter(|k| k.as_str() == order)
             .count()
-    }
-    async fn land(&self, row: &NewInboxRow) {
-        crate::MemStore::land(self, row);
     }
     async fn hold_lock(&self, message_id: &str, consumer_group: &str, worker: &WorkerId) {
         assert!(crate::MemStore::hold_lock(

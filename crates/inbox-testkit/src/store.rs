@@ -211,19 +211,6 @@ impl MemStore {
             .copied()
     }
 
-    /// Lands a committed `pending` row directly (as a runner without handler
-    /// would) and returns its id.
-    pub fn land(&self, row: &NewInboxRow) -> RowId {
-        let mut s = self.state();
-        let id = s.next_row;
-        s.next_row += 1;
-        let now = s.now;
-        s.rows.insert(id, new_row(id, row, now));
-        s.keys
-            .insert((row.message_id.clone(), row.consumer_group.clone()), id);
-        id
-    }
-
     /// Sets a committed lease on a row, as a batch processor holding it
     /// would. Returns false when there is no such row.
     pub fn hold_lock(&self, message_id: &str, consumer_group: &str, worker: &WorkerId) -> bool {

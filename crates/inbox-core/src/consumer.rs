@@ -1,12 +1,17 @@
-//! The consumer adapters implement: next message, commit, rewind.
+//! The consumer adapters implement: next message, acknowledge, rewind.
+//!
+//! Words: the *acknowledgement* (ack) tells the broker a message need never
+//! be delivered again; the *commit* is the database transaction's. They are
+//! different words everywhere in this crate.
 //!
 //! # Semantics
 //!
-//! - Commits are cumulative per partition: committing a message acknowledges
-//!   it and every earlier message of its partition.
+//! - Acknowledgements are cumulative per partition: acknowledging a message
+//!   acknowledges it and every earlier message of its partition.
 //! - After `rewind(m)`, `m` is the next message delivered from its
-//!   partition. The runner rewinds every message it does not commit, so it
-//!   never reads past one and later commits a successor.
+//!   partition. The runner rewinds every message it does not
+//!   acknowledge, so it never reads past one and later acknowledges a
+//!   successor.
 //!
 //! # Cancel safety
 //!
@@ -32,7 +37,7 @@ pub struct TxAck {
     pub owner_epoch: i64,
 }
 
-/// A source of messages with commit and rewind.
+/// A source of messages with acknowledgement and rewind.
 #[async_trait]
 pub trait Consumer: Send {
     /// The next message, or `None` when none is ready now.
@@ -40,7 +45,7 @@ pub trait Consumer: Send {
 
     /// Acknowledges `message` (and, cumulatively, everything before it on its
     /// partition).
-    async fn commit(&mut self, message: &Message) -> Result<(), ConsumerError>;
+    async fn ack(&mut self, message: &Message) -> Result<(), ConsumerError>;
 
     /// Goes back so `message` is the next one delivered on its partition.
     async fn rewind(&mut self, message: &Message) -> Result<(), ConsumerError>;
@@ -48,7 +53,7 @@ pub trait Consumer: Send {
     /// When the consumer keeps its offsets in the inbox's database, the
     /// acknowledgement of `message` to write inside the inbox transaction
     /// (so the effect and the acknowledgement commit together). `None`
-    /// (the default): the runner calls [`Consumer::commit`] instead.
+    /// (the default): the runner calls [`Consumer::ack`] instead.
     fn transactional_ack(&self, message: &Message) -> Option<TxAck> {
         let _ = message;
         None

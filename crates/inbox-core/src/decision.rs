@@ -1,36 +1,89 @@
 //! The pure decision: no async, no clock, no IO.
 //!
-//! `(strategy, handler present?, row state found on insert, outcome)` goes in;
-//! a plain-data [`Decision`] comes out: whether the transaction commits, what
-//! the row is afterwards, whether the message counts as processed, when the
-//! broker commit happens (before the transaction, after it, or never), whether
-//! to rewind, and which counter moves. Every row of SPEC "The runner, message
-//! by message" is one case of [`decide`]; adapters carry decisions out and
-//! make none.
+//! A [`Policy`] (strategy, handler present?, does the consumer keep its
+//! acknowledgements in the inbox's database?) and what the store reported go
+//! in; a plain-data [`Step`] or [`Decision`] comes out. The driver (the
+//! per-message runner or the batched one) asks at each point of the protocol
+//! and carries the answer out; it decides nothing itself:
+//!
+//! 1. [`insert_status`]: the status to insert the row with (`completed` when
+//!    a handler will run: a failure rolls the row back anyway, so the success
+//!    path needs no second statement);
+//! 2. [`after_insert`]: what insert-or-get found → lock, run the handler, or
+//!    done;
+//! 3. [`after_lock`]: what the lock returned → run the handler, or done;
+//! 4. [`after_handler`]: the handler's outcome → the decision;
+//! 5. when something outside the table happens: [`on_storage_failure`],
+//!    [`on_fenced`], [`on_early_ack_failure`], [`on_poison`].
+//!
+//! A decision says whether the database transaction commits, what the row is
+//! afterwards, whether the driver must write the completion, whether the
+//! message counts as processed, where its broker acknowledgement goes
+//! ([`AckPoint`]: before the transaction, inside it, after it, nowhere),
+//! whether to rewind, and which counter moves. Every row of SPEC "The runner,
+//! message by message" is one case here. [`partition_ack`] gives the one
+//! acknowledgement a batch writes per partition.
 //!
 //! ```
-//! use inbox_core::decision::{decide, CommitPoint, RowAfter, RowState, Tally, TxAction};
+//! use inbox_core::decision::{decide, AckPoint, Policy, RowAfter, RowState, Tally, TxAction};
 //! use inbox_core::{AckStrategy, OutcomeClass};
 //!
-//! let d = decide(AckStrategy::default(), true, RowState::New, OutcomeClass::Failure);
+//! let d = decide(Policy::new(AckStrategy::default()), RowState::New, OutcomeClass::Failure);
 //! assert_eq!(d.transaction, TxAction::Rollback);
 //! assert_eq!(d.row_after, RowAfter::Absent);
-//! assert_eq!(d.commit, CommitPoint::Never);
+//! assert_eq!(d.ack, AckPoint::Never);
 //! assert!(d.rewind);
 //! assert_eq!(d.tally, Tally::Failed);
 //! ```
 
+use crate::model::InboxStatus;
 use crate::outcome::OutcomeClass;
+use crate::store::{Found, LockResult};
 use crate::strategy::{AckPolicy, AckStrategy};
 
-/// The state of the inbox row found when the runner inserts it.
+/// What the decision depends on besides the row and the outcome.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Policy {
+    /// The acknowledgement strategy.
+    pub strategy: AckStrategy,
+    /// Whether a handler runs (otherwise rows are landed `pending`).
+    pub has_handler: bool,
+    /// Whether the consumer stores its acknowledgements in the inbox's
+    /// database, so they can be written inside the inbox transaction.
+    pub tx_acks: bool,
+}
+
+impl Policy {
+    /// A policy with a handler and acknowledgements kept by the broker.
+    pub fn new(strategy: AckStrategy) -> Self {
+        Self {
+            strategy,
+            has_handler: true,
+            tx_acks: false,
+        }
+    }
+
+    /// The same policy with or without a handler.
+    pub fn with_handler(mut self, has_handler: bool) -> Self {
+        self.has_handler = has_handler;
+        self
+    }
+
+    /// The same policy with acknowledgements stored in the transaction (or not).
+    pub fn with_tx_acks(mut self, tx_acks: bool) -> Self {
+        self.tx_acks = tx_acks;
+        self
+    }
+}
+
+/// The state of the inbox row once insert-or-get (and the lock) returned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RowState {
     /// No row existed: this transaction inserted it.
     New,
-    /// A `pending` row existed (landed without a handler) and this transaction
-    /// locked it.
-    PendingUnlocked,
+    /// A `pending` row existed (landed without a handler) and this
+    /// transaction took its lock.
+    PendingLockedHere,
     /// A `pending` row existed and someone else (a batch processor) holds it.
     PendingLockedElsewhere,
     /// A `completed` row existed: a duplicate.
@@ -43,14 +96,14 @@ impl RowState {
     /// Every row state, for exhaustive tests.
     pub const ALL: [RowState; 5] = [
         RowState::New,
-        RowState::PendingUnlocked,
+        RowState::PendingLockedHere,
         RowState::PendingLockedElsewhere,
         RowState::Completed,
         RowState::Failed,
     ];
 }
 
-/// What happens to the transaction.
+/// What happens to the database transaction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TxAction {
     /// Commit: the row and the handler's writes become durable together.
@@ -74,14 +127,18 @@ pub enum RowAfter {
     AsBefore,
 }
 
-/// When the message is committed to the broker.
+/// Where the message's broker acknowledgement goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum CommitPoint {
-    /// Before the transaction is opened (AtMostOnce).
-    Before,
-    /// After the transaction has ended.
-    After,
-    /// Not committed: it will be delivered again.
+pub enum AckPoint {
+    /// Acknowledged before the transaction is opened (AtMostOnce).
+    BeforeTx,
+    /// Written inside the transaction, so it commits with the effect (the
+    /// consumer keeps its offsets in the inbox's database).
+    InTx,
+    /// Acknowledged to the consumer after the transaction has ended.
+    AfterTx,
+    /// Not acknowledged: it will be delivered again, or another consumer
+    /// owns its partition now.
     Never,
 }
 
@@ -109,113 +166,162 @@ pub enum Tally {
 /// The whole decision for one message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Decision {
-    /// Whether the handler runs (only in [`Step::RunHandler`] plans).
+    /// Whether the handler ran.
     pub handler_ran: bool,
-    /// Commit or roll back.
+    /// Commit or roll back the database transaction.
     pub transaction: TxAction,
     /// The row afterwards.
     pub row_after: RowAfter,
-    /// Whether the message counts as processed (the handler succeeded).
+    /// Whether the driver writes the completion (an existing `pending` row
+    /// becomes `completed`; a new row was inserted completed already).
+    pub write_completion: bool,
+    /// Whether the message counts as processed (the handler succeeded and
+    /// its effect is durable).
     pub processed: bool,
     /// Whether the row was found completed (or already landed).
     pub duplicate: bool,
-    /// When the broker commit happens.
-    pub commit: CommitPoint,
+    /// Where the broker acknowledgement goes.
+    pub ack: AckPoint,
     /// Whether to rewind so the message is delivered again.
     pub rewind: bool,
     /// Which counter moves.
     pub tally: Tally,
 }
 
-/// What to do once the row state is known.
+impl Decision {
+    /// Whether this message's partition must not be acknowledged at or past
+    /// it: it is to be delivered again, or its partition is fenced.
+    pub fn holds_partition(&self) -> bool {
+        self.ack == AckPoint::Never
+    }
+}
+
+/// What to do next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Step {
-    /// Run the handler inside the transaction, then call [`after_handler`].
-    RunHandler,
+    /// Lock the existing `pending` row, then call [`after_lock`].
+    Lock,
+    /// Run the handler inside the transaction on a row in this state, then
+    /// call [`after_handler`].
+    RunHandler(RowState),
     /// Done without the handler.
     Done(Decision),
 }
 
-/// The commit point for a message that is handled (or settled) by this
-/// transaction: before it for AtMostOnce, after it otherwise.
-fn settled(strategy: AckStrategy) -> CommitPoint {
-    if strategy.commits_before() {
-        CommitPoint::Before
-    } else {
-        CommitPoint::After
+/// Where a message that this transaction settles is acknowledged: before it
+/// (AtMostOnce), inside it (ExactlyOnceInbox with a consumer that keeps its
+/// offsets in the database), or after it.
+fn settled(policy: Policy) -> AckPoint {
+    match policy.strategy {
+        AckStrategy::AtMostOnce => AckPoint::BeforeTx,
+        AckStrategy::ExactlyOnceInbox { .. } if policy.tx_acks => AckPoint::InTx,
+        _ => AckPoint::AfterTx,
     }
 }
 
-/// The commit point and rewind for a message that must be handled again
-/// later (a failure, or a row held elsewhere), per strategy.
-fn unsettled(strategy: AckStrategy, failure: bool) -> (CommitPoint, bool) {
+/// The acknowledgement and rewind of a message that is not settled (a
+/// failure whose transaction rolls back, or a row held elsewhere). An
+/// acknowledgement after a rollback cannot be written inside it.
+fn unsettled(strategy: AckStrategy, failure: bool) -> (AckPoint, bool) {
     match strategy {
-        AckStrategy::AtMostOnce => (CommitPoint::Before, false),
+        AckStrategy::AtMostOnce => (AckPoint::BeforeTx, false),
         AckStrategy::AtLeastOnce {
             policy: AckPolicy::OnPersist,
-        } => (CommitPoint::After, false),
+        } => (AckPoint::AfterTx, false),
         AckStrategy::AtLeastOnce {
             policy: AckPolicy::OnSuccess,
-        } => (CommitPoint::Never, true),
+        } => (AckPoint::Never, true),
         AckStrategy::ExactlyOnceInbox { commit_on_failed } => {
             if failure && commit_on_failed {
-                (CommitPoint::After, false)
+                (AckPoint::AfterTx, false)
             } else {
-                (CommitPoint::Never, true)
+                (AckPoint::Never, true)
             }
         }
     }
 }
 
-fn untouched(strategy: AckStrategy, tally: Tally, duplicate: bool) -> Decision {
+fn untouched(policy: Policy, tally: Tally, duplicate: bool) -> Decision {
     Decision {
         handler_ran: false,
         transaction: TxAction::Commit,
         row_after: RowAfter::AsBefore,
+        write_completion: false,
         processed: false,
         duplicate,
-        commit: settled(strategy),
+        ack: settled(policy),
         rewind: false,
         tally,
     }
 }
 
-/// The plan once the row state is known: run the handler, or the decision
-/// without it.
-pub fn plan(strategy: AckStrategy, has_handler: bool, row: RowState) -> Step {
-    match (has_handler, row) {
-        (_, RowState::Completed) => Step::Done(untouched(strategy, Tally::Duplicate, true)),
-        (_, RowState::Failed) => Step::Done(untouched(strategy, Tally::Terminal, false)),
-        (false, RowState::New) => Step::Done(Decision {
+/// The status a new row is inserted with: `completed` when the handler will
+/// run (its failure rolls the row back with its writes), `pending` when the
+/// runner only lands it.
+pub fn insert_status(policy: Policy) -> InboxStatus {
+    if policy.has_handler {
+        InboxStatus::Completed
+    } else {
+        InboxStatus::Pending
+    }
+}
+
+/// Whether the message is acknowledged before its transaction opens
+/// (AtMostOnce): the driver does that first, and on failure takes
+/// [`on_early_ack_failure`].
+pub fn acks_before_tx(policy: Policy) -> bool {
+    settled(policy) == AckPoint::BeforeTx
+}
+
+/// The step once insert-or-get has returned.
+pub fn after_insert(policy: Policy, found: Found) -> Step {
+    match (policy.has_handler, found) {
+        (true, Found::Inserted) => Step::RunHandler(RowState::New),
+        (false, Found::Inserted) => Step::Done(Decision {
             row_after: RowAfter::Pending,
-            ..untouched(strategy, Tally::Landed, false)
+            ..untouched(policy, Tally::Landed, false)
         }),
-        (false, RowState::PendingUnlocked | RowState::PendingLockedElsewhere) => {
-            Step::Done(untouched(strategy, Tally::Duplicate, true))
+        (_, Found::Existing(InboxStatus::Completed)) => {
+            Step::Done(untouched(policy, Tally::Duplicate, true))
         }
-        (true, RowState::PendingLockedElsewhere) => {
-            let (commit, rewind) = unsettled(strategy, false);
+        (_, Found::Existing(InboxStatus::Failed)) => {
+            Step::Done(untouched(policy, Tally::Terminal, false))
+        }
+        (true, Found::Existing(InboxStatus::Pending)) => Step::Lock,
+        // Land-only on a row that was landed before: nothing more to do.
+        (false, Found::Existing(InboxStatus::Pending)) => {
+            Step::Done(untouched(policy, Tally::Duplicate, true))
+        }
+    }
+}
+
+/// The step once the lock of an existing `pending` row has returned.
+pub fn after_lock(policy: Policy, lock: LockResult) -> Step {
+    match lock {
+        LockResult::Acquired => Step::RunHandler(RowState::PendingLockedHere),
+        LockResult::Busy => {
+            let (ack, rewind) = unsettled(policy.strategy, false);
             Step::Done(Decision {
-                commit,
+                ack,
                 rewind,
-                ..untouched(strategy, Tally::Deferred, false)
+                ..untouched(policy, Tally::Deferred, false)
             })
         }
-        (true, RowState::New | RowState::PendingUnlocked) => Step::RunHandler,
     }
 }
 
 /// The decision after the handler ran on a row that was `New` or
-/// `PendingUnlocked`.
-pub fn after_handler(strategy: AckStrategy, row: RowState, outcome: OutcomeClass) -> Decision {
+/// `PendingLockedHere`.
+pub fn after_handler(policy: Policy, row: RowState, outcome: OutcomeClass) -> Decision {
     match outcome {
         OutcomeClass::Success | OutcomeClass::Skip => Decision {
             handler_ran: true,
             transaction: TxAction::Commit,
             row_after: RowAfter::Completed,
+            write_completion: row != RowState::New,
             processed: outcome == OutcomeClass::Success,
             duplicate: false,
-            commit: settled(strategy),
+            ack: settled(policy),
             rewind: false,
             tally: if outcome == OutcomeClass::Success {
                 Tally::Processed
@@ -224,7 +330,7 @@ pub fn after_handler(strategy: AckStrategy, row: RowState, outcome: OutcomeClass
             },
         },
         OutcomeClass::Failure => {
-            let (commit, rewind) = unsettled(strategy, true);
+            let (ack, rewind) = unsettled(policy.strategy, true);
             Decision {
                 handler_ran: true,
                 transaction: TxAction::Rollback,
@@ -233,9 +339,10 @@ pub fn after_handler(strategy: AckStrategy, row: RowState, outcome: OutcomeClass
                 } else {
                     RowAfter::Pending
                 },
+                write_completion: false,
                 processed: false,
                 duplicate: false,
-                commit,
+                ack,
                 rewind,
                 tally: Tally::Failed,
             }
@@ -243,51 +350,66 @@ pub fn after_handler(strategy: AckStrategy, row: RowState, outcome: OutcomeClass
     }
 }
 
-/// The whole decision: [`plan`], then [`after_handler`] with `outcome` when
-/// the plan runs the handler (otherwise `outcome` is ignored).
-pub fn decide(
-    strategy: AckStrategy,
-    has_handler: bool,
-    row: RowState,
-    outcome: OutcomeClass,
-) -> Decision {
-    match plan(strategy, has_handler, row) {
+/// The whole table in one call: the steps a driver takes for a row found in
+/// `row`, with `outcome` when the handler runs (ignored otherwise).
+pub fn decide(policy: Policy, row: RowState, outcome: OutcomeClass) -> Decision {
+    let first = match row {
+        RowState::New => after_insert(policy, Found::Inserted),
+        RowState::Completed => after_insert(policy, Found::Existing(InboxStatus::Completed)),
+        RowState::Failed => after_insert(policy, Found::Existing(InboxStatus::Failed)),
+        RowState::PendingLockedHere | RowState::PendingLockedElsewhere => {
+            after_insert(policy, Found::Existing(InboxStatus::Pending))
+        }
+    };
+    let step = match first {
+        Step::Lock if row == RowState::PendingLockedElsewhere => {
+            after_lock(policy, LockResult::Busy)
+        }
+        Step::Lock => after_lock(policy, LockResult::Acquired),
+        other => other,
+    };
+    match step {
         Step::Done(decision) => decision,
-        Step::RunHandler => after_handler(strategy, row, outcome),
+        Step::RunHandler(state) => after_handler(policy, state, outcome),
+        // `after_lock` never asks to lock again.
+        Step::Lock => on_storage_failure(policy, false),
     }
 }
 
-/// The decision when the store fails (begin, insert, lock, complete or
-/// commit): roll back, no commit (AtMostOnce already committed), rewind.
-pub fn on_storage_failure(strategy: AckStrategy) -> Decision {
-    let before = strategy.commits_before();
+/// The decision when the store fails (begin, insert, lock, complete, the
+/// acknowledgement write or commit): roll back, not processed, no
+/// acknowledgement (AtMostOnce already acknowledged), rewind.
+pub fn on_storage_failure(policy: Policy, handler_ran: bool) -> Decision {
+    let before = policy.strategy.commits_before();
     Decision {
-        handler_ran: false,
+        handler_ran,
         transaction: TxAction::Rollback,
         row_after: RowAfter::AsBefore,
+        write_completion: false,
         processed: false,
         duplicate: false,
-        commit: if before {
-            CommitPoint::Before
+        ack: if before {
+            AckPoint::BeforeTx
         } else {
-            CommitPoint::Never
+            AckPoint::Never
         },
         rewind: !before,
         tally: Tally::Failed,
     }
 }
 
-/// The decision when AtMostOnce's commit before the transaction fails: the
-/// message is not handled (handling it unacknowledged could do it twice) and
-/// is rewound.
-pub fn on_early_commit_failure() -> Decision {
+/// The decision when AtMostOnce's acknowledgement before the transaction
+/// fails: the message is not handled (handling it unacknowledged could do it
+/// twice) and is rewound.
+pub fn on_early_ack_failure() -> Decision {
     Decision {
         handler_ran: false,
         transaction: TxAction::Rollback,
         row_after: RowAfter::AsBefore,
+        write_completion: false,
         processed: false,
         duplicate: false,
-        commit: CommitPoint::Never,
+        ack: AckPoint::Never,
         rewind: true,
         tally: Tally::Failed,
     }
@@ -295,35 +417,81 @@ pub fn on_early_commit_failure() -> Decision {
 
 /// The decision when storing the acknowledgement was refused because
 /// another consumer owns the partition now (a stale epoch): the transaction
-/// rolls back, nothing is committed, and the message is not rewound either:
-/// this consumer stops reading the partition, whose owner delivers it.
-pub fn on_fenced() -> Decision {
+/// rolls back, nothing is acknowledged, and the message is not rewound
+/// either: this consumer stops reading the partition, whose owner delivers
+/// it.
+pub fn on_fenced(handler_ran: bool) -> Decision {
     Decision {
-        handler_ran: false,
+        handler_ran,
         transaction: TxAction::Rollback,
         row_after: RowAfter::AsBefore,
+        write_completion: false,
         processed: false,
         duplicate: false,
-        commit: CommitPoint::Never,
+        ack: AckPoint::Never,
         rewind: false,
         tally: Tally::Failed,
     }
 }
 
 /// The decision for a poison message (it cannot become a valid row): it is
-/// recorded as a dead letter in a transaction of its own (which also stores
-/// the acknowledgement when the consumer keeps offsets in the database),
-/// then committed, under every strategy.
-pub fn on_poison() -> Decision {
+/// recorded as a dead letter in a transaction (which also stores the
+/// acknowledgement when the consumer keeps offsets in the database), then
+/// acknowledged, under every strategy.
+pub fn on_poison(policy: Policy) -> Decision {
     Decision {
         handler_ran: false,
         transaction: TxAction::Commit,
         row_after: RowAfter::Absent,
+        write_completion: false,
         processed: false,
         duplicate: false,
-        commit: CommitPoint::After,
+        ack: if policy.tx_acks {
+            AckPoint::InTx
+        } else {
+            AckPoint::AfterTx
+        },
         rewind: false,
         tally: Tally::Poison,
+    }
+}
+
+/// The one acknowledgement a batch writes for a partition, given the
+/// decisions of that partition's messages in offset order: the index of the
+/// last message before the first one that holds the partition (to be
+/// delivered again, or fenced), and where its acknowledgement goes. `None`
+/// when nothing is to be acknowledged after the transaction starts (nothing
+/// settled, or everything was acknowledged before it).
+///
+/// Acknowledgements are cumulative, so the one written acknowledges every
+/// earlier message of the partition, including failures that are dropped
+/// by design (`commit_on_failed`, OnPersist).
+///
+/// ```
+/// use inbox_core::decision::{decide, partition_ack, AckPoint, Policy, RowState};
+/// use inbox_core::{AckStrategy, OutcomeClass::*};
+///
+/// let p = Policy::new(AckStrategy::default()).with_tx_acks(true);
+/// let ok = decide(p, RowState::New, Success);
+/// let failed = decide(p, RowState::New, Failure);
+/// assert_eq!(partition_ack(p, &[ok, ok, failed, ok]), Some((1, AckPoint::InTx)));
+/// assert_eq!(partition_ack(p, &[failed, ok]), None);
+/// ```
+pub fn partition_ack(policy: Policy, decisions: &[Decision]) -> Option<(usize, AckPoint)> {
+    let settled_here = decisions
+        .iter()
+        .take_while(|d| !d.holds_partition())
+        .count();
+    let last = settled_here.checked_sub(1)?;
+    match settled(policy) {
+        AckPoint::BeforeTx => None,
+        point => {
+            // An acknowledgement inside the transaction is only possible when
+            // every message it covers is settled by that transaction (a dropped
+            // failure under `commit_on_failed` is: its row rolled back, its
+            // acknowledgement is what is left of it).
+            Some((last, point))
+        }
     }
 }
 
@@ -331,8 +499,8 @@ pub fn on_poison() -> Decision {
 mod tests {
     use super::*;
     use crate::strategy::AckPolicy::{OnPersist, OnSuccess};
+    use AckPoint::*;
     use AckStrategy::*;
-    use CommitPoint::*;
     use OutcomeClass::*;
 
     const EOI: AckStrategy = ExactlyOnceInbox {
@@ -344,17 +512,17 @@ mod tests {
     const PERSIST: AckStrategy = AtLeastOnce { policy: OnPersist };
     const SUCCESS: AckStrategy = AtLeastOnce { policy: OnSuccess };
 
-    /// (commit point, rewind) per strategy in the order of `AckStrategy::ALL`.
-    fn commits(
-        outcome: OutcomeClass,
-        row: RowState,
-        has_handler: bool,
-    ) -> Vec<(CommitPoint, bool)> {
+    fn p(s: AckStrategy, has_handler: bool) -> Policy {
+        Policy::new(s).with_handler(has_handler)
+    }
+
+    /// (ack point, rewind) per strategy in the order of `AckStrategy::ALL`.
+    fn acks(outcome: OutcomeClass, row: RowState, has_handler: bool) -> Vec<(AckPoint, bool)> {
         AckStrategy::ALL
             .iter()
             .map(|s| {
-                let d = decide(*s, has_handler, row, outcome);
-                (d.commit, d.rewind)
+                let d = decide(p(*s, has_handler), row, outcome);
+                (d.ack, d.rewind)
             })
             .collect()
     }
@@ -362,22 +530,23 @@ mod tests {
     #[test]
     fn new_message_success_row_of_the_matrix() {
         for s in AckStrategy::ALL {
-            let d = decide(s, true, RowState::New, Success);
+            let d = decide(p(s, true), RowState::New, Success);
             assert!(d.handler_ran);
             assert_eq!(d.transaction, TxAction::Commit);
             assert_eq!(d.row_after, RowAfter::Completed);
+            assert!(!d.write_completion, "inserted completed already");
             assert!(d.processed);
             assert!(!d.duplicate);
             assert_eq!(d.tally, Tally::Processed);
         }
         assert_eq!(
-            commits(Success, RowState::New, true),
+            acks(Success, RowState::New, true),
             vec![
-                (Before, false),
-                (After, false),
-                (After, false),
-                (After, false),
-                (After, false)
+                (BeforeTx, false),
+                (AfterTx, false),
+                (AfterTx, false),
+                (AfterTx, false),
+                (AfterTx, false)
             ]
         );
     }
@@ -385,20 +554,20 @@ mod tests {
     #[test]
     fn new_message_skip_row_of_the_matrix() {
         for s in AckStrategy::ALL {
-            let d = decide(s, true, RowState::New, Skip);
+            let d = decide(p(s, true), RowState::New, Skip);
             assert_eq!(d.transaction, TxAction::Commit);
             assert_eq!(d.row_after, RowAfter::Completed);
             assert!(!d.processed);
             assert_eq!(d.tally, Tally::Skipped);
         }
         assert_eq!(
-            commits(Skip, RowState::New, true),
+            acks(Skip, RowState::New, true),
             vec![
-                (Before, false),
-                (After, false),
-                (After, false),
-                (After, false),
-                (After, false)
+                (BeforeTx, false),
+                (AfterTx, false),
+                (AfterTx, false),
+                (AfterTx, false),
+                (AfterTx, false)
             ]
         );
     }
@@ -406,7 +575,7 @@ mod tests {
     #[test]
     fn new_message_failure_row_of_the_matrix() {
         for s in AckStrategy::ALL {
-            let d = decide(s, true, RowState::New, Failure);
+            let d = decide(p(s, true), RowState::New, Failure);
             assert!(d.handler_ran);
             assert_eq!(d.transaction, TxAction::Rollback);
             assert_eq!(d.row_after, RowAfter::Absent);
@@ -414,65 +583,102 @@ mod tests {
             assert_eq!(d.tally, Tally::Failed);
         }
         assert_eq!(
-            commits(Failure, RowState::New, true),
+            acks(Failure, RowState::New, true),
             vec![
-                (Before, false),
-                (After, false),
+                (BeforeTx, false),
+                (AfterTx, false),
                 (Never, true),
                 (Never, true),
-                (After, false)
+                (AfterTx, false)
             ]
         );
     }
 
     #[test]
-    fn no_handler_lands_pending_and_commits() {
+    fn acknowledgements_go_into_the_transaction_only_when_it_commits_under_eoi() {
         for s in AckStrategy::ALL {
-            let d = decide(s, false, RowState::New, Failure);
+            let tx = Policy::new(s).with_tx_acks(true);
+            let ok = decide(tx, RowState::New, Success);
+            let failed = decide(tx, RowState::New, Failure);
+            let expected_ok = match s {
+                AtMostOnce => BeforeTx,
+                ExactlyOnceInbox { .. } => InTx,
+                AtLeastOnce { .. } => AfterTx,
+            };
+            assert_eq!(ok.ack, expected_ok, "{s:?}");
+            // a rolled-back transaction cannot carry the acknowledgement
+            assert_ne!(failed.ack, InTx, "{s:?}");
+            assert_eq!(on_poison(tx).ack, InTx);
+        }
+        assert_eq!(on_poison(Policy::new(EOI)).ack, AfterTx);
+    }
+
+    #[test]
+    fn new_rows_are_inserted_completed_when_the_handler_runs() {
+        assert_eq!(insert_status(p(EOI, true)), InboxStatus::Completed);
+        assert_eq!(insert_status(p(EOI, false)), InboxStatus::Pending);
+    }
+
+    #[test]
+    fn no_handler_lands_pending_and_acknowledges() {
+        for s in AckStrategy::ALL {
+            let d = decide(p(s, false), RowState::New, Failure);
             assert!(!d.handler_ran);
             assert_eq!(d.transaction, TxAction::Commit);
             assert_eq!(d.row_after, RowAfter::Pending);
             assert!(!d.processed);
             assert_eq!(d.tally, Tally::Landed);
-            assert_eq!(d.commit, if s == AtMostOnce { Before } else { After });
+            assert_eq!(d.ack, if s == AtMostOnce { BeforeTx } else { AfterTx });
             assert!(!d.rewind);
         }
     }
 
     #[test]
-    fn completed_row_is_a_duplicate_committed_everywhere() {
+    fn completed_row_is_a_duplicate_acknowledged_everywhere() {
         for has_handler in [true, false] {
             for s in AckStrategy::ALL {
-                let d = decide(s, has_handler, RowState::Completed, Success);
+                let d = decide(p(s, has_handler), RowState::Completed, Success);
                 assert!(!d.handler_ran);
                 assert!(d.duplicate);
                 assert!(!d.processed);
                 assert_eq!(d.row_after, RowAfter::AsBefore);
                 assert_eq!(d.tally, Tally::Duplicate);
-                assert_eq!(d.commit, if s == AtMostOnce { Before } else { After });
+                assert_eq!(d.ack, if s == AtMostOnce { BeforeTx } else { AfterTx });
                 assert!(!d.rewind);
             }
         }
     }
 
     #[test]
-    fn pending_unlocked_runs_the_handler_like_a_new_message() {
+    fn existing_pending_row_is_locked_then_handled_like_a_new_message() {
         for s in AckStrategy::ALL {
-            assert_eq!(plan(s, true, RowState::PendingUnlocked), Step::RunHandler);
-            let ok = decide(s, true, RowState::PendingUnlocked, Success);
+            assert_eq!(
+                after_insert(p(s, true), Found::Existing(InboxStatus::Pending)),
+                Step::Lock
+            );
+            assert_eq!(
+                after_lock(p(s, true), LockResult::Acquired),
+                Step::RunHandler(RowState::PendingLockedHere)
+            );
+            let ok = decide(p(s, true), RowState::PendingLockedHere, Success);
             assert_eq!(ok.row_after, RowAfter::Completed);
+            assert!(
+                ok.write_completion,
+                "the existing row is completed by an update"
+            );
             assert!(ok.processed);
-            let failed = decide(s, true, RowState::PendingUnlocked, Failure);
+            let failed = decide(p(s, true), RowState::PendingLockedHere, Failure);
             assert_eq!(
                 failed.row_after,
                 RowAfter::Pending,
                 "rolled back to pending"
             );
+            assert!(!failed.write_completion);
             assert_eq!(failed.transaction, TxAction::Rollback);
-            let new_failed = decide(s, true, RowState::New, Failure);
+            let new_failed = decide(p(s, true), RowState::New, Failure);
             assert_eq!(
-                (failed.commit, failed.rewind),
-                (new_failed.commit, new_failed.rewind)
+                (failed.ack, failed.rewind),
+                (new_failed.ack, new_failed.rewind)
             );
         }
     }
@@ -480,17 +686,17 @@ mod tests {
     #[test]
     fn pending_locked_elsewhere_is_deferred() {
         assert_eq!(
-            commits(Success, RowState::PendingLockedElsewhere, true),
+            acks(Success, RowState::PendingLockedElsewhere, true),
             vec![
-                (Before, false),
-                (After, false),
+                (BeforeTx, false),
+                (AfterTx, false),
                 (Never, true),
                 (Never, true),
                 (Never, true)
             ]
         );
         for s in AckStrategy::ALL {
-            let d = decide(s, true, RowState::PendingLockedElsewhere, Success);
+            let d = decide(p(s, true), RowState::PendingLockedElsewhere, Success);
             assert!(!d.handler_ran);
             assert!(!d.processed);
             assert!(!d.duplicate);
@@ -500,15 +706,15 @@ mod tests {
     }
 
     #[test]
-    fn failed_row_is_terminal_and_committed() {
+    fn failed_row_is_terminal_and_acknowledged() {
         for has_handler in [true, false] {
             for s in AckStrategy::ALL {
-                let d = decide(s, has_handler, RowState::Failed, Success);
+                let d = decide(p(s, has_handler), RowState::Failed, Success);
                 assert!(!d.handler_ran);
                 assert!(!d.processed);
                 assert!(!d.duplicate);
                 assert_eq!(d.tally, Tally::Terminal);
-                assert_eq!(d.commit, if s == AtMostOnce { Before } else { After });
+                assert_eq!(d.ack, if s == AtMostOnce { BeforeTx } else { AfterTx });
                 assert!(!d.rewind);
             }
         }
@@ -516,38 +722,73 @@ mod tests {
 
     #[test]
     fn land_only_on_existing_pending_row_is_a_duplicate() {
-        for row in [RowState::PendingUnlocked, RowState::PendingLockedElsewhere] {
-            let d = decide(EOI, false, row, Success);
+        for row in [
+            RowState::PendingLockedHere,
+            RowState::PendingLockedElsewhere,
+        ] {
+            let d = decide(p(EOI, false), row, Success);
             assert!(d.duplicate);
             assert_eq!(d.tally, Tally::Duplicate);
-            assert_eq!(d.commit, After);
+            assert_eq!(d.ack, AfterTx);
         }
+        assert!(matches!(
+            after_insert(p(EOI, false), Found::Existing(InboxStatus::Pending)),
+            Step::Done(_)
+        ));
     }
 
     #[test]
     fn storage_failure_rolls_back_and_rewinds_except_at_most_once() {
         for s in [PERSIST, SUCCESS, EOI, EOI_CF] {
-            let d = on_storage_failure(s);
-            assert_eq!(d.transaction, TxAction::Rollback);
-            assert_eq!((d.commit, d.rewind), (Never, true));
-            assert_eq!(d.tally, Tally::Failed);
-            assert!(!d.processed);
+            for ran in [true, false] {
+                let d = on_storage_failure(Policy::new(s), ran);
+                assert_eq!(d.transaction, TxAction::Rollback);
+                assert_eq!((d.ack, d.rewind), (Never, true));
+                assert_eq!(d.tally, Tally::Failed);
+                assert_eq!(d.handler_ran, ran);
+                assert!(!d.processed);
+            }
         }
-        let d = on_storage_failure(AtMostOnce);
-        assert_eq!((d.commit, d.rewind), (Before, false));
+        let d = on_storage_failure(Policy::new(AtMostOnce), false);
+        assert_eq!((d.ack, d.rewind), (BeforeTx, false));
     }
 
     #[test]
-    fn early_commit_failure_and_poison() {
-        let d = on_early_commit_failure();
-        assert_eq!((d.commit, d.rewind, d.tally), (Never, true, Tally::Failed));
+    fn early_ack_failure_fenced_and_poison() {
+        let d = on_early_ack_failure();
+        assert_eq!((d.ack, d.rewind, d.tally), (Never, true, Tally::Failed));
         assert!(!d.handler_ran);
-        let f = on_fenced();
+        let f = on_fenced(true);
         assert_eq!(
-            (f.commit, f.rewind, f.transaction),
-            (Never, false, TxAction::Rollback)
+            (f.ack, f.rewind, f.transaction, f.handler_ran, f.processed),
+            (Never, false, TxAction::Rollback, true, false)
         );
-        let p = on_poison();
-        assert_eq!((p.commit, p.rewind, p.tally), (After, false, Tally::Poison));
+        let p = on_poison(Policy::new(EOI));
+        assert_eq!((p.ack, p.rewind, p.tally), (AfterTx, false, Tally::Poison));
+    }
+
+    #[test]
+    fn partition_ack_stops_before_the_first_held_message() {
+        let eoi = Policy::new(EOI);
+        let ok = decide(eoi, RowState::New, Success);
+        let failed = decide(eoi, RowState::New, Failure);
+        let deferred = decide(eoi, RowState::PendingLockedElsewhere, Success);
+        assert_eq!(partition_ack(eoi, &[ok, ok]), Some((1, AfterTx)));
+        assert_eq!(partition_ack(eoi, &[ok, failed, ok]), Some((0, AfterTx)));
+        assert_eq!(partition_ack(eoi, &[ok, deferred, ok]), Some((0, AfterTx)));
+        assert_eq!(partition_ack(eoi, &[failed, ok]), None);
+        assert_eq!(partition_ack(eoi, &[]), None);
+        let fenced = on_fenced(false);
+        assert_eq!(partition_ack(eoi, &[ok, fenced]), Some((0, AfterTx)));
+        // dropped failures are covered by a later acknowledgement
+        let cf = Policy::new(EOI_CF).with_tx_acks(true);
+        let dropped = decide(cf, RowState::New, Failure);
+        let ok_cf = decide(cf, RowState::New, Success);
+        assert_eq!(partition_ack(cf, &[dropped, ok_cf]), Some((1, InTx)));
+        assert_eq!(partition_ack(cf, &[ok_cf, dropped]), Some((1, InTx)));
+        // AtMostOnce acknowledged everything before the transaction
+        let amo = Policy::new(AtMostOnce);
+        let amo_ok = decide(amo, RowState::New, Success);
+        assert_eq!(partition_ack(amo, &[amo_ok]), None);
     }
 }

@@ -219,9 +219,9 @@ pub enum ConsumerError {
     /// Fetching the next message failed.
     #[error("fetch failed: {0}")]
     Fetch(String),
-    /// Committing a position failed.
-    #[error("commit failed: {0}")]
-    Commit(String),
+    /// Acknowledging a position failed.
+    #[error("acknowledgement failed: {0}")]
+    Ack(String),
     /// Rewinding to a position failed.
     #[error("rewind failed: {0}")]
     Rewind(String),

@@ -37,6 +37,26 @@ pub trait Handler<Tx: Send>: Send + Sync {
 
     /// Handles `message`, writing through `tx`.
     async fn handle(&self, message: &Message, tx: &mut Tx) -> Result<Self::Output, HandlerError>;
+
+    /// Handles several messages at once (the batched runner calls it with
+    /// every message of a batch whose handler is to run), writing all their
+    /// business rows with as few statements as it can; one output per
+    /// message, in order. `None` (the default): this handler has no batch
+    /// form, and [`handle`](Self::handle) is called per message.
+    ///
+    /// When it returns an error, panics, times out, returns the wrong number
+    /// of outputs or any output that is not a success or a skip, the
+    /// transaction is rolled back and the batch is handled again one message
+    /// at a time with [`handle`](Self::handle), so each message still gets
+    /// the outcome it would get alone.
+    async fn handle_batch(
+        &self,
+        messages: &[&Message],
+        tx: &mut Tx,
+    ) -> Option<Result<Vec<Self::Output>, HandlerError>> {
+        let _ = (messages, tx);
+        None
+    }
 }
 
 /// The absent handler: a runner built with it lands rows `pending` for a
@@ -57,5 +77,13 @@ impl<Tx: Send, H: Handler<Tx> + ?Sized> Handler<Tx> for std::sync::Arc<H> {
     type Output = H::Output;
     async fn handle(&self, message: &Message, tx: &mut Tx) -> Result<Self::Output, HandlerError> {
         (**self).handle(message, tx).await
+    }
+
+    async fn handle_batch(
+        &self,
+        messages: &[&Message],
+        tx: &mut Tx,
+    ) -> Option<Result<Vec<Self::Output>, HandlerError>> {
+        (**self).handle_batch(messages, tx).await
     }
 }

@@ -39,9 +39,9 @@
 //! let mut runner = Runner::new(store.clone(), broker.consumer("billing"), Billing, config);
 //!
 //! let first = runner.process_one().await.unwrap().unwrap();
-//! assert!(first.processed && first.committed);
+//! assert!(first.processed && first.acked);
 //! let second = runner.process_one().await.unwrap().unwrap();
-//! assert!(second.duplicate && second.committed && !second.processed);
+//! assert!(second.duplicate && second.acked && !second.processed);
 //! assert_eq!(store.business_count("invoices"), 1);
 //! # });
 //! ```
@@ -66,7 +66,10 @@ pub use handler::{Handler, NoHandler};
 pub use metrics::{CountingMetrics, Counts, MetricEvent, Metrics, NoopMetrics};
 pub use model::{InboxRow, InboxStatus, Message, NewInboxRow, Position, RowId, WorkerId};
 pub use outcome::{Failure, HandlerResult, Outcome, OutcomeClass};
-pub use runner::{Backoff, ProcessError, ProcessResult, RunSummary, Runner, RunnerConfig};
+pub use runner::{
+    Backoff, BatchConfig, BatchResult, ProcessError, ProcessResult, RunSummary, Runner,
+    RunnerConfig,
+};
 pub use store::{Found, InboxStore, InboxTransaction, LockResult, RowRef};
 pub use strategy::{AckPolicy, AckStrategy};
 pub use tokio_util::sync::CancellationToken;

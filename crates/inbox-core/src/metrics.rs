@@ -15,10 +15,10 @@ pub enum MetricEvent {
     Consumed,
     /// The one counter a message moves.
     Tally(Tally),
-    /// A commit to the broker succeeded.
-    Committed,
-    /// A commit to the broker failed.
-    CommitFailed,
+    /// An acknowledgement to the broker succeeded.
+    Acked,
+    /// An acknowledgement to the broker failed.
+    AckFailed,
     /// A message was rewound for redelivery.
     Rewound,
     /// The handler ran for this long.
@@ -86,10 +86,10 @@ pub struct Counts {
     pub terminal: u64,
     /// Dead-lettered.
     pub poison: u64,
-    /// Successful commits.
-    pub committed: u64,
-    /// Failed commits.
-    pub commit_failed: u64,
+    /// Successful acknowledgements.
+    pub acked: u64,
+    /// Failed acknowledgements.
+    pub ack_failed: u64,
     /// Rewinds.
     pub rewound: u64,
     /// Handler runs.
@@ -135,8 +135,8 @@ impl CountingMetrics {
             deferred: c(6),
             terminal: c(7),
             poison: c(8),
-            committed: c(9),
-            commit_failed: c(10),
+            acked: c(9),
+            ack_failed: c(10),
             rewound: c(11),
             handler_runs: c(12),
         }
@@ -157,8 +157,8 @@ impl Metrics for CountingMetrics {
                 Tally::Terminal => 7,
                 Tally::Poison => 8,
             },
-            MetricEvent::Committed => 9,
-            MetricEvent::CommitFailed => 10,
+            MetricEvent::Acked => 9,
+            MetricEvent::AckFailed => 10,
             MetricEvent::Rewound => 11,
             MetricEvent::HandlerDuration(_) => 12,
             MetricEvent::Lag { .. }

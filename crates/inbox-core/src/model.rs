@@ -103,6 +103,17 @@ pub struct Message {
 }
 
 impl Message {
+    /// Roughly how many bytes the message weighs: its raw record when the
+    /// adapter kept it, else its payload's JSON text (used to bound a
+    /// batch).
+    pub fn approximate_size(&self) -> usize {
+        let body = match &self.raw {
+            Some(raw) => raw.len(),
+            None => self.payload.to_string().len(),
+        };
+        body + self.message_id.len() + self.source.len() + self.event_type.len()
+    }
+
     /// A message with the required fields and nothing else.
     ///
     /// ```
@@ -469,6 +480,11 @@ pub struct NewInboxRow {
     pub payload: Value,
     /// Attempt budget for the batch processor.
     pub max_attempts: i32,
+    /// The status to insert it with (see
+    /// [`decision::insert_status`](crate::decision::insert_status)):
+    /// `pending` to land it, `completed` when the handler runs in the same
+    /// transaction (a failure rolls the row back with the handler's writes).
+    pub status: InboxStatus,
 }
 
 impl NewInboxRow {
@@ -481,7 +497,14 @@ impl NewInboxRow {
             event_type: message.event_type.trim().to_owned(),
             payload: message.payload.clone(),
             max_attempts,
+            status: InboxStatus::Pending,
         }
+    }
+
+    /// The same row, to be inserted with `status`.
+    pub fn with_status(mut self, status: InboxStatus) -> Self {
+        self.status = status;
+        self
     }
 }
 

@@ -30,8 +30,8 @@ use crate::model::{InboxRow, InboxStatus, Message, NewInboxRow, RowId, WorkerId}
 /// What `insert_or_get` found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Found {
-    /// No row existed; this transaction inserted it (`pending`, unlocked,
-    /// visible to others only on commit).
+    /// No row existed; this transaction inserted it (with the status asked
+    /// for, unlocked, visible to others only on commit).
     Inserted,
     /// A row existed with this status.
     Existing(InboxStatus),
@@ -86,6 +86,20 @@ pub trait InboxTransaction: Send + Sized {
     /// which happened. A row inserted here is held by this transaction until
     /// it ends.
     async fn insert_or_get(&mut self, row: &NewInboxRow) -> Result<RowRef, StoreError>;
+
+    /// [`insert_or_get`](Self::insert_or_get) for many rows at once, in
+    /// order; one result per row. The rows must have distinct keys. Adapters
+    /// override the default (one call per row) with a single statement.
+    async fn insert_or_get_many(
+        &mut self,
+        rows: &[NewInboxRow],
+    ) -> Result<Vec<RowRef>, StoreError> {
+        let mut found = Vec::with_capacity(rows.len());
+        for row in rows {
+            found.push(self.insert_or_get(row).await?);
+        }
+        Ok(found)
+    }
 
     /// Locks an existing `pending` row for this transaction.
     async fn lock(&mut self, id: RowId, worker: &WorkerId) -> Result<LockResult, StoreError>;

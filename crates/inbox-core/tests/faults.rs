@@ -55,8 +55,9 @@ async fn storage_failure_at_each_stage_rolls_back_and_rewinds() {
         let store = MemStore::new();
         let broker = MemBroker::new();
         let m = order("o-1");
-        if fault == StoreFault::Lock {
-            // lock is only reached for a row that landed earlier
+        if matches!(fault, StoreFault::Lock | StoreFault::Complete) {
+            // lock and complete are only reached for a row that landed earlier
+            // (a new row is inserted completed)
             store
                 .land(&NewInboxRow::for_message(&m, "billing", 5))
                 .await;
@@ -74,15 +75,15 @@ async fn storage_failure_at_each_stage_rolls_back_and_rewinds() {
             Some(ProcessError::Persist(e)) => assert_eq!(e.stage, stage, "{fault:?}"),
             other => panic!("{fault:?}: expected a persist error, got {other:?}"),
         }
-        assert!(!r.committed && !r.processed && r.rewound, "{fault:?}");
+        assert!(!r.acked && !r.processed && r.rewound, "{fault:?}");
         assert_eq!(store.business_count("invoices"), 0, "{fault:?}");
-        assert_eq!(broker.committed("billing", "orders", 0), None);
+        assert_eq!(broker.acked("billing", "orders", 0), None);
         let again = runner
             .process_one()
             .await
             .expect("fetch")
             .expect("redelivery");
-        assert!(again.processed && again.committed, "{fault:?}: {again:?}");
+        assert!(again.processed && again.acked, "{fault:?}: {again:?}");
         assert_eq!(store.business_count("invoices"), 1, "{fault:?}");
         let c = metrics.snapshot();
         assert_eq!((c.consumed, c.failed, c.processed), (2, 1, 1), "{fault:?}");
@@ -103,7 +104,7 @@ async fn storage_failure_under_at_most_once_is_committed_and_lost() {
         .await
         .expect("fetch")
         .expect("delivery");
-    assert!(r.committed && !r.processed && !r.rewound);
+    assert!(r.acked && !r.processed && !r.rewound);
     assert!(runner.process_one().await.expect("fetch").is_none());
     assert_eq!(store.business_count("invoices"), 0);
 }
@@ -121,16 +122,13 @@ async fn ambiguous_commit_is_redelivered_as_a_duplicate() {
         .await
         .expect("fetch")
         .expect("delivery");
-    assert!(
-        !r.committed && r.rewound,
-        "the runner cannot know it committed"
-    );
+    assert!(!r.acked && r.rewound, "the runner cannot know it committed");
     let again = runner
         .process_one()
         .await
         .expect("fetch")
         .expect("redelivery");
-    assert!(again.duplicate && again.committed);
+    assert!(again.duplicate && again.acked);
     assert_eq!(handler.calls(), 1);
     assert_eq!(store.business_count("invoices"), 1);
 }
@@ -140,7 +138,7 @@ async fn at_most_once_commit_failure_does_not_run_the_handler() {
     let store = MemStore::new();
     let broker = MemBroker::new();
     broker.produce("orders", 0, order("o-1"));
-    broker.fail_next(BrokerFault::Commit, 1);
+    broker.fail_next(BrokerFault::Ack, 1);
     let handler = ScriptedHandler::new([], Act::Succeed);
     let (mut runner, _) = runner(&store, &broker, &handler, AckStrategy::AtMostOnce);
     let r = runner
@@ -148,15 +146,15 @@ async fn at_most_once_commit_failure_does_not_run_the_handler() {
         .await
         .expect("fetch")
         .expect("delivery");
-    assert!(matches!(r.error, Some(ProcessError::Commit(_))));
-    assert!(!r.committed && r.rewound);
+    assert!(matches!(r.error, Some(ProcessError::Ack(_))));
+    assert!(!r.acked && r.rewound);
     assert_eq!(handler.calls(), 0);
     let again = runner
         .process_one()
         .await
         .expect("fetch")
         .expect("redelivery");
-    assert!(again.committed && again.processed);
+    assert!(again.acked && again.processed);
     assert_eq!(handler.calls(), 1);
 }
 
@@ -179,7 +177,7 @@ async fn poison_is_dead_lettered_then_committed() {
         .expect("fetch")
         .expect("delivery");
     assert!(
-        !r.committed && r.rewound,
+        !r.acked && r.rewound,
         "a poison message that cannot be recorded is not dropped"
     );
     let r = runner
@@ -193,7 +191,7 @@ async fn poison_is_dead_lettered_then_committed() {
             found: "array"
         }))
     );
-    assert!(r.committed && !r.processed);
+    assert!(r.acked && !r.processed);
     assert_eq!(handler.calls(), 0);
     let dead = store.dead_letters();
     assert_eq!(dead.len(), 1);
@@ -265,12 +263,12 @@ async fn every_validation_rule_is_refused_before_anything_is_written() {
             "{:?}",
             r.error
         );
-        assert!(r.committed);
+        assert!(r.acked);
     }
     assert_eq!(handler.calls(), 0);
     assert!(store.rows().is_empty(), "no inbox row for bad input");
     assert_eq!(store.dead_letters().len(), n);
-    assert_eq!(broker.committed("billing", "orders", 0), Some(n as i64));
+    assert_eq!(broker.acked("billing", "orders", 0), Some(n as i64));
 }
 
 #[tokio::test(start_paused = true)]
@@ -299,7 +297,7 @@ async fn run_backs_off_on_redelivery_and_stops_on_cancel() {
     // 100 ms + 200 ms + 400 ms of redelivery backoff (virtual time).
     assert!(took >= Duration::from_millis(700), "took {took:?}");
     assert!(took < Duration::from_millis(800), "took {took:?}");
-    assert_eq!(broker.committed("billing", "orders", 0), Some(1));
+    assert_eq!(broker.acked("billing", "orders", 0), Some(1));
 }
 
 #[tokio::test(start_paused = true)]

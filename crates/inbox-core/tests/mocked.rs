@@ -15,7 +15,7 @@ mock! {
     #[async_trait]
     impl Consumer for Source {
         async fn next(&mut self) -> Result<Option<Message>, ConsumerError>;
-        async fn commit(&mut self, message: &Message) -> Result<(), ConsumerError>;
+        async fn ack(&mut self, message: &Message) -> Result<(), ConsumerError>;
         async fn rewind(&mut self, message: &Message) -> Result<(), ConsumerError>;
         fn transactional_ack(&self, message: &Message) -> Option<TxAck>;
         fn acked_in_transaction(&mut self, message: &Message);
@@ -52,7 +52,7 @@ fn runner(
 #[tokio::test]
 async fn exactly_once_failure_rewinds_and_never_commits() {
     let mut consumer = MockSource::new();
-    consumer.expect_commit().never();
+    consumer.expect_ack().never();
     consumer
         .expect_rewind()
         .withf(|m| m.position == Some(Position::new("orders", 0, 7)))
@@ -60,16 +60,16 @@ async fn exactly_once_failure_rewinds_and_never_commits() {
         .returning(|_| Ok(()));
     let mut r = runner(plain(consumer), Act::Fail, AckStrategy::default());
     let result = r.process_message(message()).await;
-    assert!(result.rewound && !result.committed);
+    assert!(result.rewound && !result.acked);
 }
 
 #[tokio::test]
 async fn success_commits_once_and_never_rewinds() {
     let mut consumer = MockSource::new();
-    consumer.expect_commit().times(1).returning(|_| Ok(()));
+    consumer.expect_ack().times(1).returning(|_| Ok(()));
     consumer.expect_rewind().never();
     let mut r = runner(plain(consumer), Act::Succeed, AckStrategy::default());
-    assert!(r.process_message(message()).await.committed);
+    assert!(r.process_message(message()).await.acked);
 }
 
 #[tokio::test]
@@ -77,27 +77,27 @@ async fn at_most_once_commits_before_the_handler_and_not_after() {
     let mut seq = Sequence::new();
     let mut consumer = MockSource::new();
     consumer
-        .expect_commit()
+        .expect_ack()
         .times(1)
         .in_sequence(&mut seq)
         .returning(|_| Ok(()));
     consumer.expect_rewind().never();
     let mut r = runner(plain(consumer), Act::Fail, AckStrategy::AtMostOnce);
     let result = r.process_message(message()).await;
-    assert!(result.committed && !result.processed && !result.rewound);
+    assert!(result.acked && !result.processed && !result.rewound);
 }
 
 #[tokio::test]
 async fn a_failed_rewind_is_reported() {
     let mut consumer = MockSource::new();
-    consumer.expect_commit().never();
+    consumer.expect_ack().never();
     consumer
         .expect_rewind()
         .times(1)
         .returning(|_| Err(ConsumerError::Rewind("broker gone".into())));
     let mut r = runner(plain(consumer), Act::Retry, AckStrategy::default());
     let result = r.process_message(message()).await;
-    assert!(!result.rewound && !result.committed);
+    assert!(!result.rewound && !result.acked);
     assert_eq!(
         result.error,
         Some(inbox_core::ProcessError::Rewind(ConsumerError::Rewind(
@@ -122,7 +122,7 @@ async fn exactly_once_stores_the_ack_in_the_transaction_and_never_calls_commit()
     consumer
         .expect_transactional_ack()
         .returning(move |_| Some(ack(epoch)));
-    consumer.expect_commit().never();
+    consumer.expect_ack().never();
     consumer.expect_rewind().never();
     consumer
         .expect_acked_in_transaction()
@@ -132,7 +132,7 @@ async fn exactly_once_stores_the_ack_in_the_transaction_and_never_calls_commit()
     let handler = ScriptedHandler::new([], Act::Succeed);
     let mut r = Runner::new(store.clone(), consumer, handler, config);
     let result = r.process_message(message()).await;
-    assert!(result.committed && result.processed);
+    assert!(result.acked && result.processed);
     assert_eq!(
         store.acked("billing", "orders", 0),
         Some(8),
@@ -150,7 +150,7 @@ async fn a_stale_epoch_rolls_the_effect_back_and_fences_the_partition() {
     consumer
         .expect_transactional_ack()
         .returning(move |_| Some(ack(old)));
-    consumer.expect_commit().never();
+    consumer.expect_ack().never();
     consumer.expect_rewind().never();
     consumer.expect_acked_in_transaction().never();
     consumer.expect_fenced().times(1).return_const(());
@@ -158,7 +158,7 @@ async fn a_stale_epoch_rolls_the_effect_back_and_fences_the_partition() {
     let handler = ScriptedHandler::new([], Act::Succeed);
     let mut r = Runner::new(store.clone(), consumer, handler.clone(), config);
     let result = r.process_message(message()).await;
-    assert!(!result.committed && !result.processed && !result.rewound);
+    assert!(!result.acked && !result.processed && !result.rewound);
     assert_eq!(handler.calls(), 1);
     assert_eq!(
         store.business_count("invoices"),
@@ -177,7 +177,7 @@ async fn poison_is_dead_lettered_with_its_ack_in_one_transaction() {
     consumer
         .expect_transactional_ack()
         .returning(move |_| Some(ack(epoch)));
-    consumer.expect_commit().never();
+    consumer.expect_ack().never();
     consumer
         .expect_acked_in_transaction()
         .times(1)
@@ -188,7 +188,7 @@ async fn poison_is_dead_lettered_with_its_ack_in_one_transaction() {
     let mut poison = message();
     poison.payload = serde_json::json!("not an object");
     let result = r.process_message(poison).await;
-    assert!(result.committed);
+    assert!(result.acked);
     assert_eq!(handler.calls(), 0);
     assert_eq!(store.dead_letters().len(), 1);
     assert_eq!(store.acked("billing", "orders", 0), Some(8));

@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use inbox_core::decision::{self, CommitPoint, RowAfter, RowState, Tally, TxAction};
+use inbox_core::decision::{self, AckPoint, Policy, RowAfter, RowState, Tally, TxAction};
 use inbox_core::{
     AckPolicy, AckStrategy, CountingMetrics, Message, OutcomeClass, Runner, RunnerConfig,
 };
@@ -32,32 +32,36 @@ fn outcome() -> impl Strategy<Value = OutcomeClass> {
 
 /// SPEC, read cell by cell: (commit point, rewind) when the message still
 /// has to be handled (a handler failure, or a row held elsewhere).
-fn spec_unsettled(s: AckStrategy, is_failure: bool) -> (CommitPoint, bool) {
+fn spec_unsettled(s: AckStrategy, is_failure: bool) -> (AckPoint, bool) {
     match s {
-        AckStrategy::AtMostOnce => (CommitPoint::Before, false),
+        AckStrategy::AtMostOnce => (AckPoint::BeforeTx, false),
         AckStrategy::AtLeastOnce {
             policy: AckPolicy::OnPersist,
-        } => (CommitPoint::After, false),
+        } => (AckPoint::AfterTx, false),
         AckStrategy::AtLeastOnce {
             policy: AckPolicy::OnSuccess,
-        } => (CommitPoint::Never, true),
+        } => (AckPoint::Never, true),
         AckStrategy::ExactlyOnceInbox { commit_on_failed } if is_failure && commit_on_failed => {
-            (CommitPoint::After, false)
+            (AckPoint::AfterTx, false)
         }
-        AckStrategy::ExactlyOnceInbox { .. } => (CommitPoint::Never, true),
+        AckStrategy::ExactlyOnceInbox { .. } => (AckPoint::Never, true),
     }
 }
 
 proptest! {
     #[test]
-    fn decision_matches_spec(s in strategy(), has_handler in any::<bool>(), row in row_state(), o in outcome()) {
-        let d = decision::decide(s, has_handler, row, o);
-        let runs = has_handler && matches!(row, RowState::New | RowState::PendingUnlocked);
+    fn decision_matches_spec(s in strategy(), has_handler in any::<bool>(), tx_acks in any::<bool>(), row in row_state(), o in outcome()) {
+        let d = decision::decide(Policy::new(s).with_handler(has_handler).with_tx_acks(tx_acks), row, o);
+        let runs = has_handler && matches!(row, RowState::New | RowState::PendingLockedHere);
         prop_assert_eq!(d.handler_ran, runs);
         let failed = runs && o == OutcomeClass::Failure;
         prop_assert_eq!(d.transaction == TxAction::Rollback, failed);
         prop_assert_eq!(d.processed, runs && o == OutcomeClass::Success);
-        let settled = if s == AckStrategy::AtMostOnce { CommitPoint::Before } else { CommitPoint::After };
+        let settled = match s {
+            AckStrategy::AtMostOnce => AckPoint::BeforeTx,
+            AckStrategy::ExactlyOnceInbox { .. } if tx_acks => AckPoint::InTx,
+            _ => AckPoint::AfterTx,
+        };
         let (commit, rewind) = if failed {
             spec_unsettled(s, true)
         } else if has_handler && row == RowState::PendingLockedElsewhere {
@@ -65,11 +69,11 @@ proptest! {
         } else {
             (settled, false)
         };
-        prop_assert_eq!((d.commit, d.rewind), (commit, rewind));
+        prop_assert_eq!((d.ack, d.rewind), (commit, rewind));
         // A message is rewound exactly when it is not committed.
-        prop_assert_eq!(d.rewind, d.commit == CommitPoint::Never);
+        prop_assert_eq!(d.rewind, d.ack == AckPoint::Never);
         let duplicate = row == RowState::Completed
-            || (!has_handler && matches!(row, RowState::PendingUnlocked | RowState::PendingLockedElsewhere));
+            || (!has_handler && matches!(row, RowState::PendingLockedHere | RowState::PendingLockedElsewhere));
         prop_assert_eq!(d.duplicate, duplicate);
         let row_after = match (runs, o, row, has_handler) {
             (true, OutcomeClass::Failure, RowState::New, _) => RowAfter::Absent,
@@ -79,6 +83,8 @@ proptest! {
             _ => RowAfter::AsBefore,
         };
         prop_assert_eq!(d.row_after, row_after);
+        // only an existing row needs the completion written: a new one is inserted completed
+        prop_assert_eq!(d.write_completion, row_after == RowAfter::Completed && row != RowState::New);
         let tally = match (runs, o, row) {
             (true, OutcomeClass::Success, _) => Tally::Processed,
             (true, OutcomeClass::Skip, _) => Tally::Skipped,
@@ -176,12 +182,12 @@ fn simulate(strategy: AckStrategy, ids: Vec<(u8, i32)>, acts: Vec<Act>, steps: V
                 Step::Crash => runner = make(&broker),
                 Step::FailTxCommit => store.fail_next(StoreFault::Commit, 1),
                 Step::AmbiguousTxCommit => store.fail_next(StoreFault::CommitLostAfterApply, 1),
-                Step::CrashAtBrokerCommit => broker.fail_next(BrokerFault::CrashOnCommit, 1),
+                Step::CrashAtBrokerCommit => broker.fail_next(BrokerFault::CrashOnAck, 1),
                 Step::Deliver => match runner.process_one().await {
                     Ok(Some(r)) => {
                         if matches!(
                             r.error,
-                            Some(inbox_core::ProcessError::Commit(
+                            Some(inbox_core::ProcessError::Ack(
                                 inbox_core::ConsumerError::Closed(_)
                             )) | Some(inbox_core::ProcessError::Rewind(
                                 inbox_core::ConsumerError::Closed(_)
@@ -211,7 +217,7 @@ fn simulate(strategy: AckStrategy, ids: Vec<(u8, i32)>, acts: Vec<Act>, steps: V
         }
         let committed_all = per_partition
             .iter()
-            .all(|(p, n)| broker.committed("billing", "orders", *p) == Some(*n));
+            .all(|(p, n)| broker.acked("billing", "orders", *p) == Some(*n));
         let c = metrics.snapshot();
         World {
             ids: produced,

@@ -312,7 +312,7 @@ impl KafkaConsumer {
         Some(message)
     }
 
-    fn ack(&self, message: &Message) -> Option<TxAck> {
+    fn tx_ack(&self, message: &Message) -> Option<TxAck> {
         let index = self.index_of(message)?;
         let p = &self.partitions[index];
         Some(TxAck {
@@ -346,15 +346,15 @@ impl Consumer for KafkaConsumer {
         Ok(None)
     }
 
-    async fn commit(&mut self, message: &Message) -> Result<(), ConsumerError> {
-        let ack = self.ack(message).ok_or_else(|| {
-            ConsumerError::Commit("message is not from this consumer's partitions".into())
+    async fn ack(&mut self, message: &Message) -> Result<(), ConsumerError> {
+        let ack = self.tx_ack(message).ok_or_else(|| {
+            ConsumerError::Ack("message is not from this consumer's partitions".into())
         })?;
         self.store.store_ack(&ack).await.map_err(|e| {
             if e.kind == StoreErrorKind::Fenced {
                 ConsumerError::Fenced(e.cause)
             } else {
-                ConsumerError::Commit(e.to_string())
+                ConsumerError::Ack(e.to_string())
             }
         })
     }
@@ -372,7 +372,7 @@ impl Consumer for KafkaConsumer {
     }
 
     fn transactional_ack(&self, message: &Message) -> Option<TxAck> {
-        self.ack(message)
+        self.tx_ack(message)
     }
 
     fn fenced(&mut self, message: &Message) {

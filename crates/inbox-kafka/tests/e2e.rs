@@ -47,7 +47,7 @@ async fn handler_retry_four_deliveries() {
             .unwrap_or_else(|| panic!("no delivery"))
     };
     let d1 = next(&mut runner).await;
-    assert_eq!((d1.committed, d1.processed), (false, false));
+    assert_eq!((d1.acked, d1.processed), (false, false));
     assert_eq!(handler.calls(), 1);
     assert_eq!(env.invoices("order-1").await, 0);
     assert_eq!(inbox_state(&env, "order-1", g).await, None);
@@ -55,7 +55,7 @@ async fn handler_retry_four_deliveries() {
 
     let d2 = next(&mut runner).await;
     assert_eq!(d2.position, d1.position, "the rewound record comes again");
-    assert_eq!((d2.committed, d2.processed), (true, true));
+    assert_eq!((d2.acked, d2.processed), (true, true));
     assert_eq!(handler.calls(), 2);
     assert_eq!(env.invoices("order-1").await, 1);
     assert_eq!(
@@ -65,10 +65,7 @@ async fn handler_retry_four_deliveries() {
     assert_eq!(env.stored_offset(g, 0).await, Some(1));
 
     let d3 = next(&mut runner).await;
-    assert_eq!(
-        (d3.committed, d3.processed, d3.duplicate),
-        (true, false, true)
-    );
+    assert_eq!((d3.acked, d3.processed, d3.duplicate), (true, false, true));
     assert_eq!(handler.calls(), 2);
     assert_eq!(env.invoices("order-1").await, 1);
     assert_eq!(env.stored_offset(g, 0).await, Some(2));
@@ -81,10 +78,7 @@ async fn handler_retry_four_deliveries() {
     assert_eq!(released, 0);
 
     let d4 = next(&mut runner).await;
-    assert_eq!(
-        (d4.committed, d4.processed, d4.duplicate),
-        (true, false, true)
-    );
+    assert_eq!((d4.acked, d4.processed, d4.duplicate), (true, false, true));
     assert_eq!(handler.calls(), 2);
     assert_eq!(env.invoices("order-1").await, 1);
     assert_eq!(
@@ -107,8 +101,8 @@ async fn handler_skipped() {
     );
     let results = drain(&mut runner).await;
     assert_eq!(results.len(), 2);
-    assert!(results[0].committed && !results[0].processed && !results[0].duplicate);
-    assert!(results[1].committed && results[1].duplicate);
+    assert!(results[0].acked && !results[0].processed && !results[0].duplicate);
+    assert!(results[1].acked && results[1].duplicate);
     assert_eq!(handler.calls(), 1);
     assert_eq!(
         inbox_state(&env, "order-2", "billing").await,
@@ -244,7 +238,7 @@ async fn a_crash_at_each_step_leaves_exactly_one_effect() {
                 .await
                 .expect("fetch")
                 .expect("delivery");
-            assert!(r.processed && r.committed);
+            assert!(r.processed && r.acked);
         }
         match crash {
             Crash::At(fault) => {
@@ -254,7 +248,7 @@ async fn a_crash_at_each_step_leaves_exactly_one_effect() {
                     .await
                     .expect("fetch")
                     .expect("delivery");
-                assert!(!r.committed, "{crash:?}");
+                assert!(!r.acked, "{crash:?}");
             }
             Crash::DuringHandler => {
                 let cut =
@@ -307,10 +301,7 @@ async fn two_consumers_on_one_partition_never_both_commit_an_effect() {
             config("billing", strategy),
         );
         let r = a.process_one().await.expect("fetch").expect("delivery");
-        assert!(
-            !r.committed,
-            "{strategy:?}: the stale owner cannot acknowledge"
-        );
+        assert!(!r.acked, "{strategy:?}: the stale owner cannot acknowledge");
         match (&r.error, strategy) {
             (Some(ProcessError::Persist(e)), AckStrategy::ExactlyOnceInbox { .. }) => {
                 assert_eq!(
@@ -322,7 +313,7 @@ async fn two_consumers_on_one_partition_never_both_commit_an_effect() {
                     "its transaction failed: the effect rolled back"
                 );
             }
-            (Some(ProcessError::Commit(inbox_core::ConsumerError::Fenced(_))), _) => {}
+            (Some(ProcessError::Ack(inbox_core::ConsumerError::Fenced(_))), _) => {}
             other => panic!("{strategy:?}: expected fencing, got {other:?}"),
         }
         assert_eq!(

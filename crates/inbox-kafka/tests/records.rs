@@ -101,7 +101,7 @@ async fn poison_records_are_dead_lettered_and_the_partition_goes_on() {
         .map(|r| r.message_id.as_str())
         .collect();
     assert_eq!(poison.len(), 6, "{poison:?}");
-    assert!(results.iter().all(|r| r.committed));
+    assert!(results.iter().all(|r| r.acked));
     assert_eq!(handler.calls(), 3);
     for id in ["good-1", "good-2", "good-3"] {
         assert_eq!(env.invoices(id).await, 1);

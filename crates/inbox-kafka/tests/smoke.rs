@@ -23,7 +23,7 @@ async fn consumes_batches_in_order_and_stores_offsets_with_effects() {
     let results = common::drain(&mut runner).await;
     let seen: Vec<&str> = results.iter().map(|r| r.message_id.as_str()).collect();
     assert_eq!(seen, refs);
-    assert!(results.iter().all(|r| r.processed && r.committed));
+    assert!(results.iter().all(|r| r.processed && r.acked));
     assert_eq!(env.total_invoices().await, 10);
     assert_eq!(env.stored_offset("billing", 0).await, Some(10));
 }

@@ -61,7 +61,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     while let Some(r) = runner.process_one().await? {
         println!(
             "{}: processed={} duplicate={} committed={}",
-            r.message_id, r.processed, r.duplicate, r.committed
+            r.message_id, r.processed, r.duplicate, r.acked
         );
     }
     Ok(())

@@ -21,6 +21,7 @@ use crate::schema::{TableName, create_statements};
 #[derive(Debug)]
 struct Sql {
     insert_or_get: String,
+    insert_or_get_many: String,
     get: String,
     lock: String,
     complete: String,
@@ -42,14 +43,41 @@ impl Sql {
             // nothing; `get` then reads it with a fresh snapshot.
             insert_or_get: format!(
                 "WITH ins AS (
-                    INSERT INTO {q} (message_id, consumer_group, source, event_type, payload, max_attempts)
-                    VALUES ($1, $2, $3, $4, $5, $6)
+                    INSERT INTO {q} (message_id, consumer_group, source, event_type, payload, max_attempts,
+                                     status, completed_at)
+                    VALUES ($1, $2, $3, $4, $5, $6, $7, CASE WHEN $7 = 'completed' THEN now() END)
                     ON CONFLICT (message_id, consumer_group) DO NOTHING
                     RETURNING id, status)
                  SELECT id, status, TRUE AS inserted FROM ins
                  UNION ALL
                  SELECT id, status, FALSE FROM {q}
                   WHERE message_id = $1 AND consumer_group = $2 AND NOT EXISTS (SELECT 1 FROM ins)"
+            ),
+            // The same for many rows in one round trip: the rows arrive as
+            // one JSON array (no array binding needed), keep their order
+            // (`ord`), and each comes back inserted or found. A key whose
+            // row a concurrent transaction committed while we waited is
+            // invisible to this snapshot and comes back with a NULL id: it
+            // is read again with `get`.
+            insert_or_get_many: format!(
+                "WITH input AS (
+                    SELECT e.ord, e.v->>'m' AS message_id, e.v->>'s' AS source, e.v->>'e' AS event_type,
+                           e.v->'p' AS payload, (e.v->>'a')::int AS max_attempts, e.v->>'t' AS status
+                      FROM jsonb_array_elements($1::jsonb) WITH ORDINALITY AS e(v, ord)),
+                 ins AS (
+                    INSERT INTO {q} (message_id, consumer_group, source, event_type, payload, max_attempts,
+                                     status, completed_at)
+                    SELECT message_id, $2, source, event_type, payload, max_attempts, status,
+                           CASE WHEN status = 'completed' THEN now() END
+                      FROM input ORDER BY ord
+                    ON CONFLICT (message_id, consumer_group) DO NOTHING
+                    RETURNING id, message_id, status)
+                 SELECT i.ord, COALESCE(ins.id, t.id) AS id, COALESCE(ins.status, t.status) AS status,
+                        ins.id IS NOT NULL AS inserted
+                   FROM input i
+                   LEFT JOIN ins ON ins.message_id = i.message_id
+                   LEFT JOIN {q} t ON ins.id IS NULL AND t.message_id = i.message_id AND t.consumer_group = $2
+                  ORDER BY i.ord"
             ),
             get: format!(
                 "SELECT id, status, FALSE AS inserted FROM {q} WHERE message_id = $1 AND consumer_group = $2"
@@ -297,6 +325,7 @@ impl InboxTransaction for PgTx {
                     row.event_type.clone().into(),
                     row.payload.clone().into(),
                     row.max_attempts.into(),
+                    row.status.as_str().into(),
                 ],
             ))
             .await
@@ -304,24 +333,60 @@ impl InboxTransaction for PgTx {
         if let Some(found) = found {
             return row_ref(&found);
         }
-        let again = self
+        self.get_again(row).await
+    }
+
+    async fn insert_or_get_many(
+        &mut self,
+        rows: &[NewInboxRow],
+    ) -> Result<Vec<RowRef>, StoreError> {
+        let Some(first) = rows.first() else {
+            return Ok(Vec::new());
+        };
+        if rows
+            .iter()
+            .any(|r| r.consumer_group != first.consumer_group)
+        {
+            return Err(StoreError::new(
+                StoreErrorKind::Other,
+                "insert_or_get_many takes rows of one consumer group",
+            ));
+        }
+        let input: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|r| {
+                serde_json::json!({
+                    "m": r.message_id, "s": r.source, "e": r.event_type,
+                    "p": r.payload, "a": r.max_attempts, "t": r.status.as_str(),
+                })
+            })
+            .collect();
+        let found = self
             .tx
-            .query_one_raw(stmt(
-                &self.sql.get,
+            .query_all_raw(stmt(
+                &self.sql.insert_or_get_many,
                 vec![
-                    row.message_id.clone().into(),
-                    row.consumer_group.clone().into(),
+                    serde_json::Value::Array(input).into(),
+                    first.consumer_group.clone().into(),
                 ],
             ))
             .await
-            .map_err(db)?
-            .ok_or_else(|| {
-                StoreError::new(
-                    StoreErrorKind::Serialization,
-                    "inbox row vanished between insert and read; retry",
-                )
-            })?;
-        row_ref(&again)
+            .map_err(db)?;
+        if found.len() != rows.len() {
+            return Err(StoreError::new(
+                StoreErrorKind::Other,
+                format!("{} rows in, {} rows out", rows.len(), found.len()),
+            ));
+        }
+        let mut refs = Vec::with_capacity(rows.len());
+        for (row, result) in rows.iter().zip(&found) {
+            let id: Option<i64> = get(result, "id")?;
+            refs.push(match id {
+                Some(_) => row_ref(result)?,
+                None => self.get_again(row).await?,
+            });
+        }
+        Ok(refs)
     }
 
     async fn lock(&mut self, id: RowId, _worker: &WorkerId) -> Result<LockResult, StoreError> {
@@ -389,6 +454,31 @@ impl InboxTransaction for PgTx {
 
     async fn store_ack(&mut self, ack: &TxAck) -> Result<(), StoreError> {
         write_ack(&self.tx, &self.sql.store_ack, ack).await
+    }
+}
+
+impl PgTx {
+    /// Reads a row that insert-or-get could not see (a concurrent
+    /// transaction committed it while this one waited on its key).
+    async fn get_again(&self, row: &NewInboxRow) -> Result<RowRef, StoreError> {
+        let again = self
+            .tx
+            .query_one_raw(stmt(
+                &self.sql.get,
+                vec![
+                    row.message_id.clone().into(),
+                    row.consumer_group.clone().into(),
+                ],
+            ))
+            .await
+            .map_err(db)?
+            .ok_or_else(|| {
+                StoreError::new(
+                    StoreErrorKind::Serialization,
+                    "inbox row vanished between insert and read; retry",
+                )
+            })?;
+        row_ref(&again)
     }
 }
 

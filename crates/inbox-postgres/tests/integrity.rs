@@ -110,8 +110,8 @@ async fn two_runners_racing_on_one_message_have_one_effect() {
         .expect("join")
         .expect("fetch")
         .expect("delivery");
-    assert!(ra.processed && ra.committed, "{ra:?}");
-    assert!(rb.duplicate && rb.committed && !rb.processed, "{rb:?}");
+    assert!(ra.processed && ra.acked, "{ra:?}");
+    assert!(rb.duplicate && rb.acked && !rb.processed, "{rb:?}");
     assert_eq!(
         handler.calls.load(Ordering::SeqCst),
         1,
@@ -144,7 +144,7 @@ async fn a_handler_that_writes_then_fails_leaves_nothing() {
         .await
         .expect("fetch")
         .expect("delivery");
-    assert!(!r.processed && !r.committed && r.rewound);
+    assert!(!r.processed && !r.acked && r.rewound);
     assert_eq!(handler.calls(), 1);
     // Read back from another connection (a second pool on the same database).
     let other = PgStore::new(store.connection().clone(), TableName::default());
@@ -252,7 +252,7 @@ async fn bad_input_is_refused_before_anything_is_written() {
             .expect("fetch")
             .expect("delivery");
         assert_eq!(r.error, Some(ProcessError::Invalid(expected)));
-        assert!(r.committed, "poison is committed after its dead letter");
+        assert!(r.acked, "poison is committed after its dead letter");
     }
     assert_eq!(handler.calls(), 0);
     assert_eq!(
@@ -347,7 +347,7 @@ async fn a_configured_schema_and_table_are_used() {
         .await
         .expect("fetch")
         .expect("delivery");
-    assert!(r.committed);
+    assert!(r.acked);
     let n = count(&store, "SELECT count(*) FROM billing.my_inbox", vec![])
         .await
         .expect("count");

@@ -16,11 +16,11 @@ use inbox_core::{Consumer, ConsumerError, Message, Position};
 /// A named point where a consumer can be made to fail.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum BrokerFault {
-    /// `commit` fails; nothing is stored; the consumer lives on.
-    Commit,
-    /// The consumer crashes at its next `commit`: nothing is stored and
+    /// `ack` fails; nothing is stored; the consumer lives on.
+    Ack,
+    /// The consumer crashes at its next `ack`: nothing is stored and
     /// every later call fails with [`ConsumerError::Closed`].
-    CrashOnCommit,
+    CrashOnAck,
     /// `rewind` fails.
     Rewind,
     /// `next` fails.
@@ -43,7 +43,7 @@ pub struct CommitRecord {
 #[derive(Debug, Default)]
 struct State {
     topics: BTreeMap<String, Vec<Vec<Message>>>,
-    committed: HashMap<(String, String, i32), i64>,
+    acked: HashMap<(String, String, i32), i64>,
     commit_log: Vec<CommitRecord>,
     faults: HashMap<BrokerFault, u32>,
     deliveries: u64,
@@ -118,9 +118,9 @@ impl MemBroker {
     }
 
     /// The committed next offset of `group` on `topic`/`partition`.
-    pub fn committed(&self, group: &str, topic: &str, partition: i32) -> Option<i64> {
+    pub fn acked(&self, group: &str, topic: &str, partition: i32) -> Option<i64> {
         self.state()
-            .committed
+            .acked
             .get(&(group.to_owned(), topic.to_owned(), partition))
             .copied()
     }
@@ -144,7 +144,7 @@ impl MemBroker {
             for (p, log) in parts.iter().enumerate() {
                 let p = i32::try_from(p).unwrap_or(i32::MAX);
                 let next = s
-                    .committed
+                    .acked
                     .get(&(group.to_owned(), topic.clone(), p))
                     .copied()
                     .unwrap_or(0);
@@ -180,7 +180,7 @@ impl MemConsumer {
         message
             .position
             .as_ref()
-            .ok_or_else(|| ConsumerError::Commit("message has no position".to_owned()))
+            .ok_or_else(|| ConsumerError::Ack("message has no position".to_owned()))
     }
 }
 
@@ -212,7 +212,7 @@ impl Consumer for MemConsumer {
             let position = match self.positions.get(&key) {
                 Some(p) => *p,
                 None => s
-                    .committed
+                    .acked
                     .get(&(self.group.clone(), topic.clone(), *partition))
                     .copied()
                     .unwrap_or(0),
@@ -230,20 +230,20 @@ impl Consumer for MemConsumer {
         Ok(None)
     }
 
-    async fn commit(&mut self, message: &Message) -> Result<(), ConsumerError> {
+    async fn ack(&mut self, message: &Message) -> Result<(), ConsumerError> {
         self.check_open()?;
         let position = Self::position_of(message)?;
         let broker = self.broker.clone();
         let mut s = broker.state();
-        if s.take_fault(BrokerFault::CrashOnCommit) {
+        if s.take_fault(BrokerFault::CrashOnAck) {
             self.closed = true;
             return Err(ConsumerError::Closed("crashed at commit".to_owned()));
         }
-        if s.take_fault(BrokerFault::Commit) {
-            return Err(ConsumerError::Commit("injected fault".to_owned()));
+        if s.take_fault(BrokerFault::Ack) {
+            return Err(ConsumerError::Ack("injected fault".to_owned()));
         }
         let next_offset = position.offset + 1;
-        s.committed.insert(
+        s.acked.insert(
             (
                 self.group.clone(),
                 position.topic.clone(),

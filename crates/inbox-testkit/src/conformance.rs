@@ -93,6 +93,7 @@ where
             event_type: "conformance.checked".to_owned(),
             payload: json!({ "check": name }),
             max_attempts: 3,
+            status: InboxStatus::Pending,
         }
     }
 

@@ -23,7 +23,7 @@
 //! drop(first); // crashed before committing
 //! let mut second = broker.consumer("billing");
 //! assert_eq!(second.next().await.unwrap().unwrap(), m, "redelivered");
-//! second.commit(&m).await.unwrap();
+//! second.ack(&m).await.unwrap();
 //! assert!(broker.consumer("billing").next().await.unwrap().is_none());
 //! # });
 //! ```

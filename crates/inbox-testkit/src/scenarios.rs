@@ -257,17 +257,17 @@ where
 
     // delivery 1: committed=False processed=False handler_calls=1 invoices=0 inbox=None
     let d1 = next(&mut runner).await;
-    assert_eq!((d1.committed, d1.processed), (false, false), "delivery 1");
+    assert_eq!((d1.acked, d1.processed), (false, false), "delivery 1");
     assert!(d1.rewound, "delivery 1 is rewound");
     assert_eq!(handler.calls(), 1);
     assert_eq!(store.invoices("order-1").await, 0);
     assert_eq!(inbox_state(&store, "order-1", group).await, None);
-    assert_eq!(broker.committed(group, "orders", 0), None);
+    assert_eq!(broker.acked(group, "orders", 0), None);
 
     // delivery 2: committed=True processed=True handler_calls=2 invoices=1 inbox=(completed, None)
     let d2 = next(&mut runner).await;
     assert_eq!(d2.position, d1.position, "the rewound message comes again");
-    assert_eq!((d2.committed, d2.processed), (true, true), "delivery 2");
+    assert_eq!((d2.acked, d2.processed), (true, true), "delivery 2");
     assert_eq!(handler.calls(), 2);
     assert_eq!(store.invoices("order-1").await, 1);
     assert_eq!(
@@ -277,10 +277,7 @@ where
 
     // delivery 3: committed=True processed=False handler_calls=2 invoices=1 inbox=(completed, None)
     let d3 = next(&mut runner).await;
-    assert_eq!(
-        (d3.committed, d3.processed, d3.duplicate),
-        (true, false, true)
-    );
+    assert_eq!((d3.acked, d3.processed, d3.duplicate), (true, false, true));
     assert_eq!(handler.calls(), 2);
     assert_eq!(store.invoices("order-1").await, 1);
     assert_eq!(
@@ -297,23 +294,20 @@ where
 
     // delivery 4: as delivery 3
     let d4 = next(&mut runner).await;
-    assert_eq!(
-        (d4.committed, d4.processed, d4.duplicate),
-        (true, false, true)
-    );
+    assert_eq!((d4.acked, d4.processed, d4.duplicate), (true, false, true));
     assert_eq!(handler.calls(), 2);
     assert_eq!(store.invoices("order-1").await, 1);
     assert_eq!(
         inbox_state(&store, "order-1", group).await,
         Some((InboxStatus::Completed, None))
     );
-    assert_eq!(broker.committed(group, "orders", 0), Some(3));
+    assert_eq!(broker.acked(group, "orders", 0), Some(3));
 
     let c = metrics.snapshot();
     assert_eq!(c.consumed, 4);
     assert_eq!((c.failed, c.processed, c.duplicate), (1, 1, 2));
     assert_eq!(c.tallied(), c.consumed, "one counter per delivery");
-    assert_eq!((c.committed, c.rewound, c.handler_runs), (3, 1, 2));
+    assert_eq!((c.acked, c.rewound, c.handler_runs), (3, 1, 2));
 }
 
 /// The design note's `handler_skipped` scenario: after the first delivery
@@ -332,10 +326,7 @@ where
     let (mut runner, metrics) =
         runner_for(&store, &broker, group, &handler, AckStrategy::default());
     let d1 = next(&mut runner).await;
-    assert_eq!(
-        (d1.committed, d1.processed, d1.duplicate),
-        (true, false, false)
-    );
+    assert_eq!((d1.acked, d1.processed, d1.duplicate), (true, false, false));
     assert_eq!(d1.outcome, Some(inbox_core::Outcome::Skipped));
     let r = row(&store, "order-2", group)
         .await
@@ -349,16 +340,10 @@ where
         "a skip commits the transaction (the handler's writes stay)"
     );
     let d2 = next(&mut runner).await;
-    assert_eq!(
-        (d2.committed, d2.processed, d2.duplicate),
-        (true, false, true)
-    );
+    assert_eq!((d2.acked, d2.processed, d2.duplicate), (true, false, true));
     assert_eq!(handler.calls(), 1);
     let c = metrics.snapshot();
-    assert_eq!(
-        (c.consumed, c.skipped, c.duplicate, c.committed),
-        (2, 1, 1, 2)
-    );
+    assert_eq!((c.consumed, c.skipped, c.duplicate, c.acked), (2, 1, 1, 2));
 }
 
 /// What [`write_then_fail`] saw for one strategy.
@@ -394,7 +379,7 @@ where
     let mut redelivered = false;
     while let Some(r) = fresh.process_one().await.unwrap_or_else(|e| panic!("{e}")) {
         redelivered = true;
-        assert!(r.processed && r.committed);
+        assert!(r.processed && r.acked);
     }
     FailureStory {
         redelivered,
@@ -473,11 +458,11 @@ where
     let (mut runner, _) = runner_for(&store, &broker, group, &handler, AckStrategy::default());
     let d1 = next(&mut runner).await;
     assert_eq!(d1.message_id, "order-n");
-    assert!(!d1.committed && d1.rewound);
+    assert!(!d1.acked && d1.rewound);
     assert!(broker.commit_log().is_empty(), "nothing acknowledged yet");
     let d2 = next(&mut runner).await;
     assert_eq!(d2.message_id, "order-n", "N again before N+1");
-    assert!(d2.processed && d2.committed);
+    assert!(d2.processed && d2.acked);
     let d3 = next(&mut runner).await;
     assert_eq!(d3.message_id, "order-n1");
     let offsets: Vec<i64> = broker.commit_log().iter().map(|c| c.next_offset).collect();
@@ -512,19 +497,16 @@ where
         )
         .with_metrics(metrics.clone());
         let d1 = next(&mut runner).await;
-        assert!(
-            d1.committed && !d1.processed && !d1.duplicate,
-            "{strategy:?}"
-        );
+        assert!(d1.acked && !d1.processed && !d1.duplicate, "{strategy:?}");
         let r = row(&store, "order-4", &group)
             .await
             .unwrap_or_else(|| panic!("not landed"));
         assert_eq!(r.status, InboxStatus::Pending);
         assert!(r.locked_by.is_none());
         let d2 = next(&mut runner).await;
-        assert!(d2.committed && d2.duplicate, "{strategy:?}");
+        assert!(d2.acked && d2.duplicate, "{strategy:?}");
         let c = metrics.snapshot();
-        assert_eq!((c.landed, c.duplicate, c.committed), (1, 1, 2));
+        assert_eq!((c.landed, c.duplicate, c.acked), (1, 1, 2));
     }
 }
 
@@ -543,7 +525,7 @@ where
     let handler = ScriptedHandler::new([], Act::Succeed);
     let (mut runner, _) = runner_for(&store, &broker, group, &handler, AckStrategy::default());
     let d = next(&mut runner).await;
-    assert!(d.processed && d.committed && !d.duplicate);
+    assert!(d.processed && d.acked && !d.duplicate);
     assert_eq!(handler.calls(), 1);
     let r = row(&store, "order-5", group)
         .await
@@ -590,7 +572,7 @@ where
         let d = next(&mut runner).await;
         assert_eq!(handler.calls(), 0, "{strategy:?}: handler must not run");
         assert!(!d.processed && !d.duplicate);
-        assert_eq!(d.committed, committed, "{strategy:?}");
+        assert_eq!(d.acked, committed, "{strategy:?}");
         assert_eq!(d.rewound, !committed, "{strategy:?}");
         if !committed {
             let again = next(&mut runner).await;
@@ -603,7 +585,7 @@ where
                 .unwrap_or_else(|e| panic!("{e}"));
             assert!(released >= 1);
             let handled = next(&mut runner).await;
-            assert!(handled.processed && handled.committed, "{strategy:?}");
+            assert!(handled.processed && handled.acked, "{strategy:?}");
             assert_eq!(handler.calls(), 1);
             assert_eq!(store.invoices(&id).await, 1);
         }
@@ -627,7 +609,7 @@ where
         runner_for(&store, &broker, group, &handler, AckStrategy::default());
     let d = next(&mut runner).await;
     assert_eq!(handler.calls(), 0);
-    assert!(d.committed && !d.processed && !d.duplicate);
+    assert!(d.acked && !d.processed && !d.duplicate);
     assert_eq!(d.decision.tally, inbox_core::decision::Tally::Terminal);
     assert_eq!(metrics.snapshot().terminal, 1);
     assert_eq!(
@@ -653,7 +635,7 @@ where
         let (mut runner, metrics) =
             runner_for(&store, &broker, group, &handler, AckStrategy::default());
         let d = next(&mut runner).await;
-        assert!(!d.processed && !d.committed && d.rewound, "{act:?}");
+        assert!(!d.processed && !d.acked && d.rewound, "{act:?}");
         assert!(
             matches!(
                 (&d.outcome, act),
@@ -670,7 +652,7 @@ where
         );
         assert_eq!(row(&store, "order-8", group).await, None);
         let d2 = next(&mut runner).await;
-        assert!(d2.processed && d2.committed);
+        assert!(d2.processed && d2.acked);
         let c = metrics.snapshot();
         assert_eq!((c.failed, c.processed, c.consumed), (1, 1, 2), "{act:?}");
     }
@@ -688,19 +670,19 @@ where
     let group = "billing-commit-failure";
     let broker = MemBroker::new();
     broker.produce("orders", 0, order("order-9"));
-    broker.fail_next(crate::BrokerFault::Commit, 1);
+    broker.fail_next(crate::BrokerFault::Ack, 1);
     let handler = ScriptedHandler::new([], Act::Succeed);
     let (mut runner, metrics) =
         runner_for(&store, &broker, group, &handler, AckStrategy::default());
     let d = next(&mut runner).await;
-    assert!(!d.committed);
-    assert!(matches!(d.error, Some(inbox_core::ProcessError::Commit(_))));
+    assert!(!d.acked);
+    assert!(matches!(d.error, Some(inbox_core::ProcessError::Ack(_))));
     assert_eq!(store.invoices("order-9").await, 1);
-    assert_eq!(metrics.snapshot().commit_failed, 1);
+    assert_eq!(metrics.snapshot().ack_failed, 1);
     drop(runner);
     let (mut fresh, _) = runner_for(&store, &broker, group, &handler, AckStrategy::default());
     let again = next(&mut fresh).await;
-    assert!(again.duplicate && again.committed);
+    assert!(again.duplicate && again.acked);
     assert_eq!(handler.calls(), 1);
     assert_eq!(store.invoices("order-9").await, 1);
 }

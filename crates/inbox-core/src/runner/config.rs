@@ -1,0 +1,202 @@
+//! Configuration: the runner's settings and backoff.
+
+use std::time::Duration;
+
+use crate::error::ValidationError;
+use crate::model::{DEFAULT_MAX_ATTEMPTS, WorkerId};
+use crate::strategy::AckStrategy;
+
+/// Exponential backoff: `initial * factor^(n-1)`, at most `max`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Backoff {
+    /// Delay after the first failure.
+    pub initial: Duration,
+    /// Largest delay.
+    pub max: Duration,
+    /// Growth per consecutive failure (at least 1).
+    pub factor: f64,
+}
+
+impl Backoff {
+    /// The delay after `n` consecutive failures (`n = 0` gives zero).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use inbox_core::Backoff;
+    /// let b = Backoff { initial: Duration::from_millis(100), max: Duration::from_secs(1), factor: 2.0 };
+    /// assert_eq!(b.delay(0), Duration::ZERO);
+    /// assert_eq!(b.delay(1), Duration::from_millis(100));
+    /// assert_eq!(b.delay(3), Duration::from_millis(400));
+    /// assert_eq!(b.delay(30), Duration::from_secs(1));
+    /// ```
+    pub fn delay(&self, n: u32) -> Duration {
+        if n == 0 {
+            return Duration::ZERO;
+        }
+        let exp = i32::try_from(n - 1).unwrap_or(i32::MAX);
+        let secs = self.initial.as_secs_f64() * self.factor.max(1.0).powi(exp);
+        if !secs.is_finite() || secs >= self.max.as_secs_f64() {
+            self.max
+        } else {
+            Duration::from_secs_f64(secs)
+        }
+    }
+}
+
+/// How the runner behaves. [`RunnerConfig::new`] validates the consumer group
+/// and the worker id and sets sensible defaults.
+#[derive(Debug, Clone)]
+pub struct RunnerConfig {
+    /// Consumer group: part of the deduplication key.
+    pub consumer_group: String,
+    /// Who this runner is (written to `locked_by` when it locks a row).
+    pub worker_id: WorkerId,
+    /// When messages are committed.
+    pub strategy: AckStrategy,
+    /// The longest a handler may run before it counts as failed. Default 30 s.
+    pub handler_timeout: Duration,
+    /// Attempt budget written to new rows (batch processor only). Default 5.
+    pub max_attempts: i32,
+    /// Backoff after consecutive storage or fetch failures.
+    pub store_backoff: Backoff,
+    /// Backoff before a rewound message is delivered again, growing with each
+    /// consecutive failure of the same message.
+    pub redelivery_backoff: Backoff,
+    /// How long to wait when the consumer has nothing. Default 50 ms.
+    pub idle_poll: Duration,
+    /// Batched mode: many messages in one transaction. `None` (the
+    /// default): one transaction per message.
+    pub batch: Option<BatchConfig>,
+}
+
+/// How a batched runner gathers a batch: up to `max_messages` messages the
+/// consumer has ready, stopping early at `max_bytes` of payload or when
+/// `max_wait` has passed since the first one.
+///
+/// ```
+/// use inbox_core::{BatchConfig, RunnerConfig};
+/// let config = RunnerConfig::new("billing", "worker-1").unwrap().batched(BatchConfig::new(100));
+/// assert_eq!(config.batch.map(|b| b.max_messages), Some(100));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchConfig {
+    /// Most messages in one transaction (at least 1).
+    pub max_messages: usize,
+    /// Most payload bytes in one transaction (a single larger message is
+    /// still taken alone).
+    pub max_bytes: usize,
+    /// Longest wait for more messages once the first one is in hand.
+    pub max_wait: Duration,
+}
+
+impl BatchConfig {
+    /// Batches of up to `max_messages` (at least 1), 4 MiB, 5 ms.
+    pub fn new(max_messages: usize) -> Self {
+        Self {
+            max_messages: max_messages.max(1),
+            max_bytes: 4 * 1024 * 1024,
+            max_wait: Duration::from_millis(5),
+        }
+    }
+}
+
+impl RunnerConfig {
+    /// A configuration with defaults, after validating the consumer group and
+    /// the worker id.
+    ///
+    /// # Errors
+    ///
+    /// A [`ValidationError`] for an empty or over-long group, or a bad worker id.
+    pub fn new(
+        consumer_group: impl Into<String>,
+        worker_id: impl Into<String>,
+    ) -> Result<Self, ValidationError> {
+        let consumer_group = consumer_group.into();
+        if consumer_group.is_empty() {
+            return Err(ValidationError::Empty {
+                field: "consumer_group",
+            });
+        }
+        let chars = consumer_group.chars().count();
+        if chars > crate::model::MAX_ID_CHARS {
+            return Err(ValidationError::TooLong {
+                field: "consumer_group",
+                max: crate::model::MAX_ID_CHARS,
+                actual: chars,
+            });
+        }
+        Ok(Self {
+            consumer_group,
+            worker_id: WorkerId::new(worker_id)?,
+            strategy: AckStrategy::default(),
+            handler_timeout: Duration::from_secs(30),
+            max_attempts: DEFAULT_MAX_ATTEMPTS,
+            store_backoff: Backoff {
+                initial: Duration::from_millis(100),
+                max: Duration::from_secs(30),
+                factor: 2.0,
+            },
+            redelivery_backoff: Backoff {
+                initial: Duration::from_millis(100),
+                max: Duration::from_secs(10),
+                factor: 2.0,
+            },
+            idle_poll: Duration::from_millis(50),
+            batch: None,
+        })
+    }
+
+    /// The same configuration with another strategy.
+    pub fn with_strategy(mut self, strategy: AckStrategy) -> Self {
+        self.strategy = strategy;
+        self
+    }
+
+    /// The same configuration in batched mode.
+    pub fn batched(mut self, batch: BatchConfig) -> Self {
+        self.batch = Some(batch);
+        self
+    }
+
+    /// The same configuration with another handler timeout.
+    pub fn with_handler_timeout(mut self, timeout: Duration) -> Self {
+        self.handler_timeout = timeout;
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_validates_group_and_worker() {
+        assert!(RunnerConfig::new("billing", "w-1").is_ok());
+        assert_eq!(
+            RunnerConfig::new("", "w").err(),
+            Some(ValidationError::Empty {
+                field: "consumer_group"
+            })
+        );
+        assert!(matches!(
+            RunnerConfig::new("g", "bad id"),
+            Err(ValidationError::WorkerIdCharacter { character: ' ' })
+        ));
+        let c = RunnerConfig::new("g", "w").expect("valid");
+        assert_eq!(c.strategy, AckStrategy::default());
+        assert_eq!(c.handler_timeout, Duration::from_secs(30));
+    }
+
+    #[test]
+    fn backoff_grows_and_caps() {
+        let b = Backoff {
+            initial: Duration::from_millis(10),
+            max: Duration::from_millis(50),
+            factor: 2.0,
+        };
+        assert_eq!(b.delay(2), Duration::from_millis(20));
+        assert_eq!(b.delay(3), Duration::from_millis(40));
+        assert_eq!(b.delay(4), Duration::from_millis(50));
+        assert_eq!(b.delay(u32::MAX), Duration::from_millis(50));
+    }
+}

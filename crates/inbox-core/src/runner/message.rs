@@ -1,0 +1,349 @@
+//! The per-message driver: one database transaction per message.
+//!
+//! Validate; (AtMostOnce: acknowledge); begin; insert the row (completed when
+//! the handler runs); lock an existing `pending` row; run the handler; write
+//! the completion of an existing row; store the acknowledgement in the
+//! transaction when the decision says so; commit or roll back; then
+//! acknowledge or rewind at the broker. Each step asks the decision module
+//! what comes next.
+
+use crate::consumer::{Consumer, TxAck};
+use crate::decision::{self, AckPoint, Decision, Policy, Step, TxAction};
+use crate::error::{
+    ConsumerError, InboxPersistError, PersistStage, StoreError, StoreErrorKind, ValidationError,
+};
+use crate::handler::Handler;
+use crate::metrics::{MetricEvent, Metrics};
+use crate::model::{Message, NewInboxRow, RowId};
+use crate::outcome::Outcome;
+use crate::store::{InboxStore, InboxTransaction};
+
+use super::{ProcessError, ProcessResult, Runner, abandon, run_handler};
+
+/// A message's decision with what the driver gathered carrying it out.
+pub(super) struct Work {
+    pub(super) decision: Decision,
+    pub(super) row_id: Option<RowId>,
+    pub(super) outcome: Option<Outcome>,
+    pub(super) error: Option<ProcessError>,
+    /// The acknowledgement before the transaction succeeded.
+    pub(super) acked_before: bool,
+}
+
+impl Work {
+    pub(super) fn new(decision: Decision, row_id: Option<RowId>, outcome: Option<Outcome>) -> Self {
+        Self {
+            decision,
+            row_id,
+            outcome,
+            error: None,
+            acked_before: false,
+        }
+    }
+
+    /// The decision for a storage failure at `stage`, keeping what ran.
+    pub(super) fn storage_failure(
+        policy: Policy,
+        stage: PersistStage,
+        source: StoreError,
+        row_id: Option<RowId>,
+        outcome: Option<Outcome>,
+    ) -> Self {
+        tracing::warn!(%stage, error = %source, "inbox storage failure");
+        let ran = outcome.is_some();
+        let decision = if source.kind == StoreErrorKind::Fenced {
+            decision::on_fenced(ran)
+        } else {
+            decision::on_storage_failure(policy, ran)
+        };
+        let mut work = Self::new(decision, row_id, outcome);
+        work.error = Some(ProcessError::Persist(InboxPersistError { stage, source }));
+        work
+    }
+}
+
+impl<S, C, H, M> Runner<S, C, H, M>
+where
+    S: InboxStore,
+    C: Consumer,
+    H: Handler<S::Tx>,
+    M: Metrics,
+{
+    /// Fetches one message and processes it. `Ok(None)` when the consumer has
+    /// nothing ready.
+    ///
+    /// # Errors
+    ///
+    /// A [`ConsumerError`] when fetching fails.
+    pub async fn process_one(&mut self) -> Result<Option<ProcessResult>, ConsumerError> {
+        match self.consumer.next().await? {
+            None => Ok(None),
+            Some(message) => Ok(Some(self.process_message(message).await)),
+        }
+    }
+
+    /// Processes one delivered message in a transaction of its own:
+    /// validate, (AtMostOnce: acknowledge), begin, create or get the row, run
+    /// the handler, commit or roll back, then acknowledge or rewind at the
+    /// broker, as decided.
+    pub async fn process_message(&mut self, message: Message) -> ProcessResult {
+        self.metrics.record(MetricEvent::Consumed);
+        let policy = self.policy(&message);
+        let work = match message.validate(&self.config.consumer_group) {
+            Err(invalid) => {
+                tracing::warn!(message_id = %message.message_id, error = %invalid, "poison message");
+                let mut work = self.poison(policy, &message, &invalid).await;
+                work.error.get_or_insert(ProcessError::Invalid(invalid));
+                work
+            }
+            Ok(()) => self.handle_valid(policy, &message).await,
+        };
+        self.settle(message, work).await
+    }
+
+    /// Records a poison message as a dead letter in a transaction of its own.
+    async fn poison(
+        &mut self,
+        policy: Policy,
+        message: &Message,
+        invalid: &ValidationError,
+    ) -> Work {
+        let mut tx = match self.store.begin().await {
+            Ok(tx) => tx,
+            Err(e) => return Work::storage_failure(policy, PersistStage::Begin, e, None, None),
+        };
+        if let Err(e) = tx
+            .dead_letter(message, &self.config.consumer_group, invalid)
+            .await
+        {
+            abandon(tx).await;
+            return Work::storage_failure(policy, PersistStage::DeadLetter, e, None, None);
+        }
+        let work = Work::new(decision::on_poison(policy), None, None);
+        self.finish_tx(policy, tx, message, work).await
+    }
+
+    async fn handle_valid(&mut self, policy: Policy, message: &Message) -> Work {
+        if !decision::acks_before_tx(policy) {
+            return self.transaction(policy, message).await;
+        }
+        match self.consumer.ack(message).await {
+            Ok(()) => {
+                self.metrics.record(MetricEvent::Acked);
+                let mut work = self.transaction(policy, message).await;
+                work.acked_before = true;
+                work
+            }
+            Err(e) => {
+                self.metrics.record(MetricEvent::AckFailed);
+                let mut work = Work::new(decision::on_early_ack_failure(), None, None);
+                work.error = Some(ProcessError::Ack(e));
+                work
+            }
+        }
+    }
+
+    /// The transaction of one valid message.
+    async fn transaction(&mut self, policy: Policy, message: &Message) -> Work {
+        let mut tx = match self.store.begin().await {
+            Ok(tx) => tx,
+            Err(e) => return Work::storage_failure(policy, PersistStage::Begin, e, None, None),
+        };
+        let new_row = NewInboxRow::for_message(
+            message,
+            &self.config.consumer_group,
+            self.config.max_attempts,
+        )
+        .with_status(decision::insert_status(policy));
+        let row = match tx.insert_or_get(&new_row).await {
+            Ok(row) => row,
+            Err(e) => {
+                abandon(tx).await;
+                return Work::storage_failure(policy, PersistStage::Insert, e, None, None);
+            }
+        };
+        let mut step = decision::after_insert(policy, row.found);
+        if step == Step::Lock {
+            step = match tx.lock(row.id, &self.config.worker_id).await {
+                Ok(lock) => decision::after_lock(policy, lock),
+                Err(e) => {
+                    abandon(tx).await;
+                    return Work::storage_failure(
+                        policy,
+                        PersistStage::Lock,
+                        e,
+                        Some(row.id),
+                        None,
+                    );
+                }
+            };
+        }
+        let (decision, outcome) = match (step, &self.handler) {
+            (Step::RunHandler(state), Some(handler)) => {
+                let outcome = run_handler(
+                    handler,
+                    message,
+                    &mut tx,
+                    self.config.handler_timeout,
+                    &self.metrics,
+                )
+                .await;
+                let decision = decision::after_handler(policy, state, outcome.class());
+                (decision, Some(outcome))
+            }
+            (Step::Done(decision), _) => (decision, None),
+            // The policy says there is no handler exactly when there is none,
+            // so the decision never asks to run a missing one, nor to lock twice.
+            (Step::RunHandler(_) | Step::Lock, _) => {
+                abandon(tx).await;
+                let e = StoreError::new(
+                    StoreErrorKind::Other,
+                    "the decision asked for a missing step",
+                );
+                return Work::storage_failure(policy, PersistStage::Lock, e, Some(row.id), None);
+            }
+        };
+        if decision.write_completion
+            && let Err(e) = tx.complete(row.id).await
+        {
+            abandon(tx).await;
+            return Work::storage_failure(policy, PersistStage::Complete, e, Some(row.id), outcome);
+        }
+        let work = Work::new(decision, Some(row.id), outcome);
+        match decision.transaction {
+            TxAction::Commit => self.finish_tx(policy, tx, message, work).await,
+            TxAction::Rollback => {
+                abandon(tx).await;
+                work
+            }
+        }
+    }
+
+    /// Commits `tx`, first storing the acknowledgement in it when the
+    /// decision puts it there; a failure becomes the storage-failure (or
+    /// fenced) decision.
+    async fn finish_tx(
+        &mut self,
+        policy: Policy,
+        mut tx: S::Tx,
+        message: &Message,
+        work: Work,
+    ) -> Work {
+        if work.decision.ack == AckPoint::InTx {
+            let ack = self.consumer.transactional_ack(message);
+            if let Err(e) = store_ack(&mut tx, ack.as_ref()).await {
+                abandon(tx).await;
+                return Work::storage_failure(
+                    policy,
+                    PersistStage::Ack,
+                    e,
+                    work.row_id,
+                    work.outcome,
+                );
+            }
+        }
+        if let Err(e) = tx.commit().await {
+            return Work::storage_failure(
+                policy,
+                PersistStage::Commit,
+                e,
+                work.row_id,
+                work.outcome,
+            );
+        }
+        work
+    }
+
+    /// Carries out the broker side of a decision and reports it.
+    async fn settle(&mut self, message: Message, work: Work) -> ProcessResult {
+        let Work {
+            decision,
+            row_id,
+            outcome,
+            mut error,
+            acked_before,
+        } = work;
+        let mut acked = acked_before;
+        match decision.ack {
+            AckPoint::InTx => {
+                self.consumer.acked_in_transaction(&message);
+                self.metrics.record(MetricEvent::Acked);
+                acked = true;
+            }
+            AckPoint::AfterTx => match self.ack_after(&message).await {
+                Ok(()) => acked = true,
+                Err(e) => {
+                    error.get_or_insert(ProcessError::Ack(e));
+                }
+            },
+            AckPoint::BeforeTx | AckPoint::Never => {}
+        }
+        if error.as_ref().is_some_and(ProcessError::is_fenced) {
+            tracing::warn!(message_id = %message.message_id, "partition fenced: another consumer owns it");
+            self.consumer.fenced(&message);
+        }
+        let rewound = decision.rewind && self.rewind(&message, &mut error).await;
+        self.metrics.record(MetricEvent::Tally(decision.tally));
+        ProcessResult {
+            message_id: message.message_id,
+            position: message.position,
+            row_id,
+            acked,
+            processed: decision.processed,
+            duplicate: decision.duplicate,
+            outcome,
+            rewound,
+            decision,
+            error,
+        }
+    }
+
+    /// Acknowledges `message` at the consumer, after its transaction.
+    pub(super) async fn ack_after(&mut self, message: &Message) -> Result<(), ConsumerError> {
+        match self.consumer.ack(message).await {
+            Ok(()) => {
+                self.metrics.record(MetricEvent::Acked);
+                Ok(())
+            }
+            Err(e) => {
+                tracing::warn!(message_id = %message.message_id, error = %e, "acknowledgement failed");
+                self.metrics.record(MetricEvent::AckFailed);
+                Err(e)
+            }
+        }
+    }
+
+    /// Rewinds to `message`; a failure is recorded in `error`.
+    pub(super) async fn rewind(
+        &mut self,
+        message: &Message,
+        error: &mut Option<ProcessError>,
+    ) -> bool {
+        match self.consumer.rewind(message).await {
+            Ok(()) => {
+                self.metrics.record(MetricEvent::Rewound);
+                true
+            }
+            Err(e) => {
+                tracing::warn!(message_id = %message.message_id, error = %e, "rewind failed");
+                error.get_or_insert(ProcessError::Rewind(e));
+                false
+            }
+        }
+    }
+}
+
+/// Writes `ack` in `tx`; a consumer that asked for an acknowledgement in the
+/// transaction but has none for this message is a storage failure.
+pub(super) async fn store_ack<T: InboxTransaction>(
+    tx: &mut T,
+    ack: Option<&TxAck>,
+) -> Result<(), StoreError> {
+    match ack {
+        Some(ack) => tx.store_ack(ack).await,
+        None => Err(StoreError::new(
+            StoreErrorKind::Other,
+            "the consumer has no acknowledgement for this message",
+        )),
+    }
+}

@@ -1,0 +1,181 @@
+//! The runner: takes messages from a consumer and carries out the
+//! [`decision`](mod@crate::decision) module's verdicts.
+//!
+//! - [`config`]: settings and backoff;
+//! - [`result`]: what is reported per message and per batch;
+//! - `message`: the per-message driver ([`Runner::process_message`]), one
+//!   transaction per message;
+//! - `batch`: the batched driver ([`Runner::process_batch`]), many messages
+//!   in one transaction, each with the outcome it would get alone;
+//! - `run`: the loop ([`Runner::run`]): fetching, backoff, cancellation.
+//!
+//! The drivers decide nothing: the decision module says whether to lock,
+//! run the handler, write the completion, commit or roll back, where the
+//! acknowledgement goes and whether to rewind.
+
+mod batch;
+pub mod config;
+mod message;
+pub mod result;
+mod run;
+
+use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
+use std::time::Duration;
+
+use futures::FutureExt;
+use tokio::time::Instant;
+
+pub use config::{Backoff, BatchConfig, RunnerConfig};
+pub use result::{BatchResult, ProcessError, ProcessResult, RunSummary};
+
+use crate::consumer::Consumer;
+use crate::decision::Policy;
+use crate::handler::{Handler, NoHandler};
+use crate::metrics::{MetricEvent, Metrics, NoopMetrics};
+use crate::model::Message;
+use crate::outcome::{Failure, Outcome};
+use crate::store::{InboxStore, InboxTransaction};
+
+/// The runner, generic over the store, the consumer, the handler and the
+/// metrics.
+#[derive(Debug)]
+pub struct Runner<S, C, H, M = NoopMetrics> {
+    store: S,
+    consumer: C,
+    handler: Option<H>,
+    config: RunnerConfig,
+    metrics: M,
+    store_failures: u32,
+    redelivery_failures: HashMap<(String, i32), (i64, u32)>,
+}
+
+impl<S, C, H> Runner<S, C, H, NoopMetrics>
+where
+    S: InboxStore,
+    C: Consumer,
+    H: Handler<S::Tx>,
+{
+    /// A runner that calls `handler` for each message.
+    pub fn new(store: S, consumer: C, handler: H, config: RunnerConfig) -> Self {
+        Self {
+            store,
+            consumer,
+            handler: Some(handler),
+            config,
+            metrics: NoopMetrics,
+            store_failures: 0,
+            redelivery_failures: HashMap::new(),
+        }
+    }
+}
+
+impl<S, C> Runner<S, C, NoHandler, NoopMetrics>
+where
+    S: InboxStore,
+    C: Consumer,
+{
+    /// A runner without a handler: it lands each message as a `pending` row
+    /// for a batch processor and acknowledges it.
+    pub fn land_only(store: S, consumer: C, config: RunnerConfig) -> Self {
+        Self {
+            store,
+            consumer,
+            handler: None,
+            config,
+            metrics: NoopMetrics,
+            store_failures: 0,
+            redelivery_failures: HashMap::new(),
+        }
+    }
+}
+
+impl<S, C, H, M> Runner<S, C, H, M>
+where
+    S: InboxStore,
+    C: Consumer,
+    H: Handler<S::Tx>,
+    M: Metrics,
+{
+    /// The same runner reporting to `metrics`.
+    pub fn with_metrics<M2: Metrics>(self, metrics: M2) -> Runner<S, C, H, M2> {
+        Runner {
+            store: self.store,
+            consumer: self.consumer,
+            handler: self.handler,
+            config: self.config,
+            metrics,
+            store_failures: self.store_failures,
+            redelivery_failures: self.redelivery_failures,
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &RunnerConfig {
+        &self.config
+    }
+
+    /// The store.
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// The consumer.
+    pub fn consumer_mut(&mut self) -> &mut C {
+        &mut self.consumer
+    }
+
+    /// Takes the consumer back (e.g. to simulate a crash in tests).
+    pub fn into_consumer(self) -> C {
+        self.consumer
+    }
+
+    /// The decision policy for `message`.
+    fn policy(&self, message: &Message) -> Policy {
+        Policy::new(self.config.strategy)
+            .with_handler(self.handler.is_some())
+            .with_tx_acks(self.consumer.transactional_ack(message).is_some())
+    }
+}
+
+/// Rolls `tx` back; a failure is only logged (nothing of it was committed).
+async fn abandon<T: InboxTransaction>(tx: T) {
+    if let Err(e) = tx.rollback().await {
+        tracing::warn!(error = %e, "rollback failed");
+    }
+}
+
+/// Runs the handler with a timeout, catching a panic; reports its duration.
+async fn run_handler<Tx, H, M>(
+    handler: &H,
+    message: &Message,
+    tx: &mut Tx,
+    timeout: Duration,
+    metrics: &M,
+) -> Outcome
+where
+    Tx: Send,
+    H: Handler<Tx>,
+    M: Metrics,
+{
+    let started = Instant::now();
+    let call = AssertUnwindSafe(handler.handle(message, tx)).catch_unwind();
+    let outcome = match tokio::time::timeout(timeout, call).await {
+        Err(_) => Outcome::Failed(Failure::Timeout),
+        Ok(Err(panic)) => Outcome::Failed(Failure::Panic(panic_text(&*panic))),
+        Ok(Ok(Err(e))) => Outcome::Failed(Failure::Error(e.to_string())),
+        Ok(Ok(Ok(output))) => Outcome::from_result(&output.into()),
+    };
+    metrics.record(MetricEvent::HandlerDuration(started.elapsed()));
+    outcome
+}
+
+fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "handler panicked".to_owned()
+    }
+}

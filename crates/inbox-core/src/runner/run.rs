@@ -1,0 +1,166 @@
+//! The run loop: fetch, process (one message or a batch), back off, stop on
+//! cancellation.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::consumer::Consumer;
+use crate::error::ConsumerError;
+use crate::handler::Handler;
+use crate::metrics::Metrics;
+use crate::model::Message;
+use crate::store::InboxStore;
+
+use super::{BatchConfig, ProcessError, ProcessResult, RunSummary, Runner};
+
+impl<S, C, H, M> Runner<S, C, H, M>
+where
+    S: InboxStore,
+    C: Consumer,
+    H: Handler<S::Tx>,
+    M: Metrics,
+{
+    /// Runs until `cancel` fires: fetches, processes (one message at a time,
+    /// or in batches when [`RunnerConfig::batch`](super::RunnerConfig::batch)
+    /// is set), backs off. The message or batch in flight when `cancel`
+    /// fires is finished (acknowledged or rewound) before `run` returns;
+    /// waiting for the next message is abandoned.
+    pub async fn run(&mut self, cancel: CancellationToken) -> RunSummary {
+        let mut summary = RunSummary::default();
+        let mut fetch_failures = 0u32;
+        while !cancel.is_cancelled() {
+            let fetched = if self.config.batch.is_some() {
+                // Not raced with `cancel`: a batch half taken must not be
+                // dropped (its messages left this consumer); gathering is
+                // bounded by the batch's wait.
+                self.gather().await
+            } else {
+                tokio::select! {
+                    () = cancel.cancelled() => break,
+                    fetched = self.gather() => fetched,
+                }
+            };
+            let delay = match fetched {
+                Err(e) => {
+                    fetch_failures = fetch_failures.saturating_add(1);
+                    tracing::warn!(error = %e, "fetch failed");
+                    self.config.store_backoff.delay(fetch_failures)
+                }
+                Ok(messages) if messages.is_empty() => {
+                    fetch_failures = 0;
+                    self.config.idle_poll
+                }
+                Ok(mut messages) => {
+                    fetch_failures = 0;
+                    let results = if self.config.batch.is_some() {
+                        self.process_batch(messages).await.results
+                    } else {
+                        let message = messages.remove(0);
+                        vec![self.process_message(message).await]
+                    };
+                    summary.messages += results.len() as u64;
+                    results
+                        .iter()
+                        .map(|r| self.backoff_after(r))
+                        .max()
+                        .unwrap_or_default()
+                }
+            };
+            if !delay.is_zero() {
+                tokio::select! {
+                    () = cancel.cancelled() => break,
+                    () = tokio::time::sleep(delay) => {}
+                }
+            }
+        }
+        summary
+    }
+
+    /// The next messages to process: one, or in batched mode a batch of
+    /// what the consumer has ready. Empty when nothing is ready.
+    ///
+    /// # Cancel safety
+    ///
+    /// One message: as cancel-safe as [`Consumer::next`]. A batch: dropping
+    /// it loses the messages already taken from this consumer, so the loop
+    /// never drops it.
+    async fn gather(&mut self) -> Result<Vec<Message>, ConsumerError> {
+        match self.config.batch {
+            None => Ok(self.consumer.next().await?.into_iter().collect()),
+            Some(batch) => self.next_batch(batch).await,
+        }
+    }
+
+    /// Up to `batch.max_messages` messages the consumer has ready, stopping
+    /// at `batch.max_bytes` of payload or once `batch.max_wait` has passed
+    /// since the first one. Empty when nothing is ready now.
+    ///
+    /// # Errors
+    ///
+    /// A [`ConsumerError`] when fetching fails before any message is taken
+    /// (a failure after some were taken ends the batch early).
+    pub async fn next_batch(&mut self, batch: BatchConfig) -> Result<Vec<Message>, ConsumerError> {
+        let mut messages = Vec::new();
+        let mut bytes = 0usize;
+        let mut started: Option<Instant> = None;
+        while messages.len() < batch.max_messages && bytes < batch.max_bytes {
+            match self.consumer.next().await {
+                Ok(Some(message)) => {
+                    bytes = bytes.saturating_add(message.approximate_size());
+                    messages.push(message);
+                    started.get_or_insert_with(Instant::now);
+                }
+                Ok(None) => {
+                    let Some(at) = started else { break };
+                    let left = batch.max_wait.saturating_sub(at.elapsed());
+                    if left.is_zero() {
+                        break;
+                    }
+                    tokio::time::sleep(left.min(Duration::from_millis(1))).await;
+                }
+                Err(e) if messages.is_empty() => return Err(e),
+                Err(e) => {
+                    tracing::warn!(error = %e, "fetch failed; the batch ends early");
+                    break;
+                }
+            }
+        }
+        Ok(messages)
+    }
+
+    /// The pause before the next fetch after `result`: the storage backoff
+    /// after a persist error, else the redelivery backoff after a rewind.
+    pub fn backoff_after(&mut self, result: &ProcessResult) -> Duration {
+        let persist_failed = matches!(result.error, Some(ProcessError::Persist(_)));
+        if persist_failed {
+            self.store_failures = self.store_failures.saturating_add(1);
+        } else {
+            self.store_failures = 0;
+        }
+        let store_delay = self.config.store_backoff.delay(self.store_failures);
+        let redelivery_delay = match &result.position {
+            Some(pos) => {
+                let key = pos.partition_key();
+                if result.rewound {
+                    let entry = self
+                        .redelivery_failures
+                        .entry(key)
+                        .or_insert((pos.offset, 0));
+                    if entry.0 != pos.offset {
+                        *entry = (pos.offset, 0);
+                    }
+                    entry.1 = entry.1.saturating_add(1);
+                    self.config.redelivery_backoff.delay(entry.1)
+                } else {
+                    self.redelivery_failures.remove(&key);
+                    Duration::ZERO
+                }
+            }
+            None if result.rewound => self.config.redelivery_backoff.delay(1),
+            None => Duration::ZERO,
+        };
+        store_delay.max(redelivery_delay)
+    }
+}

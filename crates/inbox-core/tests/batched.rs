@@ -120,8 +120,13 @@ fn runner(
         b.max_wait = std::time::Duration::ZERO;
         config = config.batched(b);
     }
-    let r = Runner::new(store.clone(), broker.consumer("billing"), handler.clone(), config)
-        .with_metrics(metrics.clone());
+    let r = Runner::new(
+        store.clone(),
+        broker.consumer("billing"),
+        handler.clone(),
+        config,
+    )
+    .with_metrics(metrics.clone());
     (r, metrics)
 }
 
@@ -156,7 +161,9 @@ async fn drain_batched(runner: &mut TestRunner, broker: &MemBroker, n: usize) ->
 fn check_no_ack_past_a_rewind(result: &BatchResult, broker: &MemBroker) {
     for r in result.results.iter().filter(|r| r.rewound) {
         let pos = r.position.as_ref().expect("position");
-        let acked = broker.acked("billing", &pos.topic, pos.partition).unwrap_or(0);
+        let acked = broker
+            .acked("billing", &pos.topic, pos.partition)
+            .unwrap_or(0);
         assert!(
             acked <= pos.offset,
             "partition {} acknowledged up to {acked}, past the rewound offset {}",
@@ -185,7 +192,9 @@ fn final_state(store: &MemStore, broker: &MemBroker, metrics: &CountingMetrics) 
         .into_iter()
         .map(|r| (r.message_id, r.status))
         .collect();
-    let acked = (0..3).map(|p| broker.acked("billing", "orders", p)).collect();
+    let acked = (0..3)
+        .map(|p| broker.acked("billing", "orders", p))
+        .collect();
     let mut counts = metrics.snapshot();
     // handler runs differ by design: a replay runs the handlers of the
     // messages before the failure again (their first run was rolled back)
@@ -248,11 +257,22 @@ async fn a_failure_holds_its_partition_and_not_the_others() {
     assert!(by_id["a0"].processed && by_id["a0"].acked);
     assert!(by_id["a1"].processed && by_id["a1"].acked);
     assert!(!by_id["a2"].processed && by_id["a2"].rewound && !by_id["a2"].acked);
-    assert!(!by_id.contains_key("a3"), "a3 follows the rewound a2: handed back");
+    assert!(
+        !by_id.contains_key("a3"),
+        "a3 follows the rewound a2: handed back"
+    );
     assert_eq!(first.returned, 1);
-    assert!(["b0", "b1", "b2"].iter().all(|b| by_id[b].processed && by_id[b].acked));
+    assert!(
+        ["b0", "b1", "b2"]
+            .iter()
+            .all(|b| by_id[b].processed && by_id[b].acked)
+    );
     assert_eq!(first.transactions, 2, "one rolled back, one replayed");
-    assert_eq!(broker.acked("billing", "orders", 0), Some(2), "not at or past a2");
+    assert_eq!(
+        broker.acked("billing", "orders", 0),
+        Some(2),
+        "not at or past a2"
+    );
     assert_eq!(broker.acked("billing", "orders", 1), Some(3));
     assert_eq!(store.business_count("invoices"), 5);
     // the redelivery starts at a2
@@ -303,8 +323,17 @@ async fn a_failing_commit_rewinds_every_partition_and_loses_nothing() {
     b.max_wait = std::time::Duration::ZERO;
     let batch = r.next_batch(b).await.expect("fetch");
     let first = r.process_batch(batch).await;
-    assert_eq!(first.results.len(), 2, "the first message of each partition");
-    assert!(first.results.iter().all(|r| r.rewound && !r.acked && !r.processed));
+    assert_eq!(
+        first.results.len(),
+        2,
+        "the first message of each partition"
+    );
+    assert!(
+        first
+            .results
+            .iter()
+            .all(|r| r.rewound && !r.acked && !r.processed)
+    );
     assert_eq!(first.returned, 4);
     assert_eq!(store.business_count("invoices"), 0);
     assert_eq!(broker.acked("billing", "orders", 0), None);
@@ -338,7 +367,11 @@ async fn a_batch_aware_handler_falls_back_to_one_at_a_time_when_it_fails() {
     assert_eq!(store.business_count("invoices"), 5);
     assert_eq!(
         store.business_rows("invoices").len(),
-        store.business_rows("invoices").iter().collect::<HashSet<_>>().len(),
+        store
+            .business_rows("invoices")
+            .iter()
+            .collect::<HashSet<_>>()
+            .len(),
         "no invoice twice"
     );
     // batch form: first try (fails on o-3), then per message; then the
@@ -371,7 +404,10 @@ fn deliveries() -> impl Strategy<Value = Vec<(u8, i32)>> {
 
 fn schedule() -> impl Strategy<Value = (Vec<u32>, Vec<bool>)> {
     (
-        prop::collection::vec(prop_oneof![6 => Just(0u32), 3 => Just(1u32), 1 => Just(2u32)], 12),
+        prop::collection::vec(
+            prop_oneof![6 => Just(0u32), 3 => Just(1u32), 1 => Just(2u32)],
+            12,
+        ),
         prop::collection::vec(prop::bool::weighted(0.15), 12),
     )
 }

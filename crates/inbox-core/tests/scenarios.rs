@@ -57,3 +57,8 @@ async fn commit_failure_then_duplicate() {
 async fn all_scenarios_share_one_store() {
     scenarios::run_all(MemStore::new()).await;
 }
+
+#[tokio::test]
+async fn batched_matches_one_by_one() {
+    scenarios::batched_matches_one_by_one(MemStore::new()).await;
+}

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use inbox_core::{Message, Runner, RunnerConfig};
+use inbox_core::{BatchConfig, Message, Runner, RunnerConfig};
 use inbox_postgres::sea_orm::{ConnectOptions, Database};
 use inbox_postgres::{PgStore, TableName};
 use inbox_testkit::MemBroker;
@@ -111,6 +111,37 @@ async fn round_trips_per_message() {
     );
     // BEGIN, insert-or-get, COMMIT
     assert_eq!(duplicate, 3, "duplicate");
+    // A batch of 10 new messages: BEGIN, one multi-row insert-or-get, the
+    // handler's 10 INSERTs, COMMIT (a warm-up batch prepares the statement).
+    let mut batch_step = async |label: &str, ids: &[String]| {
+        for id in ids {
+            broker.produce("orders", 0, m(id));
+        }
+        let before = statements_logged(&std::fs::read_to_string(&log_path).unwrap_or_default());
+        let messages = runner
+            .next_batch(BatchConfig::new(100))
+            .await
+            .expect("fetch");
+        let result = runner.process_batch(messages).await;
+        let mut after = before;
+        for _ in 0..50 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let now = statements_logged(&std::fs::read_to_string(&log_path).unwrap_or_default());
+            if now == after && now > before {
+                break;
+            }
+            after = now;
+        }
+        println!("{label}: {} round trips", after - before);
+        (after - before, result)
+    };
+    let warm: Vec<String> = (0..10).map(|i| format!("warm-batch-{i}")).collect();
+    batch_step("warm-up batch", &warm).await;
+    let ids: Vec<String> = (0..10).map(|i| format!("batch-{i}")).collect();
+    let (batch, result) = batch_step("batch of 10", &ids).await;
+    assert!(result.results.iter().all(|r| r.processed && r.acked));
+    assert_eq!(result.transactions, 1);
+    assert_eq!(batch, 13, "batch of 10: 3 round trips + the handler's 10");
     // BEGIN, insert-or-get, the handler's INSERT, ROLLBACK
     assert_eq!(failure, 4, "failure: 3 round trips + the handler's 1");
 }

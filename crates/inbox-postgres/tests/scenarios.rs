@@ -58,3 +58,8 @@ async fn timeout_and_panic_are_failures() {
 async fn commit_failure_then_duplicate() {
     scenarios::commit_failure_then_duplicate(store().await).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_matches_one_by_one() {
+    scenarios::batched_matches_one_by_one(store().await).await;
+}

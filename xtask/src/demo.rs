@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use async_trait::async_trait;
 use inbox_core::{
-    CancellationToken, CountingMetrics, Handler, HandlerError, Message, MetricEvent, Metrics,
-    RunnerConfig,
+    BatchConfig, CancellationToken, CountingMetrics, Handler, HandlerError, Message, MetricEvent,
+    Metrics, RunnerConfig,
 };
 use inbox_kafka::{KafkaConfig, run_partitioned_with_metrics};
 use inbox_postgres::sea_orm::{ConnectionTrait, DbBackend, Statement};
@@ -34,6 +34,7 @@ const GROUP: &str = "billing-demo";
 const INVOICES: &str = "inbox_demo_invoices";
 const FAIL_PERCENT: u64 = 3;
 const FETCH_MAX_BYTES: i32 = 256 * 1024;
+const BATCH: usize = 100;
 
 /// A small deterministic generator (xorshift), shared by the workers.
 struct Dice(AtomicU64);
@@ -111,12 +112,20 @@ impl DemoMetrics {
     }
 }
 
-pub(crate) fn run() -> Result<()> {
+/// `cargo xtask demo [--per-message]`: batched mode (batches of up to 100
+/// messages per transaction) unless `--per-message` asks for one
+/// transaction per message.
+pub(crate) fn run(args: &[String]) -> Result<()> {
+    let per_message = match args {
+        [] => false,
+        [flag] if flag == "--per-message" => true,
+        other => bail!("unknown demo options {other:?} (the one option is --per-message)"),
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
-    rt.block_on(billing())
+    rt.block_on(billing(per_message))
 }
 
 async fn database() -> Result<String> {
@@ -205,7 +214,7 @@ async fn produce(broker: &inbox_testkit::kafka::Broker, topic: &str) -> Result<(
     Ok((ORDERS, produced, poison_count))
 }
 
-async fn billing() -> Result<()> {
+async fn billing(per_message: bool) -> Result<()> {
     let url = database().await?;
     let broker = inbox_testkit::kafka::broker().map_err(|e| anyhow::anyhow!("{e}"))?;
     println!(
@@ -252,6 +261,13 @@ async fn billing() -> Result<()> {
     kafka.fetch_max_bytes = FETCH_MAX_BYTES;
     let mut runner = RunnerConfig::new(GROUP, "demo-worker")?;
     runner.redelivery_backoff.initial = Duration::from_millis(5);
+    let mode = if per_message {
+        "one transaction per message (--per-message)".to_owned()
+    } else {
+        runner = runner.batched(BatchConfig::new(BATCH));
+        format!("batched: up to {BATCH} messages per transaction")
+    };
+    println!("mode: {mode}");
     println!(
         "consuming with {WORKERS} workers; prefetch buffer: one fetch of at most {} KiB per partition",
         FETCH_MAX_BYTES / 1024
@@ -331,7 +347,7 @@ async fn billing() -> Result<()> {
         summaries.iter().map(|s| s.messages).sum::<u64>()
     );
     println!(
-        "  throughput              {:.0} messages/s ({} deliveries in {:.2} s, one transaction each)",
+        "  throughput              {:.0} messages/s ({} deliveries in {:.2} s, {mode})",
         c.consumed as f64 / elapsed.as_secs_f64(),
         c.consumed,
         elapsed.as_secs_f64()

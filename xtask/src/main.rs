@@ -4,7 +4,9 @@
 //!   binaries, tansu), then fmt check, clippy with `-D warnings`, docs with
 //!   warnings denied, and every test of the workspace.
 //! - `cargo xtask demo`: the main job, the billing scenario.
+//! - `cargo xtask bench`: throughput beside the baselines (see `bench.rs`).
 
+mod bench;
 mod demo;
 mod setup;
 
@@ -18,6 +20,10 @@ cargo xtask <command>
 commands:
   test    fmt check, clippy -D warnings, cargo doc, every test of the workspace
   demo    run the billing demo and check every order has exactly one invoice
+          (--per-message: one transaction per message instead of batches)
+  bench   throughput table beside the baselines; options: --messages N,
+          --rows N (preload the inbox table), --only LINE, --smoke
+          (for real figures: cargo run --release -p xtask -- bench)
   help    this text
 ";
 
@@ -31,7 +37,9 @@ fn main() -> ExitCode {
         Some("test") => test(),
         Some("demo") => setup::postgres()
             .and_then(|()| setup::tansu())
-            .and_then(|()| demo::run()),
+            .and_then(|()| demo::run(&args[1..])),
+        Some("bench") => setup::postgres().and_then(|()| bench::run(&args[1..])),
+        Some("bench-line") => bench::line(&args[1..]),
         Some(other) => {
             eprint!("unknown command {other:?}\n\n{HELP}");
             return ExitCode::from(2);
@@ -89,6 +97,8 @@ fn test() -> Result<()> {
         &[("RUSTDOCFLAGS", "-D warnings")],
     )?;
     cargo(&["test", "--workspace", "--all-features"], &[])?;
+    println!("$ cargo xtask bench --smoke");
+    bench::run(&["--smoke".to_owned()])?;
     println!("xtask test: all checks passed");
     Ok(())
 }

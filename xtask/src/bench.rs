@@ -1,0 +1,426 @@
+//! `cargo xtask bench`: throughput of the inbox beside its baselines.
+//!
+//! The parent starts a throwaway PostgreSQL (or uses `DATABASE_URL`), then
+//! runs every line in a child process of its own (so each line's peak RSS
+//! is its own), each on a fresh database, all in the same run, and prints a
+//! table: messages/s, ratio to the omni-box line, peak RSS.
+//!
+//! Lines, all with the same one-INSERT handler and one connection:
+//! - `omni-box`: the per-message protocol of the design note's library, as
+//!   raw SQL (BEGIN; INSERT pending ... ON CONFLICT DO NOTHING RETURNING id;
+//!   UPDATE lock; the handler's INSERT; UPDATE completed; COMMIT);
+//! - `floor`: one multi-row inbox INSERT and one multi-row business INSERT
+//!   per 100 messages, in one transaction: what no inbox can beat;
+//! - `runner`: the per-message runner;
+//! - `batched`: the batched runner (batch 100);
+//! - `batch-aware`: the batched runner with a handler that writes the
+//!   batch's business rows in one statement.
+//!
+//! The messages come from the in-memory broker, produced before the clock
+//! starts: these lines measure the inbox and the database, not a broker.
+
+use std::collections::BTreeMap;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use async_trait::async_trait;
+use inbox_core::{BatchConfig, Handler, HandlerError, Message, Runner, RunnerConfig};
+use inbox_postgres::sea_orm::{
+    ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, Statement,
+    TransactionTrait, Value,
+};
+use inbox_postgres::{PgStore, PgTx, TableName};
+use inbox_testkit::MemBroker;
+use serde_json::json;
+
+const LINES: [&str; 5] = ["omni-box", "floor", "runner", "batched", "batch-aware"];
+const PARTITIONS: i32 = 4;
+const BATCH: usize = 100;
+const BUSINESS: &str = "CREATE TABLE bench_invoices (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL, total BIGINT NOT NULL)";
+
+/// Options of `cargo xtask bench`.
+struct Options {
+    messages: u64,
+    rows: u64,
+    lines: Vec<String>,
+}
+
+fn parse(args: &[String]) -> Result<Options> {
+    let mut o = Options {
+        messages: 20_000,
+        rows: 0,
+        lines: LINES.iter().map(|s| (*s).to_owned()).collect(),
+    };
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut value = |name: &str| -> Result<u64> {
+            it.next()
+                .with_context(|| format!("{name} needs a value"))?
+                .replace('_', "")
+                .parse()
+                .with_context(|| format!("{name} takes a number"))
+        };
+        match a.as_str() {
+            "--smoke" => o.messages = 300,
+            "--messages" => o.messages = value("--messages")?,
+            "--rows" => o.rows = value("--rows")?,
+            "--only" => {
+                let l = it.next().context("--only needs a line name")?;
+                if !LINES.contains(&l.as_str()) {
+                    bail!("unknown line {l:?}: one of {}", LINES.join(", "));
+                }
+                o.lines = vec![l.clone()];
+            }
+            other => bail!("unknown bench option {other:?}"),
+        }
+    }
+    if o.messages == 0 {
+        bail!("--messages must be positive");
+    }
+    Ok(o)
+}
+
+/// Runs the bench: one child process per line, then the table.
+pub(crate) fn run(args: &[String]) -> Result<()> {
+    let o = parse(args)?;
+    let server = inbox_testkit::pg::server().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let exe = std::env::current_exe().context("locating the xtask binary")?;
+    if cfg!(debug_assertions) {
+        println!(
+            "note: a debug build; for real figures run `cargo run --release -p xtask -- bench`"
+        );
+    }
+    println!(
+        "bench: {} messages per line on {PARTITIONS} partitions, one connection, one-INSERT handler{}",
+        o.messages,
+        if o.rows > 0 {
+            format!(", inbox table preloaded with {} rows", o.rows)
+        } else {
+            String::new()
+        }
+    );
+    let mut results: BTreeMap<String, (f64, u64)> = BTreeMap::new();
+    for line in &o.lines {
+        let url = server
+            .create_database()
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let out = Command::new(&exe)
+            .args([
+                "bench-line",
+                line,
+                &o.messages.to_string(),
+                &o.rows.to_string(),
+            ])
+            .env("BENCH_DATABASE_URL", &url)
+            .output()
+            .with_context(|| format!("running bench line {line}"))?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        if !out.status.success() {
+            bail!(
+                "bench line {line} failed: {}{}",
+                stdout,
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let parsed = stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("RESULT "))
+            .and_then(|r| {
+                let mut f = r.split_whitespace();
+                Some((
+                    f.next()?.parse::<f64>().ok()?,
+                    f.next()?.parse::<u64>().ok()?,
+                ))
+            })
+            .with_context(|| format!("bench line {line} printed no result: {stdout}"))?;
+        println!("  {line:<12} {:>10.0} msg/s", parsed.0);
+        results.insert(line.clone(), parsed);
+    }
+    let base = results.get("omni-box").map(|r| r.0);
+    let floor = results.get("floor").map(|r| r.0);
+    println!();
+    println!("| line | messages/s | vs omni-box | vs floor | peak RSS |");
+    println!("|---|---:|---:|---:|---:|");
+    for line in &o.lines {
+        if let Some((rate, rss_kb)) = results.get(line) {
+            let ratio = |b: Option<f64>| b.map_or("-".to_owned(), |b| format!("{:.2}x", rate / b));
+            println!(
+                "| {line} | {rate:.0} | {} | {} | {:.1} MiB |",
+                ratio(base),
+                ratio(floor),
+                *rss_kb as f64 / 1024.0
+            );
+        }
+    }
+    Ok(())
+}
+
+/// One line, in a child process: prints `RESULT <msg/s> <peak RSS KiB>`.
+pub(crate) fn line(args: &[String]) -> Result<()> {
+    let [name, messages, rows] = args else {
+        bail!("bench-line NAME MESSAGES ROWS");
+    };
+    let messages: u64 = messages.parse().context("messages")?;
+    let rows: u64 = rows.parse().context("rows")?;
+    let url = std::env::var("BENCH_DATABASE_URL").context("BENCH_DATABASE_URL is not set")?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let elapsed = rt.block_on(async {
+        let db = connect(&url).await?;
+        let store = PgStore::new(db.clone(), TableName::default());
+        store.create_tables().await?;
+        db.execute_unprepared(BUSINESS).await?;
+        if rows > 0 {
+            preload(&db, rows).await?;
+        }
+        match name.as_str() {
+            "omni-box" => omni_box(&db, messages).await,
+            "floor" => floor(&db, messages).await,
+            "runner" => runner(store, messages, None).await,
+            "batched" => runner(store, messages, Some(false)).await,
+            "batch-aware" => runner(store, messages, Some(true)).await,
+            other => bail!("unknown line {other}"),
+        }
+    })?;
+    let rate = messages as f64 / elapsed.as_secs_f64();
+    println!("RESULT {rate:.1} {}", peak_rss_kb());
+    Ok(())
+}
+
+async fn connect(url: &str) -> Result<DatabaseConnection> {
+    let mut options = ConnectOptions::new(url.to_owned());
+    options
+        .max_connections(1)
+        .min_connections(1)
+        .sqlx_logging(false);
+    Ok(Database::connect(options).await?)
+}
+
+fn stmt(sql: &str, values: Vec<Value>) -> Statement {
+    Statement::from_sql_and_values(DbBackend::Postgres, sql, values)
+}
+
+fn order_id(i: u64) -> String {
+    format!("order-{i:09}")
+}
+
+/// Fills the inbox table with `rows` completed rows of another group.
+async fn preload(db: &DatabaseConnection, rows: u64) -> Result<()> {
+    db.execute_unprepared(&format!(
+        "INSERT INTO inbox (message_id, consumer_group, source, event_type, payload, max_attempts, status, completed_at)
+         SELECT 'old-' || g, 'preloaded', 'orders', 'order.created', '{{\"total\": 1}}', 5, 'completed', now()
+           FROM generate_series(1, {rows}) g"
+    ))
+    .await?;
+    db.execute_unprepared("ANALYZE inbox").await?;
+    Ok(())
+}
+
+/// The omni-box per-message protocol as raw SQL.
+async fn omni_box(db: &DatabaseConnection, messages: u64) -> Result<Duration> {
+    let started = Instant::now();
+    for i in 0..messages {
+        let id = order_id(i);
+        let tx = db.begin().await?;
+        let row = tx
+            .query_one_raw(stmt(
+                "INSERT INTO inbox (message_id, consumer_group, source, event_type, payload, max_attempts)
+                 VALUES ($1, 'bench', 'orders', 'order.created', $2, 5)
+                 ON CONFLICT (message_id, consumer_group) DO NOTHING RETURNING id",
+                vec![id.clone().into(), json!({ "total": 10 }).into()],
+            ))
+            .await?
+            .context("omni-box: the row existed")?;
+        let row_id: i64 = row.try_get("", "id")?;
+        tx.execute_raw(stmt(
+            "UPDATE inbox SET locked_at = now(), locked_by = 'bench' WHERE id = $1",
+            vec![row_id.into()],
+        ))
+        .await?;
+        tx.execute_raw(stmt(
+            "INSERT INTO bench_invoices (order_id, total) VALUES ($1, $2)",
+            vec![id.into(), 10i64.into()],
+        ))
+        .await?;
+        tx.execute_raw(stmt(
+            "UPDATE inbox SET status = 'completed', completed_at = now(), locked_at = NULL,
+                    locked_by = NULL, updated_at = now() WHERE id = $1",
+            vec![row_id.into()],
+        ))
+        .await?;
+        tx.commit().await?;
+    }
+    let elapsed = started.elapsed();
+    check_invoices(db, messages).await?;
+    Ok(elapsed)
+}
+
+/// The floor: two multi-row INSERTs per 100 messages, one transaction.
+async fn floor(db: &DatabaseConnection, messages: u64) -> Result<Duration> {
+    let started = Instant::now();
+    let mut i = 0;
+    while i < messages {
+        let n = (messages - i).min(BATCH as u64);
+        let ids: Vec<String> = (i..i + n).map(order_id).collect();
+        let tx = db.begin().await?;
+        let inbox: Vec<serde_json::Value> = ids
+            .iter()
+            .map(|id| json!({ "m": id, "p": { "total": 10 } }))
+            .collect();
+        tx.execute_raw(stmt(
+            "INSERT INTO inbox (message_id, consumer_group, source, event_type, payload, max_attempts, status, completed_at)
+             SELECT e->>'m', 'bench', 'orders', 'order.created', e->'p', 5, 'completed', now()
+               FROM jsonb_array_elements($1::jsonb) e
+             ON CONFLICT (message_id, consumer_group) DO NOTHING",
+            vec![serde_json::Value::Array(inbox).into()],
+        ))
+        .await?;
+        insert_invoices(&tx, &ids).await?;
+        tx.commit().await?;
+        i += n;
+    }
+    let elapsed = started.elapsed();
+    check_invoices(db, messages).await?;
+    Ok(elapsed)
+}
+
+/// One multi-row business INSERT for `ids`.
+async fn insert_invoices(conn: &impl ConnectionTrait, ids: &[String]) -> Result<()> {
+    let mut sql = String::from("INSERT INTO bench_invoices (order_id, total) VALUES ");
+    let mut values: Vec<Value> = Vec::with_capacity(ids.len());
+    for (k, id) in ids.iter().enumerate() {
+        if k > 0 {
+            sql.push(',');
+        }
+        sql.push_str(&format!("(${}, 10)", k + 1));
+        values.push(id.clone().into());
+    }
+    conn.execute_raw(stmt(&sql, values)).await?;
+    Ok(())
+}
+
+/// The one-INSERT handler; `batch_aware` adds the one-statement batch form.
+struct Bench {
+    batch_aware: bool,
+}
+
+#[async_trait]
+impl Handler<PgTx> for Bench {
+    type Output = ();
+    async fn handle(&self, m: &Message, tx: &mut PgTx) -> Result<(), HandlerError> {
+        tx.connection()
+            .execute_raw(stmt(
+                "INSERT INTO bench_invoices (order_id, total) VALUES ($1, $2)",
+                vec![
+                    m.message_id.clone().into(),
+                    m.payload["total"].as_i64().unwrap_or_default().into(),
+                ],
+            ))
+            .await?;
+        Ok(())
+    }
+
+    async fn handle_batch(
+        &self,
+        messages: &[&Message],
+        tx: &mut PgTx,
+    ) -> Option<Result<Vec<()>, HandlerError>> {
+        if !self.batch_aware {
+            return None;
+        }
+        let ids: Vec<String> = messages.iter().map(|m| m.message_id.clone()).collect();
+        Some(
+            insert_invoices(tx.connection(), &ids)
+                .await
+                .map(|()| vec![(); messages.len()])
+                .map_err(|e| HandlerError::msg(e.to_string())),
+        )
+    }
+}
+
+/// The runner on `PgStore`, fed by the in-memory broker: per message
+/// (`batch = None`) or batched (`Some(batch_aware)`).
+async fn runner(store: PgStore, messages: u64, batch: Option<bool>) -> Result<Duration> {
+    let broker = MemBroker::new();
+    for i in 0..messages {
+        let p = i32::try_from(i % PARTITIONS as u64).unwrap_or(0);
+        broker.produce(
+            "orders",
+            p,
+            Message::new(
+                order_id(i),
+                "orders",
+                "order.created",
+                json!({ "total": 10 }),
+            ),
+        );
+    }
+    let mut config = RunnerConfig::new("bench", "bench-1")?;
+    let batch_config = BatchConfig {
+        max_wait: Duration::ZERO,
+        ..BatchConfig::new(BATCH)
+    };
+    if batch.is_some() {
+        config = config.batched(batch_config);
+    }
+    let handler = Arc::new(Bench {
+        batch_aware: batch == Some(true),
+    });
+    let db = store.connection().clone();
+    let mut runner = Runner::new(store, broker.consumer("bench"), handler, config);
+    let started = Instant::now();
+    let mut done = 0u64;
+    loop {
+        if batch.is_some() {
+            let messages = runner.next_batch(batch_config).await?;
+            if messages.is_empty() {
+                break;
+            }
+            done += runner.process_batch(messages).await.results.len() as u64;
+        } else {
+            match runner.process_one().await? {
+                Some(_) => done += 1,
+                None => break,
+            }
+        }
+    }
+    let elapsed = started.elapsed();
+    if done != messages {
+        bail!("{done} of {messages} messages decided");
+    }
+    check_invoices(&db, messages).await?;
+    Ok(elapsed)
+}
+
+/// Every order has exactly one invoice (counted with SQL).
+async fn check_invoices(db: &DatabaseConnection, messages: u64) -> Result<()> {
+    let row = db
+        .query_one_raw(stmt(
+            "SELECT count(*) AS n, count(DISTINCT order_id) AS d FROM bench_invoices",
+            vec![],
+        ))
+        .await?
+        .context("count")?;
+    let n: i64 = row.try_get("", "n")?;
+    let d: i64 = row.try_get("", "d")?;
+    if n != d || u64::try_from(n).unwrap_or(0) != messages {
+        bail!("exactly-once check failed: {n} invoices, {d} distinct, {messages} messages");
+    }
+    Ok(())
+}
+
+/// The process's peak resident set (VmHWM), in KiB; 0 when unknown.
+fn peak_rss_kb() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        })
+        .unwrap_or(0)
+}

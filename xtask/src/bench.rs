@@ -14,10 +14,21 @@
 //! - `runner`: the per-message runner;
 //! - `batched`: the batched runner (batch 100);
 //! - `batch-aware`: the batched runner with a handler that writes the
-//!   batch's business rows in one statement.
+//!   batch's business rows in one statement;
+//! - `raw-batch` and `raw-savepoints`: the batched protocol as raw SQL
+//!   (BEGIN; one multi-row insert; the handler's INSERT per message;
+//!   COMMIT), without and with a SAVEPOINT / RELEASE around each handler:
+//!   what isolating each handler with a savepoint would cost, against the
+//!   optimistic replay the runner does;
+//! - `consumer`: the Kafka consumer alone, from tansu (in-memory storage,
+//!   forward only), fetch and decode, no database;
+//! - `e2e`: the full inbox, tansu to PostgreSQL, batched, with the
+//!   exactly-once check and the broker-gap count after it.
 //!
-//! The messages come from the in-memory broker, produced before the clock
-//! starts: these lines measure the inbox and the database, not a broker.
+//! The runner lines take their messages from the in-memory broker,
+//! produced before the clock starts: they measure the inbox and the
+//! database, not a broker. The last two produce to tansu before the clock
+//! starts.
 
 use std::collections::BTreeMap;
 use std::process::Command;
@@ -35,7 +46,17 @@ use inbox_postgres::{PgStore, PgTx, TableName};
 use inbox_testkit::MemBroker;
 use serde_json::json;
 
-const LINES: [&str; 5] = ["omni-box", "floor", "runner", "batched", "batch-aware"];
+const LINES: [&str; 9] = [
+    "omni-box",
+    "floor",
+    "raw-batch",
+    "raw-savepoints",
+    "runner",
+    "batched",
+    "batch-aware",
+    "consumer",
+    "e2e",
+];
 const PARTITIONS: i32 = 4;
 const BATCH: usize = 100;
 const BUSINESS: &str = "CREATE TABLE bench_invoices (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL, total BIGINT NOT NULL)";
@@ -183,6 +204,10 @@ pub(crate) fn line(args: &[String]) -> Result<()> {
             "runner" => runner(store, messages, None).await,
             "batched" => runner(store, messages, Some(false)).await,
             "batch-aware" => runner(store, messages, Some(true)).await,
+            "raw-batch" => raw_batch(&db, messages, false).await,
+            "raw-savepoints" => raw_batch(&db, messages, true).await,
+            "consumer" => kafka(store, messages, false).await,
+            "e2e" => kafka(store, messages, true).await,
             other => bail!("unknown line {other}"),
         }
     })?;
@@ -285,6 +310,123 @@ async fn floor(db: &DatabaseConnection, messages: u64) -> Result<Duration> {
     }
     let elapsed = started.elapsed();
     check_invoices(db, messages).await?;
+    Ok(elapsed)
+}
+
+/// The batched protocol as raw SQL: per 100 messages BEGIN, one multi-row
+/// inbox insert, one handler INSERT per message (each inside SAVEPOINT /
+/// RELEASE when `savepoints`), COMMIT.
+async fn raw_batch(db: &DatabaseConnection, messages: u64, savepoints: bool) -> Result<Duration> {
+    let started = Instant::now();
+    let mut i = 0;
+    while i < messages {
+        let n = (messages - i).min(BATCH as u64);
+        let ids: Vec<String> = (i..i + n).map(order_id).collect();
+        let tx = db.begin().await?;
+        let inbox: Vec<serde_json::Value> = ids
+            .iter()
+            .map(|id| json!({ "m": id, "p": { "total": 10 } }))
+            .collect();
+        tx.execute_raw(stmt(
+            "INSERT INTO inbox (message_id, consumer_group, source, event_type, payload, max_attempts, status, completed_at)
+             SELECT e->>'m', 'bench', 'orders', 'order.created', e->'p', 5, 'completed', now()
+               FROM jsonb_array_elements($1::jsonb) e
+             ON CONFLICT (message_id, consumer_group) DO NOTHING",
+            vec![serde_json::Value::Array(inbox).into()],
+        ))
+        .await?;
+        for id in ids {
+            if savepoints {
+                tx.execute_unprepared("SAVEPOINT handler").await?;
+            }
+            tx.execute_raw(stmt(
+                "INSERT INTO bench_invoices (order_id, total) VALUES ($1, $2)",
+                vec![id.into(), 10i64.into()],
+            ))
+            .await?;
+            if savepoints {
+                tx.execute_unprepared("RELEASE SAVEPOINT handler").await?;
+            }
+        }
+        tx.commit().await?;
+        i += n;
+    }
+    let elapsed = started.elapsed();
+    check_invoices(db, messages).await?;
+    Ok(elapsed)
+}
+
+/// From tansu: the consumer alone (`inbox = false`: fetch and decode) or the
+/// full batched inbox into PostgreSQL (`inbox = true`), on a topic of
+/// `messages` records produced before the clock starts.
+async fn kafka(store: PgStore, messages: u64, inbox: bool) -> Result<Duration> {
+    let broker = inbox_testkit::kafka::Broker::start_with_storage("memory://tansu/")
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let topic = broker
+        .topic("bench", PARTITIONS)
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    for p in 0..PARTITIONS {
+        let records: Vec<_> = (0..messages)
+            .filter(|i| i % PARTITIONS as u64 == u64::try_from(p).unwrap_or(0))
+            .map(|i| {
+                inbox_testkit::kafka::json_record(
+                    &json!({ "total": 10 }),
+                    &[
+                        ("message_id", &order_id(i)),
+                        ("event_type", "order.created"),
+                    ],
+                )
+            })
+            .collect();
+        broker
+            .produce(&topic, p, records, 500)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+    }
+    let config = inbox_kafka::KafkaConfig::new(
+        vec![broker.address().to_owned()],
+        "bench",
+        (0..PARTITIONS).map(|p| (topic.clone(), p)).collect(),
+    );
+    let mut consumer = inbox_kafka::KafkaConsumer::connect(config, store.clone()).await?;
+    let db = store.connection().clone();
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(600);
+    let mut done = 0u64;
+    if inbox {
+        let batch = BatchConfig::new(BATCH);
+        let config = RunnerConfig::new("bench", "bench-1")?.batched(batch);
+        let handler = Arc::new(Bench { batch_aware: false });
+        let mut runner = Runner::new(store, consumer, handler, config);
+        while done < messages && Instant::now() < deadline {
+            let batch = runner.next_batch(batch).await?;
+            done += runner.process_batch(batch).await.results.len() as u64;
+        }
+        consumer = runner.into_consumer();
+    } else {
+        use inbox_core::Consumer;
+        while done < messages && Instant::now() < deadline {
+            if consumer.next().await?.is_some() {
+                done += 1;
+            }
+        }
+    }
+    let elapsed = started.elapsed();
+    let stats = consumer.stats();
+    if stats.gaps > 0 {
+        bail!(
+            "the broker skipped {} offsets in {} gaps",
+            stats.missing,
+            stats.gaps
+        );
+    }
+    if done != messages {
+        bail!("{done} of {messages} messages in 600 s");
+    }
+    if inbox {
+        check_invoices(&db, messages).await?;
+    }
     Ok(elapsed)
 }
 

@@ -38,7 +38,9 @@ fn main() -> ExitCode {
         Some("demo") => setup::postgres()
             .and_then(|()| setup::tansu())
             .and_then(|()| demo::run(&args[1..])),
-        Some("bench") => setup::postgres().and_then(|()| bench::run(&args[1..])),
+        Some("bench") => setup::postgres()
+            .and_then(|()| setup::tansu())
+            .and_then(|()| bench::run(&args[1..])),
         Some("bench-line") => bench::line(&args[1..]),
         Some(other) => {
             eprint!("unknown command {other:?}\n\n{HELP}");

@@ -210,7 +210,8 @@ async fn a_crash_at_each_step_leaves_exactly_one_effect() {
         Crash::At(StoreFault::Begin),
         Crash::At(StoreFault::Insert),
         Crash::DuringHandler,
-        Crash::At(StoreFault::Complete),
+        // (no `Complete` step: a new row is inserted completed; the step of
+        // a landed row is covered by inbox-core's fault tests)
         Crash::At(StoreFault::Ack),
         Crash::At(StoreFault::Commit),
         Crash::At(StoreFault::CommitLostAfterApply),

@@ -130,6 +130,8 @@ pub enum StoreErrorKind {
     /// This consumer's claim on a partition is stale: another consumer took
     /// the partition over (its owner epoch is newer).
     Fenced,
+    /// The store does not offer this operation (e.g. savepoints).
+    Unsupported,
     /// Anything else.
     Other,
 }
@@ -142,6 +144,7 @@ impl fmt::Display for StoreErrorKind {
             Self::Integrity => "integrity violation",
             Self::Serialization => "serialization failure",
             Self::Fenced => "fenced",
+            Self::Unsupported => "unsupported",
             Self::Other => "storage error",
         })
     }

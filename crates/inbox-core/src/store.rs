@@ -122,6 +122,38 @@ pub trait InboxTransaction: Send + Sized {
         error: &ValidationError,
     ) -> Result<(), StoreError>;
 
+    /// Marks a savepoint: what this transaction does after it can be undone
+    /// with [`rollback_to_savepoint`](Self::rollback_to_savepoint) while
+    /// what it did before stays (PostgreSQL: `SAVEPOINT`). One savepoint is
+    /// open at a time; the batched runner takes one per message when a batch
+    /// has to be replayed after a handler failure, so a second failure does
+    /// not cost another replay. The default refuses
+    /// ([`StoreErrorKind::Unsupported`](crate::StoreErrorKind::Unsupported)):
+    /// the runner then replays optimistically instead.
+    async fn savepoint(&mut self) -> Result<(), StoreError> {
+        Err(StoreError::new(
+            crate::StoreErrorKind::Unsupported,
+            "this store has no savepoints",
+        ))
+    }
+
+    /// Undoes everything since the savepoint (rows inserted, locks taken,
+    /// the handler's writes) and closes it.
+    async fn rollback_to_savepoint(&mut self) -> Result<(), StoreError> {
+        Err(StoreError::new(
+            crate::StoreErrorKind::Unsupported,
+            "this store has no savepoints",
+        ))
+    }
+
+    /// Keeps everything since the savepoint and closes it.
+    async fn release_savepoint(&mut self) -> Result<(), StoreError> {
+        Err(StoreError::new(
+            crate::StoreErrorKind::Unsupported,
+            "this store has no savepoints",
+        ))
+    }
+
     /// Stores a consumer's acknowledgement in this transaction, failing with
     /// [`StoreErrorKind::Fenced`](crate::StoreErrorKind::Fenced) when the
     /// epoch is stale. The default refuses: the store keeps no offsets.

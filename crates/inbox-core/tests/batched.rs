@@ -287,6 +287,66 @@ async fn a_failure_holds_its_partition_and_not_the_others() {
 }
 
 #[tokio::test]
+async fn several_failures_in_one_batch_cost_two_transactions_with_savepoints() {
+    for savepoints in [true, false] {
+        let store = MemStore::new();
+        let broker = MemBroker::new();
+        // a failure on each of three partitions, at different depths
+        for (id, p) in [
+            ("a0", 0),
+            ("b0", 1),
+            ("c0", 2),
+            ("a1", 0),
+            ("b1", 1),
+            ("c1", 2),
+        ] {
+            broker.produce("orders", p, order(id));
+        }
+        let handler = Arc::new(Flaky {
+            fails: HashMap::from([
+                ("b0".to_owned(), 1),
+                ("a1".to_owned(), 1),
+                ("c1".to_owned(), 1),
+            ]),
+            ..Flaky::default()
+        });
+        let metrics = Arc::new(CountingMetrics::new());
+        let mut b = BatchConfig::new(100);
+        b.max_wait = std::time::Duration::ZERO;
+        b.savepoints_after_failure = savepoints;
+        let config = RunnerConfig::new("billing", "w-1")
+            .expect("config")
+            .batched(b);
+        let mut r = Runner::new(store.clone(), broker.consumer("billing"), handler, config)
+            .with_metrics(metrics.clone());
+        let batch = r.next_batch(b).await.expect("fetch");
+        let first = r.process_batch(batch).await;
+        // optimistic attempt, then one with savepoints; or one replay per failure
+        assert_eq!(
+            first.transactions,
+            if savepoints { 2 } else { 4 },
+            "{savepoints}"
+        );
+        let processed: HashSet<&str> = first
+            .results
+            .iter()
+            .filter(|r| r.processed)
+            .map(|r| r.message_id.as_str())
+            .collect();
+        assert_eq!(processed, HashSet::from(["a0", "c0"]), "{savepoints}");
+        assert_eq!(first.returned, 1, "b1 follows the rewound b0");
+        assert_eq!(store.business_count("invoices"), 2);
+        assert_eq!(broker.acked("billing", "orders", 0), Some(1));
+        assert_eq!(broker.acked("billing", "orders", 1), None);
+        assert_eq!(broker.acked("billing", "orders", 2), Some(1));
+        drain_batched(&mut r, &broker, 100).await;
+        assert_eq!(store.business_count("invoices"), 6, "{savepoints}");
+        let c = metrics.snapshot();
+        assert_eq!((c.processed, c.failed), (6, 3), "{savepoints}");
+    }
+}
+
+#[tokio::test]
 async fn duplicates_inside_one_batch_behave_as_one_after_the_other() {
     let store = MemStore::new();
     let broker = MemBroker::new();

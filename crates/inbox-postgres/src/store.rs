@@ -415,6 +415,33 @@ impl InboxTransaction for PgTx {
         Ok(())
     }
 
+    async fn savepoint(&mut self) -> Result<(), StoreError> {
+        self.tx
+            .execute_unprepared("SAVEPOINT inbox_message")
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+
+    async fn rollback_to_savepoint(&mut self) -> Result<(), StoreError> {
+        // ROLLBACK TO keeps the savepoint; RELEASE closes it (one round trip).
+        self.tx
+            .execute_unprepared(
+                "ROLLBACK TO SAVEPOINT inbox_message; RELEASE SAVEPOINT inbox_message",
+            )
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+
+    async fn release_savepoint(&mut self) -> Result<(), StoreError> {
+        self.tx
+            .execute_unprepared("RELEASE SAVEPOINT inbox_message")
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+
     async fn commit(self) -> Result<(), StoreError> {
         self.tx.commit().await.map_err(db)
     }

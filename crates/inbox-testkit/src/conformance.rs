@@ -367,6 +367,105 @@ where
 
 static RUNS: AtomicU64 = AtomicU64::new(0);
 
+impl<S, F> Ctx<'_, S, F>
+where
+    S: InboxStore,
+    F: BusinessFixture<S::Tx>,
+{
+    async fn insert_many_matches_one_by_one(&self) -> Result<(), ConformanceError> {
+        const C: &str = "insert_many_matches_one_by_one";
+        let e = store_err(C);
+        let existing = self.row("many-existing");
+        let mut tx = self.store.begin().await.map_err(&e)?;
+        let existing_id = tx.insert_or_get(&existing).await.map_err(&e)?.id;
+        tx.commit().await.map_err(&e)?;
+        let rows = vec![
+            self.row("many-a").with_status(InboxStatus::Completed),
+            existing.clone(),
+            self.row("many-b"),
+        ];
+        let mut tx = self.store.begin().await.map_err(&e)?;
+        let found = tx.insert_or_get_many(&rows).await.map_err(&e)?;
+        let kinds: Vec<Found> = found.iter().map(|r| r.found).collect();
+        ensure(
+            C,
+            kinds
+                == vec![
+                    Found::Inserted,
+                    Found::Existing(InboxStatus::Pending),
+                    Found::Inserted,
+                ],
+            || format!("expected inserted, existing, inserted in order; got {kinds:?}"),
+        )?;
+        tx.commit().await.map_err(&e)?;
+        let a = self
+            .store
+            .find(&rows[0].message_id, &self.group)
+            .await
+            .map_err(&e)?;
+        let b = self
+            .store
+            .find(&rows[2].message_id, &self.group)
+            .await
+            .map_err(&e)?;
+        ensure(
+            C,
+            a.as_ref()
+                .is_some_and(|r| r.status == InboxStatus::Completed && r.completed_at.is_some())
+                && b.as_ref().is_some_and(|r| r.status == InboxStatus::Pending),
+            || format!("rows inserted with the asked status: {a:?} {b:?}"),
+        )?;
+        ensure(
+            C,
+            found[1].id == existing_id && found[0].id != found[2].id,
+            || format!("the existing row's id and two new ids: {found:?}, existing {existing_id}"),
+        )
+    }
+
+    async fn savepoint_undoes_only_what_follows_it(&self) -> Result<(), ConformanceError> {
+        const C: &str = "savepoint_undoes_only_what_follows_it";
+        let e = store_err(C);
+        let kept = self.row("sp-kept").with_status(InboxStatus::Completed);
+        let undone = self.row("sp-undone").with_status(InboxStatus::Completed);
+        let kept_key = format!("{}-sp-kept-effect", self.prefix);
+        let undone_key = format!("{}-sp-undone-effect", self.prefix);
+        let mut tx = self.store.begin().await.map_err(&e)?;
+        tx.savepoint().await.map_err(&e)?;
+        tx.insert_or_get(&kept).await.map_err(&e)?;
+        self.fixture.write(&mut tx, &kept_key).await.map_err(&e)?;
+        tx.release_savepoint().await.map_err(&e)?;
+        tx.savepoint().await.map_err(&e)?;
+        tx.insert_or_get(&undone).await.map_err(&e)?;
+        self.fixture.write(&mut tx, &undone_key).await.map_err(&e)?;
+        tx.rollback_to_savepoint().await.map_err(&e)?;
+        // the undone key is free again inside the same transaction
+        let again = tx.insert_or_get(&undone).await.map_err(&e)?;
+        ensure(C, again.found == Found::Inserted, || {
+            format!("the rolled-back row still holds its key: {:?}", again.found)
+        })?;
+        let own = tx.insert_or_get(&kept).await.map_err(&e)?;
+        ensure(
+            C,
+            own.found == Found::Existing(InboxStatus::Completed),
+            || {
+                format!(
+                    "the transaction's own completed row is found as {:?}",
+                    own.found
+                )
+            },
+        )?;
+        tx.commit().await.map_err(&e)?;
+        ensure(C, self.fixture.exists(&kept_key).await.map_err(&e)?, || {
+            "the write before the savepoint was lost".into()
+        })?;
+        ensure(
+            C,
+            !self.fixture.exists(&undone_key).await.map_err(&e)?,
+            || "the write after the savepoint survived its rollback".into(),
+        )
+    }
+}
+
 /// Runs every check against `store`, writing business data with `fixture`.
 /// Rows use a fresh id prefix, so the suite can run on a store that holds
 /// other data.
@@ -409,5 +508,9 @@ where
     passed.push("maintenance");
     ctx.dead_letter_is_accepted().await?;
     passed.push("dead_letter_is_accepted");
+    ctx.insert_many_matches_one_by_one().await?;
+    passed.push("insert_many_matches_one_by_one");
+    ctx.savepoint_undoes_only_what_follows_it().await?;
+    passed.push("savepoint_undoes_only_what_follows_it");
     Ok(passed)
 }

@@ -121,6 +121,26 @@ impl<T: InboxTransaction> InboxTransaction for FaultyTx<T> {
         self.inner.insert_or_get(row).await
     }
 
+    async fn insert_or_get_many(
+        &mut self,
+        rows: &[NewInboxRow],
+    ) -> Result<Vec<RowRef>, StoreError> {
+        take(&self.faults, StoreFault::Insert)?;
+        self.inner.insert_or_get_many(rows).await
+    }
+
+    async fn savepoint(&mut self) -> Result<(), StoreError> {
+        self.inner.savepoint().await
+    }
+
+    async fn rollback_to_savepoint(&mut self) -> Result<(), StoreError> {
+        self.inner.rollback_to_savepoint().await
+    }
+
+    async fn release_savepoint(&mut self) -> Result<(), StoreError> {
+        self.inner.release_savepoint().await
+    }
+
     async fn lock(&mut self, id: RowId, worker: &WorkerId) -> Result<LockResult, StoreError> {
         take(&self.faults, StoreFault::Lock)?;
         self.inner.lock(id, worker).await

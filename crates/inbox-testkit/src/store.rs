@@ -294,6 +294,10 @@ pub struct MemTx {
     id: TxId,
     store: MemStore,
     staged: Vec<Staged>,
+    /// Row locks this transaction took, in order.
+    locks: Vec<RowId>,
+    /// The open savepoint: how many staged writes and locks it keeps.
+    savepoint: Option<(usize, usize)>,
     open: bool,
 }
 
@@ -314,6 +318,20 @@ impl MemTx {
             .filter(|s| matches!(s, Staged::Business(t, _) if t == table))
             .count();
         self.store.business_count(table) + own
+    }
+
+    /// The status row `id` has as this transaction staged it (inserted,
+    /// maybe completed since).
+    fn staged_status(&self, id: RowId) -> Option<InboxStatus> {
+        let mut status = None;
+        for op in &self.staged {
+            match op {
+                Staged::Insert(row) if row.id == id => status = Some(row.status),
+                Staged::Complete(done) if *done == id => status = Some(InboxStatus::Completed),
+                _ => {}
+            }
+        }
+        status
     }
 
     fn finish(&mut self) {
@@ -343,6 +361,8 @@ impl InboxStore for MemStore {
             id,
             store: self.clone(),
             staged: Vec::new(),
+            locks: Vec::new(),
+            savepoint: None,
             open: true,
         })
     }
@@ -408,13 +428,18 @@ impl InboxTransaction for MemTx {
             });
         }
         if let Some((owner, id)) = s.reserved.get(&key).copied() {
-            // Another open transaction inserted it: it holds the row.
-            let found = if owner == self.id {
-                Found::Inserted
+            // Inserted by an open transaction: another one holds the row (as
+            // PostgreSQL would make us wait, then see it); this one sees its
+            // own insert.
+            let status = if owner == self.id {
+                self.staged_status(id).unwrap_or(InboxStatus::Pending)
             } else {
-                Found::Existing(InboxStatus::Pending)
+                InboxStatus::Pending
             };
-            return Ok(RowRef { id, found });
+            return Ok(RowRef {
+                id,
+                found: Found::Existing(status),
+            });
         }
         let id = s.next_row;
         s.next_row += 1;
@@ -422,6 +447,7 @@ impl InboxTransaction for MemTx {
         s.row_locks.insert(id, self.id);
         let now = s.now;
         drop(s);
+        self.locks.push(id);
         self.staged
             .push(Staged::Insert(Box::new(new_row(id, row, now))));
         Ok(RowRef {
@@ -444,6 +470,8 @@ impl InboxTransaction for MemTx {
             return Ok(LockResult::Busy);
         }
         s.row_locks.insert(id, self.id);
+        drop(s);
+        self.locks.push(id);
         Ok(LockResult::Acquired)
     }
 
@@ -491,6 +519,37 @@ impl InboxTransaction for MemTx {
         self.staged.clear();
         self.finish();
         Ok(())
+    }
+
+    async fn savepoint(&mut self) -> Result<(), StoreError> {
+        self.savepoint = Some((self.staged.len(), self.locks.len()));
+        Ok(())
+    }
+
+    async fn rollback_to_savepoint(&mut self) -> Result<(), StoreError> {
+        let (staged, locks) = self
+            .savepoint
+            .take()
+            .ok_or_else(|| StoreError::new(StoreErrorKind::Other, "no savepoint is open"))?;
+        let undone: Vec<Staged> = self.staged.drain(staged..).collect();
+        let released: Vec<RowId> = self.locks.drain(locks..).collect();
+        let mut s = self.store.state();
+        for op in undone {
+            if let Staged::Insert(row) = op {
+                s.reserved.remove(&(row.message_id, row.consumer_group));
+            }
+        }
+        for id in released {
+            s.row_locks.remove(&id);
+        }
+        Ok(())
+    }
+
+    async fn release_savepoint(&mut self) -> Result<(), StoreError> {
+        self.savepoint
+            .take()
+            .map(|_| ())
+            .ok_or_else(|| StoreError::new(StoreErrorKind::Other, "no savepoint is open"))
     }
 
     async fn dead_letter(

@@ -59,7 +59,20 @@ enum Fate {
     Returned,
 }
 
-/// What one optimistic attempt ended with.
+/// How the next attempt runs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// The first attempt: no savepoints; the batch form of the handler when
+    /// it has one.
+    Optimistic,
+    /// A savepoint around each message.
+    Savepoints,
+    /// The store has no savepoints: optimistic replays, one message at a
+    /// time.
+    OptimisticReplays,
+}
+
+/// What one attempt ended with.
 enum Attempt {
     /// Committed (or failed for good): every slot is decided or returned.
     Done,
@@ -67,6 +80,8 @@ enum Attempt {
     Replay,
     /// The batch-aware handler failed: replay one message at a time.
     PerMessage,
+    /// The store has no savepoints: replay optimistically.
+    NoSavepoints,
 }
 
 /// What phase A planned for an open slot.
@@ -113,19 +128,35 @@ where
             })
             .collect();
         self.ack_before(&mut slots, partitions.len()).await;
-        let mut batch_handler = true;
+        // Optimistic first (with the batch form of the handler, if any);
+        // after a failure, one transaction with a savepoint per message (or,
+        // on a store without savepoints, optimistic replays). Each replay
+        // decides or returns at least one slot, or changes the mode: the
+        // loop ends.
+        let mut mode = Mode::Optimistic;
+        let savepoints = self.config.batch.is_none_or(|b| b.savepoints_after_failure);
         let mut transactions = 0;
-        // Each replay decides or returns at least one slot, or turns the
-        // batch-aware handler off: the loop ends.
         loop {
-            match self
-                .attempt(&mut slots, &mut transactions, batch_handler)
-                .await
-            {
-                Attempt::Done => break,
-                Attempt::Replay => {}
-                Attempt::PerMessage => batch_handler = false,
-            }
+            let attempt = match mode {
+                Mode::Optimistic | Mode::OptimisticReplays => {
+                    let batch_handler = mode == Mode::Optimistic;
+                    self.attempt(&mut slots, &mut transactions, batch_handler)
+                        .await
+                }
+                Mode::Savepoints => {
+                    self.attempt_with_savepoints(&mut slots, &mut transactions)
+                        .await
+                }
+            };
+            mode = match (attempt, mode) {
+                (Attempt::Done, _) => break,
+                (Attempt::NoSavepoints, _) => Mode::OptimisticReplays,
+                (Attempt::Replay | Attempt::PerMessage, Mode::OptimisticReplays) => {
+                    Mode::OptimisticReplays
+                }
+                (Attempt::Replay | Attempt::PerMessage, _) if savepoints => Mode::Savepoints,
+                (Attempt::Replay | Attempt::PerMessage, _) => Mode::OptimisticReplays,
+            };
         }
         self.settle_batch(slots, partitions.len(), transactions)
             .await
@@ -353,7 +384,21 @@ where
             slots[i].fate = Fate::Decided(work);
         }
 
-        // Phase D: one acknowledgement per partition inside the transaction.
+        // Phase D: one acknowledgement per partition, the commit.
+        self.finish_attempt(slots, tx, &this_tx, first_policy).await
+    }
+
+    /// Writes one acknowledgement per partition inside the transaction
+    /// (where the decisions put it there), then commits. A fenced partition
+    /// is decided apart and the rest replayed; any other failure is a
+    /// storage failure of the slots decided in this transaction (`this_tx`).
+    async fn finish_attempt(
+        &mut self,
+        slots: &mut [Slot],
+        mut tx: S::Tx,
+        this_tx: &[usize],
+        first_policy: Policy,
+    ) -> Attempt {
         let partitions = slots.iter().map(|s| s.partition + 1).max().unwrap_or(0);
         for p in 0..partitions {
             let Some((k, AckPoint::InTx)) = partition_plan(slots, p) else {
@@ -363,25 +408,157 @@ where
             if let Err(e) = store_ack(&mut tx, ack.as_ref()).await {
                 abandon(tx).await;
                 let policy = slots[k].policy;
+                reopen(slots, this_tx);
                 if e.kind == StoreErrorKind::Fenced {
                     // This partition belongs to another consumer now: its
                     // messages are undone here and the rest replayed.
-                    reopen(slots, &this_tx);
                     let first = first_of(slots, p);
                     let work = Work::storage_failure(policy, PersistStage::Ack, e, None, None);
                     decide_and_return_rest(slots, first, work);
                     return Attempt::Replay;
                 }
-                reopen(slots, &this_tx);
                 fail_all(slots, policy, PersistStage::Ack, e);
                 return Attempt::Done;
             }
         }
         if let Err(e) = tx.commit().await {
-            reopen(slots, &this_tx);
+            reopen(slots, this_tx);
             fail_all(slots, first_policy, PersistStage::Commit, e);
         }
         Attempt::Done
+    }
+
+    /// One transaction over the open slots with a savepoint around each
+    /// message (its row, its lock, its handler): a failing handler is rolled
+    /// back to its savepoint, decided apart, and the batch goes on without a
+    /// replay. Taken after an optimistic attempt failed, so that a batch
+    /// with several failures costs two transactions, not one per failure.
+    async fn attempt_with_savepoints(
+        &mut self,
+        slots: &mut [Slot],
+        transactions: &mut usize,
+    ) -> Attempt {
+        let open: Vec<usize> = (0..slots.len())
+            .filter(|&i| matches!(slots[i].fate, Fate::Open))
+            .collect();
+        if open.is_empty() && !needs_tx_ack(slots) {
+            return Attempt::Done;
+        }
+        *transactions += 1;
+        let first_policy = slots[open.first().copied().unwrap_or(0)].policy;
+        let mut tx = match self.store.begin().await {
+            Ok(tx) => tx,
+            Err(e) => {
+                fail_all(slots, first_policy, PersistStage::Begin, e);
+                return Attempt::Done;
+            }
+        };
+        let mut this_tx: Vec<usize> = Vec::with_capacity(open.len());
+        for i in open {
+            // a message before it on its partition may have handed it back
+            if !matches!(slots[i].fate, Fate::Open) {
+                continue;
+            }
+            let policy = slots[i].policy;
+            match self.one_in_savepoint(slots, i, &mut tx).await {
+                Ok(Some(work)) => {
+                    slots[i].fate = Fate::Decided(work);
+                    this_tx.push(i);
+                }
+                Ok(None) => {}
+                Err((stage, e)) => {
+                    abandon(tx).await;
+                    reopen(slots, &this_tx);
+                    if e.kind == StoreErrorKind::Unsupported {
+                        return Attempt::NoSavepoints;
+                    }
+                    fail_all(slots, policy, stage, e);
+                    return Attempt::Done;
+                }
+            }
+        }
+        self.finish_attempt(slots, tx, &this_tx, first_policy).await
+    }
+
+    /// Slot `i` inside a savepoint: `Some(work)` when it is decided in this
+    /// transaction, `None` when it was decided apart (rolled back to its
+    /// savepoint), or the storage failure and its stage.
+    async fn one_in_savepoint(
+        &mut self,
+        slots: &mut [Slot],
+        i: usize,
+        tx: &mut S::Tx,
+    ) -> Result<Option<Work>, (PersistStage, StoreError)> {
+        let policy = slots[i].policy;
+        tx.savepoint().await.map_err(|e| (PersistStage::Begin, e))?;
+        if let Some(invalid) = &slots[i].invalid {
+            tx.dead_letter(&slots[i].message, &self.config.consumer_group, invalid)
+                .await
+                .map_err(|e| (PersistStage::DeadLetter, e))?;
+            tx.release_savepoint()
+                .await
+                .map_err(|e| (PersistStage::DeadLetter, e))?;
+            return Ok(Some(Work::new(decision::on_poison(policy), None, None)));
+        }
+        let row = NewInboxRow::for_message(
+            &slots[i].message,
+            &self.config.consumer_group,
+            self.config.max_attempts,
+        )
+        .with_status(decision::insert_status(policy));
+        let found = tx
+            .insert_or_get(&row)
+            .await
+            .map_err(|e| (PersistStage::Insert, e))?;
+        let mut step = decision::after_insert(policy, found.found);
+        if step == Step::Lock {
+            let lock = tx
+                .lock(found.id, &self.config.worker_id)
+                .await
+                .map_err(|e| (PersistStage::Lock, e))?;
+            step = decision::after_lock(policy, lock);
+        }
+        let (d, outcome) = match (step, &self.handler) {
+            (Step::Done(d), _) => (d, None),
+            (Step::RunHandler(state), Some(handler)) => {
+                let outcome = run_handler(
+                    handler,
+                    &slots[i].message,
+                    tx,
+                    self.config.handler_timeout,
+                    &self.metrics,
+                )
+                .await;
+                (
+                    decision::after_handler(policy, state, outcome.class()),
+                    Some(outcome),
+                )
+            }
+            (Step::RunHandler(_) | Step::Lock, _) => {
+                let e = StoreError::new(
+                    StoreErrorKind::Other,
+                    "the decision asked for a missing step",
+                );
+                return Err((PersistStage::Lock, e));
+            }
+        };
+        let work = Work::new(d, Some(found.id), outcome);
+        if d.transaction == TxAction::Rollback || d.holds_partition() {
+            tx.rollback_to_savepoint()
+                .await
+                .map_err(|e| (PersistStage::Insert, e))?;
+            decide_and_return_rest(slots, i, work);
+            return Ok(None);
+        }
+        if d.write_completion {
+            tx.complete(found.id)
+                .await
+                .map_err(|e| (PersistStage::Complete, e))?;
+        }
+        tx.release_savepoint()
+            .await
+            .map_err(|e| (PersistStage::Commit, e))?;
+        Ok(Some(work))
     }
 
     /// Calls the batch form of the handler on the slots `runs`.

@@ -87,6 +87,13 @@ pub struct BatchConfig {
     pub max_bytes: usize,
     /// Longest wait for more messages once the first one is in hand.
     pub max_wait: Duration,
+    /// After a handler failure, replay the rest of the batch in one
+    /// transaction with a savepoint around each message (the default), so
+    /// that a batch with several failures costs two transactions; `false`:
+    /// replay optimistically, one more transaction per failure (cheaper
+    /// only when failures are rare and come alone; see
+    /// `docs/performance.md`).
+    pub savepoints_after_failure: bool,
 }
 
 impl BatchConfig {
@@ -96,6 +103,7 @@ impl BatchConfig {
             max_messages: max_messages.max(1),
             max_bytes: 4 * 1024 * 1024,
             max_wait: Duration::from_millis(5),
+            savepoints_after_failure: true,
         }
     }
 }

@@ -12,7 +12,10 @@
 //! - `floor`: one multi-row inbox INSERT and one multi-row business INSERT
 //!   per 100 messages, in one transaction: what no inbox can beat;
 //! - `runner`: the per-message runner;
-//! - `batched`: the batched runner (batch 100);
+//! - `batched`: the batched runner (batch 100; after a handler failure the
+//!   batch is replayed once with a savepoint per message);
+//! - `batched-optimistic`: the same with optimistic replays only (one more
+//!   transaction per failure);
 //! - `batch-aware`: the batched runner with a handler that writes the
 //!   batch's business rows in one statement;
 //! - `raw-batch` and `raw-savepoints`: the batched protocol as raw SQL
@@ -46,13 +49,14 @@ use inbox_postgres::{PgStore, PgTx, TableName};
 use inbox_testkit::MemBroker;
 use serde_json::json;
 
-const LINES: [&str; 9] = [
+const LINES: [&str; 10] = [
     "omni-box",
     "floor",
     "raw-batch",
     "raw-savepoints",
     "runner",
     "batched",
+    "batched-optimistic",
     "batch-aware",
     "consumer",
     "e2e",
@@ -65,6 +69,7 @@ const BUSINESS: &str = "CREATE TABLE bench_invoices (id BIGSERIAL PRIMARY KEY, o
 struct Options {
     messages: u64,
     rows: u64,
+    fail_percent: u64,
     lines: Vec<String>,
 }
 
@@ -72,6 +77,7 @@ fn parse(args: &[String]) -> Result<Options> {
     let mut o = Options {
         messages: 20_000,
         rows: 0,
+        fail_percent: 0,
         lines: LINES.iter().map(|s| (*s).to_owned()).collect(),
     };
     let mut it = args.iter();
@@ -87,6 +93,7 @@ fn parse(args: &[String]) -> Result<Options> {
             "--smoke" => o.messages = 300,
             "--messages" => o.messages = value("--messages")?,
             "--rows" => o.rows = value("--rows")?,
+            "--fail-percent" => o.fail_percent = value("--fail-percent")?.min(100),
             "--only" => {
                 let l = it.next().context("--only needs a line name")?;
                 if !LINES.contains(&l.as_str()) {
@@ -114,8 +121,16 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         );
     }
     println!(
-        "bench: {} messages per line on {PARTITIONS} partitions, one connection, one-INSERT handler{}",
+        "bench: {} messages per line on {PARTITIONS} partitions, one connection, one-INSERT handler{}{}",
         o.messages,
+        if o.fail_percent > 0 {
+            format!(
+                " failing {}% of its calls (runner lines; rewound and redelivered)",
+                o.fail_percent
+            )
+        } else {
+            String::new()
+        },
         if o.rows > 0 {
             format!(", inbox table preloaded with {} rows", o.rows)
         } else {
@@ -133,6 +148,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
                 line,
                 &o.messages.to_string(),
                 &o.rows.to_string(),
+                &o.fail_percent.to_string(),
             ])
             .env("BENCH_DATABASE_URL", &url)
             .output()
@@ -180,11 +196,12 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
 
 /// One line, in a child process: prints `RESULT <msg/s> <peak RSS KiB>`.
 pub(crate) fn line(args: &[String]) -> Result<()> {
-    let [name, messages, rows] = args else {
-        bail!("bench-line NAME MESSAGES ROWS");
+    let [name, messages, rows, fail_percent] = args else {
+        bail!("bench-line NAME MESSAGES ROWS FAIL_PERCENT");
     };
     let messages: u64 = messages.parse().context("messages")?;
     let rows: u64 = rows.parse().context("rows")?;
+    let fail: u64 = fail_percent.parse().context("fail percent")?;
     let url = std::env::var("BENCH_DATABASE_URL").context("BENCH_DATABASE_URL is not set")?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -201,9 +218,10 @@ pub(crate) fn line(args: &[String]) -> Result<()> {
         match name.as_str() {
             "omni-box" => omni_box(&db, messages).await,
             "floor" => floor(&db, messages).await,
-            "runner" => runner(store, messages, None).await,
-            "batched" => runner(store, messages, Some(false)).await,
-            "batch-aware" => runner(store, messages, Some(true)).await,
+            "runner" => runner(store, messages, Mode::PerMessage, fail).await,
+            "batched" => runner(store, messages, Mode::Batched, fail).await,
+            "batched-optimistic" => runner(store, messages, Mode::Optimistic, fail).await,
+            "batch-aware" => runner(store, messages, Mode::BatchAware, fail).await,
             "raw-batch" => raw_batch(&db, messages, false).await,
             "raw-savepoints" => raw_batch(&db, messages, true).await,
             "consumer" => kafka(store, messages, false).await,
@@ -397,7 +415,7 @@ async fn kafka(store: PgStore, messages: u64, inbox: bool) -> Result<Duration> {
     if inbox {
         let batch = BatchConfig::new(BATCH);
         let config = RunnerConfig::new("bench", "bench-1")?.batched(batch);
-        let handler = Arc::new(Bench { batch_aware: false });
+        let handler = Arc::new(Bench::new(false, 0));
         let mut runner = Runner::new(store, consumer, handler, config);
         while done < messages && Instant::now() < deadline {
             let batch = runner.next_batch(batch).await?;
@@ -446,8 +464,49 @@ async fn insert_invoices(conn: &impl ConnectionTrait, ids: &[String]) -> Result<
 }
 
 /// The one-INSERT handler; `batch_aware` adds the one-statement batch form.
+/// It fails `fail_percent` of its calls (after its INSERT), by a fixed
+/// pseudo-random sequence.
 struct Bench {
     batch_aware: bool,
+    fail_percent: u64,
+    dice: std::sync::atomic::AtomicU64,
+}
+
+impl Bench {
+    fn new(batch_aware: bool, fail_percent: u64) -> Self {
+        Self {
+            batch_aware,
+            fail_percent,
+            dice: std::sync::atomic::AtomicU64::new(0x9e37_79b9_7f4a_7c15),
+        }
+    }
+
+    fn fails(&self) -> bool {
+        if self.fail_percent == 0 {
+            return false;
+        }
+        let step = |mut x: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let ordering = std::sync::atomic::Ordering::Relaxed;
+        let prev = self
+            .dice
+            .fetch_update(ordering, ordering, |x| Some(step(x)))
+            .unwrap_or(1);
+        step(prev) % 100 < self.fail_percent
+    }
+}
+
+/// How the runner lines run.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    PerMessage,
+    Batched,
+    Optimistic,
+    BatchAware,
 }
 
 #[async_trait]
@@ -463,6 +522,9 @@ impl Handler<PgTx> for Bench {
                 ],
             ))
             .await?;
+        if self.fails() {
+            return Err(HandlerError::msg("payment provider timed out"));
+        }
         Ok(())
     }
 
@@ -474,6 +536,9 @@ impl Handler<PgTx> for Bench {
         if !self.batch_aware {
             return None;
         }
+        if messages.iter().any(|_| self.fails()) {
+            return Some(Err(HandlerError::msg("payment provider timed out")));
+        }
         let ids: Vec<String> = messages.iter().map(|m| m.message_id.clone()).collect();
         Some(
             insert_invoices(tx.connection(), &ids)
@@ -484,9 +549,8 @@ impl Handler<PgTx> for Bench {
     }
 }
 
-/// The runner on `PgStore`, fed by the in-memory broker: per message
-/// (`batch = None`) or batched (`Some(batch_aware)`).
-async fn runner(store: PgStore, messages: u64, batch: Option<bool>) -> Result<Duration> {
+/// The runner on `PgStore`, fed by the in-memory broker, in `mode`.
+async fn runner(store: PgStore, messages: u64, mode: Mode, fail_percent: u64) -> Result<Duration> {
     let broker = MemBroker::new();
     for i in 0..messages {
         let p = i32::try_from(i % PARTITIONS as u64).unwrap_or(0);
@@ -504,35 +568,36 @@ async fn runner(store: PgStore, messages: u64, batch: Option<bool>) -> Result<Du
     let mut config = RunnerConfig::new("bench", "bench-1")?;
     let batch_config = BatchConfig {
         max_wait: Duration::ZERO,
+        savepoints_after_failure: mode != Mode::Optimistic,
         ..BatchConfig::new(BATCH)
     };
-    if batch.is_some() {
+    let batch = mode != Mode::PerMessage;
+    if batch {
         config = config.batched(batch_config);
     }
-    let handler = Arc::new(Bench {
-        batch_aware: batch == Some(true),
-    });
+    let handler = Arc::new(Bench::new(mode == Mode::BatchAware, fail_percent));
     let db = store.connection().clone();
     let mut runner = Runner::new(store, broker.consumer("bench"), handler, config);
     let started = Instant::now();
-    let mut done = 0u64;
+    let mut handled = 0u64;
     loop {
-        if batch.is_some() {
+        let results = if batch {
             let messages = runner.next_batch(batch_config).await?;
             if messages.is_empty() {
                 break;
             }
-            done += runner.process_batch(messages).await.results.len() as u64;
+            runner.process_batch(messages).await.results
         } else {
             match runner.process_one().await? {
-                Some(_) => done += 1,
+                Some(r) => vec![r],
                 None => break,
             }
-        }
+        };
+        handled += results.iter().filter(|r| r.processed).count() as u64;
     }
     let elapsed = started.elapsed();
-    if done != messages {
-        bail!("{done} of {messages} messages decided");
+    if handled != messages {
+        bail!("{handled} of {messages} messages processed");
     }
     check_invoices(&db, messages).await?;
     Ok(elapsed)

@@ -22,7 +22,9 @@ commands:
   demo    run the billing demo and check every order has exactly one invoice
           (--per-message: one transaction per message instead of batches)
   bench   throughput table beside the baselines; options: --messages N,
-          --rows N (preload the inbox table), --only LINE, --smoke
+          --rows N (preload the inbox table), --fail-percent P (the
+          handler of the runner lines fails P% of its calls), --only LINE,
+          --smoke
           (for real figures: cargo run --release -p xtask -- bench)
   help    this text
 ";

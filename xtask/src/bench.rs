@@ -95,11 +95,14 @@ fn parse(args: &[String]) -> Result<Options> {
             "--rows" => o.rows = value("--rows")?,
             "--fail-percent" => o.fail_percent = value("--fail-percent")?.min(100),
             "--only" => {
-                let l = it.next().context("--only needs a line name")?;
-                if !LINES.contains(&l.as_str()) {
-                    bail!("unknown line {l:?}: one of {}", LINES.join(", "));
+                let names = it.next().context("--only needs line names")?;
+                o.lines = Vec::new();
+                for l in names.split(',') {
+                    if !LINES.contains(&l) {
+                        bail!("unknown line {l:?}: one of {}", LINES.join(", "));
+                    }
+                    o.lines.push(l.to_owned());
                 }
-                o.lines = vec![l.clone()];
             }
             other => bail!("unknown bench option {other:?}"),
         }

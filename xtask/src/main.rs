@@ -23,7 +23,7 @@ commands:
           (--per-message: one transaction per message instead of batches)
   bench   throughput table beside the baselines; options: --messages N,
           --rows N (preload the inbox table), --fail-percent P (the
-          handler of the runner lines fails P% of its calls), --only LINE,
+          handler of the runner lines fails P% of its calls), --only LINE,LINE,
           --smoke
           (for real figures: cargo run --release -p xtask -- bench)
   help    this text

@@ -347,6 +347,39 @@ async fn several_failures_in_one_batch_cost_two_transactions_with_savepoints() {
 }
 
 #[tokio::test]
+async fn the_batch_shrinks_after_a_replay_and_grows_back() {
+    let store = MemStore::new();
+    let broker = MemBroker::new();
+    for i in 0..200 {
+        broker.produce("orders", 0, order(&format!("o-{i}")));
+    }
+    let handler = Arc::new(Flaky {
+        fails: HashMap::from([("o-10".to_owned(), 1)]),
+        ..Flaky::default()
+    });
+    let (mut r, _) = runner(&store, &broker, &handler, AckStrategy::default(), Some(32));
+    let b = r.config().batch.expect("batched");
+    assert_eq!(r.batch_limit(b), 32);
+    let first = r.next_batch(b).await.expect("fetch");
+    assert_eq!(first.len(), 32);
+    let result = r.process_batch(first).await;
+    assert_eq!(result.transactions, 2);
+    assert_eq!(r.batch_limit(b), 16, "halved after a replay");
+    let mut sizes = Vec::new();
+    for _ in 0..8 {
+        let batch = r.next_batch(b).await.expect("fetch");
+        sizes.push(batch.len());
+        assert_eq!(r.process_batch(batch).await.transactions, 1);
+    }
+    assert_eq!(sizes, vec![16, 18, 20, 22, 24, 26, 28, 30]);
+    let batch = r.next_batch(b).await.expect("fetch");
+    r.process_batch(batch).await;
+    assert_eq!(r.batch_limit(b), 32, "back to the configured size");
+    drain_batched(&mut r, &broker, 32).await;
+    assert_eq!(store.business_count("invoices"), 200);
+}
+
+#[tokio::test]
 async fn duplicates_inside_one_batch_behave_as_one_after_the_other() {
     let store = MemStore::new();
     let broker = MemBroker::new();

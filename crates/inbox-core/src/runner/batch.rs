@@ -158,6 +158,8 @@ where
                 (Attempt::Replay | Attempt::PerMessage, _) => Mode::OptimisticReplays,
             };
         }
+        let len = slots.len();
+        self.adapt_batch_size(len, transactions);
         self.settle_batch(slots, partitions.len(), transactions)
             .await
     }

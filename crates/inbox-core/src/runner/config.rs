@@ -94,6 +94,11 @@ pub struct BatchConfig {
     /// only when failures are rare and come alone; see
     /// `docs/performance.md`).
     pub savepoints_after_failure: bool,
+    /// Halve the batch after a batch that needed a replay (a handler
+    /// failure) and grow it back by a sixteenth of `max_messages` after each
+    /// clean one (the default), so that a handler that fails often costs
+    /// small replays; `false`: always take up to `max_messages`.
+    pub adaptive: bool,
 }
 
 impl BatchConfig {
@@ -104,6 +109,7 @@ impl BatchConfig {
             max_bytes: 4 * 1024 * 1024,
             max_wait: Duration::from_millis(5),
             savepoints_after_failure: true,
+            adaptive: true,
         }
     }
 }

@@ -48,6 +48,9 @@ pub struct Runner<S, C, H, M = NoopMetrics> {
     metrics: M,
     store_failures: u32,
     redelivery_failures: HashMap<(String, i32), (i64, u32)>,
+    /// The batch size the batched runner takes now, below the configured
+    /// one after batches that needed a replay (`None`: the configured one).
+    batch_cap: Option<usize>,
 }
 
 impl<S, C, H> Runner<S, C, H, NoopMetrics>
@@ -66,6 +69,7 @@ where
             metrics: NoopMetrics,
             store_failures: 0,
             redelivery_failures: HashMap::new(),
+            batch_cap: None,
         }
     }
 }
@@ -86,6 +90,7 @@ where
             metrics: NoopMetrics,
             store_failures: 0,
             redelivery_failures: HashMap::new(),
+            batch_cap: None,
         }
     }
 }
@@ -107,6 +112,7 @@ where
             metrics,
             store_failures: self.store_failures,
             redelivery_failures: self.redelivery_failures,
+            batch_cap: self.batch_cap,
         }
     }
 
@@ -123,6 +129,36 @@ where
     /// The consumer.
     pub fn consumer_mut(&mut self) -> &mut C {
         &mut self.consumer
+    }
+
+    /// The most messages the next batch takes: the configured batch size,
+    /// or less while recent batches needed a replay (see
+    /// [`BatchConfig::adaptive`]).
+    pub fn batch_limit(&self, batch: BatchConfig) -> usize {
+        self.batch_cap
+            .map_or(batch.max_messages, |cap| cap.min(batch.max_messages))
+            .max(1)
+    }
+
+    /// Adapts the batch size after a batch of `len` messages that took
+    /// `transactions` transactions: halved after a replay, grown by a
+    /// sixteenth of the configured size after a clean batch.
+    fn adapt_batch_size(&mut self, len: usize, transactions: usize) {
+        let Some(batch) = self.config.batch.filter(|b| b.adaptive) else {
+            return;
+        };
+        let configured = batch.max_messages.max(1);
+        self.batch_cap = if transactions > 1 {
+            Some((len / 2).max(1))
+        } else {
+            match self.batch_cap {
+                None => None,
+                Some(cap) => {
+                    let grown = cap + (configured / 16).max(1);
+                    (grown < configured).then_some(grown)
+                }
+            }
+        };
     }
 
     /// Takes the consumer back (e.g. to simulate a crash in tests).

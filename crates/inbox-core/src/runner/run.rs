@@ -93,7 +93,8 @@ where
         }
     }
 
-    /// Up to `batch.max_messages` messages the consumer has ready, stopping
+    /// Up to [`batch_limit`](Self::batch_limit) messages the consumer has
+    /// ready (at most `batch.max_messages`), stopping
     /// at `batch.max_bytes` of payload or once `batch.max_wait` has passed
     /// since the first one. Empty when nothing is ready now.
     ///
@@ -105,7 +106,8 @@ where
         let mut messages = Vec::new();
         let mut bytes = 0usize;
         let mut started: Option<Instant> = None;
-        while messages.len() < batch.max_messages && bytes < batch.max_bytes {
+        let limit = self.batch_limit(batch);
+        while messages.len() < limit && bytes < batch.max_bytes {
             match self.consumer.next().await {
                 Ok(Some(message)) => {
                     bytes = bytes.saturating_add(message.approximate_size());

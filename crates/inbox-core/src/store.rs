@@ -125,9 +125,10 @@ pub trait InboxTransaction: Send + Sized {
     /// Marks a savepoint: what this transaction does after it can be undone
     /// with [`rollback_to_savepoint`](Self::rollback_to_savepoint) while
     /// what it did before stays (PostgreSQL: `SAVEPOINT`). One savepoint is
-    /// open at a time; the batched runner takes one per message when a batch
-    /// has to be replayed after a handler failure, so a second failure does
-    /// not cost another replay. The default refuses
+    /// open at a time: taking one releases the one open before (in the same
+    /// round trip). The batched runner takes one before each handler when a
+    /// batch has to be replayed after a handler failure, so a second failure
+    /// does not cost another replay. The default refuses
     /// ([`StoreErrorKind::Unsupported`](crate::StoreErrorKind::Unsupported)):
     /// the runner then replays optimistically instead.
     async fn savepoint(&mut self) -> Result<(), StoreError> {
@@ -138,7 +139,7 @@ pub trait InboxTransaction: Send + Sized {
     }
 
     /// Undoes everything since the savepoint (rows inserted, locks taken,
-    /// the handler's writes) and closes it.
+    /// the handler's writes); the savepoint stays open.
     async fn rollback_to_savepoint(&mut self) -> Result<(), StoreError> {
         Err(StoreError::new(
             crate::StoreErrorKind::Unsupported,
@@ -151,6 +152,18 @@ pub trait InboxTransaction: Send + Sized {
         Err(StoreError::new(
             crate::StoreErrorKind::Unsupported,
             "this store has no savepoints",
+        ))
+    }
+
+    /// Deletes rows this transaction inserted and will not keep (rows of
+    /// messages that were decided apart or handed back after a multi-row
+    /// insert). The default refuses
+    /// ([`StoreErrorKind::Unsupported`](crate::StoreErrorKind::Unsupported)).
+    async fn discard_rows(&mut self, ids: &[RowId]) -> Result<(), StoreError> {
+        let _ = ids;
+        Err(StoreError::new(
+            crate::StoreErrorKind::Unsupported,
+            "this store cannot discard rows",
         ))
     }
 

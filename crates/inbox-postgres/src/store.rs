@@ -22,6 +22,7 @@ use crate::schema::{TableName, create_statements};
 struct Sql {
     insert_or_get: String,
     insert_or_get_many: String,
+    discard: String,
     get: String,
     lock: String,
     complete: String,
@@ -81,6 +82,9 @@ impl Sql {
             ),
             get: format!(
                 "SELECT id, status, FALSE AS inserted FROM {q} WHERE message_id = $1 AND consumer_group = $2"
+            ),
+            discard: format!(
+                "DELETE FROM {q} WHERE id IN (SELECT (jsonb_array_elements_text($1::jsonb))::bigint)"
             ),
             lock: format!(
                 "SELECT status, locked_by FROM {q} WHERE id = $1 FOR UPDATE SKIP LOCKED"
@@ -206,6 +210,7 @@ impl PgStore {
 pub struct PgTx {
     tx: DatabaseTransaction,
     sql: Arc<Sql>,
+    savepoint_open: bool,
 }
 
 impl PgTx {
@@ -269,6 +274,7 @@ impl InboxStore for PgStore {
         Ok(PgTx {
             tx,
             sql: self.sql.clone(),
+            savepoint_open: false,
         })
     }
 
@@ -416,19 +422,23 @@ impl InboxTransaction for PgTx {
     }
 
     async fn savepoint(&mut self) -> Result<(), StoreError> {
-        self.tx
-            .execute_unprepared("SAVEPOINT inbox_message")
-            .await
-            .map_err(db)?;
+        // One savepoint open at a time (nesting hundreds of them would
+        // overflow PostgreSQL's subtransaction cache): release the open one
+        // in the same round trip.
+        let sql = if self.savepoint_open {
+            "RELEASE SAVEPOINT inbox_message; SAVEPOINT inbox_message"
+        } else {
+            "SAVEPOINT inbox_message"
+        };
+        self.tx.execute_unprepared(sql).await.map_err(db)?;
+        self.savepoint_open = true;
         Ok(())
     }
 
     async fn rollback_to_savepoint(&mut self) -> Result<(), StoreError> {
-        // ROLLBACK TO keeps the savepoint; RELEASE closes it (one round trip).
+        // ROLLBACK TO keeps the savepoint open.
         self.tx
-            .execute_unprepared(
-                "ROLLBACK TO SAVEPOINT inbox_message; RELEASE SAVEPOINT inbox_message",
-            )
+            .execute_unprepared("ROLLBACK TO SAVEPOINT inbox_message")
             .await
             .map_err(db)?;
         Ok(())
@@ -437,6 +447,19 @@ impl InboxTransaction for PgTx {
     async fn release_savepoint(&mut self) -> Result<(), StoreError> {
         self.tx
             .execute_unprepared("RELEASE SAVEPOINT inbox_message")
+            .await
+            .map_err(db)?;
+        self.savepoint_open = false;
+        Ok(())
+    }
+
+    async fn discard_rows(&mut self, ids: &[RowId]) -> Result<(), StoreError> {
+        let ids: Vec<serde_json::Value> = ids.iter().map(|id| (*id).into()).collect();
+        self.tx
+            .execute_raw(stmt(
+                &self.sql.discard,
+                vec![serde_json::Value::Array(ids).into()],
+            ))
             .await
             .map_err(db)?;
         Ok(())

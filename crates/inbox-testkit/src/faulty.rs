@@ -141,6 +141,10 @@ impl<T: InboxTransaction> InboxTransaction for FaultyTx<T> {
         self.inner.release_savepoint().await
     }
 
+    async fn discard_rows(&mut self, ids: &[RowId]) -> Result<(), StoreError> {
+        self.inner.discard_rows(ids).await
+    }
+
     async fn lock(&mut self, id: RowId, worker: &WorkerId) -> Result<LockResult, StoreError> {
         take(&self.faults, StoreFault::Lock)?;
         self.inner.lock(id, worker).await

@@ -529,7 +529,6 @@ impl InboxTransaction for MemTx {
     async fn rollback_to_savepoint(&mut self) -> Result<(), StoreError> {
         let (staged, locks) = self
             .savepoint
-            .take()
             .ok_or_else(|| StoreError::new(StoreErrorKind::Other, "no savepoint is open"))?;
         let undone: Vec<Staged> = self.staged.drain(staged..).collect();
         let released: Vec<RowId> = self.locks.drain(locks..).collect();
@@ -541,6 +540,38 @@ impl InboxTransaction for MemTx {
         }
         for id in released {
             s.row_locks.remove(&id);
+        }
+        Ok(())
+    }
+
+    async fn discard_rows(&mut self, ids: &[RowId]) -> Result<(), StoreError> {
+        let mut gone = Vec::new();
+        self.staged.retain(|op| match op {
+            Staged::Insert(row) if ids.contains(&row.id) => {
+                gone.push((row.message_id.clone(), row.consumer_group.clone()));
+                false
+            }
+            Staged::Complete(id) => !ids.contains(id),
+            _ => true,
+        });
+        if gone.len() != ids.len() {
+            return Err(StoreError::new(
+                StoreErrorKind::Other,
+                "discard_rows: a row was not inserted by this transaction",
+            ));
+        }
+        self.locks.retain(|id| !ids.contains(id));
+        if let Some((staged, locks)) = &mut self.savepoint {
+            // the mark counts what came before it; keep it inside the vectors
+            *staged = (*staged).min(self.staged.len());
+            *locks = (*locks).min(self.locks.len());
+        }
+        let mut s = self.store.state();
+        for key in gone {
+            s.reserved.remove(&key);
+        }
+        for id in ids {
+            s.row_locks.remove(id);
         }
         Ok(())
     }

@@ -216,49 +216,14 @@ where
         };
 
         // One multi-row insert-or-get for the distinct keys of the batch.
-        let mut rows: Vec<NewInboxRow> = Vec::new();
-        let mut row_of: HashMap<&str, usize> = HashMap::new();
-        for &i in &open {
-            let s = &slots[i];
-            if s.invalid.is_none() && !row_of.contains_key(s.message.message_id.as_str()) {
-                row_of.insert(&s.message.message_id, rows.len());
-                rows.push(
-                    NewInboxRow::for_message(
-                        &s.message,
-                        &self.config.consumer_group,
-                        self.config.max_attempts,
-                    )
-                    .with_status(decision::insert_status(s.policy)),
-                );
-            }
-        }
-        let found = if rows.is_empty() {
-            Ok(Vec::new())
-        } else {
-            tx.insert_or_get_many(&rows).await
-        };
-        let found = match found {
-            Ok(found) if found.len() == rows.len() => found,
-            Ok(_) => {
-                abandon(tx).await;
-                let e = StoreError::new(
-                    StoreErrorKind::Other,
-                    "insert_or_get_many returned a result count unlike the rows'",
-                );
-                fail_all(slots, first_policy, PersistStage::Insert, e);
-                return Attempt::Done;
-            }
+        let mut state = match self.insert_rows(slots, &open, &mut tx).await {
+            Ok(state) => state,
             Err(e) => {
                 abandon(tx).await;
                 fail_all(slots, first_policy, PersistStage::Insert, e);
                 return Attempt::Done;
             }
         };
-        // The row state each key is in for its next occurrence.
-        let mut state: HashMap<String, (RowId, Found)> = row_of
-            .iter()
-            .map(|(id, &r)| ((*id).to_owned(), (found[r].id, found[r].found)))
-            .collect();
 
         // Phase A: plan every open slot (dead letters, locks).
         let mut plans: Vec<(usize, Planned)> = Vec::with_capacity(open.len());
@@ -430,11 +395,56 @@ where
         Attempt::Done
     }
 
-    /// One transaction over the open slots with a savepoint around each
-    /// message (its row, its lock, its handler): a failing handler is rolled
-    /// back to its savepoint, decided apart, and the batch goes on without a
+    /// One multi-row insert-or-get for the distinct keys of the open valid
+    /// slots; the row each key has, and what was found.
+    async fn insert_rows(
+        &self,
+        slots: &[Slot],
+        open: &[usize],
+        tx: &mut S::Tx,
+    ) -> Result<HashMap<String, (RowId, Found)>, StoreError> {
+        let mut rows: Vec<NewInboxRow> = Vec::new();
+        let mut keys: Vec<&str> = Vec::new();
+        for &i in open {
+            let s = &slots[i];
+            let key = s.message.message_id.as_str();
+            if s.invalid.is_none() && !keys.contains(&key) {
+                keys.push(key);
+                rows.push(
+                    NewInboxRow::for_message(
+                        &s.message,
+                        &self.config.consumer_group,
+                        self.config.max_attempts,
+                    )
+                    .with_status(decision::insert_status(s.policy)),
+                );
+            }
+        }
+        if rows.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let found = tx.insert_or_get_many(&rows).await?;
+        if found.len() != rows.len() {
+            return Err(StoreError::new(
+                StoreErrorKind::Other,
+                "insert_or_get_many returned a result count unlike the rows'",
+            ));
+        }
+        Ok(keys
+            .into_iter()
+            .zip(found)
+            .map(|(k, r)| (k.to_owned(), (r.id, r.found)))
+            .collect())
+    }
+
+    /// One transaction over the open slots with a savepoint before each
+    /// handler: a failing handler is rolled back to its savepoint (and its
+    /// new row discarded), decided apart, and the batch goes on without a
     /// replay. Taken after an optimistic attempt failed, so that a batch
     /// with several failures costs two transactions, not one per failure.
+    /// Per handled message it costs one round trip more than the optimistic
+    /// attempt (the savepoint), per failure two (the rollback to it and the
+    /// discard).
     async fn attempt_with_savepoints(
         &mut self,
         slots: &mut [Slot],
@@ -455,6 +465,14 @@ where
                 return Attempt::Done;
             }
         };
+        let mut state = match self.insert_rows(slots, &open, &mut tx).await {
+            Ok(state) => state,
+            Err(e) => {
+                abandon(tx).await;
+                fail_all(slots, first_policy, PersistStage::Insert, e);
+                return Attempt::Done;
+            }
+        };
         let mut this_tx: Vec<usize> = Vec::with_capacity(open.len());
         for i in open {
             // a message before it on its partition may have handed it back
@@ -462,7 +480,7 @@ where
                 continue;
             }
             let policy = slots[i].policy;
-            match self.one_in_savepoint(slots, i, &mut tx).await {
+            match self.one_with_savepoint(slots, i, &mut tx, &mut state).await {
                 Ok(Some(work)) => {
                     slots[i].fate = Fate::Decided(work);
                     this_tx.push(i);
@@ -479,63 +497,85 @@ where
                 }
             }
         }
+        // Rows inserted for messages that were handed back, never used.
+        let unused: Vec<RowId> = state
+            .values()
+            .filter(|(_, found)| *found == Found::Inserted)
+            .map(|(id, _)| *id)
+            .collect();
+        if !unused.is_empty()
+            && let Err(e) = tx.discard_rows(&unused).await
+        {
+            abandon(tx).await;
+            reopen(slots, &this_tx);
+            if e.kind == StoreErrorKind::Unsupported {
+                return Attempt::NoSavepoints;
+            }
+            fail_all(slots, first_policy, PersistStage::Insert, e);
+            return Attempt::Done;
+        }
         self.finish_attempt(slots, tx, &this_tx, first_policy).await
     }
 
-    /// Slot `i` inside a savepoint: `Some(work)` when it is decided in this
-    /// transaction, `None` when it was decided apart (rolled back to its
-    /// savepoint), or the storage failure and its stage.
-    async fn one_in_savepoint(
+    /// Slot `i` of a savepoint attempt: `Some(work)` when it is decided in
+    /// this transaction, `None` when it was decided apart (its writes rolled
+    /// back to the savepoint), or the storage failure and its stage.
+    /// `state` is the row of each key as this transaction leaves it (absent
+    /// keys are inserted again one by one).
+    async fn one_with_savepoint(
         &mut self,
         slots: &mut [Slot],
         i: usize,
         tx: &mut S::Tx,
+        state: &mut HashMap<String, (RowId, Found)>,
     ) -> Result<Option<Work>, (PersistStage, StoreError)> {
         let policy = slots[i].policy;
-        tx.savepoint().await.map_err(|e| (PersistStage::Begin, e))?;
         if let Some(invalid) = &slots[i].invalid {
             tx.dead_letter(&slots[i].message, &self.config.consumer_group, invalid)
                 .await
                 .map_err(|e| (PersistStage::DeadLetter, e))?;
-            tx.release_savepoint()
-                .await
-                .map_err(|e| (PersistStage::DeadLetter, e))?;
             return Ok(Some(Work::new(decision::on_poison(policy), None, None)));
         }
-        let row = NewInboxRow::for_message(
-            &slots[i].message,
-            &self.config.consumer_group,
-            self.config.max_attempts,
-        )
-        .with_status(decision::insert_status(policy));
-        let found = tx
-            .insert_or_get(&row)
-            .await
-            .map_err(|e| (PersistStage::Insert, e))?;
-        let mut step = decision::after_insert(policy, found.found);
+        let key = slots[i].message.message_id.clone();
+        let (row_id, found) = match state.get(&key) {
+            Some(&known) => known,
+            None => {
+                // its row was discarded after an earlier occurrence failed
+                let row = NewInboxRow::for_message(
+                    &slots[i].message,
+                    &self.config.consumer_group,
+                    self.config.max_attempts,
+                )
+                .with_status(decision::insert_status(policy));
+                let r = tx
+                    .insert_or_get(&row)
+                    .await
+                    .map_err(|e| (PersistStage::Insert, e))?;
+                (r.id, r.found)
+            }
+        };
+        let mut step = decision::after_insert(policy, found);
         if step == Step::Lock {
             let lock = tx
-                .lock(found.id, &self.config.worker_id)
+                .lock(row_id, &self.config.worker_id)
                 .await
                 .map_err(|e| (PersistStage::Lock, e))?;
             step = decision::after_lock(policy, lock);
         }
-        let (d, outcome) = match (step, &self.handler) {
-            (Step::Done(d), _) => (d, None),
-            (Step::RunHandler(state), Some(handler)) => {
-                let outcome = run_handler(
-                    handler,
-                    &slots[i].message,
-                    tx,
-                    self.config.handler_timeout,
-                    &self.metrics,
-                )
-                .await;
-                (
-                    decision::after_handler(policy, state, outcome.class()),
-                    Some(outcome),
-                )
+        let (row, handler) = match (step, &self.handler) {
+            (Step::Done(d), _) => {
+                let work = Work::new(d, Some(row_id), None);
+                if d.holds_partition() {
+                    decide_and_return_rest(slots, i, work);
+                    return Ok(None);
+                }
+                if found == Found::Inserted {
+                    // landed: the next occurrence finds it pending
+                    state.insert(key, (row_id, Found::Existing(InboxStatus::Pending)));
+                }
+                return Ok(Some(work));
             }
+            (Step::RunHandler(row), Some(handler)) => (row, handler),
             (Step::RunHandler(_) | Step::Lock, _) => {
                 let e = StoreError::new(
                     StoreErrorKind::Other,
@@ -544,22 +584,39 @@ where
                 return Err((PersistStage::Lock, e));
             }
         };
-        let work = Work::new(d, Some(found.id), outcome);
+        tx.savepoint()
+            .await
+            .map_err(|e| (PersistStage::Insert, e))?;
+        let outcome = run_handler(
+            handler,
+            &slots[i].message,
+            tx,
+            self.config.handler_timeout,
+            &self.metrics,
+        )
+        .await;
+        let d = decision::after_handler(policy, row, outcome.class());
+        let work = Work::new(d, Some(row_id), Some(outcome));
         if d.transaction == TxAction::Rollback || d.holds_partition() {
             tx.rollback_to_savepoint()
                 .await
                 .map_err(|e| (PersistStage::Insert, e))?;
+            if row == RowState::New {
+                // inserted (completed) before the savepoint: gone, as alone
+                tx.discard_rows(&[row_id])
+                    .await
+                    .map_err(|e| (PersistStage::Insert, e))?;
+                state.remove(&key);
+            }
             decide_and_return_rest(slots, i, work);
             return Ok(None);
         }
         if d.write_completion {
-            tx.complete(found.id)
+            tx.complete(row_id)
                 .await
                 .map_err(|e| (PersistStage::Complete, e))?;
         }
-        tx.release_savepoint()
-            .await
-            .map_err(|e| (PersistStage::Commit, e))?;
+        state.insert(key, (row_id, Found::Existing(InboxStatus::Completed)));
         Ok(Some(work))
     }
 

@@ -109,7 +109,7 @@ impl Message {
     pub fn approximate_size(&self) -> usize {
         let body = match &self.raw {
             Some(raw) => raw.len(),
-            None => self.payload.to_string().len(),
+            None => json_len(&self.payload).unwrap_or(0),
         };
         body + self.message_id.len() + self.source.len() + self.event_type.len()
     }
@@ -232,9 +232,7 @@ pub fn validate_payload(payload: &Value) -> Result<(), ValidationError> {
     if !all_finite(payload) {
         return Err(ValidationError::PayloadNotFinite);
     }
-    let bytes = serde_json::to_vec(payload)
-        .map_err(|_| ValidationError::PayloadNotFinite)?
-        .len();
+    let bytes = json_len(payload).ok_or(ValidationError::PayloadNotFinite)?;
     if bytes > MAX_PAYLOAD_BYTES {
         return Err(ValidationError::PayloadTooLarge {
             max: MAX_PAYLOAD_BYTES,
@@ -506,6 +504,24 @@ impl NewInboxRow {
         self.status = status;
         self
     }
+}
+
+/// The length of `value`'s compact JSON text, counted without building it
+/// (`None` if it cannot be written, which validation rules out).
+fn json_len(value: &Value) -> Option<usize> {
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.len();
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    serde_json::to_writer(&mut count, value).ok()?;
+    Some(count.0)
 }
 
 #[cfg(test)]

@@ -64,7 +64,7 @@ impl Sql {
                 "WITH input AS (
                     SELECT e.ord, e.v->>'m' AS message_id, e.v->>'s' AS source, e.v->>'e' AS event_type,
                            e.v->'p' AS payload, (e.v->>'a')::int AS max_attempts, e.v->>'t' AS status
-                      FROM jsonb_array_elements($1::jsonb) WITH ORDINALITY AS e(v, ord)),
+                      FROM jsonb_array_elements($1::text::jsonb) WITH ORDINALITY AS e(v, ord)),
                  ins AS (
                     INSERT INTO {q} (message_id, consumer_group, source, event_type, payload, max_attempts,
                                      status, completed_at)
@@ -358,23 +358,35 @@ impl InboxTransaction for PgTx {
                 "insert_or_get_many takes rows of one consumer group",
             ));
         }
-        let input: Vec<serde_json::Value> = rows
+        // One JSON text for all rows, written from borrowed fields (no copy
+        // of any payload), cast to jsonb by the statement.
+        #[derive(serde::Serialize)]
+        struct Input<'a> {
+            m: &'a str,
+            s: &'a str,
+            e: &'a str,
+            p: &'a serde_json::Value,
+            a: i32,
+            t: &'a str,
+        }
+        let input: Vec<Input<'_>> = rows
             .iter()
-            .map(|r| {
-                serde_json::json!({
-                    "m": r.message_id, "s": r.source, "e": r.event_type,
-                    "p": r.payload, "a": r.max_attempts, "t": r.status.as_str(),
-                })
+            .map(|r| Input {
+                m: &r.message_id,
+                s: &r.source,
+                e: &r.event_type,
+                p: &r.payload,
+                a: r.max_attempts,
+                t: r.status.as_str(),
             })
             .collect();
+        let input = serde_json::to_string(&input)
+            .map_err(|e| StoreError::new(StoreErrorKind::Other, e.to_string()))?;
         let found = self
             .tx
             .query_all_raw(stmt(
                 &self.sql.insert_or_get_many,
-                vec![
-                    serde_json::Value::Array(input).into(),
-                    first.consumer_group.clone().into(),
-                ],
+                vec![input.into(), first.consumer_group.clone().into()],
             ))
             .await
             .map_err(db)?;

@@ -206,8 +206,7 @@ pub(crate) fn line(args: &[String]) -> Result<()> {
     let rows: u64 = rows.parse().context("rows")?;
     let fail: u64 = fail_percent.parse().context("fail percent")?;
     let url = std::env::var("BENCH_DATABASE_URL").context("BENCH_DATABASE_URL is not set")?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+    let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     let elapsed = rt.block_on(async {

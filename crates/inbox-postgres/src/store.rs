@@ -77,7 +77,11 @@ impl Sql {
                         ins.id IS NOT NULL AS inserted
                    FROM input i
                    LEFT JOIN ins ON ins.message_id = i.message_id
-                   LEFT JOIN {q} t ON ins.id IS NULL AND t.message_id = i.message_id AND t.consumer_group = $2
+                   -- LATERAL: one index lookup per row not inserted (a plain
+                   -- join lets the planner hash-join the whole table)
+                   LEFT JOIN LATERAL (
+                        SELECT id, status FROM {q}
+                         WHERE ins.id IS NULL AND message_id = i.message_id AND consumer_group = $2) t ON TRUE
                   ORDER BY i.ord"
             ),
             get: format!(

@@ -22,6 +22,7 @@ use crate::schema::{TableName, create_statements};
 struct Sql {
     insert_or_get: String,
     insert_or_get_many: String,
+    get_many: String,
     discard: String,
     get: String,
     lock: String,
@@ -55,11 +56,13 @@ impl Sql {
                   WHERE message_id = $1 AND consumer_group = $2 AND NOT EXISTS (SELECT 1 FROM ins)"
             ),
             // The same for many rows in one round trip: the rows arrive as
-            // one JSON array (no array binding needed), keep their order
-            // (`ord`), and each comes back inserted or found. A key whose
-            // row a concurrent transaction committed while we waited is
-            // invisible to this snapshot and comes back with a NULL id: it
-            // is read again with `get`.
+            // one JSON text (no array binding needed) and keep their order
+            // (`ord`); each comes back with its new id, or a NULL id when
+            // its key existed. The existing rows are read by `get_many`, a
+            // second statement run only when there are some (duplicates are
+            // rare); looking them up in this statement would cost a lookup
+            // per row even when every row is new, and a scan per row under a
+            // plan made while the table was small.
             insert_or_get_many: format!(
                 "WITH input AS (
                     SELECT e.ord, e.v->>'m' AS message_id, e.v->>'s' AS source, e.v->>'e' AS event_type,
@@ -73,16 +76,17 @@ impl Sql {
                       FROM input ORDER BY ord
                     ON CONFLICT (message_id, consumer_group) DO NOTHING
                     RETURNING id, message_id, status)
-                 SELECT i.ord, COALESCE(ins.id, t.id) AS id, COALESCE(ins.status, t.status) AS status,
-                        ins.id IS NOT NULL AS inserted
-                   FROM input i
-                   LEFT JOIN ins ON ins.message_id = i.message_id
-                   -- LATERAL: one index lookup per row not inserted (a plain
-                   -- join lets the planner hash-join the whole table)
-                   LEFT JOIN LATERAL (
-                        SELECT id, status FROM {q}
-                         WHERE ins.id IS NULL AND message_id = i.message_id AND consumer_group = $2) t ON TRUE
+                 SELECT i.ord, ins.id AS id, ins.status AS status, TRUE AS inserted
+                   FROM input i LEFT JOIN ins ON ins.message_id = i.message_id
                   ORDER BY i.ord"
+            ),
+            // Existing rows by key, with a fresh snapshot (so a row that a
+            // concurrent transaction committed while the insert waited on its
+            // key is seen).
+            get_many: format!(
+                "SELECT id, message_id, status, FALSE AS inserted FROM {q}
+                  WHERE consumer_group = $2
+                    AND message_id IN (SELECT jsonb_array_elements_text($1::text::jsonb))"
             ),
             get: format!(
                 "SELECT id, status, FALSE AS inserted FROM {q} WHERE message_id = $1 AND consumer_group = $2"
@@ -400,14 +404,50 @@ impl InboxTransaction for PgTx {
                 format!("{} rows in, {} rows out", rows.len(), found.len()),
             ));
         }
-        let mut refs = Vec::with_capacity(rows.len());
-        for (row, result) in rows.iter().zip(&found) {
+        let mut refs: Vec<Option<RowRef>> = Vec::with_capacity(rows.len());
+        for result in &found {
             let id: Option<i64> = get(result, "id")?;
             refs.push(match id {
-                Some(_) => row_ref(result)?,
+                Some(_) => Some(row_ref(result)?),
+                None => None,
+            });
+        }
+        let missing: Vec<&str> = rows
+            .iter()
+            .zip(&refs)
+            .filter(|(_, r)| r.is_none())
+            .map(|(row, _)| row.message_id.as_str())
+            .collect();
+        if !missing.is_empty() {
+            let keys = serde_json::to_string(&missing)
+                .map_err(|e| StoreError::new(StoreErrorKind::Other, e.to_string()))?;
+            let existing = self
+                .tx
+                .query_all_raw(stmt(
+                    &self.sql.get_many,
+                    vec![keys.into(), first.consumer_group.clone().into()],
+                ))
+                .await
+                .map_err(db)?;
+            let mut by_key = std::collections::HashMap::new();
+            for r in &existing {
+                by_key.insert(get::<String>(r, "message_id")?, row_ref(r)?);
+            }
+            for (row, r) in rows.iter().zip(refs.iter_mut()) {
+                if r.is_none() {
+                    *r = by_key.get(&row.message_id).copied();
+                }
+            }
+        }
+        let mut out = Vec::with_capacity(rows.len());
+        for (row, r) in rows.iter().zip(refs) {
+            out.push(match r {
+                Some(r) => r,
+                // neither inserted nor found: read it once more on its own
                 None => self.get_again(row).await?,
             });
         }
+        let refs = out;
         Ok(refs)
     }
 

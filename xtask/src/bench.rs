@@ -26,6 +26,7 @@
 //! - `consumer`: the Kafka consumer alone, from tansu (in-memory storage,
 //!   forward only), fetch and decode, no database;
 //! - `e2e`: the full inbox, tansu to PostgreSQL, batched, with the
+//!   batch-aware handler, offsets stored in the inbox transaction, the
 //!   exactly-once check and the broker-gap count after it.
 //!
 //! The runner lines take their messages from the in-memory broker,
@@ -157,6 +158,9 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             .output()
             .with_context(|| format!("running bench line {line}"))?;
         let stdout = String::from_utf8_lossy(&out.stdout);
+        if std::env::var_os("BENCH_VERBOSE").is_some() {
+            eprint!("{}", String::from_utf8_lossy(&out.stderr));
+        }
         if !out.status.success() {
             bail!(
                 "bench line {line} failed: {}{}",
@@ -380,7 +384,9 @@ async fn raw_batch(db: &DatabaseConnection, messages: u64, savepoints: bool) -> 
 /// full batched inbox into PostgreSQL (`inbox = true`), on a topic of
 /// `messages` records produced before the clock starts.
 async fn kafka(store: PgStore, messages: u64, inbox: bool) -> Result<Duration> {
-    let broker = inbox_testkit::kafka::Broker::start_with_storage("memory://tansu/")
+    let storage =
+        std::env::var("BENCH_TANSU_STORAGE").unwrap_or_else(|_| "memory://tansu/".to_owned());
+    let broker = inbox_testkit::kafka::Broker::start_with_storage(&storage)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let topic = broker
         .topic("bench", PARTITIONS)
@@ -417,7 +423,7 @@ async fn kafka(store: PgStore, messages: u64, inbox: bool) -> Result<Duration> {
     if inbox {
         let batch = BatchConfig::new(BATCH);
         let config = RunnerConfig::new("bench", "bench-1")?.batched(batch);
-        let handler = Arc::new(Bench::new(false, 0));
+        let handler = Arc::new(Bench::new(true, 0));
         let mut runner = Runner::new(store, consumer, handler, config);
         while done < messages && Instant::now() < deadline {
             let batch = runner.next_batch(batch).await?;
@@ -434,6 +440,7 @@ async fn kafka(store: PgStore, messages: u64, inbox: bool) -> Result<Duration> {
     }
     let elapsed = started.elapsed();
     let stats = consumer.stats();
+    eprintln!("consumer stats: {stats:?}");
     if stats.gaps > 0 {
         bail!(
             "the broker skipped {} offsets in {} gaps",

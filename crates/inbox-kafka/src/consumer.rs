@@ -102,8 +102,51 @@ struct Partition {
     next_fetch: i64,
     buffer: VecDeque<RecordAndOffset>,
     buffered_bytes: usize,
+    /// Records delivered and not yet acknowledged, oldest first (bounded by
+    /// `fetch_max_bytes`): a rewind to one of them puts them back in
+    /// `buffer` instead of fetching them again.
+    delivered: VecDeque<RecordAndOffset>,
+    delivered_bytes: usize,
     high_watermark: i64,
     fenced: bool,
+}
+
+impl Partition {
+    /// Forgets delivered records at or before `offset` (acknowledged).
+    fn acknowledged(&mut self, offset: i64) {
+        while let Some(r) = self.delivered.front() {
+            if r.offset > offset {
+                break;
+            }
+            self.delivered_bytes = self
+                .delivered_bytes
+                .saturating_sub(r.record.approximate_size());
+            self.delivered.pop_front();
+        }
+    }
+
+    /// Puts the delivered records from `offset` on back at the front of
+    /// the buffer; `false` when `offset` is not among them (it must be
+    /// fetched again).
+    fn rewind_in_memory(&mut self, offset: i64) -> bool {
+        let Some(at) = self.delivered.iter().position(|r| r.offset == offset) else {
+            return false;
+        };
+        for record in self.delivered.drain(at..).rev() {
+            let size = record.record.approximate_size();
+            self.delivered_bytes = self.delivered_bytes.saturating_sub(size);
+            self.buffered_bytes += size;
+            self.buffer.push_front(record);
+        }
+        true
+    }
+
+    fn forget(&mut self) {
+        self.buffer.clear();
+        self.buffered_bytes = 0;
+        self.delivered.clear();
+        self.delivered_bytes = 0;
+    }
 }
 
 /// Statistics of a [`KafkaConsumer`].
@@ -119,6 +162,11 @@ pub struct ConsumerStats {
     pub missing: i64,
     /// Largest number of bytes buffered for one partition.
     pub max_buffered_bytes: usize,
+    /// Rewinds served from the records kept since the last acknowledgement
+    /// (no fetch).
+    pub rewinds_in_memory: u64,
+    /// Rewinds that had to fetch again (the record was no longer kept).
+    pub rewinds_refetched: u64,
 }
 
 /// A consumer of a set of partitions for one consumer group, with each
@@ -187,6 +235,8 @@ impl KafkaConsumer {
                 next_fetch,
                 buffer: VecDeque::new(),
                 buffered_bytes: 0,
+                delivered: VecDeque::new(),
+                delivered_bytes: 0,
                 high_watermark: next_fetch,
                 fenced: false,
             });
@@ -292,11 +342,21 @@ impl KafkaConsumer {
     }
 
     fn pop(&mut self, index: usize) -> Option<Message> {
+        let limit = usize::try_from(self.config.fetch_max_bytes).unwrap_or(usize::MAX);
         let p = &mut self.partitions[index];
         let record = p.buffer.pop_front()?;
-        p.buffered_bytes = p
-            .buffered_bytes
-            .saturating_sub(record.record.approximate_size());
+        let size = record.record.approximate_size();
+        p.buffered_bytes = p.buffered_bytes.saturating_sub(size);
+        // Kept until acknowledged, so that a rewind is a step back in memory.
+        p.delivered.push_back(record.clone());
+        p.delivered_bytes += size;
+        while p.delivered_bytes > limit && p.delivered.len() > 1 {
+            if let Some(old) = p.delivered.pop_front() {
+                p.delivered_bytes = p
+                    .delivered_bytes
+                    .saturating_sub(old.record.approximate_size());
+            }
+        }
         let view = RecordView {
             topic: &p.topic,
             partition: p.partition,
@@ -356,7 +416,15 @@ impl Consumer for KafkaConsumer {
             } else {
                 ConsumerError::Ack(e.to_string())
             }
-        })
+        })?;
+        self.acked_in_transaction(message);
+        Ok(())
+    }
+
+    fn acked_in_transaction(&mut self, message: &Message) {
+        if let (Some(index), Some(pos)) = (self.index_of(message), message.position.as_ref()) {
+            self.partitions[index].acknowledged(pos.offset);
+        }
     }
 
     async fn rewind(&mut self, message: &Message) -> Result<(), ConsumerError> {
@@ -365,9 +433,13 @@ impl Consumer for KafkaConsumer {
         })?;
         let offset = message.position.as_ref().map_or(0, |p| p.offset);
         let p = &mut self.partitions[index];
-        p.buffer.clear();
-        p.buffered_bytes = 0;
-        p.next_fetch = offset;
+        if p.rewind_in_memory(offset) {
+            self.stats.rewinds_in_memory += 1;
+        } else {
+            p.forget();
+            p.next_fetch = offset;
+            self.stats.rewinds_refetched += 1;
+        }
         Ok(())
     }
 
@@ -386,8 +458,7 @@ impl Consumer for KafkaConsumer {
                     "fenced: another consumer owns this partition now; it is no longer read here"
                 );
                 p.fenced = true;
-                p.buffer.clear();
-                p.buffered_bytes = 0;
+                p.forget();
                 self.metrics.record(MetricEvent::Fenced {
                     partition: p.partition,
                 });

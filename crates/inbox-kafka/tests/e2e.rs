@@ -47,6 +47,7 @@ async fn handler_retry_four_deliveries() {
             .unwrap_or_else(|| panic!("no delivery"))
     };
     let d1 = next(&mut runner).await;
+    let fetches = runner.consumer_mut().stats().fetches;
     assert_eq!((d1.acked, d1.processed), (false, false));
     assert_eq!(handler.calls(), 1);
     assert_eq!(env.invoices("order-1").await, 0);
@@ -55,6 +56,16 @@ async fn handler_retry_four_deliveries() {
 
     let d2 = next(&mut runner).await;
     assert_eq!(d2.position, d1.position, "the rewound record comes again");
+    let stats = runner.consumer_mut().stats();
+    assert_eq!(
+        (
+            stats.fetches,
+            stats.rewinds_in_memory,
+            stats.rewinds_refetched
+        ),
+        (fetches, 1, 0),
+        "the rewind stepped back in memory, without fetching again"
+    );
     assert_eq!((d2.acked, d2.processed), (true, true));
     assert_eq!(handler.calls(), 2);
     assert_eq!(env.invoices("order-1").await, 1);
@@ -375,4 +386,79 @@ async fn lag_is_reported_per_partition() {
     );
     drain(&mut runner).await;
     assert_eq!(runner.consumer_mut().lag(), 0);
+}
+
+/// The batched runner on tansu: a batch of 12 records on two partitions with
+/// a failure in the middle of one; the other partition goes on, the failing
+/// one is acknowledged up to the failure, the redelivery comes from memory,
+/// and every order is invoiced once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_runner_holds_only_the_failing_partition() {
+    let env = env("batched", 2).await;
+    let a: Vec<String> = (0..6).map(|i| format!("a-{i}")).collect();
+    let b: Vec<String> = (0..6).map(|i| format!("b-{i}")).collect();
+    env.produce_orders(0, &a.iter().map(String::as_str).collect::<Vec<_>>())
+        .await;
+    env.produce_orders(1, &b.iter().map(String::as_str).collect::<Vec<_>>())
+        .await;
+    // calls in delivery order alternate partitions: a-0 b-0 a-1 b-1 a-2 ...
+    let handler = ScriptedHandler::new(
+        [
+            Act::Succeed,
+            Act::Succeed,
+            Act::Succeed,
+            Act::Succeed,
+            Act::Fail,
+        ],
+        Act::Succeed,
+    );
+    let mut batch = inbox_core::BatchConfig::new(100);
+    batch.max_wait = Duration::from_millis(50);
+    let g = "billing";
+    let mut runner = Runner::new(
+        env.store.clone(),
+        env.consumer(g).await,
+        handler.clone(),
+        config(g, AckStrategy::default()).batched(batch),
+    );
+    let mut messages = Vec::new();
+    for _ in 0..20 {
+        messages.extend(runner.next_batch(batch).await.expect("fetch"));
+        if messages.len() >= 12 {
+            break;
+        }
+    }
+    assert_eq!(messages.len(), 12);
+    let first = runner.process_batch(messages).await;
+    let failed: Vec<&str> = first
+        .results
+        .iter()
+        .filter(|r| r.rewound)
+        .map(|r| r.message_id.as_str())
+        .collect();
+    assert_eq!(failed.len(), 1, "{first:?}");
+    let failed_partition = i32::from(failed[0].starts_with('b'));
+    let failed_offset = first
+        .results
+        .iter()
+        .find(|r| r.rewound)
+        .and_then(|r| r.position.as_ref())
+        .map(|p| p.offset)
+        .expect("position");
+    assert_eq!(
+        env.stored_offset(g, failed_partition).await,
+        (failed_offset > 0).then_some(failed_offset),
+        "acknowledged up to the failure, not past it"
+    );
+    assert_eq!(env.stored_offset(g, 1 - failed_partition).await, Some(6));
+    let fetches = runner.consumer_mut().stats().fetches;
+    drain(&mut runner).await;
+    let stats = runner.consumer_mut().stats();
+    assert_eq!(stats.rewinds_in_memory, 1, "{stats:?}");
+    assert!(stats.fetches >= fetches);
+    for id in a.iter().chain(&b) {
+        assert_eq!(env.invoices(id).await, 1, "{id}");
+    }
+    assert_eq!(env.stored_offset(g, 0).await, Some(6));
+    assert_eq!(env.stored_offset(g, 1).await, Some(6));
 }

@@ -62,3 +62,13 @@ async fn all_scenarios_share_one_store() {
 async fn batched_matches_one_by_one() {
     scenarios::batched_matches_one_by_one(MemStore::new()).await;
 }
+
+#[tokio::test]
+async fn random_batches_match_one_by_one() {
+    let store = MemStore::new();
+    let mut messages = 0;
+    for seed in 0..300 {
+        messages += scenarios::random_batches_match_one_by_one(store.clone(), seed).await;
+    }
+    assert!(messages > 300 * 10);
+}

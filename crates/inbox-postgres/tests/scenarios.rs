@@ -63,3 +63,13 @@ async fn commit_failure_then_duplicate() {
 async fn batched_matches_one_by_one() {
     scenarios::batched_matches_one_by_one(store().await).await;
 }
+
+/// The random batched-vs-one-by-one comparison on PostgreSQL (fewer seeds
+/// than on the in-memory store: each is two runners' worth of round trips).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_batches_match_one_by_one() {
+    let store = store().await;
+    for seed in 0..24 {
+        scenarios::random_batches_match_one_by_one(store.clone(), seed).await;
+    }
+}

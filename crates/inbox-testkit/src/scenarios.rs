@@ -894,3 +894,109 @@ where
         "{c:?}"
     );
 }
+
+/// A random workload from `seed` (ids from a small pool, so duplicates
+/// happen inside and across batches; three partitions; a random failure
+/// budget per id; a random batch size), run through the per-message runner
+/// and the batched runner, each in its own group on `store`: the same
+/// invoices, row statuses, counters and acknowledged offsets, and no invoice
+/// twice. Returns the number of messages, for the caller's report.
+pub async fn random_batches_match_one_by_one<S>(store: S, seed: u64) -> usize
+where
+    S: ScenarioStore,
+    S::Tx: WriteInvoice,
+{
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut roll = move |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    };
+    let count = 10 + roll(50);
+    let workload: Vec<(String, i32)> = (0..count)
+        .map(|_| {
+            (
+                format!("m{}", roll(15)),
+                i32::try_from(roll(3)).unwrap_or(0),
+            )
+        })
+        .collect();
+    let fails: Vec<(String, u32)> = (0..15)
+        .map(|i| {
+            (
+                format!("m{i}"),
+                [0, 0, 0, 1, 2][usize::try_from(roll(5)).unwrap_or(0)],
+            )
+        })
+        .collect();
+    let batch = usize::try_from(1 + roll(20)).unwrap_or(1);
+    let savepoints = roll(2) == 0;
+    let mut stories = Vec::new();
+    for (group, batched) in [
+        (format!("random-{seed}-one"), false),
+        (format!("random-{seed}-many"), true),
+    ] {
+        let id = |m: &str| format!("{group}-{m}");
+        let broker = MemBroker::new();
+        for (m, p) in &workload {
+            broker.produce("orders", *p, order(&id(m)));
+        }
+        let budgets: Vec<(String, u32)> = fails.iter().map(|(m, n)| (id(m), *n)).collect();
+        let handler = FlakyById::new(budgets.iter().map(|(m, n)| (m.as_str(), *n)));
+        let metrics = Arc::new(CountingMetrics::new());
+        let mut b = inbox_core::BatchConfig::new(batch);
+        b.max_wait = Duration::ZERO;
+        b.savepoints_after_failure = savepoints;
+        let mut cfg = config(&group, AckStrategy::default());
+        if batched {
+            cfg = cfg.batched(b);
+        }
+        let mut runner = Runner::new(store.clone(), broker.consumer(&group), handler, cfg)
+            .with_metrics(metrics.clone());
+        for _ in 0..1_000 {
+            if batched {
+                let messages = runner.next_batch(b).await.unwrap_or_default();
+                if messages.is_empty() {
+                    break;
+                }
+                let result = runner.process_batch(messages).await;
+                for r in result.results.iter().filter(|r| r.rewound) {
+                    let pos = r.position.as_ref().unwrap_or_else(|| panic!("position"));
+                    let acked = broker.acked(&group, "orders", pos.partition).unwrap_or(0);
+                    assert!(
+                        acked <= pos.offset,
+                        "seed {seed}: acknowledged past a rewind"
+                    );
+                }
+            } else if runner.process_one().await.ok().flatten().is_none() {
+                break;
+            }
+        }
+        let mut per_message = Vec::new();
+        let mut seen = std::collections::BTreeSet::new();
+        for (m, _) in &workload {
+            if seen.insert(m.clone()) {
+                let invoices = store.invoices(&id(m)).await;
+                assert!(invoices <= 1, "seed {seed}: {m} invoiced {invoices} times");
+                let status = row(&store, &id(m), &group).await.map(|r| r.status);
+                per_message.push((m.clone(), invoices, status));
+            }
+        }
+        let mut counts = metrics.snapshot();
+        counts.handler_runs = 0;
+        let acked = (0..3).map(|p| broker.acked(&group, "orders", p)).collect();
+        stories.push(Story {
+            per_message,
+            counts,
+            acked,
+        });
+    }
+    let batched = stories.pop();
+    let one_by_one = stories.pop();
+    assert_eq!(
+        batched, one_by_one,
+        "seed {seed} (batch {batch}, savepoints {savepoints}): batched vs one by one"
+    );
+    workload.len()
+}

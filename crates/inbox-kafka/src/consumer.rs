@@ -93,6 +93,11 @@ pub enum KafkaError {
     Config(String),
 }
 
+/// Most delivered, unacknowledged records kept per partition for rewinds in
+/// memory (a runner acknowledges or rewinds every batch, so it needs about a
+/// batch; a rewind further back fetches again).
+const MAX_KEPT_RECORDS: usize = 1024;
+
 struct Partition {
     client: PartitionClient,
     topic: String,
@@ -103,8 +108,8 @@ struct Partition {
     buffer: VecDeque<RecordAndOffset>,
     buffered_bytes: usize,
     /// Records delivered and not yet acknowledged, oldest first (bounded by
-    /// `fetch_max_bytes`): a rewind to one of them puts them back in
-    /// `buffer` instead of fetching them again.
+    /// `fetch_max_bytes` and [`MAX_KEPT_RECORDS`]): a rewind to one of them
+    /// puts them back in `buffer` instead of fetching them again.
     delivered: VecDeque<RecordAndOffset>,
     delivered_bytes: usize,
     high_watermark: i64,
@@ -350,7 +355,9 @@ impl KafkaConsumer {
         // Kept until acknowledged, so that a rewind is a step back in memory.
         p.delivered.push_back(record.clone());
         p.delivered_bytes += size;
-        while p.delivered_bytes > limit && p.delivered.len() > 1 {
+        while (p.delivered_bytes > limit || p.delivered.len() > MAX_KEPT_RECORDS)
+            && p.delivered.len() > 1
+        {
             if let Some(old) = p.delivered.pop_front() {
                 p.delivered_bytes = p
                     .delivered_bytes

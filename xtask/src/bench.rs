@@ -13,9 +13,9 @@
 //!   per 100 messages, in one transaction: what no inbox can beat;
 //! - `runner`: the per-message runner;
 //! - `batched`: the batched runner (batch 100; after a handler failure the
-//!   batch is replayed once with a savepoint per message);
-//! - `batched-optimistic`: the same with optimistic replays only (one more
-//!   transaction per failure);
+//!   batch is rolled back and replayed without the failed message);
+//! - `batched-savepoints`: the same, replaying once with a savepoint before
+//!   each handler instead (`BatchConfig::savepoints_after_failure`);
 //! - `batch-aware`: the batched runner with a handler that writes the
 //!   batch's business rows in one statement;
 //! - `raw-batch` and `raw-savepoints`: the batched protocol as raw SQL
@@ -57,7 +57,7 @@ const LINES: [&str; 10] = [
     "raw-savepoints",
     "runner",
     "batched",
-    "batched-optimistic",
+    "batched-savepoints",
     "batch-aware",
     "consumer",
     "e2e",
@@ -226,7 +226,7 @@ pub(crate) fn line(args: &[String]) -> Result<()> {
             "floor" => floor(&db, messages).await,
             "runner" => runner(store, messages, Mode::PerMessage, fail).await,
             "batched" => runner(store, messages, Mode::Batched, fail).await,
-            "batched-optimistic" => runner(store, messages, Mode::Optimistic, fail).await,
+            "batched-savepoints" => runner(store, messages, Mode::Savepoints, fail).await,
             "batch-aware" => runner(store, messages, Mode::BatchAware, fail).await,
             "raw-batch" => raw_batch(&db, messages, false).await,
             "raw-savepoints" => raw_batch(&db, messages, true).await,
@@ -523,7 +523,7 @@ impl Bench {
 enum Mode {
     PerMessage,
     Batched,
-    Optimistic,
+    Savepoints,
     BatchAware,
 }
 
@@ -586,7 +586,7 @@ async fn runner(store: PgStore, messages: u64, mode: Mode, fail_percent: u64) ->
     let mut config = RunnerConfig::new("bench", "bench-1")?;
     let batch_config = BatchConfig {
         max_wait: Duration::ZERO,
-        savepoints_after_failure: mode != Mode::Optimistic,
+        savepoints_after_failure: mode == Mode::Savepoints,
         ..BatchConfig::new(BATCH)
     };
     let batch = mode != Mode::PerMessage;

@@ -6,7 +6,9 @@
 //! - `message`: the per-message driver ([`Runner::process_message`]), one
 //!   transaction per message;
 //! - `batch`: the batched driver ([`Runner::process_batch`]), many messages
-//!   in one transaction, each with the outcome it would get alone;
+//!   in one transaction, each with the outcome it would get alone (its
+//!   `optimistic` and `savepoints` attempts and its `slots` bookkeeping in
+//!   files of their own);
 //! - `run`: the loop ([`Runner::run`]): fetching, backoff, cancellation.
 //!
 //! The drivers decide nothing: the decision module says whether to lock,

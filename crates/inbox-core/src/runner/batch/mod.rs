@@ -1,0 +1,372 @@
+//! The batched driver: many messages in one database transaction, each with
+//! exactly the decision it would get alone.
+//!
+//! The batch runs optimistically: one multi-row insert-or-get for every row
+//! (new rows inserted completed, as the per-message driver does), the
+//! handlers without savepoints, one acknowledgement per partition written
+//! inside the transaction (ExactlyOnceInbox with offsets in the database),
+//! one commit. When a message's decision needs its own writes undone (a
+//! handler failure) or holds its partition (it is to be delivered again, or
+//! the partition is fenced), that message's decision is fixed, the
+//! transaction is rolled back and the batch is replayed without it, and
+//! without the later messages of its partition when it holds the partition:
+//! those are handed back to the broker undecided, exactly as if the
+//! per-message driver had rewound before reading them. A replay costs one
+//! more transaction. With `BatchConfig::savepoints_after_failure` the replay
+//! instead takes a savepoint before each handler, so further failures in
+//! the batch cost no further transaction; measured, that is no faster
+//! unless about a tenth of the handler calls fail, so it is off by default.
+//! The runner also halves its batch after a replay (`BatchConfig::adaptive`),
+//! so a handler that fails often costs small replays.
+//!
+//! Duplicates inside one batch behave as one after the other: the second
+//! occurrence of a key sees the row the first one leaves (completed when
+//! its handler ran, which holds, since a failing handler triggers a replay
+//! without it).
+
+mod optimistic;
+mod savepoints;
+mod slots;
+
+use std::collections::HashMap;
+
+use crate::consumer::Consumer;
+use crate::decision::{self, AckPoint, Policy};
+use crate::error::{PersistStage, StoreError, StoreErrorKind, ValidationError};
+use crate::handler::Handler;
+use crate::metrics::{MetricEvent, Metrics};
+use crate::model::{Message, NewInboxRow, RowId};
+use crate::store::{Found, InboxStore, InboxTransaction};
+
+use super::message::{Work, store_ack};
+use super::{BatchResult, ProcessError, ProcessResult, Runner, abandon};
+
+use slots::{covered_by_ack, decide_and_return_rest, fail_all, first_of, partition_plan, reopen};
+
+/// One message of the batch.
+struct Slot {
+    message: Message,
+    policy: Policy,
+    invalid: Option<ValidationError>,
+    /// The partition's index among the batch's partitions.
+    partition: usize,
+    fate: Fate,
+    acked_before: bool,
+}
+
+enum Fate {
+    /// Not decided yet: handled in the next transaction.
+    Open,
+    /// Decided (for good, unless a later storage failure of its partition
+    /// hands it back).
+    Decided(Work),
+    /// Handed back to the broker undecided.
+    Returned,
+}
+
+/// How the next attempt runs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// The first attempt: no savepoints; the batch form of the handler when
+    /// it has one.
+    Optimistic,
+    /// A savepoint around each message.
+    Savepoints,
+    /// The store has no savepoints: optimistic replays, one message at a
+    /// time.
+    OptimisticReplays,
+}
+
+/// What one attempt ended with.
+enum Attempt {
+    /// Committed (or failed for good): every slot is decided or returned.
+    Done,
+    /// A slot was decided apart: replay the rest.
+    Replay,
+    /// The batch-aware handler failed: replay one message at a time.
+    PerMessage,
+    /// The store has no savepoints: replay optimistically.
+    NoSavepoints,
+}
+
+impl<S, C, H, M> Runner<S, C, H, M>
+where
+    S: InboxStore,
+    C: Consumer,
+    H: Handler<S::Tx>,
+    M: Metrics,
+{
+    /// Processes delivered messages in one database transaction (more only
+    /// when a handler fails: see the module docs), giving each the decision,
+    /// row, counters and acknowledgement it would get alone. Offsets are
+    /// cumulative: nothing at or past a message that is to be delivered again
+    /// is acknowledged on its partition, and the messages after it on that
+    /// partition are handed back undecided ([`BatchResult::returned`]).
+    pub async fn process_batch(&mut self, messages: Vec<Message>) -> BatchResult {
+        let mut partitions: Vec<Option<(String, i32)>> = Vec::new();
+        let mut slots: Vec<Slot> = messages
+            .into_iter()
+            .map(|message| {
+                let key = message.position.as_ref().map(|p| p.partition_key());
+                let partition = match partitions.iter().position(|k| *k == key) {
+                    Some(i) => i,
+                    None => {
+                        partitions.push(key);
+                        partitions.len() - 1
+                    }
+                };
+                Slot {
+                    policy: self.policy(&message),
+                    invalid: message.validate(&self.config.consumer_group).err(),
+                    message,
+                    partition,
+                    fate: Fate::Open,
+                    acked_before: false,
+                }
+            })
+            .collect();
+        self.ack_before(&mut slots, partitions.len()).await;
+        // Optimistic first (with the batch form of the handler, if any);
+        // after a failure, optimistic replays one message at a time, or one
+        // transaction with a savepoint per handler when so configured (and
+        // the store has savepoints). Each replay decides or returns at
+        // least one slot, or changes the mode: the loop ends.
+        let mut mode = Mode::Optimistic;
+        let savepoints = self
+            .config
+            .batch
+            .is_some_and(|b| b.savepoints_after_failure);
+        let mut transactions = 0;
+        loop {
+            let attempt = match mode {
+                Mode::Optimistic | Mode::OptimisticReplays => {
+                    let batch_handler = mode == Mode::Optimistic;
+                    self.attempt(&mut slots, &mut transactions, batch_handler)
+                        .await
+                }
+                Mode::Savepoints => {
+                    self.attempt_with_savepoints(&mut slots, &mut transactions)
+                        .await
+                }
+            };
+            mode = match (attempt, mode) {
+                (Attempt::Done, _) => break,
+                (Attempt::NoSavepoints, _) => Mode::OptimisticReplays,
+                (Attempt::Replay | Attempt::PerMessage, Mode::OptimisticReplays) => {
+                    Mode::OptimisticReplays
+                }
+                (Attempt::Replay | Attempt::PerMessage, _) if savepoints => Mode::Savepoints,
+                (Attempt::Replay | Attempt::PerMessage, _) => Mode::OptimisticReplays,
+            };
+        }
+        let len = slots.len();
+        self.adapt_batch_size(len, transactions);
+        self.settle_batch(slots, partitions.len(), transactions)
+            .await
+    }
+
+    /// AtMostOnce: acknowledges each partition's last message before the
+    /// transaction; a partition whose acknowledgement fails is rewound to
+    /// its first message, unhandled.
+    async fn ack_before(&mut self, slots: &mut [Slot], partitions: usize) {
+        for p in 0..partitions {
+            let Some(last) = slots.iter().rposition(|s| s.partition == p) else {
+                continue;
+            };
+            if !decision::acks_before_tx(slots[last].policy) {
+                continue;
+            }
+            match self.consumer.ack(&slots[last].message).await {
+                Ok(()) => {
+                    for s in slots.iter_mut().filter(|s| s.partition == p) {
+                        self.metrics.record(MetricEvent::Acked);
+                        s.acked_before = true;
+                    }
+                }
+                Err(e) => {
+                    self.metrics.record(MetricEvent::AckFailed);
+                    let mut work = Work::new(decision::on_early_ack_failure(), None, None);
+                    work.error = Some(ProcessError::Ack(e));
+                    decide_and_return_rest(slots, first_of(slots, p), work);
+                }
+            }
+        }
+    }
+
+    /// Writes one acknowledgement per partition inside the transaction
+    /// (where the decisions put it there), then commits. A fenced partition
+    /// is decided apart and the rest replayed; any other failure is a
+    /// storage failure of the slots decided in this transaction (`this_tx`).
+    async fn finish_attempt(
+        &mut self,
+        slots: &mut [Slot],
+        mut tx: S::Tx,
+        this_tx: &[usize],
+        first_policy: Policy,
+    ) -> Attempt {
+        let partitions = slots.iter().map(|s| s.partition + 1).max().unwrap_or(0);
+        for p in 0..partitions {
+            let Some((k, AckPoint::InTx)) = partition_plan(slots, p) else {
+                continue;
+            };
+            let ack = self.consumer.transactional_ack(&slots[k].message);
+            if let Err(e) = store_ack(&mut tx, ack.as_ref()).await {
+                abandon(tx).await;
+                let policy = slots[k].policy;
+                reopen(slots, this_tx);
+                if e.kind == StoreErrorKind::Fenced {
+                    // This partition belongs to another consumer now: its
+                    // messages are undone here and the rest replayed.
+                    let first = first_of(slots, p);
+                    let work = Work::storage_failure(policy, PersistStage::Ack, e, None, None);
+                    decide_and_return_rest(slots, first, work);
+                    return Attempt::Replay;
+                }
+                fail_all(slots, policy, PersistStage::Ack, e);
+                return Attempt::Done;
+            }
+        }
+        if let Err(e) = tx.commit().await {
+            reopen(slots, this_tx);
+            fail_all(slots, first_policy, PersistStage::Commit, e);
+        }
+        Attempt::Done
+    }
+
+    /// One multi-row insert-or-get for the distinct keys of the open valid
+    /// slots; the row each key has, and what was found.
+    async fn insert_rows(
+        &self,
+        slots: &[Slot],
+        open: &[usize],
+        tx: &mut S::Tx,
+    ) -> Result<HashMap<String, (RowId, Found)>, StoreError> {
+        let mut rows: Vec<NewInboxRow> = Vec::new();
+        let mut keys: Vec<&str> = Vec::new();
+        for &i in open {
+            let s = &slots[i];
+            let key = s.message.message_id.as_str();
+            if s.invalid.is_none() && !keys.contains(&key) {
+                keys.push(key);
+                rows.push(
+                    NewInboxRow::for_message(
+                        &s.message,
+                        &self.config.consumer_group,
+                        self.config.max_attempts,
+                    )
+                    .with_status(decision::insert_status(s.policy)),
+                );
+            }
+        }
+        if rows.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let found = tx.insert_or_get_many(&rows).await?;
+        if found.len() != rows.len() {
+            return Err(StoreError::new(
+                StoreErrorKind::Other,
+                "insert_or_get_many returned a result count unlike the rows'",
+            ));
+        }
+        Ok(keys
+            .into_iter()
+            .zip(found)
+            .map(|(k, r)| (k.to_owned(), (r.id, r.found)))
+            .collect())
+    }
+
+    /// After the last transaction: one acknowledgement per partition (after
+    /// it, or noted as written inside it), one rewind per partition, the
+    /// counters, the results.
+    async fn settle_batch(
+        &mut self,
+        mut slots: Vec<Slot>,
+        partitions: usize,
+        transactions: usize,
+    ) -> BatchResult {
+        let mut acked = vec![false; slots.len()];
+        let mut errors: Vec<Option<ProcessError>> = vec![None; slots.len()];
+        for p in 0..partitions {
+            if let Some((k, point)) = partition_plan(&slots, p) {
+                let covered: Vec<usize> = (0..=k)
+                    .filter(|&i| slots[i].partition == p && covered_by_ack(&slots[i]))
+                    .collect();
+                let ok = match point {
+                    AckPoint::InTx => {
+                        self.consumer.acked_in_transaction(&slots[k].message);
+                        true
+                    }
+                    AckPoint::AfterTx => match self.ack_after(&slots[k].message).await {
+                        Ok(()) => true,
+                        Err(e) => {
+                            errors[k] = Some(ProcessError::Ack(e));
+                            false
+                        }
+                    },
+                    AckPoint::BeforeTx | AckPoint::Never => false,
+                };
+                if ok {
+                    for i in covered {
+                        if point == AckPoint::InTx || i != k {
+                            self.metrics.record(MetricEvent::Acked);
+                        }
+                        acked[i] = true;
+                    }
+                }
+            }
+            let rewind_at = slots.iter().position(|s| {
+                s.partition == p && matches!(&s.fate, Fate::Decided(w) if w.decision.rewind)
+            });
+            if let Some(i) = rewind_at {
+                let message = slots[i].message.clone();
+                let mut error = None;
+                if !self.rewind(&message, &mut error).await {
+                    errors[i] = error;
+                }
+            }
+        }
+        let mut result = BatchResult {
+            transactions,
+            ..BatchResult::default()
+        };
+        for (i, slot) in slots.drain(..).enumerate() {
+            let Slot {
+                message,
+                invalid,
+                fate,
+                acked_before,
+                ..
+            } = slot;
+            let Fate::Decided(mut work) = fate else {
+                result.returned += 1;
+                continue;
+            };
+            if let Some(invalid) = invalid {
+                work.error.get_or_insert(ProcessError::Invalid(invalid));
+            }
+            if let Some(e) = errors[i].take() {
+                work.error.get_or_insert(e);
+            }
+            if work.error.as_ref().is_some_and(ProcessError::is_fenced) {
+                self.consumer.fenced(&message);
+            }
+            self.metrics.record(MetricEvent::Consumed);
+            self.metrics.record(MetricEvent::Tally(work.decision.tally));
+            let rewound =
+                work.decision.rewind && !matches!(work.error, Some(ProcessError::Rewind(_)));
+            result.results.push(ProcessResult {
+                message_id: message.message_id,
+                position: message.position,
+                row_id: work.row_id,
+                acked: acked_before || work.acked_before || acked[i],
+                processed: work.decision.processed,
+                duplicate: work.decision.duplicate,
+                outcome: work.outcome,
+                rewound,
+                decision: work.decision,
+                error: work.error,
+            });
+        }
+        result
+    }
+}

@@ -1,0 +1,254 @@
+//! The optimistic attempt: no savepoints; a failure rolls the whole
+//! transaction back and the batch is replayed without the failed message.
+
+use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
+
+use futures::FutureExt;
+use tokio::time::Instant;
+
+use crate::consumer::Consumer;
+use crate::decision::{self, Decision, RowState, Step, TxAction};
+use crate::error::{PersistStage, StoreError, StoreErrorKind};
+use crate::handler::Handler;
+use crate::metrics::{MetricEvent, Metrics};
+use crate::model::{InboxStatus, Message, RowId};
+use crate::outcome::{Outcome, OutcomeClass};
+use crate::store::{Found, InboxStore, InboxTransaction};
+
+use super::super::message::Work;
+use super::super::{Runner, abandon, panic_text, run_handler};
+
+use super::slots::{decide_and_return_rest, fail_all, needs_tx_ack};
+use super::{Attempt, Fate, Slot};
+
+/// What phase A planned for an open slot.
+enum Planned {
+    Poison,
+    Done(Decision, RowId),
+    Run(RowState, RowId),
+}
+
+impl<S, C, H, M> Runner<S, C, H, M>
+where
+    S: InboxStore,
+    C: Consumer,
+    H: Handler<S::Tx>,
+    M: Metrics,
+{
+    /// One optimistic transaction over the open slots.
+    pub(super) async fn attempt(
+        &mut self,
+        slots: &mut [Slot],
+        transactions: &mut usize,
+        batch_handler: bool,
+    ) -> Attempt {
+        let open: Vec<usize> = (0..slots.len())
+            .filter(|&i| matches!(slots[i].fate, Fate::Open))
+            .collect();
+        if open.is_empty() && !needs_tx_ack(slots) {
+            return Attempt::Done;
+        }
+        *transactions += 1;
+        let first_policy = slots[open.first().copied().unwrap_or(0)].policy;
+        let mut tx = match self.store.begin().await {
+            Ok(tx) => tx,
+            Err(e) => {
+                fail_all(slots, first_policy, PersistStage::Begin, e);
+                return Attempt::Done;
+            }
+        };
+
+        // One multi-row insert-or-get for the distinct keys of the batch.
+        let mut state = match self.insert_rows(slots, &open, &mut tx).await {
+            Ok(state) => state,
+            Err(e) => {
+                abandon(tx).await;
+                fail_all(slots, first_policy, PersistStage::Insert, e);
+                return Attempt::Done;
+            }
+        };
+
+        // Phase A: plan every open slot (dead letters, locks).
+        let mut plans: Vec<(usize, Planned)> = Vec::with_capacity(open.len());
+        for &i in &open {
+            let policy = slots[i].policy;
+            if let Some(invalid) = &slots[i].invalid {
+                let group = &self.config.consumer_group;
+                if let Err(e) = tx.dead_letter(&slots[i].message, group, invalid).await {
+                    abandon(tx).await;
+                    fail_all(slots, policy, PersistStage::DeadLetter, e);
+                    return Attempt::Done;
+                }
+                plans.push((i, Planned::Poison));
+                continue;
+            }
+            let key = slots[i].message.message_id.clone();
+            let Some(&(row_id, found)) = state.get(&key) else {
+                continue;
+            };
+            let mut step = decision::after_insert(policy, found);
+            if step == Step::Lock {
+                step = match tx.lock(row_id, &self.config.worker_id).await {
+                    Ok(lock) => decision::after_lock(policy, lock),
+                    Err(e) => {
+                        abandon(tx).await;
+                        fail_all(slots, policy, PersistStage::Lock, e);
+                        return Attempt::Done;
+                    }
+                };
+            }
+            match step {
+                Step::Done(d) if d.holds_partition() => {
+                    abandon(tx).await;
+                    decide_and_return_rest(slots, i, Work::new(d, Some(row_id), None));
+                    return Attempt::Replay;
+                }
+                Step::Done(d) => {
+                    if found == Found::Inserted {
+                        // landed: the next occurrence finds it pending
+                        state.insert(key, (row_id, Found::Existing(InboxStatus::Pending)));
+                    }
+                    plans.push((i, Planned::Done(d, row_id)));
+                }
+                Step::RunHandler(row) => {
+                    // optimistic: a failure replays without this occurrence
+                    state.insert(key, (row_id, Found::Existing(InboxStatus::Completed)));
+                    plans.push((i, Planned::Run(row, row_id)));
+                }
+                Step::Lock => {
+                    abandon(tx).await;
+                    let e =
+                        StoreError::new(StoreErrorKind::Other, "the decision asked to lock twice");
+                    fail_all(slots, policy, PersistStage::Lock, e);
+                    return Attempt::Done;
+                }
+            }
+        }
+
+        // Phase B: the handlers (the batch form first, if the handler has one).
+        let mut outcomes: HashMap<usize, Outcome> = HashMap::new();
+        if batch_handler {
+            let runs: Vec<usize> = plans
+                .iter()
+                .filter(|(_, p)| matches!(p, Planned::Run(..)))
+                .map(|(i, _)| *i)
+                .collect();
+            if !runs.is_empty() {
+                match self.run_batch_handler(slots, &runs, &mut tx).await {
+                    BatchCall::Unsupported => {}
+                    BatchCall::Handled(handled) => {
+                        outcomes.extend(runs.iter().copied().zip(handled))
+                    }
+                    BatchCall::Failed => {
+                        abandon(tx).await;
+                        return Attempt::PerMessage;
+                    }
+                }
+            }
+        }
+
+        // Phase C: the decisions, in delivery order.
+        let mut decided: Vec<(usize, Work)> = Vec::with_capacity(plans.len());
+        for (i, plan) in plans {
+            let policy = slots[i].policy;
+            let work = match plan {
+                Planned::Poison => Work::new(decision::on_poison(policy), None, None),
+                Planned::Done(d, row_id) => Work::new(d, Some(row_id), None),
+                Planned::Run(row, row_id) => {
+                    let outcome = match (outcomes.remove(&i), &self.handler) {
+                        (Some(outcome), _) => outcome,
+                        (None, Some(handler)) => {
+                            run_handler(
+                                handler,
+                                &slots[i].message,
+                                &mut tx,
+                                self.config.handler_timeout,
+                                &self.metrics,
+                            )
+                            .await
+                        }
+                        (None, None) => {
+                            Outcome::Failed(crate::outcome::Failure::Error("no handler".to_owned()))
+                        }
+                    };
+                    let d = decision::after_handler(policy, row, outcome.class());
+                    if d.transaction == TxAction::Rollback || d.holds_partition() {
+                        abandon(tx).await;
+                        decide_and_return_rest(slots, i, Work::new(d, Some(row_id), Some(outcome)));
+                        return Attempt::Replay;
+                    }
+                    if d.write_completion
+                        && let Err(e) = tx.complete(row_id).await
+                    {
+                        abandon(tx).await;
+                        fail_all(slots, policy, PersistStage::Complete, e);
+                        return Attempt::Done;
+                    }
+                    Work::new(d, Some(row_id), Some(outcome))
+                }
+            };
+            decided.push((i, work));
+        }
+        let this_tx: Vec<usize> = decided.iter().map(|(i, _)| *i).collect();
+        for (i, work) in decided {
+            slots[i].fate = Fate::Decided(work);
+        }
+
+        // Phase D: one acknowledgement per partition, the commit.
+        self.finish_attempt(slots, tx, &this_tx, first_policy).await
+    }
+
+    /// Calls the batch form of the handler on the slots `runs`.
+    async fn run_batch_handler(&self, slots: &[Slot], runs: &[usize], tx: &mut S::Tx) -> BatchCall {
+        let Some(handler) = &self.handler else {
+            return BatchCall::Unsupported;
+        };
+        let messages: Vec<&Message> = runs.iter().map(|&i| &slots[i].message).collect();
+        let started = Instant::now();
+        let call = AssertUnwindSafe(handler.handle_batch(&messages, tx)).catch_unwind();
+        let result = tokio::time::timeout(self.config.handler_timeout, call).await;
+        let outcome = match result {
+            Ok(Ok(None)) => return BatchCall::Unsupported,
+            Ok(Ok(Some(Ok(outputs)))) if outputs.len() == runs.len() => {
+                let outcomes: Vec<Outcome> = outputs
+                    .into_iter()
+                    .map(|o| Outcome::from_result(&o.into()))
+                    .collect();
+                if outcomes.iter().all(|o| o.class() != OutcomeClass::Failure) {
+                    BatchCall::Handled(outcomes)
+                } else {
+                    BatchCall::Failed
+                }
+            }
+            Ok(Ok(Some(Ok(_)))) => {
+                tracing::warn!(
+                    "handle_batch returned a wrong number of outputs; handling one at a time"
+                );
+                BatchCall::Failed
+            }
+            Ok(Ok(Some(Err(e)))) => {
+                tracing::debug!(error = %e, "handle_batch failed; handling one at a time");
+                BatchCall::Failed
+            }
+            Ok(Err(panic)) => {
+                tracing::warn!(panic = %panic_text(&*panic), "handle_batch panicked; handling one at a time");
+                BatchCall::Failed
+            }
+            Err(_) => BatchCall::Failed,
+        };
+        self.metrics
+            .record(MetricEvent::HandlerDuration(started.elapsed()));
+        outcome
+    }
+}
+
+/// What the batch form of the handler did.
+enum BatchCall {
+    /// The handler has no batch form.
+    Unsupported,
+    /// Every message succeeded or skipped.
+    Handled(Vec<Outcome>),
+    /// Something failed: replay one message at a time.
+    Failed,
+}

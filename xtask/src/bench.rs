@@ -316,18 +316,7 @@ async fn floor(db: &DatabaseConnection, messages: u64) -> Result<Duration> {
         let n = (messages - i).min(BATCH as u64);
         let ids: Vec<String> = (i..i + n).map(order_id).collect();
         let tx = db.begin().await?;
-        let inbox: Vec<serde_json::Value> = ids
-            .iter()
-            .map(|id| json!({ "m": id, "p": { "total": 10 } }))
-            .collect();
-        tx.execute_raw(stmt(
-            "INSERT INTO inbox (message_id, consumer_group, source, event_type, payload, max_attempts, status, completed_at)
-             SELECT e->>'m', 'bench', 'orders', 'order.created', e->'p', 5, 'completed', now()
-               FROM jsonb_array_elements($1::jsonb) e
-             ON CONFLICT (message_id, consumer_group) DO NOTHING",
-            vec![serde_json::Value::Array(inbox).into()],
-        ))
-        .await?;
+        insert_inbox(&tx, &ids).await?;
         insert_invoices(&tx, &ids).await?;
         tx.commit().await?;
         i += n;
@@ -347,18 +336,7 @@ async fn raw_batch(db: &DatabaseConnection, messages: u64, savepoints: bool) -> 
         let n = (messages - i).min(BATCH as u64);
         let ids: Vec<String> = (i..i + n).map(order_id).collect();
         let tx = db.begin().await?;
-        let inbox: Vec<serde_json::Value> = ids
-            .iter()
-            .map(|id| json!({ "m": id, "p": { "total": 10 } }))
-            .collect();
-        tx.execute_raw(stmt(
-            "INSERT INTO inbox (message_id, consumer_group, source, event_type, payload, max_attempts, status, completed_at)
-             SELECT e->>'m', 'bench', 'orders', 'order.created', e->'p', 5, 'completed', now()
-               FROM jsonb_array_elements($1::jsonb) e
-             ON CONFLICT (message_id, consumer_group) DO NOTHING",
-            vec![serde_json::Value::Array(inbox).into()],
-        ))
-        .await?;
+        insert_inbox(&tx, &ids).await?;
         for id in ids {
             if savepoints {
                 tx.execute_unprepared("SAVEPOINT handler").await?;
@@ -464,6 +442,23 @@ async fn kafka(store: PgStore, messages: u64, inbox: bool) -> Result<Duration> {
         check_invoices(&db, messages).await?;
     }
     Ok(elapsed)
+}
+
+/// One multi-row inbox INSERT of completed rows for `ids`.
+async fn insert_inbox(conn: &impl ConnectionTrait, ids: &[String]) -> Result<()> {
+    let inbox: Vec<serde_json::Value> = ids
+        .iter()
+        .map(|id| json!({ "m": id, "p": { "total": 10 } }))
+        .collect();
+    conn.execute_raw(stmt(
+        "INSERT INTO inbox (message_id, consumer_group, source, event_type, payload, max_attempts, status, completed_at)
+         SELECT e->>'m', 'bench', 'orders', 'order.created', e->'p', 5, 'completed', now()
+           FROM jsonb_array_elements($1::jsonb) e
+         ON CONFLICT (message_id, consumer_group) DO NOTHING",
+        vec![serde_json::Value::Array(inbox).into()],
+    ))
+    .await?;
+    Ok(())
 }
 
 /// One multi-row business INSERT for `ids`.

@@ -10,8 +10,8 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use inbox_core::{
-    AckPolicy, AckStrategy, BatchConfig, BatchResult, CountingMetrics, Counts, Handler,
-    HandlerError, HandlerResult, InboxStatus, Message, Runner, RunnerConfig,
+    AckStrategy, BatchConfig, BatchResult, CountingMetrics, Counts, Handler, HandlerError,
+    HandlerResult, InboxStatus, Message, Runner, RunnerConfig,
 };
 use inbox_testkit::{BrokerFault, MemBroker, MemStore, MemTx, StoreFault};
 use proptest::prelude::*;
@@ -473,21 +473,7 @@ async fn a_batch_aware_handler_falls_back_to_one_at_a_time_when_it_fails() {
 }
 
 fn strategy() -> impl Strategy<Value = AckStrategy> {
-    proptest::sample::select(vec![
-        AckStrategy::AtMostOnce,
-        AckStrategy::AtLeastOnce {
-            policy: AckPolicy::OnPersist,
-        },
-        AckStrategy::AtLeastOnce {
-            policy: AckPolicy::OnSuccess,
-        },
-        AckStrategy::ExactlyOnceInbox {
-            commit_on_failed: false,
-        },
-        AckStrategy::ExactlyOnceInbox {
-            commit_on_failed: true,
-        },
-    ])
+    proptest::sample::select(AckStrategy::ALL.to_vec())
 }
 
 /// Messages: (id from a small pool so that duplicates happen, partition).

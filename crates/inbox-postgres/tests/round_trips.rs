@@ -18,6 +18,21 @@ fn statements_logged(log: &str) -> usize {
         .count()
 }
 
+/// The statement count of the log once it has settled past `before` (the
+/// server writes its log asynchronously).
+async fn settled_count(log_path: &std::path::Path, before: usize) -> usize {
+    let mut after = before;
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let now = statements_logged(&std::fs::read_to_string(log_path).unwrap_or_default());
+        if now == after && now > before {
+            break;
+        }
+        after = now;
+    }
+    after
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn round_trips_per_message() {
     let server = server().unwrap_or_else(|e| panic!("{e}"));
@@ -79,16 +94,7 @@ async fn round_trips_per_message() {
             .await
             .expect("fetch")
             .expect("delivery");
-        // the log is written asynchronously by the server; wait for it to settle
-        let mut after = before;
-        for _ in 0..50 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            let now = statements_logged(&std::fs::read_to_string(&log_path).unwrap_or_default());
-            if now == after && now > before {
-                break;
-            }
-            after = now;
-        }
+        let after = settled_count(&log_path, before).await;
         println!("{label}: {} round trips", after - before);
         (after - before, r)
     };
@@ -123,15 +129,7 @@ async fn round_trips_per_message() {
             .await
             .expect("fetch");
         let result = runner.process_batch(messages).await;
-        let mut after = before;
-        for _ in 0..50 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            let now = statements_logged(&std::fs::read_to_string(&log_path).unwrap_or_default());
-            if now == after && now > before {
-                break;
-            }
-            after = now;
-        }
+        let after = settled_count(&log_path, before).await;
         println!("{label}: {} round trips", after - before);
         (after - before, result)
     };

@@ -41,7 +41,10 @@ use crate::store::{Found, InboxStore, InboxTransaction};
 use super::message::{Work, store_ack};
 use super::{BatchResult, ProcessError, ProcessResult, Runner, abandon};
 
-use slots::{covered_by_ack, decide_and_return_rest, fail_all, first_of, partition_plan, reopen};
+use slots::{
+    covered_by_ack, decide_and_return_rest, fail_all, first_of, needs_tx_ack, partition_plan,
+    reopen,
+};
 
 /// One message of the batch.
 struct Slot {
@@ -75,6 +78,15 @@ enum Mode {
     /// The store has no savepoints: optimistic replays, one message at a
     /// time.
     OptimisticReplays,
+}
+
+/// An attempt's open transaction: the open slots, the row of each key and
+/// the policy to report a storage failure with.
+struct Opened<Tx> {
+    tx: Tx,
+    open: Vec<usize>,
+    state: HashMap<String, (RowId, Found)>,
+    first_policy: Policy,
 }
 
 /// What one attempt ended with.
@@ -231,6 +243,45 @@ where
             fail_all(slots, first_policy, PersistStage::Commit, e);
         }
         Attempt::Done
+    }
+
+    /// Opens an attempt over the open slots: begins the transaction and
+    /// inserts (or gets) their rows with one statement. `None` when there is
+    /// nothing to do, or when that failed (the slots then carry the storage
+    /// failure).
+    async fn open_attempt(
+        &mut self,
+        slots: &mut [Slot],
+        transactions: &mut usize,
+    ) -> Option<Opened<S::Tx>> {
+        let open: Vec<usize> = (0..slots.len())
+            .filter(|&i| matches!(slots[i].fate, Fate::Open))
+            .collect();
+        if open.is_empty() && !needs_tx_ack(slots) {
+            return None;
+        }
+        *transactions += 1;
+        let first_policy = slots[open.first().copied().unwrap_or(0)].policy;
+        let mut tx = match self.store.begin().await {
+            Ok(tx) => tx,
+            Err(e) => {
+                fail_all(slots, first_policy, PersistStage::Begin, e);
+                return None;
+            }
+        };
+        match self.insert_rows(slots, &open, &mut tx).await {
+            Ok(state) => Some(Opened {
+                tx,
+                open,
+                state,
+                first_policy,
+            }),
+            Err(e) => {
+                abandon(tx).await;
+                fail_all(slots, first_policy, PersistStage::Insert, e);
+                None
+            }
+        }
     }
 
     /// One multi-row insert-or-get for the distinct keys of the open valid

@@ -19,8 +19,8 @@ use crate::store::{Found, InboxStore, InboxTransaction};
 use super::super::message::Work;
 use super::super::{Runner, abandon, panic_text, run_handler};
 
-use super::slots::{decide_and_return_rest, fail_all, needs_tx_ack};
-use super::{Attempt, Fate, Slot};
+use super::slots::{decide_and_return_rest, fail_all};
+use super::{Attempt, Fate, Opened, Slot};
 
 /// What phase A planned for an open slot.
 enum Planned {
@@ -43,30 +43,14 @@ where
         transactions: &mut usize,
         batch_handler: bool,
     ) -> Attempt {
-        let open: Vec<usize> = (0..slots.len())
-            .filter(|&i| matches!(slots[i].fate, Fate::Open))
-            .collect();
-        if open.is_empty() && !needs_tx_ack(slots) {
+        let Some(Opened {
+            mut tx,
+            open,
+            mut state,
+            first_policy,
+        }) = self.open_attempt(slots, transactions).await
+        else {
             return Attempt::Done;
-        }
-        *transactions += 1;
-        let first_policy = slots[open.first().copied().unwrap_or(0)].policy;
-        let mut tx = match self.store.begin().await {
-            Ok(tx) => tx,
-            Err(e) => {
-                fail_all(slots, first_policy, PersistStage::Begin, e);
-                return Attempt::Done;
-            }
-        };
-
-        // One multi-row insert-or-get for the distinct keys of the batch.
-        let mut state = match self.insert_rows(slots, &open, &mut tx).await {
-            Ok(state) => state,
-            Err(e) => {
-                abandon(tx).await;
-                fail_all(slots, first_policy, PersistStage::Insert, e);
-                return Attempt::Done;
-            }
         };
 
         // Phase A: plan every open slot (dead letters, locks).

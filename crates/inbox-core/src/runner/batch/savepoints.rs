@@ -14,8 +14,8 @@ use crate::store::{Found, InboxStore, InboxTransaction};
 use super::super::message::Work;
 use super::super::{Runner, abandon, run_handler};
 
-use super::slots::{decide_and_return_rest, fail_all, needs_tx_ack, reopen};
-use super::{Attempt, Fate, Slot};
+use super::slots::{decide_and_return_rest, fail_all, reopen};
+use super::{Attempt, Fate, Opened, Slot};
 
 impl<S, C, H, M> Runner<S, C, H, M>
 where
@@ -37,28 +37,14 @@ where
         slots: &mut [Slot],
         transactions: &mut usize,
     ) -> Attempt {
-        let open: Vec<usize> = (0..slots.len())
-            .filter(|&i| matches!(slots[i].fate, Fate::Open))
-            .collect();
-        if open.is_empty() && !needs_tx_ack(slots) {
+        let Some(Opened {
+            mut tx,
+            open,
+            mut state,
+            first_policy,
+        }) = self.open_attempt(slots, transactions).await
+        else {
             return Attempt::Done;
-        }
-        *transactions += 1;
-        let first_policy = slots[open.first().copied().unwrap_or(0)].policy;
-        let mut tx = match self.store.begin().await {
-            Ok(tx) => tx,
-            Err(e) => {
-                fail_all(slots, first_policy, PersistStage::Begin, e);
-                return Attempt::Done;
-            }
-        };
-        let mut state = match self.insert_rows(slots, &open, &mut tx).await {
-            Ok(state) => state,
-            Err(e) => {
-                abandon(tx).await;
-                fail_all(slots, first_policy, PersistStage::Insert, e);
-                return Attempt::Done;
-            }
         };
         let mut this_tx: Vec<usize> = Vec::with_capacity(open.len());
         for i in open {

@@ -72,3 +72,11 @@ async fn random_batches_match_one_by_one() {
     }
     assert!(messages > 300 * 10);
 }
+
+#[tokio::test]
+async fn batched_exactly_once_under_faults() {
+    let store = MemStore::new();
+    for seed in 0..200 {
+        scenarios::batched_exactly_once_under_faults(store.clone(), seed).await;
+    }
+}

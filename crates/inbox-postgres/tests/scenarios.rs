@@ -73,3 +73,13 @@ async fn random_batches_match_one_by_one() {
         scenarios::random_batches_match_one_by_one(store.clone(), seed).await;
     }
 }
+
+/// Faults and crashes around the batched runner on PostgreSQL (the same
+/// seeded stories as on the in-memory store, fewer of them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_exactly_once_under_faults() {
+    let store = store().await;
+    for seed in 0..16 {
+        scenarios::batched_exactly_once_under_faults(store.clone(), seed).await;
+    }
+}

@@ -1000,3 +1000,103 @@ where
     );
     workload.len()
 }
+
+/// The batched runner under ExactlyOnceInbox, on `store` wrapped in a
+/// [`FaultyStore`](crate::FaultyStore), with a seeded random workload
+/// (duplicates, failure budgets, three partitions) and a fault or a crash
+/// armed before random batches: a failed begin, insert or commit, an
+/// ambiguous commit (applied, reported lost), a consumer that dies at its
+/// acknowledgement, a process restart. After every batch no partition is
+/// acknowledged at or past a rewound message; at the end every message's
+/// effect exists exactly once and every partition is acknowledged to its
+/// end.
+pub async fn batched_exactly_once_under_faults<S>(store: S, seed: u64)
+where
+    S: ScenarioStore,
+    S::Tx: WriteInvoice,
+{
+    use crate::{BrokerFault, FaultyStore, StoreFault};
+    let mut x = seed.wrapping_mul(0x2545_f491_4f6c_dd1d) | 1;
+    let mut roll = move |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    };
+    let group = format!("faults-{seed}");
+    let id = |m: u64| format!("{group}-m{m}");
+    let broker = MemBroker::new();
+    let count = 10 + roll(40);
+    let mut produced = [0i64; 3];
+    let mut ids = std::collections::BTreeSet::new();
+    for _ in 0..count {
+        let m = roll(12);
+        let p = roll(3);
+        produced[usize::try_from(p).unwrap_or(0)] += 1;
+        ids.insert(id(m));
+        broker.produce("orders", i32::try_from(p).unwrap_or(0), order(&id(m)));
+    }
+    let budgets: Vec<(String, u32)> = (0..12)
+        .map(|m| (id(m), [0, 0, 1, 2][usize::try_from(roll(4)).unwrap_or(0)]))
+        .collect();
+    let handler = FlakyById::new(budgets.iter().map(|(m, n)| (m.as_str(), *n)));
+    let faulty = FaultyStore::new(store.clone());
+    let mut b = inbox_core::BatchConfig::new(usize::try_from(1 + roll(12)).unwrap_or(1));
+    b.max_wait = Duration::ZERO;
+    b.savepoints_after_failure = roll(2) == 0;
+    let make = |broker: &MemBroker| {
+        Runner::new(
+            faulty.clone(),
+            broker.consumer(&group),
+            handler.clone(),
+            config(&group, AckStrategy::default()).batched(b),
+        )
+    };
+    let mut runner = make(&broker);
+    let mut idle = 0;
+    for _ in 0..2_000 {
+        match roll(10) {
+            0 => faulty.fail_next(StoreFault::Commit, 1),
+            1 => faulty.fail_next(StoreFault::CommitLostAfterApply, 1),
+            2 => faulty.fail_next(StoreFault::Insert, 1),
+            3 => faulty.fail_next(StoreFault::Begin, 1),
+            4 => broker.fail_next(BrokerFault::CrashOnAck, 1),
+            5 => runner = make(&broker),
+            _ => {}
+        }
+        let Ok(messages) = runner.next_batch(b).await else {
+            // the consumer died: a new process starts
+            runner = make(&broker);
+            continue;
+        };
+        if messages.is_empty() {
+            idle += 1;
+            if idle > 2 {
+                break;
+            }
+            runner = make(&broker);
+            continue;
+        }
+        idle = 0;
+        let result = runner.process_batch(messages).await;
+        for r in result.results.iter().filter(|r| r.rewound) {
+            let pos = r.position.as_ref().unwrap_or_else(|| panic!("position"));
+            let acked = broker.acked(&group, "orders", pos.partition).unwrap_or(0);
+            assert!(
+                acked <= pos.offset,
+                "seed {seed}: acknowledged past a rewind"
+            );
+        }
+    }
+    for m in &ids {
+        assert_eq!(store.invoices(m).await, 1, "seed {seed}: {m}");
+    }
+    for (p, n) in produced.iter().enumerate() {
+        let p = i32::try_from(p).unwrap_or(0);
+        let acked = broker.acked(&group, "orders", p).unwrap_or(0);
+        assert_eq!(
+            acked, *n,
+            "seed {seed}: partition {p} acknowledged to its end"
+        );
+    }
+}

@@ -456,6 +456,25 @@ pub fn on_poison(policy: Policy) -> Decision {
     }
 }
 
+/// The decision when a poison message's dead letter cannot be recorded (the
+/// store failed at begin, the dead letter, the acknowledgement or the
+/// commit): it is not acknowledged but rewound, under every strategy
+/// (AtMostOnce included: a poison message is acknowledged only after its
+/// dead letter), so it is never dropped silently.
+pub fn on_poison_failure() -> Decision {
+    Decision {
+        handler_ran: false,
+        transaction: TxAction::Rollback,
+        row_after: RowAfter::Absent,
+        write_completion: false,
+        processed: false,
+        duplicate: false,
+        ack: AckPoint::Never,
+        rewind: true,
+        tally: Tally::Failed,
+    }
+}
+
 /// The one acknowledgement a batch writes for a partition, given the
 /// decisions of that partition's messages in offset order: the index of the
 /// last message before the first one that holds the partition (to be
@@ -765,6 +784,12 @@ mod tests {
         );
         let p = on_poison(Policy::new(EOI));
         assert_eq!((p.ack, p.rewind, p.tally), (AfterTx, false, Tally::Poison));
+        let lost = on_poison_failure();
+        assert_eq!(
+            (lost.ack, lost.rewind, lost.tally),
+            (Never, true, Tally::Failed),
+            "a poison message that cannot be recorded is rewound, never acknowledged"
+        );
     }
 
     #[test]

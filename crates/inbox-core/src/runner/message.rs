@@ -108,19 +108,28 @@ where
         message: &Message,
         invalid: &ValidationError,
     ) -> Work {
-        let mut tx = match self.store.begin().await {
-            Ok(tx) => tx,
-            Err(e) => return Work::storage_failure(policy, PersistStage::Begin, e, None, None),
+        let mut work = match self.store.begin().await {
+            Err(e) => Work::storage_failure(policy, PersistStage::Begin, e, None, None),
+            Ok(mut tx) => match tx
+                .dead_letter(message, &self.config.consumer_group, invalid)
+                .await
+            {
+                Err(e) => {
+                    abandon(tx).await;
+                    Work::storage_failure(policy, PersistStage::DeadLetter, e, None, None)
+                }
+                Ok(()) => {
+                    let work = Work::new(decision::on_poison(policy), None, None);
+                    self.finish_tx(policy, tx, message, work).await
+                }
+            },
         };
-        if let Err(e) = tx
-            .dead_letter(message, &self.config.consumer_group, invalid)
-            .await
-        {
-            abandon(tx).await;
-            return Work::storage_failure(policy, PersistStage::DeadLetter, e, None, None);
+        let recorded = work.decision.tally == decision::Tally::Poison;
+        let fenced = work.error.as_ref().is_some_and(ProcessError::is_fenced);
+        if !recorded && !fenced {
+            work.decision = decision::on_poison_failure();
         }
-        let work = Work::new(decision::on_poison(policy), None, None);
-        self.finish_tx(policy, tx, message, work).await
+        work
     }
 
     async fn handle_valid(&mut self, policy: Policy, message: &Message) -> Work {

@@ -193,3 +193,54 @@ async fn poison_is_dead_lettered_with_its_ack_in_one_transaction() {
     assert_eq!(store.dead_letters().len(), 1);
     assert_eq!(store.acked("billing", "orders", 0), Some(8));
 }
+
+/// AtMostOnce whose acknowledgement before the transaction is refused as
+/// fenced: another consumer owns the partition, so this one stops reading
+/// it: no rewind (which would have the zombie read it again forever), no
+/// handler, no transaction.
+#[tokio::test]
+async fn at_most_once_fenced_early_ack_stops_the_partition() {
+    let mut consumer = MockSource::new();
+    consumer
+        .expect_ack()
+        .times(1)
+        .returning(|_| Err(ConsumerError::Fenced("epoch 3 is stale".into())));
+    consumer.expect_rewind().never();
+    consumer.expect_fenced().times(1).return_const(());
+    let config = RunnerConfig::new("billing", "w")
+        .expect("config")
+        .with_strategy(AckStrategy::AtMostOnce);
+    let store = MemStore::new();
+    let handler = ScriptedHandler::new([], Act::Succeed);
+    let mut r = Runner::new(store.clone(), plain(consumer), handler.clone(), config);
+    let result = r.process_message(message()).await;
+    assert!(!result.acked && !result.rewound && !result.processed);
+    assert_eq!(handler.calls(), 0);
+    assert_eq!(store.row("m-1", "billing"), None);
+}
+
+/// The same in a batch: the fenced partition's messages are neither handled
+/// nor rewound, and the consumer is told.
+#[tokio::test]
+async fn at_most_once_fenced_early_ack_in_a_batch() {
+    let mut consumer = MockSource::new();
+    consumer
+        .expect_ack()
+        .times(1)
+        .returning(|_| Err(ConsumerError::Fenced("epoch 3 is stale".into())));
+    consumer.expect_rewind().never();
+    consumer.expect_fenced().times(1).return_const(());
+    let config = RunnerConfig::new("billing", "w")
+        .expect("config")
+        .with_strategy(AckStrategy::AtMostOnce)
+        .batched(inbox_core::BatchConfig::new(10));
+    let handler = ScriptedHandler::new([], Act::Succeed);
+    let mut r = Runner::new(MemStore::new(), plain(consumer), handler.clone(), config);
+    let second = Message::new("m-2", "orders", "order.created", json!({"n": 2}))
+        .at(Position::new("orders", 0, 8));
+    let result = r.process_batch(vec![message(), second]).await;
+    assert_eq!(result.results.len(), 1);
+    assert_eq!(result.returned, 1);
+    assert!(!result.results[0].rewound && !result.results[0].acked);
+    assert_eq!(handler.calls(), 0);
+}

@@ -145,7 +145,14 @@ where
             }
             Err(e) => {
                 self.metrics.record(MetricEvent::AckFailed);
-                let mut work = Work::new(decision::on_early_ack_failure(), None, None);
+                // Fenced: another consumer owns the partition; stop reading
+                // it rather than rewind and read it again.
+                let decision = if matches!(e, ConsumerError::Fenced(_)) {
+                    decision::on_fenced(false)
+                } else {
+                    decision::on_early_ack_failure()
+                };
+                let mut work = Work::new(decision, None, None);
                 work.error = Some(ProcessError::Ack(e));
                 work
             }

@@ -197,7 +197,12 @@ where
                 }
                 Err(e) => {
                     self.metrics.record(MetricEvent::AckFailed);
-                    let mut work = Work::new(decision::on_early_ack_failure(), None, None);
+                    let decision = if matches!(e, crate::ConsumerError::Fenced(_)) {
+                        decision::on_fenced(false)
+                    } else {
+                        decision::on_early_ack_failure()
+                    };
+                    let mut work = Work::new(decision, None, None);
                     work.error = Some(ProcessError::Ack(e));
                     decide_and_return_rest(slots, first_of(slots, p), work);
                 }

@@ -194,6 +194,14 @@ impl Decision {
     pub fn holds_partition(&self) -> bool {
         self.ack == AckPoint::Never
     }
+
+    /// Whether a message whose handler failed is acknowledged all the same
+    /// (OnPersist, `commit_on_failed`, AtMostOnce): it is never delivered
+    /// again, its effect lost by the strategy's choice. Drivers log and
+    /// count it.
+    pub fn drops_message(&self) -> bool {
+        self.handler_ran && self.tally == Tally::Failed && self.ack != AckPoint::Never
+    }
 }
 
 /// What to do next.
@@ -790,6 +798,19 @@ mod tests {
             (Never, true, Tally::Failed),
             "a poison message that cannot be recorded is rewound, never acknowledged"
         );
+    }
+
+    #[test]
+    fn a_failure_acknowledged_anyway_is_dropped() {
+        let dropped: Vec<bool> = AckStrategy::ALL
+            .iter()
+            .map(|s| decide(Policy::new(*s), RowState::New, Failure).drops_message())
+            .collect();
+        assert_eq!(dropped, vec![true, true, false, false, true]);
+        for s in AckStrategy::ALL {
+            assert!(!decide(Policy::new(s), RowState::New, Success).drops_message());
+            assert!(!on_storage_failure(Policy::new(s), true).drops_message() || s == AtMostOnce);
+        }
     }
 
     #[test]

@@ -21,6 +21,10 @@ pub enum MetricEvent {
     AckFailed,
     /// A message was rewound for redelivery.
     Rewound,
+    /// A message whose handler failed was acknowledged all the same, so it
+    /// is never delivered again (OnPersist, `commit_on_failed`, AtMostOnce):
+    /// its effect is lost by the strategy's choice.
+    Dropped,
     /// The handler ran for this long.
     HandlerDuration(Duration),
     /// Consumer lag of a partition (records behind the high watermark).
@@ -94,6 +98,8 @@ pub struct Counts {
     pub rewound: u64,
     /// Handler runs.
     pub handler_runs: u64,
+    /// Failed messages acknowledged all the same (lost by the strategy).
+    pub dropped: u64,
 }
 
 impl Counts {
@@ -113,7 +119,7 @@ impl Counts {
 /// Counts events with atomics.
 #[derive(Debug, Default)]
 pub struct CountingMetrics {
-    counters: [AtomicU64; 13],
+    counters: [AtomicU64; 14],
 }
 
 impl CountingMetrics {
@@ -139,6 +145,7 @@ impl CountingMetrics {
             ack_failed: c(10),
             rewound: c(11),
             handler_runs: c(12),
+            dropped: c(13),
         }
     }
 }
@@ -161,6 +168,7 @@ impl Metrics for CountingMetrics {
             MetricEvent::AckFailed => 10,
             MetricEvent::Rewound => 11,
             MetricEvent::HandlerDuration(_) => 12,
+            MetricEvent::Dropped => 13,
             MetricEvent::Lag { .. }
             | MetricEvent::OffsetGap { .. }
             | MetricEvent::Fenced { .. } => return,

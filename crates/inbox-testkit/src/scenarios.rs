@@ -355,6 +355,8 @@ pub struct FailureStory {
     pub handler_runs: usize,
     /// Invoices in the end.
     pub invoices: usize,
+    /// Messages counted as dropped (failed, yet acknowledged).
+    pub dropped: u64,
 }
 
 /// A handler writes an invoice then fails on its first call, under
@@ -369,7 +371,7 @@ where
     let broker = MemBroker::new();
     broker.produce("orders", 0, order(&id));
     let handler = ScriptedHandler::new([Act::Fail], Act::Succeed);
-    let (mut runner, _) = runner_for(&store, &broker, group, &handler, strategy);
+    let (mut runner, metrics) = runner_for(&store, &broker, group, &handler, strategy);
     let first = next(&mut runner).await;
     assert!(!first.processed);
     assert_eq!(store.invoices(&id).await, 0, "the failed run rolled back");
@@ -385,6 +387,7 @@ where
         redelivered,
         handler_runs: handler.calls(),
         invoices: store.invoices(&id).await,
+        dropped: metrics.snapshot().dropped,
     }
 }
 
@@ -399,11 +402,13 @@ where
         redelivered: false,
         handler_runs: 1,
         invoices: 0,
+        dropped: 1,
     };
     let retried = FailureStory {
         redelivered: true,
         handler_runs: 2,
         invoices: 1,
+        dropped: 0,
     };
     let cases = [
         (AckStrategy::AtMostOnce, "wtf-amo", lost),

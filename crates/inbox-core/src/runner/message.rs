@@ -300,6 +300,10 @@ where
         }
         let rewound = decision.rewind && self.rewind(&message, &mut error).await;
         self.metrics.record(MetricEvent::Tally(decision.tally));
+        if decision.drops_message() {
+            tracing::warn!(message_id = %message.message_id, "handler failed; the message is acknowledged all the same and dropped (strategy)");
+            self.metrics.record(MetricEvent::Dropped);
+        }
         ProcessResult {
             message_id: message.message_id,
             position: message.position,

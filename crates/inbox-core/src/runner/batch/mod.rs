@@ -408,6 +408,10 @@ where
             }
             self.metrics.record(MetricEvent::Consumed);
             self.metrics.record(MetricEvent::Tally(work.decision.tally));
+            if work.decision.drops_message() {
+                tracing::warn!(message_id = %message.message_id, "handler failed; the message is acknowledged all the same and dropped (strategy)");
+                self.metrics.record(MetricEvent::Dropped);
+            }
             let rewound =
                 work.decision.rewind && !matches!(work.error, Some(ProcessError::Rewind(_)));
             result.results.push(ProcessResult {

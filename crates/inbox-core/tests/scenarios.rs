@@ -80,3 +80,8 @@ async fn batched_exactly_once_under_faults() {
         scenarios::batched_exactly_once_under_faults(store.clone(), seed).await;
     }
 }
+
+#[tokio::test]
+async fn poison_redelivered_is_recorded_once() {
+    scenarios::poison_redelivered_is_recorded_once(MemStore::new()).await;
+}

@@ -95,6 +95,14 @@ impl TableName {
     fn index(&self, suffix: &str) -> String {
         format!("\"{}_{suffix}\"", self.table)
     }
+
+    /// An index name qualified with the schema, for a lookup by name.
+    fn index_qualified(&self, suffix: &str) -> String {
+        match &self.schema {
+            Some(s) => format!("\"{s}\".\"{}_{suffix}\"", self.table),
+            None => self.index(suffix),
+        }
+    }
 }
 
 impl Default for TableName {
@@ -172,6 +180,25 @@ pub fn create_statements(t: &TableName) -> Vec<String> {
     error          TEXT NOT NULL,
     created_at     TIMESTAMPTZ NOT NULL DEFAULT now()
 )",
+            t.dead_letters()
+        ),
+        // One dead letter per record position and group: a poison record
+        // delivered again (its acknowledgement failed after the dead letter
+        // committed) is not recorded twice. Copies written before this key
+        // existed are removed first (the oldest is kept; they are the same
+        // record), so the index can be created on an existing table.
+        format!(
+            "DELETE FROM {d} a USING {d} b
+              WHERE a.id > b.id AND a.consumer_group = b.consumer_group AND a.topic = b.topic
+                AND a.partition = b.partition AND a.record_offset = b.record_offset
+                AND to_regclass('{idx}') IS NULL",
+            d = t.dead_letters(),
+            idx = t.index_qualified("dead_letter_position"),
+        ),
+        format!(
+            "CREATE UNIQUE INDEX IF NOT EXISTS {} ON {} (consumer_group, topic, partition, record_offset)
+              WHERE topic IS NOT NULL",
+            t.index("dead_letter_position"),
             t.dead_letters()
         ),
         // Each partition's next offset per consumer group, written in the

@@ -122,7 +122,8 @@ impl Sql {
             ),
             dead_letter: format!(
                 "INSERT INTO {} (consumer_group, message_id, source, topic, partition, record_offset, message, error, raw)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+                 ON CONFLICT DO NOTHING",
                 t.dead_letters()
             ),
             store_ack: format!(

@@ -354,3 +354,40 @@ async fn a_configured_schema_and_table_are_used() {
     assert_eq!(n, 1);
     assert!(store.find("s-1", "billing").await.expect("find").is_some());
 }
+
+/// A dead-letter table written before the position key existed, holding the
+/// same record twice, gets the key on the next `create_tables`: the copy is
+/// removed (the oldest kept) and the index created.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dead_letter_key_is_added_to_an_existing_table() {
+    let store = store().await;
+    let db = store.connection();
+    inbox_postgres::sea_orm::ConnectionTrait::execute_unprepared(
+        db,
+        "DROP INDEX inbox_dead_letter_position",
+    )
+    .await
+    .expect("drop the key");
+    for _ in 0..2 {
+        inbox_postgres::sea_orm::ConnectionTrait::execute_unprepared(
+            db,
+            "INSERT INTO inbox_dead_letters (consumer_group, message_id, source, topic, partition, record_offset, message, error)
+             VALUES ('g', 'm', 'orders', 'orders', 0, 7, '{}', 'bad')",
+        )
+        .await
+        .expect("insert a copy");
+    }
+    store.create_tables().await.expect("create_tables again");
+    let n = count(&store, "SELECT count(*) FROM inbox_dead_letters", vec![])
+        .await
+        .expect("count");
+    assert_eq!(n, 1, "the copy was removed");
+    let key = count(
+        &store,
+        "SELECT count(*) FROM pg_indexes WHERE indexname = 'inbox_dead_letter_position'",
+        vec![],
+    )
+    .await
+    .expect("count");
+    assert_eq!(key, 1, "the key exists");
+}

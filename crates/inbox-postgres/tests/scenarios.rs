@@ -83,3 +83,8 @@ async fn batched_exactly_once_under_faults() {
         scenarios::batched_exactly_once_under_faults(store.clone(), seed).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_redelivered_is_recorded_once() {
+    scenarios::poison_redelivered_is_recorded_once(store().await).await;
+}

@@ -345,6 +345,17 @@ mod with_store {
 
     #[async_trait]
     impl ScenarioStore for PgStore {
+        async fn dead_letters(&self, message_id: &str, consumer_group: &str) -> usize {
+            let sql = format!(
+                "SELECT count(*) FROM {} WHERE message_id = $1 AND consumer_group = $2",
+                self.table().dead_letters()
+            );
+            let n = count(self, &sql, vec![message_id.into(), consumer_group.into()])
+                .await
+                .unwrap_or_else(|e| panic!("counting dead letters: {e}"));
+            usize::try_from(n).unwrap_or(usize::MAX)
+        }
+
         async fn invoices(&self, order: &str) -> usize {
             let n = count(
                 self,

@@ -70,6 +70,8 @@ pub trait ScenarioStore: InboxStore + Clone + 'static {
     async fn hold_lock(&self, message_id: &str, consumer_group: &str, worker: &WorkerId);
     /// Marks a row `failed` (the batch processor spent its budget).
     async fn mark_failed(&self, message_id: &str, consumer_group: &str);
+    /// Dead letters recorded for `message_id` in `consumer_group`.
+    async fn dead_letters(&self, message_id: &str, consumer_group: &str) -> usize;
 }
 
 #[async_trait]
@@ -88,6 +90,13 @@ impl ScenarioStore for crate::MemStore {
             worker
         ));
     }
+    async fn dead_letters(&self, message_id: &str, consumer_group: &str) -> usize {
+        crate::MemStore::dead_letters(self)
+            .iter()
+            .filter(|d| d.message.message_id == message_id && d.consumer_group == consumer_group)
+            .count()
+    }
+
     async fn mark_failed(&self, message_id: &str, consumer_group: &str) {
         assert!(crate::MemStore::mark_failed(
             self,
@@ -1104,4 +1113,37 @@ where
             "seed {seed}: partition {p} acknowledged to its end"
         );
     }
+}
+
+/// A poison record whose dead letter committed but whose acknowledgement
+/// failed is delivered again: it is acknowledged then, and recorded once.
+pub async fn poison_redelivered_is_recorded_once<S>(store: S)
+where
+    S: ScenarioStore,
+    S::Tx: WriteInvoice,
+{
+    use crate::BrokerFault;
+    let group = "poison-once";
+    let broker = MemBroker::new();
+    broker.produce(
+        "orders",
+        0,
+        Message::new("poison-once-1", "orders", "order.created", json!([1, 2])),
+    );
+    let handler = ScriptedHandler::new([], Act::Succeed);
+    let (mut runner, metrics) =
+        runner_for(&store, &broker, group, &handler, AckStrategy::default());
+    broker.fail_next(BrokerFault::Ack, 1);
+    let first = next(&mut runner).await;
+    assert!(!first.acked, "the acknowledgement failed");
+    drop(runner);
+    let (mut fresh, _) = runner_for(&store, &broker, group, &handler, AckStrategy::default());
+    let again = next(&mut fresh).await;
+    assert!(again.acked, "delivered again, acknowledged now");
+    assert_eq!(
+        store.dead_letters("poison-once-1", group).await,
+        1,
+        "recorded once"
+    );
+    assert_eq!(metrics.snapshot().poison, 1);
 }

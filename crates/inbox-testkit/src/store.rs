@@ -504,7 +504,17 @@ impl InboxTransaction for MemTx {
                     }
                 }
                 Staged::Business(table, key) => s.business.entry(table).or_default().push(key),
-                Staged::DeadLetter(dead) => s.dead_letters.push(*dead),
+                Staged::DeadLetter(dead) => {
+                    // one per record position and group, as PostgreSQL's key
+                    let again = dead.message.position.is_some()
+                        && s.dead_letters.iter().any(|d| {
+                            d.consumer_group == dead.consumer_group
+                                && d.message.position == dead.message.position
+                        });
+                    if !again {
+                        s.dead_letters.push(*dead);
+                    }
+                }
                 Staged::Ack(key, next) => {
                     s.acks.insert(key, next);
                 }

@@ -161,6 +161,10 @@ pub enum Tally {
     Terminal,
     /// The message could not be made into a valid row: dead-lettered.
     Poison,
+    /// Not decided: it was delivered past an earlier message of its
+    /// partition whose rewind failed, so it is handed back (the rewind is
+    /// retried and delivers them again). Not counted as a delivery.
+    HandedBack,
 }
 
 /// The whole decision for one message.
@@ -480,6 +484,24 @@ pub fn on_poison_failure() -> Decision {
         ack: AckPoint::Never,
         rewind: true,
         tally: Tally::Failed,
+    }
+}
+
+/// The decision for a message delivered past an earlier message of its
+/// partition whose rewind failed: it is not handled and not acknowledged
+/// (acknowledging it would acknowledge the earlier one); the driver retries
+/// the earlier rewind, after which both are delivered again.
+pub fn on_handed_back() -> Decision {
+    Decision {
+        handler_ran: false,
+        transaction: TxAction::Rollback,
+        row_after: RowAfter::AsBefore,
+        write_completion: false,
+        processed: false,
+        duplicate: false,
+        ack: AckPoint::Never,
+        rewind: false,
+        tally: Tally::HandedBack,
     }
 }
 

@@ -163,6 +163,7 @@ impl Metrics for CountingMetrics {
                 Tally::Deferred => 6,
                 Tally::Terminal => 7,
                 Tally::Poison => 8,
+                Tally::HandedBack => return,
             },
             MetricEvent::Acked => 9,
             MetricEvent::AckFailed => 10,

@@ -244,3 +244,70 @@ async fn at_most_once_fenced_early_ack_in_a_batch() {
     assert!(!result.results[0].rewound && !result.results[0].acked);
     assert_eq!(handler.calls(), 0);
 }
+
+/// A rewind that fails must not let the runner handle and acknowledge the
+/// next message of that partition (its acknowledgement would acknowledge the
+/// failed one): the next delivery is handed back, and the rewind retried.
+#[tokio::test]
+async fn after_a_failed_rewind_the_next_message_of_the_partition_is_not_acknowledged() {
+    let mut seq = Sequence::new();
+    let mut consumer = MockSource::new();
+    consumer.expect_ack().never();
+    consumer
+        .expect_rewind()
+        .withf(|m| m.message_id == "m-1")
+        .times(1)
+        .in_sequence(&mut seq)
+        .returning(|_| Err(ConsumerError::Rewind("broker gone".into())));
+    consumer
+        .expect_rewind()
+        .withf(|m| m.message_id == "m-1")
+        .times(1)
+        .in_sequence(&mut seq)
+        .returning(|_| Ok(()));
+    let config = RunnerConfig::new("billing", "w").expect("config");
+    let handler = ScriptedHandler::new([Act::Fail], Act::Succeed);
+    let store = MemStore::new();
+    let mut r = Runner::new(store.clone(), plain(consumer), handler.clone(), config);
+    let first = r.process_message(message()).await;
+    assert!(!first.rewound && !first.acked);
+    let next = Message::new("m-2", "orders", "order.created", json!({"n": 2}))
+        .at(Position::new("orders", 0, 8));
+    let second = r.process_message(next).await;
+    assert!(!second.acked && !second.processed, "handed back");
+    assert_eq!(second.error, None, "the retried rewind succeeded");
+    assert_eq!(handler.calls(), 1, "m-2's handler never ran");
+    assert_eq!(store.row("m-2", "billing"), None);
+}
+
+/// The same in a batch: the partition's messages are handed back while the
+/// rewind is retried.
+#[tokio::test]
+async fn after_a_failed_rewind_a_batch_hands_the_partition_back() {
+    let mut seq = Sequence::new();
+    let mut consumer = MockSource::new();
+    consumer.expect_ack().never();
+    consumer
+        .expect_rewind()
+        .times(1)
+        .in_sequence(&mut seq)
+        .returning(|_| Err(ConsumerError::Rewind("broker gone".into())));
+    consumer
+        .expect_rewind()
+        .withf(|m| m.message_id == "m-1")
+        .times(1)
+        .in_sequence(&mut seq)
+        .returning(|_| Ok(()));
+    let config = RunnerConfig::new("billing", "w")
+        .expect("config")
+        .batched(inbox_core::BatchConfig::new(10));
+    let handler = ScriptedHandler::new([Act::Fail], Act::Succeed);
+    let mut r = Runner::new(MemStore::new(), plain(consumer), handler.clone(), config);
+    let first = r.process_batch(vec![message()]).await;
+    assert!(!first.results[0].rewound);
+    let next = Message::new("m-2", "orders", "order.created", json!({"n": 2}))
+        .at(Position::new("orders", 0, 8));
+    let second = r.process_batch(vec![next]).await;
+    assert_eq!((second.results.len(), second.returned), (0, 1));
+    assert_eq!(handler.calls(), 1);
+}

@@ -87,6 +87,20 @@ where
     /// the handler, commit or roll back, then acknowledge or rewind at the
     /// broker, as decided.
     pub async fn process_message(&mut self, message: Message) -> ProcessResult {
+        if let Some(handed_back) = self.behind_a_failed_rewind(&message).await {
+            return ProcessResult {
+                message_id: message.message_id,
+                position: message.position,
+                row_id: None,
+                acked: false,
+                processed: false,
+                duplicate: false,
+                outcome: None,
+                rewound: false,
+                decision: decision::on_handed_back(),
+                error: handed_back,
+            };
+        }
         self.metrics.record(MetricEvent::Consumed);
         let policy = self.policy(&message);
         let work = match message.validate(&self.config.consumer_group) {
@@ -299,6 +313,9 @@ where
             self.consumer.fenced(&message);
         }
         let rewound = decision.rewind && self.rewind(&message, &mut error).await;
+        if decision.rewind && !rewound {
+            self.remember_unrewound(&message);
+        }
         self.metrics.record(MetricEvent::Tally(decision.tally));
         if decision.drops_message() {
             tracing::warn!(message_id = %message.message_id, "handler failed; the message is acknowledged all the same and dropped (strategy)");
@@ -330,6 +347,32 @@ where
                 self.metrics.record(MetricEvent::AckFailed);
                 Err(e)
             }
+        }
+    }
+
+    /// When `message`'s partition has an earlier message whose rewind
+    /// failed, `message` must not be handled (its acknowledgement would
+    /// acknowledge the earlier one): the rewind is retried and `Some` is
+    /// returned (holding the retry's error, if it failed again). `None`:
+    /// nothing is pending on the partition.
+    pub(super) async fn behind_a_failed_rewind(
+        &mut self,
+        message: &Message,
+    ) -> Option<Option<ProcessError>> {
+        let key = message.position.as_ref()?.partition_key();
+        let earlier = self.unrewound.get(&key)?.clone();
+        let mut error = None;
+        if self.rewind(&earlier, &mut error).await {
+            self.unrewound.remove(&key);
+        }
+        tracing::warn!(message_id = %message.message_id, "delivered past a message whose rewind failed: handed back");
+        Some(error)
+    }
+
+    /// Notes that `message` is to be delivered again but its rewind failed.
+    pub(super) fn remember_unrewound(&mut self, message: &Message) {
+        if let Some(pos) = &message.position {
+            self.unrewound.insert(pos.partition_key(), message.clone());
         }
     }
 

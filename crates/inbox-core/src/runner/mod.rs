@@ -53,6 +53,9 @@ pub struct Runner<S, C, H, M = NoopMetrics> {
     /// The batch size the batched runner takes now, below the configured
     /// one after batches that needed a replay (`None`: the configured one).
     batch_cap: Option<usize>,
+    /// Per partition, a message whose rewind failed: nothing later of that
+    /// partition is handled or acknowledged until its rewind succeeds.
+    unrewound: HashMap<(String, i32), Message>,
 }
 
 impl<S, C, H> Runner<S, C, H, NoopMetrics>
@@ -72,6 +75,7 @@ where
             store_failures: 0,
             redelivery_failures: HashMap::new(),
             batch_cap: None,
+            unrewound: HashMap::new(),
         }
     }
 }
@@ -93,6 +97,7 @@ where
             store_failures: 0,
             redelivery_failures: HashMap::new(),
             batch_cap: None,
+            unrewound: HashMap::new(),
         }
     }
 }
@@ -115,6 +120,7 @@ where
             store_failures: self.store_failures,
             redelivery_failures: self.redelivery_failures,
             batch_cap: self.batch_cap,
+            unrewound: self.unrewound,
         }
     }
 

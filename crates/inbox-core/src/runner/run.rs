@@ -142,6 +142,15 @@ where
             self.store_failures = 0;
         }
         let store_delay = self.config.store_backoff.delay(self.store_failures);
+        if result.decision.tally == crate::decision::Tally::HandedBack {
+            // handed back behind a rewind that failed again: wait before
+            // the next try rather than read the partition on
+            return if result.error.is_some() {
+                store_delay.max(self.config.redelivery_backoff.delay(1))
+            } else {
+                store_delay
+            };
+        }
         let redelivery_delay = match &result.position {
             Some(pos) => {
                 let key = pos.partition_key();

@@ -137,6 +137,20 @@ where
                 }
             })
             .collect();
+        // A partition with an earlier message whose rewind failed: nothing of
+        // it is handled (the rewind is retried; they come again after it).
+        for p in 0..partitions.len() {
+            let first = first_of(&slots, p);
+            if self
+                .behind_a_failed_rewind(&slots[first].message)
+                .await
+                .is_some()
+            {
+                for s in slots.iter_mut().filter(|s| s.partition == p) {
+                    s.fate = Fate::Returned;
+                }
+            }
+        }
         self.ack_before(&mut slots, partitions.len()).await;
         // Optimistic first (with the batch form of the handler, if any);
         // after a failure, optimistic replays one message at a time, or one
@@ -182,7 +196,8 @@ where
     /// its first message, unhandled.
     async fn ack_before(&mut self, slots: &mut [Slot], partitions: usize) {
         for p in 0..partitions {
-            let Some(last) = slots.iter().rposition(|s| s.partition == p) else {
+            let open = |s: &Slot| s.partition == p && matches!(s.fate, Fate::Open);
+            let Some(last) = slots.iter().rposition(open) else {
                 continue;
             };
             if !decision::acks_before_tx(slots[last].policy) {
@@ -190,7 +205,7 @@ where
             }
             match self.consumer.ack(&slots[last].message).await {
                 Ok(()) => {
-                    for s in slots.iter_mut().filter(|s| s.partition == p) {
+                    for s in slots.iter_mut().filter(|s| open(s)) {
                         self.metrics.record(MetricEvent::Acked);
                         s.acked_before = true;
                     }
@@ -377,6 +392,7 @@ where
                 let message = slots[i].message.clone();
                 let mut error = None;
                 if !self.rewind(&message, &mut error).await {
+                    self.remember_unrewound(&message);
                     errors[i] = error;
                 }
             }

@@ -107,6 +107,14 @@ pub enum ValidationError {
         /// What was stored.
         status: String,
     },
+    /// A text holds a NUL character (U+0000), which PostgreSQL stores in
+    /// neither text nor JSON.
+    #[error("{field} contains a NUL character (U+0000), which cannot be stored")]
+    NulCharacter {
+        /// Where: `message_id`, `source`, `event_type`, `payload`, or the
+        /// header named.
+        field: String,
+    },
     /// A configuration value is out of range.
     #[error("invalid configuration: {reason}")]
     Config {

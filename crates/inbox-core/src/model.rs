@@ -179,6 +179,7 @@ fn check_id(field: &'static str, value: &str) -> Result<(), ValidationError> {
     if value.is_empty() {
         return Err(ValidationError::Empty { field });
     }
+    no_nul(field, value)?;
     let chars = value.chars().count();
     if chars > MAX_ID_CHARS {
         return Err(ValidationError::TooLong {
@@ -196,6 +197,7 @@ fn check_id(field: &'static str, value: &str) -> Result<(), ValidationError> {
 ///
 /// [`ValidationError::Empty`] or [`ValidationError::TooLong`].
 pub fn validate_event_type(event_type: &str) -> Result<(), ValidationError> {
+    no_nul("event_type", event_type)?;
     let trimmed = event_type.trim();
     if trimmed.is_empty() {
         return Err(ValidationError::Empty {
@@ -232,6 +234,11 @@ pub fn validate_payload(payload: &Value) -> Result<(), ValidationError> {
     if !all_finite(payload) {
         return Err(ValidationError::PayloadNotFinite);
     }
+    if has_nul(payload) {
+        return Err(ValidationError::NulCharacter {
+            field: "payload".to_owned(),
+        });
+    }
     let bytes = json_len(payload).ok_or(ValidationError::PayloadNotFinite)?;
     if bytes > MAX_PAYLOAD_BYTES {
         return Err(ValidationError::PayloadTooLarge {
@@ -240,6 +247,26 @@ pub fn validate_payload(payload: &Value) -> Result<(), ValidationError> {
         });
     }
     Ok(())
+}
+
+/// A NUL character in `value`, refused by name.
+fn no_nul(field: &str, value: &str) -> Result<(), ValidationError> {
+    if value.contains('\0') {
+        return Err(ValidationError::NulCharacter {
+            field: field.to_owned(),
+        });
+    }
+    Ok(())
+}
+
+/// Whether a string or a key anywhere in `value` holds a NUL character.
+fn has_nul(value: &Value) -> bool {
+    match value {
+        Value::String(s) => s.contains('\0'),
+        Value::Array(items) => items.iter().any(has_nul),
+        Value::Object(map) => map.iter().any(|(k, v)| k.contains('\0') || has_nul(v)),
+        Value::Null | Value::Bool(_) | Value::Number(_) => false,
+    }
 }
 
 fn all_finite(value: &Value) -> bool {
@@ -282,6 +309,11 @@ pub fn validate_headers(headers: &BTreeMap<String, String>) -> Result<(), Valida
         if key.is_empty() {
             return Err(ValidationError::Empty {
                 field: "header key",
+            });
+        }
+        if key.contains('\0') || value.contains('\0') {
+            return Err(ValidationError::NulCharacter {
+                field: format!("header {:?}", key.replace('\0', "\u{fffd}")),
             });
         }
         let key_chars = key.chars().count();
@@ -531,6 +563,34 @@ mod tests {
 
     fn ok() -> Message {
         Message::new("m-1", "orders", "order.created", json!({"id": 1}))
+    }
+
+    #[test]
+    fn nul_characters_are_refused_wherever_they_would_be_stored() {
+        let nul = |field: &str| {
+            Err(ValidationError::NulCharacter {
+                field: field.to_owned(),
+            })
+        };
+        let mut m = ok();
+        m.message_id = "a\0b".into();
+        assert_eq!(m.validate("billing"), nul("message_id"));
+        let mut m = ok();
+        m.source = "orders\0".into();
+        assert_eq!(m.validate("billing"), nul("source"));
+        let mut m = ok();
+        m.event_type = "order\0created".into();
+        assert_eq!(m.validate("billing"), nul("event_type"));
+        let mut m = ok();
+        m.payload = json!({"note": "a\u{0}b"});
+        assert_eq!(m.validate("billing"), nul("payload"));
+        let mut m = ok();
+        m.payload = json!({"deep": [{"k\u{0}": 1}]});
+        assert_eq!(m.validate("billing"), nul("payload"), "a key, nested");
+        let mut m = ok();
+        m.headers.insert("trace".into(), "x\0".into());
+        assert_eq!(m.validate("billing"), nul("header \"trace\""));
+        assert_eq!(ok().validate("bill\0ing"), nul("consumer_group"));
     }
 
     #[test]

@@ -536,21 +536,26 @@ impl InboxTransaction for PgTx {
         consumer_group: &str,
         error: &ValidationError,
     ) -> Result<(), StoreError> {
+        // A poison message may hold what PostgreSQL cannot store (a NUL
+        // character is one reason to be poison): its text columns and its
+        // JSON copy get U+FFFD in place of NUL; `raw` keeps the bytes as
+        // they arrived.
         let position = message.position.as_ref();
-        let as_json = serde_json::to_value(message)
+        let mut as_json = serde_json::to_value(message)
             .map_err(|e| StoreError::new(StoreErrorKind::Other, e.to_string()))?;
+        without_nul(&mut as_json);
         self.tx
             .execute_raw(stmt(
                 &self.sql.dead_letter,
                 vec![
                     consumer_group.into(),
-                    message.message_id.clone().into(),
-                    message.source.clone().into(),
-                    position.map(|p| p.topic.clone()).into(),
+                    storable(&message.message_id).into(),
+                    storable(&message.source).into(),
+                    position.map(|p| storable(&p.topic)).into(),
                     position.map(|p| p.partition).into(),
                     position.map(|p| p.offset).into(),
                     as_json.into(),
-                    error.to_string().into(),
+                    storable(&error.to_string()).into(),
                     message.raw.clone().into(),
                 ],
             ))
@@ -586,6 +591,30 @@ impl PgTx {
                 )
             })?;
         row_ref(&again)
+    }
+}
+
+/// `text` with U+FFFD in place of each NUL character (which PostgreSQL does
+/// not store in text).
+fn storable(text: &str) -> String {
+    text.replace('\0', "\u{fffd}")
+}
+
+/// `value` with U+FFFD in place of each NUL character in its strings and keys
+/// (PostgreSQL's `jsonb` refuses `\u0000`).
+fn without_nul(value: &mut serde_json::Value) {
+    match value {
+        serde_json::Value::String(s) if s.contains('\0') => *s = storable(s),
+        serde_json::Value::Array(items) => items.iter_mut().for_each(without_nul),
+        serde_json::Value::Object(map) if map.keys().any(|k| k.contains('\0')) => {
+            let entries = std::mem::take(map);
+            for (k, mut v) in entries {
+                without_nul(&mut v);
+                map.insert(storable(&k), v);
+            }
+        }
+        serde_json::Value::Object(map) => map.values_mut().for_each(without_nul),
+        _ => {}
     }
 }
 

@@ -391,3 +391,71 @@ async fn the_dead_letter_key_is_added_to_an_existing_table() {
     .expect("count");
     assert_eq!(key, 1, "the key exists");
 }
+
+/// NUL characters, which PostgreSQL stores in neither text nor `jsonb`, in
+/// each place a message carries text: each message is dead-lettered (its
+/// copy and columns with U+FFFD, its raw bytes as they came) and
+/// acknowledged, and the next message of the partition is handled. Before,
+/// they were storage failures, rewound forever: the partition never moved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nul_characters_are_dead_lettered_and_the_partition_moves_on() {
+    let store = store().await;
+    let broker = MemBroker::new();
+    let mut in_header = order("nul-header");
+    in_header.headers.insert("trace".into(), "x\0y".into());
+    let nul = [
+        Message::new("nul\0id", "orders", "e", json!({"a": 1})),
+        Message::new("nul-source", "orders\0", "e", json!({"a": 1})),
+        Message::new("nul-type", "orders", "order\0created", json!({"a": 1})),
+        Message::new("nul-value", "orders", "e", json!({"note": "a\u{0}b"})),
+        Message::new("nul-key", "orders", "e", json!({"k\u{0}": [1]})),
+        in_header,
+    ];
+    let count = nul.len();
+    for mut m in nul {
+        m.raw = Some(b"raw\0bytes".to_vec());
+        broker.produce("orders", 0, m);
+    }
+    broker.produce("orders", 0, order("after-nul"));
+    let handler = ScriptedHandler::new([], Act::Succeed);
+    let mut runner = Runner::new(store.clone(), broker.consumer("billing"), handler, config());
+    for _ in 0..count {
+        let r = runner
+            .process_one()
+            .await
+            .expect("fetch")
+            .expect("delivery");
+        assert!(
+            matches!(
+                r.error,
+                Some(ProcessError::Invalid(ValidationError::NulCharacter { .. }))
+            ),
+            "{:?}: {:?}",
+            r.message_id,
+            r.error
+        );
+        assert!(r.acked && !r.rewound, "{:?}", r.message_id);
+    }
+    let next = runner
+        .process_one()
+        .await
+        .expect("fetch")
+        .expect("delivery");
+    assert!(next.processed && next.acked, "the partition moved on");
+    let dead = count_rows(&store, "SELECT count(*) FROM inbox_dead_letters").await;
+    assert_eq!(dead, i64::try_from(count).unwrap_or(0));
+    let raw = count_rows(
+        &store,
+        "SELECT count(*) FROM inbox_dead_letters WHERE raw = 'raw\\000bytes'::bytea",
+    )
+    .await;
+    assert_eq!(
+        raw,
+        i64::try_from(count).unwrap_or(0),
+        "raw bytes kept as they came"
+    );
+}
+
+async fn count_rows(store: &PgStore, sql: &str) -> i64 {
+    count(store, sql, vec![]).await.expect("count")
+}

@@ -36,6 +36,7 @@
 //! assert_eq!(d.tally, Tally::Failed);
 //! ```
 
+use crate::error::{PersistStage, StoreErrorKind};
 use crate::model::InboxStatus;
 use crate::outcome::OutcomeClass;
 use crate::store::{Found, LockResult};
@@ -487,6 +488,25 @@ pub fn on_poison_failure() -> Decision {
     }
 }
 
+/// Whether a storage failure belongs to the message's data rather than to
+/// the server: the database refused the data (a data exception) or one of
+/// the inbox's own constraints, in the inbox's own statements. Retrying
+/// such a message fails the same way, so after `limit` refusals of the same
+/// message it is poison.
+pub fn refused_data(stage: PersistStage, kind: StoreErrorKind) -> bool {
+    matches!(kind, StoreErrorKind::Data | StoreErrorKind::Integrity)
+        && matches!(
+            stage,
+            PersistStage::Insert | PersistStage::Lock | PersistStage::Complete
+        )
+}
+
+/// Whether a message refused `tries` times (see [`refused_data`]) is now
+/// poison, with `limit` tries allowed (at least one).
+pub fn refused_is_poison(tries: u32, limit: u32) -> bool {
+    tries >= limit.max(1)
+}
+
 /// The decision for a message delivered past an earlier message of its
 /// partition whose rewind failed: it is not handled and not acknowledged
 /// (acknowledging it would acknowledge the earlier one); the driver retries
@@ -833,6 +853,24 @@ mod tests {
             assert!(!decide(Policy::new(s), RowState::New, Success).drops_message());
             assert!(!on_storage_failure(Policy::new(s), true).drops_message() || s == AtMostOnce);
         }
+    }
+
+    #[test]
+    fn refused_data_is_the_message_s_not_the_server_s() {
+        use PersistStage as P;
+        use StoreErrorKind as K;
+        assert!(refused_data(P::Insert, K::Data));
+        assert!(refused_data(P::Insert, K::Integrity));
+        assert!(refused_data(P::Complete, K::Data));
+        assert!(!refused_data(P::Insert, K::Connection));
+        assert!(
+            !refused_data(P::Commit, K::Integrity),
+            "a commit is the handler's too"
+        );
+        assert!(!refused_data(P::Begin, K::Data));
+        assert!(!refused_is_poison(2, 3));
+        assert!(refused_is_poison(3, 3));
+        assert!(refused_is_poison(1, 0), "at least one try");
     }
 
     #[test]

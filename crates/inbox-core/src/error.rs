@@ -115,6 +115,15 @@ pub enum ValidationError {
         /// header named.
         field: String,
     },
+    /// The database refused to store the message's data, again and again
+    /// (a data exception, or the inbox's own constraints): it is poison.
+    #[error("the database refused the message's data {tries} times: {cause}")]
+    Refused {
+        /// How many deliveries were refused.
+        tries: u32,
+        /// The last refusal.
+        cause: String,
+    },
     /// A configuration value is out of range.
     #[error("invalid configuration: {reason}")]
     Config {
@@ -140,6 +149,9 @@ pub enum StoreErrorKind {
     Fenced,
     /// The store does not offer this operation (e.g. savepoints).
     Unsupported,
+    /// The database refused the data itself (PostgreSQL SQLSTATE class 22,
+    /// a data exception): retrying the same message will fail the same way.
+    Data,
     /// Anything else.
     Other,
 }
@@ -153,6 +165,7 @@ impl fmt::Display for StoreErrorKind {
             Self::Serialization => "serialization failure",
             Self::Fenced => "fenced",
             Self::Unsupported => "unsupported",
+            Self::Data => "data refused",
             Self::Other => "storage error",
         })
     }

@@ -85,3 +85,8 @@ async fn batched_exactly_once_under_faults() {
 async fn poison_redelivered_is_recorded_once() {
     scenarios::poison_redelivered_is_recorded_once(MemStore::new()).await;
 }
+
+#[tokio::test]
+async fn refused_data_becomes_poison() {
+    scenarios::refused_data_becomes_poison(MemStore::new()).await;
+}

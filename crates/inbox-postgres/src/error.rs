@@ -13,6 +13,7 @@ pub fn kind_of_sqlstate(code: &str) -> StoreErrorKind {
         "57P01" | "57P02" | "57P03" => StoreErrorKind::Connection,
         c if c.starts_with("08") => StoreErrorKind::Connection,
         c if c.starts_with("23") => StoreErrorKind::Integrity,
+        c if c.starts_with("22") => StoreErrorKind::Data,
         _ => StoreErrorKind::Other,
     }
 }
@@ -76,6 +77,8 @@ mod tests {
     fn sqlstates() {
         assert_eq!(kind_of_sqlstate("23505"), StoreErrorKind::Integrity);
         assert_eq!(kind_of_sqlstate("23514"), StoreErrorKind::Integrity);
+        assert_eq!(kind_of_sqlstate("22P02"), StoreErrorKind::Data);
+        assert_eq!(kind_of_sqlstate("22021"), StoreErrorKind::Data);
         assert_eq!(kind_of_sqlstate("40001"), StoreErrorKind::Serialization);
         assert_eq!(kind_of_sqlstate("40P01"), StoreErrorKind::Serialization);
         assert_eq!(kind_of_sqlstate("57014"), StoreErrorKind::Timeout);

@@ -88,3 +88,8 @@ async fn batched_exactly_once_under_faults() {
 async fn poison_redelivered_is_recorded_once() {
     scenarios::poison_redelivered_is_recorded_once(store().await).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_data_becomes_poison() {
+    scenarios::refused_data_becomes_poison(store().await).await;
+}

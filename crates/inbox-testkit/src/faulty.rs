@@ -24,8 +24,13 @@ fn take(faults: &Faults, point: StoreFault) -> Result<(), StoreError> {
     match f.get_mut(&point) {
         Some(n) if *n > 0 => {
             *n -= 1;
+            let kind = if point == StoreFault::InsertRefused {
+                StoreErrorKind::Data
+            } else {
+                StoreErrorKind::Connection
+            };
             Err(StoreError::new(
-                StoreErrorKind::Connection,
+                kind,
                 format!("injected fault at {point:?}"),
             ))
         }
@@ -118,6 +123,7 @@ impl<S: InboxStore> InboxStore for FaultyStore<S> {
 impl<T: InboxTransaction> InboxTransaction for FaultyTx<T> {
     async fn insert_or_get(&mut self, row: &NewInboxRow) -> Result<RowRef, StoreError> {
         take(&self.faults, StoreFault::Insert)?;
+        take(&self.faults, StoreFault::InsertRefused)?;
         self.inner.insert_or_get(row).await
     }
 
@@ -126,6 +132,7 @@ impl<T: InboxTransaction> InboxTransaction for FaultyTx<T> {
         rows: &[NewInboxRow],
     ) -> Result<Vec<RowRef>, StoreError> {
         take(&self.faults, StoreFault::Insert)?;
+        take(&self.faults, StoreFault::InsertRefused)?;
         self.inner.insert_or_get_many(rows).await
     }
 

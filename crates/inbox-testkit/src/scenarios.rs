@@ -1147,3 +1147,87 @@ where
     );
     assert_eq!(metrics.snapshot().poison, 1);
 }
+
+/// The database refuses a message's data (as PostgreSQL does with a data
+/// exception) on every try: the message is rewound and tried again, and
+/// after `RunnerConfig::refused_data_tries` (3) refusals it is poison:
+/// dead-lettered with the refusal and acknowledged, and the partition moves
+/// on. Per message, and in batches (which shrink until the message is
+/// alone).
+pub async fn refused_data_becomes_poison<S>(store: S)
+where
+    S: ScenarioStore,
+    S::Tx: WriteInvoice,
+{
+    use crate::{FaultyStore, StoreFault};
+    for batched in [false, true] {
+        let group = if batched {
+            "refused-batched"
+        } else {
+            "refused-one"
+        };
+        let id = |m: &str| format!("{group}-{m}");
+        let broker = MemBroker::new();
+        broker.produce("orders", 0, order(&id("refused")));
+        broker.produce("orders", 0, order(&id("after")));
+        let faulty = FaultyStore::new(store.clone());
+        let handler = ScriptedHandler::new([], Act::Succeed);
+        let mut cfg = config(group, AckStrategy::default());
+        let mut b = inbox_core::BatchConfig::new(10);
+        b.max_wait = Duration::ZERO;
+        if batched {
+            cfg = cfg.batched(b);
+        }
+        let metrics = Arc::new(CountingMetrics::new());
+        let mut runner = Runner::new(faulty.clone(), broker.consumer(group), handler.clone(), cfg)
+            .with_metrics(metrics.clone());
+        // refused on every try: far more than the limit
+        faulty.fail_next(StoreFault::InsertRefused, 1_000);
+        let mut refusals = 0;
+        for _ in 0..20 {
+            let results = if batched {
+                let messages = runner.next_batch(b).await.unwrap_or_default();
+                if messages.is_empty() {
+                    break;
+                }
+                runner.process_batch(messages).await.results
+            } else {
+                match runner.process_one().await.unwrap_or_else(|e| panic!("{e}")) {
+                    Some(r) => vec![r],
+                    None => break,
+                }
+            };
+            for r in &results {
+                if matches!(r.error, Some(inbox_core::ProcessError::Persist(_))) {
+                    refusals += 1;
+                    assert!(r.rewound && !r.acked, "{group}: a refusal is rewound");
+                }
+                if r.message_id == id("refused")
+                    && matches!(
+                        r.error,
+                        Some(inbox_core::ProcessError::Invalid(
+                            inbox_core::ValidationError::Refused { tries: 3, .. }
+                        ))
+                    )
+                {
+                    assert!(r.acked, "{group}: poison is acknowledged");
+                    // the database takes data again
+                    faulty.fail_next(StoreFault::InsertRefused, 0);
+                }
+            }
+        }
+        assert_eq!(refusals, 3, "{group}: refused three times, then poison");
+        assert_eq!(
+            store.dead_letters(&id("refused"), group).await,
+            1,
+            "{group}"
+        );
+        assert_eq!(
+            store.invoices(&id("after")).await,
+            1,
+            "{group}: the partition moved on"
+        );
+        assert_eq!(broker.acked(group, "orders", 0), Some(2), "{group}");
+        assert_eq!(metrics.snapshot().poison, 1, "{group}");
+    }
+}

@@ -24,6 +24,9 @@ pub enum StoreFault {
     Begin,
     /// `insert_or_get` fails.
     Insert,
+    /// `insert_or_get` fails as the database does when it refuses the
+    /// message's data ([`StoreErrorKind::Data`]).
+    InsertRefused,
     /// `lock` fails.
     Lock,
     /// `complete` fails.
@@ -77,8 +80,13 @@ impl State {
         match self.faults.get_mut(&point) {
             Some(n) if *n > 0 => {
                 *n -= 1;
+                let kind = if point == StoreFault::InsertRefused {
+                    StoreErrorKind::Data
+                } else {
+                    StoreErrorKind::Connection
+                };
                 Err(StoreError::new(
-                    StoreErrorKind::Connection,
+                    kind,
                     format!("injected fault at {point:?}"),
                 ))
             }
@@ -419,6 +427,7 @@ impl InboxTransaction for MemTx {
     async fn insert_or_get(&mut self, row: &NewInboxRow) -> Result<RowRef, StoreError> {
         let mut s = self.store.state();
         s.take_fault(StoreFault::Insert)?;
+        s.take_fault(StoreFault::InsertRefused)?;
         let key = (row.message_id.clone(), row.consumer_group.clone());
         if let Some(id) = s.keys.get(&key).copied() {
             let status = s.rows.get(&id).map_or(InboxStatus::Pending, |r| r.status);

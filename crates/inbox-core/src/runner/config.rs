@@ -67,6 +67,10 @@ pub struct RunnerConfig {
     /// Batched mode: many messages in one transaction. `None` (the
     /// default): one transaction per message.
     pub batch: Option<BatchConfig>,
+    /// How many deliveries of one message the database may refuse for its
+    /// data (a data exception, or the inbox's own constraints) before the
+    /// message is poison: dead-lettered and acknowledged. Default 3.
+    pub refused_data_tries: u32,
 }
 
 /// How a batched runner gathers a batch: up to `max_messages` messages the
@@ -158,6 +162,7 @@ impl RunnerConfig {
             },
             idle_poll: Duration::from_millis(50),
             batch: None,
+            refused_data_tries: 3,
         })
     }
 

@@ -103,7 +103,10 @@ where
         }
         self.metrics.record(MetricEvent::Consumed);
         let policy = self.policy(&message);
-        let work = match message.validate(&self.config.consumer_group) {
+        let verdict = message
+            .validate(&self.config.consumer_group)
+            .and_then(|()| self.refused_poison(&message).map_or(Ok(()), Err));
+        let work = match verdict {
             Err(invalid) => {
                 tracing::warn!(message_id = %message.message_id, error = %invalid, "poison message");
                 let mut work = self.poison(policy, &message, &invalid).await;
@@ -112,7 +115,9 @@ where
             }
             Ok(()) => self.handle_valid(policy, &message).await,
         };
-        self.settle(message, work).await
+        let result = self.settle(message, work).await;
+        self.note_result(&result);
+        result
     }
 
     /// Records a poison message as a dead letter in a transaction of its own.

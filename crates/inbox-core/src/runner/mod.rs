@@ -56,6 +56,9 @@ pub struct Runner<S, C, H, M = NoopMetrics> {
     /// Per partition, a message whose rewind failed: nothing later of that
     /// partition is handled or acknowledged until its rewind succeeds.
     unrewound: HashMap<(String, i32), Message>,
+    /// Per partition, the message whose data the database refused: its
+    /// offset, how many times, the last cause.
+    refused: HashMap<(String, i32), (i64, u32, String)>,
 }
 
 impl<S, C, H> Runner<S, C, H, NoopMetrics>
@@ -76,6 +79,7 @@ where
             redelivery_failures: HashMap::new(),
             batch_cap: None,
             unrewound: HashMap::new(),
+            refused: HashMap::new(),
         }
     }
 }
@@ -98,6 +102,7 @@ where
             redelivery_failures: HashMap::new(),
             batch_cap: None,
             unrewound: HashMap::new(),
+            refused: HashMap::new(),
         }
     }
 }
@@ -121,6 +126,7 @@ where
             redelivery_failures: self.redelivery_failures,
             batch_cap: self.batch_cap,
             unrewound: self.unrewound,
+            refused: self.refused,
         }
     }
 
@@ -167,6 +173,50 @@ where
                 }
             }
         };
+    }
+
+    /// Counts a refusal of the message's data (see
+    /// [`decision::refused_data`](crate::decision::refused_data)); anything
+    /// else decided on the partition ends the count.
+    fn note_result(&mut self, r: &ProcessResult) {
+        let Some(pos) = &r.position else { return };
+        let key = pos.partition_key();
+        let refusal = match &r.error {
+            Some(ProcessError::Persist(e))
+                if crate::decision::refused_data(e.stage, e.source.kind) =>
+            {
+                Some(e.source.cause.clone())
+            }
+            _ => None,
+        };
+        match refusal {
+            Some(cause) => {
+                let entry = self
+                    .refused
+                    .entry(key)
+                    .or_insert((pos.offset, 0, String::new()));
+                if entry.0 != pos.offset {
+                    *entry = (pos.offset, 0, String::new());
+                }
+                entry.1 = entry.1.saturating_add(1);
+                entry.2 = cause;
+            }
+            None => {
+                self.refused.remove(&key);
+            }
+        }
+    }
+
+    /// The poison verdict for a message the database refused too often.
+    fn refused_poison(&self, message: &Message) -> Option<crate::error::ValidationError> {
+        let pos = message.position.as_ref()?;
+        let (offset, tries, cause) = self.refused.get(&pos.partition_key())?;
+        (*offset == pos.offset
+            && crate::decision::refused_is_poison(*tries, self.config.refused_data_tries))
+        .then(|| crate::error::ValidationError::Refused {
+            tries: *tries,
+            cause: cause.clone(),
+        })
     }
 
     /// Takes the consumer back (e.g. to simulate a crash in tests).

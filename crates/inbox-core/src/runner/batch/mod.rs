@@ -129,7 +129,10 @@ where
                 };
                 Slot {
                     policy: self.policy(&message),
-                    invalid: message.validate(&self.config.consumer_group).err(),
+                    invalid: message
+                        .validate(&self.config.consumer_group)
+                        .err()
+                        .or_else(|| self.refused_poison(&message)),
                     message,
                     partition,
                     fate: Fate::Open,
@@ -186,9 +189,20 @@ where
             };
         }
         let len = slots.len();
-        self.adapt_batch_size(len, transactions);
-        self.settle_batch(slots, partitions.len(), transactions)
-            .await
+        let result = self
+            .settle_batch(slots, partitions.len(), transactions)
+            .await;
+        // A storage failure shrinks the batch too, so that a message whose
+        // data the database refuses ends up alone and is counted.
+        let failed = result
+            .results
+            .iter()
+            .any(|r| matches!(r.error, Some(ProcessError::Persist(_))));
+        self.adapt_batch_size(len, if failed { 2 } else { transactions });
+        for r in &result.results {
+            self.note_result(r);
+        }
+        result
     }
 
     /// AtMostOnce: acknowledges each partition's last message before the

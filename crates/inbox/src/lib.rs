@@ -16,10 +16,14 @@
 //! | `testkit` | [`testkit`] | `inbox-testkit`: in-memory store and broker, conformance suite |
 //!
 //! ```
-//! use inbox::{AckStrategy, RunnerConfig};
+//! use inbox::{AckStrategy, BatchConfig, RunnerConfig};
+//! // batched mode: up to 100 messages per database transaction, each with
+//! // the outcome it would get alone (see docs/performance.md)
 //! let config = RunnerConfig::new("billing", "worker-1").unwrap()
-//!     .with_strategy(AckStrategy::default());
+//!     .with_strategy(AckStrategy::default())
+//!     .batched(BatchConfig::new(100));
 //! assert_eq!(config.consumer_group, "billing");
+//! assert_eq!(config.batch.map(|b| b.max_messages), Some(100));
 //! ```
 
 pub use inbox_core::*;

@@ -411,6 +411,25 @@ pub fn on_storage_failure(policy: Policy, handler_ran: bool) -> Decision {
     }
 }
 
+/// The decision when the store fails for a message that was to be
+/// acknowledged before the transaction but was not yet (in a batch under
+/// AtMostOnce, the messages from a poison one on are acknowledged after the
+/// transaction, so that poison is acknowledged only after its dead letter):
+/// nothing of it happened and it is rewound, so it is not lost.
+pub fn on_storage_failure_unacknowledged(handler_ran: bool) -> Decision {
+    Decision {
+        handler_ran,
+        transaction: TxAction::Rollback,
+        row_after: RowAfter::AsBefore,
+        write_completion: false,
+        processed: false,
+        duplicate: false,
+        ack: AckPoint::Never,
+        rewind: true,
+        tally: Tally::Failed,
+    }
+}
+
 /// The decision when AtMostOnce's acknowledgement before the transaction
 /// fails: the message is not handled (handling it unacknowledged could do it
 /// twice) and is rewound.

@@ -618,3 +618,39 @@ proptest! {
         })?;
     }
 }
+
+/// AtMostOnce in a batch: a poison message is acknowledged only after its
+/// dead letter, as it is one message at a time. The acknowledgement before
+/// the transaction stops short of it; when the dead letter fails, the
+/// poison message is rewound, not acknowledged by a later one's
+/// acknowledgement (which would lose it).
+#[tokio::test]
+async fn at_most_once_poison_in_a_batch_is_not_lost() {
+    let store = MemStore::new();
+    let broker = MemBroker::new();
+    broker.produce("orders", 0, order("ok-1"));
+    broker.produce(
+        "orders",
+        0,
+        Message::new("poison", "orders", "order.created", json!([1])),
+    );
+    broker.produce("orders", 0, order("ok-2"));
+    let handler = Arc::new(Flaky::default());
+    let (mut r, _) = runner(&store, &broker, &handler, AckStrategy::AtMostOnce, Some(10));
+    store.fail_next(StoreFault::DeadLetter, 1);
+    let first = drain_batched(&mut r, &broker, 10).await;
+    let poison: Vec<_> = first
+        .iter()
+        .flat_map(|b| b.results.iter())
+        .filter(|x| x.message_id == "poison")
+        .collect();
+    assert!(poison[0].rewound && !poison[0].acked, "{:?}", poison[0]);
+    assert_eq!(store.dead_letters().len(), 1, "recorded on the next try");
+    assert!(poison.last().is_some_and(|p| p.acked), "then acknowledged");
+    assert_eq!(
+        store.business_rows("invoices"),
+        vec!["ok-2".to_owned()],
+        "ok-1 was lost: AtMostOnce, acknowledged before its transaction failed"
+    );
+    assert_eq!(broker.acked("billing", "orders", 0), Some(3));
+}

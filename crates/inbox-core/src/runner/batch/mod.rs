@@ -42,8 +42,8 @@ use super::message::{Work, store_ack};
 use super::{BatchResult, ProcessError, ProcessResult, Runner, abandon};
 
 use slots::{
-    covered_by_ack, decide_and_return_rest, fail_all, first_of, needs_tx_ack, partition_plan,
-    reopen,
+    covered_by_ack, covered_by_decision, decide_and_return_rest, fail_all, first_of, needs_tx_ack,
+    partition_plan, reopen, unacknowledged_tail,
 };
 
 /// One message of the batch.
@@ -211,7 +211,15 @@ where
     async fn ack_before(&mut self, slots: &mut [Slot], partitions: usize) {
         for p in 0..partitions {
             let open = |s: &Slot| s.partition == p && matches!(s.fate, Fate::Open);
-            let Some(last) = slots.iter().rposition(open) else {
+            // Poison is acknowledged only after its dead letter: the
+            // acknowledgement before the transaction stops short of the
+            // partition's first poison message (the rest is acknowledged
+            // after the transaction).
+            let poison = slots
+                .iter()
+                .position(|s| open(s) && s.invalid.is_some())
+                .unwrap_or(slots.len());
+            let Some(last) = slots[..poison].iter().rposition(open) else {
                 continue;
             };
             if !decision::acks_before_tx(slots[last].policy) {
@@ -219,7 +227,7 @@ where
             }
             match self.consumer.ack(&slots[last].message).await {
                 Ok(()) => {
-                    for s in slots.iter_mut().filter(|s| open(s)) {
+                    for s in slots[..=last].iter_mut().filter(|s| open(s)) {
                         self.metrics.record(MetricEvent::Acked);
                         s.acked_before = true;
                     }
@@ -397,6 +405,20 @@ where
                         }
                         acked[i] = true;
                     }
+                }
+            }
+            if let Some(k) = unacknowledged_tail(&slots, p) {
+                // settled by the transaction but not acknowledged before it
+                // (AtMostOnce behind a poison message): acknowledged now
+                match self.ack_after(&slots[k].message).await {
+                    Ok(()) => {
+                        for (i, s) in slots.iter().enumerate().take(k + 1) {
+                            if s.partition == p && !s.acked_before && covered_by_decision(s) {
+                                acked[i] = true;
+                            }
+                        }
+                    }
+                    Err(e) => errors[k] = Some(ProcessError::Ack(e)),
                 }
             }
             let rewind_at = slots.iter().position(|s| {

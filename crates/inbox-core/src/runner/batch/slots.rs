@@ -46,29 +46,29 @@ pub(super) fn fail_all(
 ) {
     let partitions = slots.iter().map(|s| s.partition + 1).max().unwrap_or(0);
     for p in 0..partitions {
-        let Some(i) = slots
+        let Some(first) = slots
             .iter()
             .position(|s| s.partition == p && matches!(s.fate, Fate::Open))
         else {
             continue;
         };
-        let work = Work::storage_failure(policy, stage, source.clone(), None, None);
-        let holds = work.decision.holds_partition();
-        slots[i].fate = Fate::Decided(work);
-        for s in slots.iter_mut().skip(i + 1).filter(|s| s.partition == p) {
-            if holds || matches!(s.fate, Fate::Open) {
-                s.fate = if holds {
-                    Fate::Returned
-                } else {
-                    Fate::Decided(Work::storage_failure(
-                        policy,
-                        stage,
-                        source.clone(),
-                        None,
-                        None,
-                    ))
-                };
+        let mut holding = false;
+        for s in slots.iter_mut().skip(first).filter(|s| s.partition == p) {
+            if holding {
+                s.fate = Fate::Returned;
+                continue;
             }
+            if !matches!(s.fate, Fate::Open) {
+                continue;
+            }
+            let mut work = Work::storage_failure(policy, stage, source.clone(), None, None);
+            if work.decision.ack == AckPoint::BeforeTx && !s.acked_before {
+                // not acknowledged yet: nothing of it happened, so it is
+                // rewound rather than lost
+                work.decision = decision::on_storage_failure_unacknowledged(false);
+            }
+            holding = work.decision.holds_partition();
+            s.fate = Fate::Decided(work);
         }
     }
 }
@@ -101,4 +101,28 @@ pub(super) fn partition_plan(slots: &[Slot], p: usize) -> Option<(usize, AckPoin
 pub(super) fn needs_tx_ack(slots: &[Slot]) -> bool {
     let partitions = slots.iter().map(|s| s.partition + 1).max().unwrap_or(0);
     (0..partitions).any(|p| matches!(partition_plan(slots, p), Some((_, AckPoint::InTx))))
+}
+
+/// Whether the slot's decision settles it (it is acknowledged by a later
+/// acknowledgement of its partition): decided, and not held.
+pub(super) fn covered_by_decision(slot: &Slot) -> bool {
+    matches!(&slot.fate, Fate::Decided(w) if !w.decision.holds_partition())
+}
+
+/// The last slot of partition `p` that the transaction settled when it was
+/// not acknowledged before the transaction and no acknowledgement after it
+/// is planned (AtMostOnce behind a poison message): it is to be acknowledged
+/// after the transaction.
+pub(super) fn unacknowledged_tail(slots: &[Slot], p: usize) -> Option<usize> {
+    if partition_plan(slots, p).is_some() {
+        return None;
+    }
+    let settled: Vec<usize> = slots
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.partition == p)
+        .map_while(|(i, s)| covered_by_decision(s).then_some(i))
+        .collect();
+    let k = *settled.last()?;
+    (!slots[k].acked_before).then_some(k)
 }

@@ -47,6 +47,12 @@ pub enum MetricEvent {
         /// Partition.
         partition: i32,
     },
+    /// A partition's stored offset was outside the broker's log (the
+    /// consumer's out-of-range policy applied).
+    OffsetOutOfRange {
+        /// Partition.
+        partition: i32,
+    },
 }
 
 /// Receives the runner's events. Every method has a no-op default.
@@ -172,7 +178,8 @@ impl Metrics for CountingMetrics {
             MetricEvent::Dropped => 13,
             MetricEvent::Lag { .. }
             | MetricEvent::OffsetGap { .. }
-            | MetricEvent::Fenced { .. } => return,
+            | MetricEvent::Fenced { .. }
+            | MetricEvent::OffsetOutOfRange { .. } => return,
         };
         self.counters[index].fetch_add(1, Ordering::Relaxed);
     }

@@ -25,6 +25,22 @@ pub enum StartPosition {
     Latest,
 }
 
+/// What to do when a partition's stored offset is outside the broker's log
+/// (the topic was recreated, or retention deleted records not yet read).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OutOfRange {
+    /// Read from the earliest record the broker still has (the default:
+    /// nothing the broker holds is skipped; records handled before are
+    /// duplicates the inbox rows recognise).
+    #[default]
+    Earliest,
+    /// Read only records produced from now on.
+    Latest,
+    /// Stop reading the partition, with an error logged and counted, for an
+    /// operator to decide.
+    Stop,
+}
+
 /// Configuration of a [`KafkaConsumer`].
 #[derive(Clone)]
 pub struct KafkaConfig {
@@ -36,6 +52,9 @@ pub struct KafkaConfig {
     pub partitions: Vec<(String, i32)>,
     /// Where to start a partition with no stored offset.
     pub start: StartPosition,
+    /// What to do when a stored offset is outside the log. Default
+    /// [`OutOfRange::Earliest`].
+    pub out_of_range: OutOfRange,
     /// How long a fetch may wait for records. Default 10 ms (brokers such as
     /// tansu hold a fetch for its whole max-wait).
     pub max_wait: Duration,
@@ -71,6 +90,7 @@ impl KafkaConfig {
             consumer_group: consumer_group.into(),
             partitions,
             start: StartPosition::Earliest,
+            out_of_range: OutOfRange::Earliest,
             max_wait: Duration::from_millis(10),
             fetch_max_bytes: 1024 * 1024,
             decoder: Arc::new(JsonDecoder::default()),
@@ -114,6 +134,8 @@ struct Partition {
     delivered_bytes: usize,
     high_watermark: i64,
     fenced: bool,
+    /// Stopped by [`OutOfRange::Stop`].
+    stopped: bool,
 }
 
 impl Partition {
@@ -172,6 +194,8 @@ pub struct ConsumerStats {
     pub rewinds_in_memory: u64,
     /// Rewinds that had to fetch again (the record was no longer kept).
     pub rewinds_refetched: u64,
+    /// Stored offsets found outside the log (see [`OutOfRange`]).
+    pub out_of_range: u64,
 }
 
 /// A consumer of a set of partitions for one consumer group, with each
@@ -244,6 +268,7 @@ impl KafkaConsumer {
                 delivered_bytes: 0,
                 high_watermark: next_fetch,
                 fenced: false,
+                stopped: false,
             });
         }
         Ok(Self {
@@ -303,12 +328,30 @@ impl KafkaConsumer {
         let max_wait = i32::try_from(self.config.max_wait.as_millis()).unwrap_or(i32::MAX);
         let max_bytes = self.config.fetch_max_bytes;
         let p = &mut self.partitions[index];
-        let (records, high_watermark) = p
+        let fetched = p
             .client
             .fetch_records(p.next_fetch, 1..max_bytes, max_wait)
-            .await
-            .map_err(|e| ConsumerError::Fetch(format!("{}:{}: {e}", p.topic, p.partition)))?;
+            .await;
         self.stats.fetches += 1;
+        let (records, high_watermark) = match fetched {
+            Ok((records, hw)) if records.is_empty() && p.next_fetch > hw && hw >= 0 => {
+                // past the end of the log (some brokers answer so rather
+                // than with an error)
+                return self.out_of_range(index, Some(hw)).await;
+            }
+            Ok(fetched) => fetched,
+            Err(rskafka::client::error::Error::ServerError {
+                protocol_error: rskafka::client::error::ProtocolError::OffsetOutOfRange,
+                ..
+            }) => return self.out_of_range(index, None).await,
+            Err(e) => {
+                return Err(ConsumerError::Fetch(format!(
+                    "{}:{}: {e}",
+                    p.topic, p.partition
+                )));
+            }
+        };
+        let p = &mut self.partitions[index];
         p.high_watermark = high_watermark;
         let mut expected = p.next_fetch;
         for record in records {
@@ -343,6 +386,43 @@ impl KafkaConsumer {
             partition: p.partition,
             lag,
         });
+        Ok(())
+    }
+
+    /// The stored offset of partition `index` is outside the log: follow
+    /// the configured [`OutOfRange`] policy, logged and counted.
+    async fn out_of_range(
+        &mut self,
+        index: usize,
+        high_watermark: Option<i64>,
+    ) -> Result<(), ConsumerError> {
+        self.stats.out_of_range += 1;
+        let policy = self.config.out_of_range;
+        let p = &mut self.partitions[index];
+        let from = p.next_fetch;
+        self.metrics.record(MetricEvent::OffsetOutOfRange {
+            partition: p.partition,
+        });
+        let at = match policy {
+            OutOfRange::Stop => {
+                tracing::error!(topic = %p.topic, partition = p.partition, offset = from, ?high_watermark,
+                    "the stored offset is outside the log; the partition is stopped (policy Stop)");
+                p.stopped = true;
+                p.forget();
+                return Ok(());
+            }
+            OutOfRange::Earliest => OffsetAt::Earliest,
+            OutOfRange::Latest => OffsetAt::Latest,
+        };
+        let to = p
+            .client
+            .get_offset(at)
+            .await
+            .map_err(|e| ConsumerError::Fetch(format!("{}:{}: {e}", p.topic, p.partition)))?;
+        tracing::warn!(topic = %p.topic, partition = p.partition, offset = from, to, ?policy,
+            "the stored offset is outside the log; reading from {to}");
+        p.forget();
+        p.next_fetch = to;
         Ok(())
     }
 
@@ -399,7 +479,7 @@ impl Consumer for KafkaConsumer {
         let n = self.partitions.len();
         for step in 0..n {
             let index = (self.cursor + step) % n;
-            if self.partitions[index].fenced {
+            if self.partitions[index].fenced || self.partitions[index].stopped {
                 continue;
             }
             if self.partitions[index].buffer.is_empty() {

@@ -57,7 +57,9 @@
 mod consumer;
 mod decode;
 
-pub use consumer::{ConsumerStats, KafkaConfig, KafkaConsumer, KafkaError, StartPosition};
+pub use consumer::{
+    ConsumerStats, KafkaConfig, KafkaConsumer, KafkaError, OutOfRange, StartPosition,
+};
 pub use decode::{Decode, JsonDecoder, RecordView, decode_or_poison};
 
 use std::sync::Arc;

@@ -462,3 +462,62 @@ async fn batched_runner_holds_only_the_failing_partition() {
     assert_eq!(env.stored_offset(g, 0).await, Some(6));
     assert_eq!(env.stored_offset(g, 1).await, Some(6));
 }
+
+/// A stored offset past the end of the log (the topic was recreated) follows
+/// the configured policy, logged and counted, never a silent stall: the
+/// earliest record (the default), the latest, or the partition stopped; the
+/// other partition is read all along.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stored_offset_outside_the_log_follows_the_policy() {
+    use inbox_kafka::{KafkaConsumer, OutOfRange};
+    for policy in [OutOfRange::Earliest, OutOfRange::Latest, OutOfRange::Stop] {
+        let env = env("out-of-range", 2).await;
+        env.produce_orders(0, &["a-0", "a-1"]).await;
+        env.produce_orders(1, &["b-0", "b-1"]).await;
+        let g = "billing";
+        inbox_postgres::sea_orm::ConnectionTrait::execute_unprepared(
+            env.store.connection(),
+            &format!(
+                "INSERT INTO inbox_offsets (consumer_group, topic, partition, next_offset)
+                 VALUES ('{g}', '{}', 1, 1000000)",
+                env.topic
+            ),
+        )
+        .await
+        .expect("a stored offset past the end");
+        let mut config = env.kafka_config(g);
+        config.out_of_range = policy;
+        let mut consumer = KafkaConsumer::connect(config, env.store.clone())
+            .await
+            .expect("connect");
+        let mut seen = Vec::new();
+        for _ in 0..12 {
+            if let Some(m) = inbox_core::Consumer::next(&mut consumer)
+                .await
+                .expect("next")
+            {
+                seen.push(m.message_id);
+            }
+        }
+        seen.sort();
+        let expected: Vec<&str> = match policy {
+            OutOfRange::Earliest => vec!["a-0", "a-1", "b-0", "b-1"],
+            OutOfRange::Latest | OutOfRange::Stop => vec!["a-0", "a-1"],
+        };
+        assert_eq!(seen, expected, "{policy:?}");
+        assert_eq!(consumer.stats().out_of_range, 1, "{policy:?}: counted once");
+        if policy == OutOfRange::Latest {
+            env.produce_orders(1, &["b-2"]).await;
+            let mut next = None;
+            for _ in 0..6 {
+                next = inbox_core::Consumer::next(&mut consumer)
+                    .await
+                    .expect("next");
+                if next.is_some() {
+                    break;
+                }
+            }
+            assert_eq!(next.map(|m| m.message_id), Some("b-2".to_owned()));
+        }
+    }
+}

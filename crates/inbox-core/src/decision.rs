@@ -385,48 +385,37 @@ pub fn decide(policy: Policy, row: RowState, outcome: OutcomeClass) -> Decision 
         Step::Done(decision) => decision,
         Step::RunHandler(state) => after_handler(policy, state, outcome),
         // `after_lock` never asks to lock again.
-        Step::Lock => on_storage_failure(policy, false),
+        Step::Lock => on_storage_failure(acks_before_tx(policy), false),
+    }
+}
+
+/// A decision for a message that is not handled now: the transaction
+/// rolls back, the row is as it was, nothing is processed.
+fn not_handled(handler_ran: bool, ack: AckPoint, rewind: bool, tally: Tally) -> Decision {
+    Decision {
+        handler_ran,
+        transaction: TxAction::Rollback,
+        row_after: RowAfter::AsBefore,
+        write_completion: false,
+        processed: false,
+        duplicate: false,
+        ack,
+        rewind,
+        tally,
     }
 }
 
 /// The decision when the store fails (begin, insert, lock, complete, the
-/// acknowledgement write or commit): roll back, not processed, no
-/// acknowledgement (AtMostOnce already acknowledged), rewind.
-pub fn on_storage_failure(policy: Policy, handler_ran: bool) -> Decision {
-    let before = policy.strategy.commits_before();
-    Decision {
-        handler_ran,
-        transaction: TxAction::Rollback,
-        row_after: RowAfter::AsBefore,
-        write_completion: false,
-        processed: false,
-        duplicate: false,
-        ack: if before {
-            AckPoint::BeforeTx
-        } else {
-            AckPoint::Never
-        },
-        rewind: !before,
-        tally: Tally::Failed,
-    }
-}
-
-/// The decision when the store fails for a message that was to be
-/// acknowledged before the transaction but was not yet (in a batch under
-/// AtMostOnce, the messages from a poison one on are acknowledged after the
-/// transaction, so that poison is acknowledged only after its dead letter):
-/// nothing of it happened and it is rewound, so it is not lost.
-pub fn on_storage_failure_unacknowledged(handler_ran: bool) -> Decision {
-    Decision {
-        handler_ran,
-        transaction: TxAction::Rollback,
-        row_after: RowAfter::AsBefore,
-        write_completion: false,
-        processed: false,
-        duplicate: false,
-        ack: AckPoint::Never,
-        rewind: true,
-        tally: Tally::Failed,
+/// dead letter, the acknowledgement write or commit): roll back, not
+/// processed. A message acknowledged before its transaction (AtMostOnce) is
+/// lost by that strategy's choice; any other is rewound, never acknowledged
+/// (a poison message whose dead letter failed included, under every
+/// strategy: it is acknowledged only after its dead letter).
+pub fn on_storage_failure(acked_before: bool, handler_ran: bool) -> Decision {
+    if acked_before {
+        not_handled(handler_ran, AckPoint::BeforeTx, false, Tally::Failed)
+    } else {
+        not_handled(handler_ran, AckPoint::Never, true, Tally::Failed)
     }
 }
 
@@ -434,17 +423,7 @@ pub fn on_storage_failure_unacknowledged(handler_ran: bool) -> Decision {
 /// fails: the message is not handled (handling it unacknowledged could do it
 /// twice) and is rewound.
 pub fn on_early_ack_failure() -> Decision {
-    Decision {
-        handler_ran: false,
-        transaction: TxAction::Rollback,
-        row_after: RowAfter::AsBefore,
-        write_completion: false,
-        processed: false,
-        duplicate: false,
-        ack: AckPoint::Never,
-        rewind: true,
-        tally: Tally::Failed,
-    }
+    not_handled(false, AckPoint::Never, true, Tally::Failed)
 }
 
 /// The decision when storing the acknowledgement was refused because
@@ -453,17 +432,7 @@ pub fn on_early_ack_failure() -> Decision {
 /// either: this consumer stops reading the partition, whose owner delivers
 /// it.
 pub fn on_fenced(handler_ran: bool) -> Decision {
-    Decision {
-        handler_ran,
-        transaction: TxAction::Rollback,
-        row_after: RowAfter::AsBefore,
-        write_completion: false,
-        processed: false,
-        duplicate: false,
-        ack: AckPoint::Never,
-        rewind: false,
-        tally: Tally::Failed,
-    }
+    not_handled(handler_ran, AckPoint::Never, false, Tally::Failed)
 }
 
 /// The decision for a poison message (it cannot become a valid row): it is
@@ -485,25 +454,6 @@ pub fn on_poison(policy: Policy) -> Decision {
         },
         rewind: false,
         tally: Tally::Poison,
-    }
-}
-
-/// The decision when a poison message's dead letter cannot be recorded (the
-/// store failed at begin, the dead letter, the acknowledgement or the
-/// commit): it is not acknowledged but rewound, under every strategy
-/// (AtMostOnce included: a poison message is acknowledged only after its
-/// dead letter), so it is never dropped silently.
-pub fn on_poison_failure() -> Decision {
-    Decision {
-        handler_ran: false,
-        transaction: TxAction::Rollback,
-        row_after: RowAfter::Absent,
-        write_completion: false,
-        processed: false,
-        duplicate: false,
-        ack: AckPoint::Never,
-        rewind: true,
-        tally: Tally::Failed,
     }
 }
 
@@ -531,17 +481,7 @@ pub fn refused_is_poison(tries: u32, limit: u32) -> bool {
 /// (acknowledging it would acknowledge the earlier one); the driver retries
 /// the earlier rewind, after which both are delivered again.
 pub fn on_handed_back() -> Decision {
-    Decision {
-        handler_ran: false,
-        transaction: TxAction::Rollback,
-        row_after: RowAfter::AsBefore,
-        write_completion: false,
-        processed: false,
-        duplicate: false,
-        ack: AckPoint::Never,
-        rewind: false,
-        tally: Tally::HandedBack,
-    }
+    not_handled(false, AckPoint::Never, false, Tally::HandedBack)
 }
 
 /// The one acknowledgement a batch writes for a partition, given the
@@ -829,7 +769,7 @@ mod tests {
     fn storage_failure_rolls_back_and_rewinds_except_at_most_once() {
         for s in [PERSIST, SUCCESS, EOI, EOI_CF] {
             for ran in [true, false] {
-                let d = on_storage_failure(Policy::new(s), ran);
+                let d = on_storage_failure(acks_before_tx(Policy::new(s)), ran);
                 assert_eq!(d.transaction, TxAction::Rollback);
                 assert_eq!((d.ack, d.rewind), (Never, true));
                 assert_eq!(d.tally, Tally::Failed);
@@ -837,7 +777,7 @@ mod tests {
                 assert!(!d.processed);
             }
         }
-        let d = on_storage_failure(Policy::new(AtMostOnce), false);
+        let d = on_storage_failure(acks_before_tx(Policy::new(AtMostOnce)), false);
         assert_eq!((d.ack, d.rewind), (BeforeTx, false));
     }
 
@@ -853,7 +793,9 @@ mod tests {
         );
         let p = on_poison(Policy::new(EOI));
         assert_eq!((p.ack, p.rewind, p.tally), (AfterTx, false, Tally::Poison));
-        let lost = on_poison_failure();
+        // poison is never acknowledged before its dead letter: when that
+        // fails it is rewound, whatever the strategy
+        let lost = on_storage_failure(false, false);
         assert_eq!(
             (lost.ack, lost.rewind, lost.tally),
             (Never, true, Tally::Failed),
@@ -870,7 +812,8 @@ mod tests {
         assert_eq!(dropped, vec![true, true, false, false, true]);
         for s in AckStrategy::ALL {
             assert!(!decide(Policy::new(s), RowState::New, Success).drops_message());
-            assert!(!on_storage_failure(Policy::new(s), true).drops_message() || s == AtMostOnce);
+            let acked = acks_before_tx(Policy::new(s));
+            assert!(!on_storage_failure(acked, true).drops_message() || s == AtMostOnce);
         }
     }
 

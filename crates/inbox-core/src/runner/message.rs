@@ -41,9 +41,10 @@ impl Work {
         }
     }
 
-    /// The decision for a storage failure at `stage`, keeping what ran.
+    /// The decision for a storage failure at `stage`, keeping what ran;
+    /// `acked_before`: the message was acknowledged before its transaction.
     pub(super) fn storage_failure(
-        policy: Policy,
+        acked_before: bool,
         stage: PersistStage,
         source: StoreError,
         row_id: Option<RowId>,
@@ -54,7 +55,7 @@ impl Work {
         let decision = if source.kind == StoreErrorKind::Fenced {
             decision::on_fenced(ran)
         } else {
-            decision::on_storage_failure(policy, ran)
+            decision::on_storage_failure(acked_before, ran)
         };
         let mut work = Self::new(decision, row_id, outcome);
         work.error = Some(ProcessError::Persist(InboxPersistError { stage, source }));
@@ -127,28 +128,24 @@ where
         message: &Message,
         invalid: &ValidationError,
     ) -> Work {
-        let mut work = match self.store.begin().await {
-            Err(e) => Work::storage_failure(policy, PersistStage::Begin, e, None, None),
+        // Poison is acknowledged only after its dead letter: a storage
+        // failure here finds it unacknowledged, so it is rewound.
+        match self.store.begin().await {
+            Err(e) => Work::storage_failure(false, PersistStage::Begin, e, None, None),
             Ok(mut tx) => match tx
                 .dead_letter(message, &self.config.consumer_group, invalid)
                 .await
             {
                 Err(e) => {
                     abandon(tx).await;
-                    Work::storage_failure(policy, PersistStage::DeadLetter, e, None, None)
+                    Work::storage_failure(false, PersistStage::DeadLetter, e, None, None)
                 }
                 Ok(()) => {
                     let work = Work::new(decision::on_poison(policy), None, None);
-                    self.finish_tx(policy, tx, message, work).await
+                    self.finish_tx(false, tx, message, work).await
                 }
             },
-        };
-        let recorded = work.decision.tally == decision::Tally::Poison;
-        let fenced = work.error.as_ref().is_some_and(ProcessError::is_fenced);
-        if !recorded && !fenced {
-            work.decision = decision::on_poison_failure();
         }
-        work
     }
 
     async fn handle_valid(&mut self, policy: Policy, message: &Message) -> Work {
@@ -180,9 +177,14 @@ where
 
     /// The transaction of one valid message.
     async fn transaction(&mut self, policy: Policy, message: &Message) -> Work {
+        // the transaction is only reached once an acknowledgement before it
+        // (AtMostOnce) succeeded
+        let acked_before = decision::acks_before_tx(policy);
         let mut tx = match self.store.begin().await {
             Ok(tx) => tx,
-            Err(e) => return Work::storage_failure(policy, PersistStage::Begin, e, None, None),
+            Err(e) => {
+                return Work::storage_failure(acked_before, PersistStage::Begin, e, None, None);
+            }
         };
         let new_row = NewInboxRow::for_message(
             message,
@@ -194,7 +196,7 @@ where
             Ok(row) => row,
             Err(e) => {
                 abandon(tx).await;
-                return Work::storage_failure(policy, PersistStage::Insert, e, None, None);
+                return Work::storage_failure(acked_before, PersistStage::Insert, e, None, None);
             }
         };
         let mut step = decision::after_insert(policy, row.found);
@@ -204,7 +206,7 @@ where
                 Err(e) => {
                     abandon(tx).await;
                     return Work::storage_failure(
-                        policy,
+                        acked_before,
                         PersistStage::Lock,
                         e,
                         Some(row.id),
@@ -235,18 +237,30 @@ where
                     StoreErrorKind::Other,
                     "the decision asked for a missing step",
                 );
-                return Work::storage_failure(policy, PersistStage::Lock, e, Some(row.id), None);
+                return Work::storage_failure(
+                    acked_before,
+                    PersistStage::Lock,
+                    e,
+                    Some(row.id),
+                    None,
+                );
             }
         };
         if decision.write_completion
             && let Err(e) = tx.complete(row.id).await
         {
             abandon(tx).await;
-            return Work::storage_failure(policy, PersistStage::Complete, e, Some(row.id), outcome);
+            return Work::storage_failure(
+                acked_before,
+                PersistStage::Complete,
+                e,
+                Some(row.id),
+                outcome,
+            );
         }
         let work = Work::new(decision, Some(row.id), outcome);
         match decision.transaction {
-            TxAction::Commit => self.finish_tx(policy, tx, message, work).await,
+            TxAction::Commit => self.finish_tx(acked_before, tx, message, work).await,
             TxAction::Rollback => {
                 abandon(tx).await;
                 work
@@ -259,7 +273,7 @@ where
     /// fenced) decision.
     async fn finish_tx(
         &mut self,
-        policy: Policy,
+        acked_before: bool,
         mut tx: S::Tx,
         message: &Message,
         work: Work,
@@ -269,7 +283,7 @@ where
             if let Err(e) = store_ack(&mut tx, ack.as_ref()).await {
                 abandon(tx).await;
                 return Work::storage_failure(
-                    policy,
+                    acked_before,
                     PersistStage::Ack,
                     e,
                     work.row_id,
@@ -279,7 +293,7 @@ where
         }
         if let Err(e) = tx.commit().await {
             return Work::storage_failure(
-                policy,
+                acked_before,
                 PersistStage::Commit,
                 e,
                 work.row_id,

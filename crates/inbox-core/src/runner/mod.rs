@@ -61,18 +61,13 @@ pub struct Runner<S, C, H, M = NoopMetrics> {
     refused: HashMap<(String, i32), (i64, u32, String)>,
 }
 
-impl<S, C, H> Runner<S, C, H, NoopMetrics>
-where
-    S: InboxStore,
-    C: Consumer,
-    H: Handler<S::Tx>,
-{
-    /// A runner that calls `handler` for each message.
-    pub fn new(store: S, consumer: C, handler: H, config: RunnerConfig) -> Self {
+impl<S, C, H> Runner<S, C, H, NoopMetrics> {
+    /// A runner with nothing learned yet, reporting to no metrics.
+    fn build(store: S, consumer: C, handler: Option<H>, config: RunnerConfig) -> Self {
         Self {
             store,
             consumer,
-            handler: Some(handler),
+            handler,
             config,
             metrics: NoopMetrics,
             store_failures: 0,
@@ -84,6 +79,18 @@ where
     }
 }
 
+impl<S, C, H> Runner<S, C, H, NoopMetrics>
+where
+    S: InboxStore,
+    C: Consumer,
+    H: Handler<S::Tx>,
+{
+    /// A runner that calls `handler` for each message.
+    pub fn new(store: S, consumer: C, handler: H, config: RunnerConfig) -> Self {
+        Self::build(store, consumer, Some(handler), config)
+    }
+}
+
 impl<S, C> Runner<S, C, NoHandler, NoopMetrics>
 where
     S: InboxStore,
@@ -92,18 +99,7 @@ where
     /// A runner without a handler: it lands each message as a `pending` row
     /// for a batch processor and acknowledges it.
     pub fn land_only(store: S, consumer: C, config: RunnerConfig) -> Self {
-        Self {
-            store,
-            consumer,
-            handler: None,
-            config,
-            metrics: NoopMetrics,
-            store_failures: 0,
-            redelivery_failures: HashMap::new(),
-            batch_cap: None,
-            unrewound: HashMap::new(),
-            refused: HashMap::new(),
-        }
+        Self::build(store, consumer, None, config)
     }
 }
 

@@ -80,13 +80,11 @@ enum Mode {
     OptimisticReplays,
 }
 
-/// An attempt's open transaction: the open slots, the row of each key and
-/// the policy to report a storage failure with.
+/// An attempt's open transaction: the open slots and the row of each key.
 struct Opened<Tx> {
     tx: Tx,
     open: Vec<usize>,
     state: HashMap<String, (RowId, Found)>,
-    first_policy: Policy,
 }
 
 /// What one attempt ended with.
@@ -256,7 +254,6 @@ where
         slots: &mut [Slot],
         mut tx: S::Tx,
         this_tx: &[usize],
-        first_policy: Policy,
     ) -> Attempt {
         let partitions = slots.iter().map(|s| s.partition + 1).max().unwrap_or(0);
         for p in 0..partitions {
@@ -266,23 +263,23 @@ where
             let ack = self.consumer.transactional_ack(&slots[k].message);
             if let Err(e) = store_ack(&mut tx, ack.as_ref()).await {
                 abandon(tx).await;
-                let policy = slots[k].policy;
                 reopen(slots, this_tx);
                 if e.kind == StoreErrorKind::Fenced {
                     // This partition belongs to another consumer now: its
                     // messages are undone here and the rest replayed.
                     let first = first_of(slots, p);
-                    let work = Work::storage_failure(policy, PersistStage::Ack, e, None, None);
+                    let acked = slots[first].acked_before;
+                    let work = Work::storage_failure(acked, PersistStage::Ack, e, None, None);
                     decide_and_return_rest(slots, first, work);
                     return Attempt::Replay;
                 }
-                fail_all(slots, policy, PersistStage::Ack, e);
+                fail_all(slots, PersistStage::Ack, e);
                 return Attempt::Done;
             }
         }
         if let Err(e) = tx.commit().await {
             reopen(slots, this_tx);
-            fail_all(slots, first_policy, PersistStage::Commit, e);
+            fail_all(slots, PersistStage::Commit, e);
         }
         Attempt::Done
     }
@@ -303,24 +300,18 @@ where
             return None;
         }
         *transactions += 1;
-        let first_policy = slots[open.first().copied().unwrap_or(0)].policy;
         let mut tx = match self.store.begin().await {
             Ok(tx) => tx,
             Err(e) => {
-                fail_all(slots, first_policy, PersistStage::Begin, e);
+                fail_all(slots, PersistStage::Begin, e);
                 return None;
             }
         };
         match self.insert_rows(slots, &open, &mut tx).await {
-            Ok(state) => Some(Opened {
-                tx,
-                open,
-                state,
-                first_policy,
-            }),
+            Ok(state) => Some(Opened { tx, open, state }),
             Err(e) => {
                 abandon(tx).await;
-                fail_all(slots, first_policy, PersistStage::Insert, e);
+                fail_all(slots, PersistStage::Insert, e);
                 None
             }
         }

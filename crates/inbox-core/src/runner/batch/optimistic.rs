@@ -47,7 +47,6 @@ where
             mut tx,
             open,
             mut state,
-            first_policy,
         }) = self.open_attempt(slots, transactions).await
         else {
             return Attempt::Done;
@@ -61,7 +60,7 @@ where
                 let group = &self.config.consumer_group;
                 if let Err(e) = tx.dead_letter(&slots[i].message, group, invalid).await {
                     abandon(tx).await;
-                    fail_all(slots, policy, PersistStage::DeadLetter, e);
+                    fail_all(slots, PersistStage::DeadLetter, e);
                     return Attempt::Done;
                 }
                 plans.push((i, Planned::Poison));
@@ -77,7 +76,7 @@ where
                     Ok(lock) => decision::after_lock(policy, lock),
                     Err(e) => {
                         abandon(tx).await;
-                        fail_all(slots, policy, PersistStage::Lock, e);
+                        fail_all(slots, PersistStage::Lock, e);
                         return Attempt::Done;
                     }
                 };
@@ -104,7 +103,7 @@ where
                     abandon(tx).await;
                     let e =
                         StoreError::new(StoreErrorKind::Other, "the decision asked to lock twice");
-                    fail_all(slots, policy, PersistStage::Lock, e);
+                    fail_all(slots, PersistStage::Lock, e);
                     return Attempt::Done;
                 }
             }
@@ -166,7 +165,7 @@ where
                         && let Err(e) = tx.complete(row_id).await
                     {
                         abandon(tx).await;
-                        fail_all(slots, policy, PersistStage::Complete, e);
+                        fail_all(slots, PersistStage::Complete, e);
                         return Attempt::Done;
                     }
                     Work::new(d, Some(row_id), Some(outcome))
@@ -180,7 +179,7 @@ where
         }
 
         // Phase D: one acknowledgement per partition, the commit.
-        self.finish_attempt(slots, tx, &this_tx, first_policy).await
+        self.finish_attempt(slots, tx, &this_tx).await
     }
 
     /// Calls the batch form of the handler on the slots `runs`.

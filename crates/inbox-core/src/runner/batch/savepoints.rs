@@ -41,7 +41,6 @@ where
             mut tx,
             open,
             mut state,
-            first_policy,
         }) = self.open_attempt(slots, transactions).await
         else {
             return Attempt::Done;
@@ -52,7 +51,6 @@ where
             if !matches!(slots[i].fate, Fate::Open) {
                 continue;
             }
-            let policy = slots[i].policy;
             match self.one_with_savepoint(slots, i, &mut tx, &mut state).await {
                 Ok(Some(work)) => {
                     slots[i].fate = Fate::Decided(work);
@@ -65,7 +63,7 @@ where
                     if e.kind == StoreErrorKind::Unsupported {
                         return Attempt::NoSavepoints;
                     }
-                    fail_all(slots, policy, stage, e);
+                    fail_all(slots, stage, e);
                     return Attempt::Done;
                 }
             }
@@ -84,10 +82,10 @@ where
             if e.kind == StoreErrorKind::Unsupported {
                 return Attempt::NoSavepoints;
             }
-            fail_all(slots, first_policy, PersistStage::Insert, e);
+            fail_all(slots, PersistStage::Insert, e);
             return Attempt::Done;
         }
-        self.finish_attempt(slots, tx, &this_tx, first_policy).await
+        self.finish_attempt(slots, tx, &this_tx).await
     }
 
     /// Slot `i` of a savepoint attempt: `Some(work)` when it is decided in

@@ -38,12 +38,7 @@ pub(super) fn reopen(slots: &mut [Slot], this_tx: &[usize]) {
 /// storage-failure decision (rewound, except AtMostOnce) and everything
 /// after it is handed back, as the per-message driver would never have read
 /// past it.
-pub(super) fn fail_all(
-    slots: &mut [Slot],
-    policy: Policy,
-    stage: PersistStage,
-    source: StoreError,
-) {
+pub(super) fn fail_all(slots: &mut [Slot], stage: PersistStage, source: StoreError) {
     let partitions = slots.iter().map(|s| s.partition + 1).max().unwrap_or(0);
     for p in 0..partitions {
         let Some(first) = slots
@@ -61,12 +56,9 @@ pub(super) fn fail_all(
             if !matches!(s.fate, Fate::Open) {
                 continue;
             }
-            let mut work = Work::storage_failure(policy, stage, source.clone(), None, None);
-            if work.decision.ack == AckPoint::BeforeTx && !s.acked_before {
-                // not acknowledged yet: nothing of it happened, so it is
-                // rewound rather than lost
-                work.decision = decision::on_storage_failure_unacknowledged(false);
-            }
+            // acknowledged before (AtMostOnce): lost by that strategy's
+            // choice; not yet (any other, or behind a poison message): rewound
+            let work = Work::storage_failure(s.acked_before, stage, source.clone(), None, None);
             holding = work.decision.holds_partition();
             s.fate = Fate::Decided(work);
         }

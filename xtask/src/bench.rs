@@ -308,18 +308,23 @@ async fn omni_box(db: &DatabaseConnection, messages: u64) -> Result<Duration> {
     Ok(elapsed)
 }
 
+/// The ids of `messages` orders, 100 at a time.
+fn id_batches(messages: u64) -> impl Iterator<Item = Vec<String>> {
+    (0..messages).step_by(BATCH).map(move |i| {
+        (i..(i + BATCH as u64).min(messages))
+            .map(order_id)
+            .collect()
+    })
+}
+
 /// The floor: two multi-row INSERTs per 100 messages, one transaction.
 async fn floor(db: &DatabaseConnection, messages: u64) -> Result<Duration> {
     let started = Instant::now();
-    let mut i = 0;
-    while i < messages {
-        let n = (messages - i).min(BATCH as u64);
-        let ids: Vec<String> = (i..i + n).map(order_id).collect();
+    for ids in id_batches(messages) {
         let tx = db.begin().await?;
         insert_inbox(&tx, &ids).await?;
         insert_invoices(&tx, &ids).await?;
         tx.commit().await?;
-        i += n;
     }
     let elapsed = started.elapsed();
     check_invoices(db, messages).await?;
@@ -331,10 +336,7 @@ async fn floor(db: &DatabaseConnection, messages: u64) -> Result<Duration> {
 /// RELEASE when `savepoints`), COMMIT.
 async fn raw_batch(db: &DatabaseConnection, messages: u64, savepoints: bool) -> Result<Duration> {
     let started = Instant::now();
-    let mut i = 0;
-    while i < messages {
-        let n = (messages - i).min(BATCH as u64);
-        let ids: Vec<String> = (i..i + n).map(order_id).collect();
+    for ids in id_batches(messages) {
         let tx = db.begin().await?;
         insert_inbox(&tx, &ids).await?;
         for id in ids {
@@ -351,7 +353,6 @@ async fn raw_batch(db: &DatabaseConnection, messages: u64, savepoints: bool) -> 
             }
         }
         tx.commit().await?;
-        i += n;
     }
     let elapsed = started.elapsed();
     check_invoices(db, messages).await?;

@@ -28,6 +28,25 @@ fn message() -> Message {
         .at(Position::new("orders", 0, 7))
 }
 
+/// The message after [`message`] on its partition.
+fn next_message() -> Message {
+    Message::new("m-2", "orders", "order.created", json!({"n": 2}))
+        .at(Position::new("orders", 0, 8))
+}
+
+/// A consumer whose one acknowledgement is refused as fenced, that expects
+/// to be told so and never to rewind.
+fn fenced_at_its_ack() -> MockSource {
+    let mut consumer = MockSource::new();
+    consumer
+        .expect_ack()
+        .times(1)
+        .returning(|_| Err(ConsumerError::Fenced("epoch 3 is stale".into())));
+    consumer.expect_rewind().never();
+    consumer.expect_fenced().times(1).return_const(());
+    consumer
+}
+
 fn plain(mut consumer: MockSource) -> MockSource {
     consumer.expect_transactional_ack().returning(|_| None);
     consumer
@@ -200,13 +219,7 @@ async fn poison_is_dead_lettered_with_its_ack_in_one_transaction() {
 /// handler, no transaction.
 #[tokio::test]
 async fn at_most_once_fenced_early_ack_stops_the_partition() {
-    let mut consumer = MockSource::new();
-    consumer
-        .expect_ack()
-        .times(1)
-        .returning(|_| Err(ConsumerError::Fenced("epoch 3 is stale".into())));
-    consumer.expect_rewind().never();
-    consumer.expect_fenced().times(1).return_const(());
+    let consumer = fenced_at_its_ack();
     let config = RunnerConfig::new("billing", "w")
         .expect("config")
         .with_strategy(AckStrategy::AtMostOnce);
@@ -223,21 +236,14 @@ async fn at_most_once_fenced_early_ack_stops_the_partition() {
 /// nor rewound, and the consumer is told.
 #[tokio::test]
 async fn at_most_once_fenced_early_ack_in_a_batch() {
-    let mut consumer = MockSource::new();
-    consumer
-        .expect_ack()
-        .times(1)
-        .returning(|_| Err(ConsumerError::Fenced("epoch 3 is stale".into())));
-    consumer.expect_rewind().never();
-    consumer.expect_fenced().times(1).return_const(());
+    let consumer = fenced_at_its_ack();
     let config = RunnerConfig::new("billing", "w")
         .expect("config")
         .with_strategy(AckStrategy::AtMostOnce)
         .batched(inbox_core::BatchConfig::new(10));
     let handler = ScriptedHandler::new([], Act::Succeed);
     let mut r = Runner::new(MemStore::new(), plain(consumer), handler.clone(), config);
-    let second = Message::new("m-2", "orders", "order.created", json!({"n": 2}))
-        .at(Position::new("orders", 0, 8));
+    let second = next_message();
     let result = r.process_batch(vec![message(), second]).await;
     assert_eq!(result.results.len(), 1);
     assert_eq!(result.returned, 1);
@@ -271,8 +277,7 @@ async fn after_a_failed_rewind_the_next_message_of_the_partition_is_not_acknowle
     let mut r = Runner::new(store.clone(), plain(consumer), handler.clone(), config);
     let first = r.process_message(message()).await;
     assert!(!first.rewound && !first.acked);
-    let next = Message::new("m-2", "orders", "order.created", json!({"n": 2}))
-        .at(Position::new("orders", 0, 8));
+    let next = next_message();
     let second = r.process_message(next).await;
     assert!(!second.acked && !second.processed, "handed back");
     assert_eq!(second.error, None, "the retried rewind succeeded");
@@ -305,8 +310,7 @@ async fn after_a_failed_rewind_a_batch_hands_the_partition_back() {
     let mut r = Runner::new(MemStore::new(), plain(consumer), handler.clone(), config);
     let first = r.process_batch(vec![message()]).await;
     assert!(!first.results[0].rewound);
-    let next = Message::new("m-2", "orders", "order.created", json!({"n": 2}))
-        .at(Position::new("orders", 0, 8));
+    let next = next_message();
     let second = r.process_batch(vec![next]).await;
     assert_eq!((second.results.len(), second.returned), (0, 1));
     assert_eq!(handler.calls(), 1);

@@ -760,6 +760,18 @@ impl<Tx: WriteInvoice + 'static> Handler<Tx> for FlakyById {
     }
 }
 
+/// A small deterministic generator (xorshift) from `seed`: each call gives a
+/// number below `n`.
+fn dice(seed: u64) -> impl FnMut(u64) -> u64 {
+    let mut x = seed | 1;
+    move |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    }
+}
+
 /// What one runner did with the batched scenario's workload.
 #[derive(Debug, PartialEq, Eq)]
 struct Story {
@@ -920,13 +932,7 @@ where
     S: ScenarioStore,
     S::Tx: WriteInvoice,
 {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    let mut roll = move |n: u64| {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x % n
-    };
+    let mut roll = dice(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
     let count = 10 + roll(50);
     let workload: Vec<(String, i32)> = (0..count)
         .map(|_| {
@@ -1030,13 +1036,7 @@ where
     S::Tx: WriteInvoice,
 {
     use crate::{BrokerFault, FaultyStore, StoreFault};
-    let mut x = seed.wrapping_mul(0x2545_f491_4f6c_dd1d) | 1;
-    let mut roll = move |n: u64| {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x % n
-    };
+    let mut roll = dice(seed.wrapping_mul(0x2545_f491_4f6c_dd1d));
     let group = format!("faults-{seed}");
     let id = |m: u64| format!("{group}-m{m}");
     let broker = MemBroker::new();

@@ -52,6 +52,10 @@ pub struct Policy {
     /// Whether the consumer stores its acknowledgements in the inbox's
     /// database, so they can be written inside the inbox transaction.
     pub tx_acks: bool,
+    /// The failure budget: how many counted attempts a message may make
+    /// before it is given up (`failed`, dead-lettered, acknowledged).
+    /// `None`: failures are not counted (the design note's runner).
+    pub failure_budget: Option<u32>,
 }
 
 impl Policy {
@@ -61,7 +65,14 @@ impl Policy {
             strategy,
             has_handler: true,
             tx_acks: false,
+            failure_budget: None,
         }
+    }
+
+    /// The same policy with a failure budget of `attempts` (`None`: none).
+    pub fn with_failure_budget(mut self, attempts: Option<u32>) -> Self {
+        self.failure_budget = attempts;
+        self
     }
 
     /// The same policy with or without a handler.
@@ -162,6 +173,9 @@ pub enum Tally {
     Terminal,
     /// The message could not be made into a valid row: dead-lettered.
     Poison,
+    /// The handler failed and the message's failure budget is spent: the
+    /// row is `failed`, a dead letter records it, it is acknowledged.
+    Exhausted,
     /// Not decided: it was delivered past an earlier message of its
     /// partition whose rewind failed, so it is handed back (the rewind is
     /// retried and delivers them again). Not counted as a delivery.
@@ -403,6 +417,74 @@ fn not_handled(handler_ran: bool, ack: AckPoint, rewind: bool, tally: Tally) -> 
         rewind,
         tally,
     }
+}
+
+/// Whether a handler failure under `policy` is counted against the failure
+/// budget: a budget is set and the strategy would deliver the failed
+/// message again (AtLeastOnce OnSuccess, ExactlyOnceInbox without
+/// `commit_on_failed`). Strategies that acknowledge a failure anyway never
+/// redeliver it, so there is nothing to bound.
+///
+/// A driver that counts takes a savepoint before the handler; on failure it
+/// rolls back to it (the handler's writes go, the row stays), records the
+/// attempt on the row with the error, and asks [`after_counted_failure`].
+pub fn counts_failures(policy: Policy) -> bool {
+    policy.failure_budget.is_some() && unsettled(policy.strategy, true) == (AckPoint::Never, true)
+}
+
+/// The decision for a message whose budget is spent: the row becomes
+/// `failed` (the driver writes it and a dead letter), the transaction
+/// commits, the message is acknowledged as a settled one would be.
+fn spent(policy: Policy, handler_ran: bool) -> Decision {
+    Decision {
+        handler_ran,
+        transaction: TxAction::Commit,
+        row_after: RowAfter::Failed,
+        write_completion: false,
+        processed: false,
+        duplicate: false,
+        ack: settled(policy),
+        rewind: false,
+        tally: Tally::Exhausted,
+    }
+}
+
+/// The decision once a counted failure has been recorded on the row, which
+/// now shows `attempts` attempts made: below the budget, the transaction
+/// commits the row (`pending`, the attempt and the error) without the
+/// handler's writes and the message is rewound; at the budget, the budget
+/// is spent (see [`Tally::Exhausted`]). Without a budget: the uncounted
+/// failure of [`after_handler`].
+pub fn after_counted_failure(policy: Policy, attempts: i32) -> Decision {
+    let Some(budget) = policy.failure_budget else {
+        return after_handler(policy, RowState::New, OutcomeClass::Failure);
+    };
+    if i64::from(attempts) >= i64::from(budget) {
+        spent(policy, true)
+    } else {
+        Decision {
+            handler_ran: true,
+            transaction: TxAction::Commit,
+            row_after: RowAfter::Pending,
+            write_completion: false,
+            processed: false,
+            duplicate: false,
+            ack: AckPoint::Never,
+            rewind: true,
+            tally: Tally::Failed,
+        }
+    }
+}
+
+/// Before the handler runs on a message that may have stopped the process
+/// (its first delivery to this runner, where a crash would have left no
+/// trace), `attempts` counted attempts were already made: `Some` (the
+/// budget is spent, the handler is not run again) or `None` (count this
+/// attempt first, in a transaction of its own, then run the handler).
+pub fn before_counted_attempt(policy: Policy, attempts: i32) -> Option<Decision> {
+    let budget = policy.failure_budget?;
+    (counts_failures(policy) && i64::from(attempts) >= i64::from(budget))
+        .then(|| spent(policy, false))
 }
 
 /// The decision when the store fails (begin, insert, lock, complete, the
@@ -858,5 +940,65 @@ mod tests {
         let amo = Policy::new(AtMostOnce);
         let amo_ok = decide(amo, RowState::New, Success);
         assert_eq!(partition_ack(amo, &[amo_ok]), None);
+    }
+
+    #[test]
+    fn failures_count_only_where_they_are_redelivered() {
+        let budget = |s: AckStrategy| Policy::new(s).with_failure_budget(Some(3));
+        assert!(counts_failures(budget(EOI)));
+        assert!(counts_failures(budget(SUCCESS)));
+        for s in [AtMostOnce, PERSIST, EOI_CF] {
+            assert!(!counts_failures(budget(s)), "{s:?} acknowledges failures");
+        }
+        assert!(!counts_failures(Policy::new(EOI)), "no budget, no count");
+    }
+
+    #[test]
+    fn counted_failure_below_and_at_the_budget() {
+        for tx_acks in [false, true] {
+            let policy = Policy::new(EOI)
+                .with_failure_budget(Some(3))
+                .with_tx_acks(tx_acks);
+            for attempts in [1, 2] {
+                let d = after_counted_failure(policy, attempts);
+                assert_eq!(d.transaction, TxAction::Commit, "the row keeps the attempt");
+                assert_eq!(d.row_after, RowAfter::Pending);
+                assert_eq!((d.ack, d.rewind), (Never, true));
+                assert_eq!(d.tally, Tally::Failed);
+                assert!(d.handler_ran && !d.processed && d.holds_partition());
+            }
+            for attempts in [3, 4, i32::MAX] {
+                let d = after_counted_failure(policy, attempts);
+                assert_eq!(d.transaction, TxAction::Commit);
+                assert_eq!(d.row_after, RowAfter::Failed);
+                let ack = if tx_acks { InTx } else { AfterTx };
+                assert_eq!((d.ack, d.rewind), (ack, false), "given up: acknowledged");
+                assert_eq!(d.tally, Tally::Exhausted);
+                assert!(!d.holds_partition() && !d.drops_message() && !d.processed);
+            }
+        }
+        let success = Policy::new(SUCCESS).with_failure_budget(Some(1));
+        assert_eq!(after_counted_failure(success, 1).ack, AfterTx);
+        // without a budget: the uncounted failure
+        let none = Policy::new(EOI);
+        assert_eq!(
+            after_counted_failure(none, 100),
+            after_handler(none, RowState::New, Failure)
+        );
+    }
+
+    #[test]
+    fn attempts_counted_before_the_handler() {
+        let policy = Policy::new(EOI).with_failure_budget(Some(2));
+        assert_eq!(before_counted_attempt(policy, 0), None);
+        assert_eq!(before_counted_attempt(policy, 1), None);
+        let spent = before_counted_attempt(policy, 2).expect("spent");
+        assert!(!spent.handler_ran, "not run again");
+        assert_eq!(spent.row_after, RowAfter::Failed);
+        assert_eq!(spent.tally, Tally::Exhausted);
+        assert_eq!((spent.ack, spent.rewind), (AfterTx, false));
+        assert_eq!(before_counted_attempt(Policy::new(EOI), 99), None);
+        let persist = Policy::new(PERSIST).with_failure_budget(Some(2));
+        assert_eq!(before_counted_attempt(persist, 99), None, "not counted");
     }
 }

@@ -124,6 +124,14 @@ pub enum ValidationError {
         /// The last refusal.
         cause: String,
     },
+    /// The handler failed on every attempt the failure budget allows.
+    #[error("the handler failed {attempts} counted attempts (the failure budget): {last_error}")]
+    FailureBudgetSpent {
+        /// The attempts made.
+        attempts: i32,
+        /// The last failure (or why it is not known: the process stopped).
+        last_error: String,
+    },
     /// A configuration value is out of range.
     #[error("invalid configuration: {reason}")]
     Config {
@@ -209,6 +217,8 @@ pub enum PersistStage {
     DeadLetter,
     /// Storing the consumer's acknowledgement inside the transaction.
     Ack,
+    /// Recording a counted attempt (the failure budget) on the row.
+    Attempt,
 }
 
 impl fmt::Display for PersistStage {
@@ -221,6 +231,7 @@ impl fmt::Display for PersistStage {
             Self::Commit => "commit",
             Self::DeadLetter => "dead-letter",
             Self::Ack => "acknowledgement",
+            Self::Attempt => "attempt",
         })
     }
 }

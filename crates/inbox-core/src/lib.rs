@@ -70,6 +70,6 @@ pub use runner::{
     Backoff, BatchConfig, BatchResult, ProcessError, ProcessResult, RunSummary, Runner,
     RunnerConfig,
 };
-pub use store::{Found, InboxStore, InboxTransaction, LockResult, RowRef};
+pub use store::{AttemptRecord, Found, InboxStore, InboxTransaction, LockResult, RowRef};
 pub use strategy::{AckPolicy, AckStrategy};
 pub use tokio_util::sync::CancellationToken;

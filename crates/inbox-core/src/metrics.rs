@@ -106,6 +106,8 @@ pub struct Counts {
     pub handler_runs: u64,
     /// Failed messages acknowledged all the same (lost by the strategy).
     pub dropped: u64,
+    /// Messages whose failure budget was spent: `failed`, dead-lettered.
+    pub exhausted: u64,
 }
 
 impl Counts {
@@ -119,13 +121,14 @@ impl Counts {
             + self.deferred
             + self.terminal
             + self.poison
+            + self.exhausted
     }
 }
 
 /// Counts events with atomics.
 #[derive(Debug, Default)]
 pub struct CountingMetrics {
-    counters: [AtomicU64; 14],
+    counters: [AtomicU64; 15],
 }
 
 impl CountingMetrics {
@@ -152,6 +155,7 @@ impl CountingMetrics {
             rewound: c(11),
             handler_runs: c(12),
             dropped: c(13),
+            exhausted: c(14),
         }
     }
 }
@@ -169,6 +173,7 @@ impl Metrics for CountingMetrics {
                 Tally::Deferred => 6,
                 Tally::Terminal => 7,
                 Tally::Poison => 8,
+                Tally::Exhausted => 14,
                 Tally::HandedBack => return,
             },
             MetricEvent::Acked => 9,

@@ -31,6 +31,26 @@ pub const MAX_HEADER_VALUE_CHARS: usize = 512;
 pub const MAX_WORKER_ID_CHARS: usize = 255;
 /// Default attempt budget of an inbox row (used by the batch processor only).
 pub const DEFAULT_MAX_ATTEMPTS: i32 = 5;
+/// Longest `last_error` kept on a row, in characters.
+pub const MAX_ERROR_CHARS: usize = 2_000;
+
+/// An error text made fit for a row's `last_error`: cut to
+/// [`MAX_ERROR_CHARS`] characters (at a character boundary, never inside
+/// one) and with any NUL character (which PostgreSQL cannot store in text)
+/// replaced by U+FFFD.
+///
+/// ```
+/// use inbox_core::model::{storable_error, MAX_ERROR_CHARS};
+/// assert_eq!(storable_error("bad\u{0}input"), "bad\u{FFFD}input");
+/// let long = "é".repeat(MAX_ERROR_CHARS + 10);
+/// assert_eq!(storable_error(&long).chars().count(), MAX_ERROR_CHARS);
+/// ```
+pub fn storable_error(text: &str) -> String {
+    text.chars()
+        .take(MAX_ERROR_CHARS)
+        .map(|c| if c == '\0' { '\u{FFFD}' } else { c })
+        .collect()
+}
 
 /// Where a message sits in the broker: topic, partition and offset.
 ///

@@ -55,6 +55,20 @@ pub enum LockResult {
     Busy,
 }
 
+/// What [`InboxTransaction::record_attempt`] writes on a row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttemptRecord<'a> {
+    /// The status the row takes: `pending` (delivered again later) or
+    /// `failed` (the budget is spent).
+    pub status: InboxStatus,
+    /// Whether this counts one more attempt (`attempts_made + 1`).
+    pub count: bool,
+    /// The error to keep in `last_error` (already cut by
+    /// [`storable_error`](crate::model::storable_error)); `None` keeps the
+    /// one there.
+    pub error: Option<&'a str>,
+}
+
 /// The store: opens transactions and runs maintenance.
 #[async_trait]
 pub trait InboxStore: Send + Sync {
@@ -77,6 +91,19 @@ pub trait InboxStore: Send + Sync {
     /// Deletes at most `batch` completed rows completed more than
     /// `older_than` ago; returns how many.
     async fn delete_completed(&self, older_than: Duration, batch: u64) -> Result<u64, StoreError>;
+
+    /// Brings a `failed` row back: `pending`, no attempts made, due now
+    /// (`last_error` is kept). `Ok(false)` when no `failed` row has this id.
+    /// The batch processor handles it next; a runner handles it when its
+    /// message is delivered again. The default refuses
+    /// ([`StoreErrorKind::Unsupported`](crate::StoreErrorKind::Unsupported)).
+    async fn requeue_failed(&self, id: RowId) -> Result<bool, StoreError> {
+        let _ = id;
+        Err(StoreError::new(
+            crate::StoreErrorKind::Unsupported,
+            "this store cannot requeue failed rows",
+        ))
+    }
 }
 
 /// One open transaction: the inbox row's steps, and the handler's writes.
@@ -121,6 +148,25 @@ pub trait InboxTransaction: Send + Sized {
         consumer_group: &str,
         error: &ValidationError,
     ) -> Result<(), StoreError>;
+
+    /// Records an attempt on the row `id` (see [`AttemptRecord`]): sets its
+    /// status, counts the attempt when asked, keeps the error, unlocks it;
+    /// returns `attempts_made` afterwards. With `count: false` and
+    /// `status: Pending` on a `pending` row it only reads the count. Undone
+    /// with the transaction (or back to a savepoint), like every write. The
+    /// default refuses
+    /// ([`StoreErrorKind::Unsupported`](crate::StoreErrorKind::Unsupported)).
+    async fn record_attempt(
+        &mut self,
+        id: RowId,
+        record: &AttemptRecord<'_>,
+    ) -> Result<i32, StoreError> {
+        let _ = (id, record);
+        Err(StoreError::new(
+            crate::StoreErrorKind::Unsupported,
+            "this store cannot record attempts",
+        ))
+    }
 
     /// Marks a savepoint: what this transaction does after it can be undone
     /// with [`rollback_to_savepoint`](Self::rollback_to_savepoint) while

@@ -90,3 +90,13 @@ async fn poison_redelivered_is_recorded_once() {
 async fn refused_data_becomes_poison() {
     scenarios::refused_data_becomes_poison(MemStore::new()).await;
 }
+
+#[tokio::test]
+async fn failure_budget_bounds_a_failing_message() {
+    scenarios::failure_budget_bounds_a_failing_message(MemStore::new()).await;
+}
+
+#[tokio::test]
+async fn failure_budget_bounds_a_crashing_handler() {
+    scenarios::failure_budget_bounds_a_crashing_handler(MemStore::new()).await;
+}

@@ -6,8 +6,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use inbox_core::{
-    Found, InboxRow, InboxStatus, InboxStore, InboxTransaction, LockResult, Message, NewInboxRow,
-    RowId, RowRef, StoreError, StoreErrorKind, TxAck, ValidationError, WorkerId,
+    AttemptRecord, Found, InboxRow, InboxStatus, InboxStore, InboxTransaction, LockResult, Message,
+    NewInboxRow, RowId, RowRef, StoreError, StoreErrorKind, TxAck, ValidationError, WorkerId,
 };
 use sea_orm::{
     ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DatabaseTransaction, DbBackend,
@@ -27,6 +27,8 @@ struct Sql {
     get: String,
     lock: String,
     complete: String,
+    record_attempt: String,
+    requeue_failed: String,
     find: String,
     release: String,
     delete_completed: String,
@@ -101,6 +103,20 @@ impl Sql {
                 "UPDATE {q} SET status = 'completed', completed_at = now(), locked_at = NULL,
                         locked_by = NULL, updated_at = now()
                   WHERE id = $1"
+            ),
+            // Keeps the row, without the completion a handler's row was
+            // inserted with; `attempts_made` afterwards comes back.
+            record_attempt: format!(
+                "UPDATE {q} SET status = $2, attempts_made = attempts_made + $3,
+                        last_error = COALESCE($4, last_error), completed_at = NULL,
+                        locked_at = NULL, locked_by = NULL, updated_at = now()
+                  WHERE id = $1
+                  RETURNING attempts_made"
+            ),
+            requeue_failed: format!(
+                "UPDATE {q} SET status = 'pending', attempts_made = 0, scheduled_at = now(),
+                        locked_at = NULL, locked_by = NULL, updated_at = now()
+                  WHERE id = $1 AND status = 'failed'"
             ),
             find: format!(
                 "SELECT id, message_id, consumer_group, source, event_type, payload, status,
@@ -312,6 +328,15 @@ impl InboxStore for PgStore {
         Ok(r.rows_affected())
     }
 
+    async fn requeue_failed(&self, id: RowId) -> Result<bool, StoreError> {
+        let r = self
+            .db
+            .execute_raw(stmt(&self.sql.requeue_failed, vec![id.into()]))
+            .await
+            .map_err(db)?;
+        Ok(r.rows_affected() == 1)
+    }
+
     async fn delete_completed(&self, older_than: Duration, batch: u64) -> Result<u64, StoreError> {
         let limit = i64::try_from(batch).unwrap_or(i64::MAX);
         let r = self
@@ -476,6 +501,28 @@ impl InboxTransaction for PgTx {
             .await
             .map_err(db)?;
         Ok(())
+    }
+
+    async fn record_attempt(
+        &mut self,
+        id: RowId,
+        record: &AttemptRecord<'_>,
+    ) -> Result<i32, StoreError> {
+        let row = self
+            .tx
+            .query_one_raw(stmt(
+                &self.sql.record_attempt,
+                vec![
+                    id.into(),
+                    record.status.as_str().into(),
+                    i32::from(record.count).into(),
+                    record.error.map(storable).into(),
+                ],
+            ))
+            .await
+            .map_err(db)?
+            .ok_or_else(|| StoreError::new(StoreErrorKind::Other, format!("no inbox row {id}")))?;
+        get(&row, "attempts_made")
     }
 
     async fn savepoint(&mut self) -> Result<(), StoreError> {

@@ -93,3 +93,13 @@ async fn poison_redelivered_is_recorded_once() {
 async fn refused_data_becomes_poison() {
     scenarios::refused_data_becomes_poison(store().await).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failure_budget_bounds_a_failing_message() {
+    scenarios::failure_budget_bounds_a_failing_message(store().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failure_budget_bounds_a_crashing_handler() {
+    scenarios::failure_budget_bounds_a_crashing_handler(store().await).await;
+}

@@ -11,8 +11,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use inbox_core::{
-    Found, InboxStatus, InboxStore, InboxTransaction, LockResult, Message, NewInboxRow, StoreError,
-    ValidationError, WorkerId,
+    AttemptRecord, Found, InboxStatus, InboxStore, InboxTransaction, LockResult, Message,
+    NewInboxRow, StoreError, ValidationError, WorkerId,
 };
 use serde_json::json;
 
@@ -234,12 +234,7 @@ where
         self.fixture.write(&mut tx, &key).await.map_err(&e)?;
         tx.complete(r.id).await.map_err(&e)?;
         tx.commit().await.map_err(&e)?;
-        let stored = self
-            .store
-            .find(&row.message_id, &row.consumer_group)
-            .await
-            .map_err(&e)?
-            .ok_or_else(|| fail(C, "row missing"))?;
+        let stored = self.stored(C, &row).await?;
         ensure(C, stored.status == InboxStatus::Completed, || {
             format!("{:?}", stored.status)
         })?;
@@ -466,6 +461,119 @@ where
     }
 }
 
+impl<S, F> Ctx<'_, S, F>
+where
+    S: InboxStore,
+    F: BusinessFixture<S::Tx>,
+{
+    /// The committed row of `row`'s key, for check `c`.
+    async fn stored(
+        &self,
+        c: &'static str,
+        row: &NewInboxRow,
+    ) -> Result<inbox_core::InboxRow, ConformanceError> {
+        self.store
+            .find(&row.message_id, &row.consumer_group)
+            .await
+            .map_err(store_err(c))?
+            .ok_or_else(|| fail(c, "row missing"))
+    }
+
+    /// The failure budget's writes: a counted attempt on a row inserted
+    /// completed in the same transaction turns it `pending` with the error
+    /// and the count (read back without counting), undone by a rollback to
+    /// a savepoint; `failed` when given up; `requeue_failed` brings it back.
+    async fn attempts_are_recorded_and_requeued(&self) -> Result<(), ConformanceError> {
+        const C: &str = "attempts_are_recorded_and_requeued";
+        let e = store_err(C);
+        let row = NewInboxRow {
+            status: InboxStatus::Completed,
+            ..self.row("attempts")
+        };
+        let pending = |count, error| AttemptRecord {
+            status: InboxStatus::Pending,
+            count,
+            error,
+        };
+        let mut tx = self.store.begin().await.map_err(&e)?;
+        let r = tx.insert_or_get(&row).await.map_err(&e)?;
+        tx.savepoint().await.map_err(&e)?;
+        let n = tx
+            .record_attempt(r.id, &pending(true, Some("lost")))
+            .await
+            .map_err(&e)?;
+        ensure(C, n == 1, || format!("first count gave {n}"))?;
+        tx.rollback_to_savepoint().await.map_err(&e)?;
+        let n = tx
+            .record_attempt(r.id, &pending(false, None))
+            .await
+            .map_err(&e)?;
+        ensure(C, n == 0, || format!("the rolled-back count stayed: {n}"))?;
+        let n = tx
+            .record_attempt(r.id, &pending(true, Some("card declined")))
+            .await
+            .map_err(&e)?;
+        ensure(C, n == 1, || format!("count gave {n}"))?;
+        tx.commit().await.map_err(&e)?;
+        let stored = self.stored(C, &row).await?;
+        ensure(
+            C,
+            stored.status == InboxStatus::Pending
+                && stored.attempts_made == 1
+                && stored.completed_at.is_none()
+                && !stored.is_locked(),
+            || format!("{:?} attempts {}", stored.status, stored.attempts_made),
+        )?;
+        ensure(
+            C,
+            stored.last_error.as_deref() == Some("card declined"),
+            || format!("last_error {:?}", stored.last_error),
+        )?;
+        ensure(
+            C,
+            !self.store.requeue_failed(r.id).await.map_err(&e)?,
+            || "requeued a row that is not failed".into(),
+        )?;
+        let mut tx = self.store.begin().await.map_err(&e)?;
+        let n = tx
+            .record_attempt(r.id, &pending(true, None))
+            .await
+            .map_err(&e)?;
+        let failed = AttemptRecord {
+            status: InboxStatus::Failed,
+            count: false,
+            error: None,
+        };
+        let m = tx.record_attempt(r.id, &failed).await.map_err(&e)?;
+        ensure(C, n == 2 && m == 2, || format!("counts {n}, {m}"))?;
+        tx.commit().await.map_err(&e)?;
+        let stored = self.stored(C, &row).await?;
+        ensure(
+            C,
+            stored.status == InboxStatus::Failed
+                && stored.attempts_made == 2
+                && stored.last_error.as_deref() == Some("card declined"),
+            || {
+                format!(
+                    "{:?} {} {:?}",
+                    stored.status, stored.attempts_made, stored.last_error
+                )
+            },
+        )?;
+        ensure(
+            C,
+            self.store.requeue_failed(r.id).await.map_err(&e)?,
+            || "requeue_failed found no failed row".into(),
+        )?;
+        let stored = self.stored(C, &row).await?;
+        ensure(
+            C,
+            stored.status == InboxStatus::Pending && stored.attempts_made == 0,
+            || format!("requeued as {:?} {}", stored.status, stored.attempts_made),
+        )
+    }
+}
+
 /// Runs every check against `store`, writing business data with `fixture`.
 /// Rows use a fresh id prefix, so the suite can run on a store that holds
 /// other data.
@@ -512,5 +620,7 @@ where
     passed.push("insert_many_matches_one_by_one");
     ctx.savepoint_undoes_only_what_follows_it().await?;
     passed.push("savepoint_undoes_only_what_follows_it");
+    ctx.attempts_are_recorded_and_requeued().await?;
+    passed.push("attempts_are_recorded_and_requeued");
     Ok(passed)
 }

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use inbox_core::{
-    HandlerError, InboxRow, InboxStore, InboxTransaction, LockResult, Message, NewInboxRow, RowId,
-    RowRef, StoreError, StoreErrorKind, TxAck, ValidationError, WorkerId,
+    AttemptRecord, HandlerError, InboxRow, InboxStore, InboxTransaction, LockResult, Message,
+    NewInboxRow, RowId, RowRef, StoreError, StoreErrorKind, TxAck, ValidationError, WorkerId,
 };
 
 use crate::StoreFault;
@@ -114,6 +114,10 @@ impl<S: InboxStore> InboxStore for FaultyStore<S> {
         self.inner.release_stale_locks(older_than).await
     }
 
+    async fn requeue_failed(&self, id: RowId) -> Result<bool, StoreError> {
+        self.inner.requeue_failed(id).await
+    }
+
     async fn delete_completed(&self, older_than: Duration, batch: u64) -> Result<u64, StoreError> {
         self.inner.delete_completed(older_than, batch).await
     }
@@ -150,6 +154,15 @@ impl<T: InboxTransaction> InboxTransaction for FaultyTx<T> {
 
     async fn discard_rows(&mut self, ids: &[RowId]) -> Result<(), StoreError> {
         self.inner.discard_rows(ids).await
+    }
+
+    async fn record_attempt(
+        &mut self,
+        id: RowId,
+        record: &AttemptRecord<'_>,
+    ) -> Result<i32, StoreError> {
+        take(&self.faults, StoreFault::Attempt)?;
+        self.inner.record_attempt(id, record).await
     }
 
     async fn lock(&mut self, id: RowId, worker: &WorkerId) -> Result<LockResult, StoreError> {

@@ -1231,3 +1231,184 @@ where
         assert_eq!(metrics.snapshot().poison, 1, "{group}");
     }
 }
+
+/// Runs `runner` until its consumer has nothing more (at most `rounds`
+/// fetches), one message at a time or in batches of `batch`; every result.
+async fn drain<S, H>(
+    runner: &mut Runner<S, crate::MemConsumer, H, Arc<CountingMetrics>>,
+    batch: Option<inbox_core::BatchConfig>,
+    rounds: usize,
+) -> Vec<ProcessResult>
+where
+    S: InboxStore,
+    H: Handler<S::Tx>,
+{
+    let mut all = Vec::new();
+    for _ in 0..rounds {
+        let results = match batch {
+            Some(b) => {
+                let messages = runner.next_batch(b).await.unwrap_or_default();
+                if messages.is_empty() {
+                    break;
+                }
+                runner.process_batch(messages).await.results
+            }
+            None => match runner.process_one().await.unwrap_or_else(|e| panic!("{e}")) {
+                Some(r) => vec![r],
+                None => break,
+            },
+        };
+        all.extend(results);
+    }
+    all
+}
+
+/// The failure budget (3 attempts) on a handler that always fails for one
+/// message and fails twice for another, per message and in batches of 2
+/// (so the first deliveries of each partition go one at a time, counted
+/// before their handler, and the later ones through a batch that records
+/// the failure apart), under both strategies that redeliver failures: the
+/// always-failing message ends `failed` after exactly 3 handler attempts,
+/// without its writes, with one dead letter, acknowledged, and its
+/// partition moves on; the flaky one completes once, with 2 attempts
+/// counted.
+pub async fn failure_budget_bounds_a_failing_message<S>(store: S)
+where
+    S: ScenarioStore,
+    S::Tx: WriteInvoice,
+{
+    let strategies = [
+        ("eoi", AckStrategy::default()),
+        (
+            "alo",
+            AckStrategy::AtLeastOnce {
+                policy: AckPolicy::OnSuccess,
+            },
+        ),
+    ];
+    for (name, strategy) in strategies {
+        for batched in [false, true] {
+            let group = format!("budget-{name}-{}", if batched { "batch" } else { "one" });
+            let id = |m: &str| format!("{group}-{m}");
+            let broker = MemBroker::new();
+            for m in ["a1", "a2", "bad", "after"] {
+                broker.produce("orders", 0, order(&id(m)));
+            }
+            for m in ["o1", "flaky", "o3"] {
+                broker.produce("orders", 1, order(&id(m)));
+            }
+            let (bad, flaky) = (id("bad"), id("flaky"));
+            let handler = FlakyById::new([(bad.as_str(), 1_000), (flaky.as_str(), 2)]);
+            let mut b = inbox_core::BatchConfig::new(2);
+            b.max_wait = Duration::ZERO;
+            let mut cfg = config(&group, strategy).failure_budget(3);
+            if batched {
+                cfg = cfg.batched(b);
+            }
+            let metrics = Arc::new(CountingMetrics::new());
+            let mut runner = Runner::new(store.clone(), broker.consumer(&group), handler, cfg)
+                .with_metrics(metrics.clone());
+            let results = drain(&mut runner, batched.then_some(b), 60).await;
+            let calls = |m: &str| {
+                results
+                    .iter()
+                    .filter(|r| r.message_id == m && r.outcome.is_some())
+                    .count()
+            };
+            assert_eq!(calls(&bad), 3, "{group}: the budget allows 3 attempts");
+            let bad_row = row(&store, &bad, &group)
+                .await
+                .unwrap_or_else(|| panic!("{group}: row"));
+            assert_eq!(bad_row.status, InboxStatus::Failed, "{group}");
+            assert_eq!(bad_row.attempts_made, 3, "{group}");
+            assert!(
+                bad_row
+                    .last_error
+                    .as_deref()
+                    .is_some_and(|e| e.contains("payment provider")),
+                "{group}: last error {:?}",
+                bad_row.last_error
+            );
+            assert_eq!(store.dead_letters(&bad, &group).await, 1, "{group}");
+            assert_eq!(
+                store.invoices(&bad).await,
+                0,
+                "{group}: its writes rolled back"
+            );
+            for m in ["a1", "a2", "after", "o1", "flaky", "o3"] {
+                assert_eq!(store.invoices(&id(m)).await, 1, "{group}: {m} handled once");
+            }
+            let flaky_row = row(&store, &flaky, &group)
+                .await
+                .unwrap_or_else(|| panic!("{group}: row"));
+            assert_eq!(flaky_row.status, InboxStatus::Completed, "{group}");
+            assert_eq!(flaky_row.attempts_made, 2, "{group}: two failures counted");
+            assert_eq!(broker.acked(&group, "orders", 0), Some(4), "{group}");
+            assert_eq!(broker.acked(&group, "orders", 1), Some(3), "{group}");
+            let counts = metrics.snapshot();
+            assert_eq!(counts.exhausted, 1, "{group}");
+            assert_eq!(counts.failed, 4, "{group}: two of bad, two of flaky");
+            assert_eq!(counts.tallied(), counts.consumed, "{group}");
+        }
+    }
+}
+
+/// A handler that stops the process (simulated: the runner is dropped while
+/// its handler hangs, and a fresh runner starts) on one message every time:
+/// with a failure budget of 3 the attempt is counted before the handler of
+/// a partition's first delivery, so after three crashes the fourth runner
+/// gives the message up (`failed`, one dead letter, acknowledged) without
+/// running it, and handles the next message. Per message and batched.
+pub async fn failure_budget_bounds_a_crashing_handler<S>(store: S)
+where
+    S: ScenarioStore,
+    S::Tx: WriteInvoice,
+{
+    for batched in [false, true] {
+        let group = format!("crash-budget-{}", if batched { "batch" } else { "one" });
+        let id = |m: &str| format!("{group}-{m}");
+        let broker = MemBroker::new();
+        broker.produce("orders", 0, order(&id("crasher")));
+        broker.produce("orders", 0, order(&id("after")));
+        // the first three calls hang (each a crash), then success
+        let handler = ScriptedHandler::new([Act::Hang, Act::Hang, Act::Hang], Act::Succeed);
+        let mut b = inbox_core::BatchConfig::new(10);
+        b.max_wait = Duration::ZERO;
+        let mut crashes = 0;
+        for _restart in 0..12 {
+            let mut cfg = config(&group, AckStrategy::default()).failure_budget(3);
+            cfg.handler_timeout = Duration::from_secs(600);
+            if batched {
+                cfg = cfg.batched(b);
+            }
+            let metrics = Arc::new(CountingMetrics::new());
+            let mut runner =
+                Runner::new(store.clone(), broker.consumer(&group), handler.clone(), cfg)
+                    .with_metrics(metrics.clone());
+            let work = drain(&mut runner, batched.then_some(b), 10);
+            match tokio::time::timeout(Duration::from_millis(300), work).await {
+                Err(_) => crashes += 1, // the runner is dropped mid-handler
+                Ok(_) => break,
+            }
+        }
+        assert_eq!(crashes, 3, "{group}: three crashes, then given up");
+        assert_eq!(
+            handler.calls(),
+            4,
+            "{group}: three hangs and the next message"
+        );
+        let row = row(&store, &id("crasher"), &group)
+            .await
+            .unwrap_or_else(|| panic!("row"));
+        assert_eq!(row.status, InboxStatus::Failed, "{group}");
+        assert_eq!(row.attempts_made, 3, "{group}");
+        assert_eq!(
+            store.dead_letters(&id("crasher"), &group).await,
+            1,
+            "{group}"
+        );
+        assert_eq!(store.invoices(&id("crasher")).await, 0, "{group}");
+        assert_eq!(store.invoices(&id("after")).await, 1, "{group}");
+        assert_eq!(broker.acked(&group, "orders", 0), Some(2), "{group}");
+    }
+}

@@ -13,8 +13,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, TimeZone, Utc};
 use inbox_core::{
-    Found, InboxRow, InboxStatus, InboxStore, InboxTransaction, LockResult, Message, NewInboxRow,
-    RowId, RowRef, StoreError, StoreErrorKind, TxAck, ValidationError, WorkerId,
+    AttemptRecord, Found, InboxRow, InboxStatus, InboxStore, InboxTransaction, LockResult, Message,
+    NewInboxRow, RowId, RowRef, StoreError, StoreErrorKind, TxAck, ValidationError, WorkerId,
 };
 
 /// A named point where the store can be made to fail.
@@ -40,6 +40,8 @@ pub enum StoreFault {
     DeadLetter,
     /// `store_ack` fails.
     Ack,
+    /// `record_attempt` fails.
+    Attempt,
 }
 
 /// A dead letter the store recorded.
@@ -291,6 +293,12 @@ fn new_row(id: RowId, row: &NewInboxRow, now: DateTime<Utc>) -> InboxRow {
 enum Staged {
     Insert(Box<InboxRow>),
     Complete(RowId),
+    Attempt {
+        id: RowId,
+        status: InboxStatus,
+        count: bool,
+        error: Option<String>,
+    },
     Business(String, String),
     DeadLetter(Box<DeadLetter>),
     Ack((String, String, i32), i64),
@@ -336,10 +344,30 @@ impl MemTx {
             match op {
                 Staged::Insert(row) if row.id == id => status = Some(row.status),
                 Staged::Complete(done) if *done == id => status = Some(InboxStatus::Completed),
+                Staged::Attempt {
+                    id: at, status: s, ..
+                } if *at == id => status = Some(*s),
                 _ => {}
             }
         }
         status
+    }
+
+    /// `attempts_made` of row `id` as this transaction sees it.
+    fn staged_attempts(&self, committed: Option<i32>, id: RowId) -> Option<i32> {
+        let mut attempts = committed;
+        for op in &self.staged {
+            match op {
+                Staged::Insert(row) if row.id == id => attempts = Some(row.attempts_made),
+                Staged::Attempt {
+                    id: at,
+                    count: true,
+                    ..
+                } if *at == id => attempts = attempts.map(|n| n.saturating_add(1)),
+                _ => {}
+            }
+        }
+        attempts
     }
 
     fn finish(&mut self) {
@@ -398,6 +426,22 @@ impl InboxStore for MemStore {
             }
         }
         Ok(released)
+    }
+
+    async fn requeue_failed(&self, id: RowId) -> Result<bool, StoreError> {
+        let mut s = self.state();
+        let now = s.now;
+        let locked = s.row_locks.contains_key(&id);
+        match s.rows.get_mut(&id) {
+            Some(row) if row.status == InboxStatus::Failed && !locked => {
+                row.status = InboxStatus::Pending;
+                row.attempts_made = 0;
+                row.scheduled_at = now;
+                row.updated_at = now;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
     }
 
     async fn delete_completed(&self, older_than: Duration, batch: u64) -> Result<u64, StoreError> {
@@ -512,6 +556,24 @@ impl InboxTransaction for MemTx {
                         row.updated_at = now;
                     }
                 }
+                Staged::Attempt {
+                    id,
+                    status,
+                    count,
+                    error,
+                } => {
+                    if let Some(row) = s.rows.get_mut(&id) {
+                        row.status = status;
+                        row.attempts_made = row.attempts_made.saturating_add(i32::from(count));
+                        if error.is_some() {
+                            row.last_error = error;
+                        }
+                        row.completed_at = None;
+                        row.locked_at = None;
+                        row.locked_by = None;
+                        row.updated_at = now;
+                    }
+                }
                 Staged::Business(table, key) => s.business.entry(table).or_default().push(key),
                 Staged::DeadLetter(dead) => {
                     // one per record position and group, as PostgreSQL's key
@@ -538,6 +600,28 @@ impl InboxTransaction for MemTx {
         self.staged.clear();
         self.finish();
         Ok(())
+    }
+
+    async fn record_attempt(
+        &mut self,
+        id: RowId,
+        record: &AttemptRecord<'_>,
+    ) -> Result<i32, StoreError> {
+        let committed = {
+            let mut s = self.store.state();
+            s.take_fault(StoreFault::Attempt)?;
+            s.rows.get(&id).map(|r| r.attempts_made)
+        };
+        let before = self
+            .staged_attempts(committed, id)
+            .ok_or_else(|| StoreError::new(StoreErrorKind::Other, format!("no inbox row {id}")))?;
+        self.staged.push(Staged::Attempt {
+            id,
+            status: record.status,
+            count: record.count,
+            error: record.error.map(str::to_owned),
+        });
+        Ok(before.saturating_add(i32::from(record.count)))
     }
 
     async fn savepoint(&mut self) -> Result<(), StoreError> {
@@ -570,7 +654,7 @@ impl InboxTransaction for MemTx {
                 gone.push((row.message_id.clone(), row.consumer_group.clone()));
                 false
             }
-            Staged::Complete(id) => !ids.contains(id),
+            Staged::Complete(id) | Staged::Attempt { id, .. } => !ids.contains(id),
             _ => true,
         });
         if gone.len() != ids.len() {

@@ -71,6 +71,11 @@ pub struct RunnerConfig {
     /// data (a data exception, or the inbox's own constraints) before the
     /// message is poison: dead-lettered and acknowledged. Default 3.
     pub refused_data_tries: u32,
+    /// The failure budget (see [`RunnerConfig::failure_budget`]). `None`
+    /// (the default): handler failures are not counted and a message whose
+    /// handler always fails is delivered again forever, as the design
+    /// note's runner does.
+    pub failure_budget: Option<u32>,
 }
 
 /// How a batched runner gathers a batch: up to `max_messages` messages the
@@ -163,7 +168,45 @@ impl RunnerConfig {
             idle_poll: Duration::from_millis(50),
             batch: None,
             refused_data_tries: 3,
+            failure_budget: None,
         })
+    }
+
+    /// The same configuration with a durable failure budget of `attempts`
+    /// handler attempts per message (at least 1), under the strategies that
+    /// deliver a failed message again (AtLeastOnce OnSuccess,
+    /// ExactlyOnceInbox without `commit_on_failed`; the others acknowledge a
+    /// failure anyway).
+    ///
+    /// A failing handler's writes are rolled back to a savepoint taken after
+    /// the row was written; the row stays, `pending`, with `attempts_made`
+    /// one higher and the error in `last_error`, in the same transaction,
+    /// and the message is delivered again. On the attempt that spends the
+    /// budget the row becomes `failed`, a dead letter records the message
+    /// and the last error, and the message is acknowledged (under
+    /// ExactlyOnceInbox with offsets in the database, inside that
+    /// transaction): its partition moves on.
+    /// [`InboxStore::requeue_failed`](crate::InboxStore::requeue_failed)
+    /// brings such a row back.
+    ///
+    /// The count is in the row, so it survives restarts; and a handler that
+    /// stops the whole process is bounded too: the first messages a runner
+    /// receives from each partition (one, or a batch's worth in batched
+    /// mode) are counted in a transaction of their own before their handler
+    /// runs, and handled one at a time. The rows' `max_attempts` is set to
+    /// the budget.
+    ///
+    /// ```
+    /// use inbox_core::RunnerConfig;
+    /// let config = RunnerConfig::new("billing", "worker-1").unwrap().failure_budget(5);
+    /// assert_eq!(config.failure_budget, Some(5));
+    /// assert_eq!(config.max_attempts, 5);
+    /// ```
+    pub fn failure_budget(mut self, attempts: u32) -> Self {
+        let attempts = attempts.max(1);
+        self.failure_budget = Some(attempts);
+        self.max_attempts = i32::try_from(attempts).unwrap_or(i32::MAX);
+        self
     }
 
     /// The same configuration with another strategy.

@@ -15,9 +15,10 @@ use crate::error::{
 use crate::handler::Handler;
 use crate::metrics::{MetricEvent, Metrics};
 use crate::model::{Message, NewInboxRow, RowId};
-use crate::outcome::Outcome;
+use crate::outcome::{Outcome, OutcomeClass};
 use crate::store::{InboxStore, InboxTransaction};
 
+use super::budget::{Precount, record_failure};
 use super::{ProcessError, ProcessResult, Runner, abandon, run_handler};
 
 /// A message's decision with what the driver gathered carrying it out.
@@ -180,6 +181,22 @@ where
         // the transaction is only reached once an acknowledgement before it
         // (AtMostOnce) succeeded
         let acked_before = decision::acks_before_tx(policy);
+        let counting = decision::counts_failures(policy);
+        let mut precounted = false;
+        if self.is_suspect(policy, message) {
+            match self.count_before(policy, message).await {
+                Precount::Go { counted } => precounted = counted,
+                Precount::Done(work) => {
+                    // delivered again (a storage failure, a row held
+                    // elsewhere): still a first delivery, counted then
+                    if !work.decision.rewind {
+                        self.note_seen(message);
+                    }
+                    return work;
+                }
+            }
+        }
+        self.note_seen(message);
         let mut tx = match self.store.begin().await {
             Ok(tx) => tx,
             Err(e) => {
@@ -217,6 +234,27 @@ where
         }
         let (decision, outcome) = match (step, &self.handler) {
             (Step::RunHandler(state), Some(handler)) => {
+                // The failure budget: a savepoint before the handler, so a
+                // failure is undone alone and recorded on the row. A store
+                // without savepoints records it in a transaction of its own.
+                let savepoint = if counting {
+                    match tx.savepoint().await {
+                        Ok(()) => true,
+                        Err(e) if e.kind == StoreErrorKind::Unsupported => false,
+                        Err(e) => {
+                            abandon(tx).await;
+                            return Work::storage_failure(
+                                acked_before,
+                                PersistStage::Attempt,
+                                e,
+                                Some(row.id),
+                                None,
+                            );
+                        }
+                    }
+                } else {
+                    false
+                };
                 let outcome = run_handler(
                     handler,
                     message,
@@ -225,7 +263,44 @@ where
                     &self.metrics,
                 )
                 .await;
-                let decision = decision::after_handler(policy, state, outcome.class());
+                let mut decision = decision::after_handler(policy, state, outcome.class());
+                if counting && outcome.class() == OutcomeClass::Failure {
+                    if !savepoint {
+                        abandon(tx).await;
+                        return self
+                            .count_failure_apart(policy, message, decision, outcome)
+                            .await;
+                    }
+                    let group = &self.config.consumer_group;
+                    let recorded = match tx.rollback_to_savepoint().await {
+                        Ok(()) => {
+                            record_failure(
+                                &mut tx,
+                                policy,
+                                message,
+                                group,
+                                row.id,
+                                precounted,
+                                Some(&outcome),
+                            )
+                            .await
+                        }
+                        Err(e) => Err((PersistStage::Attempt, e)),
+                    };
+                    match recorded {
+                        Ok(d) => decision = d,
+                        Err((stage, e)) => {
+                            abandon(tx).await;
+                            return Work::storage_failure(
+                                acked_before,
+                                stage,
+                                e,
+                                Some(row.id),
+                                Some(outcome),
+                            );
+                        }
+                    }
+                }
                 (decision, Some(outcome))
             }
             (Step::Done(decision), _) => (decision, None),
@@ -271,7 +346,7 @@ where
     /// Commits `tx`, first storing the acknowledgement in it when the
     /// decision puts it there; a failure becomes the storage-failure (or
     /// fenced) decision.
-    async fn finish_tx(
+    pub(super) async fn finish_tx(
         &mut self,
         acked_before: bool,
         mut tx: S::Tx,

@@ -16,6 +16,7 @@
 //! acknowledgement goes and whether to rewind.
 
 mod batch;
+mod budget;
 pub mod config;
 mod message;
 pub mod result;
@@ -59,6 +60,9 @@ pub struct Runner<S, C, H, M = NoopMetrics> {
     /// Per partition, the message whose data the database refused: its
     /// offset, how many times, the last cause.
     refused: HashMap<(String, i32), (i64, u32, String)>,
+    /// Per partition, the first deliveries seen (the failure budget counts
+    /// them before their handler runs).
+    first_seen: budget::FirstSeen,
 }
 
 impl<S, C, H> Runner<S, C, H, NoopMetrics> {
@@ -75,6 +79,7 @@ impl<S, C, H> Runner<S, C, H, NoopMetrics> {
             batch_cap: None,
             unrewound: HashMap::new(),
             refused: HashMap::new(),
+            first_seen: HashMap::new(),
         }
     }
 }
@@ -123,6 +128,7 @@ where
             batch_cap: self.batch_cap,
             unrewound: self.unrewound,
             refused: self.refused,
+            first_seen: self.first_seen,
         }
     }
 
@@ -225,6 +231,7 @@ where
         Policy::new(self.config.strategy)
             .with_handler(self.handler.is_some())
             .with_tx_acks(self.consumer.transactional_ack(message).is_some())
+            .with_failure_budget(self.config.failure_budget)
     }
 }
 

@@ -113,6 +113,9 @@ where
     /// is acknowledged on its partition, and the messages after it on that
     /// partition are handed back undecided ([`BatchResult::returned`]).
     pub async fn process_batch(&mut self, messages: Vec<Message>) -> BatchResult {
+        if messages.iter().any(|m| self.is_suspect(self.policy(m), m)) {
+            return self.process_one_by_one(messages).await;
+        }
         let mut partitions: Vec<Option<(String, i32)>> = Vec::new();
         let mut slots: Vec<Slot> = messages
             .into_iter()
@@ -159,10 +162,13 @@ where
         // the store has savepoints). Each replay decides or returns at
         // least one slot, or changes the mode: the loop ends.
         let mut mode = Mode::Optimistic;
-        let savepoints = self
-            .config
-            .batch
-            .is_some_and(|b| b.savepoints_after_failure);
+        // With a failure budget a failure is recorded apart after the
+        // rollback: the replays stay optimistic.
+        let savepoints = self.config.failure_budget.is_none()
+            && self
+                .config
+                .batch
+                .is_some_and(|b| b.savepoints_after_failure);
         let mut transactions = 0;
         loop {
             let attempt = match mode {
@@ -199,6 +205,29 @@ where
         self.adapt_batch_size(len, if failed { 2 } else { transactions });
         for r in &result.results {
             self.note_result(r);
+        }
+        result
+    }
+
+    /// The batch one message at a time (each its own transaction), as the
+    /// failure budget asks for a partition's first deliveries: a message
+    /// whose decision holds its partition hands back the later ones of that
+    /// partition.
+    async fn process_one_by_one(&mut self, messages: Vec<Message>) -> BatchResult {
+        let mut result = BatchResult::default();
+        let mut held: Vec<Option<(String, i32)>> = Vec::new();
+        for message in messages {
+            let key = message.position.as_ref().map(|p| p.partition_key());
+            if held.contains(&key) {
+                result.returned += 1;
+                continue;
+            }
+            let r = self.process_message(message).await;
+            result.transactions += 1;
+            if r.decision.holds_partition() {
+                held.push(key);
+            }
+            result.results.push(r);
         }
         result
     }

@@ -158,7 +158,17 @@ where
                     let d = decision::after_handler(policy, row, outcome.class());
                     if d.transaction == TxAction::Rollback || d.holds_partition() {
                         abandon(tx).await;
-                        decide_and_return_rest(slots, i, Work::new(d, Some(row_id), Some(outcome)));
+                        let work = if decision::counts_failures(policy)
+                            && outcome.class() == OutcomeClass::Failure
+                        {
+                            // the failure budget: recorded apart, as the
+                            // transaction is gone
+                            let message = slots[i].message.clone();
+                            self.count_failure_apart(policy, &message, d, outcome).await
+                        } else {
+                            Work::new(d, Some(row_id), Some(outcome))
+                        };
+                        decide_and_return_rest(slots, i, work);
                         return Attempt::Replay;
                     }
                     if d.write_completion

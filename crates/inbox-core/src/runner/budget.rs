@@ -1,0 +1,294 @@
+//! The failure budget ([`RunnerConfig::failure_budget`](super::RunnerConfig::failure_budget)):
+//! counted attempts kept in the row.
+//!
+//! - A handler failure is recorded in the transaction it happened in: back
+//!   to the savepoint taken before the handler (its writes go, the row
+//!   stays), `record_attempt` (`pending`, one attempt more, the error), and,
+//!   when that spends the budget, `failed` and a dead letter. The batched
+//!   driver, which rolled its transaction back to replay the batch, records
+//!   it in a transaction of its own instead.
+//! - A message that may have stopped the process (the first ones a runner
+//!   receives from each partition: a crash leaves no other trace) is
+//!   counted before its handler runs, in a transaction of its own; a spent
+//!   budget then gives it up without running the handler again.
+
+use std::collections::HashMap;
+
+use crate::consumer::Consumer;
+use crate::decision::{self, Decision, Policy, Tally};
+use crate::error::{PersistStage, StoreError, ValidationError};
+use crate::handler::Handler;
+use crate::metrics::Metrics;
+use crate::model::{InboxStatus, Message, NewInboxRow, RowId, storable_error};
+use crate::outcome::{Failure, Outcome};
+use crate::store::{AttemptRecord, Found, InboxStore, InboxTransaction, LockResult};
+
+use super::message::Work;
+use super::{Runner, abandon};
+
+/// Per partition, the first deliveries a runner saw: how many distinct
+/// offsets, and the highest.
+pub(super) type FirstSeen = HashMap<(String, i32), (usize, i64)>;
+
+/// The text kept in `last_error` for a failed handler run.
+pub(super) fn failure_text(outcome: Option<&Outcome>) -> String {
+    let text = match outcome {
+        Some(Outcome::Failed(Failure::Returned(Some(reason)))) => reason.clone(),
+        Some(Outcome::Failed(Failure::Returned(None))) => "the handler returned a failure".into(),
+        Some(Outcome::Failed(Failure::Error(e))) => e.clone(),
+        Some(Outcome::Failed(Failure::Timeout)) => "the handler timed out".into(),
+        Some(Outcome::Failed(Failure::Panic(p))) => format!("the handler panicked: {p}"),
+        Some(_) | None => "the handler did not finish".into(),
+    };
+    storable_error(&text)
+}
+
+/// Records a counted failure of `message` on its row `id` inside `tx`
+/// (already rolled back to before the handler, or fresh): one attempt more
+/// unless `precounted`, the error; when that spends the budget, the row
+/// `failed` and a dead letter. The decision to commit `tx` with.
+pub(super) async fn record_failure<T: InboxTransaction>(
+    tx: &mut T,
+    policy: Policy,
+    message: &Message,
+    consumer_group: &str,
+    id: RowId,
+    precounted: bool,
+    outcome: Option<&Outcome>,
+) -> Result<Decision, (PersistStage, StoreError)> {
+    let error = failure_text(outcome);
+    let record = AttemptRecord {
+        status: InboxStatus::Pending,
+        count: !precounted,
+        error: Some(&error),
+    };
+    let attempts = tx
+        .record_attempt(id, &record)
+        .await
+        .map_err(|e| (PersistStage::Attempt, e))?;
+    let decision = decision::after_counted_failure(policy, attempts);
+    if decision.tally == Tally::Exhausted {
+        give_up(tx, message, consumer_group, id, attempts, error).await?;
+    }
+    Ok(decision)
+}
+
+/// Writes a spent budget: the row `failed`, the dead letter.
+async fn give_up<T: InboxTransaction>(
+    tx: &mut T,
+    message: &Message,
+    consumer_group: &str,
+    id: RowId,
+    attempts: i32,
+    last_error: String,
+) -> Result<(), (PersistStage, StoreError)> {
+    tracing::warn!(message_id = %message.message_id, attempts, error = %last_error, "failure budget spent: the message is failed and dead-lettered");
+    let record = AttemptRecord {
+        status: InboxStatus::Failed,
+        count: false,
+        error: None,
+    };
+    tx.record_attempt(id, &record)
+        .await
+        .map_err(|e| (PersistStage::Attempt, e))?;
+    let reason = ValidationError::FailureBudgetSpent {
+        attempts,
+        last_error,
+    };
+    tx.dead_letter(message, consumer_group, &reason)
+        .await
+        .map_err(|e| (PersistStage::DeadLetter, e))
+}
+
+/// What counting an attempt before the handler gave.
+pub(super) enum Precount {
+    /// Counted (or nothing to count: the row is settled or held elsewhere,
+    /// which the transaction that follows finds): run the handler.
+    Go {
+        /// Whether the attempt was counted (a failure then is not counted
+        /// again).
+        counted: bool,
+    },
+    /// Decided without the handler: the budget is spent, or storage failed.
+    Done(Work),
+}
+
+impl<S, C, H, M> Runner<S, C, H, M>
+where
+    S: InboxStore,
+    C: Consumer,
+    H: Handler<S::Tx>,
+    M: Metrics,
+{
+    /// How many of each partition's first deliveries are counted before
+    /// their handler: one in per-message mode, a batch's worth in batched
+    /// mode (a crash in a batch may have come from any of its messages).
+    fn suspect_window(&self) -> usize {
+        self.config.batch.map_or(1, |b| b.max_messages.max(1))
+    }
+
+    /// Whether `message` is among the first deliveries of its partition to
+    /// this runner (a crash before this runner started could have come from
+    /// it), under a policy that counts failures.
+    pub(super) fn is_suspect(&self, policy: Policy, message: &Message) -> bool {
+        let Some(pos) = &message.position else {
+            return false;
+        };
+        if !decision::counts_failures(policy) {
+            return false;
+        }
+        match self.first_seen.get(&pos.partition_key()) {
+            None => true,
+            Some(&(seen, highest)) => pos.offset > highest && seen < self.suspect_window(),
+        }
+    }
+
+    /// Notes that `message` was handled, for [`is_suspect`](Self::is_suspect).
+    pub(super) fn note_seen(&mut self, message: &Message) {
+        let Some(pos) = &message.position else { return };
+        let entry = self
+            .first_seen
+            .entry(pos.partition_key())
+            .or_insert((0, i64::MIN));
+        if pos.offset > entry.1 {
+            entry.0 = entry.0.saturating_add(1);
+            entry.1 = pos.offset;
+        }
+    }
+
+    /// Counts an attempt of `message` before its handler runs, in a
+    /// transaction of its own; gives it up when the budget is already spent.
+    pub(super) async fn count_before(&mut self, policy: Policy, message: &Message) -> Precount {
+        let group = self.config.consumer_group.clone();
+        let fail = |stage, e| Precount::Done(Work::storage_failure(false, stage, e, None, None));
+        let mut tx = match self.store.begin().await {
+            Ok(tx) => tx,
+            Err(e) => return fail(PersistStage::Begin, e),
+        };
+        let row = NewInboxRow::for_message(message, &group, self.config.max_attempts)
+            .with_status(InboxStatus::Pending);
+        let id = match tx.insert_or_get(&row).await {
+            Ok(r) if r.found == Found::Inserted => r.id,
+            Ok(r) if r.found == Found::Existing(InboxStatus::Pending) => {
+                match tx.lock(r.id, &self.config.worker_id).await {
+                    Ok(LockResult::Acquired) => r.id,
+                    Ok(LockResult::Busy) => {
+                        // held elsewhere: deferred like the transaction
+                        // would (rewound, still unseen, counted next time)
+                        abandon(tx).await;
+                        let step = decision::after_lock(policy, LockResult::Busy);
+                        return match step {
+                            decision::Step::Done(d) => {
+                                Precount::Done(Work::new(d, Some(r.id), None))
+                            }
+                            _ => Precount::Go { counted: false },
+                        };
+                    }
+                    Err(e) => {
+                        abandon(tx).await;
+                        return fail(PersistStage::Lock, e);
+                    }
+                }
+            }
+            Ok(_) => {
+                abandon(tx).await;
+                return Precount::Go { counted: false };
+            }
+            Err(e) => {
+                abandon(tx).await;
+                return fail(PersistStage::Insert, e);
+            }
+        };
+        let read = AttemptRecord {
+            status: InboxStatus::Pending,
+            count: false,
+            error: None,
+        };
+        let attempts = match tx.record_attempt(id, &read).await {
+            Ok(n) => n,
+            Err(e) => {
+                abandon(tx).await;
+                return fail(PersistStage::Attempt, e);
+            }
+        };
+        if let Some(spent) = decision::before_counted_attempt(policy, attempts) {
+            let why = "spent before this delivery (the last attempt may have stopped the process)";
+            if let Err((stage, e)) =
+                give_up(&mut tx, message, &group, id, attempts, why.to_owned()).await
+            {
+                abandon(tx).await;
+                return fail(stage, e);
+            }
+            let work = Work::new(spent, Some(id), None);
+            return Precount::Done(self.finish_tx(false, tx, message, work).await);
+        }
+        let count = AttemptRecord {
+            count: true,
+            error: Some("the handler did not finish (counted before it ran)"),
+            ..read
+        };
+        if let Err(e) = tx.record_attempt(id, &count).await {
+            abandon(tx).await;
+            return fail(PersistStage::Attempt, e);
+        }
+        match tx.commit().await {
+            Ok(()) => Precount::Go { counted: true },
+            Err(e) => fail(PersistStage::Commit, e),
+        }
+    }
+
+    /// The batched driver's counted failure: its transaction was rolled
+    /// back, so the failure of `message` (whose handler gave `outcome`) is
+    /// recorded in a transaction of its own. A row settled or held
+    /// elsewhere meanwhile: the uncounted failure (delivered again, that
+    /// delivery finds it).
+    pub(super) async fn count_failure_apart(
+        &mut self,
+        policy: Policy,
+        message: &Message,
+        uncounted: Decision,
+        outcome: Outcome,
+    ) -> Work {
+        let group = self.config.consumer_group.clone();
+        let fail = |stage, e, outcome| Work::storage_failure(false, stage, e, None, Some(outcome));
+        let mut tx = match self.store.begin().await {
+            Ok(tx) => tx,
+            Err(e) => return fail(PersistStage::Begin, e, outcome),
+        };
+        let row = NewInboxRow::for_message(message, &group, self.config.max_attempts)
+            .with_status(InboxStatus::Pending);
+        let held = match tx.insert_or_get(&row).await {
+            Ok(r) if r.found == Found::Inserted => Ok(Some(r.id)),
+            Ok(r) if r.found == Found::Existing(InboxStatus::Pending) => {
+                match tx.lock(r.id, &self.config.worker_id).await {
+                    Ok(LockResult::Acquired) => Ok(Some(r.id)),
+                    Ok(LockResult::Busy) => Ok(None),
+                    Err(e) => Err((PersistStage::Lock, e)),
+                }
+            }
+            Ok(_) => Ok(None),
+            Err(e) => Err((PersistStage::Insert, e)),
+        };
+        let id = match held {
+            Ok(Some(id)) => id,
+            Ok(None) => {
+                abandon(tx).await;
+                return Work::new(uncounted, None, Some(outcome));
+            }
+            Err((stage, e)) => {
+                abandon(tx).await;
+                return fail(stage, e, outcome);
+            }
+        };
+        match record_failure(&mut tx, policy, message, &group, id, false, Some(&outcome)).await {
+            Ok(decision) => match tx.commit().await {
+                Ok(()) => Work::new(decision, Some(id), Some(outcome)),
+                Err(e) => fail(PersistStage::Commit, e, outcome),
+            },
+            Err((stage, e)) => {
+                abandon(tx).await;
+                fail(stage, e, outcome)
+            }
+        }
+    }
+}

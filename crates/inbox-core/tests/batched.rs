@@ -111,10 +111,24 @@ fn runner(
     strategy: AckStrategy,
     batch: Option<usize>,
 ) -> (TestRunner, Arc<CountingMetrics>) {
+    runner_with_budget(store, broker, handler, strategy, batch, None)
+}
+
+fn runner_with_budget(
+    store: &MemStore,
+    broker: &MemBroker,
+    handler: &Arc<Flaky>,
+    strategy: AckStrategy,
+    batch: Option<usize>,
+    budget: Option<u32>,
+) -> (TestRunner, Arc<CountingMetrics>) {
     let metrics = Arc::new(CountingMetrics::new());
     let mut config = RunnerConfig::new("billing", "w-1")
         .expect("config")
         .with_strategy(strategy);
+    if let Some(n) = budget {
+        config = config.failure_budget(n);
+    }
     if let Some(n) = batch {
         let mut b = BatchConfig::new(n);
         b.max_wait = std::time::Duration::ZERO;
@@ -177,7 +191,12 @@ fn check_no_ack_past_a_rewind(result: &BatchResult, broker: &MemBroker) {
 #[derive(Debug, PartialEq, Eq)]
 struct Final {
     invoices: BTreeMap<String, usize>,
-    rows: BTreeMap<String, InboxStatus>,
+    /// Status, and the attempts of a row not completed (a completed row's
+    /// count depends on whether its last attempt was counted before it
+    /// ran: a first delivery, one per partition per message mode, a
+    /// batch's worth batched).
+    rows: BTreeMap<String, (InboxStatus, i32)>,
+    dead_letters: usize,
     acked: Vec<Option<i64>>,
     counts: Counts,
 }
@@ -190,7 +209,14 @@ fn final_state(store: &MemStore, broker: &MemBroker, metrics: &CountingMetrics) 
     let rows = store
         .rows()
         .into_iter()
-        .map(|r| (r.message_id, r.status))
+        .map(|r| {
+            let attempts = if r.status == InboxStatus::Completed {
+                0
+            } else {
+                r.attempts_made
+            };
+            (r.message_id, (r.status, attempts))
+        })
         .collect();
     let acked = (0..3)
         .map(|p| broker.acked("billing", "orders", p))
@@ -202,6 +228,7 @@ fn final_state(store: &MemStore, broker: &MemBroker, metrics: &CountingMetrics) 
     Final {
         invoices,
         rows,
+        dead_letters: store.dead_letters().len(),
         acked,
         counts,
     }
@@ -522,6 +549,7 @@ proptest! {
         (fails, skips) in schedule(),
         n in 1usize..12,
         batch_aware in any::<bool>(),
+        budget in prop::option::of(1u32..4),
     ) {
         let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().expect("rt");
         rt.block_on(async {
@@ -532,17 +560,17 @@ proptest! {
             };
             let (store1, broker1) = (MemStore::new(), MemBroker::new());
             produce(&broker1);
-            let (mut one, m1) = runner(&store1, &broker1, &flaky(&fails, &skips, false), s, None);
+            let (mut one, m1) = runner_with_budget(&store1, &broker1, &flaky(&fails, &skips, false), s, None, budget);
             drain_one_by_one(&mut one).await;
 
             let (store2, broker2) = (MemStore::new(), MemBroker::new());
             produce(&broker2);
-            let (mut batched, m2) = runner(&store2, &broker2, &flaky(&fails, &skips, batch_aware), s, Some(n));
+            let (mut batched, m2) = runner_with_budget(&store2, &broker2, &flaky(&fails, &skips, batch_aware), s, Some(n), budget);
             drain_batched(&mut batched, &broker2, n).await;
 
             let a = final_state(&store1, &broker1, &m1);
             let b = final_state(&store2, &broker2, &m2);
-            prop_assert_eq!(&a, &b, "strategy {:?}, batch {}", s, n);
+            prop_assert_eq!(&a, &b, "strategy {:?}, batch {}, budget {:?}", s, n, budget);
             // and no invoice twice, whatever the strategy
             prop_assert!(b.invoices.values().all(|n| *n == 1));
             Ok(())
@@ -559,6 +587,7 @@ proptest! {
         (fails, _skips) in schedule(),
         n in 1usize..12,
         faults in prop::collection::vec(0u8..8, 0..12),
+        budget in prop::option::of(Just(30u32)),
     ) {
         let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().expect("rt");
         rt.block_on(async {
@@ -569,7 +598,7 @@ proptest! {
             }
             let handler = flaky(&fails, &[], false);
             let s = AckStrategy::default();
-            let (mut r, _) = runner(&store, &broker, &handler, s, Some(n));
+            let (mut r, _) = runner_with_budget(&store, &broker, &handler, s, Some(n), budget);
             let mut b = BatchConfig::new(n);
             b.max_wait = std::time::Duration::ZERO;
             let mut faults = faults.into_iter();
@@ -580,15 +609,16 @@ proptest! {
                     Some(1) => store.fail_next(StoreFault::CommitLostAfterApply, 1),
                     Some(2) => store.fail_next(StoreFault::Insert, 1),
                     Some(3) => broker.fail_next(BrokerFault::CrashOnAck, 1),
-                    Some(4) => (r, _) = runner(&store, &broker, &handler, s, Some(n)),
+                    Some(4) => (r, _) = runner_with_budget(&store, &broker, &handler, s, Some(n), budget),
                     Some(5) => store.fail_next(StoreFault::Begin, 1),
+                    Some(6) => store.fail_next(StoreFault::Attempt, 1),
                     _ => {}
                 }
                 let batch = match r.next_batch(b).await {
                     Ok(batch) => batch,
                     Err(_) => {
                         // the consumer crashed: a new process starts
-                        (r, _) = runner(&store, &broker, &handler, s, Some(n));
+                        (r, _) = runner_with_budget(&store, &broker, &handler, s, Some(n), budget);
                         continue;
                     }
                 };
@@ -597,7 +627,7 @@ proptest! {
                     if idle > 2 {
                         break;
                     }
-                    (r, _) = runner(&store, &broker, &handler, s, Some(n));
+                    (r, _) = runner_with_budget(&store, &broker, &handler, s, Some(n), budget);
                     continue;
                 }
                 idle = 0;

@@ -64,6 +64,17 @@ pub trait Consumer: Send {
         let _ = message;
     }
 
+    /// Holds the partition of `position` back: `next` delivers nothing more
+    /// from it before `until` (the other partitions go on). The runner
+    /// calls it after rewinding a message that is to wait out its
+    /// redelivery backoff. `false` (the default): this consumer cannot hold
+    /// one partition, and the runner waits before its next fetch instead,
+    /// which holds every partition.
+    fn hold(&mut self, position: &Position, until: tokio::time::Instant) -> bool {
+        let _ = (position, until);
+        false
+    }
+
     /// Told that storing an acknowledgement for `message`'s partition was
     /// refused because another consumer owns it now: stop reading it.
     fn fenced(&mut self, message: &Message) {

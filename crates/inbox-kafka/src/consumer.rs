@@ -6,12 +6,14 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use inbox_core::{
-    Consumer, ConsumerError, Message, MetricEvent, Metrics, NoopMetrics, StoreErrorKind, TxAck,
+    Consumer, ConsumerError, Message, MetricEvent, Metrics, NoopMetrics, Position, StoreErrorKind,
+    TxAck,
 };
 use inbox_postgres::PgStore;
 use rskafka::client::partition::{OffsetAt, PartitionClient, UnknownTopicHandling};
 use rskafka::client::{Client, ClientBuilder};
 use rskafka::record::RecordAndOffset;
+use tokio::time::Instant;
 
 use crate::decode::{Decode, JsonDecoder, RecordView, decode_or_poison};
 
@@ -136,6 +138,18 @@ struct Partition {
     fenced: bool,
     /// Stopped by [`OutOfRange::Stop`].
     stopped: bool,
+    /// Not read before then: held by the runner ([`Consumer::hold`]), or
+    /// backing off after fetch errors.
+    held_until: Option<Instant>,
+    /// Consecutive fetch errors of this partition.
+    fetch_errors: u32,
+}
+
+/// The pause before fetching a partition again after `errors` consecutive
+/// fetch errors: 100 ms doubling, at most 10 s.
+fn fetch_backoff(errors: u32) -> Duration {
+    let exp = errors.saturating_sub(1).min(7);
+    Duration::from_millis(100 << exp).min(Duration::from_secs(10))
 }
 
 impl Partition {
@@ -196,6 +210,9 @@ pub struct ConsumerStats {
     pub rewinds_refetched: u64,
     /// Stored offsets found outside the log (see [`OutOfRange`]).
     pub out_of_range: u64,
+    /// Fetches that failed (each holds its own partition back for a
+    /// while; the other partitions are read on).
+    pub fetch_errors: u64,
 }
 
 /// A consumer of a set of partitions for one consumer group, with each
@@ -269,6 +286,8 @@ impl KafkaConsumer {
                 high_watermark: next_fetch,
                 fenced: false,
                 stopped: false,
+                held_until: None,
+                fetch_errors: 0,
             });
         }
         Ok(Self {
@@ -475,22 +494,55 @@ impl Consumer for KafkaConsumer {
     /// Round-robin over the owned partitions: the next buffered record of
     /// the next partition, fetching when its buffer is empty. `None` when no
     /// partition has a record ready.
+    ///
+    /// A partition held back ([`Consumer::hold`]) is skipped until its
+    /// time. A fetch error holds back only its own partition (100 ms,
+    /// doubling up to 10 s while it goes on failing): the others are read
+    /// on. The error is returned only when no partition delivered and
+    /// every partition tried this round failed.
     async fn next(&mut self) -> Result<Option<Message>, ConsumerError> {
         let n = self.partitions.len();
+        let now = Instant::now();
+        let mut tried = 0;
+        let mut failed = 0;
+        let mut failure = None;
         for step in 0..n {
             let index = (self.cursor + step) % n;
-            if self.partitions[index].fenced || self.partitions[index].stopped {
+            let p = &mut self.partitions[index];
+            if p.fenced || p.stopped {
                 continue;
             }
+            if p.held_until.is_some_and(|until| until > now) {
+                continue;
+            }
+            p.held_until = None;
+            tried += 1;
             if self.partitions[index].buffer.is_empty() {
-                self.fill(index).await?;
+                match self.fill(index).await {
+                    Ok(()) => self.partitions[index].fetch_errors = 0,
+                    Err(e) => {
+                        self.stats.fetch_errors += 1;
+                        let p = &mut self.partitions[index];
+                        p.fetch_errors = p.fetch_errors.saturating_add(1);
+                        let pause = fetch_backoff(p.fetch_errors);
+                        p.held_until = Some(Instant::now() + pause);
+                        tracing::warn!(topic = %p.topic, partition = p.partition, error = %e,
+                            retry_in_ms = pause.as_millis(), "fetch failed; this partition waits, the others go on");
+                        failed += 1;
+                        failure = Some(e);
+                        continue;
+                    }
+                }
             }
             if let Some(message) = self.pop(index) {
                 self.cursor = index + 1;
                 return Ok(Some(message));
             }
         }
-        Ok(None)
+        match failure {
+            Some(e) if failed == tried => Err(e),
+            _ => Ok(None),
+        }
     }
 
     async fn ack(&mut self, message: &Message) -> Result<(), ConsumerError> {
@@ -532,6 +584,20 @@ impl Consumer for KafkaConsumer {
 
     fn transactional_ack(&self, message: &Message) -> Option<TxAck> {
         self.tx_ack(message)
+    }
+
+    fn hold(&mut self, position: &Position, until: Instant) -> bool {
+        let found = self
+            .partitions
+            .iter_mut()
+            .find(|p| p.topic == position.topic && p.partition == position.partition);
+        match found {
+            Some(p) => {
+                p.held_until = Some(p.held_until.map_or(until, |t| t.max(until)));
+                true
+            }
+            None => false,
+        }
     }
 
     fn fenced(&mut self, message: &Message) {

@@ -102,6 +102,7 @@ impl MemBroker {
             broker: self.clone(),
             group: group.to_owned(),
             positions: HashMap::new(),
+            held: HashMap::new(),
             cursor: 0,
             closed: false,
         }
@@ -163,6 +164,8 @@ pub struct MemConsumer {
     broker: MemBroker,
     group: String,
     positions: HashMap<(String, i32), i64>,
+    /// Partitions held back until then ([`Consumer::hold`]).
+    held: HashMap<(String, i32), tokio::time::Instant>,
     cursor: usize,
     closed: bool,
 }
@@ -209,6 +212,12 @@ impl Consumer for MemConsumer {
             let index = (self.cursor + step) % partitions.len();
             let (topic, partition, len) = &partitions[index];
             let key = (topic.clone(), *partition);
+            if let Some(until) = self.held.get(&key) {
+                if *until > tokio::time::Instant::now() {
+                    continue;
+                }
+                self.held.remove(&key);
+            }
             let position = match self.positions.get(&key) {
                 Some(p) => *p,
                 None => s
@@ -269,7 +278,11 @@ impl Consumer for MemConsumer {
         }
         self.positions
             .insert(position.partition_key(), position.offset);
-        // Deliver from this partition next.
         Ok(())
+    }
+
+    fn hold(&mut self, position: &Position, until: tokio::time::Instant) -> bool {
+        self.held.insert(position.partition_key(), until);
+        true
     }
 }

@@ -133,7 +133,11 @@ where
     }
 
     /// The pause before the next fetch after `result`: the storage backoff
-    /// after a persist error, else the redelivery backoff after a rewind.
+    /// after a persist error (the database is everyone's), else the
+    /// redelivery backoff after a rewind, unless the consumer holds back
+    /// the rewound message's partition alone
+    /// ([`Consumer::hold`](crate::Consumer::hold)), in which case the
+    /// other partitions are read on at once.
     pub fn backoff_after(&mut self, result: &ProcessResult) -> Duration {
         let persist_failed = matches!(result.error, Some(ProcessError::Persist(_)));
         if persist_failed {
@@ -163,7 +167,14 @@ where
                         *entry = (pos.offset, 0);
                     }
                     entry.1 = entry.1.saturating_add(1);
-                    self.config.redelivery_backoff.delay(entry.1)
+                    let delay = self.config.redelivery_backoff.delay(entry.1);
+                    // held back alone when the consumer can: the other
+                    // partitions keep their pace
+                    if !delay.is_zero() && self.consumer.hold(pos, Instant::now() + delay) {
+                        Duration::ZERO
+                    } else {
+                        delay
+                    }
                 } else {
                     self.redelivery_failures.remove(&key);
                     Duration::ZERO

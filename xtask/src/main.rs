@@ -5,10 +5,13 @@
 //!   warnings denied, and every test of the workspace.
 //! - `cargo xtask demo`: the main job, the billing scenario.
 //! - `cargo xtask bench`: throughput beside the baselines (see `bench.rs`).
+//! - `cargo xtask soak`: real server faults end to end (see `soak.rs`); a
+//!   short one (20,000 messages) ends `cargo xtask test`.
 
 mod bench;
 mod demo;
 mod setup;
+mod soak;
 
 use std::process::{Command, ExitCode};
 
@@ -26,6 +29,10 @@ commands:
           handler of the runner lines fails P% of its calls), --only LINE,LINE,
           --smoke
           (for real figures: cargo run --release -p xtask -- bench)
+  soak    real server faults end to end: PostgreSQL crashed (pg_ctl stop -m
+          immediate), the broker and the consumer process killed, three times
+          each, backends terminated at random; checks every effect exactly once;
+          options: --messages N (default 1000000), --fail-percent P (default 1)
   help    this text
 ";
 
@@ -44,6 +51,10 @@ fn main() -> ExitCode {
             .and_then(|()| setup::tansu())
             .and_then(|()| bench::run(&args[1..])),
         Some("bench-line") => bench::line(&args[1..]),
+        Some("soak") => setup::postgres()
+            .and_then(|()| setup::tansu())
+            .and_then(|()| soak::run(&args[1..])),
+        Some("soak-consumer") => soak::consumer(&args[1..]),
         Some(other) => {
             eprint!("unknown command {other:?}\n\n{HELP}");
             return ExitCode::from(2);
@@ -103,6 +114,8 @@ fn test() -> Result<()> {
     cargo(&["test", "--workspace", "--all-features"], &[])?;
     println!("$ cargo xtask bench --smoke");
     bench::run(&["--smoke".to_owned()])?;
+    println!("$ cargo xtask soak --messages 20000");
+    soak::run(&["--messages".to_owned(), "20000".to_owned()])?;
     println!("xtask test: all checks passed");
     Ok(())
 }

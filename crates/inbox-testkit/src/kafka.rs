@@ -30,7 +30,9 @@ pub struct Broker {
     address: String,
     /// The broker process, when started here (kept so it lives as long as
     /// the test process).
-    _child: Option<Child>,
+    child: Option<Child>,
+    /// How it was started: binary, directory, storage (to start it again).
+    launch: Option<(PathBuf, PathBuf, String)>,
 }
 
 static BROKER: OnceLock<Result<Broker, HarnessError>> = OnceLock::new();
@@ -64,7 +66,8 @@ pub fn broker() -> Result<&'static Broker, HarnessError> {
         .get_or_init(|| match std::env::var("KAFKA_BROKERS") {
             Ok(address) if !address.is_empty() => Ok(Broker {
                 address,
-                _child: None,
+                child: None,
+                launch: None,
             }),
             _ => Broker::start(),
         })
@@ -92,49 +95,49 @@ impl Broker {
         })?;
         let dir = temp_dir("inbox-tansu")?;
         let port = free_port()?;
-        let url = format!("tcp://127.0.0.1:{port}");
-        let log = std::fs::File::create(dir.join("tansu.log"))
-            .map_err(|e| HarnessError(format!("creating the broker log: {e}")))?;
-        let err = log
-            .try_clone()
-            .map_err(|e| HarnessError(format!("creating the broker log: {e}")))?;
-        let mut child = Command::new(&tansu)
-            .current_dir(&dir)
-            .args([
-                "broker",
-                "--listener-url",
-                &url,
-                "--advertised-listener-url",
-                &url,
-            ])
-            // a relative sqlite path is taken from the working directory
-            .args(["--storage-engine", storage])
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(err)
-            .spawn()
-            .map_err(|e| HarnessError(format!("starting {}: {e}", tansu.display())))?;
-        spawn_reaper(&format!("kill {}", child.id()), &dir);
         let address = format!("127.0.0.1:{port}");
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while std::net::TcpStream::connect(&address).is_err() {
-            let exited = child.try_wait().ok().flatten();
-            if exited.is_some() || Instant::now() > deadline {
-                let log = std::fs::read_to_string(dir.join("tansu.log")).unwrap_or_default();
-                return Err(HarnessError(format!(
-                    "tansu did not listen on {address} (exit: {exited:?}): {log}"
-                )));
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        let child = launch(&tansu, &dir, &address, storage)?;
         eprintln!(
             "inbox-testkit: started tansu on {address} ({})",
             dir.display()
         );
         Ok(Self {
             address,
-            _child: Some(child),
+            child: Some(child),
+            launch: Some((tansu, dir, storage.to_owned())),
         })
+    }
+
+    /// Kills the broker process (SIGKILL: no clean shutdown).
+    ///
+    /// # Errors
+    ///
+    /// A [`HarnessError`] for a broker not started here.
+    pub fn kill(&mut self) -> Result<(), HarnessError> {
+        let child = self
+            .child
+            .as_mut()
+            .ok_or_else(|| HarnessError("this broker was not started here".into()))?;
+        child
+            .kill()
+            .and_then(|()| child.wait().map(|_| ()))
+            .map_err(|e| HarnessError(format!("killing the broker: {e}")))
+    }
+
+    /// Starts the broker again after [`kill`](Self::kill): same port, same
+    /// storage.
+    ///
+    /// # Errors
+    ///
+    /// A [`HarnessError`] for a broker not started here, or why it did not
+    /// start.
+    pub fn restart(&mut self) -> Result<(), HarnessError> {
+        let (tansu, dir, storage) = self
+            .launch
+            .as_ref()
+            .ok_or_else(|| HarnessError("this broker was not started here".into()))?;
+        self.child = Some(launch(tansu, dir, &self.address, storage)?);
+        Ok(())
     }
 
     /// `host:port` of the broker.
@@ -205,6 +208,55 @@ impl Broker {
         }
         Ok(offsets)
     }
+}
+
+/// Starts `tansu` listening on `address` with `storage` (relative to
+/// `dir`), logging to `dir/tansu.log`; waits until it listens. A reaper
+/// kills it when this process ends.
+fn launch(
+    tansu: &std::path::Path,
+    dir: &std::path::Path,
+    address: &str,
+    storage: &str,
+) -> Result<Child, HarnessError> {
+    let url = format!("tcp://{address}");
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join("tansu.log"))
+        .map_err(|e| HarnessError(format!("creating the broker log: {e}")))?;
+    let err = log
+        .try_clone()
+        .map_err(|e| HarnessError(format!("creating the broker log: {e}")))?;
+    let mut child = Command::new(tansu)
+        .current_dir(dir)
+        .args([
+            "broker",
+            "--listener-url",
+            &url,
+            "--advertised-listener-url",
+            &url,
+        ])
+        // a relative sqlite path is taken from the working directory
+        .args(["--storage-engine", storage])
+        .stdin(Stdio::null())
+        .stdout(log)
+        .stderr(err)
+        .spawn()
+        .map_err(|e| HarnessError(format!("starting {}: {e}", tansu.display())))?;
+    spawn_reaper(&format!("kill {}", child.id()), dir);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(address).is_err() {
+        let exited = child.try_wait().ok().flatten();
+        if exited.is_some() || Instant::now() > deadline {
+            let log = std::fs::read_to_string(dir.join("tansu.log")).unwrap_or_default();
+            return Err(HarnessError(format!(
+                "tansu did not listen on {address} (exit: {exited:?}): {log}"
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(child)
 }
 
 /// A record with a JSON value and string headers.

@@ -39,6 +39,18 @@ pub struct PgServer {
     admin_url: String,
     psql: PathBuf,
     data_dir: Option<PathBuf>,
+    /// How to stop and start it again (a server started here).
+    control: Option<Control>,
+}
+
+/// What restarting a server started here takes.
+#[derive(Debug)]
+struct Control {
+    pg_ctl: PathBuf,
+    data: PathBuf,
+    log: PathBuf,
+    options: String,
+    root: bool,
 }
 
 static SERVER: OnceLock<Result<PgServer, HarnessError>> = OnceLock::new();
@@ -56,8 +68,9 @@ pub fn server() -> Result<&'static PgServer, HarnessError> {
                 admin_url: url,
                 psql: find_bin("psql").unwrap_or_else(|_| PathBuf::from("psql")),
                 data_dir: None,
+                control: None,
             }),
-            _ => PgServer::start(),
+            _ => PgServer::start(DEFAULT_SETTINGS),
         })
         .as_ref()
         .map_err(Clone::clone)
@@ -100,8 +113,64 @@ fn as_postgres(bin: &Path, root: bool) -> Command {
     }
 }
 
+/// The test servers' settings: fast and not crash-safe (no fsync, commits
+/// acknowledged before their WAL is written).
+const DEFAULT_SETTINGS: &str =
+    "-c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=300";
+
 impl PgServer {
-    fn start() -> Result<Self, HarnessError> {
+    /// Starts a server of its own (not the process's shared one) with
+    /// `settings` (`-c name=value ...`); stopped when the process ends. The
+    /// soak test starts one with `synchronous_commit=on`, so that a commit
+    /// it was told of survives [`crash`](Self::crash).
+    ///
+    /// # Errors
+    ///
+    /// A [`HarnessError`] saying why it could not start.
+    pub fn start_dedicated(settings: &str) -> Result<Self, HarnessError> {
+        Self::start(settings)
+    }
+
+    /// Stops the server at once, as a crash would (`pg_ctl stop -m
+    /// immediate`: no checkpoint, connections cut).
+    ///
+    /// # Errors
+    ///
+    /// A [`HarnessError`] for a server not started here, or pg_ctl's output.
+    pub fn crash(&self) -> Result<(), HarnessError> {
+        let c = self.control()?;
+        let mut stop = as_postgres(&c.pg_ctl, c.root);
+        stop.arg("-D")
+            .arg(&c.data)
+            .args(["-m", "immediate", "stop"]);
+        run(stop, "pg_ctl stop -m immediate")
+    }
+
+    /// Starts the server again after [`crash`](Self::crash) (it recovers
+    /// from its WAL), on the same port.
+    ///
+    /// # Errors
+    ///
+    /// A [`HarnessError`] for a server not started here, or pg_ctl's output.
+    pub fn restart(&self) -> Result<(), HarnessError> {
+        let c = self.control()?;
+        let mut start = as_postgres(&c.pg_ctl, c.root);
+        start
+            .arg("-D")
+            .arg(&c.data)
+            .arg("-l")
+            .arg(&c.log)
+            .args(["-w", "-t", "60", "-o", &c.options, "start"]);
+        run(start, "pg_ctl start")
+    }
+
+    fn control(&self) -> Result<&Control, HarnessError> {
+        self.control
+            .as_ref()
+            .ok_or_else(|| HarnessError("this server was not started here (DATABASE_URL)".into()))
+    }
+
+    fn start(settings: &str) -> Result<Self, HarnessError> {
         let initdb = find_bin("initdb")?;
         let pg_ctl = find_bin("pg_ctl")?;
         let psql = find_bin("psql")?;
@@ -126,7 +195,7 @@ impl PgServer {
         run(init, "initdb")?;
         let port = free_port()?;
         let options = format!(
-            "-p {port} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=300",
+            "-p {port} -k {} -c listen_addresses=127.0.0.1 {settings}",
             dir.display()
         );
         let mut start = as_postgres(&pg_ctl, root);
@@ -138,6 +207,13 @@ impl PgServer {
             .args(["-w", "-t", "60", "-o", &options, "start"]);
         run(start, "pg_ctl start")?;
         reap(&pg_ctl, &data, &dir, root);
+        let control = Control {
+            pg_ctl,
+            data,
+            log: dir.join("server.log"),
+            options,
+            root,
+        };
         eprintln!(
             "inbox-testkit: started PostgreSQL on 127.0.0.1:{port} ({})",
             dir.display()
@@ -146,6 +222,7 @@ impl PgServer {
             admin_url: format!("postgres://postgres@127.0.0.1:{port}/postgres"),
             psql,
             data_dir: Some(dir),
+            control: Some(control),
         })
     }
 

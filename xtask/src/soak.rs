@@ -1,0 +1,650 @@
+//! `cargo xtask soak`: real server faults, end to end.
+//!
+//! A PostgreSQL server of its own (`synchronous_commit=on`: a commit the
+//! runner was told of survives a crash), tansu with sqlite storage, a topic
+//! of 4 partitions holding `--messages` records (one in a thousand poison),
+//! and a consumer *process* (`xtask soak-consumer`: batched runner,
+//! ExactlyOnceInbox with offsets in PostgreSQL, a failure budget) whose
+//! handler fails the first call of `--fail-percent` of the messages. While
+//! it consumes, at tenths of the way:
+//!
+//! - PostgreSQL is stopped with `pg_ctl stop -m immediate` and started again;
+//! - the broker process is killed (SIGKILL) and started again;
+//! - the consumer process is killed (SIGKILL) and started again;
+//!
+//! three times each, and every two seconds a random client backend is
+//! killed with `pg_terminate_backend`. The consumer is never restarted for
+//! a server fault: it must resume by itself. Every ten seconds and after
+//! each fault the run checks, in one snapshot, that no partition's stored
+//! offset is past a message whose effect is missing. At the end: every
+//! valid message's effect exactly once (SQL), every poison record a dead
+//! letter, every partition's offset at its end. It prints throughput,
+//! faults survived and the consumer's peak RSS over time, and exits
+//! non-zero on any breach.
+
+use std::collections::{BTreeMap, HashSet};
+use std::io::Read;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use async_trait::async_trait;
+use inbox_core::{
+    BatchConfig, CancellationToken, CountingMetrics, Handler, HandlerError, Message, RunnerConfig,
+};
+use inbox_kafka::{KafkaConfig, run_partitioned_with_metrics};
+use inbox_postgres::sea_orm::{ConnectionTrait, DbBackend, Statement};
+use inbox_postgres::{PgStore, PgTx, TableName};
+use inbox_testkit::kafka::{Broker, json_record, raw_record};
+use inbox_testkit::pg::PgServer;
+use serde_json::json;
+
+const GROUP: &str = "soak";
+const TABLE: &str = "inbox_soak";
+const EFFECTS: &str = "soak_effects";
+const PARTITIONS: i32 = 4;
+/// One record in this many is poison (at offsets 500, 1500, ...).
+const POISON_EVERY: i64 = 1_000;
+const DB_ENV: &str = "SOAK_DATABASE_URL";
+
+#[derive(Debug, Clone, Copy)]
+struct Options {
+    messages: i64,
+    fail_percent: u64,
+    /// `--no-faults`: the same run without any fault (a baseline).
+    faults: bool,
+}
+
+fn options(args: &[String]) -> Result<Options> {
+    let mut o = Options {
+        messages: 1_000_000,
+        fail_percent: 1,
+        faults: true,
+    };
+    let mut it = args.iter();
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().with_context(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--messages" => o.messages = value()?.parse().context("--messages")?,
+            "--fail-percent" => o.fail_percent = value()?.parse().context("--fail-percent")?,
+            "--no-faults" => o.faults = false,
+            other => bail!("unknown soak option {other:?} (--messages N, --fail-percent P)"),
+        }
+    }
+    if o.messages < i64::from(PARTITIONS) || o.fail_percent > 100 {
+        bail!("--messages must be at least {PARTITIONS}, --fail-percent at most 100");
+    }
+    Ok(o)
+}
+
+fn is_poison(offset: i64) -> bool {
+    offset % POISON_EVERY == POISON_EVERY / 2
+}
+
+/// Poison records at offsets below `n` of a partition.
+fn poison_below(n: i64) -> i64 {
+    (0..=n.saturating_sub(1) / POISON_EVERY)
+        .filter(|k| k * POISON_EVERY + POISON_EVERY / 2 < n)
+        .count() as i64
+}
+
+/// A stable hash (FNV-1a) deciding which messages fail.
+fn fnv(text: &str) -> u64 {
+    text.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// Writes the effect; fails the first call (in this process) of
+/// `fail_percent` of the messages.
+struct SoakHandler {
+    fail_percent: u64,
+    failed: Mutex<HashSet<String>>,
+}
+
+#[async_trait]
+impl Handler<PgTx> for SoakHandler {
+    type Output = ();
+    async fn handle(&self, m: &Message, tx: &mut PgTx) -> Result<(), HandlerError> {
+        let pos = m
+            .position
+            .as_ref()
+            .ok_or_else(|| HandlerError::msg("no position"))?;
+        tx.connection()
+            .execute_raw(Statement::from_sql_and_values(
+                DbBackend::Postgres,
+                format!(
+                    "INSERT INTO {EFFECTS} (message_id, partition, record_offset) VALUES ($1, $2, $3)"
+                ),
+                [
+                    m.message_id.clone().into(),
+                    pos.partition.into(),
+                    pos.offset.into(),
+                ],
+            ))
+            .await?;
+        if fnv(&m.message_id) % 100 < self.fail_percent
+            && self
+                .failed
+                .lock()
+                .map(|mut f| f.insert(m.message_id.clone()))
+                .unwrap_or(false)
+        {
+            return Err(HandlerError::msg("payment provider timed out"));
+        }
+        Ok(())
+    }
+}
+
+/// `xtask soak-consumer TOPIC FAIL_PERCENT`: the consumer process (the
+/// database URL comes in `SOAK_DATABASE_URL`, the broker in
+/// `KAFKA_BROKERS`). Runs until its stdin closes.
+pub(crate) fn consumer(args: &[String]) -> Result<()> {
+    let [topic, fail_percent] = args else {
+        bail!("soak-consumer TOPIC FAIL_PERCENT");
+    };
+    let fail_percent: u64 = fail_percent.parse()?;
+    let url = std::env::var(DB_ENV).with_context(|| format!("{DB_ENV} not set"))?;
+    let brokers = std::env::var("KAFKA_BROKERS").context("KAFKA_BROKERS not set")?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let cancel = CancellationToken::new();
+    let on_eof = cancel.clone();
+    std::thread::spawn(move || {
+        let mut sink = Vec::new();
+        let _ = std::io::stdin().read_to_end(&mut sink);
+        on_eof.cancel();
+    });
+    rt.block_on(async move {
+        let store = PgStore::connect(&url, TableName::new(None, TABLE)?)
+            .await
+            .context("connecting to PostgreSQL")?;
+        let handler = Arc::new(SoakHandler {
+            fail_percent,
+            failed: Mutex::default(),
+        });
+        let mut kafka = KafkaConfig::new(
+            vec![brokers],
+            GROUP,
+            (0..PARTITIONS).map(|p| (topic.clone(), p)).collect(),
+        );
+        kafka.fetch_max_bytes = std::env::var("SOAK_FETCH_BYTES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(16 * 1024);
+        let mut runner = RunnerConfig::new(GROUP, format!("soak-{}", std::process::id()))?
+            .batched(BatchConfig::new(100))
+            .failure_budget(10);
+        runner.redelivery_backoff.initial = Duration::from_millis(10);
+        runner.store_backoff.max = Duration::from_secs(2);
+        let metrics = Arc::new(CountingMetrics::new());
+        if std::env::var("SOAK_VERBOSE").is_ok() {
+            let m = metrics.clone();
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                    let c = m.snapshot();
+                    eprintln!(
+                        "    consumer {}: consumed {} processed {} failed {} duplicates {} rewound {}",
+                        std::process::id(), c.consumed, c.processed, c.failed, c.duplicate, c.rewound
+                    );
+                }
+            });
+        }
+        // connecting fails while a server is down: try again
+        while !cancel.is_cancelled() {
+            match run_partitioned_with_metrics(
+                kafka.clone(),
+                store.clone(),
+                handler.clone(),
+                runner.clone(),
+                2,
+                cancel.clone(),
+                metrics.clone(),
+            )
+            .await
+            {
+                Ok(_) => break,
+                Err(e) => {
+                    eprintln!("soak-consumer: {e}; trying again");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            }
+        }
+        let c = metrics.snapshot();
+        eprintln!(
+            "soak-consumer {}: consumed {} processed {} failed {} duplicates {} poison {}",
+            std::process::id(),
+            c.consumed,
+            c.processed,
+            c.failed,
+            c.duplicate,
+            c.poison
+        );
+        Ok(())
+    })
+}
+
+/// The consumer process and its peak RSS.
+struct ConsumerProcess {
+    child: Child,
+    peak_kib: u64,
+}
+
+impl ConsumerProcess {
+    fn spawn(topic: &str, fail_percent: u64, url: &str, brokers: &str) -> Result<Self> {
+        let exe = std::env::current_exe().context("finding the xtask binary")?;
+        let child = Command::new(exe)
+            .args(["soak-consumer", topic, &fail_percent.to_string()])
+            .env(DB_ENV, url)
+            .env("KAFKA_BROKERS", brokers)
+            .env("RUST_LOG", "off")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::inherit())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("starting the consumer process")?;
+        Ok(Self { child, peak_kib: 0 })
+    }
+
+    /// The resident set now, in KiB (and the peak so far updated).
+    fn sample_rss(&mut self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+            .unwrap_or_default();
+        let kib = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or(0);
+        self.peak_kib = self.peak_kib.max(kib);
+        kib
+    }
+
+    fn kill(&mut self) -> Result<()> {
+        self.child.kill()?;
+        self.child.wait()?;
+        Ok(())
+    }
+
+    /// Closes its stdin (it finishes what it holds and exits); kills it
+    /// after 30 s.
+    fn stop(mut self) -> Result<u64> {
+        drop(self.child.stdin.take());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.child.try_wait()?.is_none() {
+            if Instant::now() > deadline {
+                self.kill()?;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Ok(self.peak_kib)
+    }
+}
+
+async fn scalar(store: &PgStore, sql: &str) -> Result<i64> {
+    store
+        .connection()
+        .query_one_raw(Statement::from_string(DbBackend::Postgres, sql.to_owned()))
+        .await?
+        .context("no row")?
+        .try_get_by_index::<i64>(0)
+        .map_err(Into::into)
+}
+
+/// Per partition, in one snapshot: the stored next offset and how many
+/// distinct records below it have their effect.
+async fn offsets_and_effects(store: &PgStore, topic: &str) -> Result<BTreeMap<i32, (i64, i64)>> {
+    let sql = format!(
+        "SELECT o.partition, o.next_offset,
+                (SELECT count(DISTINCT e.record_offset) FROM {EFFECTS} e
+                  WHERE e.partition = o.partition AND e.record_offset < o.next_offset) AS done
+           FROM {} o WHERE o.consumer_group = $1 AND o.topic = $2 AND o.next_offset IS NOT NULL",
+        store.table().offsets()
+    );
+    let rows = store
+        .connection()
+        .query_all_raw(Statement::from_sql_and_values(
+            DbBackend::Postgres,
+            sql,
+            [GROUP.into(), topic.into()],
+        ))
+        .await?;
+    rows.iter()
+        .map(|r| {
+            Ok((
+                r.try_get::<i32>("", "partition")?,
+                (
+                    r.try_get::<i64>("", "next_offset")?,
+                    r.try_get::<i64>("", "done")?,
+                ),
+            ))
+        })
+        .collect()
+}
+
+/// Checks that no stored offset is past a message whose effect is missing;
+/// the number of records acknowledged.
+async fn check_no_ack_before_effect(store: &PgStore, topic: &str) -> Result<Option<i64>> {
+    let Ok(now) = offsets_and_effects(store, topic).await else {
+        return Ok(None); // the database is down: checked next time
+    };
+    for (p, (next, done)) in &now {
+        let valid = next - poison_below(*next);
+        if *done != valid {
+            bail!(
+                "partition {p}: acknowledged up to offset {next} ({valid} valid records) but {done} effects exist"
+            );
+        }
+    }
+    Ok(Some(now.values().map(|(next, _)| next).sum()))
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Fault {
+    Postgres,
+    Broker,
+    Consumer,
+}
+
+/// `cargo xtask soak [--messages N] [--fail-percent P]`.
+pub(crate) fn run(args: &[String]) -> Result<()> {
+    let o = options(args)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(soak(o))
+}
+
+async fn produce(broker: &Broker, topic: &str, per_partition: &[i64]) -> Result<i64> {
+    let mut poison = 0;
+    for (p, n) in per_partition.iter().enumerate() {
+        let p = i32::try_from(p)?;
+        let mut records = Vec::new();
+        for offset in 0..*n {
+            let id = format!("soak-{p}-{offset}");
+            if is_poison(offset) {
+                poison += 1;
+                records.push(raw_record(
+                    Some(b"{not json".to_vec()),
+                    [("message_id".to_owned(), id.into_bytes())].into(),
+                ));
+            } else {
+                records.push(json_record(
+                    &json!({ "order": offset, "partition": p }),
+                    &[("message_id", &id), ("event_type", "order.created")],
+                ));
+            }
+            if records.len() == 5_000 {
+                broker
+                    .produce(topic, p, std::mem::take(&mut records), 500)
+                    .await
+                    .map_err(|e| anyhow!("{e}"))?;
+            }
+        }
+        broker
+            .produce(topic, p, records, 500)
+            .await
+            .map_err(|e| anyhow!("{e}"))?;
+    }
+    Ok(poison)
+}
+
+async fn soak(o: Options) -> Result<()> {
+    let pg = PgServer::start_dedicated(
+        "-c fsync=off -c synchronous_commit=on -c full_page_writes=off -c max_connections=100",
+    )
+    .map_err(|e| anyhow!("{e}"))?;
+    let url = pg.create_database().map_err(|e| anyhow!("{e}"))?;
+    let mut broker = Broker::start_with_storage("sqlite://tansu.db").map_err(|e| anyhow!("{e}"))?;
+    let store = PgStore::connect(&url, TableName::new(None, TABLE)?)
+        .await
+        .context("connecting to PostgreSQL")?;
+    store.create_tables().await?;
+    store
+        .connection()
+        .execute_unprepared(&format!(
+            "CREATE TABLE {EFFECTS} (message_id TEXT NOT NULL, partition INT NOT NULL, record_offset BIGINT NOT NULL);
+             CREATE INDEX ON {EFFECTS} (partition, record_offset)"
+        ))
+        .await?;
+    let topic = broker
+        .topic("soak", PARTITIONS)
+        .await
+        .map_err(|e| anyhow!("{e}"))?;
+    let per_partition: Vec<i64> = (0..i64::from(PARTITIONS))
+        .map(|p| {
+            o.messages / i64::from(PARTITIONS) + i64::from(p < o.messages % i64::from(PARTITIONS))
+        })
+        .collect();
+    let produced = Instant::now();
+    let poison = produce(&broker, &topic, &per_partition).await?;
+    let valid = o.messages - poison;
+    println!(
+        "soak: produced {} records ({valid} valid, {poison} poison) on {PARTITIONS} partitions in {:.1} s; {}% of the messages fail their first handler call",
+        o.messages,
+        produced.elapsed().as_secs_f64(),
+        o.fail_percent
+    );
+    let brokers = broker.address().to_owned();
+    let mut consumer = ConsumerProcess::spawn(&topic, o.fail_percent, &url, &brokers)?;
+    let mut peaks: Vec<u64> = Vec::new();
+    let schedule = [
+        Fault::Postgres,
+        Fault::Broker,
+        Fault::Consumer,
+        Fault::Postgres,
+        Fault::Broker,
+        Fault::Consumer,
+        Fault::Postgres,
+        Fault::Broker,
+        Fault::Consumer,
+    ];
+    let mut survived: BTreeMap<Fault, u32> = BTreeMap::new();
+    let mut terminated = 0u64;
+    let mut checks = 0u64;
+    let mut resume_times: Vec<f64> = Vec::new();
+    let mut pending_resume: Option<(Instant, i64)> = None;
+    let started = Instant::now();
+    let mut last_progress = (Instant::now(), 0i64);
+    let mut last_check = Instant::now();
+    let mut last_report = Instant::now();
+    let mut last_terminate = Instant::now();
+    let mut next_fault = 0usize;
+    let total = o.messages;
+    loop {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let rss = consumer.sample_rss();
+        let progress = match scalar(
+            &store,
+            &format!(
+                "SELECT coalesce(sum(next_offset), 0)::bigint FROM {} WHERE consumer_group = '{GROUP}'",
+                store.table().offsets()
+            ),
+        )
+        .await
+        {
+            Ok(p) => p,
+            Err(_) => last_progress.1,
+        };
+        if progress > last_progress.1 {
+            last_progress = (Instant::now(), progress);
+            if let Some((at, before)) = pending_resume
+                && progress > before
+            {
+                resume_times.push(at.elapsed().as_secs_f64());
+                pending_resume = None;
+            }
+        }
+        if last_report.elapsed() >= Duration::from_secs(5) {
+            last_report = Instant::now();
+            println!(
+                "  t={:>6.1} s  acknowledged {:>8}/{total}  {:>7.0} msg/s  consumer RSS {:>5.1} MiB  faults {}  backends killed {terminated}",
+                started.elapsed().as_secs_f64(),
+                progress,
+                progress as f64 / started.elapsed().as_secs_f64(),
+                rss as f64 / 1024.0,
+                next_fault
+            );
+        }
+        if progress >= total {
+            break;
+        }
+        if last_progress.0.elapsed() > Duration::from_secs(180) {
+            bail!("no progress for 180 s at {progress}/{total} (after {next_fault} faults)");
+        }
+        if last_check.elapsed() >= Duration::from_secs(10) {
+            last_check = Instant::now();
+            if check_no_ack_before_effect(&store, &topic).await?.is_some() {
+                checks += 1;
+            }
+        }
+        if last_terminate.elapsed() >= Duration::from_secs(2) && o.faults {
+            last_terminate = Instant::now();
+            let killed = scalar(
+                &store,
+                "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                  WHERE datname = current_database() AND pid <> pg_backend_pid()
+                    AND backend_type = 'client backend'
+                  ORDER BY random() LIMIT 1) k",
+            )
+            .await
+            .unwrap_or(0);
+            terminated += u64::try_from(killed).unwrap_or(0);
+        }
+        let threshold = total * i64::try_from(next_fault + 1)? / 10;
+        if o.faults
+            && next_fault < schedule.len()
+            && progress >= threshold
+            && pending_resume.is_none()
+        {
+            let fault = schedule[next_fault];
+            next_fault += 1;
+            let at = Instant::now();
+            match fault {
+                Fault::Postgres => {
+                    pg.crash().map_err(|e| anyhow!("{e}"))?;
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    pg.restart().map_err(|e| anyhow!("{e}"))?;
+                }
+                Fault::Broker => {
+                    broker.kill().map_err(|e| anyhow!("{e}"))?;
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    broker.restart().map_err(|e| anyhow!("{e}"))?;
+                }
+                Fault::Consumer => {
+                    consumer.kill()?;
+                    peaks.push(consumer.peak_kib);
+                    consumer = ConsumerProcess::spawn(&topic, o.fail_percent, &url, &brokers)?;
+                }
+            }
+            println!(
+                "  t={:>6.1} s  fault {next_fault}: {fault:?} at {progress}/{total} ({:.1} s down)",
+                started.elapsed().as_secs_f64(),
+                at.elapsed().as_secs_f64()
+            );
+            *survived.entry(fault).or_default() += 1;
+            pending_resume = Some((at, progress));
+        }
+    }
+    let elapsed = started.elapsed();
+    peaks.push(consumer.stop()?);
+    if check_no_ack_before_effect(&store, &topic).await?.is_some() {
+        checks += 1;
+    }
+    let effects = scalar(&store, &format!("SELECT count(*) FROM {EFFECTS}")).await?;
+    let distinct = scalar(
+        &store,
+        &format!("SELECT count(DISTINCT message_id) FROM {EFFECTS}"),
+    )
+    .await?;
+    let doubled = scalar(
+        &store,
+        &format!("SELECT count(*) FROM (SELECT 1 FROM {EFFECTS} GROUP BY message_id HAVING count(*) > 1) d"),
+    )
+    .await?;
+    let dead = scalar(
+        &store,
+        &format!(
+            "SELECT count(DISTINCT record_offset::text || '/' || partition::text) FROM {}",
+            store.table().dead_letters()
+        ),
+    )
+    .await?;
+    let ends = offsets_and_effects(&store, &topic).await?;
+    let at_end = (0..PARTITIONS).all(|p| {
+        ends.get(&p).map(|(next, _)| *next)
+            == per_partition.get(usize::try_from(p).unwrap_or(0)).copied()
+    });
+    let lost = valid - distinct;
+    println!("soak summary");
+    println!(
+        "  records                 {total} ({valid} valid, {poison} poison), {PARTITIONS} partitions"
+    );
+    println!(
+        "  faults survived         postgres crash {}, broker kill {}, consumer SIGKILL {}, backends terminated {terminated}",
+        survived.get(&Fault::Postgres).unwrap_or(&0),
+        survived.get(&Fault::Broker).unwrap_or(&0),
+        survived.get(&Fault::Consumer).unwrap_or(&0),
+    );
+    println!(
+        "  resumed after a fault   in at most {:.1} s (by itself: the consumer is restarted only after its own SIGKILL)",
+        resume_times.iter().copied().fold(0.0, f64::max)
+    );
+    println!(
+        "  effects                 {effects} rows, {distinct} messages: lost {lost}, doubled {doubled}"
+    );
+    println!("  dead letters            {dead} of {poison} poison records");
+    println!(
+        "  offsets at the end      {}",
+        if at_end {
+            "every partition"
+        } else {
+            "NOT every partition"
+        }
+    );
+    println!("  no ack before effect    {checks} checks in one snapshot each, none breached");
+    println!(
+        "  throughput              {:.0} messages/s ({total} records in {:.1} s, downtime included)",
+        total as f64 / elapsed.as_secs_f64(),
+        elapsed.as_secs_f64()
+    );
+    println!(
+        "  consumer peak RSS       {:.1} MiB (per process: {})",
+        peaks.iter().copied().max().unwrap_or(0) as f64 / 1024.0,
+        peaks
+            .iter()
+            .map(|k| format!("{:.1}", *k as f64 / 1024.0))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let expected = if o.faults { schedule.len() } else { 0 };
+    if lost != 0
+        || doubled != 0
+        || effects != valid
+        || dead != poison
+        || !at_end
+        || next_fault != expected
+    {
+        bail!("soak check FAILED");
+    }
+    println!("soak check passed");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn poison_below_counts_the_poison_offsets() {
+        for n in [0, 1, 500, 501, 1_499, 1_500, 1_501, 10_000] {
+            let expected = (0..n).filter(|o| is_poison(*o)).count() as i64;
+            assert_eq!(poison_below(n), expected, "{n}");
+        }
+    }
+}

@@ -27,6 +27,8 @@ use inbox_postgres::{PgStore, PgTx, TableName};
 use inbox_testkit::kafka::{json_record, raw_record};
 use serde_json::json;
 
+use crate::sql::scalar;
+
 const ORDERS: u64 = 3_000;
 const PARTITIONS: i32 = 4;
 const WORKERS: usize = 2;
@@ -138,16 +140,6 @@ async fn database() -> Result<String> {
     let server = inbox_testkit::pg::server().map_err(|e| anyhow::anyhow!("{e}"))?;
     println!("PostgreSQL: started a throwaway server (DATABASE_URL not set)");
     server.create_database().map_err(|e| anyhow::anyhow!("{e}"))
-}
-
-async fn scalar(store: &PgStore, sql: &str) -> Result<i64> {
-    store
-        .connection()
-        .query_one_raw(Statement::from_string(DbBackend::Postgres, sql.to_owned()))
-        .await?
-        .context("no row")?
-        .try_get_by_index::<i64>(0)
-        .map_err(Into::into)
 }
 
 /// Produces the orders; returns (valid order ids, messages produced,
@@ -312,17 +304,8 @@ async fn billing(per_message: bool) -> Result<()> {
     let summaries = run.await?.context("running the consumers")?;
     println!();
     let c = metrics.counts.snapshot();
-    let invoices = scalar(&store, &format!("SELECT count(*) FROM {INVOICES}")).await?;
-    let invoiced_orders = scalar(
-        &store,
-        &format!("SELECT count(DISTINCT order_id) FROM {INVOICES}"),
-    )
-    .await?;
-    let doubled = scalar(
-        &store,
-        &format!("SELECT count(*) FROM (SELECT 1 FROM {INVOICES} GROUP BY order_id HAVING count(*) > 1) d"),
-    )
-    .await?;
+    let (invoices, invoiced_orders, doubled) =
+        crate::sql::effects(&store, INVOICES, "order_id").await?;
     let dead = scalar(&store, "SELECT count(*) FROM inbox_demo_dead_letters").await?;
     println!("summary");
     println!("  records produced        {produced}");

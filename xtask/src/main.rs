@@ -12,6 +12,7 @@ mod bench;
 mod demo;
 mod setup;
 mod soak;
+mod sql;
 
 use std::process::{Command, ExitCode};
 

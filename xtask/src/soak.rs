@@ -38,6 +38,8 @@ use inbox_postgres::sea_orm::{ConnectionTrait, DbBackend, Statement};
 use inbox_postgres::{PgStore, PgTx, TableName};
 use inbox_testkit::kafka::{Broker, json_record, raw_record};
 use inbox_testkit::pg::PgServer;
+
+use crate::sql::scalar;
 use serde_json::json;
 
 const GROUP: &str = "soak";
@@ -283,16 +285,6 @@ impl ConsumerProcess {
         }
         Ok(self.peak_kib)
     }
-}
-
-async fn scalar(store: &PgStore, sql: &str) -> Result<i64> {
-    store
-        .connection()
-        .query_one_raw(Statement::from_string(DbBackend::Postgres, sql.to_owned()))
-        .await?
-        .context("no row")?
-        .try_get_by_index::<i64>(0)
-        .map_err(Into::into)
 }
 
 /// Per partition, in one snapshot: the stored next offset and how many
@@ -556,17 +548,7 @@ async fn soak(o: Options) -> Result<()> {
     if check_no_ack_before_effect(&store, &topic).await?.is_some() {
         checks += 1;
     }
-    let effects = scalar(&store, &format!("SELECT count(*) FROM {EFFECTS}")).await?;
-    let distinct = scalar(
-        &store,
-        &format!("SELECT count(DISTINCT message_id) FROM {EFFECTS}"),
-    )
-    .await?;
-    let doubled = scalar(
-        &store,
-        &format!("SELECT count(*) FROM (SELECT 1 FROM {EFFECTS} GROUP BY message_id HAVING count(*) > 1) d"),
-    )
-    .await?;
+    let (effects, distinct, doubled) = crate::sql::effects(&store, EFFECTS, "message_id").await?;
     let dead = scalar(
         &store,
         &format!(

@@ -136,7 +136,7 @@ where
     /// after a persist error (the database is everyone's), else the
     /// redelivery backoff after a rewind, unless the consumer holds back
     /// the rewound message's partition alone
-    /// ([`Consumer::hold`](crate::Consumer::hold)), in which case the
+    /// ([`Consumer::hold`]), in which case the
     /// other partitions are read on at once.
     pub fn backoff_after(&mut self, result: &ProcessResult) -> Duration {
         let persist_failed = matches!(result.error, Some(ProcessError::Persist(_)));

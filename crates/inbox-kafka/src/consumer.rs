@@ -63,6 +63,12 @@ pub struct KafkaConfig {
     /// Most bytes one fetch returns per partition: the prefetch buffer of a
     /// partition never holds more than one fetch. Default 1 MiB.
     pub fetch_max_bytes: i32,
+    /// Longest a fetch of one partition may take before it counts as a
+    /// fetch error of that partition (the client retries some broker errors,
+    /// such as a topic deleted under the consumer, without end). Partitions
+    /// are fetched one after the other, so while one partition's fetches
+    /// time out the others wait up to this long per try. Default 10 s.
+    pub fetch_timeout: Duration,
     /// The decoder. Default [`JsonDecoder`].
     pub decoder: Arc<dyn Decode>,
 }
@@ -95,6 +101,7 @@ impl KafkaConfig {
             out_of_range: OutOfRange::Earliest,
             max_wait: Duration::from_millis(10),
             fetch_max_bytes: 1024 * 1024,
+            fetch_timeout: Duration::from_secs(10),
             decoder: Arc::new(JsonDecoder::default()),
         }
     }
@@ -120,8 +127,38 @@ pub enum KafkaError {
 /// batch; a rewind further back fetches again).
 const MAX_KEPT_RECORDS: usize = 1024;
 
+/// What the consumer asks of a partition at the broker (rskafka's
+/// [`PartitionClient`]; a fake in the unit tests).
+#[async_trait]
+trait Fetch: Send + Sync {
+    async fn fetch(
+        &self,
+        offset: i64,
+        bytes: std::ops::Range<i32>,
+        max_wait_ms: i32,
+    ) -> Result<(Vec<RecordAndOffset>, i64), rskafka::client::error::Error>;
+
+    async fn offset_at(&self, at: OffsetAt) -> Result<i64, rskafka::client::error::Error>;
+}
+
+#[async_trait]
+impl Fetch for PartitionClient {
+    async fn fetch(
+        &self,
+        offset: i64,
+        bytes: std::ops::Range<i32>,
+        max_wait_ms: i32,
+    ) -> Result<(Vec<RecordAndOffset>, i64), rskafka::client::error::Error> {
+        self.fetch_records(offset, bytes, max_wait_ms).await
+    }
+
+    async fn offset_at(&self, at: OffsetAt) -> Result<i64, rskafka::client::error::Error> {
+        self.get_offset(at).await
+    }
+}
+
 struct Partition {
-    client: PartitionClient,
+    client: Box<dyn Fetch>,
     topic: String,
     partition: i32,
     epoch: i64,
@@ -225,7 +262,8 @@ pub struct KafkaConsumer {
     metrics: Arc<dyn Metrics>,
     store: PgStore,
     stats: ConsumerStats,
-    _client: Client,
+    /// The connection the partition clients share (`None` in unit tests).
+    _client: Option<Client>,
 }
 
 impl std::fmt::Debug for KafkaConsumer {
@@ -274,7 +312,7 @@ impl KafkaConsumer {
             };
             tracing::info!(%topic, partition, epoch = claim.owner_epoch, next_fetch, "partition claimed");
             partitions.push(Partition {
-                client: pc,
+                client: Box::new(pc),
                 topic: topic.clone(),
                 partition: *partition,
                 epoch: claim.owner_epoch,
@@ -298,7 +336,7 @@ impl KafkaConsumer {
             metrics: Arc::new(NoopMetrics),
             store,
             stats: ConsumerStats::default(),
-            _client: client,
+            _client: Some(client),
         })
     }
 
@@ -346,11 +384,17 @@ impl KafkaConsumer {
     async fn fill(&mut self, index: usize) -> Result<(), ConsumerError> {
         let max_wait = i32::try_from(self.config.max_wait.as_millis()).unwrap_or(i32::MAX);
         let max_bytes = self.config.fetch_max_bytes;
+        let timeout = self.config.fetch_timeout;
         let p = &mut self.partitions[index];
-        let fetched = p
-            .client
-            .fetch_records(p.next_fetch, 1..max_bytes, max_wait)
-            .await;
+        let fetch = p.client.fetch(p.next_fetch, 1..max_bytes, max_wait);
+        let Ok(fetched) = tokio::time::timeout(timeout, fetch).await else {
+            return Err(ConsumerError::Fetch(format!(
+                "{}:{}: no answer in {} ms",
+                p.topic,
+                p.partition,
+                timeout.as_millis()
+            )));
+        };
         self.stats.fetches += 1;
         let (records, high_watermark) = match fetched {
             Ok((records, hw)) if records.is_empty() && p.next_fetch > hw && hw >= 0 => {
@@ -435,7 +479,7 @@ impl KafkaConsumer {
         };
         let to = p
             .client
-            .get_offset(at)
+            .offset_at(at)
             .await
             .map_err(|e| ConsumerError::Fetch(format!("{}:{}: {e}", p.topic, p.partition)))?;
         tracing::warn!(topic = %p.topic, partition = p.partition, offset = from, to, ?policy,
@@ -617,5 +661,153 @@ impl Consumer for KafkaConsumer {
                 });
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use inbox_postgres::TableName;
+    use rskafka::record::Record;
+
+    use super::*;
+
+    /// A partition at a fake broker: its records, or an error on every fetch.
+    struct Fake {
+        records: Vec<RecordAndOffset>,
+        broken: bool,
+    }
+
+    #[async_trait]
+    impl Fetch for Fake {
+        async fn fetch(
+            &self,
+            offset: i64,
+            _bytes: std::ops::Range<i32>,
+            _max_wait_ms: i32,
+        ) -> Result<(Vec<RecordAndOffset>, i64), rskafka::client::error::Error> {
+            if self.broken {
+                return Err(rskafka::client::error::Error::InvalidResponse(
+                    "broken partition".into(),
+                ));
+            }
+            let records: Vec<RecordAndOffset> = self
+                .records
+                .iter()
+                .filter(|r| r.offset >= offset)
+                .cloned()
+                .collect();
+            Ok((records, i64::try_from(self.records.len()).unwrap_or(0)))
+        }
+
+        async fn offset_at(&self, _at: OffsetAt) -> Result<i64, rskafka::client::error::Error> {
+            Ok(0)
+        }
+    }
+
+    fn fake(partition: i32, records: usize, broken: bool) -> Partition {
+        let records = (0..records)
+            .map(|i| RecordAndOffset {
+                record: Record {
+                    key: None,
+                    value: Some(br#"{"event_type":"order.created","n":1}"#.to_vec()),
+                    headers: BTreeMap::from([(
+                        "message_id".to_owned(),
+                        format!("p{partition}-{i}").into_bytes(),
+                    )]),
+                    timestamp: chrono::Utc::now(),
+                },
+                offset: i64::try_from(i).unwrap_or(0),
+            })
+            .collect();
+        Partition {
+            client: Box::new(Fake { records, broken }),
+            topic: "orders".into(),
+            partition,
+            epoch: 1,
+            next_fetch: 0,
+            buffer: VecDeque::new(),
+            buffered_bytes: 0,
+            delivered: VecDeque::new(),
+            delivered_bytes: 0,
+            high_watermark: 0,
+            fenced: false,
+            stopped: false,
+            held_until: None,
+            fetch_errors: 0,
+        }
+    }
+
+    fn consumer(partitions: Vec<Partition>) -> KafkaConsumer {
+        let keys = partitions
+            .iter()
+            .map(|p| (p.topic.clone(), p.partition))
+            .collect();
+        let table = TableName::new(None, "inbox").expect("table name");
+        KafkaConsumer {
+            group: "billing".into(),
+            config: KafkaConfig::new(Vec::new(), "billing", keys),
+            partitions,
+            cursor: 0,
+            metrics: Arc::new(NoopMetrics),
+            store: PgStore::new(
+                inbox_postgres::sea_orm::DatabaseConnection::default(),
+                table,
+            ),
+            stats: ConsumerStats::default(),
+            _client: None,
+        }
+    }
+
+    /// A partition whose fetches fail is held back alone: the healthy one
+    /// delivers every record, the failures are counted. Before, the error
+    /// ended every `next()` that reached the broken partition and the
+    /// round-robin stayed on it: the healthy partition starved.
+    #[tokio::test]
+    async fn a_fetch_error_holds_back_only_its_partition() {
+        let mut c = consumer(vec![fake(0, 0, true), fake(1, 5, false)]);
+        let mut seen = Vec::new();
+        let mut errors = 0;
+        for _ in 0..20 {
+            match c.next().await {
+                Ok(Some(m)) => seen.push(m.message_id),
+                Ok(None) => {}
+                Err(_) => errors += 1,
+            }
+        }
+        assert_eq!(seen, ["p1-0", "p1-1", "p1-2", "p1-3", "p1-4"]);
+        assert_eq!(errors, 0, "a partition delivered: no error surfaces");
+        assert_eq!(c.stats().fetch_errors, 1, "tried once, then held back");
+        assert!(c.partitions[0].held_until.is_some());
+    }
+
+    /// When every partition tried fails, the error reaches the runner (which
+    /// backs off).
+    #[tokio::test]
+    async fn every_partition_failing_is_an_error() {
+        let mut c = consumer(vec![fake(0, 0, true), fake(1, 0, true)]);
+        assert!(matches!(c.next().await, Err(ConsumerError::Fetch(_))));
+        // both held back now: nothing is tried, nothing fails
+        assert!(matches!(c.next().await, Ok(None)));
+        assert_eq!(c.stats().fetch_errors, 2);
+    }
+
+    /// A held partition is not read before its time; then it is.
+    #[tokio::test(start_paused = true)]
+    async fn a_held_partition_waits_its_turn() {
+        let mut c = consumer(vec![fake(0, 2, false)]);
+        let first = c.next().await.expect("next").expect("a record");
+        let pos = first.position.clone().expect("position");
+        c.rewind(&first).await.expect("rewind");
+        assert!(Consumer::hold(
+            &mut c,
+            &pos,
+            Instant::now() + Duration::from_secs(1)
+        ));
+        assert!(c.next().await.expect("next").is_none(), "held");
+        tokio::time::advance(Duration::from_millis(1_001)).await;
+        let again = c.next().await.expect("next").expect("delivered again");
+        assert_eq!(again.message_id, first.message_id);
     }
 }

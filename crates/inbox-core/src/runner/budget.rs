@@ -20,7 +20,7 @@ use crate::error::{PersistStage, StoreError, ValidationError};
 use crate::handler::Handler;
 use crate::metrics::Metrics;
 use crate::model::{InboxStatus, Message, NewInboxRow, RowId, storable_error};
-use crate::outcome::{Failure, Outcome};
+use crate::outcome::Outcome;
 use crate::store::{AttemptRecord, Found, InboxStore, InboxTransaction, LockResult};
 
 use super::message::Work;
@@ -33,11 +33,7 @@ pub(super) type FirstSeen = HashMap<(String, i32), (usize, i64)>;
 /// The text kept in `last_error` for a failed handler run.
 pub(super) fn failure_text(outcome: Option<&Outcome>) -> String {
     let text = match outcome {
-        Some(Outcome::Failed(Failure::Returned(Some(reason)))) => reason.clone(),
-        Some(Outcome::Failed(Failure::Returned(None))) => "the handler returned a failure".into(),
-        Some(Outcome::Failed(Failure::Error(e))) => e.clone(),
-        Some(Outcome::Failed(Failure::Timeout)) => "the handler timed out".into(),
-        Some(Outcome::Failed(Failure::Panic(p))) => format!("the handler panicked: {p}"),
+        Some(Outcome::Failed(failure)) => crate::attempts::failure_text(failure),
         Some(_) | None => "the handler did not finish".into(),
     };
     storable_error(&text)

@@ -1,0 +1,297 @@
+//! The batch processor's rules: a handled row's outcome → the row's update
+//! (SPEC "The batch processor"). Pure: the time (`now`) and the jitter's
+//! random sample come in as arguments, a plain [`RowUpdate`] comes out.
+//!
+//! | outcome | row after |
+//! |---|---|
+//! | success, skip | `completed`, unlocked |
+//! | retry, counted | `pending`, unlocked, `attempts_made + 1`, `last_error`, due at `next_retry_at` or after the backoff with jitter; `failed` when `attempts_made` reaches `max_attempts` |
+//! | retry, `count_as_attempt = false` | as above without `+ 1`; `next_retry_at` required ([`AttemptError::UncountedRetryWithoutTime`] otherwise, and the retry is counted) |
+//! | error, timeout, panic | a counted failure |
+//!
+//! ```
+//! use chrono::{TimeZone, Utc};
+//! use inbox_core::attempts::{row_update, AttemptRules, RowUpdate};
+//! use inbox_core::{HandlerResult, InboxStatus};
+//!
+//! let now = Utc.timestamp_opt(1_700_000_000, 0).unwrap();
+//! let rules = AttemptRules::default();
+//! let (update, error) = row_update(&Ok(HandlerResult::retry("busy")), 4, 5, now, 0.5, &rules);
+//! assert_eq!(error, None);
+//! assert_eq!(update.status, InboxStatus::Failed, "the fifth counted attempt spends the budget");
+//! assert_eq!(update.attempts_made, 5);
+//! ```
+
+use chrono::{DateTime, Utc};
+
+use crate::model::{InboxStatus, storable_error};
+use crate::outcome::{Failure, HandlerResult, OutcomeClass};
+use crate::runner::Backoff;
+
+/// How retries are scheduled.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttemptRules {
+    /// The delay after the n-th counted attempt (when the handler gives no
+    /// `next_retry_at`).
+    pub backoff: Backoff,
+    /// Spread of the delay, as a fraction: the delay is multiplied by a
+    /// factor drawn from `[1 - jitter, 1 + jitter)`. Clamped to `[0, 1]`.
+    pub jitter: f64,
+}
+
+impl Default for AttemptRules {
+    /// 1 s doubling up to 1 h, ±20 %.
+    fn default() -> Self {
+        Self {
+            backoff: Backoff {
+                initial: std::time::Duration::from_secs(1),
+                max: std::time::Duration::from_secs(3_600),
+                factor: 2.0,
+            },
+            jitter: 0.2,
+        }
+    }
+}
+
+/// What the processor writes on a handled row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RowUpdate {
+    /// `completed`, `pending` (to be retried) or `failed` (budget spent).
+    pub status: InboxStatus,
+    /// `attempts_made` afterwards.
+    pub attempts_made: i32,
+    /// The error to keep (`None`: unchanged).
+    pub last_error: Option<String>,
+    /// When a retried row is due again (`None`: not rescheduled).
+    pub scheduled_at: Option<DateTime<Utc>>,
+}
+
+impl RowUpdate {
+    /// Whether this is the row's last counted failure (the dead-letter hook
+    /// sees it).
+    pub fn is_last_failure(&self) -> bool {
+        self.status == InboxStatus::Failed
+    }
+}
+
+/// A handler result the rules refuse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum AttemptError {
+    /// `count_as_attempt = false` without `next_retry_at`: an uncounted
+    /// retry must say when, or it could retry at once forever. Counted
+    /// instead.
+    #[error("a retry that does not count as an attempt needs next_retry_at; counted instead")]
+    UncountedRetryWithoutTime,
+}
+
+/// The row's update after the handler returned `result` (`Err`: it failed
+/// by error, timeout or panic) on a row with `attempts_made` of
+/// `max_attempts` attempts made. `sample` is a random number in `[0, 1)`
+/// for the jitter. The error, if any, says which rule the result broke (the
+/// update is then the counted failure).
+pub fn row_update(
+    result: &Result<HandlerResult, Failure>,
+    attempts_made: i32,
+    max_attempts: i32,
+    now: DateTime<Utc>,
+    sample: f64,
+    rules: &AttemptRules,
+) -> (RowUpdate, Option<AttemptError>) {
+    let (counted, at, error_text, broken) = match result {
+        Ok(r) if r.class() != OutcomeClass::Failure => {
+            return (
+                RowUpdate {
+                    status: InboxStatus::Completed,
+                    attempts_made,
+                    last_error: None,
+                    scheduled_at: None,
+                },
+                None,
+            );
+        }
+        Ok(r) => {
+            let text = r.message.clone().unwrap_or_else(|| "retry".to_owned());
+            match (r.count_as_attempt, r.next_retry_at) {
+                (false, None) => (
+                    true,
+                    None,
+                    text,
+                    Some(AttemptError::UncountedRetryWithoutTime),
+                ),
+                (counted, at) => (counted, at, text, None),
+            }
+        }
+        Err(failure) => (true, None, failure_text(failure), None),
+    };
+    let attempts = if counted {
+        attempts_made.saturating_add(1)
+    } else {
+        attempts_made
+    };
+    let last_error = Some(storable_error(&error_text));
+    if counted && attempts >= max_attempts {
+        return (
+            RowUpdate {
+                status: InboxStatus::Failed,
+                attempts_made: attempts,
+                last_error,
+                scheduled_at: None,
+            },
+            broken,
+        );
+    }
+    let due = at.unwrap_or_else(|| now + jittered(rules, attempts.max(1), sample));
+    (
+        RowUpdate {
+            status: InboxStatus::Pending,
+            attempts_made: attempts,
+            last_error,
+            scheduled_at: Some(due),
+        },
+        broken,
+    )
+}
+
+/// The backoff after `attempts` counted attempts, spread by the jitter.
+fn jittered(rules: &AttemptRules, attempts: i32, sample: f64) -> chrono::Duration {
+    let base = rules.backoff.delay(u32::try_from(attempts).unwrap_or(1));
+    let jitter = rules.jitter.clamp(0.0, 1.0);
+    let sample = if sample.is_finite() {
+        sample.clamp(0.0, 1.0)
+    } else {
+        0.5
+    };
+    let factor = 1.0 - jitter + 2.0 * jitter * sample;
+    let secs = base.as_secs_f64() * factor;
+    chrono::Duration::from_std(std::time::Duration::from_secs_f64(secs.max(0.0)))
+        .unwrap_or(chrono::Duration::MAX)
+}
+
+/// The text kept for a failure.
+pub fn failure_text(failure: &Failure) -> String {
+    match failure {
+        Failure::Returned(Some(reason)) => reason.clone(),
+        Failure::Returned(None) => "the handler returned a failure".into(),
+        Failure::Error(e) => e.clone(),
+        Failure::Timeout => "the handler timed out".into(),
+        Failure::Panic(p) => format!("the handler panicked: {p}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::TimeZone;
+    use proptest::prelude::*;
+
+    fn now() -> DateTime<Utc> {
+        Utc.timestamp_opt(1_700_000_000, 0).single().expect("time")
+    }
+
+    #[test]
+    fn success_and_skip_complete_the_row() {
+        let rules = AttemptRules::default();
+        for r in [HandlerResult::completed(), HandlerResult::skipped()] {
+            let (u, e) = row_update(&Ok(r), 2, 5, now(), 0.3, &rules);
+            assert_eq!(u.status, InboxStatus::Completed);
+            assert_eq!(u.attempts_made, 2, "a success is not an attempt more");
+            assert_eq!(e, None);
+        }
+    }
+
+    #[test]
+    fn counted_retry_and_the_budget_boundary() {
+        let rules = AttemptRules::default();
+        let retry = Ok(HandlerResult::retry("busy"));
+        let (u, _) = row_update(&retry, 3, 5, now(), 0.5, &rules);
+        assert_eq!((u.status, u.attempts_made), (InboxStatus::Pending, 4));
+        assert_eq!(u.last_error.as_deref(), Some("busy"));
+        let (u, _) = row_update(&retry, 4, 5, now(), 0.5, &rules);
+        assert_eq!((u.status, u.attempts_made), (InboxStatus::Failed, 5));
+        assert!(u.is_last_failure());
+        assert_eq!(u.scheduled_at, None);
+        for failure in [
+            Failure::Error("db".into()),
+            Failure::Timeout,
+            Failure::Panic("bug".into()),
+        ] {
+            let (u, _) = row_update(&Err(failure), 0, 5, now(), 0.5, &rules);
+            assert_eq!(u.attempts_made, 1, "error, timeout and panic count");
+        }
+    }
+
+    #[test]
+    fn next_retry_at_wins_over_the_backoff() {
+        let at = now() + chrono::Duration::minutes(7);
+        let (u, _) = row_update(
+            &Ok(HandlerResult::retry("later").at(at)),
+            0,
+            5,
+            now(),
+            0.9,
+            &AttemptRules::default(),
+        );
+        assert_eq!(u.scheduled_at, Some(at));
+    }
+
+    #[test]
+    fn uncounted_retry_needs_a_time() {
+        let at = now() + chrono::Duration::seconds(30);
+        let rules = AttemptRules::default();
+        let (u, e) = row_update(
+            &Ok(HandlerResult::retry_uncounted("rate limited", at)),
+            4,
+            5,
+            now(),
+            0.1,
+            &rules,
+        );
+        assert_eq!(e, None);
+        assert_eq!((u.status, u.attempts_made), (InboxStatus::Pending, 4));
+        assert_eq!(u.scheduled_at, Some(at));
+        let mut bad = HandlerResult::retry("no time");
+        bad.count_as_attempt = false;
+        let (u, e) = row_update(&Ok(bad), 0, 5, now(), 0.1, &rules);
+        assert_eq!(e, Some(AttemptError::UncountedRetryWithoutTime));
+        assert_eq!(u.attempts_made, 1, "counted instead");
+    }
+
+    #[test]
+    fn last_error_is_cut_at_a_character_boundary() {
+        let long = "é".repeat(5_000);
+        let (u, _) = row_update(
+            &Err(Failure::Error(long)),
+            0,
+            5,
+            now(),
+            0.5,
+            &AttemptRules::default(),
+        );
+        let kept = u.last_error.expect("kept");
+        assert_eq!(kept.chars().count(), crate::model::MAX_ERROR_CHARS);
+    }
+
+    proptest! {
+        /// The delay stays within the jitter's bounds around the backoff,
+        /// and the attempt arithmetic never skips the budget.
+        #[test]
+        fn backoff_bounds_and_attempts(
+            attempts in 0i32..20,
+            max in 1i32..10,
+            sample in 0.0f64..1.0,
+            jitter in 0.0f64..1.0,
+        ) {
+            let rules = AttemptRules { jitter, ..AttemptRules::default() };
+            let (u, _) = row_update(&Ok(HandlerResult::retry("x")), attempts, max, now(), sample, &rules);
+            prop_assert_eq!(u.attempts_made, attempts + 1);
+            prop_assert_eq!(u.status == InboxStatus::Failed, attempts + 1 >= max);
+            if let Some(at) = u.scheduled_at {
+                let base = rules.backoff.delay(u32::try_from(attempts + 1).unwrap_or(1)).as_secs_f64();
+                let delay = (at - now()).to_std().expect("in the future").as_secs_f64();
+                prop_assert!(delay >= base * (1.0 - jitter) - 1e-6);
+                prop_assert!(delay <= base * (1.0 + jitter) + 1e-6);
+            }
+        }
+    }
+}

@@ -1,6 +1,8 @@
 //! The batch processor's rules: a handled row's outcome → the row's update
-//! (SPEC "The batch processor"). Pure: the time (`now`) and the jitter's
-//! random sample come in as arguments, a plain [`RowUpdate`] comes out.
+//! (SPEC "The batch processor"). Pure: the jitter's random sample comes in
+//! as an argument, a plain [`RowUpdate`] comes out; a retry is due after a
+//! delay counted by the store's clock ([`Due::After`]), or at the time the
+//! handler gave ([`Due::At`]).
 //!
 //! | outcome | row after |
 //! |---|---|
@@ -10,13 +12,11 @@
 //! | error, timeout, panic | a counted failure |
 //!
 //! ```
-//! use chrono::{TimeZone, Utc};
 //! use inbox_core::attempts::{row_update, AttemptRules, RowUpdate};
 //! use inbox_core::{HandlerResult, InboxStatus};
 //!
-//! let now = Utc.timestamp_opt(1_700_000_000, 0).unwrap();
 //! let rules = AttemptRules::default();
-//! let (update, error) = row_update(&Ok(HandlerResult::retry("busy")), 4, 5, now, 0.5, &rules);
+//! let (update, error) = row_update(&Ok(HandlerResult::retry("busy")), 4, 5, 0.5, &rules);
 //! assert_eq!(error, None);
 //! assert_eq!(update.status, InboxStatus::Failed, "the fifth counted attempt spends the budget");
 //! assert_eq!(update.attempts_made, 5);
@@ -53,6 +53,15 @@ impl Default for AttemptRules {
     }
 }
 
+/// When a retried row is due again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Due {
+    /// After this long, by the store's clock.
+    After(std::time::Duration),
+    /// At this time (the handler's `next_retry_at`).
+    At(DateTime<Utc>),
+}
+
 /// What the processor writes on a handled row.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RowUpdate {
@@ -63,7 +72,7 @@ pub struct RowUpdate {
     /// The error to keep (`None`: unchanged).
     pub last_error: Option<String>,
     /// When a retried row is due again (`None`: not rescheduled).
-    pub scheduled_at: Option<DateTime<Utc>>,
+    pub due: Option<Due>,
 }
 
 impl RowUpdate {
@@ -94,7 +103,6 @@ pub fn row_update(
     result: &Result<HandlerResult, Failure>,
     attempts_made: i32,
     max_attempts: i32,
-    now: DateTime<Utc>,
     sample: f64,
     rules: &AttemptRules,
 ) -> (RowUpdate, Option<AttemptError>) {
@@ -105,7 +113,7 @@ pub fn row_update(
                     status: InboxStatus::Completed,
                     attempts_made,
                     last_error: None,
-                    scheduled_at: None,
+                    due: None,
                 },
                 None,
             );
@@ -136,25 +144,28 @@ pub fn row_update(
                 status: InboxStatus::Failed,
                 attempts_made: attempts,
                 last_error,
-                scheduled_at: None,
+                due: None,
             },
             broken,
         );
     }
-    let due = at.unwrap_or_else(|| now + jittered(rules, attempts.max(1), sample));
+    let due = match at {
+        Some(at) => Due::At(at),
+        None => Due::After(jittered(rules, attempts.max(1), sample)),
+    };
     (
         RowUpdate {
             status: InboxStatus::Pending,
             attempts_made: attempts,
             last_error,
-            scheduled_at: Some(due),
+            due: Some(due),
         },
         broken,
     )
 }
 
 /// The backoff after `attempts` counted attempts, spread by the jitter.
-fn jittered(rules: &AttemptRules, attempts: i32, sample: f64) -> chrono::Duration {
+fn jittered(rules: &AttemptRules, attempts: i32, sample: f64) -> std::time::Duration {
     let base = rules.backoff.delay(u32::try_from(attempts).unwrap_or(1));
     let jitter = rules.jitter.clamp(0.0, 1.0);
     let sample = if sample.is_finite() {
@@ -164,8 +175,7 @@ fn jittered(rules: &AttemptRules, attempts: i32, sample: f64) -> chrono::Duratio
     };
     let factor = 1.0 - jitter + 2.0 * jitter * sample;
     let secs = base.as_secs_f64() * factor;
-    chrono::Duration::from_std(std::time::Duration::from_secs_f64(secs.max(0.0)))
-        .unwrap_or(chrono::Duration::MAX)
+    std::time::Duration::try_from_secs_f64(secs.max(0.0)).unwrap_or(std::time::Duration::MAX)
 }
 
 /// The text kept for a failure.
@@ -193,7 +203,7 @@ mod tests {
     fn success_and_skip_complete_the_row() {
         let rules = AttemptRules::default();
         for r in [HandlerResult::completed(), HandlerResult::skipped()] {
-            let (u, e) = row_update(&Ok(r), 2, 5, now(), 0.3, &rules);
+            let (u, e) = row_update(&Ok(r), 2, 5, 0.3, &rules);
             assert_eq!(u.status, InboxStatus::Completed);
             assert_eq!(u.attempts_made, 2, "a success is not an attempt more");
             assert_eq!(e, None);
@@ -204,19 +214,19 @@ mod tests {
     fn counted_retry_and_the_budget_boundary() {
         let rules = AttemptRules::default();
         let retry = Ok(HandlerResult::retry("busy"));
-        let (u, _) = row_update(&retry, 3, 5, now(), 0.5, &rules);
+        let (u, _) = row_update(&retry, 3, 5, 0.5, &rules);
         assert_eq!((u.status, u.attempts_made), (InboxStatus::Pending, 4));
         assert_eq!(u.last_error.as_deref(), Some("busy"));
-        let (u, _) = row_update(&retry, 4, 5, now(), 0.5, &rules);
+        let (u, _) = row_update(&retry, 4, 5, 0.5, &rules);
         assert_eq!((u.status, u.attempts_made), (InboxStatus::Failed, 5));
         assert!(u.is_last_failure());
-        assert_eq!(u.scheduled_at, None);
+        assert_eq!(u.due, None);
         for failure in [
             Failure::Error("db".into()),
             Failure::Timeout,
             Failure::Panic("bug".into()),
         ] {
-            let (u, _) = row_update(&Err(failure), 0, 5, now(), 0.5, &rules);
+            let (u, _) = row_update(&Err(failure), 0, 5, 0.5, &rules);
             assert_eq!(u.attempts_made, 1, "error, timeout and panic count");
         }
     }
@@ -228,11 +238,10 @@ mod tests {
             &Ok(HandlerResult::retry("later").at(at)),
             0,
             5,
-            now(),
             0.9,
             &AttemptRules::default(),
         );
-        assert_eq!(u.scheduled_at, Some(at));
+        assert_eq!(u.due, Some(Due::At(at)));
     }
 
     #[test]
@@ -243,16 +252,15 @@ mod tests {
             &Ok(HandlerResult::retry_uncounted("rate limited", at)),
             4,
             5,
-            now(),
             0.1,
             &rules,
         );
         assert_eq!(e, None);
         assert_eq!((u.status, u.attempts_made), (InboxStatus::Pending, 4));
-        assert_eq!(u.scheduled_at, Some(at));
+        assert_eq!(u.due, Some(Due::At(at)));
         let mut bad = HandlerResult::retry("no time");
         bad.count_as_attempt = false;
-        let (u, e) = row_update(&Ok(bad), 0, 5, now(), 0.1, &rules);
+        let (u, e) = row_update(&Ok(bad), 0, 5, 0.1, &rules);
         assert_eq!(e, Some(AttemptError::UncountedRetryWithoutTime));
         assert_eq!(u.attempts_made, 1, "counted instead");
     }
@@ -264,7 +272,6 @@ mod tests {
             &Err(Failure::Error(long)),
             0,
             5,
-            now(),
             0.5,
             &AttemptRules::default(),
         );
@@ -283,12 +290,12 @@ mod tests {
             jitter in 0.0f64..1.0,
         ) {
             let rules = AttemptRules { jitter, ..AttemptRules::default() };
-            let (u, _) = row_update(&Ok(HandlerResult::retry("x")), attempts, max, now(), sample, &rules);
+            let (u, _) = row_update(&Ok(HandlerResult::retry("x")), attempts, max, sample, &rules);
             prop_assert_eq!(u.attempts_made, attempts + 1);
             prop_assert_eq!(u.status == InboxStatus::Failed, attempts + 1 >= max);
-            if let Some(at) = u.scheduled_at {
+            if let Some(Due::After(delay)) = u.due {
                 let base = rules.backoff.delay(u32::try_from(attempts + 1).unwrap_or(1)).as_secs_f64();
-                let delay = (at - now()).to_std().expect("in the future").as_secs_f64();
+                let delay = delay.as_secs_f64();
                 prop_assert!(delay >= base * (1.0 - jitter) - 1e-6);
                 prop_assert!(delay <= base * (1.0 + jitter) + 1e-6);
             }

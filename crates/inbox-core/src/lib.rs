@@ -54,6 +54,7 @@ pub mod handler;
 pub mod metrics;
 pub mod model;
 pub mod outcome;
+pub mod processor;
 pub mod runner;
 pub mod store;
 pub mod strategy;
@@ -71,6 +72,8 @@ pub use runner::{
     Backoff, BatchConfig, BatchResult, ProcessError, ProcessResult, RunSummary, Runner,
     RunnerConfig,
 };
-pub use store::{AttemptRecord, Found, InboxStore, InboxTransaction, LockResult, RowRef};
+pub use store::{
+    AttemptRecord, DueFilter, Found, InboxStore, InboxTransaction, LockResult, RowRef,
+};
 pub use strategy::{AckPolicy, AckStrategy};
 pub use tokio_util::sync::CancellationToken;

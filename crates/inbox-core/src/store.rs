@@ -69,6 +69,18 @@ pub struct AttemptRecord<'a> {
     pub error: Option<&'a str>,
 }
 
+/// Which due rows a batch processor claims: all of them, or only those of
+/// a consumer group, of some sources, of some event types (empty: any).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DueFilter {
+    /// Only this consumer group's rows.
+    pub consumer_group: Option<String>,
+    /// Only rows from these sources (empty: any source).
+    pub sources: Vec<String>,
+    /// Only rows of these event types (empty: any event type).
+    pub event_types: Vec<String>,
+}
+
 /// The store: opens transactions and runs maintenance.
 #[async_trait]
 pub trait InboxStore: Send + Sync {
@@ -91,6 +103,40 @@ pub trait InboxStore: Send + Sync {
     /// Deletes at most `batch` completed rows completed more than
     /// `older_than` ago; returns how many.
     async fn delete_completed(&self, older_than: Duration, batch: u64) -> Result<u64, StoreError>;
+
+    /// Claims up to `limit` due rows for `worker` and commits the claim (the
+    /// lease): `pending`, unlocked, `attempts_made < max_attempts`,
+    /// `scheduled_at <= now`, matching `filter`, oldest due first, skipping
+    /// rows another transaction holds (`FOR UPDATE SKIP LOCKED`). The rows
+    /// come back with `locked_by = worker` and `locked_at = now`. Until
+    /// [`InboxTransaction::write_outcomes`] or
+    /// [`release_stale_locks`](Self::release_stale_locks) unlocks them, no
+    /// other processor claims them and a runner that meets one defers it.
+    /// The default refuses
+    /// ([`StoreErrorKind::Unsupported`](crate::StoreErrorKind::Unsupported)).
+    async fn claim_due(
+        &self,
+        worker: &WorkerId,
+        limit: usize,
+        filter: &DueFilter,
+    ) -> Result<Vec<InboxRow>, StoreError> {
+        let _ = (worker, limit, filter);
+        Err(StoreError::new(
+            crate::StoreErrorKind::Unsupported,
+            "this store has no batch processor support",
+        ))
+    }
+
+    /// Unlocks the rows of `ids` that `worker` still holds, unchanged
+    /// otherwise (a processor giving back a batch it could not finish);
+    /// returns how many.
+    async fn release_claims(&self, worker: &WorkerId, ids: &[RowId]) -> Result<u64, StoreError> {
+        let _ = (worker, ids);
+        Err(StoreError::new(
+            crate::StoreErrorKind::Unsupported,
+            "this store has no batch processor support",
+        ))
+    }
 
     /// Brings a `failed` row back: `pending`, no attempts made, due now
     /// (`last_error` is kept). `Ok(false)` when no `failed` row has this id.
@@ -165,6 +211,25 @@ pub trait InboxTransaction: Send + Sized {
         Err(StoreError::new(
             crate::StoreErrorKind::Unsupported,
             "this store cannot record attempts",
+        ))
+    }
+
+    /// Writes the processor's outcomes (see [`crate::attempts`]) in one
+    /// statement, each on its row only while `worker` still holds it
+    /// (`locked_by = worker`), unlocking it; returns how many rows were
+    /// written. Fewer than `updates.len()`: a row's lease was lost (released
+    /// as stale, maybe claimed by another processor), and the caller must
+    /// not commit. The default refuses
+    /// ([`StoreErrorKind::Unsupported`](crate::StoreErrorKind::Unsupported)).
+    async fn write_outcomes(
+        &mut self,
+        worker: &WorkerId,
+        updates: &[(RowId, crate::attempts::RowUpdate)],
+    ) -> Result<u64, StoreError> {
+        let _ = (worker, updates);
+        Err(StoreError::new(
+            crate::StoreErrorKind::Unsupported,
+            "this store has no batch processor support",
         ))
     }
 

@@ -100,3 +100,13 @@ async fn failure_budget_bounds_a_failing_message() {
 async fn failure_budget_bounds_a_crashing_handler() {
     scenarios::failure_budget_bounds_a_crashing_handler(MemStore::new()).await;
 }
+
+#[tokio::test]
+async fn processor_drains_landed_rows() {
+    scenarios::processor_drains_landed_rows(MemStore::new()).await;
+}
+
+#[tokio::test]
+async fn processor_never_completes_a_row_it_no_longer_holds() {
+    scenarios::processor_never_completes_a_row_it_no_longer_holds(MemStore::new()).await;
+}

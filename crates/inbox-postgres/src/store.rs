@@ -5,9 +5,11 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
+use inbox_core::attempts::{Due, RowUpdate};
 use inbox_core::{
-    AttemptRecord, Found, InboxRow, InboxStatus, InboxStore, InboxTransaction, LockResult, Message,
-    NewInboxRow, RowId, RowRef, StoreError, StoreErrorKind, TxAck, ValidationError, WorkerId,
+    AttemptRecord, DueFilter, Found, InboxRow, InboxStatus, InboxStore, InboxTransaction,
+    LockResult, Message, NewInboxRow, RowId, RowRef, StoreError, StoreErrorKind, TxAck,
+    ValidationError, WorkerId,
 };
 use sea_orm::{
     ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DatabaseTransaction, DbBackend,
@@ -29,6 +31,9 @@ struct Sql {
     complete: String,
     record_attempt: String,
     requeue_failed: String,
+    claim_due: String,
+    release_claims: String,
+    write_outcomes: String,
     find: String,
     release: String,
     delete_completed: String,
@@ -117,6 +122,44 @@ impl Sql {
                 "UPDATE {q} SET status = 'pending', attempts_made = 0, scheduled_at = now(),
                         locked_at = NULL, locked_by = NULL, updated_at = now()
                   WHERE id = $1 AND status = 'failed'"
+            ),
+            // The processor's claim: due, unlocked, pending rows with
+            // attempts left, oldest due first, skipping rows another
+            // transaction holds; filters come as JSON arrays (empty: any).
+            claim_due: format!(
+                "UPDATE {q} SET locked_by = $1, locked_at = now(), updated_at = now()
+                  WHERE id IN (
+                    SELECT id FROM {q}
+                     WHERE status = 'pending' AND locked_by IS NULL
+                       AND attempts_made < max_attempts AND scheduled_at <= now()
+                       AND ($3::text IS NULL OR consumer_group = $3)
+                       AND ($4::text = '[]' OR source IN (SELECT jsonb_array_elements_text($4::text::jsonb)))
+                       AND ($5::text = '[]' OR event_type IN (SELECT jsonb_array_elements_text($5::text::jsonb)))
+                     ORDER BY scheduled_at, id
+                     LIMIT $2
+                     FOR UPDATE SKIP LOCKED)
+                  RETURNING id, message_id, consumer_group, source, event_type, payload, status,
+                            attempts_made, max_attempts, last_error, scheduled_at, completed_at,
+                            locked_at, locked_by, created_at, updated_at"
+            ),
+            release_claims: format!(
+                "UPDATE {q} SET locked_by = NULL, locked_at = NULL, updated_at = now()
+                  WHERE locked_by = $1 AND id IN (SELECT (jsonb_array_elements_text($2::text::jsonb))::bigint)"
+            ),
+            // Every outcome of a batch in one statement, each only on a row
+            // the worker still holds.
+            write_outcomes: format!(
+                "UPDATE {q} AS t
+                    SET status = u.status, attempts_made = u.attempts,
+                        last_error = COALESCE(u.err, t.last_error),
+                        scheduled_at = CASE WHEN u.after IS NOT NULL THEN now() + make_interval(secs => u.after)
+                                            ELSE COALESCE(u.due, t.scheduled_at) END,
+                        completed_at = CASE WHEN u.status = 'completed' THEN now() END,
+                        locked_by = NULL, locked_at = NULL, updated_at = now()
+                   FROM (SELECT (e->>'id')::bigint AS id, e->>'s' AS status, (e->>'a')::int AS attempts,
+                                e->>'e' AS err, (e->>'d')::timestamptz AS due, (e->>'w')::float8 AS after
+                           FROM jsonb_array_elements($2::text::jsonb) AS e) AS u
+                  WHERE t.id = u.id AND t.locked_by = $1"
             ),
             find: format!(
                 "SELECT id, message_id, consumer_group, source, event_type, payload, status,
@@ -328,6 +371,45 @@ impl InboxStore for PgStore {
         Ok(r.rows_affected())
     }
 
+    async fn claim_due(
+        &self,
+        worker: &WorkerId,
+        limit: usize,
+        filter: &DueFilter,
+    ) -> Result<Vec<InboxRow>, StoreError> {
+        let list = |v: &[String]| serde_json::Value::from(v.to_vec()).to_string();
+        let rows = self
+            .db
+            .query_all_raw(stmt(
+                &self.sql.claim_due,
+                vec![
+                    worker.as_str().into(),
+                    i64::try_from(limit).unwrap_or(i64::MAX).into(),
+                    filter.consumer_group.clone().into(),
+                    list(&filter.sources).into(),
+                    list(&filter.event_types).into(),
+                ],
+            ))
+            .await
+            .map_err(db)?;
+        let mut claimed = rows.iter().map(inbox_row).collect::<Result<Vec<_>, _>>()?;
+        claimed.sort_by_key(|r| (r.scheduled_at, r.id));
+        Ok(claimed)
+    }
+
+    async fn release_claims(&self, worker: &WorkerId, ids: &[RowId]) -> Result<u64, StoreError> {
+        let ids = serde_json::Value::from(ids.to_vec()).to_string();
+        let r = self
+            .db
+            .execute_raw(stmt(
+                &self.sql.release_claims,
+                vec![worker.as_str().into(), ids.into()],
+            ))
+            .await
+            .map_err(db)?;
+        Ok(r.rows_affected())
+    }
+
     async fn requeue_failed(&self, id: RowId) -> Result<bool, StoreError> {
         let r = self
             .db
@@ -523,6 +605,47 @@ impl InboxTransaction for PgTx {
             .map_err(db)?
             .ok_or_else(|| StoreError::new(StoreErrorKind::Other, format!("no inbox row {id}")))?;
         get(&row, "attempts_made")
+    }
+
+    async fn write_outcomes(
+        &mut self,
+        worker: &WorkerId,
+        updates: &[(RowId, RowUpdate)],
+    ) -> Result<u64, StoreError> {
+        if updates.is_empty() {
+            return Ok(0);
+        }
+        let rows: Vec<serde_json::Value> = updates
+            .iter()
+            .map(|(id, u)| {
+                serde_json::json!({
+                    "id": id,
+                    "s": u.status.as_str(),
+                    "a": u.attempts_made,
+                    "e": u.last_error.as_deref().map(storable),
+                    "d": match u.due {
+                        Some(Due::At(t)) => Some(t.to_rfc3339()),
+                        _ => None,
+                    },
+                    "w": match u.due {
+                        Some(Due::After(d)) => Some(d.as_secs_f64()),
+                        _ => None,
+                    },
+                })
+            })
+            .collect();
+        let r = self
+            .tx
+            .execute_raw(stmt(
+                &self.sql.write_outcomes,
+                vec![
+                    worker.as_str().into(),
+                    serde_json::Value::Array(rows).to_string().into(),
+                ],
+            ))
+            .await
+            .map_err(db)?;
+        Ok(r.rows_affected())
     }
 
     async fn savepoint(&mut self) -> Result<(), StoreError> {

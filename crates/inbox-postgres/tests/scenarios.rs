@@ -103,3 +103,13 @@ async fn failure_budget_bounds_a_failing_message() {
 async fn failure_budget_bounds_a_crashing_handler() {
     scenarios::failure_budget_bounds_a_crashing_handler(store().await).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn processor_drains_landed_rows() {
+    scenarios::processor_drains_landed_rows(store().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn processor_never_completes_a_row_it_no_longer_holds() {
+    scenarios::processor_never_completes_a_row_it_no_longer_holds(store().await).await;
+}

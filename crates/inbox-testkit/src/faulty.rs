@@ -118,6 +118,19 @@ impl<S: InboxStore> InboxStore for FaultyStore<S> {
         self.inner.requeue_failed(id).await
     }
 
+    async fn claim_due(
+        &self,
+        worker: &WorkerId,
+        limit: usize,
+        filter: &inbox_core::DueFilter,
+    ) -> Result<Vec<InboxRow>, StoreError> {
+        self.inner.claim_due(worker, limit, filter).await
+    }
+
+    async fn release_claims(&self, worker: &WorkerId, ids: &[RowId]) -> Result<u64, StoreError> {
+        self.inner.release_claims(worker, ids).await
+    }
+
     async fn delete_completed(&self, older_than: Duration, batch: u64) -> Result<u64, StoreError> {
         self.inner.delete_completed(older_than, batch).await
     }
@@ -154,6 +167,15 @@ impl<T: InboxTransaction> InboxTransaction for FaultyTx<T> {
 
     async fn discard_rows(&mut self, ids: &[RowId]) -> Result<(), StoreError> {
         self.inner.discard_rows(ids).await
+    }
+
+    async fn write_outcomes(
+        &mut self,
+        worker: &WorkerId,
+        updates: &[(RowId, inbox_core::attempts::RowUpdate)],
+    ) -> Result<u64, StoreError> {
+        take(&self.faults, StoreFault::Complete)?;
+        self.inner.write_outcomes(worker, updates).await
     }
 
     async fn record_attempt(

@@ -1412,3 +1412,206 @@ where
         assert_eq!(broker.acked(&group, "orders", 0), Some(2), "{group}");
     }
 }
+
+/// Rules that retry at once (the tests cannot wait for a real backoff on
+/// PostgreSQL's clock).
+fn immediate_retries() -> inbox_core::attempts::AttemptRules {
+    inbox_core::attempts::AttemptRules {
+        backoff: inbox_core::Backoff {
+            initial: Duration::ZERO,
+            max: Duration::ZERO,
+            factor: 1.0,
+        },
+        jitter: 0.0,
+    }
+}
+
+/// A landed row of `group` for `id`, with a budget of `max_attempts`.
+fn landed(id: &str, group: &str, max_attempts: i32) -> NewInboxRow {
+    NewInboxRow::for_message(&order(id), group, max_attempts).with_status(InboxStatus::Pending)
+}
+
+/// Counts the dead-letter hook's calls.
+#[derive(Debug, Default)]
+pub struct CountingHook {
+    calls: Mutex<Vec<(String, String)>>,
+}
+
+impl CountingHook {
+    /// `(message_id, last_error)` of each call.
+    pub fn calls(&self) -> Vec<(String, String)> {
+        self.calls
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+}
+
+#[async_trait]
+impl inbox_core::processor::DeadLetterHook for CountingHook {
+    async fn on_failed(&self, row: &InboxRow, last_error: &str) -> Result<(), HandlerError> {
+        self.calls
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push((row.message_id.clone(), last_error.to_owned()));
+        Ok(())
+    }
+}
+
+/// The batch processor drains landed rows (batches of 4): a row whose
+/// handler succeeds completes once; one that fails once completes on its
+/// second attempt with the failed attempt's writes rolled back and its
+/// neighbours' kept; one that always fails ends `failed` after exactly
+/// `max_attempts` (3) attempts, with no writes, and the dead-letter hook
+/// sees it once; every row ends unlocked; a row of another group is left
+/// alone by a processor filtered to this group.
+pub async fn processor_drains_landed_rows<S>(store: S)
+where
+    S: ScenarioStore,
+    S::Tx: WriteInvoice,
+{
+    use inbox_core::processor::{BatchProcessor, ProcessorConfig};
+    let group = "processor-drain";
+    let id = |m: &str| format!("{group}-{m}");
+    for m in ["ok-1", "flaky", "ok-2", "bad", "ok-3"] {
+        store.land(&landed(&id(m), group, 3)).await;
+    }
+    store.land(&landed(&id("other"), "another-group", 3)).await;
+    let (flaky, bad) = (id("flaky"), id("bad"));
+    let handler = FlakyById::new([(flaky.as_str(), 1), (bad.as_str(), 1_000)]);
+    let hook = Arc::new(CountingHook::default());
+    let mut config = ProcessorConfig::new("processor-1").unwrap_or_else(|e| panic!("{e}"));
+    config.batch_size = 4;
+    config.rules = immediate_retries();
+    config.filter.consumer_group = Some(group.to_owned());
+    let mut processor =
+        BatchProcessor::new(store.clone(), handler, config).with_dead_letter_hook(hook.clone());
+    let mut batches = 0;
+    loop {
+        let b = processor
+            .process_batch()
+            .await
+            .unwrap_or_else(|e| panic!("batch failed: {e}"));
+        if b.claimed == 0 {
+            break;
+        }
+        batches += 1;
+        assert!(batches < 20, "the processor did not drain");
+    }
+    for m in ["ok-1", "flaky", "ok-2", "ok-3"] {
+        let r = row(&store, &id(m), group)
+            .await
+            .unwrap_or_else(|| panic!("{m}"));
+        assert_eq!(r.status, InboxStatus::Completed, "{m}");
+        assert_eq!(r.locked_by, None, "{m}");
+        assert_eq!(store.invoices(&id(m)).await, 1, "{m}: one effect");
+    }
+    let f = row(&store, &flaky, group)
+        .await
+        .unwrap_or_else(|| panic!("flaky"));
+    assert_eq!(f.attempts_made, 1, "one counted failure");
+    let b = row(&store, &bad, group)
+        .await
+        .unwrap_or_else(|| panic!("bad"));
+    assert_eq!((b.status, b.attempts_made), (InboxStatus::Failed, 3));
+    assert_eq!(b.locked_by, None);
+    assert!(
+        b.last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("payment provider"))
+    );
+    assert_eq!(store.invoices(&bad).await, 0, "its writes rolled back");
+    let calls = hook.calls();
+    assert_eq!(calls.len(), 1, "the hook sees the last failure once");
+    assert_eq!(calls[0].0, bad);
+    let other = row(&store, &id("other"), "another-group")
+        .await
+        .unwrap_or_else(|| panic!("other"));
+    assert_eq!(other.status, InboxStatus::Pending, "filtered out");
+    assert!(
+        store.requeue_failed(b.id).await.unwrap_or(false),
+        "requeued"
+    );
+    let again = row(&store, &bad, group)
+        .await
+        .unwrap_or_else(|| panic!("bad"));
+    assert_eq!(
+        (again.status, again.attempts_made),
+        (InboxStatus::Pending, 0)
+    );
+}
+
+/// A handler that releases every lease as stale while it runs (as
+/// maintenance would with a lease shorter than the batch), once.
+struct ReleasesLeases<S> {
+    store: S,
+    done: std::sync::atomic::AtomicBool,
+}
+
+#[async_trait]
+impl<S> Handler<S::Tx> for ReleasesLeases<S>
+where
+    S: ScenarioStore,
+    S::Tx: WriteInvoice + 'static,
+{
+    type Output = ();
+    async fn handle(&self, message: &Message, tx: &mut S::Tx) -> Result<(), HandlerError> {
+        tx.write_invoice(&message.message_id).await?;
+        if !self.done.swap(true, Ordering::SeqCst) {
+            self.store
+                .release_stale_locks(Duration::ZERO)
+                .await
+                .map_err(|e| HandlerError::msg(e.to_string()))?;
+        }
+        Ok(())
+    }
+}
+
+/// A processor whose leases are released while it works (maintenance with
+/// a lease shorter than the batch): writing the outcomes finds the rows no
+/// longer its own, so nothing of the batch commits (`LeaseLost`) and the
+/// rows are pending and unlocked; the next batch completes them, each
+/// effect once.
+pub async fn processor_never_completes_a_row_it_no_longer_holds<S>(store: S)
+where
+    S: ScenarioStore,
+    S::Tx: WriteInvoice + 'static,
+{
+    use inbox_core::processor::{BatchProcessor, ProcessorConfig, ProcessorError};
+    let group = "processor-lease";
+    let ids: Vec<String> = (0..3).map(|i| format!("{group}-{i}")).collect();
+    for m in &ids {
+        store.land(&landed(m, group, 3)).await;
+    }
+    let handler = ReleasesLeases {
+        store: store.clone(),
+        done: std::sync::atomic::AtomicBool::new(false),
+    };
+    let mut config = ProcessorConfig::new("processor-lease").unwrap_or_else(|e| panic!("{e}"));
+    config.filter.consumer_group = Some(group.to_owned());
+    let mut processor = BatchProcessor::new(store.clone(), handler, config);
+    let first = processor.process_batch().await;
+    assert!(
+        matches!(
+            first,
+            Err(ProcessorError::LeaseLost {
+                claimed: 3,
+                lost: 3
+            })
+        ),
+        "{first:?}"
+    );
+    for m in &ids {
+        assert_eq!(store.invoices(m).await, 0, "{m}: rolled back");
+        let r = row(&store, m, group).await.unwrap_or_else(|| panic!("{m}"));
+        assert_eq!((r.status, r.locked_by), (InboxStatus::Pending, None), "{m}");
+    }
+    let second = processor
+        .process_batch()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(second.completed, 3);
+    for m in &ids {
+        assert_eq!(store.invoices(m).await, 1, "{m}: once");
+    }
+}

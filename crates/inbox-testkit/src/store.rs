@@ -12,9 +12,11 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, TimeZone, Utc};
+use inbox_core::attempts::{Due, RowUpdate};
 use inbox_core::{
-    AttemptRecord, Found, InboxRow, InboxStatus, InboxStore, InboxTransaction, LockResult, Message,
-    NewInboxRow, RowId, RowRef, StoreError, StoreErrorKind, TxAck, ValidationError, WorkerId,
+    AttemptRecord, DueFilter, Found, InboxRow, InboxStatus, InboxStore, InboxTransaction,
+    LockResult, Message, NewInboxRow, RowId, RowRef, StoreError, StoreErrorKind, TxAck,
+    ValidationError, WorkerId,
 };
 
 /// A named point where the store can be made to fail.
@@ -299,6 +301,7 @@ enum Staged {
         count: bool,
         error: Option<String>,
     },
+    Outcome(RowId, Box<RowUpdate>),
     Business(String, String),
     DeadLetter(Box<DeadLetter>),
     Ack((String, String, i32), i64),
@@ -421,6 +424,64 @@ impl InboxStore for MemStore {
             if row.locked_at.is_some_and(|at| at <= cutoff) {
                 row.locked_at = None;
                 row.locked_by = None;
+                row.updated_at = now;
+                released += 1;
+            }
+        }
+        Ok(released)
+    }
+
+    async fn claim_due(
+        &self,
+        worker: &WorkerId,
+        limit: usize,
+        filter: &DueFilter,
+    ) -> Result<Vec<InboxRow>, StoreError> {
+        let mut s = self.state();
+        s.take_fault(StoreFault::Begin)?;
+        let now = s.now;
+        let mut due: Vec<(DateTime<Utc>, RowId)> = s
+            .rows
+            .values()
+            .filter(|r| {
+                r.status == InboxStatus::Pending
+                    && r.locked_by.is_none()
+                    && r.attempts_made < r.max_attempts
+                    && r.scheduled_at <= now
+                    && filter
+                        .consumer_group
+                        .as_ref()
+                        .is_none_or(|g| *g == r.consumer_group)
+                    && (filter.sources.is_empty() || filter.sources.contains(&r.source))
+                    && (filter.event_types.is_empty() || filter.event_types.contains(&r.event_type))
+            })
+            .filter(|r| !s.row_locks.contains_key(&r.id))
+            .map(|r| (r.scheduled_at, r.id))
+            .collect();
+        due.sort();
+        due.truncate(limit);
+        let mut claimed = Vec::with_capacity(due.len());
+        for (_, id) in due {
+            if let Some(row) = s.rows.get_mut(&id) {
+                row.locked_by = Some(worker.as_str().to_owned());
+                row.locked_at = Some(now);
+                row.updated_at = now;
+                claimed.push(row.clone());
+            }
+        }
+        Ok(claimed)
+    }
+
+    async fn release_claims(&self, worker: &WorkerId, ids: &[RowId]) -> Result<u64, StoreError> {
+        let mut s = self.state();
+        let now = s.now;
+        let mut released = 0;
+        for id in ids {
+            if let Some(row) = s.rows.get_mut(id)
+                && row.locked_by.as_deref() == Some(worker.as_str())
+            {
+                row.locked_by = None;
+                row.locked_at = None;
                 row.updated_at = now;
                 released += 1;
             }
@@ -574,6 +635,28 @@ impl InboxTransaction for MemTx {
                         row.updated_at = now;
                     }
                 }
+                Staged::Outcome(id, u) => {
+                    if let Some(row) = s.rows.get_mut(&id) {
+                        row.status = u.status;
+                        row.attempts_made = u.attempts_made;
+                        if u.last_error.is_some() {
+                            row.last_error = u.last_error;
+                        }
+                        match u.due {
+                            Some(Due::At(at)) => row.scheduled_at = at,
+                            Some(Due::After(d)) => {
+                                row.scheduled_at = now
+                                    + chrono::Duration::from_std(d)
+                                        .unwrap_or(chrono::Duration::MAX);
+                            }
+                            None => {}
+                        }
+                        row.completed_at = (u.status == InboxStatus::Completed).then_some(now);
+                        row.locked_at = None;
+                        row.locked_by = None;
+                        row.updated_at = now;
+                    }
+                }
                 Staged::Business(table, key) => s.business.entry(table).or_default().push(key),
                 Staged::DeadLetter(dead) => {
                     // one per record position and group, as PostgreSQL's key
@@ -600,6 +683,33 @@ impl InboxTransaction for MemTx {
         self.staged.clear();
         self.finish();
         Ok(())
+    }
+
+    async fn write_outcomes(
+        &mut self,
+        worker: &WorkerId,
+        updates: &[(RowId, RowUpdate)],
+    ) -> Result<u64, StoreError> {
+        let held: Vec<RowId> = {
+            let mut s = self.store.state();
+            s.take_fault(StoreFault::Complete)?;
+            updates
+                .iter()
+                .filter(|(id, _)| {
+                    s.rows
+                        .get(id)
+                        .is_some_and(|r| r.locked_by.as_deref() == Some(worker.as_str()))
+                })
+                .map(|(id, _)| *id)
+                .collect()
+        };
+        for (id, update) in updates {
+            if held.contains(id) {
+                self.staged
+                    .push(Staged::Outcome(*id, Box::new(update.clone())));
+            }
+        }
+        Ok(held.len() as u64)
     }
 
     async fn record_attempt(
@@ -654,7 +764,9 @@ impl InboxTransaction for MemTx {
                 gone.push((row.message_id.clone(), row.consumer_group.clone()));
                 false
             }
-            Staged::Complete(id) | Staged::Attempt { id, .. } => !ids.contains(id),
+            Staged::Complete(id) | Staged::Attempt { id, .. } | Staged::Outcome(id, _) => {
+                !ids.contains(id)
+            }
             _ => true,
         });
         if gone.len() != ids.len() {

@@ -267,7 +267,8 @@ where
     outcome
 }
 
-fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+/// The text of a caught panic.
+pub(crate) fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = panic.downcast_ref::<&str>() {
         (*s).to_owned()
     } else if let Some(s) = panic.downcast_ref::<String>() {

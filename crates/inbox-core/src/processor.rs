@@ -1,0 +1,389 @@
+//! The batch processor: drains rows landed `pending` (by a runner without a
+//! handler, or brought back by `requeue_failed`), SPEC "The batch
+//! processor".
+//!
+//! One batch:
+//!
+//! 1. **claim** ([`InboxStore::claim_due`]): due, unlocked `pending` rows
+//!    with attempts left, `FOR UPDATE SKIP LOCKED`, are leased to this
+//!    worker (`locked_by`, `locked_at`) and the claim commits, so no other
+//!    processor takes them and a runner that meets one defers it;
+//! 2. **work**, in one transaction: per row a savepoint, the handler (with
+//!    a timeout, a panic caught), back to the savepoint when it failed, so
+//!    a failing row's writes go without its neighbours';
+//! 3. **write back** every row's outcome ([`crate::attempts`]) in one
+//!    statement that checks each row is still this worker's; if a lease was
+//!    lost (released as stale, maybe claimed by another worker) the
+//!    transaction is rolled back and the batch's claims released: the rows
+//!    are handled again, never completed by a worker that no longer holds
+//!    them; otherwise commit;
+//! 4. the dead-letter hook sees each row on its last counted failure.
+//!
+//! ```
+//! # async fn demo<S, H>(store: S, handler: H) -> Result<(), inbox_core::ValidationError>
+//! # where S: inbox_core::InboxStore, H: inbox_core::Handler<S::Tx> {
+//! use inbox_core::processor::{BatchProcessor, ProcessorConfig};
+//! use inbox_core::CancellationToken;
+//!
+//! let config = ProcessorConfig::new("processor-1")?;
+//! let mut processor = BatchProcessor::new(store, handler, config);
+//! let cancel = CancellationToken::new();
+//! let summary = processor.run(cancel).await; // until cancelled
+//! # let _ = summary;
+//! # Ok(())
+//! # }
+//! ```
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::FutureExt;
+use tokio_util::sync::CancellationToken;
+
+use crate::attempts::{AttemptError, AttemptRules, RowUpdate, row_update};
+use crate::error::{HandlerError, StoreError, ValidationError};
+use crate::handler::Handler;
+use crate::model::{InboxRow, InboxStatus, Message, RowId, WorkerId};
+use crate::outcome::{Failure, HandlerResult, OutcomeClass};
+use crate::runner::Backoff;
+use crate::store::{DueFilter, InboxStore, InboxTransaction};
+
+/// How a [`BatchProcessor`] works.
+#[derive(Debug, Clone)]
+pub struct ProcessorConfig {
+    /// Who this processor is: written to `locked_by` of the rows it claims.
+    pub worker_id: WorkerId,
+    /// Most rows per batch. Default 100.
+    pub batch_size: usize,
+    /// The longest one handler call may run before it counts as a
+    /// failure. Default 30 s.
+    pub handler_timeout: Duration,
+    /// The wait when no row is due. Default 500 ms.
+    pub idle_poll: Duration,
+    /// Which rows to take (default: every due row).
+    pub filter: DueFilter,
+    /// Retry scheduling.
+    pub rules: AttemptRules,
+    /// Backoff after a batch failed for storage reasons.
+    pub store_backoff: Backoff,
+}
+
+impl ProcessorConfig {
+    /// Defaults for `worker_id`, after validating it.
+    ///
+    /// # Errors
+    ///
+    /// A [`ValidationError`] for a bad worker id.
+    pub fn new(worker_id: impl Into<String>) -> Result<Self, ValidationError> {
+        Ok(Self {
+            worker_id: WorkerId::new(worker_id)?,
+            batch_size: 100,
+            handler_timeout: Duration::from_secs(30),
+            idle_poll: Duration::from_millis(500),
+            filter: DueFilter::default(),
+            rules: AttemptRules::default(),
+            store_backoff: Backoff {
+                initial: Duration::from_millis(100),
+                max: Duration::from_secs(30),
+                factor: 2.0,
+            },
+        })
+    }
+}
+
+/// Sees each row on its last counted failure (the row is `failed` then).
+#[async_trait]
+pub trait DeadLetterHook: Send + Sync {
+    /// Called after the row's `failed` state committed. An error is logged
+    /// and counted ([`ProcessorBatch::hook_failures`]); the row stays
+    /// `failed` either way, never lost.
+    async fn on_failed(&self, row: &InboxRow, last_error: &str) -> Result<(), HandlerError>;
+}
+
+/// Why a batch did not complete.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProcessorError {
+    /// The store failed (claiming, the transaction, writing back, commit).
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+    /// Some rows of the batch were no longer this worker's when the
+    /// outcomes were written (their lease was released as stale): nothing
+    /// of the batch was committed, the rows are handled again.
+    #[error("lease lost on {lost} of {claimed} rows: the batch was rolled back")]
+    LeaseLost {
+        /// Rows claimed.
+        claimed: usize,
+        /// Rows no longer held.
+        lost: usize,
+    },
+}
+
+/// What one batch did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ProcessorBatch {
+    /// Rows claimed.
+    pub claimed: usize,
+    /// Rows completed (success or skip).
+    pub completed: usize,
+    /// Rows to be retried later.
+    pub retried: usize,
+    /// Rows that spent their budget (`failed`).
+    pub failed: usize,
+    /// Handler results the rules refused (each counted as a failure).
+    pub refused: Vec<(RowId, AttemptError)>,
+    /// Dead-letter hook calls that failed.
+    pub hook_failures: usize,
+}
+
+/// What [`BatchProcessor::run`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ProcessorSummary {
+    /// Batches committed.
+    pub batches: u64,
+    /// Rows completed.
+    pub completed: u64,
+    /// Rows rescheduled.
+    pub retried: u64,
+    /// Rows failed for good.
+    pub failed: u64,
+    /// Batches that failed (store errors, lost leases).
+    pub errors: u64,
+}
+
+/// The batch processor, generic over the store and the handler.
+pub struct BatchProcessor<S, H> {
+    store: S,
+    handler: H,
+    config: ProcessorConfig,
+    hook: Option<Arc<dyn DeadLetterHook>>,
+    /// The jitter's random state (xorshift; seeded from the worker id).
+    seed: u64,
+}
+
+impl<S, H> std::fmt::Debug for BatchProcessor<S, H> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BatchProcessor")
+            .field("config", &self.config)
+            .field("hook", &self.hook.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The message a row stands for (the handler's input).
+fn message_of(row: &InboxRow) -> Message {
+    Message::new(
+        row.message_id.clone(),
+        row.source.clone(),
+        row.event_type.clone(),
+        row.payload.clone(),
+    )
+}
+
+impl<S, H> BatchProcessor<S, H>
+where
+    S: InboxStore,
+    H: Handler<S::Tx>,
+{
+    /// A processor calling `handler` for each claimed row.
+    pub fn new(store: S, handler: H, config: ProcessorConfig) -> Self {
+        let seed = config
+            .worker_id
+            .as_str()
+            .bytes()
+            .fold(0x9E37_79B9_7F4A_7C15_u64, |h, b| {
+                (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+            })
+            | 1;
+        Self {
+            store,
+            handler,
+            config,
+            hook: None,
+            seed,
+        }
+    }
+
+    /// The same processor calling `hook` on each row's last counted failure.
+    pub fn with_dead_letter_hook(mut self, hook: Arc<dyn DeadLetterHook>) -> Self {
+        self.hook = Some(hook);
+        self
+    }
+
+    /// A number in `[0, 1)` for the jitter.
+    fn sample(&mut self) -> f64 {
+        self.seed ^= self.seed << 13;
+        self.seed ^= self.seed >> 7;
+        self.seed ^= self.seed << 17;
+        (self.seed >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Runs the handler on one row inside `tx`, after a savepoint; rolls
+    /// back to it when the handler failed.
+    async fn handle_row(
+        &self,
+        tx: &mut S::Tx,
+        row: &InboxRow,
+    ) -> Result<Result<HandlerResult, Failure>, StoreError> {
+        tx.savepoint().await?;
+        let message = message_of(row);
+        let call = AssertUnwindSafe(self.handler.handle(&message, tx)).catch_unwind();
+        let result = match tokio::time::timeout(self.config.handler_timeout, call).await {
+            Err(_) => Err(Failure::Timeout),
+            Ok(Err(panic)) => Err(Failure::Panic(crate::runner::panic_text(&*panic))),
+            Ok(Ok(Err(e))) => Err(Failure::Error(e.to_string())),
+            Ok(Ok(Ok(output))) => Ok(output.into()),
+        };
+        let failed = match &result {
+            Ok(r) => r.class() == OutcomeClass::Failure,
+            Err(_) => true,
+        };
+        if failed {
+            tx.rollback_to_savepoint().await?;
+        }
+        Ok(result)
+    }
+
+    /// Claims a batch of due rows, handles them in one transaction, writes
+    /// their outcomes back and commits. An empty batch when nothing is due.
+    ///
+    /// # Errors
+    ///
+    /// A [`ProcessorError`] when the store fails or a lease was lost; the
+    /// batch's claims are then released (what cannot be released is
+    /// released by maintenance once stale).
+    pub async fn process_batch(&mut self) -> Result<ProcessorBatch, ProcessorError> {
+        let worker = self.config.worker_id.clone();
+        let rows = self
+            .store
+            .claim_due(&worker, self.config.batch_size.max(1), &self.config.filter)
+            .await?;
+        if rows.is_empty() {
+            return Ok(ProcessorBatch::default());
+        }
+        let ids: Vec<RowId> = rows.iter().map(|r| r.id).collect();
+        match self.work(&worker, &rows).await {
+            Ok(batch) => Ok(batch),
+            Err(e) => {
+                if let Err(release) = self.store.release_claims(&worker, &ids).await {
+                    tracing::warn!(error = %release, "releasing the batch's claims failed; maintenance releases them once stale");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    async fn work(
+        &mut self,
+        worker: &WorkerId,
+        rows: &[InboxRow],
+    ) -> Result<ProcessorBatch, ProcessorError> {
+        let mut tx = self.store.begin().await?;
+        let mut batch = ProcessorBatch {
+            claimed: rows.len(),
+            ..ProcessorBatch::default()
+        };
+        let mut updates: Vec<(RowId, RowUpdate)> = Vec::with_capacity(rows.len());
+        for row in rows {
+            let result = match self.handle_row(&mut tx, row).await {
+                Ok(result) => result,
+                Err(e) => {
+                    abandon(tx).await;
+                    return Err(e.into());
+                }
+            };
+            let sample = self.sample();
+            let (update, refused) = row_update(
+                &result,
+                row.attempts_made,
+                row.max_attempts,
+                sample,
+                &self.config.rules,
+            );
+            if let Some(e) = refused {
+                tracing::warn!(message_id = %row.message_id, error = %e, "handler result refused");
+                batch.refused.push((row.id, e));
+            }
+            match update.status {
+                InboxStatus::Completed => batch.completed += 1,
+                InboxStatus::Pending => batch.retried += 1,
+                InboxStatus::Failed => batch.failed += 1,
+            }
+            updates.push((row.id, update));
+        }
+        let written = match tx.write_outcomes(worker, &updates).await {
+            Ok(n) => n,
+            Err(e) => {
+                abandon(tx).await;
+                return Err(e.into());
+            }
+        };
+        let written = usize::try_from(written).unwrap_or(0);
+        if written != updates.len() {
+            abandon(tx).await;
+            return Err(ProcessorError::LeaseLost {
+                claimed: updates.len(),
+                lost: updates.len().saturating_sub(written),
+            });
+        }
+        tx.commit().await?;
+        if let Some(hook) = &self.hook {
+            for (row, (_, update)) in rows.iter().zip(&updates) {
+                if update.is_last_failure() {
+                    let error = update.last_error.as_deref().unwrap_or_default();
+                    if let Err(e) = hook.on_failed(row, error).await {
+                        tracing::warn!(message_id = %row.message_id, error = %e, "dead-letter hook failed; the row stays failed");
+                        batch.hook_failures += 1;
+                    }
+                }
+            }
+        }
+        Ok(batch)
+    }
+
+    /// Processes batches until `cancel` fires, waiting `idle_poll` when
+    /// nothing is due and backing off after failures. The batch in hand
+    /// when `cancel` fires is finished (committed or rolled back) first.
+    pub async fn run(&mut self, cancel: CancellationToken) -> ProcessorSummary {
+        let mut summary = ProcessorSummary::default();
+        let mut failures = 0u32;
+        while !cancel.is_cancelled() {
+            let delay = match self.process_batch().await {
+                Ok(b) if b.claimed == 0 => {
+                    failures = 0;
+                    self.config.idle_poll
+                }
+                Ok(b) => {
+                    failures = 0;
+                    summary.batches += 1;
+                    summary.completed += b.completed as u64;
+                    summary.retried += b.retried as u64;
+                    summary.failed += b.failed as u64;
+                    Duration::ZERO
+                }
+                Err(e) => {
+                    failures = failures.saturating_add(1);
+                    summary.errors += 1;
+                    tracing::warn!(error = %e, "batch failed");
+                    self.config.store_backoff.delay(failures)
+                }
+            };
+            if !delay.is_zero() {
+                tokio::select! {
+                    () = cancel.cancelled() => break,
+                    () = tokio::time::sleep(delay) => {}
+                }
+            }
+        }
+        summary
+    }
+}
+
+/// Rolls `tx` back; a failure is only logged.
+async fn abandon<T: InboxTransaction>(tx: T) {
+    if let Err(e) = tx.rollback().await {
+        tracing::warn!(error = %e, "rollback failed");
+    }
+}

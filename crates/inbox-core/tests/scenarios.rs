@@ -110,3 +110,8 @@ async fn processor_drains_landed_rows() {
 async fn processor_never_completes_a_row_it_no_longer_holds() {
     scenarios::processor_never_completes_a_row_it_no_longer_holds(MemStore::new()).await;
 }
+
+#[tokio::test]
+async fn processor_lease_expires_after_a_worker_dies() {
+    scenarios::processor_lease_expires_after_a_worker_dies(MemStore::new()).await;
+}

@@ -1615,3 +1615,49 @@ where
         assert_eq!(store.invoices(m).await, 1, "{m}: once");
     }
 }
+
+/// A processor that dies while it holds a batch (simulated: dropped while
+/// its handler hangs) leaves its rows leased: another processor cannot take
+/// them until maintenance releases the stale lease, then finishes them,
+/// each effect once (the dead worker's writes were rolled back with it).
+pub async fn processor_lease_expires_after_a_worker_dies<S>(store: S)
+where
+    S: ScenarioStore,
+    S::Tx: WriteInvoice + 'static,
+{
+    use inbox_core::processor::{BatchProcessor, ProcessorConfig};
+    let group = "processor-dies";
+    let ids: Vec<String> = (0..3).map(|i| format!("{group}-{i}")).collect();
+    for m in &ids {
+        store.land(&landed(m, group, 3)).await;
+    }
+    let mut config = ProcessorConfig::new("doomed").unwrap_or_else(|e| panic!("{e}"));
+    config.filter.consumer_group = Some(group.to_owned());
+    config.handler_timeout = Duration::from_secs(600);
+    let hangs = ScriptedHandler::new([Act::Succeed, Act::Hang], Act::Succeed);
+    let mut doomed = BatchProcessor::new(store.clone(), hangs, config.clone());
+    let died = tokio::time::timeout(Duration::from_millis(300), doomed.process_batch()).await;
+    assert!(died.is_err(), "the doomed processor hung in its second handler");
+    drop(doomed);
+    for m in &ids {
+        let r = row(&store, m, group).await.unwrap_or_else(|| panic!("{m}"));
+        assert_eq!(r.locked_by.as_deref(), Some("doomed"), "{m}: still leased");
+    }
+    config.worker_id = WorkerId::new("survivor").unwrap_or_else(|e| panic!("{e}"));
+    let handler = ScriptedHandler::new([], Act::Succeed);
+    let mut survivor = BatchProcessor::new(store.clone(), handler, config);
+    let before = survivor.process_batch().await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(before.claimed, 0, "the lease holds");
+    let released = store
+        .release_stale_locks(Duration::ZERO)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(released >= 3, "maintenance released the stale lease ({released})");
+    let after = survivor.process_batch().await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(after.completed, 3);
+    for m in &ids {
+        assert_eq!(store.invoices(m).await, 1, "{m}: once");
+        let r = row(&store, m, group).await.unwrap_or_else(|| panic!("{m}"));
+        assert_eq!((r.status, r.locked_by), (InboxStatus::Completed, None));
+    }
+}

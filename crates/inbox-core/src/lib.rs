@@ -51,6 +51,7 @@ pub mod consumer;
 pub mod decision;
 pub mod error;
 pub mod handler;
+pub mod maintenance;
 pub mod metrics;
 pub mod model;
 pub mod outcome;

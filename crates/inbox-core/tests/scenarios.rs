@@ -115,3 +115,8 @@ async fn processor_never_completes_a_row_it_no_longer_holds() {
 async fn processor_lease_expires_after_a_worker_dies() {
     scenarios::processor_lease_expires_after_a_worker_dies(MemStore::new()).await;
 }
+
+#[tokio::test]
+async fn retention_deletes_only_completed_rows_past_the_cutoff() {
+    scenarios::retention_deletes_only_completed_rows_past_the_cutoff(MemStore::new()).await;
+}

@@ -167,9 +167,17 @@ impl Sql {
                         locked_at, locked_by, created_at, updated_at
                    FROM {q} WHERE message_id = $1 AND consumer_group = $2"
             ),
+            // Bounded, and skipping rows another transaction holds, so that
+            // several maintenance instances never wait on each other in
+            // opposite orders (no deadlock) and no statement is unbounded.
             release: format!(
                 "UPDATE {q} SET locked_at = NULL, locked_by = NULL, updated_at = now()
-                  WHERE locked_by IS NOT NULL AND locked_at <= now() - make_interval(secs => $1)"
+                  WHERE id IN (
+                    SELECT id FROM {q}
+                     WHERE locked_by IS NOT NULL AND locked_at <= now() - make_interval(secs => $1)
+                     ORDER BY locked_at
+                     LIMIT $2
+                     FOR UPDATE SKIP LOCKED)"
             ),
             delete_completed: format!(
                 "DELETE FROM {q} WHERE id IN (
@@ -363,12 +371,26 @@ impl InboxStore for PgStore {
     }
 
     async fn release_stale_locks(&self, older_than: Duration) -> Result<u64, StoreError> {
-        let r = self
-            .db
-            .execute_raw(stmt(&self.sql.release, vec![secs(older_than)]))
-            .await
-            .map_err(db)?;
-        Ok(r.rows_affected())
+        // In bounded statements until one releases fewer than its limit.
+        const BATCH: u64 = 1_000;
+        let mut released = 0;
+        loop {
+            let r = self
+                .db
+                .execute_raw(stmt(
+                    &self.sql.release,
+                    vec![
+                        secs(older_than),
+                        i64::try_from(BATCH).unwrap_or(1_000).into(),
+                    ],
+                ))
+                .await
+                .map_err(db)?;
+            released += r.rows_affected();
+            if r.rows_affected() < BATCH {
+                return Ok(released);
+            }
+        }
     }
 
     async fn claim_due(

@@ -63,17 +63,14 @@ fn id(i: usize) -> String {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn four_processors_drain_every_row_once() {
-    let rows: usize = std::env::var("PROCESSOR_ROWS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(10_000);
+/// `rows` landed rows in a fresh database; `pools` stores on it (each its
+/// own connection pool).
+async fn landed(rows: usize, pools: usize) -> Vec<PgStore> {
     let url = server()
         .and_then(|s| s.create_database())
         .unwrap_or_else(|e| panic!("{e}"));
     let mut stores = Vec::new();
-    for _ in 0..4 {
+    for _ in 0..pools {
         stores.push(
             PgStore::connect(&url, TableName::default())
                 .await
@@ -104,6 +101,56 @@ async fn four_processors_drain_every_row_once() {
             .unwrap_or_else(|e| panic!("{e}"));
         tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
     }
+    stores
+}
+
+/// A processor on `store` that retries at once.
+fn processor(
+    store: PgStore,
+    w: usize,
+    handler: Arc<Effects>,
+) -> BatchProcessor<PgStore, Arc<Effects>> {
+    let mut config =
+        ProcessorConfig::new(format!("processor-{w}")).unwrap_or_else(|e| panic!("{e}"));
+    config.rules.backoff = Backoff {
+        initial: std::time::Duration::ZERO,
+        max: std::time::Duration::ZERO,
+        factor: 1.0,
+    };
+    config.idle_poll = std::time::Duration::from_millis(20);
+    BatchProcessor::new(store, handler, config)
+}
+
+/// Waits until no row is pending (at most 300 s).
+async fn drained(store: &PgStore) {
+    let started = std::time::Instant::now();
+    loop {
+        let open = count(
+            store,
+            "SELECT count(*) FROM inbox WHERE status = 'pending'",
+            vec![],
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+        if open == 0 {
+            return;
+        }
+        assert!(
+            started.elapsed().as_secs() < 300,
+            "{open} rows still pending"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_processors_drain_every_row_once() {
+    let rows: usize = std::env::var("PROCESSOR_ROWS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10_000);
+    let stores = landed(rows, 4).await;
+    let store = stores[0].clone();
     let handler = Arc::new(Effects::default());
     let cancel = CancellationToken::new();
     let mut tasks = Vec::new();
@@ -188,4 +235,73 @@ async fn four_processors_drain_every_row_once() {
         "{rows} rows, 4 processors, {batches} batches, {:.1} s",
         started.elapsed().as_secs_f64()
     );
+}
+
+/// Four maintenance instances at once (every 5 ms, retention zero, so they
+/// delete every completed row they can), beside two processors draining
+/// 2,000 rows: no run fails (a deadlock or a timeout would), every effect
+/// exists once, and what remains in the inbox is the failed rows only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn maintenance_instances_run_beside_processors() {
+    use inbox_core::maintenance::{Maintenance, MaintenanceConfig};
+    let rows = 2_000;
+    let stores = landed(rows, 6).await;
+    let store = stores[0].clone();
+    let handler = Arc::new(Effects::default());
+    let cancel = CancellationToken::new();
+    let mut processors = Vec::new();
+    let mut maintainers = Vec::new();
+    for (w, s) in stores.into_iter().enumerate() {
+        let cancel = cancel.clone();
+        if w < 2 {
+            let mut p = processor(s, w, handler.clone());
+            processors.push(tokio::spawn(async move { p.run(cancel).await }));
+        } else {
+            let mut config = MaintenanceConfig::allow_short_retention(std::time::Duration::ZERO);
+            config.interval = std::time::Duration::from_millis(5);
+            config.delete_batch = 50;
+            let m = Maintenance::new(s, config);
+            maintainers.push(tokio::spawn(async move { m.run(cancel).await }));
+        }
+    }
+    drained(&store).await;
+    // one more round of deletes after the last completion
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    cancel.cancel();
+    for t in processors {
+        let s = t.await.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(s.errors, 0, "{s:?}");
+    }
+    let mut deleted = 0;
+    for t in maintainers {
+        let (report, failures) = t.await.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(failures, 0, "a maintenance run failed");
+        deleted += report.deleted;
+    }
+    let always = (0..rows).filter(|i| i.is_multiple_of(100)).count() as i64;
+    let total = rows as i64;
+    assert_eq!(
+        deleted as i64,
+        total - always,
+        "every completed row deleted once"
+    );
+    let left = count(&store, "SELECT count(*) FROM inbox", vec![])
+        .await
+        .unwrap_or(-1);
+    let failed = count(
+        &store,
+        "SELECT count(*) FROM inbox WHERE status = 'failed'",
+        vec![],
+    )
+    .await
+    .unwrap_or(-1);
+    assert_eq!(
+        (left, failed),
+        (always, always),
+        "only the failed rows remain"
+    );
+    let effects = count(&store, "SELECT count(*) FROM processor_effects", vec![])
+        .await
+        .unwrap_or(-1);
+    assert_eq!(effects, total - always, "each completed row's effect once");
 }

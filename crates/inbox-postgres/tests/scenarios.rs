@@ -118,3 +118,8 @@ async fn processor_never_completes_a_row_it_no_longer_holds() {
 async fn processor_lease_expires_after_a_worker_dies() {
     scenarios::processor_lease_expires_after_a_worker_dies(store().await).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_deletes_only_completed_rows_past_the_cutoff() {
+    scenarios::retention_deletes_only_completed_rows_past_the_cutoff(store().await).await;
+}

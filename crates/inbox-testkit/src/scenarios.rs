@@ -1637,7 +1637,10 @@ where
     let hangs = ScriptedHandler::new([Act::Succeed, Act::Hang], Act::Succeed);
     let mut doomed = BatchProcessor::new(store.clone(), hangs, config.clone());
     let died = tokio::time::timeout(Duration::from_millis(300), doomed.process_batch()).await;
-    assert!(died.is_err(), "the doomed processor hung in its second handler");
+    assert!(
+        died.is_err(),
+        "the doomed processor hung in its second handler"
+    );
     drop(doomed);
     for m in &ids {
         let r = row(&store, m, group).await.unwrap_or_else(|| panic!("{m}"));
@@ -1646,18 +1649,90 @@ where
     config.worker_id = WorkerId::new("survivor").unwrap_or_else(|e| panic!("{e}"));
     let handler = ScriptedHandler::new([], Act::Succeed);
     let mut survivor = BatchProcessor::new(store.clone(), handler, config);
-    let before = survivor.process_batch().await.unwrap_or_else(|e| panic!("{e}"));
+    let before = survivor
+        .process_batch()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(before.claimed, 0, "the lease holds");
     let released = store
         .release_stale_locks(Duration::ZERO)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    assert!(released >= 3, "maintenance released the stale lease ({released})");
-    let after = survivor.process_batch().await.unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        released >= 3,
+        "maintenance released the stale lease ({released})"
+    );
+    let after = survivor
+        .process_batch()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(after.completed, 3);
     for m in &ids {
         assert_eq!(store.invoices(m).await, 1, "{m}: once");
         let r = row(&store, m, group).await.unwrap_or_else(|| panic!("{m}"));
         assert_eq!((r.status, r.locked_by), (InboxStatus::Completed, None));
     }
+}
+
+/// Retention: with a cutoff no row has reached, nothing goes; with one
+/// every row has reached, only `completed` rows go (`pending` and `failed`
+/// stay), at most `delete_batch` per statement and `max_batches_per_run`
+/// statements per run.
+pub async fn retention_deletes_only_completed_rows_past_the_cutoff<S>(store: S)
+where
+    S: ScenarioStore,
+    S::Tx: WriteInvoice + 'static,
+{
+    use inbox_core::maintenance::{Maintenance, MaintenanceConfig};
+    use inbox_core::processor::{BatchProcessor, ProcessorConfig};
+    let group = "retention";
+    let id = |m: &str| format!("{group}-{m}");
+    for m in ["done-1", "done-2", "done-3", "bad"] {
+        store.land(&landed(&id(m), group, 1)).await;
+    }
+    let bad = id("bad");
+    let mut config = ProcessorConfig::new("retention-worker").unwrap_or_else(|e| panic!("{e}"));
+    config.filter.consumer_group = Some(group.to_owned());
+    let mut processor = BatchProcessor::new(
+        store.clone(),
+        FlakyById::new([(bad.as_str(), 1_000)]),
+        config,
+    );
+    processor
+        .process_batch()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.land(&landed(&id("waiting"), group, 3)).await;
+    let keep = MaintenanceConfig::new(Duration::from_secs(30 * 24 * 3_600))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let report = Maintenance::new(store.clone(), keep)
+        .run_once()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(report.deleted, 0, "nothing is 30 days old");
+    let mut cut = MaintenanceConfig::allow_short_retention(Duration::ZERO);
+    cut.delete_batch = 2;
+    cut.max_batches_per_run = 1;
+    let maintenance = Maintenance::new(store.clone(), cut);
+    let first = maintenance
+        .run_once()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(first.deleted, 2, "one bounded statement per run here");
+    let second = maintenance
+        .run_once()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(second.deleted >= 1, "the rest on the next run");
+    for m in ["done-1", "done-2", "done-3"] {
+        assert!(row(&store, &id(m), group).await.is_none(), "{m} deleted");
+    }
+    let failed = row(&store, &bad, group)
+        .await
+        .unwrap_or_else(|| panic!("bad"));
+    assert_eq!(failed.status, InboxStatus::Failed, "failed rows stay");
+    let waiting = row(&store, &id("waiting"), group)
+        .await
+        .unwrap_or_else(|| panic!("waiting"));
+    assert_eq!(waiting.status, InboxStatus::Pending, "pending rows stay");
 }

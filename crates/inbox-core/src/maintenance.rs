@@ -1,0 +1,161 @@
+//! Maintenance that runs: stale leases released and completed rows deleted
+//! on an interval (SPEC "Maintenance").
+//!
+//! Every statement is bounded and skips rows another transaction holds, so
+//! several instances (one per process is fine) can run at once without
+//! waiting on each other or deadlocking.
+//!
+//! **Retention is the deduplication window.** A message whose row was
+//! deleted is new again: if the broker delivers it after that (a consumer
+//! group reset, a replay, a producer that retried late), its effect happens
+//! twice. So the retention must outlive the broker's retention of the topic
+//! and any producer retry window. [`MaintenanceConfig::new`] refuses a
+//! retention shorter than [`MIN_RETENTION`] (one day) unless
+//! [`MaintenanceConfig::allow_short_retention`] says you know.
+//!
+//! ```
+//! use std::time::Duration;
+//! use inbox_core::maintenance::MaintenanceConfig;
+//!
+//! assert!(MaintenanceConfig::new(Duration::from_secs(3_600)).is_err(), "an hour is too short");
+//! let config = MaintenanceConfig::new(Duration::from_secs(14 * 24 * 3_600)).unwrap();
+//! assert_eq!(config.stale_after, Duration::from_secs(300));
+//! ```
+
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::error::{StoreError, ValidationError};
+use crate::store::InboxStore;
+
+/// The shortest retention [`MaintenanceConfig::new`] accepts: one day.
+pub const MIN_RETENTION: Duration = Duration::from_secs(24 * 3_600);
+
+/// How maintenance runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MaintenanceConfig {
+    /// Time between two runs. Default 60 s.
+    pub interval: Duration,
+    /// A lease older than this is released (its worker is taken for dead):
+    /// longer than any batch a healthy processor takes, handler timeouts
+    /// included. Default 5 minutes.
+    pub stale_after: Duration,
+    /// Completed rows older than this are deleted.
+    pub retention: Duration,
+    /// Rows deleted per statement. Default 1,000.
+    pub delete_batch: u64,
+    /// Most delete statements per run (the rest waits for the next run).
+    /// Default 100.
+    pub max_batches_per_run: u32,
+}
+
+impl MaintenanceConfig {
+    /// Maintenance keeping completed rows for `retention`.
+    ///
+    /// # Errors
+    ///
+    /// [`ValidationError::Config`] when `retention` is shorter than
+    /// [`MIN_RETENTION`].
+    pub fn new(retention: Duration) -> Result<Self, ValidationError> {
+        if retention < MIN_RETENTION {
+            return Err(ValidationError::Config {
+                reason: format!(
+                    "a retention of {} s is shorter than the minimum of {} s: the retention is the deduplication window and must outlive the broker's retention and any producer retry (MaintenanceConfig::allow_short_retention overrides)",
+                    retention.as_secs(),
+                    MIN_RETENTION.as_secs()
+                ),
+            });
+        }
+        Ok(Self::allow_short_retention(retention))
+    }
+
+    /// Maintenance keeping completed rows for `retention`, however short
+    /// (tests; an inbox whose messages are never delivered again after a
+    /// known time).
+    pub fn allow_short_retention(retention: Duration) -> Self {
+        Self {
+            interval: Duration::from_secs(60),
+            stale_after: Duration::from_secs(300),
+            retention,
+            delete_batch: 1_000,
+            max_batches_per_run: 100,
+        }
+    }
+}
+
+/// What one run did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MaintenanceReport {
+    /// Leases released.
+    pub released: u64,
+    /// Completed rows deleted.
+    pub deleted: u64,
+}
+
+/// Runs maintenance on a store.
+#[derive(Debug, Clone)]
+pub struct Maintenance<S> {
+    store: S,
+    config: MaintenanceConfig,
+}
+
+impl<S: InboxStore> Maintenance<S> {
+    /// Maintenance of `store`.
+    pub fn new(store: S, config: MaintenanceConfig) -> Self {
+        Self { store, config }
+    }
+
+    /// One run: stale leases released, then completed rows past the
+    /// retention deleted in batches (at most `max_batches_per_run`).
+    ///
+    /// # Errors
+    ///
+    /// The first [`StoreError`].
+    pub async fn run_once(&self) -> Result<MaintenanceReport, StoreError> {
+        let released = self
+            .store
+            .release_stale_locks(self.config.stale_after)
+            .await?;
+        let mut deleted = 0;
+        let batch = self.config.delete_batch.max(1);
+        for _ in 0..self.config.max_batches_per_run.max(1) {
+            let n = self
+                .store
+                .delete_completed(self.config.retention, batch)
+                .await?;
+            deleted += n;
+            if n < batch {
+                break;
+            }
+        }
+        Ok(MaintenanceReport { released, deleted })
+    }
+
+    /// Runs every `interval` until `cancel` fires; a failed run is logged
+    /// and retried at the next interval. The totals.
+    pub async fn run(&self, cancel: CancellationToken) -> (MaintenanceReport, u64) {
+        let mut total = MaintenanceReport::default();
+        let mut failures = 0;
+        while !cancel.is_cancelled() {
+            match self.run_once().await {
+                Ok(r) => {
+                    total.released += r.released;
+                    total.deleted += r.deleted;
+                    if r.released > 0 {
+                        tracing::info!(released = r.released, "stale leases released");
+                    }
+                }
+                Err(e) => {
+                    failures += 1;
+                    tracing::warn!(error = %e, "maintenance run failed");
+                }
+            }
+            tokio::select! {
+                () = cancel.cancelled() => break,
+                () = tokio::time::sleep(self.config.interval) => {}
+            }
+        }
+        (total, failures)
+    }
+}

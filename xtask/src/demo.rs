@@ -17,9 +17,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use async_trait::async_trait;
+use inbox_core::router::{EventHandler, Router};
 use inbox_core::{
-    BatchConfig, CancellationToken, CountingMetrics, Handler, HandlerError, Message, MetricEvent,
-    Metrics, RunnerConfig,
+    BatchConfig, CancellationToken, CountingMetrics, HandlerError, HandlerResult, Message,
+    MetricEvent, Metrics, RunnerConfig,
 };
 use inbox_kafka::{KafkaConfig, run_partitioned_with_metrics};
 use inbox_postgres::sea_orm::{ConnectionTrait, DbBackend, Statement};
@@ -62,25 +63,36 @@ struct Billing {
     calls: AtomicU64,
 }
 
+/// The event the billing handler takes, deserialized by the router.
+#[derive(serde::Deserialize)]
+struct OrderCreated {
+    order_id: u64,
+    total: i64,
+}
+
 #[async_trait]
-impl Handler<PgTx> for Billing {
-    type Output = ();
-    async fn handle(&self, m: &Message, tx: &mut PgTx) -> Result<(), HandlerError> {
+impl EventHandler<OrderCreated, PgTx> for Billing {
+    async fn handle(
+        &self,
+        order: OrderCreated,
+        m: &Message,
+        tx: &mut PgTx,
+    ) -> Result<HandlerResult, HandlerError> {
         self.calls.fetch_add(1, Ordering::Relaxed);
         tx.connection()
             .execute_raw(Statement::from_sql_and_values(
                 DbBackend::Postgres,
                 format!("INSERT INTO {INVOICES} (order_id, total) VALUES ($1, $2)"),
-                [
-                    m.message_id.clone().into(),
-                    m.payload["total"].as_i64().unwrap_or_default().into(),
-                ],
+                [m.message_id.clone().into(), order.total.into()],
             ))
             .await?;
         if self.dice.roll(FAIL_PERCENT) {
-            return Err(HandlerError::msg("payment provider timed out"));
+            return Err(HandlerError::msg(format!(
+                "payment provider timed out (order {})",
+                order.order_id
+            )));
         }
-        Ok(())
+        Ok(HandlerResult::completed())
     }
 }
 
@@ -240,10 +252,13 @@ async fn billing(per_message: bool) -> Result<()> {
         produced - orders - poison
     );
 
-    let handler = Arc::new(Billing {
+    let billing = Arc::new(Billing {
         dice: Dice(AtomicU64::new(0x9E37_79B9_7F4A_7C15)),
         calls: AtomicU64::new(0),
     });
+    // the handler is a typed router: order.created payloads arrive as
+    // OrderCreated values
+    let handler = Arc::new(Router::new().on::<OrderCreated, _>("order.created", billing.clone()));
     let metrics = Arc::new(DemoMetrics::default());
     let mut kafka = KafkaConfig::new(
         vec![broker.address().to_owned()],
@@ -316,7 +331,7 @@ async fn billing(per_message: bool) -> Result<()> {
         "  failures / redeliveries {} / {}  (handler calls {})",
         c.failed,
         c.rewound,
-        handler.calls.load(Ordering::Relaxed)
+        billing.calls.load(Ordering::Relaxed)
     );
     println!("  dead letters            {dead}");
     println!(

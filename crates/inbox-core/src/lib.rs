@@ -56,6 +56,7 @@ pub mod metrics;
 pub mod model;
 pub mod outcome;
 pub mod processor;
+pub mod router;
 pub mod runner;
 pub mod store;
 pub mod strategy;

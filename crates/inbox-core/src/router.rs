@@ -1,0 +1,364 @@
+//! Typed routing: each event type (and optionally schema version) to a
+//! handler that receives its payload deserialized into its own type.
+//!
+//! A [`Router`] is a [`Handler`], so it serves the runner (per message and
+//! batched) and the batch processor alike. A payload that does not
+//! deserialize is a failure whose error ([`RouteError::Payload`]) names the
+//! type and the field; an event type no route takes is skipped or a
+//! failure ([`RouteError::UnknownEventType`]), as configured
+//! ([`UnknownEventType`]).
+//!
+//! ```
+//! use inbox_core::router::{EventHandler, Router};
+//! use inbox_core::{HandlerError, HandlerResult, Message};
+//! use serde::Deserialize;
+//!
+//! #[derive(Deserialize)]
+//! struct OrderCreated {
+//!     order_id: u64,
+//!     total: i64,
+//! }
+//!
+//! struct Billing;
+//!
+//! #[async_trait::async_trait]
+//! impl<Tx: Send + 'static> EventHandler<OrderCreated, Tx> for Billing {
+//!     async fn handle(&self, order: OrderCreated, _m: &Message, _tx: &mut Tx) -> Result<HandlerResult, HandlerError> {
+//!         // write the invoice through the transaction
+//!         let _ = (order.order_id, order.total);
+//!         Ok(HandlerResult::completed())
+//!     }
+//! }
+//!
+//! let router: Router<()> = Router::new().on::<OrderCreated, _>("order.created", Billing);
+//! assert!(router.routes("order.created", None));
+//! ```
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use serde::de::DeserializeOwned;
+
+use crate::error::HandlerError;
+use crate::handler::Handler;
+use crate::model::Message;
+use crate::outcome::HandlerResult;
+
+/// A handler of one event type's payload, deserialized into `T`.
+#[async_trait]
+pub trait EventHandler<T, Tx>: Send + Sync {
+    /// Handles `event` (the payload of `message`), writing through `tx`.
+    async fn handle(
+        &self,
+        event: T,
+        message: &Message,
+        tx: &mut Tx,
+    ) -> Result<HandlerResult, HandlerError>;
+}
+
+#[async_trait]
+impl<T: Send + 'static, Tx: Send, H: EventHandler<T, Tx> + ?Sized> EventHandler<T, Tx> for Arc<H> {
+    async fn handle(
+        &self,
+        event: T,
+        message: &Message,
+        tx: &mut Tx,
+    ) -> Result<HandlerResult, HandlerError> {
+        (**self).handle(event, message, tx).await
+    }
+}
+
+/// What the router does with an event type no route takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum UnknownEventType {
+    /// A failure ([`RouteError::UnknownEventType`]): the message is retried
+    /// or given up as its strategy says. The default: a message nobody
+    /// handles is more often a missing route than an event to ignore.
+    #[default]
+    Fail,
+    /// Skipped: handled by not acting (the row completes).
+    Skip,
+}
+
+/// Why the router could not hand a message to a handler.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RouteError {
+    /// The payload does not deserialize into the route's type.
+    #[error("payload of {event_type} does not fit {type_name} at `{path}`: {reason}")]
+    Payload {
+        /// The message's event type.
+        event_type: String,
+        /// The type the route deserializes into.
+        type_name: &'static str,
+        /// Where in the payload (`.` for the whole of it, else e.g.
+        /// `items[2].price`).
+        path: String,
+        /// What serde said.
+        reason: String,
+    },
+    /// No route takes this event type (and schema version).
+    #[error("no route for event type {event_type:?} (schema version {schema_version:?})")]
+    UnknownEventType {
+        /// The message's event type.
+        event_type: String,
+        /// The message's schema version.
+        schema_version: Option<String>,
+    },
+}
+
+/// One route, its type erased.
+#[async_trait]
+trait Route<Tx>: Send + Sync {
+    async fn call(&self, message: &Message, tx: &mut Tx) -> Result<HandlerResult, HandlerError>;
+}
+
+struct Typed<T, H> {
+    handler: H,
+    _type: std::marker::PhantomData<fn() -> T>,
+}
+
+#[async_trait]
+impl<T, H, Tx> Route<Tx> for Typed<T, H>
+where
+    T: DeserializeOwned + Send + 'static,
+    H: EventHandler<T, Tx>,
+    Tx: Send,
+{
+    async fn call(&self, message: &Message, tx: &mut Tx) -> Result<HandlerResult, HandlerError> {
+        let event: T = serde_path_to_error::deserialize(&message.payload).map_err(|e| {
+            let path = e.path().to_string();
+            RouteError::Payload {
+                event_type: message.event_type.clone(),
+                type_name: std::any::type_name::<T>(),
+                path,
+                reason: e.into_inner().to_string(),
+            }
+        })?;
+        self.handler.handle(event, message, tx).await
+    }
+}
+
+/// Routes messages by event type (and schema version) to typed handlers.
+pub struct Router<Tx> {
+    routes: HashMap<(String, Option<String>), Arc<dyn Route<Tx>>>,
+    unknown: UnknownEventType,
+}
+
+impl<Tx> std::fmt::Debug for Router<Tx> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut keys: Vec<_> = self.routes.keys().collect();
+        keys.sort();
+        f.debug_struct("Router")
+            .field("routes", &keys)
+            .field("unknown", &self.unknown)
+            .finish()
+    }
+}
+
+impl<Tx: Send + 'static> Default for Router<Tx> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<Tx: Send + 'static> Router<Tx> {
+    /// A router with no routes that fails unknown event types.
+    pub fn new() -> Self {
+        Self {
+            routes: HashMap::new(),
+            unknown: UnknownEventType::default(),
+        }
+    }
+
+    /// Routes `event_type` (any schema version without a route of its own)
+    /// to `handler`, with the payload deserialized into `T`.
+    pub fn on<T, H>(self, event_type: &str, handler: H) -> Self
+    where
+        T: DeserializeOwned + Send + 'static,
+        H: EventHandler<T, Tx> + 'static,
+    {
+        self.add::<T, H>(event_type, None, handler)
+    }
+
+    /// Routes `event_type` at `schema_version` to `handler` (preferred over
+    /// the route without a version).
+    pub fn on_version<T, H>(self, event_type: &str, schema_version: &str, handler: H) -> Self
+    where
+        T: DeserializeOwned + Send + 'static,
+        H: EventHandler<T, Tx> + 'static,
+    {
+        self.add::<T, H>(event_type, Some(schema_version.to_owned()), handler)
+    }
+
+    fn add<T, H>(mut self, event_type: &str, version: Option<String>, handler: H) -> Self
+    where
+        T: DeserializeOwned + Send + 'static,
+        H: EventHandler<T, Tx> + 'static,
+    {
+        let route: Arc<dyn Route<Tx>> = Arc::new(Typed::<T, H> {
+            handler,
+            _type: std::marker::PhantomData,
+        });
+        self.routes.insert((event_type.to_owned(), version), route);
+        self
+    }
+
+    /// The same router treating unknown event types as `unknown` says.
+    pub fn unknown_event_types(mut self, unknown: UnknownEventType) -> Self {
+        self.unknown = unknown;
+        self
+    }
+
+    /// Whether a route takes `event_type` at `schema_version`.
+    pub fn routes(&self, event_type: &str, schema_version: Option<&str>) -> bool {
+        self.route(event_type, schema_version).is_some()
+    }
+
+    fn route(&self, event_type: &str, schema_version: Option<&str>) -> Option<&Arc<dyn Route<Tx>>> {
+        schema_version
+            .and_then(|v| {
+                self.routes
+                    .get(&(event_type.to_owned(), Some(v.to_owned())))
+            })
+            .or_else(|| self.routes.get(&(event_type.to_owned(), None)))
+    }
+}
+
+#[async_trait]
+impl<Tx: Send + 'static> Handler<Tx> for Router<Tx> {
+    type Output = HandlerResult;
+
+    async fn handle(&self, message: &Message, tx: &mut Tx) -> Result<HandlerResult, HandlerError> {
+        let route = self
+            .route(&message.event_type, message.schema_version.as_deref())
+            .cloned();
+        match (route, self.unknown) {
+            (Some(route), _) => route.call(message, tx).await,
+            (None, UnknownEventType::Skip) => Ok(HandlerResult::skipped()),
+            (None, UnknownEventType::Fail) => Err(RouteError::UnknownEventType {
+                event_type: message.event_type.clone(),
+                schema_version: message.schema_version.clone(),
+            }
+            .into()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde::Deserialize;
+    use serde_json::json;
+
+    #[derive(Debug, Deserialize, PartialEq)]
+    struct OrderCreated {
+        order_id: u64,
+        items: Vec<Item>,
+    }
+
+    #[derive(Debug, Deserialize, PartialEq)]
+    struct Item {
+        price: i64,
+    }
+
+    #[derive(Debug, Deserialize, PartialEq)]
+    struct OrderCreatedV2 {
+        id: String,
+    }
+
+    /// Records what it received in the "transaction".
+    struct Record(&'static str);
+
+    #[async_trait]
+    impl<T: std::fmt::Debug + Send + 'static> EventHandler<T, Vec<String>> for Record {
+        async fn handle(
+            &self,
+            event: T,
+            _message: &Message,
+            tx: &mut Vec<String>,
+        ) -> Result<HandlerResult, HandlerError> {
+            tx.push(format!("{} {event:?}", self.0));
+            Ok(HandlerResult::completed())
+        }
+    }
+
+    fn router() -> Router<Vec<String>> {
+        Router::new()
+            .on::<OrderCreated, _>("order.created", Record("v1"))
+            .on_version::<OrderCreatedV2, _>("order.created", "2", Record("v2"))
+    }
+
+    fn message(event_type: &str, payload: serde_json::Value) -> Message {
+        Message::new("m-1", "orders", event_type, payload)
+    }
+
+    fn route_error(e: &HandlerError) -> RouteError {
+        e.source()
+            .and_then(|s| s.downcast_ref::<RouteError>())
+            .cloned()
+            .expect("a RouteError")
+    }
+
+    #[tokio::test]
+    async fn routes_by_event_type_and_version() {
+        let r = router();
+        let mut tx = Vec::new();
+        let ok = json!({ "order_id": 7, "items": [{ "price": 3 }] });
+        r.handle(&message("order.created", ok), &mut tx)
+            .await
+            .expect("handled");
+        let mut v2 = message("order.created", json!({ "id": "x" }));
+        v2.schema_version = Some("2".into());
+        r.handle(&v2, &mut tx).await.expect("handled by v2");
+        assert_eq!(tx.len(), 2);
+        assert!(tx[0].starts_with("v1 OrderCreated { order_id: 7"));
+        assert!(tx[1].starts_with("v2 OrderCreatedV2"));
+    }
+
+    #[tokio::test]
+    async fn a_payload_that_does_not_fit_names_the_type_and_the_field() {
+        let r = router();
+        let mut tx = Vec::new();
+        let bad = json!({ "order_id": 7, "items": [{ "price": 3 }, { "price": "free" }] });
+        let e = r
+            .handle(&message("order.created", bad), &mut tx)
+            .await
+            .expect_err("a failure");
+        match route_error(&e) {
+            RouteError::Payload {
+                type_name, path, ..
+            } => {
+                assert!(type_name.ends_with("OrderCreated"), "{type_name}");
+                assert_eq!(path, "items[1].price");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(e.to_string().contains("items[1].price"), "{e}");
+        let missing = json!({ "items": [] });
+        let e = r
+            .handle(&message("order.created", missing), &mut tx)
+            .await
+            .expect_err("a failure");
+        assert!(e.to_string().contains("order_id"), "{e}");
+        assert!(tx.is_empty(), "no handler ran");
+    }
+
+    #[tokio::test]
+    async fn unknown_event_types_fail_or_skip() {
+        let mut tx = Vec::new();
+        let m = message("order.cancelled", json!({ "a": 1 }));
+        let e = router().handle(&m, &mut tx).await.expect_err("fails");
+        assert_eq!(
+            route_error(&e),
+            RouteError::UnknownEventType {
+                event_type: "order.cancelled".into(),
+                schema_version: None
+            }
+        );
+        let skip = router().unknown_event_types(UnknownEventType::Skip);
+        let r = skip.handle(&m, &mut tx).await.expect("skipped");
+        assert_eq!(r, HandlerResult::skipped());
+    }
+}

@@ -189,3 +189,186 @@ impl Metrics for CountingMetrics {
         self.counters[index].fetch_add(1, Ordering::Relaxed);
     }
 }
+
+/// Reports every [`MetricEvent`] through the `metrics` crate's
+/// facade, so any exporter installed as its recorder (Prometheus, StatsD,
+/// OpenTelemetry) publishes them (feature `metrics`):
+///
+/// | event | metric | labels |
+/// |---|---|---|
+/// | consumed | counter `inbox_consumed_total` | `group` |
+/// | each message's tally | counter `inbox_messages_total` | `group`, `outcome` (`processed`, `skipped`, `failed`, `duplicate`, `landed`, `deferred`, `terminal`, `poison`, `exhausted`) |
+/// | acknowledgements | counter `inbox_acks_total` | `group`, `result` (`ok`, `failed`) |
+/// | rewinds, dropped failures | counters `inbox_rewinds_total`, `inbox_dropped_total` | `group` |
+/// | handler duration | histogram `inbox_handler_duration_seconds` | `group` |
+/// | lag | gauge `inbox_lag` | `group`, `topic`, `partition` |
+/// | broker gaps, fencing, offsets out of range | counters `inbox_offset_gaps_total`, `inbox_offsets_skipped_total`, `inbox_fenced_total`, `inbox_offset_out_of_range_total` | `group`, `topic`, `partition` |
+///
+/// Alert on `exhausted`, `poison` and `dropped` outcomes, gaps, out-of-range
+/// offsets, and a lag that grows (see `docs/operations.md`).
+#[cfg(feature = "metrics")]
+#[derive(Debug, Clone)]
+pub struct FacadeMetrics {
+    group: String,
+    topic: String,
+}
+
+#[cfg(feature = "metrics")]
+impl FacadeMetrics {
+    /// Reports for `consumer_group`; `topic` labels the per-partition
+    /// metrics.
+    pub fn new(consumer_group: impl Into<String>, topic: impl Into<String>) -> Self {
+        Self {
+            group: consumer_group.into(),
+            topic: topic.into(),
+        }
+    }
+
+    fn partition_labels(&self, partition: i32) -> [(&'static str, String); 3] {
+        [
+            ("group", self.group.clone()),
+            ("topic", self.topic.clone()),
+            ("partition", partition.to_string()),
+        ]
+    }
+}
+
+/// The `outcome` label of a tally.
+pub fn tally_label(tally: Tally) -> &'static str {
+    match tally {
+        Tally::Processed => "processed",
+        Tally::Skipped => "skipped",
+        Tally::Failed => "failed",
+        Tally::Duplicate => "duplicate",
+        Tally::Landed => "landed",
+        Tally::Deferred => "deferred",
+        Tally::Terminal => "terminal",
+        Tally::Poison => "poison",
+        Tally::Exhausted => "exhausted",
+        Tally::HandedBack => "handed_back",
+    }
+}
+
+#[cfg(feature = "metrics")]
+impl Metrics for FacadeMetrics {
+    fn record(&self, event: MetricEvent) {
+        let group = self.group.clone();
+        match event {
+            MetricEvent::Consumed => {
+                ::metrics::counter!("inbox_consumed_total", "group" => group).increment(1);
+            }
+            MetricEvent::Tally(Tally::HandedBack) => {}
+            MetricEvent::Tally(t) => {
+                ::metrics::counter!("inbox_messages_total", "group" => group, "outcome" => tally_label(t))
+                    .increment(1);
+            }
+            MetricEvent::Acked => {
+                ::metrics::counter!("inbox_acks_total", "group" => group, "result" => "ok")
+                    .increment(1);
+            }
+            MetricEvent::AckFailed => {
+                ::metrics::counter!("inbox_acks_total", "group" => group, "result" => "failed")
+                    .increment(1);
+            }
+            MetricEvent::Rewound => {
+                ::metrics::counter!("inbox_rewinds_total", "group" => group).increment(1);
+            }
+            MetricEvent::Dropped => {
+                ::metrics::counter!("inbox_dropped_total", "group" => group).increment(1);
+            }
+            MetricEvent::HandlerDuration(d) => {
+                ::metrics::histogram!("inbox_handler_duration_seconds", "group" => group)
+                    .record(d.as_secs_f64());
+            }
+            MetricEvent::Lag { partition, lag } => {
+                #[allow(clippy::cast_precision_loss)]
+                let lag = lag as f64;
+                ::metrics::gauge!("inbox_lag", &self.partition_labels(partition)).set(lag);
+            }
+            MetricEvent::OffsetGap { partition, missing } => {
+                let labels = self.partition_labels(partition);
+                ::metrics::counter!("inbox_offset_gaps_total", &labels).increment(1);
+                ::metrics::counter!("inbox_offsets_skipped_total", &labels)
+                    .increment(u64::try_from(missing).unwrap_or(0));
+            }
+            MetricEvent::Fenced { partition } => {
+                ::metrics::counter!("inbox_fenced_total", &self.partition_labels(partition))
+                    .increment(1);
+            }
+            MetricEvent::OffsetOutOfRange { partition } => {
+                ::metrics::counter!(
+                    "inbox_offset_out_of_range_total",
+                    &self.partition_labels(partition)
+                )
+                .increment(1);
+            }
+        }
+    }
+}
+
+#[cfg(all(test, feature = "metrics"))]
+mod facade_tests {
+    use super::*;
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+    #[test]
+    fn events_reach_the_facade_with_their_labels() {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let m = FacadeMetrics::new("billing", "orders");
+        ::metrics::with_local_recorder(&recorder, || {
+            m.record(MetricEvent::Consumed);
+            m.record(MetricEvent::Tally(Tally::Exhausted));
+            m.record(MetricEvent::Tally(Tally::Processed));
+            m.record(MetricEvent::Tally(Tally::Processed));
+            m.record(MetricEvent::HandlerDuration(Duration::from_millis(250)));
+            m.record(MetricEvent::Lag {
+                partition: 3,
+                lag: 42,
+            });
+        });
+        type Found = (String, Vec<(String, String)>, DebugValue);
+        let found: Vec<Found> = snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .map(|(key, _, _, value)| {
+                let key = key.key();
+                let labels = key
+                    .labels()
+                    .map(|l| (l.key().to_owned(), l.value().to_owned()))
+                    .collect();
+                (key.name().to_owned(), labels, value)
+            })
+            .collect();
+        let get = |name: &str, label: Option<(&str, &str)>| {
+            found
+                .iter()
+                .find(|(n, labels, _)| {
+                    n == name
+                        && label.is_none_or(|(k, v)| labels.iter().any(|(a, b)| a == k && b == v))
+                })
+                .map(|(_, _, v)| v)
+        };
+        assert_eq!(
+            get("inbox_messages_total", Some(("outcome", "processed"))),
+            Some(&DebugValue::Counter(2))
+        );
+        assert_eq!(
+            get("inbox_messages_total", Some(("outcome", "exhausted"))),
+            Some(&DebugValue::Counter(1))
+        );
+        assert_eq!(
+            get("inbox_consumed_total", Some(("group", "billing"))),
+            Some(&DebugValue::Counter(1))
+        );
+        assert_eq!(
+            get("inbox_lag", Some(("partition", "3"))),
+            Some(&DebugValue::Gauge(42.0.into()))
+        );
+        assert!(matches!(
+            get("inbox_handler_duration_seconds", None),
+            Some(DebugValue::Histogram(h)) if h.len() == 1
+        ));
+    }
+}

@@ -41,6 +41,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::FutureExt;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::attempts::{AttemptError, AttemptRules, RowUpdate, row_update};
 use crate::error::{HandlerError, StoreError, ValidationError};
@@ -255,6 +256,23 @@ where
     /// batch's claims are then released (what cannot be released is
     /// released by maintenance once stale).
     pub async fn process_batch(&mut self) -> Result<ProcessorBatch, ProcessorError> {
+        let span = tracing::info_span!(
+            "inbox.processor.batch",
+            worker = self.config.worker_id.as_str(),
+            claimed = tracing::field::Empty,
+            completed = tracing::field::Empty,
+            failed = tracing::field::Empty,
+        );
+        let result = self.claim_and_work().instrument(span.clone()).await;
+        if let Ok(b) = &result {
+            span.record("claimed", b.claimed);
+            span.record("completed", b.completed);
+            span.record("failed", b.failed);
+        }
+        result
+    }
+
+    async fn claim_and_work(&mut self) -> Result<ProcessorBatch, ProcessorError> {
         let worker = self.config.worker_id.clone();
         let rows = self
             .store

@@ -7,6 +7,8 @@
 //! acknowledge or rewind at the broker. Each step asks the decision module
 //! what comes next.
 
+use tracing::Instrument;
+
 use crate::consumer::{Consumer, TxAck};
 use crate::decision::{self, AckPoint, Decision, Policy, Step, TxAction};
 use crate::error::{
@@ -89,6 +91,27 @@ where
     /// the handler, commit or roll back, then acknowledge or rewind at the
     /// broker, as decided.
     pub async fn process_message(&mut self, message: Message) -> ProcessResult {
+        let pos = message.position.clone();
+        let span = tracing::info_span!(
+            "inbox.message",
+            message_id = %message.message_id,
+            topic = pos.as_ref().map(|p| p.topic.as_str()),
+            partition = pos.as_ref().map(|p| p.partition),
+            offset = pos.as_ref().map(|p| p.offset),
+            outcome = tracing::field::Empty,
+        );
+        let result = self
+            .process_message_in_span(message)
+            .instrument(span.clone())
+            .await;
+        span.record(
+            "outcome",
+            crate::metrics::tally_label(result.decision.tally),
+        );
+        result
+    }
+
+    async fn process_message_in_span(&mut self, message: Message) -> ProcessResult {
         if let Some(handed_back) = self.behind_a_failed_rewind(&message).await {
             return ProcessResult {
                 message_id: message.message_id,

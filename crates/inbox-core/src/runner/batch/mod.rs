@@ -30,6 +30,8 @@ mod slots;
 
 use std::collections::HashMap;
 
+use tracing::Instrument;
+
 use crate::consumer::Consumer;
 use crate::decision::{self, AckPoint, Policy};
 use crate::error::{PersistStage, StoreError, StoreErrorKind, ValidationError};
@@ -113,6 +115,22 @@ where
     /// is acknowledged on its partition, and the messages after it on that
     /// partition are handed back undecided ([`BatchResult::returned`]).
     pub async fn process_batch(&mut self, messages: Vec<Message>) -> BatchResult {
+        let span = tracing::info_span!(
+            "inbox.batch",
+            messages = messages.len(),
+            transactions = tracing::field::Empty,
+            returned = tracing::field::Empty,
+        );
+        let result = self
+            .process_batch_in_span(messages)
+            .instrument(span.clone())
+            .await;
+        span.record("transactions", result.transactions);
+        span.record("returned", result.returned);
+        result
+    }
+
+    async fn process_batch_in_span(&mut self, messages: Vec<Message>) -> BatchResult {
         if messages.iter().any(|m| self.is_suspect(self.policy(m), m)) {
             return self.process_one_by_one(messages).await;
         }

@@ -18,6 +18,9 @@
 //!   each handler instead (`BatchConfig::savepoints_after_failure`);
 //! - `batch-aware`: the batched runner with a handler that writes the
 //!   batch's business rows in one statement;
+//! - `processor`: four batch processors (each its own connection, batches
+//!   of 100, a savepoint per row) draining the same number of rows landed
+//!   `pending` beforehand, with the one-INSERT handler;
 //! - `raw-batch` and `raw-savepoints`: the batched protocol as raw SQL
 //!   (BEGIN; one multi-row insert; the handler's INSERT per message;
 //!   COMMIT), without and with a SAVEPOINT / RELEASE around each handler:
@@ -50,7 +53,7 @@ use inbox_postgres::{PgStore, PgTx, TableName};
 use inbox_testkit::MemBroker;
 use serde_json::json;
 
-const LINES: [&str; 10] = [
+const LINES: [&str; 11] = [
     "omni-box",
     "floor",
     "raw-batch",
@@ -59,6 +62,7 @@ const LINES: [&str; 10] = [
     "batched",
     "batched-savepoints",
     "batch-aware",
+    "processor",
     "consumer",
     "e2e",
 ];
@@ -228,6 +232,7 @@ pub(crate) fn line(args: &[String]) -> Result<()> {
             "batched" => runner(store, messages, Mode::Batched, fail).await,
             "batched-savepoints" => runner(store, messages, Mode::Savepoints, fail).await,
             "batch-aware" => runner(store, messages, Mode::BatchAware, fail).await,
+            "processor" => processors(&url, store, messages, fail).await,
             "raw-batch" => raw_batch(&db, messages, false).await,
             "raw-savepoints" => raw_batch(&db, messages, true).await,
             "consumer" => kafka(store, messages, false).await,
@@ -614,6 +619,66 @@ async fn runner(store: PgStore, messages: u64, mode: Mode, fail_percent: u64) ->
         bail!("{handled} of {messages} messages processed");
     }
     check_invoices(&db, messages).await?;
+    Ok(elapsed)
+}
+
+/// Four batch processors (each its own connection, batches of 100) drain
+/// `messages` rows landed `pending` beforehand (not timed), with the
+/// one-INSERT handler; retries are due at once.
+async fn processors(
+    url: &str,
+    store: PgStore,
+    messages: u64,
+    fail_percent: u64,
+) -> Result<Duration> {
+    use inbox_core::processor::{BatchProcessor, ProcessorConfig};
+    use inbox_core::{InboxStatus, InboxStore, InboxTransaction, NewInboxRow};
+    for ids in id_batches(messages) {
+        let rows: Vec<NewInboxRow> = ids
+            .iter()
+            .map(|id| {
+                let m = Message::new(
+                    id.clone(),
+                    "orders",
+                    "order.created",
+                    json!({ "total": 10 }),
+                );
+                NewInboxRow::for_message(&m, "bench", 1_000).with_status(InboxStatus::Pending)
+            })
+            .collect();
+        let mut tx = store.begin().await?;
+        tx.insert_or_get_many(&rows).await?;
+        tx.commit().await?;
+    }
+    let handler = Arc::new(Bench::new(false, fail_percent));
+    let mut workers = Vec::new();
+    for w in 0..4 {
+        let mut config = ProcessorConfig::new(format!("bench-{w}"))?;
+        config.rules.backoff.initial = Duration::ZERO;
+        config.rules.backoff.max = Duration::ZERO;
+        let store = PgStore::new(connect(url).await?, TableName::default());
+        workers.push(BatchProcessor::new(store, handler.clone(), config));
+    }
+    let started = Instant::now();
+    let tasks: Vec<_> = workers
+        .into_iter()
+        .map(|mut p| {
+            tokio::spawn(async move {
+                loop {
+                    match p.process_batch().await {
+                        Ok(b) if b.claimed == 0 => return Ok(()),
+                        Ok(_) => {}
+                        Err(e) => return Err(anyhow::anyhow!("{e}")),
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await??;
+    }
+    let elapsed = started.elapsed();
+    check_invoices(store.connection(), messages).await?;
     Ok(elapsed)
 }
 

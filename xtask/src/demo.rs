@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use async_trait::async_trait;
+use inbox_core::metrics::FacadeMetrics;
 use inbox_core::router::{EventHandler, Router};
 use inbox_core::{
     BatchConfig, CancellationToken, CountingMetrics, HandlerError, HandlerResult, Message,
@@ -96,16 +97,21 @@ impl EventHandler<OrderCreated, PgTx> for Billing {
     }
 }
 
-/// Counts, and keeps the last lag seen per partition.
+/// Counts, and keeps the last lag seen per partition; with `--prometheus`
+/// also reports every event through the `metrics` facade.
 #[derive(Default)]
 struct DemoMetrics {
     counts: CountingMetrics,
     lag: Mutex<BTreeMap<i32, i64>>,
     gaps: AtomicU64,
+    facade: Option<FacadeMetrics>,
 }
 
 impl Metrics for DemoMetrics {
     fn record(&self, event: MetricEvent) {
+        if let Some(f) = &self.facade {
+            f.record(event);
+        }
         match event {
             MetricEvent::Lag { partition, lag } => {
                 if let Ok(mut l) = self.lag.lock() {
@@ -126,20 +132,43 @@ impl DemoMetrics {
     }
 }
 
-/// `cargo xtask demo [--per-message]`: batched mode (batches of up to 100
-/// messages per transaction) unless `--per-message` asks for one
-/// transaction per message.
+/// `cargo xtask demo [--per-message] [--prometheus ADDR]`: batched mode
+/// (batches of up to 100 messages per transaction) unless `--per-message`
+/// asks for one transaction per message; `--prometheus 127.0.0.1:9000`
+/// serves the metrics at `http://ADDR/metrics` while it runs (and prints
+/// what a scrape at the end returned).
 pub(crate) fn run(args: &[String]) -> Result<()> {
-    let per_message = match args {
-        [] => false,
-        [flag] if flag == "--per-message" => true,
-        other => bail!("unknown demo options {other:?} (the one option is --per-message)"),
-    };
+    let mut per_message = false;
+    let mut prometheus: Option<std::net::SocketAddr> = None;
+    let mut it = args.iter();
+    while let Some(flag) = it.next() {
+        match flag.as_str() {
+            "--per-message" => per_message = true,
+            "--prometheus" => {
+                let addr = it.next().context("--prometheus needs an address")?;
+                prometheus = Some(addr.parse().context("--prometheus ADDR (host:port)")?);
+            }
+            other => {
+                bail!("unknown demo option {other:?} (--per-message, --prometheus ADDR)")
+            }
+        }
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
-    rt.block_on(billing(per_message))
+    rt.block_on(billing(per_message, prometheus))
+}
+
+/// Scrapes `http://addr/metrics` with a plain HTTP/1.0 GET.
+async fn scrape(addr: std::net::SocketAddr) -> Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::net::TcpStream::connect(addr).await?;
+    conn.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .await?;
+    let mut body = String::new();
+    conn.read_to_string(&mut body).await?;
+    Ok(body)
 }
 
 async fn database() -> Result<String> {
@@ -218,7 +247,14 @@ async fn produce(broker: &inbox_testkit::kafka::Broker, topic: &str) -> Result<(
     Ok((ORDERS, produced, poison_count))
 }
 
-async fn billing(per_message: bool) -> Result<()> {
+async fn billing(per_message: bool, prometheus: Option<std::net::SocketAddr>) -> Result<()> {
+    if let Some(addr) = prometheus {
+        metrics_exporter_prometheus::PrometheusBuilder::new()
+            .with_http_listener(addr)
+            .install()
+            .context("starting the Prometheus endpoint")?;
+        println!("metrics: http://{addr}/metrics");
+    }
     let url = database().await?;
     let broker = inbox_testkit::kafka::broker().map_err(|e| anyhow::anyhow!("{e}"))?;
     println!(
@@ -259,7 +295,10 @@ async fn billing(per_message: bool) -> Result<()> {
     // the handler is a typed router: order.created payloads arrive as
     // OrderCreated values
     let handler = Arc::new(Router::new().on::<OrderCreated, _>("order.created", billing.clone()));
-    let metrics = Arc::new(DemoMetrics::default());
+    let metrics = Arc::new(DemoMetrics {
+        facade: prometheus.map(|_| FacadeMetrics::new(GROUP, topic.clone())),
+        ..DemoMetrics::default()
+    });
     let mut kafka = KafkaConfig::new(
         vec![broker.address().to_owned()],
         GROUP,
@@ -359,6 +398,19 @@ async fn billing(per_message: bool) -> Result<()> {
         bail!(
             "check FAILED: {invoices} invoices for {invoiced_orders} of {orders} orders, {doubled} orders invoiced twice, {dead} of {poison} poison records dead-lettered"
         );
+    }
+    if let Some(addr) = prometheus {
+        let body = scrape(addr).await?;
+        println!("a scrape of http://{addr}/metrics at the end:");
+        for line in body
+            .lines()
+            .filter(|l| l.starts_with("inbox_messages_total"))
+        {
+            println!("  {line}");
+        }
+        if !body.contains("inbox_messages_total") {
+            bail!("the Prometheus endpoint did not report inbox_messages_total");
+        }
     }
     println!(
         "check passed (SQL): {orders} valid orders, {invoices} invoices, every order invoiced exactly once; {dead} poison records dead-lettered"

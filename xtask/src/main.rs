@@ -24,7 +24,8 @@ cargo xtask <command>
 commands:
   test    fmt check, clippy -D warnings, cargo doc, every test of the workspace
   demo    run the billing demo and check every order has exactly one invoice
-          (--per-message: one transaction per message instead of batches)
+          (--per-message: one transaction per message instead of batches;
+          --prometheus ADDR: serve the metrics at http://ADDR/metrics)
   bench   throughput table beside the baselines; options: --messages N,
           --rows N (preload the inbox table), --fail-percent P (the
           handler of the runner lines fails P% of its calls), --only LINE,LINE,

@@ -83,6 +83,13 @@ impl RowUpdate {
     }
 }
 
+/// Whether `attempts` counted attempts spend a budget of `max_attempts`:
+/// the one rule for both retry sources (the batch processor's
+/// `max_attempts`, the runner's failure budget).
+pub fn budget_spent(attempts: i64, max_attempts: i64) -> bool {
+    attempts >= max_attempts
+}
+
 /// A handler result the rules refuse.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -138,7 +145,7 @@ pub fn row_update(
         attempts_made
     };
     let last_error = Some(storable_error(&error_text));
-    if counted && attempts >= max_attempts {
+    if counted && budget_spent(i64::from(attempts), i64::from(max_attempts)) {
         return (
             RowUpdate {
                 status: InboxStatus::Failed,

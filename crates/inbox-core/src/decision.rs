@@ -459,7 +459,7 @@ pub fn after_counted_failure(policy: Policy, attempts: i32) -> Decision {
     let Some(budget) = policy.failure_budget else {
         return after_handler(policy, RowState::New, OutcomeClass::Failure);
     };
-    if i64::from(attempts) >= i64::from(budget) {
+    if crate::attempts::budget_spent(i64::from(attempts), i64::from(budget)) {
         spent(policy, true)
     } else {
         Decision {
@@ -483,8 +483,9 @@ pub fn after_counted_failure(policy: Policy, attempts: i32) -> Decision {
 /// attempt first, in a transaction of its own, then run the handler).
 pub fn before_counted_attempt(policy: Policy, attempts: i32) -> Option<Decision> {
     let budget = policy.failure_budget?;
-    (counts_failures(policy) && i64::from(attempts) >= i64::from(budget))
-        .then(|| spent(policy, false))
+    (counts_failures(policy)
+        && crate::attempts::budget_spent(i64::from(attempts), i64::from(budget)))
+    .then(|| spent(policy, false))
 }
 
 /// The decision when the store fails (begin, insert, lock, complete, the

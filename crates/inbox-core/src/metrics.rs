@@ -15,6 +15,15 @@ pub enum MetricEvent {
     Consumed,
     /// The one counter a message moves.
     Tally(Tally),
+    /// The same tally, with the message's partition (reported besides
+    /// [`MetricEvent::Tally`] for a message that has a position, so an
+    /// exporter can label outcomes by partition).
+    PartitionTally {
+        /// Partition.
+        partition: i32,
+        /// The tally.
+        tally: Tally,
+    },
     /// An acknowledgement to the broker succeeded.
     Acked,
     /// An acknowledgement to the broker failed.
@@ -182,6 +191,7 @@ impl Metrics for CountingMetrics {
             MetricEvent::HandlerDuration(_) => 12,
             MetricEvent::Dropped => 13,
             MetricEvent::Lag { .. }
+            | MetricEvent::PartitionTally { .. }
             | MetricEvent::OffsetGap { .. }
             | MetricEvent::Fenced { .. }
             | MetricEvent::OffsetOutOfRange { .. } => return,
@@ -198,6 +208,7 @@ impl Metrics for CountingMetrics {
 /// |---|---|---|
 /// | consumed | counter `inbox_consumed_total` | `group` |
 /// | each message's tally | counter `inbox_messages_total` | `group`, `outcome` (`processed`, `skipped`, `failed`, `duplicate`, `landed`, `deferred`, `terminal`, `poison`, `exhausted`) |
+/// | the same, by partition | counter `inbox_partition_messages_total` | `group`, `topic`, `partition`, `outcome` |
 /// | acknowledgements | counter `inbox_acks_total` | `group`, `result` (`ok`, `failed`) |
 /// | rewinds, dropped failures | counters `inbox_rewinds_total`, `inbox_dropped_total` | `group` |
 /// | handler duration | histogram `inbox_handler_duration_seconds` | `group` |
@@ -261,6 +272,18 @@ impl Metrics for FacadeMetrics {
             MetricEvent::Tally(t) => {
                 ::metrics::counter!("inbox_messages_total", "group" => group, "outcome" => tally_label(t))
                     .increment(1);
+            }
+            MetricEvent::PartitionTally {
+                tally: Tally::HandedBack,
+                ..
+            } => {}
+            MetricEvent::PartitionTally { partition, tally } => {
+                let [g, t, p] = self.partition_labels(partition);
+                ::metrics::counter!(
+                    "inbox_partition_messages_total",
+                    &[g, t, p, ("outcome", tally_label(tally).to_owned())]
+                )
+                .increment(1);
             }
             MetricEvent::Acked => {
                 ::metrics::counter!("inbox_acks_total", "group" => group, "result" => "ok")
@@ -326,6 +349,10 @@ mod facade_tests {
                 partition: 3,
                 lag: 42,
             });
+            m.record(MetricEvent::PartitionTally {
+                partition: 1,
+                tally: Tally::Poison,
+            });
         });
         type Found = (String, Vec<(String, String)>, DebugValue);
         let found: Vec<Found> = snapshotter
@@ -365,6 +392,10 @@ mod facade_tests {
         assert_eq!(
             get("inbox_lag", Some(("partition", "3"))),
             Some(&DebugValue::Gauge(42.0.into()))
+        );
+        assert_eq!(
+            get("inbox_partition_messages_total", Some(("partition", "1"))),
+            Some(&DebugValue::Counter(1))
         );
         assert!(matches!(
             get("inbox_handler_duration_seconds", None),

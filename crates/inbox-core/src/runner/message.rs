@@ -434,6 +434,12 @@ where
             self.remember_unrewound(&message);
         }
         self.metrics.record(MetricEvent::Tally(decision.tally));
+        if let Some(pos) = &message.position {
+            self.metrics.record(MetricEvent::PartitionTally {
+                partition: pos.partition,
+                tally: decision.tally,
+            });
+        }
         if decision.drops_message() {
             tracing::warn!(message_id = %message.message_id, "handler failed; the message is acknowledged all the same and dropped (strategy)");
             self.metrics.record(MetricEvent::Dropped);

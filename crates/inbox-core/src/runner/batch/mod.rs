@@ -498,6 +498,12 @@ where
             }
             self.metrics.record(MetricEvent::Consumed);
             self.metrics.record(MetricEvent::Tally(work.decision.tally));
+            if let Some(pos) = &message.position {
+                self.metrics.record(MetricEvent::PartitionTally {
+                    partition: pos.partition,
+                    tally: work.decision.tally,
+                });
+            }
             if work.decision.drops_message() {
                 tracing::warn!(message_id = %message.message_id, "handler failed; the message is acknowledged all the same and dropped (strategy)");
                 self.metrics.record(MetricEvent::Dropped);

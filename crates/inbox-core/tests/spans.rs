@@ -13,11 +13,14 @@ use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
 use tracing::{Event, Metadata, Subscriber};
 
-/// Every span: its name and fields (as text), by id.
+/// A span's name and fields (as text).
+type Recorded = (String, HashMap<String, String>);
+
+/// Every span, by id.
 #[derive(Default, Clone)]
 struct Spans {
     next: Arc<AtomicU64>,
-    spans: Arc<Mutex<HashMap<u64, (String, HashMap<String, String>)>>>,
+    spans: Arc<Mutex<HashMap<u64, Recorded>>>,
 }
 
 struct Fields<'a>(&'a mut HashMap<String, String>);

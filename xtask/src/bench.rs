@@ -19,8 +19,10 @@
 //! - `batch-aware`: the batched runner with a handler that writes the
 //!   batch's business rows in one statement;
 //! - `processor`: four batch processors (each its own connection, batches
-//!   of 100, a savepoint per row) draining the same number of rows landed
-//!   `pending` beforehand, with the one-INSERT handler;
+//!   of 100, optimistic: a replay with savepoints after a failure) draining
+//!   the same number of rows landed `pending` beforehand, with the
+//!   one-INSERT handler; `processor-savepoints`: the same with a savepoint
+//!   per row from the start;
 //! - `raw-batch` and `raw-savepoints`: the batched protocol as raw SQL
 //!   (BEGIN; one multi-row insert; the handler's INSERT per message;
 //!   COMMIT), without and with a SAVEPOINT / RELEASE around each handler:
@@ -53,7 +55,7 @@ use inbox_postgres::{PgStore, PgTx, TableName};
 use inbox_testkit::MemBroker;
 use serde_json::json;
 
-const LINES: [&str; 11] = [
+const LINES: [&str; 12] = [
     "omni-box",
     "floor",
     "raw-batch",
@@ -63,6 +65,7 @@ const LINES: [&str; 11] = [
     "batched-savepoints",
     "batch-aware",
     "processor",
+    "processor-savepoints",
     "consumer",
     "e2e",
 ];
@@ -232,7 +235,8 @@ pub(crate) fn line(args: &[String]) -> Result<()> {
             "batched" => runner(store, messages, Mode::Batched, fail).await,
             "batched-savepoints" => runner(store, messages, Mode::Savepoints, fail).await,
             "batch-aware" => runner(store, messages, Mode::BatchAware, fail).await,
-            "processor" => processors(&url, store, messages, fail).await,
+            "processor" => processors(&url, store, messages, fail, true).await,
+            "processor-savepoints" => processors(&url, store, messages, fail, false).await,
             "raw-batch" => raw_batch(&db, messages, false).await,
             "raw-savepoints" => raw_batch(&db, messages, true).await,
             "consumer" => kafka(store, messages, false).await,
@@ -630,6 +634,7 @@ async fn processors(
     store: PgStore,
     messages: u64,
     fail_percent: u64,
+    optimistic: bool,
 ) -> Result<Duration> {
     use inbox_core::processor::{BatchProcessor, ProcessorConfig};
     use inbox_core::{InboxStatus, InboxStore, InboxTransaction, NewInboxRow};
@@ -656,6 +661,7 @@ async fn processors(
         let mut config = ProcessorConfig::new(format!("bench-{w}"))?;
         config.rules.backoff.initial = Duration::ZERO;
         config.rules.backoff.max = Duration::ZERO;
+        config.optimistic = optimistic;
         let store = PgStore::new(connect(url).await?, TableName::default());
         workers.push(BatchProcessor::new(store, handler.clone(), config));
     }

@@ -1465,13 +1465,29 @@ impl inbox_core::processor::DeadLetterHook for CountingHook {
 /// `max_attempts` (3) attempts, with no writes, and the dead-letter hook
 /// sees it once; every row ends unlocked; a row of another group is left
 /// alone by a processor filtered to this group.
+/// Both isolation modes (optimistic with a replay after a failure, and a
+/// savepoint per row) give the same rows.
 pub async fn processor_drains_landed_rows<S>(store: S)
 where
     S: ScenarioStore,
     S::Tx: WriteInvoice,
 {
+    for optimistic in [true, false] {
+        processor_drains_landed_rows_with(store.clone(), optimistic).await;
+    }
+}
+
+async fn processor_drains_landed_rows_with<S>(store: S, optimistic: bool)
+where
+    S: ScenarioStore,
+    S::Tx: WriteInvoice,
+{
     use inbox_core::processor::{BatchProcessor, ProcessorConfig};
-    let group = "processor-drain";
+    let group = if optimistic {
+        "processor-drain-optimistic"
+    } else {
+        "processor-drain-savepoints"
+    };
     let id = |m: &str| format!("{group}-{m}");
     for m in ["ok-1", "flaky", "ok-2", "bad", "ok-3"] {
         store.land(&landed(&id(m), group, 3)).await;
@@ -1483,6 +1499,7 @@ where
     let mut config = ProcessorConfig::new("processor-1").unwrap_or_else(|e| panic!("{e}"));
     config.batch_size = 4;
     config.rules = immediate_retries();
+    config.optimistic = optimistic;
     config.filter.consumer_group = Some(group.to_owned());
     let mut processor =
         BatchProcessor::new(store.clone(), handler, config).with_dead_letter_hook(hook.clone());

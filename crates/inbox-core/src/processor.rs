@@ -8,9 +8,12 @@
 //!    with attempts left, `FOR UPDATE SKIP LOCKED`, are leased to this
 //!    worker (`locked_by`, `locked_at`) and the claim commits, so no other
 //!    processor takes them and a runner that meets one defers it;
-//! 2. **work**, in one transaction: per row a savepoint, the handler (with
-//!    a timeout, a panic caught), back to the savepoint when it failed, so
-//!    a failing row's writes go without its neighbours';
+//! 2. **work**, in one transaction: the handlers (each with a timeout, a
+//!    panic caught). Optimistic by default: no savepoints, and when a
+//!    handler fails the transaction is rolled back and the batch replayed
+//!    with a savepoint per row, the failed row's outcome kept; so a failing
+//!    row's writes go without its neighbours' (see
+//!    [`ProcessorConfig::optimistic`]);
 //! 3. **write back** every row's outcome ([`crate::attempts`]) in one
 //!    statement that checks each row is still this worker's; if a lease was
 //!    lost (released as stale, maybe claimed by another worker) the

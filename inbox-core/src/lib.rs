@@ -54,6 +54,7 @@ pub mod handler;
 pub mod maintenance;
 pub mod metrics;
 pub mod model;
+pub mod offsets;
 pub mod outcome;
 pub mod processor;
 pub mod router;
@@ -69,6 +70,7 @@ pub use error::{
 pub use handler::{Handler, NoHandler};
 pub use metrics::{CountingMetrics, Counts, MetricEvent, Metrics, NoopMetrics};
 pub use model::{InboxRow, InboxStatus, Message, NewInboxRow, Position, RowId, WorkerId};
+pub use offsets::{OffsetStore, PartitionClaim};
 pub use outcome::{Failure, HandlerResult, Outcome, OutcomeClass};
 pub use runner::{
     Backoff, BatchConfig, BatchResult, ProcessError, ProcessResult, RunSummary, Runner,

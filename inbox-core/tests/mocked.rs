@@ -136,7 +136,7 @@ fn ack(epoch: i64) -> TxAck {
 #[tokio::test]
 async fn exactly_once_stores_the_ack_in_the_transaction_and_never_calls_commit() {
     let store = MemStore::new();
-    let epoch = store.claim_partition("billing", "orders", 0);
+    let epoch = store.claim_epoch("billing", "orders", 0);
     let mut consumer = MockSource::new();
     consumer
         .expect_transactional_ack()
@@ -163,8 +163,8 @@ async fn exactly_once_stores_the_ack_in_the_transaction_and_never_calls_commit()
 #[tokio::test]
 async fn a_stale_epoch_rolls_the_effect_back_and_fences_the_partition() {
     let store = MemStore::new();
-    let old = store.claim_partition("billing", "orders", 0);
-    let _taken_over = store.claim_partition("billing", "orders", 0);
+    let old = store.claim_epoch("billing", "orders", 0);
+    let _taken_over = store.claim_epoch("billing", "orders", 0);
     let mut consumer = MockSource::new();
     consumer
         .expect_transactional_ack()
@@ -191,7 +191,7 @@ async fn a_stale_epoch_rolls_the_effect_back_and_fences_the_partition() {
 #[tokio::test]
 async fn poison_is_dead_lettered_with_its_ack_in_one_transaction() {
     let store = MemStore::new();
-    let epoch = store.claim_partition("billing", "orders", 0);
+    let epoch = store.claim_epoch("billing", "orders", 0);
     let mut consumer = MockSource::new();
     consumer
         .expect_transactional_ack()

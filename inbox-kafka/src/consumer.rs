@@ -6,10 +6,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use inbox_core::{
-    Consumer, ConsumerError, Message, MetricEvent, Metrics, NoopMetrics, Position, StoreErrorKind,
-    TxAck,
+    Consumer, ConsumerError, Message, MetricEvent, Metrics, NoopMetrics, OffsetStore, Position,
+    StoreErrorKind, TxAck,
 };
-use inbox_postgres::PgStore;
 use rskafka::client::partition::{OffsetAt, PartitionClient, UnknownTopicHandling};
 use rskafka::client::{Client, ClientBuilder};
 use rskafka::record::RecordAndOffset;
@@ -253,20 +252,21 @@ pub struct ConsumerStats {
 }
 
 /// A consumer of a set of partitions for one consumer group, with each
-/// partition's next offset kept in PostgreSQL (see the crate docs).
-pub struct KafkaConsumer {
+/// partition's next offset kept in an [`OffsetStore`] (PostgreSQL's
+/// `*_offsets` table, or the in-memory store; see the crate docs).
+pub struct KafkaConsumer<O> {
     group: String,
     config: KafkaConfig,
     partitions: Vec<Partition>,
     cursor: usize,
     metrics: Arc<dyn Metrics>,
-    store: PgStore,
+    store: O,
     stats: ConsumerStats,
     /// The connection the partition clients share (`None` in unit tests).
     _client: Option<Client>,
 }
 
-impl std::fmt::Debug for KafkaConsumer {
+impl<O> std::fmt::Debug for KafkaConsumer<O> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KafkaConsumer")
             .field("group", &self.group)
@@ -276,16 +276,16 @@ impl std::fmt::Debug for KafkaConsumer {
     }
 }
 
-impl KafkaConsumer {
+impl<O: OffsetStore> KafkaConsumer<O> {
     /// Connects to the brokers and claims every configured partition in
-    /// `store`'s offsets table: bumps its owner epoch (fencing any previous
+    /// `store`: bumps its owner epoch (fencing any previous
     /// owner) and starts from the stored next offset, or from
     /// `config.start` when none is stored.
     ///
     /// # Errors
     ///
     /// A [`KafkaError`] when the broker or the database cannot be reached.
-    pub async fn connect(config: KafkaConfig, store: PgStore) -> Result<Self, KafkaError> {
+    pub async fn connect(config: KafkaConfig, store: O) -> Result<Self, KafkaError> {
         if config.partitions.is_empty() {
             return Err(KafkaError::Config("no partitions configured".into()));
         }
@@ -534,7 +534,7 @@ impl KafkaConsumer {
 }
 
 #[async_trait]
-impl Consumer for KafkaConsumer {
+impl<O: OffsetStore> Consumer for KafkaConsumer<O> {
     /// Round-robin over the owned partitions: the next buffered record of
     /// the next partition, fetching when its buffer is empty. `None` when no
     /// partition has a record ready.
@@ -668,7 +668,6 @@ impl Consumer for KafkaConsumer {
 mod tests {
     use std::collections::BTreeMap;
 
-    use inbox_postgres::TableName;
     use rskafka::record::Record;
 
     use super::*;
@@ -739,22 +738,40 @@ mod tests {
         }
     }
 
-    fn consumer(partitions: Vec<Partition>) -> KafkaConsumer {
+    /// Offsets nobody reads (the tests here only fetch).
+    struct NoOffsets;
+
+    #[async_trait]
+    impl OffsetStore for NoOffsets {
+        async fn claim_partition(
+            &self,
+            _group: &str,
+            _topic: &str,
+            _partition: i32,
+        ) -> Result<inbox_core::PartitionClaim, inbox_core::StoreError> {
+            Ok(inbox_core::PartitionClaim {
+                next_offset: None,
+                owner_epoch: 1,
+            })
+        }
+
+        async fn store_ack(&self, _ack: &TxAck) -> Result<(), inbox_core::StoreError> {
+            Ok(())
+        }
+    }
+
+    fn consumer(partitions: Vec<Partition>) -> KafkaConsumer<NoOffsets> {
         let keys = partitions
             .iter()
             .map(|p| (p.topic.clone(), p.partition))
             .collect();
-        let table = TableName::new(None, "inbox").expect("table name");
         KafkaConsumer {
             group: "billing".into(),
             config: KafkaConfig::new(Vec::new(), "billing", keys),
             partitions,
             cursor: 0,
             metrics: Arc::new(NoopMetrics),
-            store: PgStore::new(
-                inbox_postgres::sea_orm::DatabaseConnection::default(),
-                table,
-            ),
+            store: NoOffsets,
             stats: ConsumerStats::default(),
             _client: None,
         }

@@ -4,11 +4,13 @@
 //! consumer group over a configured set of `(topic, partition)` pairs.
 //!
 //! `rskafka` has no consumer groups and no offset commits by design. That
-//! suits an inbox: each partition's next offset lives in the consumer's own
-//! PostgreSQL database (the `*_offsets` table of [`inbox_postgres`]), and
-//! under `ExactlyOnceInbox` it is written **in the same transaction** as the
-//! inbox row and the handler's writes, so the effect and the acknowledgement
-//! can never disagree.
+//! suits an inbox: each partition's next offset lives in the inbox's own
+//! store (any [`OffsetStore`]: the `*_offsets` table of `inbox-postgres`'s
+//! `PgStore`, or the testkit's in-memory store), and under
+//! `ExactlyOnceInbox` it is written **in the same transaction** as the
+//! inbox row and the handler's writes, so the effect and the
+//! acknowledgement can never disagree. This crate depends on `inbox-core`
+//! and `rskafka` only.
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -65,9 +67,9 @@ pub use decode::{Decode, JsonDecoder, RecordView, decode_or_poison};
 use std::sync::Arc;
 
 use inbox_core::{
-    CancellationToken, Handler, Metrics, NoopMetrics, RunSummary, Runner, RunnerConfig,
+    CancellationToken, Handler, InboxStore, Metrics, NoopMetrics, OffsetStore, RunSummary, Runner,
+    RunnerConfig,
 };
-use inbox_postgres::{PgStore, PgTx};
 
 /// Runs up to `workers` runners concurrently, the configured partitions
 /// dealt out among them round-robin; each runner reads its partitions
@@ -77,16 +79,17 @@ use inbox_postgres::{PgStore, PgTx};
 /// # Errors
 ///
 /// A [`KafkaError`] when a consumer cannot connect.
-pub async fn run_partitioned<H>(
+pub async fn run_partitioned<S, H>(
     config: KafkaConfig,
-    store: PgStore,
+    store: S,
     handler: Arc<H>,
     runner: RunnerConfig,
     workers: usize,
     cancel: CancellationToken,
 ) -> Result<Vec<RunSummary>, KafkaError>
 where
-    H: Handler<PgTx> + 'static,
+    S: InboxStore + OffsetStore + Clone + 'static,
+    H: Handler<S::Tx> + 'static,
 {
     run_partitioned_with_metrics(
         config,
@@ -105,9 +108,9 @@ where
 /// # Errors
 ///
 /// A [`KafkaError`] when a consumer cannot connect.
-pub async fn run_partitioned_with_metrics<H>(
+pub async fn run_partitioned_with_metrics<S, H>(
     config: KafkaConfig,
-    store: PgStore,
+    store: S,
     handler: Arc<H>,
     runner: RunnerConfig,
     workers: usize,
@@ -115,7 +118,8 @@ pub async fn run_partitioned_with_metrics<H>(
     metrics: Arc<dyn Metrics>,
 ) -> Result<Vec<RunSummary>, KafkaError>
 where
-    H: Handler<PgTx> + 'static,
+    S: InboxStore + OffsetStore + Clone + 'static,
+    H: Handler<S::Tx> + 'static,
 {
     let workers = workers.clamp(1, config.partitions.len().max(1));
     let mut groups: Vec<Vec<(String, i32)>> = vec![Vec::new(); workers];

@@ -5,6 +5,7 @@ mod common;
 
 use std::time::Duration;
 
+use inbox_core::OffsetStore;
 use inbox_core::{
     AckPolicy, AckStrategy, InboxStatus, InboxStore, PersistStage, ProcessError, Runner,
     StoreErrorKind,
@@ -520,4 +521,51 @@ async fn a_stored_offset_outside_the_log_follows_the_policy() {
             assert_eq!(next.map(|m| m.message_id), Some("b-2".to_owned()));
         }
     }
+}
+
+/// The Kafka consumer on another offset store than PostgreSQL: the
+/// in-memory store keeps both the inbox and the offsets (the adapter
+/// depends on the core's `OffsetStore` only). Every order is handled once,
+/// the offsets are stored in the inbox transactions, and a consumer
+/// started again claims the partition (epoch 2) and finds nothing left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_consumer_runs_on_the_in_memory_store() {
+    use inbox_kafka::KafkaConsumer;
+    use inbox_testkit::MemStore;
+    let env = env("mem-offsets", 1).await;
+    env.produce_orders(0, &["m-0", "m-1", "m-2"]).await;
+    let store = MemStore::new();
+    let consumer = KafkaConsumer::connect(env.kafka_config("billing"), store.clone())
+        .await
+        .expect("connect");
+    let handler = ScriptedHandler::new([], Act::Succeed);
+    let mut runner = Runner::new(
+        store.clone(),
+        consumer,
+        handler.clone(),
+        config("billing", AckStrategy::default()),
+    );
+    let results = drain(&mut runner).await;
+    assert_eq!(results.iter().filter(|r| r.processed).count(), 3);
+    assert_eq!(store.business_count("invoices"), 3);
+    assert_eq!(store.acked("billing", &env.topic, 0), Some(3));
+    drop(runner);
+    let again = KafkaConsumer::connect(env.kafka_config("billing"), store.clone())
+        .await
+        .expect("connect");
+    let mut fresh = Runner::new(
+        store.clone(),
+        again,
+        handler,
+        config("billing", AckStrategy::default()),
+    );
+    assert!(
+        drain(&mut fresh).await.is_empty(),
+        "nothing is delivered again"
+    );
+    let claim = store
+        .claim_partition("billing", &env.topic, 0)
+        .await
+        .expect("claim");
+    assert_eq!((claim.owner_epoch, claim.next_offset), (3, Some(3)));
 }

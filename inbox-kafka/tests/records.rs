@@ -2,6 +2,7 @@
 
 mod common;
 
+use inbox_core::OffsetStore;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 

@@ -8,8 +8,8 @@ use chrono::{DateTime, Utc};
 use inbox_core::attempts::{Due, RowUpdate};
 use inbox_core::{
     AttemptRecord, DueFilter, Found, InboxRow, InboxStatus, InboxStore, InboxTransaction,
-    LockResult, Message, NewInboxRow, RowId, RowRef, StoreError, StoreErrorKind, TxAck,
-    ValidationError, WorkerId,
+    LockResult, Message, NewInboxRow, OffsetStore, PartitionClaim, RowId, RowRef, StoreError,
+    StoreErrorKind, TxAck, ValidationError, WorkerId,
 };
 use sea_orm::{
     ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DatabaseTransaction, DbBackend,
@@ -833,28 +833,18 @@ async fn write_ack(conn: &impl ConnectionTrait, sql: &str, ack: &TxAck) -> Resul
     Ok(())
 }
 
-/// A partition claimed by [`PgStore::claim_partition`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Claim {
-    /// The stored next offset, if any was ever stored.
-    pub next_offset: Option<i64>,
-    /// The new owner epoch.
-    pub owner_epoch: i64,
-}
+/// A partition claimed by [`OffsetStore::claim_partition`] (the core's
+/// [`PartitionClaim`]).
+pub type Claim = PartitionClaim;
 
-impl PgStore {
-    /// Takes over a partition for `consumer_group`: bumps its owner epoch
-    /// (fencing any previous owner) and returns the stored next offset.
-    ///
-    /// # Errors
-    ///
-    /// The mapped database error.
-    pub async fn claim_partition(
+#[async_trait]
+impl OffsetStore for PgStore {
+    async fn claim_partition(
         &self,
         consumer_group: &str,
         topic: &str,
         partition: i32,
-    ) -> Result<Claim, StoreError> {
+    ) -> Result<PartitionClaim, StoreError> {
         let row = self
             .db
             .query_one_raw(stmt(
@@ -864,20 +854,13 @@ impl PgStore {
             .await
             .map_err(db)?
             .ok_or_else(|| StoreError::new(StoreErrorKind::Other, "claim returned no row"))?;
-        Ok(Claim {
+        Ok(PartitionClaim {
             next_offset: get(&row, "next_offset")?,
             owner_epoch: get(&row, "owner_epoch")?,
         })
     }
 
-    /// Stores an acknowledgement outside any inbox transaction (for the
-    /// strategies that commit before or after it), with the same epoch check.
-    ///
-    /// # Errors
-    ///
-    /// [`StoreErrorKind::Fenced`] when the epoch is stale, or the mapped
-    /// database error.
-    pub async fn store_ack(&self, ack: &TxAck) -> Result<(), StoreError> {
+    async fn store_ack(&self, ack: &TxAck) -> Result<(), StoreError> {
         write_ack(&self.db, &self.sql.store_ack, ack).await
     }
 }

@@ -12,7 +12,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use async_trait::async_trait;
 use inbox_core::{
     AttemptRecord, Found, InboxStatus, InboxStore, InboxTransaction, LockResult, Message,
-    NewInboxRow, StoreError, ValidationError, WorkerId,
+    NewInboxRow, OffsetStore, Position, StoreError, StoreErrorKind, TxAck, ValidationError,
+    WorkerId,
 };
 use serde_json::json;
 
@@ -574,6 +575,85 @@ where
     }
 }
 
+impl<S, F> Ctx<'_, S, F>
+where
+    S: InboxStore + OffsetStore,
+    F: BusinessFixture<S::Tx>,
+{
+    /// Offsets: a first claim finds nothing stored and gets an epoch; an
+    /// acknowledgement under it is stored (alone, and inside a
+    /// transaction); a second claim bumps the epoch and finds the stored
+    /// offset; the first owner's acknowledgements are then refused as
+    /// fenced, alone and in a transaction, and change nothing.
+    async fn offsets_claim_and_fence(&self) -> Result<(), ConformanceError> {
+        const C: &str = "offsets_claim_and_fence";
+        let e = store_err(C);
+        let topic = format!("{}-topic", self.prefix);
+        let first = self
+            .store
+            .claim_partition(&self.group, &topic, 3)
+            .await
+            .map_err(&e)?;
+        ensure(C, first.next_offset.is_none(), || {
+            format!("a fresh partition has offset {:?}", first.next_offset)
+        })?;
+        let ack = |offset: i64, epoch: i64| TxAck {
+            consumer_group: self.group.clone(),
+            position: Position::new(topic.clone(), 3, offset),
+            owner_epoch: epoch,
+        };
+        self.store
+            .store_ack(&ack(9, first.owner_epoch))
+            .await
+            .map_err(&e)?;
+        let mut tx = self.store.begin().await.map_err(&e)?;
+        tx.store_ack(&ack(10, first.owner_epoch))
+            .await
+            .map_err(&e)?;
+        tx.commit().await.map_err(&e)?;
+        let second = self
+            .store
+            .claim_partition(&self.group, &topic, 3)
+            .await
+            .map_err(&e)?;
+        ensure(C, second.owner_epoch > first.owner_epoch, || {
+            format!("epoch {} after {}", second.owner_epoch, first.owner_epoch)
+        })?;
+        ensure(C, second.next_offset == Some(11), || {
+            format!("stored next offset {:?}, expected 11", second.next_offset)
+        })?;
+        let alone = self.store.store_ack(&ack(20, first.owner_epoch)).await;
+        ensure(
+            C,
+            alone
+                .as_ref()
+                .is_err_and(|x| x.kind == StoreErrorKind::Fenced),
+            || format!("a stale epoch's acknowledgement gave {alone:?}"),
+        )?;
+        let mut tx = self.store.begin().await.map_err(&e)?;
+        let inside = tx.store_ack(&ack(21, first.owner_epoch)).await;
+        drop(tx);
+        ensure(
+            C,
+            inside
+                .as_ref()
+                .is_err_and(|x| x.kind == StoreErrorKind::Fenced),
+            || format!("a stale epoch's acknowledgement in a transaction gave {inside:?}"),
+        )?;
+        let third = self
+            .store
+            .claim_partition(&self.group, &topic, 3)
+            .await
+            .map_err(&e)?;
+        ensure(C, third.next_offset == Some(11), || {
+            format!(
+                "a fenced acknowledgement moved the offset to {:?}",
+                third.next_offset
+            )
+        })
+    }
+}
+
 /// Runs every check against `store`, writing business data with `fixture`.
 /// Rows use a fresh id prefix, so the suite can run on a store that holds
 /// other data.
@@ -586,7 +666,7 @@ pub async fn run_conformance<S, F>(
     fixture: &F,
 ) -> Result<ConformanceReport, ConformanceError>
 where
-    S: InboxStore,
+    S: InboxStore + OffsetStore,
     F: BusinessFixture<S::Tx>,
 {
     let nanos = SystemTime::now()
@@ -622,5 +702,7 @@ where
     passed.push("savepoint_undoes_only_what_follows_it");
     ctx.attempts_are_recorded_and_requeued().await?;
     passed.push("attempts_are_recorded_and_requeued");
+    ctx.offsets_claim_and_fence().await?;
+    passed.push("offsets_claim_and_fence");
     Ok(passed)
 }

@@ -15,8 +15,8 @@ use chrono::{DateTime, TimeZone, Utc};
 use inbox_core::attempts::{Due, RowUpdate};
 use inbox_core::{
     AttemptRecord, DueFilter, Found, InboxRow, InboxStatus, InboxStore, InboxTransaction,
-    LockResult, Message, NewInboxRow, RowId, RowRef, StoreError, StoreErrorKind, TxAck,
-    ValidationError, WorkerId,
+    LockResult, Message, NewInboxRow, OffsetStore, PartitionClaim, RowId, RowRef, StoreError,
+    StoreErrorKind, TxAck, ValidationError, WorkerId,
 };
 
 /// A named point where the store can be made to fail.
@@ -204,8 +204,9 @@ impl MemStore {
     }
 
     /// Takes over a partition for `group`: bumps and returns its owner epoch
-    /// (acknowledgements under an older epoch are then refused as fenced).
-    pub fn claim_partition(&self, group: &str, topic: &str, partition: i32) -> i64 {
+    /// (acknowledgements under an older epoch are then refused as fenced);
+    /// [`OffsetStore::claim_partition`] with the epoch alone.
+    pub fn claim_epoch(&self, group: &str, topic: &str, partition: i32) -> i64 {
         let mut s = self.state();
         let epoch = s
             .epochs
@@ -384,6 +385,44 @@ impl MemTx {
 impl Drop for MemTx {
     fn drop(&mut self) {
         self.finish();
+    }
+}
+
+#[async_trait]
+impl OffsetStore for MemStore {
+    async fn claim_partition(
+        &self,
+        consumer_group: &str,
+        topic: &str,
+        partition: i32,
+    ) -> Result<PartitionClaim, StoreError> {
+        let owner_epoch = self.claim_epoch(consumer_group, topic, partition);
+        Ok(PartitionClaim {
+            next_offset: self.acked(consumer_group, topic, partition),
+            owner_epoch,
+        })
+    }
+
+    async fn store_ack(&self, ack: &TxAck) -> Result<(), StoreError> {
+        let mut s = self.state();
+        s.take_fault(StoreFault::Ack)?;
+        let key = (
+            ack.consumer_group.clone(),
+            ack.position.topic.clone(),
+            ack.position.partition,
+        );
+        let current = s.epochs.get(&key).copied().unwrap_or(0);
+        if current != ack.owner_epoch {
+            return Err(StoreError::new(
+                StoreErrorKind::Fenced,
+                format!(
+                    "epoch {} is stale, partition owned under epoch {current}",
+                    ack.owner_epoch
+                ),
+            ));
+        }
+        s.acks.insert(key, ack.position.offset + 1);
+        Ok(())
     }
 }
 

@@ -8,5 +8,5 @@ async fn mem_store_passes_conformance() {
     let passed = run_conformance(&store, &MemFixture::new(&store))
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(passed.len(), 11, "every check ran: {passed:?}");
+    assert_eq!(passed.len(), 12, "every check ran: {passed:?}");
 }

@@ -47,7 +47,7 @@ impl Env {
         c
     }
 
-    pub async fn consumer(&self, group: &str) -> KafkaConsumer {
+    pub async fn consumer(&self, group: &str) -> KafkaConsumer<PgStore> {
         KafkaConsumer::connect(self.kafka_config(group), self.store.clone())
             .await
             .unwrap_or_else(|e| panic!("{e}"))

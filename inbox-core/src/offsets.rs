@@ -1,0 +1,50 @@
+//! Where a consumer keeps its offsets: the trait the Kafka adapter is
+//! generic over, so it runs on any store that keeps them (PostgreSQL, the
+//! in-memory store of the tests).
+//!
+//! Each `(consumer group, topic, partition)` has a stored next offset and an
+//! owner epoch. A consumer that takes a partition over claims it, which
+//! bumps the epoch; every acknowledgement it stores afterwards carries its
+//! epoch, and a store refuses one whose epoch is stale
+//! ([`StoreErrorKind::Fenced`](crate::StoreErrorKind::Fenced)), so a zombie
+//! that wakes up after losing its partition can acknowledge nothing.
+//! Acknowledgements written inside an inbox transaction go through
+//! [`InboxTransaction::store_ack`](crate::InboxTransaction::store_ack), with
+//! the same check.
+
+use async_trait::async_trait;
+
+use crate::consumer::TxAck;
+use crate::error::StoreError;
+
+/// A partition claimed by [`OffsetStore::claim_partition`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PartitionClaim {
+    /// The stored next offset, if one was ever stored.
+    pub next_offset: Option<i64>,
+    /// The new owner epoch.
+    pub owner_epoch: i64,
+}
+
+/// Stored offsets with owner epochs.
+#[async_trait]
+pub trait OffsetStore: Send + Sync {
+    /// Takes `topic`/`partition` over for `consumer_group`: bumps its owner
+    /// epoch (fencing any previous owner) and returns the stored next
+    /// offset.
+    async fn claim_partition(
+        &self,
+        consumer_group: &str,
+        topic: &str,
+        partition: i32,
+    ) -> Result<PartitionClaim, StoreError>;
+
+    /// Stores an acknowledgement alone (outside any inbox transaction): the
+    /// partition's next offset becomes `ack.position.offset + 1`.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreErrorKind::Fenced`](crate::StoreErrorKind::Fenced) when
+    /// `ack.owner_epoch` is not the partition's current epoch.
+    async fn store_ack(&self, ack: &TxAck) -> Result<(), StoreError>;
+}

@@ -46,6 +46,7 @@
 //! # });
 //! ```
 
+pub mod assignment;
 pub mod attempts;
 pub mod consumer;
 pub mod decision;

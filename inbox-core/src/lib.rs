@@ -71,7 +71,7 @@ pub use error::{
 pub use handler::{Handler, NoHandler};
 pub use metrics::{CountingMetrics, Counts, MetricEvent, Metrics, NoopMetrics};
 pub use model::{InboxRow, InboxStatus, Message, NewInboxRow, Position, RowId, WorkerId};
-pub use offsets::{OffsetStore, PartitionClaim};
+pub use offsets::{MembershipStore, OffsetStore, PartitionClaim};
 pub use outcome::{Failure, HandlerResult, Outcome, OutcomeClass};
 pub use runner::{
     Backoff, BatchConfig, BatchResult, ProcessError, ProcessResult, RunSummary, Runner,

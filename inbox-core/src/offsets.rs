@@ -48,3 +48,22 @@ pub trait OffsetStore: Send + Sync {
     /// `ack.owner_epoch` is not the partition's current epoch.
     async fn store_ack(&self, ack: &TxAck) -> Result<(), StoreError>;
 }
+
+/// A consumer group's members, kept alive by heartbeats: what partition
+/// assignment ([`crate::assignment::assign`]) is computed over.
+#[async_trait]
+pub trait MembershipStore: Send + Sync {
+    /// Records a heartbeat of `member` in `consumer_group` (registering it
+    /// on its first one) and returns the group's live members, sorted:
+    /// those whose last heartbeat is at most `lease` old, by the store's
+    /// clock. A member that stops heartbeating drops out after the lease.
+    async fn heartbeat(
+        &self,
+        consumer_group: &str,
+        member: &str,
+        lease: std::time::Duration,
+    ) -> Result<Vec<String>, StoreError>;
+
+    /// Removes `member` from `consumer_group` at once (a graceful leave).
+    async fn leave(&self, consumer_group: &str, member: &str) -> Result<(), StoreError>;
+}

@@ -91,6 +91,11 @@ impl TableName {
         self.with_suffix("_offsets")
     }
 
+    /// The consumer group members table (`<table>_members`), qualified.
+    pub fn members(&self) -> String {
+        self.with_suffix("_members")
+    }
+
     /// An index name (unqualified: indexes live in their table's schema).
     fn index(&self, suffix: &str) -> String {
         format!("\"{}_{suffix}\"", self.table)
@@ -216,12 +221,23 @@ pub fn create_statements(t: &TableName) -> Vec<String> {
 )",
             t.offsets()
         ),
+        // Consumer group members and their last heartbeat.
+        format!(
+            "CREATE TABLE IF NOT EXISTS {} (
+    consumer_group VARCHAR(255) NOT NULL,
+    member         VARCHAR(255) NOT NULL,
+    heartbeat_at   TIMESTAMPTZ NOT NULL DEFAULT now(),
+    PRIMARY KEY (consumer_group, member)
+)",
+            t.members()
+        ),
     ]
 }
 
 /// The statements that drop both tables.
 pub fn drop_statements(t: &TableName) -> Vec<String> {
     vec![
+        format!("DROP TABLE IF EXISTS {}", t.members()),
         format!("DROP TABLE IF EXISTS {}", t.offsets()),
         format!("DROP TABLE IF EXISTS {}", t.dead_letters()),
         format!("DROP TABLE IF EXISTS {}", t.qualified()),

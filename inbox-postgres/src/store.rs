@@ -8,8 +8,8 @@ use chrono::{DateTime, Utc};
 use inbox_core::attempts::{Due, RowUpdate};
 use inbox_core::{
     AttemptRecord, DueFilter, Found, InboxRow, InboxStatus, InboxStore, InboxTransaction,
-    LockResult, Message, NewInboxRow, OffsetStore, PartitionClaim, RowId, RowRef, StoreError,
-    StoreErrorKind, TxAck, ValidationError, WorkerId,
+    LockResult, MembershipStore, Message, NewInboxRow, OffsetStore, PartitionClaim, RowId, RowRef,
+    StoreError, StoreErrorKind, TxAck, ValidationError, WorkerId,
 };
 use sea_orm::{
     ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DatabaseTransaction, DbBackend,
@@ -40,6 +40,8 @@ struct Sql {
     dead_letter: String,
     store_ack: String,
     claim: String,
+    heartbeat: String,
+    leave: String,
 }
 
 impl Sql {
@@ -197,6 +199,25 @@ impl Sql {
                 "UPDATE {} SET next_offset = $4, updated_at = now()
                   WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND owner_epoch = $5",
                 t.offsets()
+            ),
+            // Upsert the heartbeat, then the live members: the statement's
+            // snapshot cannot see its own upsert, so the member is added
+            // by the UNION.
+            heartbeat: format!(
+                "WITH beat AS (
+                    INSERT INTO {m} AS m (consumer_group, member, heartbeat_at) VALUES ($1, $2, now())
+                    ON CONFLICT (consumer_group, member) DO UPDATE SET heartbeat_at = now()
+                    RETURNING member)
+                 SELECT member FROM {m}
+                  WHERE consumer_group = $1 AND member <> $2
+                    AND heartbeat_at >= now() - make_interval(secs => $3)
+                 UNION SELECT member FROM beat
+                 ORDER BY member",
+                m = t.members()
+            ),
+            leave: format!(
+                "DELETE FROM {} WHERE consumer_group = $1 AND member = $2",
+                t.members()
             ),
             claim: format!(
                 "INSERT INTO {o} AS o (consumer_group, topic, partition, owner_epoch)
@@ -836,6 +857,37 @@ async fn write_ack(conn: &impl ConnectionTrait, sql: &str, ack: &TxAck) -> Resul
 /// A partition claimed by [`OffsetStore::claim_partition`] (the core's
 /// [`PartitionClaim`]).
 pub type Claim = PartitionClaim;
+
+#[async_trait]
+impl MembershipStore for PgStore {
+    async fn heartbeat(
+        &self,
+        consumer_group: &str,
+        member: &str,
+        lease: Duration,
+    ) -> Result<Vec<String>, StoreError> {
+        let rows = self
+            .db
+            .query_all_raw(stmt(
+                &self.sql.heartbeat,
+                vec![consumer_group.into(), member.into(), secs(lease)],
+            ))
+            .await
+            .map_err(db)?;
+        rows.iter().map(|r| get(r, "member")).collect()
+    }
+
+    async fn leave(&self, consumer_group: &str, member: &str) -> Result<(), StoreError> {
+        self.db
+            .execute_raw(stmt(
+                &self.sql.leave,
+                vec![consumer_group.into(), member.into()],
+            ))
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+}
 
 #[async_trait]
 impl OffsetStore for PgStore {

@@ -459,3 +459,25 @@ async fn nul_characters_are_dead_lettered_and_the_partition_moves_on() {
 async fn count_rows(store: &PgStore, sql: &str) -> i64 {
     count(store, sql, vec![]).await.expect("count")
 }
+
+/// A member whose last heartbeat is older than the lease (set back with
+/// SQL, by the server's clock) is not live; one within it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_member_drops_out_after_the_lease() {
+    use inbox_core::MembershipStore;
+    use inbox_postgres::sea_orm::ConnectionTrait;
+    let store = store().await;
+    let lease = Duration::from_secs(10);
+    store.heartbeat("g", "quiet", lease).await.expect("beat");
+    store.heartbeat("g", "recent", lease).await.expect("beat");
+    store
+        .connection()
+        .execute_unprepared(
+            "UPDATE inbox_members SET heartbeat_at = now() - interval '11 seconds' WHERE member = 'quiet';
+             UPDATE inbox_members SET heartbeat_at = now() - interval '9 seconds' WHERE member = 'recent'",
+        )
+        .await
+        .expect("set back");
+    let live = store.heartbeat("g", "busy", lease).await.expect("beat");
+    assert_eq!(live, ["busy", "recent"]);
+}

@@ -11,9 +11,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use inbox_core::{
-    AttemptRecord, Found, InboxStatus, InboxStore, InboxTransaction, LockResult, Message,
-    NewInboxRow, OffsetStore, Position, StoreError, StoreErrorKind, TxAck, ValidationError,
-    WorkerId,
+    AttemptRecord, Found, InboxStatus, InboxStore, InboxTransaction, LockResult, MembershipStore,
+    Message, NewInboxRow, OffsetStore, Position, StoreError, StoreErrorKind, TxAck,
+    ValidationError, WorkerId,
 };
 use serde_json::json;
 
@@ -577,9 +577,30 @@ where
 
 impl<S, F> Ctx<'_, S, F>
 where
-    S: InboxStore + OffsetStore,
+    S: InboxStore + OffsetStore + MembershipStore,
     F: BusinessFixture<S::Tx>,
 {
+    /// Membership: a heartbeat registers its member and returns the live
+    /// members of its group only, sorted; a member that leaves is gone at
+    /// once.
+    async fn members_heartbeat_and_leave(&self) -> Result<(), ConformanceError> {
+        const C: &str = "members_heartbeat_and_leave";
+        let e = store_err(C);
+        let lease = Duration::from_secs(60);
+        let group = format!("{}-members", self.prefix);
+        let other = format!("{}-others", self.prefix);
+        let live = self.store.heartbeat(&group, "b", lease).await.map_err(&e)?;
+        ensure(C, live == ["b"], || format!("{live:?}"))?;
+        self.store.heartbeat(&other, "z", lease).await.map_err(&e)?;
+        let live = self.store.heartbeat(&group, "a", lease).await.map_err(&e)?;
+        ensure(C, live == ["a", "b"], || {
+            format!("{live:?} (sorted, this group only)")
+        })?;
+        self.store.leave(&group, "b").await.map_err(&e)?;
+        let live = self.store.heartbeat(&group, "a", lease).await.map_err(&e)?;
+        ensure(C, live == ["a"], || format!("{live:?} after b left"))
+    }
+
     /// Offsets: a first claim finds nothing stored and gets an epoch; an
     /// acknowledgement under it is stored (alone, and inside a
     /// transaction); a second claim bumps the epoch and finds the stored
@@ -666,7 +687,7 @@ pub async fn run_conformance<S, F>(
     fixture: &F,
 ) -> Result<ConformanceReport, ConformanceError>
 where
-    S: InboxStore + OffsetStore,
+    S: InboxStore + OffsetStore + MembershipStore,
     F: BusinessFixture<S::Tx>,
 {
     let nanos = SystemTime::now()
@@ -704,5 +725,7 @@ where
     passed.push("attempts_are_recorded_and_requeued");
     ctx.offsets_claim_and_fence().await?;
     passed.push("offsets_claim_and_fence");
+    ctx.members_heartbeat_and_leave().await?;
+    passed.push("members_heartbeat_and_leave");
     Ok(passed)
 }

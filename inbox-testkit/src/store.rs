@@ -15,8 +15,8 @@ use chrono::{DateTime, TimeZone, Utc};
 use inbox_core::attempts::{Due, RowUpdate};
 use inbox_core::{
     AttemptRecord, DueFilter, Found, InboxRow, InboxStatus, InboxStore, InboxTransaction,
-    LockResult, Message, NewInboxRow, OffsetStore, PartitionClaim, RowId, RowRef, StoreError,
-    StoreErrorKind, TxAck, ValidationError, WorkerId,
+    LockResult, MembershipStore, Message, NewInboxRow, OffsetStore, PartitionClaim, RowId, RowRef,
+    StoreError, StoreErrorKind, TxAck, ValidationError, WorkerId,
 };
 
 /// A named point where the store can be made to fail.
@@ -75,6 +75,8 @@ struct State {
     acks: HashMap<(String, String, i32), i64>,
     /// Owner epochs by (group, topic, partition).
     epochs: HashMap<(String, String, i32), i64>,
+    /// Last heartbeat by (group, member).
+    members: BTreeMap<(String, String), DateTime<Utc>>,
     now: DateTime<Utc>,
     faults: HashMap<StoreFault, u32>,
 }
@@ -135,6 +137,7 @@ impl MemStore {
                 dead_letters: Vec::new(),
                 acks: HashMap::new(),
                 epochs: HashMap::new(),
+                members: BTreeMap::new(),
                 now,
                 faults: HashMap::new(),
             })),
@@ -385,6 +388,34 @@ impl MemTx {
 impl Drop for MemTx {
     fn drop(&mut self) {
         self.finish();
+    }
+}
+
+#[async_trait]
+impl MembershipStore for MemStore {
+    async fn heartbeat(
+        &self,
+        consumer_group: &str,
+        member: &str,
+        lease: Duration,
+    ) -> Result<Vec<String>, StoreError> {
+        let mut s = self.state();
+        let now = s.now;
+        s.members
+            .insert((consumer_group.to_owned(), member.to_owned()), now);
+        let oldest = now - chrono::Duration::from_std(lease).unwrap_or(chrono::Duration::MAX);
+        Ok(s.members
+            .iter()
+            .filter(|((g, _), at)| g == consumer_group && **at >= oldest)
+            .map(|((_, m), _)| m.clone())
+            .collect())
+    }
+
+    async fn leave(&self, consumer_group: &str, member: &str) -> Result<(), StoreError> {
+        self.state()
+            .members
+            .remove(&(consumer_group.to_owned(), member.to_owned()));
+        Ok(())
     }
 }
 

@@ -8,5 +8,22 @@ async fn mem_store_passes_conformance() {
     let passed = run_conformance(&store, &MemFixture::new(&store))
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(passed.len(), 12, "every check ran: {passed:?}");
+    assert_eq!(passed.len(), 13, "every check ran: {passed:?}");
+}
+
+/// A member that stops heartbeating drops out once its last heartbeat is
+/// older than the lease (the store's clock moved on).
+#[tokio::test]
+async fn a_silent_member_drops_out_after_the_lease() {
+    use inbox_core::MembershipStore;
+    use std::time::Duration;
+    let store = MemStore::new();
+    let lease = Duration::from_secs(10);
+    store.heartbeat("g", "quiet", lease).await.expect("beat");
+    store.advance(Duration::from_secs(6));
+    let live = store.heartbeat("g", "busy", lease).await.expect("beat");
+    assert_eq!(live, ["busy", "quiet"], "within the lease");
+    store.advance(Duration::from_secs(5));
+    let live = store.heartbeat("g", "busy", lease).await.expect("beat");
+    assert_eq!(live, ["busy"], "11 s of silence: gone");
 }

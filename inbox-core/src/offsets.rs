@@ -12,6 +12,8 @@
 //! [`InboxTransaction::store_ack`](crate::InboxTransaction::store_ack), with
 //! the same check.
 
+use std::collections::BTreeMap;
+
 use async_trait::async_trait;
 
 use crate::consumer::TxAck;
@@ -66,4 +68,19 @@ pub trait MembershipStore: Send + Sync {
 
     /// Removes `member` from `consumer_group` at once (a graceful leave).
     async fn leave(&self, consumer_group: &str, member: &str) -> Result<(), StoreError>;
+
+    /// The assignment last published for `consumer_group` (empty when
+    /// none): every member computes the next one from it, so all of them
+    /// agree and it stays sticky.
+    async fn published_assignment(
+        &self,
+        consumer_group: &str,
+    ) -> Result<BTreeMap<(String, i32), String>, StoreError>;
+
+    /// Replaces the published assignment of `consumer_group`.
+    async fn publish_assignment(
+        &self,
+        consumer_group: &str,
+        assignment: &BTreeMap<(String, i32), String>,
+    ) -> Result<(), StoreError>;
 }

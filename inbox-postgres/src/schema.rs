@@ -96,6 +96,12 @@ impl TableName {
         self.with_suffix("_members")
     }
 
+    /// The published partition assignments (`<table>_assignments`),
+    /// qualified.
+    pub fn assignments(&self) -> String {
+        self.with_suffix("_assignments")
+    }
+
     /// An index name (unqualified: indexes live in their table's schema).
     fn index(&self, suffix: &str) -> String {
         format!("\"{}_{suffix}\"", self.table)
@@ -231,12 +237,24 @@ pub fn create_statements(t: &TableName) -> Vec<String> {
 )",
             t.members()
         ),
+        // The assignment last published per group.
+        format!(
+            "CREATE TABLE IF NOT EXISTS {} (
+    consumer_group VARCHAR(255) NOT NULL,
+    topic          TEXT NOT NULL,
+    partition      INTEGER NOT NULL,
+    member         VARCHAR(255) NOT NULL,
+    PRIMARY KEY (consumer_group, topic, partition)
+)",
+            t.assignments()
+        ),
     ]
 }
 
 /// The statements that drop both tables.
 pub fn drop_statements(t: &TableName) -> Vec<String> {
     vec![
+        format!("DROP TABLE IF EXISTS {}", t.assignments()),
         format!("DROP TABLE IF EXISTS {}", t.members()),
         format!("DROP TABLE IF EXISTS {}", t.offsets()),
         format!("DROP TABLE IF EXISTS {}", t.dead_letters()),

@@ -42,6 +42,9 @@ struct Sql {
     claim: String,
     heartbeat: String,
     leave: String,
+    assignment: String,
+    publish: String,
+    unpublish: String,
 }
 
 impl Sql {
@@ -219,6 +222,19 @@ impl Sql {
                 "DELETE FROM {} WHERE consumer_group = $1 AND member = $2",
                 t.members()
             ),
+            assignment: format!(
+                "SELECT topic, partition, member FROM {} WHERE consumer_group = $1",
+                t.assignments()
+            ),
+            // In one transaction after `unpublish`: the new rows (a JSON
+            // array).
+            publish: format!(
+                "INSERT INTO {} (consumer_group, topic, partition, member)
+                 SELECT $1, e->>'t', (e->>'p')::int, e->>'m'
+                   FROM jsonb_array_elements($2::text::jsonb) AS e",
+                t.assignments()
+            ),
+            unpublish: format!("DELETE FROM {} WHERE consumer_group = $1", t.assignments()),
             claim: format!(
                 "INSERT INTO {o} AS o (consumer_group, topic, partition, owner_epoch)
                  VALUES ($1, $2, $3, 1)
@@ -886,6 +902,45 @@ impl MembershipStore for PgStore {
             .await
             .map_err(db)?;
         Ok(())
+    }
+
+    async fn published_assignment(
+        &self,
+        consumer_group: &str,
+    ) -> Result<std::collections::BTreeMap<(String, i32), String>, StoreError> {
+        let rows = self
+            .db
+            .query_all_raw(stmt(&self.sql.assignment, vec![consumer_group.into()]))
+            .await
+            .map_err(db)?;
+        rows.iter()
+            .map(|r| Ok(((get(r, "topic")?, get(r, "partition")?), get(r, "member")?)))
+            .collect()
+    }
+
+    async fn publish_assignment(
+        &self,
+        consumer_group: &str,
+        assignment: &std::collections::BTreeMap<(String, i32), String>,
+    ) -> Result<(), StoreError> {
+        let rows: Vec<serde_json::Value> = assignment
+            .iter()
+            .map(|((t, p), m)| serde_json::json!({ "t": t, "p": p, "m": m }))
+            .collect();
+        let tx = self.db.begin().await.map_err(db)?;
+        tx.execute_raw(stmt(&self.sql.unpublish, vec![consumer_group.into()]))
+            .await
+            .map_err(db)?;
+        tx.execute_raw(stmt(
+            &self.sql.publish,
+            vec![
+                consumer_group.into(),
+                serde_json::Value::Array(rows).to_string().into(),
+            ],
+        ))
+        .await
+        .map_err(db)?;
+        tx.commit().await.map_err(db)
     }
 }
 

@@ -598,7 +598,32 @@ where
         })?;
         self.store.leave(&group, "b").await.map_err(&e)?;
         let live = self.store.heartbeat(&group, "a", lease).await.map_err(&e)?;
-        ensure(C, live == ["a"], || format!("{live:?} after b left"))
+        ensure(C, live == ["a"], || format!("{live:?} after b left"))?;
+        let none = self.store.published_assignment(&group).await.map_err(&e)?;
+        ensure(C, none.is_empty(), || format!("{none:?} before any"))?;
+        let first: std::collections::BTreeMap<(String, i32), String> = [
+            (("t".to_owned(), 0), "a".to_owned()),
+            (("t".to_owned(), 1), "b".to_owned()),
+        ]
+        .into();
+        self.store
+            .publish_assignment(&group, &first)
+            .await
+            .map_err(&e)?;
+        let second: std::collections::BTreeMap<(String, i32), String> =
+            [(("t".to_owned(), 0), "a".to_owned())].into();
+        self.store
+            .publish_assignment(&group, &second)
+            .await
+            .map_err(&e)?;
+        let read = self.store.published_assignment(&group).await.map_err(&e)?;
+        ensure(C, read == second, || {
+            format!("{read:?}: replaced as a whole")
+        })?;
+        let theirs = self.store.published_assignment(&other).await.map_err(&e)?;
+        ensure(C, theirs.is_empty(), || {
+            format!("another group sees {theirs:?}")
+        })
     }
 
     /// Offsets: a first claim finds nothing stored and gets an epoch; an

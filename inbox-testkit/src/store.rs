@@ -77,6 +77,8 @@ struct State {
     epochs: HashMap<(String, String, i32), i64>,
     /// Last heartbeat by (group, member).
     members: BTreeMap<(String, String), DateTime<Utc>>,
+    /// Published assignments by group.
+    assignments: HashMap<String, BTreeMap<(String, i32), String>>,
     now: DateTime<Utc>,
     faults: HashMap<StoreFault, u32>,
 }
@@ -138,6 +140,7 @@ impl MemStore {
                 acks: HashMap::new(),
                 epochs: HashMap::new(),
                 members: BTreeMap::new(),
+                assignments: HashMap::new(),
                 now,
                 faults: HashMap::new(),
             })),
@@ -415,6 +418,29 @@ impl MembershipStore for MemStore {
         self.state()
             .members
             .remove(&(consumer_group.to_owned(), member.to_owned()));
+        Ok(())
+    }
+
+    async fn published_assignment(
+        &self,
+        consumer_group: &str,
+    ) -> Result<BTreeMap<(String, i32), String>, StoreError> {
+        Ok(self
+            .state()
+            .assignments
+            .get(consumer_group)
+            .cloned()
+            .unwrap_or_default())
+    }
+
+    async fn publish_assignment(
+        &self,
+        consumer_group: &str,
+        assignment: &BTreeMap<(String, i32), String>,
+    ) -> Result<(), StoreError> {
+        self.state()
+            .assignments
+            .insert(consumer_group.to_owned(), assignment.clone());
         Ok(())
     }
 }

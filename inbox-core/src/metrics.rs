@@ -62,6 +62,11 @@ pub enum MetricEvent {
         /// Partition.
         partition: i32,
     },
+    /// This group member's partitions changed (membership or topics did).
+    AssignmentChanged {
+        /// How many partitions it owns now.
+        partitions: usize,
+    },
 }
 
 /// Receives the runner's events. Every method has a no-op default.
@@ -194,7 +199,8 @@ impl Metrics for CountingMetrics {
             | MetricEvent::PartitionTally { .. }
             | MetricEvent::OffsetGap { .. }
             | MetricEvent::Fenced { .. }
-            | MetricEvent::OffsetOutOfRange { .. } => return,
+            | MetricEvent::OffsetOutOfRange { .. }
+            | MetricEvent::AssignmentChanged { .. } => return,
         };
         self.counters[index].fetch_add(1, Ordering::Relaxed);
     }
@@ -317,6 +323,13 @@ impl Metrics for FacadeMetrics {
             MetricEvent::Fenced { partition } => {
                 ::metrics::counter!("inbox_fenced_total", &self.partition_labels(partition))
                     .increment(1);
+            }
+            MetricEvent::AssignmentChanged { partitions } => {
+                ::metrics::counter!("inbox_assignment_changes_total", "group" => group.clone())
+                    .increment(1);
+                #[allow(clippy::cast_precision_loss)]
+                let owned = partitions as f64;
+                ::metrics::gauge!("inbox_owned_partitions", "group" => group).set(owned);
             }
             MetricEvent::OffsetOutOfRange { partition } => {
                 ::metrics::counter!(

@@ -58,11 +58,13 @@
 
 mod consumer;
 mod decode;
+mod group;
 
 pub use consumer::{
     ConsumerStats, KafkaConfig, KafkaConsumer, KafkaError, OutOfRange, StartPosition,
 };
 pub use decode::{Decode, JsonDecoder, RecordView, decode_or_poison};
+pub use group::{AssignmentChange, GroupConfig, GroupSummary, run_group};
 
 use std::sync::Arc;
 

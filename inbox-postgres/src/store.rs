@@ -227,14 +227,22 @@ impl Sql {
                 t.assignments()
             ),
             // In one transaction after `unpublish`: the new rows (a JSON
-            // array).
+            // array), upserted, so two members publishing the same
+            // assignment at once do not collide.
             publish: format!(
                 "INSERT INTO {} (consumer_group, topic, partition, member)
                  SELECT $1, e->>'t', (e->>'p')::int, e->>'m'
-                   FROM jsonb_array_elements($2::text::jsonb) AS e",
+                   FROM jsonb_array_elements($2::text::jsonb) AS e
+                 ON CONFLICT (consumer_group, topic, partition) DO UPDATE SET member = EXCLUDED.member",
                 t.assignments()
             ),
-            unpublish: format!("DELETE FROM {} WHERE consumer_group = $1", t.assignments()),
+            // The rows of partitions the new assignment does not have.
+            unpublish: format!(
+                "DELETE FROM {} WHERE consumer_group = $1
+                    AND (topic, partition) NOT IN (
+                        SELECT e->>'t', (e->>'p')::int FROM jsonb_array_elements($2::text::jsonb) AS e)",
+                t.assignments()
+            ),
             claim: format!(
                 "INSERT INTO {o} AS o (consumer_group, topic, partition, owner_epoch)
                  VALUES ($1, $2, $3, 1)
@@ -927,16 +935,17 @@ impl MembershipStore for PgStore {
             .iter()
             .map(|((t, p), m)| serde_json::json!({ "t": t, "p": p, "m": m }))
             .collect();
+        let rows = serde_json::Value::Array(rows).to_string();
         let tx = self.db.begin().await.map_err(db)?;
-        tx.execute_raw(stmt(&self.sql.unpublish, vec![consumer_group.into()]))
-            .await
-            .map_err(db)?;
+        tx.execute_raw(stmt(
+            &self.sql.unpublish,
+            vec![consumer_group.into(), rows.clone().into()],
+        ))
+        .await
+        .map_err(db)?;
         tx.execute_raw(stmt(
             &self.sql.publish,
-            vec![
-                consumer_group.into(),
-                serde_json::Value::Array(rows).to_string().into(),
-            ],
+            vec![consumer_group.into(), rows.into()],
         ))
         .await
         .map_err(db)?;

@@ -1,0 +1,316 @@
+//! Several processes sharing a group's partitions: membership with
+//! heartbeats and assignment over the live members, kept in the inbox's
+//! store ([`MembershipStore`]).
+//!
+//! Each member, every `heartbeat`:
+//!
+//! 1. heartbeats and reads the live members (those heard from within the
+//!    `lease`);
+//! 2. reads the topics' partitions from the broker (partitions added later
+//!    are picked up);
+//! 3. computes [`assign`] over the live members from the published
+//!    assignment (every member computes the same one) and publishes it when
+//!    it changed;
+//! 4. when its own partitions changed: stops its runner (the message or
+//!    batch in hand is finished and acknowledged), then starts a new
+//!    consumer on its new partitions, which claims them (their owner epoch
+//!    moves, so a previous owner that is still alive, a paused zombie, is
+//!    fenced and can acknowledge nothing).
+//!
+//! A member that stops heartbeating (killed, partitioned away) loses its
+//! partitions after the lease; one that leaves ([`CancellationToken`])
+//! finishes what it has in hand, then leaves the group, and the others take
+//! its partitions at their next heartbeat.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use inbox_core::assignment::{PartitionKey, assign, owned_by};
+use inbox_core::{
+    CancellationToken, Handler, InboxStore, MembershipStore, MetricEvent, Metrics, OffsetStore,
+    Runner, RunnerConfig,
+};
+use rskafka::client::ClientBuilder;
+use tokio::task::JoinHandle;
+
+use crate::{KafkaConfig, KafkaConsumer, KafkaError};
+
+/// How a member takes part in its group.
+#[derive(Debug, Clone)]
+pub struct GroupConfig {
+    /// This member's id (unique in the group, stable across its restarts
+    /// is not needed).
+    pub member_id: String,
+    /// The topics whose partitions the group shares.
+    pub topics: Vec<String>,
+    /// Time between two heartbeats (and assignment checks). Default 1 s.
+    pub heartbeat: Duration,
+    /// A member not heard from for this long is dropped, and its partitions
+    /// move. Default 5 s. Longer than a few heartbeats, shorter than what
+    /// you accept as failover time.
+    pub lease: Duration,
+}
+
+impl GroupConfig {
+    /// Defaults for `member_id` on `topics`.
+    pub fn new(member_id: impl Into<String>, topics: Vec<String>) -> Self {
+        Self {
+            member_id: member_id.into(),
+            topics,
+            heartbeat: Duration::from_secs(1),
+            lease: Duration::from_secs(5),
+        }
+    }
+}
+
+/// One change of this member's partitions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AssignmentChange {
+    /// Live members when it was computed.
+    pub members: Vec<String>,
+    /// The partitions this member owns from then on.
+    pub owned: Vec<PartitionKey>,
+}
+
+/// What [`run_group`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GroupSummary {
+    /// Every change of this member's partitions, in order.
+    pub changes: Vec<AssignmentChange>,
+    /// Messages its runners handled.
+    pub messages: u64,
+}
+
+/// Forwards metrics and notes when this member's consumer was fenced off
+/// a partition (another member claimed it meanwhile, by an older view of
+/// the group): if the assignment still gives it to this member, it claims
+/// it again at the next heartbeat.
+struct Watch {
+    inner: Arc<dyn Metrics>,
+    fenced: AtomicBool,
+}
+
+impl Metrics for Watch {
+    fn record(&self, event: MetricEvent) {
+        if matches!(event, MetricEvent::Fenced { .. }) {
+            self.fenced.store(true, Ordering::SeqCst);
+        }
+        self.inner.record(event);
+    }
+}
+
+/// A spawned task that is aborted when dropped, so that a member whose
+/// future is dropped (its process killed, in effect) leaves nothing
+/// running behind: no heartbeat, no runner.
+struct Owned<T>(Option<JoinHandle<T>>);
+
+impl<T> Owned<T> {
+    async fn join(mut self) -> Option<T> {
+        match self.0.take() {
+            Some(task) => task.await.ok(),
+            None => None,
+        }
+    }
+}
+
+impl<T> Drop for Owned<T> {
+    fn drop(&mut self) {
+        if let Some(task) = self.0.take() {
+            task.abort();
+        }
+    }
+}
+
+/// The runner of the partitions this member owns now.
+struct Running {
+    owned: Vec<PartitionKey>,
+    cancel: CancellationToken,
+    task: Owned<u64>,
+}
+
+impl Running {
+    async fn stop(self) -> u64 {
+        self.cancel.cancel();
+        self.task.join().await.unwrap_or(0)
+    }
+}
+
+/// Runs this member of the group until `cancel` fires: heartbeats, follows
+/// the assignment, runs a runner on the partitions it owns (`kafka`'s
+/// `partitions` are ignored: the assignment gives them). On `cancel` it
+/// finishes the message or batch in hand, leaves the group and returns.
+///
+/// # Errors
+///
+/// A [`KafkaError`] when the broker cannot be reached at the start; later
+/// failures (store, broker) are logged and retried at the next heartbeat.
+pub async fn run_group<S, H>(
+    kafka: KafkaConfig,
+    group: GroupConfig,
+    store: S,
+    handler: Arc<H>,
+    runner: RunnerConfig,
+    metrics: Arc<dyn Metrics>,
+    cancel: CancellationToken,
+) -> Result<GroupSummary, KafkaError>
+where
+    S: InboxStore + OffsetStore + MembershipStore + Clone + 'static,
+    H: Handler<S::Tx> + 'static,
+{
+    let client = ClientBuilder::new(kafka.brokers.clone()).build().await?;
+    let consumer_group = kafka.consumer_group.clone();
+    let me = group.member_id.clone();
+    let mut summary = GroupSummary::default();
+    let mut running: Option<Running> = None;
+    let watch = Arc::new(Watch {
+        inner: metrics.clone(),
+        fenced: AtomicBool::new(false),
+    });
+    let watched: Arc<dyn Metrics> = watch.clone();
+    // Heartbeats go on in a task of their own, so that stopping a runner
+    // (which finishes the batch in hand) or connecting a consumer never
+    // makes this member look dead to the others.
+    let beating = CancellationToken::new();
+    let beater = {
+        let (store, group_name, me, lease, every) = (
+            store.clone(),
+            consumer_group.clone(),
+            me.clone(),
+            group.lease,
+            group.heartbeat,
+        );
+        let stop = beating.clone();
+        Owned(Some(tokio::spawn(async move {
+            while !stop.is_cancelled() {
+                if let Err(e) = store.heartbeat(&group_name, &me, lease).await {
+                    tracing::warn!(member = %me, error = %e, "heartbeat failed");
+                }
+                tokio::select! {
+                    () = stop.cancelled() => break,
+                    () = tokio::time::sleep(every) => {}
+                }
+            }
+        })))
+    };
+    while !cancel.is_cancelled() {
+        match next_assignment(&client, &store, &consumer_group, &group).await {
+            Ok((members, assignment)) => {
+                let owned: Vec<PartitionKey> =
+                    owned_by(&assignment, &me).into_iter().cloned().collect();
+                // fenced while the assignment still says it is ours: a
+                // member with an older view claimed it; claim it back
+                let fenced = watch.fenced.swap(false, Ordering::SeqCst);
+                if fenced || running.as_ref().map(|r| &r.owned) != Some(&owned) {
+                    if let Some(r) = running.take() {
+                        summary.messages += r.stop().await;
+                    }
+                    tracing::info!(member = %me, ?members, ?owned, "assignment changed");
+                    metrics.record(MetricEvent::AssignmentChanged {
+                        partitions: owned.len(),
+                    });
+                    summary.changes.push(AssignmentChange {
+                        members,
+                        owned: owned.clone(),
+                    });
+                    if owned.is_empty() {
+                        running = Some(Running {
+                            owned,
+                            cancel: CancellationToken::new(),
+                            task: Owned(None),
+                        });
+                    } else {
+                        match start(&kafka, owned, &store, &handler, &runner, &watched).await {
+                            Ok(r) => running = Some(r),
+                            Err(e) => {
+                                // tried again at the next heartbeat
+                                tracing::warn!(member = %me, error = %e, "starting the consumer failed");
+                                summary.changes.pop();
+                            }
+                        }
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(member = %me, error = %e, "heartbeat failed; trying again"),
+        }
+        tokio::select! {
+            () = cancel.cancelled() => break,
+            () = tokio::time::sleep(group.heartbeat) => {}
+        }
+    }
+    if let Some(r) = running.take() {
+        summary.messages += r.stop().await;
+    }
+    beating.cancel();
+    let _ = beater.join().await;
+    if let Err(e) = store.leave(&consumer_group, &me).await {
+        tracing::warn!(member = %me, error = %e, "leaving the group failed; the lease ends it");
+    }
+    Ok(summary)
+}
+
+/// One heartbeat: the live members and the assignment over them
+/// (published when it changed).
+async fn next_assignment<S: MembershipStore>(
+    client: &rskafka::client::Client,
+    store: &S,
+    consumer_group: &str,
+    group: &GroupConfig,
+) -> Result<(Vec<String>, BTreeMap<PartitionKey, String>), KafkaError> {
+    let members = store
+        .heartbeat(consumer_group, &group.member_id, group.lease)
+        .await?;
+    let partitions: Vec<PartitionKey> = client
+        .list_topics()
+        .await?
+        .into_iter()
+        .filter(|t| group.topics.contains(&t.name))
+        .flat_map(|t| {
+            let name = t.name;
+            t.partitions.into_iter().map(move |p| (name.clone(), p))
+        })
+        .collect();
+    let previous = store.published_assignment(consumer_group).await?;
+    let next = assign(&partitions, &members, &previous);
+    if next != previous {
+        store.publish_assignment(consumer_group, &next).await?;
+    }
+    Ok((members, next))
+}
+
+/// A consumer claiming `owned` and a runner over it, spawned.
+async fn start<S, H>(
+    kafka: &KafkaConfig,
+    owned: Vec<PartitionKey>,
+    store: &S,
+    handler: &Arc<H>,
+    runner: &RunnerConfig,
+    metrics: &Arc<dyn Metrics>,
+) -> Result<Running, KafkaError>
+where
+    S: InboxStore + OffsetStore + Clone + 'static,
+    H: Handler<S::Tx> + 'static,
+{
+    let consumer = KafkaConsumer::connect(
+        KafkaConfig {
+            partitions: owned.clone(),
+            ..kafka.clone()
+        },
+        store.clone(),
+    )
+    .await?
+    .with_metrics(metrics.clone());
+    let mut r = Runner::new(store.clone(), consumer, handler.clone(), runner.clone())
+        .with_metrics(metrics.clone());
+    let cancel = CancellationToken::new();
+    let stop = cancel.clone();
+    let task = Owned(Some(tokio::spawn(
+        async move { r.run(stop).await.messages },
+    )));
+    Ok(Running {
+        owned,
+        cancel,
+        task,
+    })
+}

@@ -1,0 +1,154 @@
+//! Members of one group share its partitions through PostgreSQL: a member
+//! that joins takes its share, one that leaves gracefully hands its
+//! partitions over, one that dies loses them after the lease; every effect
+//! exactly once (counted with SQL). In-process members on tansu.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use inbox_core::{AckStrategy, CancellationToken, NoopMetrics};
+use inbox_kafka::{GroupConfig, GroupSummary, KafkaError, run_group};
+use inbox_testkit::scenarios::{Act, ScriptedHandler};
+use tokio::task::JoinHandle;
+
+use common::{config, env};
+
+fn member(
+    env: &common::Env,
+    id: &str,
+    handler: &Arc<ScriptedHandler>,
+) -> (
+    CancellationToken,
+    JoinHandle<Result<GroupSummary, KafkaError>>,
+) {
+    let mut group = GroupConfig::new(id, vec![env.topic.clone()]);
+    group.heartbeat = Duration::from_millis(100);
+    group.lease = Duration::from_millis(800);
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(run_group(
+        env.kafka_config("billing"),
+        group,
+        env.store.clone(),
+        handler.clone(),
+        config("billing", AckStrategy::default()),
+        Arc::new(NoopMetrics),
+        cancel.clone(),
+    ));
+    (cancel, task)
+}
+
+async fn owners(env: &common::Env) -> Vec<String> {
+    let assignment = inbox_core::MembershipStore::published_assignment(&env.store, "billing")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut owners: Vec<String> = assignment.into_values().collect();
+    owners.dedup();
+    owners
+}
+
+async fn wait_until(what: &str, limit: Duration, mut cond: impl AsyncFnMut() -> bool) -> Duration {
+    let started = Instant::now();
+    while !cond().await {
+        assert!(started.elapsed() < limit, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    started.elapsed()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_share_hand_over_and_fail_over() {
+    let env = env("group", 4).await;
+    let handler = ScriptedHandler::new([], Act::Succeed);
+    let ids: Vec<Vec<String>> = (0..4)
+        .map(|p| (0..25).map(|i| format!("p{p}-{i}")).collect())
+        .collect();
+    for (p, batch) in ids.iter().enumerate() {
+        let refs: Vec<&str> = batch.iter().map(String::as_str).collect();
+        env.produce_orders(i32::try_from(p).unwrap_or(0), &refs)
+            .await;
+    }
+    let (stop_a, a) = member(&env, "member-a", &handler);
+    let (stop_b, b) = member(&env, "member-b", &handler);
+    wait_until(
+        "both members share the partitions",
+        Duration::from_secs(20),
+        async || owners(&env).await.len() == 2,
+    )
+    .await;
+    wait_until(
+        "the first 100 orders",
+        Duration::from_secs(60),
+        async || {
+            if std::env::var("GROUP_DEBUG").is_ok() {
+                let per: Vec<i64> = {
+                    let mut v = Vec::new();
+                    for p in 0..4 {
+                        v.push(env.stored_offset("billing", p).await.unwrap_or(-1));
+                    }
+                    v
+                };
+                let a = inbox_core::MembershipStore::published_assignment(&env.store, "billing")
+                    .await
+                    .unwrap_or_default();
+                eprintln!(
+                    "assignment {:?} offsets {per:?} invoices {}",
+                    a.values().collect::<Vec<_>>(),
+                    env.total_invoices().await
+                );
+            }
+            env.total_invoices().await >= 100
+        },
+    )
+    .await;
+    // b leaves gracefully: a takes all four partitions
+    stop_b.cancel();
+    let b_summary = b.await.expect("join").expect("member b");
+    assert!(
+        b_summary.changes.last().is_some_and(|c| c.owned.len() == 2),
+        "b held its share of two when it left: {b_summary:?}"
+    );
+    wait_until("a owns everything", Duration::from_secs(20), async || {
+        owners(&env).await == ["member-a"]
+    })
+    .await;
+    // c joins, then dies without leaving (its task aborted): after the
+    // lease its partitions move back to a
+    let (_stop_c, c) = member(&env, "member-c", &handler);
+    wait_until("c takes its share", Duration::from_secs(20), async || {
+        owners(&env).await.len() == 2
+    })
+    .await;
+    c.abort();
+    let died = Instant::now();
+    let failover = wait_until("c's partitions move", Duration::from_secs(20), async || {
+        owners(&env).await == ["member-a"]
+    })
+    .await;
+    println!("failover after the member died: {failover:?} (lease 800 ms, heartbeat 100 ms)");
+    assert!(
+        failover <= Duration::from_millis(800 + 100 + 500),
+        "failover took {:?} (lease 800 ms, heartbeat 100 ms)",
+        died.elapsed()
+    );
+    for (p, _) in ids.iter().enumerate() {
+        let more: Vec<String> = (25..30).map(|i| format!("p{p}-{i}")).collect();
+        let refs: Vec<&str> = more.iter().map(String::as_str).collect();
+        env.produce_orders(i32::try_from(p).unwrap_or(0), &refs)
+            .await;
+    }
+    wait_until("all 120 orders", Duration::from_secs(60), async || {
+        env.total_invoices().await >= 120
+    })
+    .await;
+    stop_a.cancel();
+    let a_summary = a.await.expect("join").expect("member a");
+    assert!(a_summary.changes.len() >= 3, "{:?}", a_summary.changes);
+    assert_eq!(env.total_invoices().await, 120, "every order once");
+    for p in 0..4 {
+        for i in 0..30 {
+            assert_eq!(env.invoices(&format!("p{p}-{i}")).await, 1, "p{p}-{i}");
+        }
+    }
+}

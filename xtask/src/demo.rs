@@ -144,12 +144,23 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     while let Some(flag) = it.next() {
         match flag.as_str() {
             "--per-message" => per_message = true,
+            "--processes" => {
+                let n = it.next().context("--processes needs a number")?;
+                if n != "3" {
+                    bail!(
+                        "--processes: the group demo runs 3 member processes (and a fourth that joins)"
+                    );
+                }
+                return crate::scale::run(&[]);
+            }
             "--prometheus" => {
                 let addr = it.next().context("--prometheus needs an address")?;
                 prometheus = Some(addr.parse().context("--prometheus ADDR (host:port)")?);
             }
             other => {
-                bail!("unknown demo option {other:?} (--per-message, --prometheus ADDR)")
+                bail!(
+                    "unknown demo option {other:?} (--per-message, --prometheus ADDR, --processes 3)"
+                )
             }
         }
     }

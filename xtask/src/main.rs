@@ -7,9 +7,13 @@
 //! - `cargo xtask bench`: throughput beside the baselines (see `bench.rs`).
 //! - `cargo xtask soak`: real server faults end to end (see `soak.rs`); a
 //!   short one (20,000 messages) ends `cargo xtask test`.
+//! - `cargo xtask scale` (also `cargo xtask demo --processes 3`): member
+//!   processes of one group sharing its partitions (see `scale.rs`); run by
+//!   `cargo xtask test`.
 
 mod bench;
 mod demo;
+mod scale;
 mod setup;
 mod soak;
 mod sql;
@@ -25,7 +29,8 @@ commands:
   test    fmt check, clippy -D warnings, cargo doc, every test of the workspace
   demo    run the billing demo and check every order has exactly one invoice
           (--per-message: one transaction per message instead of batches;
-          --prometheus ADDR: serve the metrics at http://ADDR/metrics)
+          --prometheus ADDR: serve the metrics at http://ADDR/metrics;
+          --processes 3: the group demo, as `scale`)
   bench   throughput table beside the baselines; options: --messages N,
           --rows N (preload the inbox table), --fail-percent P (the
           handler of the runner lines fails P% of its calls), --only LINE,LINE,
@@ -35,6 +40,9 @@ commands:
           immediate), the broker and the consumer process killed, three times
           each, backends terminated at random; checks every effect exactly once;
           options: --messages N (default 1000000), --fail-percent P (default 1)
+  scale   member processes of one group share 8 partitions through PostgreSQL:
+          one killed (SIGKILL), one joining, one leaving; checks every order once,
+          every partition owned by one live member, and the failover time
   help    this text
 ";
 
@@ -57,6 +65,10 @@ fn main() -> ExitCode {
             .and_then(|()| setup::tansu())
             .and_then(|()| soak::run(&args[1..])),
         Some("soak-consumer") => soak::consumer(&args[1..]),
+        Some("scale") => setup::postgres()
+            .and_then(|()| setup::tansu())
+            .and_then(|()| scale::run(&args[1..])),
+        Some("scale-member") => scale::member(&args[1..]),
         Some(other) => {
             eprint!("unknown command {other:?}\n\n{HELP}");
             return ExitCode::from(2);
@@ -116,6 +128,8 @@ fn test() -> Result<()> {
     cargo(&["test", "--workspace", "--all-features"], &[])?;
     println!("$ cargo xtask bench --smoke");
     bench::run(&["--smoke".to_owned()])?;
+    println!("$ cargo xtask scale");
+    scale::run(&[])?;
     println!("$ cargo xtask soak --messages 20000");
     soak::run(&["--messages".to_owned(), "20000".to_owned()])?;
     println!("xtask test: all checks passed");

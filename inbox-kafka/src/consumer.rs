@@ -360,6 +360,16 @@ impl<O: OffsetStore> KafkaConsumer<O> {
             .collect()
     }
 
+    /// The partitions this consumer owns now: claimed, not lost to another
+    /// consumer, not stopped ([`OutOfRange::Stop`]).
+    pub fn owned_partitions(&self) -> Vec<(String, i32)> {
+        self.partitions
+            .iter()
+            .filter(|p| !p.fenced && !p.stopped)
+            .map(|p| (p.topic.clone(), p.partition))
+            .collect()
+    }
+
     /// Records behind the high watermark, summed over the partitions still
     /// owned, as of the last fetch.
     pub fn lag(&self) -> i64 {
@@ -796,6 +806,7 @@ mod tests {
         assert_eq!(seen, ["p1-0", "p1-1", "p1-2", "p1-3", "p1-4"]);
         assert_eq!(errors, 0, "a partition delivered: no error surfaces");
         assert_eq!(c.stats().fetch_errors, 1, "tried once, then held back");
+        assert_eq!(c.owned_partitions().len(), 2, "a fetch error loses nothing");
         assert!(c.partitions[0].held_until.is_some());
     }
 

@@ -335,6 +335,14 @@ async fn two_consumers_on_one_partition_never_both_commit_an_effect() {
             "{strategy:?}: A says it was fenced"
         );
         assert!(
+            a.consumer_mut().owned_partitions().is_empty(),
+            "{strategy:?}: and owns nothing now"
+        );
+        assert_eq!(
+            b.consumer_mut().owned_partitions(),
+            vec![(env.topic.clone(), 0)]
+        );
+        assert!(
             a.process_one().await.expect("fetch").is_none(),
             "A stopped reading"
         );

@@ -84,6 +84,28 @@ struct State {
 }
 
 impl State {
+    /// The partition key of `ack`, after the injected fault and the epoch
+    /// check ([`StoreErrorKind::Fenced`] when its epoch is stale).
+    fn check_ack(&mut self, ack: &TxAck) -> Result<(String, String, i32), StoreError> {
+        self.take_fault(StoreFault::Ack)?;
+        let key = (
+            ack.consumer_group.clone(),
+            ack.position.topic.clone(),
+            ack.position.partition,
+        );
+        let current = self.epochs.get(&key).copied().unwrap_or(0);
+        if current != ack.owner_epoch {
+            return Err(StoreError::new(
+                StoreErrorKind::Fenced,
+                format!(
+                    "epoch {} is stale, partition owned under epoch {current}",
+                    ack.owner_epoch
+                ),
+            ));
+        }
+        Ok(key)
+    }
+
     fn take_fault(&mut self, point: StoreFault) -> Result<(), StoreError> {
         match self.faults.get_mut(&point) {
             Some(n) if *n > 0 => {
@@ -462,22 +484,7 @@ impl OffsetStore for MemStore {
 
     async fn store_ack(&self, ack: &TxAck) -> Result<(), StoreError> {
         let mut s = self.state();
-        s.take_fault(StoreFault::Ack)?;
-        let key = (
-            ack.consumer_group.clone(),
-            ack.position.topic.clone(),
-            ack.position.partition,
-        );
-        let current = s.epochs.get(&key).copied().unwrap_or(0);
-        if current != ack.owner_epoch {
-            return Err(StoreError::new(
-                StoreErrorKind::Fenced,
-                format!(
-                    "epoch {} is stale, partition owned under epoch {current}",
-                    ack.owner_epoch
-                ),
-            ));
-        }
+        let key = s.check_ack(ack)?;
         s.acks.insert(key, ack.position.offset + 1);
         Ok(())
     }
@@ -910,24 +917,7 @@ impl InboxTransaction for MemTx {
     }
 
     async fn store_ack(&mut self, ack: &TxAck) -> Result<(), StoreError> {
-        let mut s = self.store.state();
-        s.take_fault(StoreFault::Ack)?;
-        let key = (
-            ack.consumer_group.clone(),
-            ack.position.topic.clone(),
-            ack.position.partition,
-        );
-        let current = s.epochs.get(&key).copied().unwrap_or(0);
-        if current != ack.owner_epoch {
-            return Err(StoreError::new(
-                StoreErrorKind::Fenced,
-                format!(
-                    "epoch {} is stale, partition owned under epoch {current}",
-                    ack.owner_epoch
-                ),
-            ));
-        }
-        drop(s);
+        let key = self.store.state().check_ack(ack)?;
         self.staged.push(Staged::Ack(key, ack.position.offset + 1));
         Ok(())
     }

@@ -98,6 +98,25 @@ fn cargo(args: &[&str], env: &[(&str, &str)]) -> Result<()> {
     Ok(())
 }
 
+/// For a child process of a run (the soak's consumer, the scale's
+/// members): a runtime, and a token cancelled when stdin closes (the
+/// parent's way to ask for a graceful stop).
+pub(crate) fn child_runtime() -> Result<(tokio::runtime::Runtime, inbox_core::CancellationToken)> {
+    use std::io::Read;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let cancel = inbox_core::CancellationToken::new();
+    let on_eof = cancel.clone();
+    std::thread::spawn(move || {
+        let mut sink = Vec::new();
+        let _ = std::io::stdin().read_to_end(&mut sink);
+        on_eof.cancel();
+    });
+    Ok((rt, cancel))
+}
+
 fn workspace_root() -> std::path::PathBuf {
     let manifest = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     manifest

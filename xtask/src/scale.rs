@@ -11,15 +11,12 @@
 //! lease plus one heartbeat). It prints the assignment after each change.
 
 use std::collections::BTreeMap;
-use std::io::Read;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
-use inbox_core::{
-    AckStrategy, BatchConfig, CancellationToken, MembershipStore, NoopMetrics, RunnerConfig,
-};
+use inbox_core::{AckStrategy, BatchConfig, MembershipStore, NoopMetrics, RunnerConfig};
 use inbox_kafka::{GroupConfig, KafkaConfig, run_group};
 use inbox_postgres::sea_orm::ConnectionTrait;
 use inbox_postgres::{PgStore, TableName};
@@ -66,17 +63,7 @@ pub(crate) fn member(args: &[String]) -> Result<()> {
     };
     let url = std::env::var(DB_ENV).with_context(|| format!("{DB_ENV} not set"))?;
     let brokers = std::env::var("KAFKA_BROKERS").context("KAFKA_BROKERS not set")?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    let cancel = CancellationToken::new();
-    let on_eof = cancel.clone();
-    std::thread::spawn(move || {
-        let mut sink = Vec::new();
-        let _ = std::io::stdin().read_to_end(&mut sink);
-        on_eof.cancel();
-    });
+    let (rt, cancel) = crate::child_runtime()?;
     rt.block_on(async move {
         let store = PgStore::connect(&url, TableName::default()).await?;
         let mut kafka = KafkaConfig::new(vec![brokers], GROUP, Vec::new());

@@ -23,16 +23,13 @@
 //! non-zero on any breach.
 
 use std::collections::{BTreeMap, HashSet};
-use std::io::Read;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 use async_trait::async_trait;
-use inbox_core::{
-    BatchConfig, CancellationToken, CountingMetrics, Handler, HandlerError, Message, RunnerConfig,
-};
+use inbox_core::{BatchConfig, CountingMetrics, Handler, HandlerError, Message, RunnerConfig};
 use inbox_kafka::{KafkaConfig, run_partitioned_with_metrics};
 use inbox_postgres::sea_orm::{ConnectionTrait, DbBackend, Statement};
 use inbox_postgres::{PgStore, PgTx, TableName};
@@ -149,17 +146,7 @@ pub(crate) fn consumer(args: &[String]) -> Result<()> {
     let fail_percent: u64 = fail_percent.parse()?;
     let url = std::env::var(DB_ENV).with_context(|| format!("{DB_ENV} not set"))?;
     let brokers = std::env::var("KAFKA_BROKERS").context("KAFKA_BROKERS not set")?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    let cancel = CancellationToken::new();
-    let on_eof = cancel.clone();
-    std::thread::spawn(move || {
-        let mut sink = Vec::new();
-        let _ = std::io::stdin().read_to_end(&mut sink);
-        on_eof.cancel();
-    });
+    let (rt, cancel) = crate::child_runtime()?;
     rt.block_on(async move {
         let store = PgStore::connect(&url, TableName::new(None, TABLE)?)
             .await

@@ -124,6 +124,25 @@ mod tests {
         assert!(assign(&p, &[], &two).is_empty());
     }
 
+    /// The larger shares go to the members that hold the most, so a
+    /// balanced assignment stays exactly as it is, whoever holds the extra
+    /// partition; `owned_by` lists exactly a member's partitions.
+    #[test]
+    fn a_balanced_assignment_is_kept_as_it_is() {
+        let p = parts(7);
+        let members = names(&["a", "b", "c"]);
+        let held: BTreeMap<PartitionKey, String> = p
+            .iter()
+            .zip(["b", "b", "b", "a", "a", "c", "c"])
+            .map(|(k, m)| (k.clone(), m.to_owned()))
+            .collect();
+        assert_eq!(assign(&p, &members, &held), held, "nothing moves");
+        let b: Vec<i32> = owned_by(&held, "b").iter().map(|k| k.1).collect();
+        assert_eq!(b, [0, 1, 2]);
+        let c: Vec<i32> = owned_by(&held, "c").iter().map(|k| k.1).collect();
+        assert_eq!(c, [5, 6]);
+    }
+
     proptest! {
         #[test]
         fn balanced_complete_deterministic_and_sticky(

@@ -9,7 +9,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use inbox_core::{
     AttemptRecord, HandlerError, InboxRow, InboxStore, InboxTransaction, LockResult, Message,
-    NewInboxRow, RowId, RowRef, StoreError, StoreErrorKind, TxAck, ValidationError, WorkerId,
+    NewInboxRow, RowId, RowRef, StoreError, TxAck, ValidationError, WorkerId,
 };
 
 use crate::StoreFault;
@@ -21,21 +21,7 @@ fn take(faults: &Faults, point: StoreFault) -> Result<(), StoreError> {
     let mut f = faults
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    match f.get_mut(&point) {
-        Some(n) if *n > 0 => {
-            *n -= 1;
-            let kind = if point == StoreFault::InsertRefused {
-                StoreErrorKind::Data
-            } else {
-                StoreErrorKind::Connection
-            };
-            Err(StoreError::new(
-                kind,
-                format!("injected fault at {point:?}"),
-            ))
-        }
-        _ => Ok(()),
-    }
+    crate::store::take_fault(&mut f, point)
 }
 
 /// A store whose steps can be made to fail. Cloning shares the faults.

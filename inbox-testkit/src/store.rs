@@ -83,6 +83,31 @@ struct State {
     faults: HashMap<StoreFault, u32>,
 }
 
+/// Takes one armed fault at `point` from `faults`: the error the store
+/// would give (a data error for [`StoreFault::InsertRefused`], a lost
+/// connection otherwise), or `Ok` when none is armed. Shared by
+/// [`MemStore`] and [`FaultyStore`](crate::FaultyStore).
+pub(crate) fn take_fault(
+    faults: &mut HashMap<StoreFault, u32>,
+    point: StoreFault,
+) -> Result<(), StoreError> {
+    match faults.get_mut(&point) {
+        Some(n) if *n > 0 => {
+            *n -= 1;
+            let kind = if point == StoreFault::InsertRefused {
+                StoreErrorKind::Data
+            } else {
+                StoreErrorKind::Connection
+            };
+            Err(StoreError::new(
+                kind,
+                format!("injected fault at {point:?}"),
+            ))
+        }
+        _ => Ok(()),
+    }
+}
+
 impl State {
     /// The partition key of `ack`, after the injected fault and the epoch
     /// check ([`StoreErrorKind::Fenced`] when its epoch is stale).
@@ -107,21 +132,7 @@ impl State {
     }
 
     fn take_fault(&mut self, point: StoreFault) -> Result<(), StoreError> {
-        match self.faults.get_mut(&point) {
-            Some(n) if *n > 0 => {
-                *n -= 1;
-                let kind = if point == StoreFault::InsertRefused {
-                    StoreErrorKind::Data
-                } else {
-                    StoreErrorKind::Connection
-                };
-                Err(StoreError::new(
-                    kind,
-                    format!("injected fault at {point:?}"),
-                ))
-            }
-            _ => Ok(()),
-        }
+        take_fault(&mut self.faults, point)
     }
 
     fn release(&mut self, tx: TxId) {

@@ -96,6 +96,16 @@ async fn give_up<T: InboxTransaction>(
         .map_err(|e| (PersistStage::DeadLetter, e))
 }
 
+/// What [`Runner::hold_row`] found.
+enum Held {
+    /// The row, held by this transaction.
+    Row(RowId),
+    /// The row is `pending` and someone else holds it.
+    Busy(RowId),
+    /// The row is `completed` or `failed`: there is nothing to count.
+    Settled,
+}
+
 /// What counting an attempt before the handler gave.
 pub(super) enum Precount {
     /// Counted (or nothing to count: the row is settled or held elsewhere,
@@ -152,6 +162,36 @@ where
         }
     }
 
+    /// Inserts `message`'s row `pending` in `tx` (or finds it) and locks
+    /// it, so an attempt can be recorded on it.
+    async fn hold_row(
+        &self,
+        tx: &mut S::Tx,
+        message: &Message,
+    ) -> Result<Held, (PersistStage, StoreError)> {
+        let row = NewInboxRow::for_message(
+            message,
+            &self.config.consumer_group,
+            self.config.max_attempts,
+        )
+        .with_status(InboxStatus::Pending);
+        let found = tx
+            .insert_or_get(&row)
+            .await
+            .map_err(|e| (PersistStage::Insert, e))?;
+        match found.found {
+            Found::Inserted => Ok(Held::Row(found.id)),
+            Found::Existing(InboxStatus::Pending) => {
+                match tx.lock(found.id, &self.config.worker_id).await {
+                    Ok(LockResult::Acquired) => Ok(Held::Row(found.id)),
+                    Ok(LockResult::Busy) => Ok(Held::Busy(found.id)),
+                    Err(e) => Err((PersistStage::Lock, e)),
+                }
+            }
+            Found::Existing(_) => Ok(Held::Settled),
+        }
+    }
+
     /// Counts an attempt of `message` before its handler runs, in a
     /// transaction of its own; gives it up when the budget is already spent.
     pub(super) async fn count_before(&mut self, policy: Policy, message: &Message) -> Precount {
@@ -161,38 +201,24 @@ where
             Ok(tx) => tx,
             Err(e) => return fail(PersistStage::Begin, e),
         };
-        let row = NewInboxRow::for_message(message, &group, self.config.max_attempts)
-            .with_status(InboxStatus::Pending);
-        let id = match tx.insert_or_get(&row).await {
-            Ok(r) if r.found == Found::Inserted => r.id,
-            Ok(r) if r.found == Found::Existing(InboxStatus::Pending) => {
-                match tx.lock(r.id, &self.config.worker_id).await {
-                    Ok(LockResult::Acquired) => r.id,
-                    Ok(LockResult::Busy) => {
-                        // held elsewhere: deferred like the transaction
-                        // would (rewound, still unseen, counted next time)
-                        abandon(tx).await;
-                        let step = decision::after_lock(policy, LockResult::Busy);
-                        return match step {
-                            decision::Step::Done(d) => {
-                                Precount::Done(Work::new(d, Some(r.id), None))
-                            }
-                            _ => Precount::Go { counted: false },
-                        };
-                    }
-                    Err(e) => {
-                        abandon(tx).await;
-                        return fail(PersistStage::Lock, e);
-                    }
-                }
+        let id = match self.hold_row(&mut tx, message).await {
+            Ok(Held::Row(id)) => id,
+            Ok(Held::Busy(id)) => {
+                // held elsewhere: deferred like the transaction would
+                // (rewound, still unseen, counted next time)
+                abandon(tx).await;
+                return match decision::after_lock(policy, LockResult::Busy) {
+                    decision::Step::Done(d) => Precount::Done(Work::new(d, Some(id), None)),
+                    _ => Precount::Go { counted: false },
+                };
             }
-            Ok(_) => {
+            Ok(Held::Settled) => {
                 abandon(tx).await;
                 return Precount::Go { counted: false };
             }
-            Err(e) => {
+            Err((stage, e)) => {
                 abandon(tx).await;
-                return fail(PersistStage::Insert, e);
+                return fail(stage, e);
             }
         };
         let read = AttemptRecord {
@@ -251,23 +277,9 @@ where
             Ok(tx) => tx,
             Err(e) => return fail(PersistStage::Begin, e, outcome),
         };
-        let row = NewInboxRow::for_message(message, &group, self.config.max_attempts)
-            .with_status(InboxStatus::Pending);
-        let held = match tx.insert_or_get(&row).await {
-            Ok(r) if r.found == Found::Inserted => Ok(Some(r.id)),
-            Ok(r) if r.found == Found::Existing(InboxStatus::Pending) => {
-                match tx.lock(r.id, &self.config.worker_id).await {
-                    Ok(LockResult::Acquired) => Ok(Some(r.id)),
-                    Ok(LockResult::Busy) => Ok(None),
-                    Err(e) => Err((PersistStage::Lock, e)),
-                }
-            }
-            Ok(_) => Ok(None),
-            Err(e) => Err((PersistStage::Insert, e)),
-        };
-        let id = match held {
-            Ok(Some(id)) => id,
-            Ok(None) => {
+        let id = match self.hold_row(&mut tx, message).await {
+            Ok(Held::Row(id)) => id,
+            Ok(Held::Busy(_) | Held::Settled) => {
                 abandon(tx).await;
                 return Work::new(uncounted, None, Some(outcome));
             }

@@ -1,104 +1,105 @@
 //! The contract's scenarios on the in-memory store and broker.
 
 use inbox_testkit::MemStore;
+use inbox_testkit::harness::MemHarness;
 use inbox_testkit::scenarios;
 
 #[tokio::test]
 async fn handler_retry_four_deliveries() {
-    scenarios::handler_retry_four_deliveries(MemStore::new()).await;
+    scenarios::handler_retry_four_deliveries(&MemHarness::new(MemStore::new())).await;
 }
 
 #[tokio::test]
 async fn handler_skipped() {
-    scenarios::handler_skipped(MemStore::new()).await;
+    scenarios::handler_skipped(&MemHarness::new(MemStore::new())).await;
 }
 
 #[tokio::test]
 async fn write_then_fail_every_strategy() {
-    scenarios::write_then_fail_every_strategy(MemStore::new()).await;
+    scenarios::write_then_fail_every_strategy(&MemHarness::new(MemStore::new())).await;
 }
 
 #[tokio::test]
 async fn cumulative_commit_trap() {
-    scenarios::cumulative_commit_trap(MemStore::new()).await;
+    scenarios::cumulative_commit_trap(&MemHarness::new(MemStore::new())).await;
 }
 
 #[tokio::test]
 async fn no_handler_lands() {
-    scenarios::no_handler_lands(MemStore::new()).await;
+    scenarios::no_handler_lands(&MemHarness::new(MemStore::new())).await;
 }
 
 #[tokio::test]
 async fn pending_row_is_handled() {
-    scenarios::pending_row_is_handled(MemStore::new()).await;
+    scenarios::pending_row_is_handled(&MemHarness::new(MemStore::new())).await;
 }
 
 #[tokio::test]
 async fn locked_elsewhere_is_deferred() {
-    scenarios::locked_elsewhere_is_deferred(MemStore::new()).await;
+    scenarios::locked_elsewhere_is_deferred(&MemHarness::new(MemStore::new())).await;
 }
 
 #[tokio::test]
 async fn failed_row_is_terminal() {
-    scenarios::failed_row_is_terminal(MemStore::new()).await;
+    scenarios::failed_row_is_terminal(&MemHarness::new(MemStore::new())).await;
 }
 
 #[tokio::test]
 async fn timeout_and_panic_are_failures() {
-    scenarios::timeout_and_panic_are_failures(MemStore::new()).await;
+    scenarios::timeout_and_panic_are_failures(&MemHarness::new(MemStore::new())).await;
 }
 
 #[tokio::test]
 async fn commit_failure_then_duplicate() {
-    scenarios::commit_failure_then_duplicate(MemStore::new()).await;
+    scenarios::commit_failure_then_duplicate(&MemHarness::new(MemStore::new())).await;
 }
 
 #[tokio::test]
 async fn all_scenarios_share_one_store() {
-    scenarios::run_all(MemStore::new()).await;
+    scenarios::run_all(&MemHarness::new(MemStore::new())).await;
 }
 
 #[tokio::test]
 async fn batched_matches_one_by_one() {
-    scenarios::batched_matches_one_by_one(MemStore::new()).await;
+    scenarios::batched_matches_one_by_one(&MemHarness::new(MemStore::new())).await;
 }
 
 #[tokio::test]
 async fn random_batches_match_one_by_one() {
-    let store = MemStore::new();
+    let harness = MemHarness::new(MemStore::new());
     let mut messages = 0;
     for seed in 0..300 {
-        messages += scenarios::random_batches_match_one_by_one(store.clone(), seed).await;
+        messages += scenarios::random_batches_match_one_by_one(&harness, seed).await;
     }
     assert!(messages > 300 * 10);
 }
 
 #[tokio::test]
 async fn batched_exactly_once_under_faults() {
-    let store = MemStore::new();
+    let harness = MemHarness::new(MemStore::new());
     for seed in 0..200 {
-        scenarios::batched_exactly_once_under_faults(store.clone(), seed).await;
+        scenarios::batched_exactly_once_under_faults(&harness, seed).await;
     }
 }
 
 #[tokio::test]
 async fn poison_redelivered_is_recorded_once() {
-    scenarios::poison_redelivered_is_recorded_once(MemStore::new()).await;
+    scenarios::poison_redelivered_is_recorded_once(&MemHarness::new(MemStore::new())).await;
 }
 
 #[tokio::test]
 async fn refused_data_becomes_poison() {
-    scenarios::refused_data_becomes_poison(MemStore::new()).await;
+    scenarios::refused_data_becomes_poison(&MemHarness::new(MemStore::new())).await;
 }
 
 #[tokio::test]
 async fn failure_budget_bounds_a_failing_message() {
-    scenarios::failure_budget_bounds_a_failing_message(MemStore::new()).await;
+    scenarios::failure_budget_bounds_a_failing_message(&MemHarness::new(MemStore::new())).await;
 }
 
 #[tokio::test]
 async fn failure_budget_bounds_a_crashing_handler() {
-    scenarios::failure_budget_bounds_a_crashing_handler(MemStore::new()).await;
+    scenarios::failure_budget_bounds_a_crashing_handler(&MemHarness::new(MemStore::new())).await;
 }
 
 #[tokio::test]

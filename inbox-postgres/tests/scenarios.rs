@@ -2,6 +2,7 @@
 //! in-memory broker: the same generic functions and asserted results as on
 //! the in-memory store (invoices counted with SQL, rows read back with SQL).
 
+use inbox_testkit::harness::MemHarness;
 use inbox_testkit::pg::fresh_store;
 use inbox_testkit::scenarios;
 
@@ -11,66 +12,66 @@ async fn store() -> inbox_postgres::PgStore {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handler_retry_four_deliveries() {
-    scenarios::handler_retry_four_deliveries(store().await).await;
+    scenarios::handler_retry_four_deliveries(&MemHarness::new(store().await)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handler_skipped() {
-    scenarios::handler_skipped(store().await).await;
+    scenarios::handler_skipped(&MemHarness::new(store().await)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_then_fail_every_strategy() {
-    scenarios::write_then_fail_every_strategy(store().await).await;
+    scenarios::write_then_fail_every_strategy(&MemHarness::new(store().await)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cumulative_commit_trap() {
-    scenarios::cumulative_commit_trap(store().await).await;
+    scenarios::cumulative_commit_trap(&MemHarness::new(store().await)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_handler_lands() {
-    scenarios::no_handler_lands(store().await).await;
+    scenarios::no_handler_lands(&MemHarness::new(store().await)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pending_row_is_handled() {
-    scenarios::pending_row_is_handled(store().await).await;
+    scenarios::pending_row_is_handled(&MemHarness::new(store().await)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn locked_elsewhere_is_deferred() {
-    scenarios::locked_elsewhere_is_deferred(store().await).await;
+    scenarios::locked_elsewhere_is_deferred(&MemHarness::new(store().await)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_row_is_terminal() {
-    scenarios::failed_row_is_terminal(store().await).await;
+    scenarios::failed_row_is_terminal(&MemHarness::new(store().await)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn timeout_and_panic_are_failures() {
-    scenarios::timeout_and_panic_are_failures(store().await).await;
+    scenarios::timeout_and_panic_are_failures(&MemHarness::new(store().await)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn commit_failure_then_duplicate() {
-    scenarios::commit_failure_then_duplicate(store().await).await;
+    scenarios::commit_failure_then_duplicate(&MemHarness::new(store().await)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batched_matches_one_by_one() {
-    scenarios::batched_matches_one_by_one(store().await).await;
+    scenarios::batched_matches_one_by_one(&MemHarness::new(store().await)).await;
 }
 
 /// The random batched-vs-one-by-one comparison on PostgreSQL (fewer seeds
 /// than on the in-memory store: each is two runners' worth of round trips).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_batches_match_one_by_one() {
-    let store = store().await;
+    let harness = MemHarness::new(store().await);
     for seed in 0..24 {
-        scenarios::random_batches_match_one_by_one(store.clone(), seed).await;
+        scenarios::random_batches_match_one_by_one(&harness, seed).await;
     }
 }
 
@@ -78,30 +79,30 @@ async fn random_batches_match_one_by_one() {
 /// seeded stories as on the in-memory store, fewer of them).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batched_exactly_once_under_faults() {
-    let store = store().await;
+    let harness = MemHarness::new(store().await);
     for seed in 0..16 {
-        scenarios::batched_exactly_once_under_faults(store.clone(), seed).await;
+        scenarios::batched_exactly_once_under_faults(&harness, seed).await;
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poison_redelivered_is_recorded_once() {
-    scenarios::poison_redelivered_is_recorded_once(store().await).await;
+    scenarios::poison_redelivered_is_recorded_once(&MemHarness::new(store().await)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_data_becomes_poison() {
-    scenarios::refused_data_becomes_poison(store().await).await;
+    scenarios::refused_data_becomes_poison(&MemHarness::new(store().await)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failure_budget_bounds_a_failing_message() {
-    scenarios::failure_budget_bounds_a_failing_message(store().await).await;
+    scenarios::failure_budget_bounds_a_failing_message(&MemHarness::new(store().await)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failure_budget_bounds_a_crashing_handler() {
-    scenarios::failure_budget_bounds_a_crashing_handler(store().await).await;
+    scenarios::failure_budget_bounds_a_crashing_handler(&MemHarness::new(store().await)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

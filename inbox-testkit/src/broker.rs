@@ -40,24 +40,49 @@ pub struct CommitRecord {
     pub next_offset: i64,
 }
 
+/// Armed consumer faults: how many more calls at each point fail.
 #[derive(Debug, Default)]
-struct State {
-    topics: BTreeMap<String, Vec<Vec<Message>>>,
-    acked: HashMap<(String, String, i32), i64>,
-    commit_log: Vec<CommitRecord>,
-    faults: HashMap<BrokerFault, u32>,
-    deliveries: u64,
-}
+pub(crate) struct FaultPoints(HashMap<BrokerFault, u32>);
 
-impl State {
-    fn take_fault(&mut self, point: BrokerFault) -> bool {
-        match self.faults.get_mut(&point) {
+impl FaultPoints {
+    /// Makes the next `times` calls at `point` fail.
+    pub(crate) fn arm(&mut self, point: BrokerFault, times: u32) {
+        self.0.insert(point, times);
+    }
+
+    /// Whether a call at `point` fails now (using the fault up).
+    pub(crate) fn take(&mut self, point: BrokerFault) -> bool {
+        match self.0.get_mut(&point) {
             Some(n) if *n > 0 => {
                 *n -= 1;
                 true
             }
             _ => false,
         }
+    }
+
+    /// Whether a fault is armed at `point`.
+    pub(crate) fn armed(&self, point: BrokerFault) -> bool {
+        self.0.get(&point).is_some_and(|n| *n > 0)
+    }
+
+    fn clear(&mut self) {
+        self.0.clear();
+    }
+}
+
+#[derive(Debug, Default)]
+struct State {
+    topics: BTreeMap<String, Vec<Vec<Message>>>,
+    acked: HashMap<(String, String, i32), i64>,
+    commit_log: Vec<CommitRecord>,
+    faults: FaultPoints,
+    deliveries: u64,
+}
+
+impl State {
+    fn take_fault(&mut self, point: BrokerFault) -> bool {
+        self.faults.take(point)
     }
 }
 
@@ -110,7 +135,7 @@ impl MemBroker {
 
     /// Makes the next `times` calls at `point` fail (for every consumer).
     pub fn fail_next(&self, point: BrokerFault, times: u32) {
-        self.state().faults.insert(point, times);
+        self.state().faults.arm(point, times);
     }
 
     /// Clears every armed fault.

@@ -8,7 +8,9 @@
 //! - [`MemBroker`]: partitions and offsets, cumulative commits, rewind, and a
 //!   new consumer in a group starting from the committed offsets;
 //! - named fault points ([`StoreFault`], [`BrokerFault`]);
-//! - [`run_conformance`]: the store conformance suite.
+//! - [`run_conformance`]: the store conformance suite;
+//! - [`scenarios`]: the contract's stories, generic over a
+//!   [`harness::Harness`] (store + broker), so every adapter runs them.
 //!
 //! ```
 //! use inbox_core::{Consumer, Message};
@@ -31,6 +33,7 @@
 mod broker;
 mod conformance;
 mod faulty;
+pub mod harness;
 #[cfg(feature = "kafka")]
 pub mod kafka;
 pub mod pg;

@@ -133,3 +133,78 @@ where
     }
     results
 }
+
+/// The scenarios' harness on the real servers: PostgreSQL keeps the inbox
+/// and the offsets, tansu serves the topics, and every consumer is a
+/// [`KafkaConsumer`] connected to it.
+pub struct KafkaHarness {
+    pub store: PgStore,
+    pub broker: &'static Broker,
+}
+
+/// A harness on a fresh database.
+pub async fn harness() -> KafkaHarness {
+    KafkaHarness {
+        store: fresh_store().await.unwrap_or_else(|e| panic!("{e}")),
+        broker: broker().unwrap_or_else(|e| panic!("{e}")),
+    }
+}
+
+#[async_trait::async_trait]
+impl inbox_testkit::harness::Harness for KafkaHarness {
+    type Store = PgStore;
+    type Consumer = KafkaConsumer<PgStore>;
+
+    fn store(&self) -> PgStore {
+        self.store.clone()
+    }
+
+    async fn create_topic(&self, prefix: &str, partitions: i32) -> String {
+        self.broker
+            .topic(prefix, partitions)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    async fn produce(&self, topic: &str, partition: i32, messages: &[inbox_core::Message]) {
+        let records = messages
+            .iter()
+            .map(|m| {
+                json_record(
+                    &m.payload,
+                    &[
+                        ("message_id", m.message_id.as_str()),
+                        ("event_type", m.event_type.as_str()),
+                    ],
+                )
+            })
+            .collect();
+        self.broker
+            .produce(topic, partition, records, 3)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    async fn consumer(&self, group: &str, topic: &str, partitions: i32) -> KafkaConsumer<PgStore> {
+        let mut c = KafkaConfig::new(
+            vec![self.broker.address().to_owned()],
+            group,
+            (0..partitions).map(|p| (topic.to_owned(), p)).collect(),
+        );
+        c.max_wait = Duration::from_millis(10);
+        KafkaConsumer::connect(c, self.store.clone())
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    async fn acked(&self, group: &str, topic: &str, partition: i32) -> Option<i64> {
+        let n = count(
+            &self.store,
+            "SELECT coalesce(max(next_offset), -1) FROM inbox_offsets WHERE consumer_group = $1 AND topic = $2 AND partition = $3",
+            vec![group.into(), topic.into(), partition.into()],
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+        (n >= 0).then_some(n)
+    }
+}

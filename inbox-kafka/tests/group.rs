@@ -23,7 +23,19 @@ fn member(
     CancellationToken,
     JoinHandle<Result<GroupSummary, KafkaError>>,
 ) {
-    let mut group = GroupConfig::new(id, vec![env.topic.clone()]);
+    member_of(env, id, handler, vec![env.topic.clone()])
+}
+
+fn member_of(
+    env: &common::Env,
+    id: &str,
+    handler: &Arc<ScriptedHandler>,
+    topics: Vec<String>,
+) -> (
+    CancellationToken,
+    JoinHandle<Result<GroupSummary, KafkaError>>,
+) {
+    let mut group = GroupConfig::new(id, topics);
     group.heartbeat = Duration::from_millis(100);
     group.lease = Duration::from_millis(800);
     let cancel = CancellationToken::new();
@@ -149,6 +161,104 @@ async fn members_share_hand_over_and_fail_over() {
     for p in 0..4 {
         for i in 0..30 {
             assert_eq!(env.invoices(&format!("p{p}-{i}")).await, 1, "p{p}-{i}");
+        }
+    }
+}
+
+/// Partitions that appear in the broker's metadata while the members run
+/// are assigned at the next heartbeat: balanced, and without moving the
+/// partitions already owned; their records are handled once.
+///
+/// tansu 0.6 cannot add partitions to an existing topic (it has no
+/// CreatePartitions handler), so the new partitions come with a second
+/// configured topic created while the members run: the members see them the
+/// same way, in the metadata they read at every heartbeat.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitions_that_appear_while_members_run_are_shared() {
+    let env = env("grown", 2).await;
+    let later = format!("{}-later", env.topic);
+    let topics = vec![env.topic.clone(), later.clone()];
+    let handler = ScriptedHandler::new([], Act::Succeed);
+    let (stop_a, a) = member_of(&env, "member-a", &handler, topics.clone());
+    let (stop_b, b) = member_of(&env, "member-b", &handler, topics);
+    let assignment = async || {
+        inbox_core::MembershipStore::published_assignment(&env.store, "billing")
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+    };
+    wait_until(
+        "both members own a partition",
+        Duration::from_secs(20),
+        async || owners(&env).await.len() == 2 && assignment().await.len() == 2,
+    )
+    .await;
+    let before = assignment().await;
+    println!("assignment before: {before:?}");
+    let first: Vec<String> = (0..10).map(|i| format!("first-{i}")).collect();
+    for p in 0..2 {
+        let refs: Vec<&str> = first.iter().map(String::as_str).collect();
+        let ids: Vec<String> = refs.iter().map(|r| format!("{r}-p{p}")).collect();
+        let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+        env.produce_orders(p, &refs).await;
+    }
+
+    env.broker
+        .create_topic(&later, 2)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let created = Instant::now();
+    for p in 0..2 {
+        let ids: Vec<String> = (0..10).map(|i| format!("later-{i}-p{p}")).collect();
+        let records = ids
+            .iter()
+            .map(|id| {
+                inbox_testkit::kafka::json_record(
+                    &serde_json::json!({ "order": id }),
+                    &[("message_id", id), ("event_type", "order.created")],
+                )
+            })
+            .collect();
+        env.broker
+            .produce(&later, p, records, 3)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    wait_until(
+        "the new partitions are assigned",
+        Duration::from_secs(20),
+        async || assignment().await.len() == 4,
+    )
+    .await;
+    let took = created.elapsed();
+    let after = assignment().await;
+    println!("assignment after the new partitions (within {took:?} of their creation): {after:?}");
+    for (partition, owner) in &before {
+        assert_eq!(
+            after.get(partition),
+            Some(owner),
+            "{partition:?} stayed with its owner"
+        );
+    }
+    for m in ["member-a", "member-b"] {
+        assert_eq!(
+            after.values().filter(|o| o.as_str() == m).count(),
+            2,
+            "{m} owns two of four: {after:?}"
+        );
+    }
+    wait_until("all 40 orders", Duration::from_secs(60), async || {
+        env.total_invoices().await >= 40
+    })
+    .await;
+    stop_a.cancel();
+    stop_b.cancel();
+    a.await.expect("join").expect("member a");
+    b.await.expect("join").expect("member b");
+    assert_eq!(env.total_invoices().await, 40, "every order once");
+    for p in 0..2 {
+        for i in 0..10 {
+            assert_eq!(env.invoices(&format!("first-{i}-p{p}")).await, 1);
+            assert_eq!(env.invoices(&format!("later-{i}-p{p}")).await, 1);
         }
     }
 }

@@ -168,14 +168,24 @@ impl Broker {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.subsec_nanos());
         let name = format!("{prefix}-{}-{n}-{nanos}", std::process::id());
+        self.create_topic(&name, partitions).await?;
+        Ok(name)
+    }
+
+    /// Creates the topic `name` with `partitions` partitions.
+    ///
+    /// # Errors
+    ///
+    /// A [`HarnessError`] when the broker refuses (the topic exists, say).
+    pub async fn create_topic(&self, name: &str, partitions: i32) -> Result<(), HarnessError> {
         let client = self.client().await?;
         client
             .controller_client()
             .map_err(|e| HarnessError(format!("controller: {e}")))?
-            .create_topic(&name, partitions, 1, 5_000)
+            .create_topic(name, partitions, 1, 5_000)
             .await
             .map_err(|e| HarnessError(format!("creating topic {name}: {e}")))?;
-        Ok(name)
+        Ok(())
     }
 
     /// Produces `records` to `topic`/`partition` in batches of `batch`

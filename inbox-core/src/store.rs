@@ -197,7 +197,10 @@ pub trait InboxTransaction: Send + Sized {
 
     /// Records an attempt on the row `id` (see [`AttemptRecord`]): sets its
     /// status, counts the attempt when asked, keeps the error, unlocks it;
-    /// returns `attempts_made` afterwards. With `count: false` and
+    /// returns `attempts_made` afterwards. A count past the row's
+    /// `max_attempts` raises `max_attempts` to fit (the runner's failure
+    /// budget governs the rows it counts, whatever budget they were landed
+    /// with). With `count: false` and
     /// `status: Pending` on a `pending` row it only reads the count. Undone
     /// with the transaction (or back to a savepoint), like every write. The
     /// default refuses

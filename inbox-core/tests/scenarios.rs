@@ -98,6 +98,11 @@ async fn failure_budget_bounds_a_failing_message() {
 }
 
 #[tokio::test]
+async fn failure_budget_governs_a_landed_row() {
+    scenarios::failure_budget_governs_a_landed_row(&MemHarness::new(MemStore::new())).await;
+}
+
+#[tokio::test]
 async fn failure_budget_bounds_a_crashing_handler() {
     scenarios::failure_budget_bounds_a_crashing_handler(&MemHarness::new(MemStore::new())).await;
 }

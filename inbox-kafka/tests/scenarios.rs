@@ -101,6 +101,11 @@ async fn failure_budget_bounds_a_failing_message() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failure_budget_governs_a_landed_row() {
+    scenarios::failure_budget_governs_a_landed_row(&harness().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failure_budget_bounds_a_crashing_handler() {
     scenarios::failure_budget_bounds_a_crashing_handler(&harness().await).await;
 }

@@ -118,6 +118,7 @@ impl Sql {
             // inserted with; `attempts_made` afterwards comes back.
             record_attempt: format!(
                 "UPDATE {q} SET status = $2, attempts_made = attempts_made + $3,
+                        max_attempts = GREATEST(max_attempts, attempts_made + $3),
                         last_error = COALESCE($4, last_error), completed_at = NULL,
                         locked_at = NULL, locked_by = NULL, updated_at = now()
                   WHERE id = $1

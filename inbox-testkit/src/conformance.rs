@@ -573,6 +573,39 @@ where
             || format!("requeued as {:?} {}", stored.status, stored.attempts_made),
         )
     }
+
+    /// Counting attempts past a row's `max_attempts` (a runner whose
+    /// failure budget is larger than the budget the row was landed with)
+    /// raises `max_attempts` to fit, rather than refusing the count.
+    async fn counting_past_max_attempts_raises_it(&self) -> Result<(), ConformanceError> {
+        const C: &str = "counting_past_max_attempts_raises_it";
+        let e = store_err(C);
+        let row = NewInboxRow {
+            max_attempts: 1,
+            ..self.row("past-max")
+        };
+        let mut tx = self.store.begin().await.map_err(&e)?;
+        let r = tx.insert_or_get(&row).await.map_err(&e)?;
+        tx.commit().await.map_err(&e)?;
+        let count = AttemptRecord {
+            status: InboxStatus::Pending,
+            count: true,
+            error: Some("declined"),
+        };
+        let mut tx = self.store.begin().await.map_err(&e)?;
+        let first = tx.record_attempt(r.id, &count).await.map_err(&e)?;
+        let second = tx.record_attempt(r.id, &count).await.map_err(&e)?;
+        ensure(C, (first, second) == (1, 2), || {
+            format!("counts {first}, {second}")
+        })?;
+        tx.commit().await.map_err(&e)?;
+        let stored = self.stored(C, &row).await?;
+        ensure(
+            C,
+            stored.attempts_made == 2 && stored.max_attempts == 2,
+            || format!("attempts {}/{}", stored.attempts_made, stored.max_attempts),
+        )
+    }
 }
 
 impl<S, F> Ctx<'_, S, F>
@@ -748,6 +781,8 @@ where
     passed.push("savepoint_undoes_only_what_follows_it");
     ctx.attempts_are_recorded_and_requeued().await?;
     passed.push("attempts_are_recorded_and_requeued");
+    ctx.counting_past_max_attempts_raises_it().await?;
+    passed.push("counting_past_max_attempts_raises_it");
     ctx.offsets_claim_and_fence().await?;
     passed.push("offsets_claim_and_fence");
     ctx.members_heartbeat_and_leave().await?;

@@ -1338,6 +1338,60 @@ pub async fn failure_budget_bounds_a_failing_message<H: Harness>(h: &H) {
     }
 }
 
+/// A row landed earlier with a smaller `max_attempts` (2) than the runner's
+/// failure budget (3), whose handler always fails: the runner's budget
+/// governs the messages it counts, so the row is tried 3 times, its
+/// `max_attempts` grows to fit, and it ends `failed` with one dead letter,
+/// acknowledged; the next message of the partition is handled. Per message
+/// and batched.
+pub async fn failure_budget_governs_a_landed_row<H: Harness>(h: &H) {
+    let store = h.store();
+    for batched in [false, true] {
+        let group = format!("landed-budget-{}", if batched { "batch" } else { "one" });
+        let id = |m: &str| format!("{group}-{m}");
+        let topic = h.topic("orders", 1).await;
+        let bad = order(&id("landed"));
+        store
+            .land(&NewInboxRow::for_message(&bad, &group, 2).with_status(InboxStatus::Pending))
+            .await;
+        topic.produce(0, bad).await;
+        topic.produce(0, order(&id("after"))).await;
+        let handler = FlakyById::new([(id("landed").as_str(), 1_000)]);
+        let mut b = inbox_core::BatchConfig::new(4);
+        b.max_wait = Duration::ZERO;
+        let mut cfg = config(&group, AckStrategy::default()).failure_budget(3);
+        if batched {
+            cfg = cfg.batched(b);
+        }
+        let metrics = Arc::new(CountingMetrics::new());
+        let mut runner = Runner::new(store.clone(), topic.consumer(&group).await, handler, cfg)
+            .with_metrics(metrics.clone());
+        let results = drain(&mut runner, batched.then_some(b), 40).await;
+        let calls = results
+            .iter()
+            .filter(|r| r.message_id == id("landed") && r.outcome.is_some())
+            .count();
+        assert_eq!(calls, 3, "{group}: the runner's budget of 3 attempts");
+        let landed = row(&store, &id("landed"), &group)
+            .await
+            .unwrap_or_else(|| panic!("{group}: row"));
+        assert_eq!(
+            (landed.status, landed.attempts_made, landed.max_attempts),
+            (InboxStatus::Failed, 3, 3),
+            "{group}"
+        );
+        assert_eq!(
+            store.dead_letters(&id("landed"), &group).await,
+            1,
+            "{group}"
+        );
+        assert_eq!(store.invoices(&id("landed")).await, 0, "{group}");
+        assert_eq!(store.invoices(&id("after")).await, 1, "{group}");
+        assert_eq!(topic.acked(&group, 0).await, Some(2), "{group}");
+        assert_eq!(metrics.snapshot().exhausted, 1, "{group}");
+    }
+}
+
 /// A handler that stops the process (simulated: the runner is dropped while
 /// its handler hangs, and a fresh runner starts) on one message every time:
 /// with a failure budget of 3 the attempt is counted before the handler of

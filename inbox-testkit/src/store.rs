@@ -740,6 +740,7 @@ impl InboxTransaction for MemTx {
                     if let Some(row) = s.rows.get_mut(&id) {
                         row.status = status;
                         row.attempts_made = row.attempts_made.saturating_add(i32::from(count));
+                        row.max_attempts = row.max_attempts.max(row.attempts_made);
                         if error.is_some() {
                             row.last_error = error;
                         }

@@ -12,6 +12,7 @@ use inbox_core::{
 use rskafka::client::partition::{OffsetAt, PartitionClient, UnknownTopicHandling};
 use rskafka::client::{Client, ClientBuilder};
 use rskafka::record::RecordAndOffset;
+use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::decode::{Decode, JsonDecoder, RecordView, decode_or_poison};
@@ -156,8 +157,36 @@ impl Fetch for PartitionClient {
     }
 }
 
+/// How long `next()` waits for running fetches beyond the broker's
+/// `max_wait` before it answers `None` (the fetches go on, and a later call
+/// takes their records).
+const FETCH_GRACE: Duration = Duration::from_millis(250);
+
+/// What a fetch task gives back: the records and the high watermark, a
+/// broker error, or no answer within `fetch_timeout`.
+type Fetched = Result<
+    Result<(Vec<RecordAndOffset>, i64), rskafka::client::error::Error>,
+    tokio::time::error::Elapsed,
+>;
+
+/// A fetch of one partition running in a task of its own, so that a slow or
+/// hanging partition holds back nobody else. Dropping it aborts the task.
+struct Inflight {
+    /// The offset it fetches from (a rewind or a fence makes it stale).
+    offset: i64,
+    task: tokio::task::JoinHandle<()>,
+    /// Where the task puts its result, before it wakes the consumer.
+    result: tokio::sync::oneshot::Receiver<Fetched>,
+}
+
+impl Drop for Inflight {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
 struct Partition {
-    client: Box<dyn Fetch>,
+    client: Arc<dyn Fetch>,
     topic: String,
     partition: i32,
     epoch: i64,
@@ -179,6 +208,8 @@ struct Partition {
     held_until: Option<Instant>,
     /// Consecutive fetch errors of this partition.
     fetch_errors: u32,
+    /// The fetch running for it, if any.
+    inflight: Option<Inflight>,
 }
 
 /// The pause before fetching a partition again after `errors` consecutive
@@ -219,6 +250,7 @@ impl Partition {
     }
 
     fn forget(&mut self) {
+        self.inflight = None;
         self.buffer.clear();
         self.buffered_bytes = 0;
         self.delivered.clear();
@@ -262,6 +294,8 @@ pub struct KafkaConsumer<O> {
     metrics: Arc<dyn Metrics>,
     store: O,
     stats: ConsumerStats,
+    /// Woken by every fetch task that finishes.
+    fetched: Arc<Notify>,
     /// The connection the partition clients share (`None` in unit tests).
     _client: Option<Client>,
 }
@@ -312,7 +346,7 @@ impl<O: OffsetStore> KafkaConsumer<O> {
             };
             tracing::info!(%topic, partition, epoch = claim.owner_epoch, next_fetch, "partition claimed");
             partitions.push(Partition {
-                client: Box::new(pc),
+                client: Arc::new(pc),
                 topic: topic.clone(),
                 partition: *partition,
                 epoch: claim.owner_epoch,
@@ -326,6 +360,7 @@ impl<O: OffsetStore> KafkaConsumer<O> {
                 stopped: false,
                 held_until: None,
                 fetch_errors: 0,
+                inflight: None,
             });
         }
         Ok(Self {
@@ -336,6 +371,7 @@ impl<O: OffsetStore> KafkaConsumer<O> {
             metrics: Arc::new(NoopMetrics),
             store,
             stats: ConsumerStats::default(),
+            fetched: Arc::new(Notify::new()),
             _client: Some(client),
         })
     }
@@ -391,13 +427,64 @@ impl<O: OffsetStore> KafkaConsumer<O> {
             .position(|p| p.topic == pos.topic && p.partition == pos.partition)
     }
 
-    async fn fill(&mut self, index: usize) -> Result<(), ConsumerError> {
+    /// Starts fetching partition `index` from its next offset in a task of
+    /// its own, unless a fetch is running already.
+    fn start_fetch(&mut self, index: usize) {
         let max_wait = i32::try_from(self.config.max_wait.as_millis()).unwrap_or(i32::MAX);
         let max_bytes = self.config.fetch_max_bytes;
         let timeout = self.config.fetch_timeout;
         let p = &mut self.partitions[index];
-        let fetch = p.client.fetch(p.next_fetch, 1..max_bytes, max_wait);
-        let Ok(fetched) = tokio::time::timeout(timeout, fetch).await else {
+        if p.inflight.is_some() || p.fenced || p.stopped {
+            return;
+        }
+        let client = p.client.clone();
+        let offset = p.next_fetch;
+        let done = self.fetched.clone();
+        let (tx, result) = tokio::sync::oneshot::channel();
+        let task = tokio::spawn(async move {
+            let fetched =
+                tokio::time::timeout(timeout, client.fetch(offset, 1..max_bytes, max_wait)).await;
+            // the result first: whoever is woken finds it
+            let _ = tx.send(fetched);
+            done.notify_one();
+        });
+        p.inflight = Some(Inflight {
+            offset,
+            task,
+            result,
+        });
+    }
+
+    /// The result of partition `index`'s fetch, when it has finished (and
+    /// is not stale: fetched from the offset the partition reads next).
+    async fn take_finished(&mut self, index: usize) -> Option<Result<(), ConsumerError>> {
+        use tokio::sync::oneshot::error::TryRecvError;
+        let p = &mut self.partitions[index];
+        let inflight = p.inflight.as_mut()?;
+        let fetched = match inflight.result.try_recv() {
+            Err(TryRecvError::Empty) => return None,
+            Ok(fetched) => Ok(fetched),
+            Err(TryRecvError::Closed) => Err(ConsumerError::Fetch(format!(
+                "{}:{}: the fetch task ended without an answer",
+                p.topic, p.partition
+            ))),
+        };
+        let offset = inflight.offset;
+        p.inflight = None;
+        if offset != p.next_fetch {
+            return None;
+        }
+        Some(match fetched {
+            Ok(fetched) => self.apply(index, fetched).await,
+            Err(e) => Err(e),
+        })
+    }
+
+    /// Puts what a fetch of partition `index` gave into its buffer.
+    async fn apply(&mut self, index: usize, fetched: Fetched) -> Result<(), ConsumerError> {
+        let timeout = self.config.fetch_timeout;
+        let p = &mut self.partitions[index];
+        let Ok(fetched) = fetched else {
             return Err(ConsumerError::Fetch(format!(
                 "{}:{}: no answer in {} ms",
                 p.topic,
@@ -555,47 +642,82 @@ impl<O: OffsetStore> Consumer for KafkaConsumer<O> {
     /// on. The error is returned only when no partition delivered and
     /// every partition tried this round failed.
     async fn next(&mut self) -> Result<Option<Message>, ConsumerError> {
-        let n = self.partitions.len();
-        let now = Instant::now();
-        let mut tried = 0;
-        let mut failed = 0;
-        let mut failure = None;
-        for step in 0..n {
-            let index = (self.cursor + step) % n;
-            let p = &mut self.partitions[index];
-            if p.fenced || p.stopped {
-                continue;
-            }
-            if p.held_until.is_some_and(|until| until > now) {
-                continue;
-            }
-            p.held_until = None;
-            tried += 1;
-            if self.partitions[index].buffer.is_empty() {
-                match self.fill(index).await {
-                    Ok(()) => self.partitions[index].fetch_errors = 0,
-                    Err(e) => {
-                        self.stats.fetch_errors += 1;
-                        let p = &mut self.partitions[index];
-                        p.fetch_errors = p.fetch_errors.saturating_add(1);
-                        let pause = fetch_backoff(p.fetch_errors);
-                        p.held_until = Some(Instant::now() + pause);
-                        tracing::warn!(topic = %p.topic, partition = p.partition, error = %e,
-                            retry_in_ms = pause.as_millis(), "fetch failed; this partition waits, the others go on");
-                        failed += 1;
-                        failure = Some(e);
-                        continue;
+        // Each partition's fetch runs in a task of its own: a slow or
+        // hanging partition holds back no other. Wait for fetches at most
+        // one broker wait and a grace before answering `None`.
+        let deadline = Instant::now() + self.config.max_wait + FETCH_GRACE;
+        // one fetch started per partition per call: an empty answer ends
+        // the wait for that partition (no spinning on a broker that answers
+        // at once)
+        let mut started = vec![false; self.partitions.len()];
+        loop {
+            let n = self.partitions.len();
+            let now = Instant::now();
+            let mut tried = 0;
+            let mut failed = 0;
+            let mut failure = None;
+            let mut running = false;
+            for step in 0..n {
+                let index = (self.cursor + step) % n;
+                let p = &mut self.partitions[index];
+                if p.fenced || p.stopped {
+                    continue;
+                }
+                if p.held_until.is_some_and(|until| until > now) {
+                    continue;
+                }
+                p.held_until = None;
+                if p.buffer.is_empty() {
+                    match self.take_finished(index).await {
+                        Some(Ok(())) => {
+                            tried += 1;
+                            self.partitions[index].fetch_errors = 0;
+                        }
+                        Some(Err(e)) => {
+                            tried += 1;
+                            self.stats.fetch_errors += 1;
+                            let p = &mut self.partitions[index];
+                            p.fetch_errors = p.fetch_errors.saturating_add(1);
+                            let pause = fetch_backoff(p.fetch_errors);
+                            p.held_until = Some(Instant::now() + pause);
+                            tracing::warn!(topic = %p.topic, partition = p.partition, error = %e,
+                                retry_in_ms = pause.as_millis(), "fetch failed; this partition waits, the others go on");
+                            failed += 1;
+                            failure = Some(e);
+                            continue;
+                        }
+                        None => {}
                     }
                 }
+                if let Some(message) = self.pop(index) {
+                    if self.partitions[index].buffer.is_empty() {
+                        // fetch the next records while these are handled
+                        self.start_fetch(index);
+                    }
+                    self.cursor = index + 1;
+                    return Ok(Some(message));
+                }
+                if !started[index] {
+                    started[index] = true;
+                    self.start_fetch(index);
+                }
+                running |= self.partitions[index].inflight.is_some();
             }
-            if let Some(message) = self.pop(index) {
-                self.cursor = index + 1;
-                return Ok(Some(message));
+            if let Some(e) = failure.filter(|_| failed == tried && !running) {
+                // every partition tried failed, and none is still fetching
+                return Err(e);
             }
-        }
-        match failure {
-            Some(e) if failed == tried => Err(e),
-            _ => Ok(None),
+            if !running {
+                return Ok(None);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero()
+                || tokio::time::timeout(left, self.fetched.notified())
+                    .await
+                    .is_err()
+            {
+                return Ok(None);
+            }
         }
     }
 
@@ -686,6 +808,8 @@ mod tests {
     struct Fake {
         records: Vec<RecordAndOffset>,
         broken: bool,
+        /// Never answers (a partition whose leader is gone).
+        hangs: bool,
     }
 
     #[async_trait]
@@ -696,6 +820,9 @@ mod tests {
             _bytes: std::ops::Range<i32>,
             _max_wait_ms: i32,
         ) -> Result<(Vec<RecordAndOffset>, i64), rskafka::client::error::Error> {
+            if self.hangs {
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+            }
             if self.broken {
                 return Err(rskafka::client::error::Error::InvalidResponse(
                     "broken partition".into(),
@@ -731,7 +858,11 @@ mod tests {
             })
             .collect();
         Partition {
-            client: Box::new(Fake { records, broken }),
+            client: Arc::new(Fake {
+                records,
+                broken,
+                hangs: false,
+            }),
             topic: "orders".into(),
             partition,
             epoch: 1,
@@ -745,6 +876,7 @@ mod tests {
             stopped: false,
             held_until: None,
             fetch_errors: 0,
+            inflight: None,
         }
     }
 
@@ -783,6 +915,7 @@ mod tests {
             metrics: Arc::new(NoopMetrics),
             store: NoOffsets,
             stats: ConsumerStats::default(),
+            fetched: Arc::new(Notify::new()),
             _client: None,
         }
     }
@@ -791,7 +924,7 @@ mod tests {
     /// delivers every record, the failures are counted. Before, the error
     /// ended every `next()` that reached the broken partition and the
     /// round-robin stayed on it: the healthy partition starved.
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn a_fetch_error_holds_back_only_its_partition() {
         let mut c = consumer(vec![fake(0, 0, true), fake(1, 5, false)]);
         let mut seen = Vec::new();
@@ -808,6 +941,40 @@ mod tests {
         assert_eq!(c.stats().fetch_errors, 1, "tried once, then held back");
         assert_eq!(c.owned_partitions().len(), 2, "a fetch error loses nothing");
         assert!(c.partitions[0].held_until.is_some());
+    }
+
+    /// A partition whose fetch never answers holds back no other: the
+    /// healthy partition delivers all its records at once, and the hanging
+    /// fetch ends as an error after `fetch_timeout`, holding back its own
+    /// partition. Before, each `next()` that reached it waited the whole
+    /// `fetch_timeout` (10 s) before reading the next partition.
+    #[tokio::test(start_paused = true)]
+    async fn a_hanging_partition_holds_back_no_other() {
+        let mut hanging = fake(0, 3, false);
+        hanging.client = Arc::new(Fake {
+            records: Vec::new(),
+            broken: false,
+            hangs: true,
+        });
+        let mut c = consumer(vec![hanging, fake(1, 5, false)]);
+        let started = Instant::now();
+        let mut seen = Vec::new();
+        while seen.len() < 5 {
+            if let Some(m) = c.next().await.expect("a healthy partition: no error") {
+                seen.push(m.message_id);
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(1),
+                "waited on the hanging partition"
+            );
+        }
+        assert_eq!(seen, ["p1-0", "p1-1", "p1-2", "p1-3", "p1-4"]);
+        // the hanging fetch times out: an error of its partition alone
+        tokio::time::sleep(c.config.fetch_timeout).await;
+        assert!(matches!(c.next().await, Ok(None)));
+        assert_eq!(c.stats().fetch_errors, 1);
+        assert!(c.partitions[0].held_until.is_some(), "held back");
+        assert_eq!(c.owned_partitions().len(), 2, "nothing lost");
     }
 
     /// When every partition tried fails, the error reaches the runner (which

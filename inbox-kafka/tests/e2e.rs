@@ -13,7 +13,7 @@ use inbox_core::{
 use inbox_testkit::scenarios::{Act, ScriptedHandler};
 use inbox_testkit::{FaultyStore, StoreFault};
 
-use common::{config, drain, env};
+use common::{config, drain, env, next_delivery};
 
 async fn inbox_state(
     env: &common::Env,
@@ -43,17 +43,10 @@ async fn a_rewound_record_comes_again_from_memory() {
         handler.clone(),
         config(g, AckStrategy::default()),
     );
-    let next = async |runner: &mut Runner<_, _, _>| {
-        runner
-            .process_one()
-            .await
-            .unwrap_or_else(|e| panic!("{e}"))
-            .unwrap_or_else(|| panic!("no delivery"))
-    };
-    let d1 = next(&mut runner).await;
+    let d1 = next_delivery(&mut runner).await;
     assert!(d1.rewound && !d1.acked);
     let fetches = runner.consumer_mut().stats().fetches;
-    let d2 = next(&mut runner).await;
+    let d2 = next_delivery(&mut runner).await;
     assert_eq!(d2.position, d1.position, "the rewound record comes again");
     let stats = runner.consumer_mut().stats();
     assert_eq!(
@@ -113,26 +106,19 @@ async fn a_crash_at_each_step_leaves_exactly_one_effect() {
             config("billing", AckStrategy::default()),
         );
         for _ in 0..3 {
-            let r = runner
-                .process_one()
-                .await
-                .expect("fetch")
-                .expect("delivery");
+            let r = next_delivery(&mut runner).await;
             assert!(r.processed && r.acked);
         }
         match crash {
             Crash::At(fault) => {
                 store.fail_next(fault, 1);
-                let r = runner
-                    .process_one()
-                    .await
-                    .expect("fetch")
-                    .expect("delivery");
+                let r = next_delivery(&mut runner).await;
                 assert!(!r.acked, "{crash:?}");
             }
             Crash::DuringHandler => {
                 let cut =
-                    tokio::time::timeout(Duration::from_millis(300), runner.process_one()).await;
+                    tokio::time::timeout(Duration::from_millis(300), next_delivery(&mut runner))
+                        .await;
                 assert!(cut.is_err(), "the handler hangs; the process dies under it");
             }
         }
@@ -180,7 +166,7 @@ async fn two_consumers_on_one_partition_never_both_commit_an_effect() {
             handler.clone(),
             config("billing", strategy),
         );
-        let r = a.process_one().await.expect("fetch").expect("delivery");
+        let r = next_delivery(&mut a).await;
         assert!(!r.acked, "{strategy:?}: the stale owner cannot acknowledge");
         match (&r.error, strategy) {
             (Some(ProcessError::Persist(e)), AckStrategy::ExactlyOnceInbox { .. }) => {
@@ -248,11 +234,7 @@ async fn lag_is_reported_per_partition() {
         config("billing", AckStrategy::default()),
     );
     for _ in 0..4 {
-        runner
-            .process_one()
-            .await
-            .expect("fetch")
-            .expect("delivery");
+        next_delivery(&mut runner).await;
     }
     assert_eq!(runner.consumer_mut().lag(), 6, "10 produced, 4 handled");
     assert_eq!(

@@ -5,6 +5,7 @@
 
 mod common;
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -186,10 +187,23 @@ async fn partitions_that_appear_while_members_run_are_shared() {
             .await
             .unwrap_or_else(|e| panic!("{e}"))
     };
+    // settled: both members own a partition, and it stays so for three
+    // heartbeats (members that start together can publish from different
+    // views for a beat or two)
+    let mut stable = (BTreeMap::new(), 0);
     wait_until(
-        "both members own a partition",
+        "both members own a partition, settled",
         Duration::from_secs(20),
-        async || owners(&env).await.len() == 2 && assignment().await.len() == 2,
+        async || {
+            let now = assignment().await;
+            let shared = now.len() == 2 && now.values().collect::<BTreeSet<_>>().len() == 2;
+            if shared && now == stable.0 {
+                stable.1 += 1;
+            } else {
+                stable = (now, 0);
+            }
+            stable.1 >= 15
+        },
     )
     .await;
     let before = assignment().await;

@@ -18,7 +18,7 @@ use inbox_testkit::pg::{count, fresh_store};
 use inbox_testkit::scenarios::{Act, ScriptedHandler, WriteInvoice};
 use serde_json::json;
 
-use common::{config, drain, env};
+use common::{config, drain, env, next_delivery};
 
 fn headers(pairs: &[(&str, &[u8])]) -> BTreeMap<String, Vec<u8>> {
     pairs
@@ -192,11 +192,7 @@ async fn a_broker_that_skips_offsets_is_caught_and_counted() {
         handler,
         config("billing", AckStrategy::default()),
     );
-    let first = runner
-        .process_one()
-        .await
-        .expect("fetch")
-        .expect("delivery");
+    let first = next_delivery(&mut runner).await;
     let stats = runner.consumer_mut().stats();
     eprintln!(
         "first delivery after restarting at 5: {:?}, stats {stats:?}",

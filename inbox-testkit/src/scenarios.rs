@@ -223,6 +223,12 @@ async fn runner_for<H: Harness>(
     (runner, metrics)
 }
 
+/// Empty polls in a row after which a scenario takes its consumer as
+/// drained: a real broker's consumer answers `None` while a fetch is still
+/// running, so one empty poll does not mean the end.
+const DRAINED_AFTER: usize = 3;
+
+/// The next delivery, polling past empty answers (a bounded number).
 async fn next<S, C, H, M>(runner: &mut Runner<S, C, H, M>) -> ProcessResult
 where
     S: InboxStore,
@@ -230,11 +236,56 @@ where
     H: Handler<S::Tx>,
     M: inbox_core::Metrics,
 {
-    runner
-        .process_one()
-        .await
-        .unwrap_or_else(|e| panic!("fetch failed: {e}"))
-        .unwrap_or_else(|| panic!("expected a delivery, the consumer had none"))
+    for _ in 0..40 {
+        if let Some(r) = runner
+            .process_one()
+            .await
+            .unwrap_or_else(|e| panic!("fetch failed: {e}"))
+        {
+            return r;
+        }
+    }
+    panic!("expected a delivery, the consumer had none")
+}
+
+/// `process_one`, asked again after an empty answer, up to
+/// [`DRAINED_AFTER`] times: `Ok(None)` means drained.
+async fn poll_one<S, C, H, M>(
+    runner: &mut Runner<S, C, H, M>,
+) -> Result<Option<ProcessResult>, inbox_core::ConsumerError>
+where
+    S: InboxStore,
+    C: inbox_core::Consumer,
+    H: Handler<S::Tx>,
+    M: inbox_core::Metrics,
+{
+    for _ in 1..DRAINED_AFTER {
+        if let Some(r) = runner.process_one().await? {
+            return Ok(Some(r));
+        }
+    }
+    runner.process_one().await
+}
+
+/// `next_batch`, asked again after an empty batch, up to [`DRAINED_AFTER`]
+/// times: an empty batch means drained.
+async fn poll_batch<S, C, H, M>(
+    runner: &mut Runner<S, C, H, M>,
+    batch: inbox_core::BatchConfig,
+) -> Result<Vec<Message>, inbox_core::ConsumerError>
+where
+    S: InboxStore,
+    C: inbox_core::Consumer,
+    H: Handler<S::Tx>,
+    M: inbox_core::Metrics,
+{
+    for _ in 1..DRAINED_AFTER {
+        let messages = runner.next_batch(batch).await?;
+        if !messages.is_empty() {
+            return Ok(messages);
+        }
+    }
+    runner.next_batch(batch).await
 }
 
 async fn row<S: InboxStore>(store: &S, id: &str, group: &str) -> Option<InboxRow> {
@@ -389,7 +440,7 @@ pub async fn write_then_fail<H: Harness>(
     drop(runner);
     let (mut fresh, _) = runner_for(&store, &topic, group, &handler, strategy).await;
     let mut redelivered = false;
-    while let Some(r) = fresh.process_one().await.unwrap_or_else(|e| panic!("{e}")) {
+    while let Some(r) = poll_one(&mut fresh).await.unwrap_or_else(|e| panic!("{e}")) {
         redelivered = true;
         assert!(r.processed && r.acked);
     }
@@ -815,14 +866,14 @@ pub async fn batched_matches_one_by_one<H: Harness>(h: &H) {
         for _ in 0..40 {
             match batch {
                 None => {
-                    if runner.process_one().await.ok().flatten().is_none() {
+                    if poll_one(&mut runner).await.ok().flatten().is_none() {
                         break;
                     }
                 }
                 Some(n) => {
                     let mut b = inbox_core::BatchConfig::new(n);
                     b.max_wait = Duration::ZERO;
-                    let messages = runner.next_batch(b).await.unwrap_or_default();
+                    let messages = poll_batch(&mut runner, b).await.unwrap_or_default();
                     if messages.is_empty() {
                         break;
                     }
@@ -946,7 +997,7 @@ pub async fn random_batches_match_one_by_one<H: Harness>(h: &H, seed: u64) -> us
             .with_metrics(metrics.clone());
         for _ in 0..1_000 {
             if batched {
-                let messages = runner.next_batch(b).await.unwrap_or_default();
+                let messages = poll_batch(&mut runner, b).await.unwrap_or_default();
                 if messages.is_empty() {
                     break;
                 }
@@ -959,7 +1010,7 @@ pub async fn random_batches_match_one_by_one<H: Harness>(h: &H, seed: u64) -> us
                         "seed {seed}: acknowledged past a rewind"
                     );
                 }
-            } else if runner.process_one().await.ok().flatten().is_none() {
+            } else if poll_one(&mut runner).await.ok().flatten().is_none() {
                 break;
             }
         }
@@ -1051,7 +1102,7 @@ pub async fn batched_exactly_once_under_faults<H: Harness>(h: &H, seed: u64) {
             5 => runner = make().await,
             _ => {}
         }
-        let Ok(messages) = runner.next_batch(b).await else {
+        let Ok(messages) = poll_batch(&mut runner, b).await else {
             // the consumer died: a new process starts
             runner = make().await;
             continue;
@@ -1173,13 +1224,16 @@ pub async fn refused_data_becomes_poison<H: Harness>(h: &H) {
         let mut refusals = 0;
         for _ in 0..20 {
             let results = if batched {
-                let messages = runner.next_batch(b).await.unwrap_or_default();
+                let messages = poll_batch(&mut runner, b).await.unwrap_or_default();
                 if messages.is_empty() {
                     break;
                 }
                 runner.process_batch(messages).await.results
             } else {
-                match runner.process_one().await.unwrap_or_else(|e| panic!("{e}")) {
+                match poll_one(&mut runner)
+                    .await
+                    .unwrap_or_else(|e| panic!("{e}"))
+                {
                     Some(r) => vec![r],
                     None => break,
                 }
@@ -1235,13 +1289,13 @@ where
     for _ in 0..rounds {
         let results = match batch {
             Some(b) => {
-                let messages = runner.next_batch(b).await.unwrap_or_default();
+                let messages = poll_batch(runner, b).await.unwrap_or_default();
                 if messages.is_empty() {
                     break;
                 }
                 runner.process_batch(messages).await.results
             }
-            None => match runner.process_one().await.unwrap_or_else(|e| panic!("{e}")) {
+            None => match poll_one(runner).await.unwrap_or_else(|e| panic!("{e}")) {
                 Some(r) => vec![r],
                 None => break,
             },

@@ -77,10 +77,17 @@ pub trait MembershipStore: Send + Sync {
         consumer_group: &str,
     ) -> Result<BTreeMap<(String, i32), String>, StoreError>;
 
-    /// Replaces the published assignment of `consumer_group`.
+    /// Replaces the published assignment of `consumer_group` with
+    /// `assignment`, if it is still `previous` (the one `assignment` was
+    /// computed from): a compare-and-set, atomic against other members
+    /// publishing. `false`: another member published first, nothing was
+    /// written; read the published one again. So a member that computed from
+    /// an older view (it had not yet seen a member join, say) never
+    /// overwrites a newer assignment, and partitions do not move twice.
     async fn publish_assignment(
         &self,
         consumer_group: &str,
+        previous: &BTreeMap<(String, i32), String>,
         assignment: &BTreeMap<(String, i32), String>,
-    ) -> Result<(), StoreError>;
+    ) -> Result<bool, StoreError>;
 }

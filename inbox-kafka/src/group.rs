@@ -273,10 +273,16 @@ async fn next_assignment<S: MembershipStore>(
         .collect();
     let previous = store.published_assignment(consumer_group).await?;
     let next = assign(&partitions, &members, &previous);
-    if next != previous {
-        store.publish_assignment(consumer_group, &next).await?;
+    if next == previous
+        || store
+            .publish_assignment(consumer_group, &previous, &next)
+            .await?
+    {
+        return Ok((members, next));
     }
-    Ok((members, next))
+    // another member published first (from a newer view, or the same):
+    // follow what is published; the next heartbeat computes from it
+    Ok((members, store.published_assignment(consumer_group).await?))
 }
 
 /// A consumer claiming `owned` and a runner over it, spawned.

@@ -45,6 +45,7 @@ struct Sql {
     assignment: String,
     publish: String,
     unpublish: String,
+    publish_lock: String,
 }
 
 impl Sql {
@@ -236,6 +237,12 @@ impl Sql {
                    FROM jsonb_array_elements($2::text::jsonb) AS e
                  ON CONFLICT (consumer_group, topic, partition) DO UPDATE SET member = EXCLUDED.member",
                 t.assignments()
+            ),
+            // Serialises the publishers of one group (a transaction-level
+            // advisory lock keyed by the table and the group).
+            publish_lock: format!(
+                "SELECT pg_advisory_xact_lock(hashtextextended('{}:' || $1, 0))",
+                t.assignments().replace('\'', "''")
             ),
             // The rows of partitions the new assignment does not have.
             unpublish: format!(
@@ -930,14 +937,31 @@ impl MembershipStore for PgStore {
     async fn publish_assignment(
         &self,
         consumer_group: &str,
+        previous: &std::collections::BTreeMap<(String, i32), String>,
         assignment: &std::collections::BTreeMap<(String, i32), String>,
-    ) -> Result<(), StoreError> {
+    ) -> Result<bool, StoreError> {
         let rows: Vec<serde_json::Value> = assignment
             .iter()
             .map(|((t, p), m)| serde_json::json!({ "t": t, "p": p, "m": m }))
             .collect();
         let rows = serde_json::Value::Array(rows).to_string();
         let tx = self.db.begin().await.map_err(db)?;
+        // one publisher per group at a time (the lock ends with the
+        // transaction); then compare with what this one computed from
+        tx.execute_raw(stmt(&self.sql.publish_lock, vec![consumer_group.into()]))
+            .await
+            .map_err(db)?;
+        let current = tx
+            .query_all_raw(stmt(&self.sql.assignment, vec![consumer_group.into()]))
+            .await
+            .map_err(db)?
+            .iter()
+            .map(|r| Ok(((get(r, "topic")?, get(r, "partition")?), get(r, "member")?)))
+            .collect::<Result<std::collections::BTreeMap<(String, i32), String>, StoreError>>()?;
+        if &current != previous {
+            tx.rollback().await.map_err(db)?;
+            return Ok(false);
+        }
         tx.execute_raw(stmt(
             &self.sql.unpublish,
             vec![consumer_group.into(), rows.clone().into()],
@@ -950,7 +974,8 @@ impl MembershipStore for PgStore {
         ))
         .await
         .map_err(db)?;
-        tx.commit().await.map_err(db)
+        tx.commit().await.map_err(db)?;
+        Ok(true)
     }
 }
 

@@ -615,7 +615,9 @@ where
 {
     /// Membership: a heartbeat registers its member and returns the live
     /// members of its group only, sorted; a member that leaves is gone at
-    /// once.
+    /// once. The published assignment is replaced as a whole, and only
+    /// from the one it was computed from (a stale publication is refused;
+    /// of two at once from the same view, one wins).
     async fn members_heartbeat_and_leave(&self) -> Result<(), ConformanceError> {
         const C: &str = "members_heartbeat_and_leave";
         let e = store_err(C);
@@ -639,20 +641,50 @@ where
             (("t".to_owned(), 1), "b".to_owned()),
         ]
         .into();
-        self.store
-            .publish_assignment(&group, &first)
+        let published = self
+            .store
+            .publish_assignment(&group, &none, &first)
             .await
             .map_err(&e)?;
+        ensure(C, published, || "the first publication was refused".into())?;
         let second: std::collections::BTreeMap<(String, i32), String> =
             [(("t".to_owned(), 0), "a".to_owned())].into();
-        self.store
-            .publish_assignment(&group, &second)
+        let published = self
+            .store
+            .publish_assignment(&group, &first, &second)
             .await
             .map_err(&e)?;
+        ensure(C, published, || {
+            "a publication from the current one was refused".into()
+        })?;
         let read = self.store.published_assignment(&group).await.map_err(&e)?;
         ensure(C, read == second, || {
             format!("{read:?}: replaced as a whole")
         })?;
+        // computed from an older view: refused, nothing written
+        let stale = self
+            .store
+            .publish_assignment(&group, &first, &first)
+            .await
+            .map_err(&e)?;
+        let read = self.store.published_assignment(&group).await.map_err(&e)?;
+        ensure(C, !stale && read == second, || {
+            format!("a stale publication was taken ({stale}): {read:?}")
+        })?;
+        // two members publishing from the same view at once: one wins
+        let mine: std::collections::BTreeMap<(String, i32), String> =
+            [(("t".to_owned(), 0), "b".to_owned())].into();
+        let (x, y) = tokio::join!(
+            self.store.publish_assignment(&group, &second, &first),
+            self.store.publish_assignment(&group, &second, &mine),
+        );
+        let (x, y) = (x.map_err(&e)?, y.map_err(&e)?);
+        let read = self.store.published_assignment(&group).await.map_err(&e)?;
+        ensure(
+            C,
+            x != y && read == if x { first.clone() } else { mine.clone() },
+            || format!("concurrent publications: {x}, {y}, published {read:?}"),
+        )?;
         let theirs = self.store.published_assignment(&other).await.map_err(&e)?;
         ensure(C, theirs.is_empty(), || {
             format!("another group sees {theirs:?}")

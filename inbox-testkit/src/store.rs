@@ -469,12 +469,16 @@ impl MembershipStore for MemStore {
     async fn publish_assignment(
         &self,
         consumer_group: &str,
+        previous: &BTreeMap<(String, i32), String>,
         assignment: &BTreeMap<(String, i32), String>,
-    ) -> Result<(), StoreError> {
-        self.state()
-            .assignments
-            .insert(consumer_group.to_owned(), assignment.clone());
-        Ok(())
+    ) -> Result<bool, StoreError> {
+        let mut s = self.state();
+        let published = s.assignments.entry(consumer_group.to_owned()).or_default();
+        if published != previous {
+            return Ok(false);
+        }
+        *published = assignment.clone();
+        Ok(true)
     }
 }
 

@@ -456,6 +456,11 @@ async fn soak(o: Options) -> Result<()> {
                 && progress > before
             {
                 resume_times.push(at.elapsed().as_secs_f64());
+                println!(
+                    "  t={:>6.1} s  progress again {:.1} s after the fault",
+                    started.elapsed().as_secs_f64(),
+                    at.elapsed().as_secs_f64()
+                );
                 pending_resume = None;
             }
         }

@@ -35,6 +35,12 @@ pub struct TxAck {
     pub position: Position,
     /// The epoch this consumer holds the partition under.
     pub owner_epoch: i64,
+    /// The next offset this consumer last saw stored for the partition (at
+    /// its claim or its last acknowledgement): the store writes the
+    /// acknowledgement only while that is still the stored one, and
+    /// answers [`StoreErrorKind::OffsetMoved`](crate::StoreErrorKind::OffsetMoved)
+    /// otherwise. `None`: not checked (nothing was stored at the claim).
+    pub expected_next: Option<i64>,
 }
 
 /// A source of messages with acknowledgement and rewind.
@@ -78,6 +84,15 @@ pub trait Consumer: Send {
     /// Told that storing an acknowledgement for `message`'s partition was
     /// refused because another consumer owns it now: stop reading it.
     fn fenced(&mut self, message: &Message) {
+        let _ = message;
+    }
+
+    /// Told that storing an acknowledgement for `message`'s partition was
+    /// refused because the stored offset is not where this consumer left
+    /// it ([`StoreErrorKind::OffsetMoved`](crate::StoreErrorKind::OffsetMoved)):
+    /// read the stored offset again and deliver from there (after the
+    /// runner's rewinds of this message and its batch).
+    fn offset_moved(&mut self, message: &Message) {
         let _ = message;
     }
 }

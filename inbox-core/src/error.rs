@@ -155,6 +155,13 @@ pub enum StoreErrorKind {
     /// This consumer's claim on a partition is stale: another consumer took
     /// the partition over (its owner epoch is newer).
     Fenced,
+    /// The partition's stored offset is not the one this consumer stored
+    /// last ([`TxAck::expected_next`](crate::TxAck::expected_next)): the
+    /// database lost its latest commits (a crash with `synchronous_commit
+    /// = off`, a failover to a replica that was behind), or a commit
+    /// reported lost had applied. Nothing is stored; the consumer reads the
+    /// stored offset again and goes on from there.
+    OffsetMoved,
     /// The store does not offer this operation (e.g. savepoints).
     Unsupported,
     /// The database refused the data itself (PostgreSQL SQLSTATE class 22,
@@ -172,6 +179,7 @@ impl fmt::Display for StoreErrorKind {
             Self::Integrity => "integrity violation",
             Self::Serialization => "serialization failure",
             Self::Fenced => "fenced",
+            Self::OffsetMoved => "stored offset moved",
             Self::Unsupported => "unsupported",
             Self::Data => "data refused",
             Self::Other => "storage error",

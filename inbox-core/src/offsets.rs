@@ -47,8 +47,20 @@ pub trait OffsetStore: Send + Sync {
     /// # Errors
     ///
     /// [`StoreErrorKind::Fenced`](crate::StoreErrorKind::Fenced) when
-    /// `ack.owner_epoch` is not the partition's current epoch.
+    /// `ack.owner_epoch` is not the partition's current epoch;
+    /// [`StoreErrorKind::OffsetMoved`](crate::StoreErrorKind::OffsetMoved)
+    /// when `ack.expected_next` is set and is not the stored next offset.
     async fn store_ack(&self, ack: &TxAck) -> Result<(), StoreError>;
+
+    /// The partition's stored next offset and owner epoch as they are now,
+    /// without claiming anything (`None`: never claimed). A consumer reads
+    /// it to catch up after [`StoreErrorKind::OffsetMoved`](crate::StoreErrorKind::OffsetMoved).
+    async fn read_partition(
+        &self,
+        consumer_group: &str,
+        topic: &str,
+        partition: i32,
+    ) -> Result<Option<PartitionClaim>, StoreError>;
 }
 
 /// A consumer group's members, kept alive by heartbeats: what partition

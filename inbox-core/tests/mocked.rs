@@ -130,6 +130,7 @@ fn ack(epoch: i64) -> TxAck {
         consumer_group: "billing".into(),
         position: Position::new("orders", 0, 7),
         owner_epoch: epoch,
+        expected_next: None,
     }
 }
 

@@ -210,6 +210,16 @@ struct Partition {
     fetch_errors: u32,
     /// The fetch running for it, if any.
     inflight: Option<Inflight>,
+    /// The next offset this consumer last saw stored (its claim, then its
+    /// acknowledgements): each acknowledgement expects it
+    /// ([`TxAck::expected_next`]).
+    stored: Option<i64>,
+    /// The store said the stored offset moved: read it again before the
+    /// next fetch.
+    resync: bool,
+    /// Where reading began at the claim when nothing was stored: where a
+    /// resync goes back to if the stored offset is gone.
+    start: i64,
 }
 
 /// The pause before fetching a partition again after `errors` consecutive
@@ -220,8 +230,10 @@ fn fetch_backoff(errors: u32) -> Duration {
 }
 
 impl Partition {
-    /// Forgets delivered records at or before `offset` (acknowledged).
+    /// Forgets delivered records at or before `offset` (acknowledged, so
+    /// the stored next offset is `offset + 1`).
     fn acknowledged(&mut self, offset: i64) {
+        self.stored = Some(offset + 1);
         while let Some(r) = self.delivered.front() {
             if r.offset > offset {
                 break;
@@ -281,6 +293,9 @@ pub struct ConsumerStats {
     /// Fetches that failed (each holds its own partition back for a
     /// while; the other partitions are read on).
     pub fetch_errors: u64,
+    /// Times a partition's stored offset was read again because it was
+    /// not where this consumer left it (`StoreErrorKind::OffsetMoved`).
+    pub offset_resyncs: u64,
 }
 
 /// A consumer of a set of partitions for one consumer group, with each
@@ -361,6 +376,9 @@ impl<O: OffsetStore> KafkaConsumer<O> {
                 held_until: None,
                 fetch_errors: 0,
                 inflight: None,
+                stored: claim.next_offset,
+                resync: false,
+                start: next_fetch,
             });
         }
         Ok(Self {
@@ -549,6 +567,41 @@ impl<O: OffsetStore> KafkaConsumer<O> {
         Ok(())
     }
 
+    /// The store refused an acknowledgement of partition `index` because
+    /// its stored offset moved: read it, and deliver from there (or stop
+    /// reading the partition if another consumer owns it now).
+    async fn resync(&mut self, index: usize) -> Result<(), ConsumerError> {
+        let (topic, partition, epoch) = {
+            let p = &self.partitions[index];
+            (p.topic.clone(), p.partition, p.epoch)
+        };
+        let now = self
+            .store
+            .read_partition(&self.group, &topic, partition)
+            .await
+            .map_err(|e| ConsumerError::Fetch(format!("{topic}:{partition}: {e}")))?;
+        self.stats.offset_resyncs += 1;
+        let p = &mut self.partitions[index];
+        p.resync = false;
+        match now {
+            Some(claim) if claim.owner_epoch == epoch => {
+                let from = claim.next_offset.unwrap_or(p.start);
+                tracing::warn!(%topic, partition, stored = ?claim.next_offset, expected = ?p.stored, from,
+                    "the stored offset is not where this consumer left it (the database lost commits, or a commit reported lost had applied): reading from the stored offset");
+                p.forget();
+                p.next_fetch = from;
+                p.stored = claim.next_offset;
+            }
+            _ => {
+                tracing::warn!(%topic, partition, epoch, "fenced: another consumer owns this partition now; it is no longer read here");
+                p.fenced = true;
+                p.forget();
+                self.metrics.record(MetricEvent::Fenced { partition });
+            }
+        }
+        Ok(())
+    }
+
     /// The stored offset of partition `index` is outside the log: follow
     /// the configured [`OutOfRange`] policy, logged and counted.
     async fn out_of_range(
@@ -626,6 +679,7 @@ impl<O: OffsetStore> KafkaConsumer<O> {
             consumer_group: self.group.clone(),
             position: message.position.clone()?,
             owner_epoch: p.epoch,
+            expected_next: p.stored,
         })
     }
 }
@@ -667,6 +721,18 @@ impl<O: OffsetStore> Consumer for KafkaConsumer<O> {
                     continue;
                 }
                 p.held_until = None;
+                if p.resync {
+                    if let Err(e) = self.resync(index).await {
+                        tried += 1;
+                        failed += 1;
+                        failure = Some(e);
+                        continue;
+                    }
+                    if self.partitions[index].fenced {
+                        continue;
+                    }
+                }
+                let p = &mut self.partitions[index];
                 if p.buffer.is_empty() {
                     match self.take_finished(index).await {
                         Some(Ok(())) => {
@@ -725,13 +791,16 @@ impl<O: OffsetStore> Consumer for KafkaConsumer<O> {
         let ack = self.tx_ack(message).ok_or_else(|| {
             ConsumerError::Ack("message is not from this consumer's partitions".into())
         })?;
-        self.store.store_ack(&ack).await.map_err(|e| {
-            if e.kind == StoreErrorKind::Fenced {
-                ConsumerError::Fenced(e.cause)
-            } else {
-                ConsumerError::Ack(e.to_string())
-            }
-        })?;
+        if let Err(e) = self.store.store_ack(&ack).await {
+            return Err(match e.kind {
+                StoreErrorKind::Fenced => ConsumerError::Fenced(e.cause),
+                StoreErrorKind::OffsetMoved => {
+                    self.offset_moved(message);
+                    ConsumerError::Ack(e.to_string())
+                }
+                _ => ConsumerError::Ack(e.to_string()),
+            });
+        }
         self.acked_in_transaction(message);
         Ok(())
     }
@@ -792,6 +861,12 @@ impl<O: OffsetStore> Consumer for KafkaConsumer<O> {
                     partition: p.partition,
                 });
             }
+        }
+    }
+
+    fn offset_moved(&mut self, message: &Message) {
+        if let Some(index) = self.index_of(message) {
+            self.partitions[index].resync = true;
         }
     }
 }
@@ -877,6 +952,9 @@ mod tests {
             held_until: None,
             fetch_errors: 0,
             inflight: None,
+            stored: None,
+            resync: false,
+            start: 0,
         }
     }
 
@@ -899,6 +977,15 @@ mod tests {
 
         async fn store_ack(&self, _ack: &TxAck) -> Result<(), inbox_core::StoreError> {
             Ok(())
+        }
+
+        async fn read_partition(
+            &self,
+            _group: &str,
+            _topic: &str,
+            _partition: i32,
+        ) -> Result<Option<inbox_core::PartitionClaim>, inbox_core::StoreError> {
+            Ok(None)
         }
     }
 

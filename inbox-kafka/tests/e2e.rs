@@ -426,3 +426,71 @@ async fn the_consumer_runs_on_the_in_memory_store() {
         .expect("claim");
     assert_eq!((claim.owner_epoch, claim.next_offset), (3, Some(3)));
 }
+
+/// The database lost its last commits (a crash with `synchronous_commit =
+/// off`, a failover to a replica that was behind): their effects and their
+/// acknowledgements are gone, but the consumer goes on from where it was.
+/// Its next acknowledgement expects the offset it stored last, finds the
+/// stored one behind it and is refused; the consumer reads from the stored
+/// offset again and the lost effects are made again: every order once.
+/// Before, the next acknowledgement moved the offset past the lost ones
+/// and their effects were never made. Per message and batched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_commits_are_made_again() {
+    for batched in [false, true] {
+        let env = env("lost", 1).await;
+        let ids: Vec<String> = (0..8).map(|i| format!("o-{i}")).collect();
+        let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+        env.produce_orders(0, &refs).await;
+        let handler = ScriptedHandler::new([], Act::Succeed);
+        let mut batch = inbox_core::BatchConfig::new(2);
+        batch.max_wait = Duration::ZERO;
+        let mut cfg = config("billing", AckStrategy::default());
+        if batched {
+            cfg = cfg.batched(batch);
+        }
+        let mut runner = Runner::new(
+            env.store.clone(),
+            env.consumer("billing").await,
+            handler.clone(),
+            cfg,
+        );
+        let mut handled = 0;
+        while handled < 4 {
+            if batched {
+                let messages = runner.next_batch(batch).await.expect("fetch");
+                handled += runner.process_batch(messages).await.results.len();
+            } else {
+                next_delivery(&mut runner).await;
+                handled += 1;
+            }
+        }
+        assert_eq!(handled, 4, "batched {batched}");
+        assert_eq!(env.stored_offset("billing", 0).await, Some(4));
+        // the last two commits are lost: their rows, effects and offset
+        let lost = inbox_testkit::pg::count(
+            &env.store,
+            "WITH i AS (DELETE FROM invoices WHERE order_id IN ('o-2', 'o-3') RETURNING 1),
+                  r AS (DELETE FROM inbox WHERE message_id IN ('o-2', 'o-3') RETURNING 1),
+                  o AS (UPDATE inbox_offsets SET next_offset = 2 WHERE consumer_group = 'billing' RETURNING 1)
+             SELECT (SELECT count(*) FROM i) + (SELECT count(*) FROM r) + (SELECT count(*) FROM o)",
+            vec![],
+        )
+        .await
+        .expect("lose the commits");
+        assert_eq!(lost, 5, "two invoices, two rows, one offset");
+        drain(&mut runner).await;
+        for id in &ids {
+            assert_eq!(env.invoices(id).await, 1, "batched {batched}: {id}");
+        }
+        assert_eq!(
+            env.stored_offset("billing", 0).await,
+            Some(8),
+            "batched {batched}"
+        );
+        assert!(
+            runner.consumer_mut().stats().offset_resyncs >= 1,
+            "batched {batched}: the consumer read the stored offset again"
+        );
+    }
+}

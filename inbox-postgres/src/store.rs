@@ -39,6 +39,7 @@ struct Sql {
     delete_completed: String,
     dead_letter: String,
     store_ack: String,
+    read_partition: String,
     claim: String,
     heartbeat: String,
     leave: String,
@@ -202,7 +203,13 @@ impl Sql {
             ),
             store_ack: format!(
                 "UPDATE {} SET next_offset = $4, updated_at = now()
-                  WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND owner_epoch = $5",
+                  WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND owner_epoch = $5
+                    AND ($6::bigint IS NULL OR next_offset = $6::bigint)",
+                t.offsets()
+            ),
+            read_partition: format!(
+                "SELECT next_offset, owner_epoch FROM {}
+                  WHERE consumer_group = $1 AND topic = $2 AND partition = $3",
                 t.offsets()
             ),
             // Upsert the heartbeat, then the live members: the statement's
@@ -810,7 +817,7 @@ impl InboxTransaction for PgTx {
     }
 
     async fn store_ack(&mut self, ack: &TxAck) -> Result<(), StoreError> {
-        write_ack(&self.tx, &self.sql.store_ack, ack).await
+        write_ack(&self.tx, &self.sql, ack).await
     }
 }
 
@@ -865,25 +872,76 @@ fn without_nul(value: &mut serde_json::Value) {
 
 /// Stores the next offset of `ack` on `conn` (a transaction or the pool),
 /// refusing it as fenced when the owner epoch is stale.
-async fn write_ack(conn: &impl ConnectionTrait, sql: &str, ack: &TxAck) -> Result<(), StoreError> {
+async fn write_ack(conn: &impl ConnectionTrait, sql: &Sql, ack: &TxAck) -> Result<(), StoreError> {
     let values = vec![
         ack.consumer_group.clone().into(),
         ack.position.topic.clone().into(),
         ack.position.partition.into(),
         (ack.position.offset + 1).into(),
         ack.owner_epoch.into(),
+        ack.expected_next.into(),
     ];
-    let r = conn.execute_raw(stmt(sql, values)).await.map_err(db)?;
-    if r.rows_affected() == 0 {
-        return Err(StoreError::new(
+    let r = conn
+        .execute_raw(stmt(&sql.store_ack, values))
+        .await
+        .map_err(db)?;
+    if r.rows_affected() > 0 {
+        return Ok(());
+    }
+    // refused: a newer owner, or the stored offset is not the expected one
+    let now = read_partition(
+        conn,
+        sql,
+        &ack.consumer_group,
+        &ack.position.topic,
+        ack.position.partition,
+    )
+    .await?;
+    let (topic, partition, group) = (
+        &ack.position.topic,
+        ack.position.partition,
+        &ack.consumer_group,
+    );
+    match now {
+        Some(claim) if claim.owner_epoch == ack.owner_epoch => Err(StoreError::new(
+            StoreErrorKind::OffsetMoved,
+            format!(
+                "{topic}:{partition} of group {group}: stored next offset {:?}, this consumer stored {:?} last",
+                claim.next_offset, ack.expected_next
+            ),
+        )),
+        _ => Err(StoreError::new(
             StoreErrorKind::Fenced,
             format!(
-                "{}:{} of group {} is no longer owned under epoch {}",
-                ack.position.topic, ack.position.partition, ack.consumer_group, ack.owner_epoch
+                "{topic}:{partition} of group {group} is no longer owned under epoch {}",
+                ack.owner_epoch
             ),
-        ));
+        )),
     }
-    Ok(())
+}
+
+/// The stored next offset and owner epoch of a partition, read as they are.
+async fn read_partition(
+    conn: &impl ConnectionTrait,
+    sql: &Sql,
+    consumer_group: &str,
+    topic: &str,
+    partition: i32,
+) -> Result<Option<PartitionClaim>, StoreError> {
+    let row = conn
+        .query_one_raw(stmt(
+            &sql.read_partition,
+            vec![consumer_group.into(), topic.into(), partition.into()],
+        ))
+        .await
+        .map_err(db)?;
+    row.map(|row| {
+        Ok(PartitionClaim {
+            next_offset: get(&row, "next_offset")?,
+            owner_epoch: get(&row, "owner_epoch")?,
+        })
+    })
+    .transpose()
 }
 
 /// A partition claimed by [`OffsetStore::claim_partition`] (the core's
@@ -1003,6 +1061,15 @@ impl OffsetStore for PgStore {
     }
 
     async fn store_ack(&self, ack: &TxAck) -> Result<(), StoreError> {
-        write_ack(&self.db, &self.sql.store_ack, ack).await
+        write_ack(&self.db, &self.sql, ack).await
+    }
+
+    async fn read_partition(
+        &self,
+        consumer_group: &str,
+        topic: &str,
+        partition: i32,
+    ) -> Result<Option<PartitionClaim>, StoreError> {
+        read_partition(&self.db, &self.sql, consumer_group, topic, partition).await
     }
 }

@@ -12,7 +12,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use async_trait::async_trait;
 use inbox_core::{
     AttemptRecord, Found, InboxStatus, InboxStore, InboxTransaction, LockResult, MembershipStore,
-    Message, NewInboxRow, OffsetStore, Position, StoreError, StoreErrorKind, TxAck,
+    Message, NewInboxRow, OffsetStore, PartitionClaim, Position, StoreError, StoreErrorKind, TxAck,
     ValidationError, WorkerId,
 };
 use serde_json::json;
@@ -695,7 +695,10 @@ where
     /// acknowledgement under it is stored (alone, and inside a
     /// transaction); a second claim bumps the epoch and finds the stored
     /// offset; the first owner's acknowledgements are then refused as
-    /// fenced, alone and in a transaction, and change nothing.
+    /// fenced, alone and in a transaction, and change nothing. An
+    /// acknowledgement expecting a stored offset other than the stored one
+    /// is refused as `OffsetMoved` (alone and in a transaction) and changes
+    /// nothing; `read_partition` reads the offset and epoch without a claim.
     async fn offsets_claim_and_fence(&self) -> Result<(), ConformanceError> {
         const C: &str = "offsets_claim_and_fence";
         let e = store_err(C);
@@ -712,6 +715,7 @@ where
             consumer_group: self.group.clone(),
             position: Position::new(topic.clone(), 3, offset),
             owner_epoch: epoch,
+            expected_next: None,
         };
         self.store
             .store_ack(&ack(9, first.owner_epoch))
@@ -761,7 +765,63 @@ where
                 "a fenced acknowledgement moved the offset to {:?}",
                 third.next_offset
             )
-        })
+        })?;
+        // the expected stored offset: refused when it is not the stored
+        // one (alone and in a transaction), taken when it is
+        let expecting = |offset: i64, expected: i64| TxAck {
+            expected_next: Some(expected),
+            ..ack(offset, third.owner_epoch)
+        };
+        let alone = self.store.store_ack(&expecting(30, 9)).await;
+        ensure(
+            C,
+            alone
+                .as_ref()
+                .is_err_and(|x| x.kind == StoreErrorKind::OffsetMoved),
+            || format!("an acknowledgement expecting 9 where 11 is stored gave {alone:?}"),
+        )?;
+        let mut tx = self.store.begin().await.map_err(&e)?;
+        let inside = tx.store_ack(&expecting(31, 12)).await;
+        drop(tx);
+        ensure(
+            C,
+            inside
+                .as_ref()
+                .is_err_and(|x| x.kind == StoreErrorKind::OffsetMoved),
+            || format!("in a transaction, expecting 12 where 11 is stored gave {inside:?}"),
+        )?;
+        let read = self
+            .store
+            .read_partition(&self.group, &topic, 3)
+            .await
+            .map_err(&e)?;
+        ensure(
+            C,
+            read == Some(PartitionClaim {
+                next_offset: Some(11),
+                owner_epoch: third.owner_epoch,
+            }),
+            || format!("read {read:?} after refused acknowledgements"),
+        )?;
+        let mut tx = self.store.begin().await.map_err(&e)?;
+        tx.store_ack(&expecting(40, 11)).await.map_err(&e)?;
+        tx.commit().await.map_err(&e)?;
+        self.store.store_ack(&expecting(41, 41)).await.map_err(&e)?;
+        let read = self
+            .store
+            .read_partition(&self.group, &topic, 3)
+            .await
+            .map_err(&e)?;
+        let never = self
+            .store
+            .read_partition(&self.group, &topic, 4)
+            .await
+            .map_err(&e)?;
+        ensure(
+            C,
+            read.map(|r| r.next_offset) == Some(Some(42)) && never.is_none(),
+            || format!("read {read:?} after two expected acknowledgements; unclaimed {never:?}"),
+        )
     }
 }
 

@@ -128,6 +128,15 @@ impl State {
                 ),
             ));
         }
+        if let Some(expected) = ack.expected_next {
+            let stored = self.acks.get(&key).copied();
+            if stored != Some(expected) {
+                return Err(StoreError::new(
+                    StoreErrorKind::OffsetMoved,
+                    format!("stored next offset {stored:?}, this consumer stored {expected} last"),
+                ));
+            }
+        }
         Ok(key)
     }
 
@@ -502,6 +511,20 @@ impl OffsetStore for MemStore {
         let key = s.check_ack(ack)?;
         s.acks.insert(key, ack.position.offset + 1);
         Ok(())
+    }
+
+    async fn read_partition(
+        &self,
+        consumer_group: &str,
+        topic: &str,
+        partition: i32,
+    ) -> Result<Option<PartitionClaim>, StoreError> {
+        let s = self.state();
+        let key = (consumer_group.to_owned(), topic.to_owned(), partition);
+        Ok(s.epochs.get(&key).map(|epoch| PartitionClaim {
+            next_offset: s.acks.get(&key).copied(),
+            owner_epoch: *epoch,
+        }))
     }
 }
 

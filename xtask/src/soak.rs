@@ -53,6 +53,9 @@ struct Options {
     fail_percent: u64,
     /// `--no-faults`: the same run without any fault (a baseline).
     faults: bool,
+    /// PostgreSQL with `synchronous_commit = off`: a crash loses its last
+    /// commits, which the consumer must notice and make again.
+    async_commit: bool,
 }
 
 fn options(args: &[String]) -> Result<Options> {
@@ -60,6 +63,7 @@ fn options(args: &[String]) -> Result<Options> {
         messages: 1_000_000,
         fail_percent: 1,
         faults: true,
+        async_commit: false,
     };
     let mut it = args.iter();
     while let Some(flag) = it.next() {
@@ -68,7 +72,10 @@ fn options(args: &[String]) -> Result<Options> {
             "--messages" => o.messages = value()?.parse().context("--messages")?,
             "--fail-percent" => o.fail_percent = value()?.parse().context("--fail-percent")?,
             "--no-faults" => o.faults = false,
-            other => bail!("unknown soak option {other:?} (--messages N, --fail-percent P)"),
+            "--synchronous-commit-off" => o.async_commit = true,
+            other => bail!(
+                "unknown soak option {other:?} (--messages N, --fail-percent P, --no-faults, --synchronous-commit-off)"
+            ),
         }
     }
     if o.messages < i64::from(PARTITIONS) || o.fail_percent > 100 {
@@ -374,10 +381,18 @@ async fn produce(broker: &Broker, topic: &str, per_partition: &[i64]) -> Result<
 }
 
 async fn soak(o: Options) -> Result<()> {
-    let pg = PgServer::start_dedicated(
-        "-c fsync=off -c synchronous_commit=on -c full_page_writes=off -c max_connections=100",
-    )
-    .map_err(|e| anyhow!("{e}"))?;
+    // With synchronous_commit off, a commit is reported before its WAL is
+    // written out; the WAL writer's longest delay makes a crash lose more.
+    let settings = if o.async_commit {
+        "-c fsync=off -c synchronous_commit=off -c wal_writer_delay=10s -c wal_writer_flush_after=0 -c full_page_writes=off -c max_connections=100"
+    } else {
+        "-c fsync=off -c synchronous_commit=on -c full_page_writes=off -c max_connections=100"
+    };
+    println!(
+        "soak: PostgreSQL with synchronous_commit={}",
+        if o.async_commit { "off" } else { "on" }
+    );
+    let pg = PgServer::start_dedicated(settings).map_err(|e| anyhow!("{e}"))?;
     let url = pg.create_database().map_err(|e| anyhow!("{e}"))?;
     let mut broker = Broker::start_with_storage("sqlite://tansu.db").map_err(|e| anyhow!("{e}"))?;
     let store = PgStore::connect(&url, TableName::new(None, TABLE)?)

@@ -433,6 +433,10 @@ where
         if decision.rewind && !rewound {
             self.remember_unrewound(&message);
         }
+        if error.as_ref().is_some_and(ProcessError::is_offset_moved) {
+            tracing::warn!(message_id = %message.message_id, "the stored offset moved: the consumer reads it again");
+            self.consumer.offset_moved(&message);
+        }
         self.metrics.record(MetricEvent::Tally(decision.tally));
         if let Some(pos) = &message.position {
             self.metrics.record(MetricEvent::PartitionTally {

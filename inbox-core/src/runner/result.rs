@@ -32,6 +32,18 @@ impl ProcessError {
     }
 }
 
+impl ProcessError {
+    /// Whether the stored offset of the message's partition was not where
+    /// the consumer left it (see [`StoreErrorKind::OffsetMoved`]).
+    pub fn is_offset_moved(&self) -> bool {
+        matches!(
+            self,
+            Self::Persist(InboxPersistError { source, .. })
+                if source.kind == StoreErrorKind::OffsetMoved
+        )
+    }
+}
+
 /// What happened to one message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProcessResult {

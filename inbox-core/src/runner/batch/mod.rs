@@ -496,6 +496,14 @@ where
             if work.error.as_ref().is_some_and(ProcessError::is_fenced) {
                 self.consumer.fenced(&message);
             }
+            if work
+                .error
+                .as_ref()
+                .is_some_and(ProcessError::is_offset_moved)
+            {
+                // taken up at the consumer's next fetch, after the rewinds
+                self.consumer.offset_moved(&message);
+            }
             self.metrics.record(MetricEvent::Consumed);
             self.metrics.record(MetricEvent::Tally(work.decision.tally));
             if let Some(pos) = &message.position {

@@ -39,7 +39,9 @@ commands:
   soak    real server faults end to end: PostgreSQL crashed (pg_ctl stop -m
           immediate), the broker and the consumer process killed, three times
           each, backends terminated at random; checks every effect exactly once;
-          options: --messages N (default 1000000), --fail-percent P (default 1)
+          options: --messages N (default 1000000), --fail-percent P (default 1),
+          --synchronous-commit-off (a PostgreSQL crash loses its last commits:
+          the consumer must notice and handle those messages again)
   scale   member processes of one group share 8 partitions through PostgreSQL:
           one killed (SIGKILL), one joining, one leaving; checks every order once,
           every partition owned by one live member, and the failover time
@@ -151,6 +153,12 @@ fn test() -> Result<()> {
     scale::run(&[])?;
     println!("$ cargo xtask soak --messages 20000");
     soak::run(&["--messages".to_owned(), "20000".to_owned()])?;
+    println!("$ cargo xtask soak --messages 10000 --synchronous-commit-off");
+    soak::run(&[
+        "--messages".to_owned(),
+        "10000".to_owned(),
+        "--synchronous-commit-off".to_owned(),
+    ])?;
     println!("xtask test: all checks passed");
     Ok(())
 }

@@ -183,17 +183,19 @@ where
         );
         let stop = beating.clone();
         Owned(Some(tokio::spawn(async move {
+            let mut ticks = every_tick(every);
             while !stop.is_cancelled() {
                 if let Err(e) = store.heartbeat(&group_name, &me, lease).await {
                     tracing::warn!(member = %me, error = %e, "heartbeat failed");
                 }
                 tokio::select! {
                     () = stop.cancelled() => break,
-                    () = tokio::time::sleep(every) => {}
+                    _ = ticks.tick() => {}
                 }
             }
         })))
     };
+    let mut ticks = every_tick(group.heartbeat);
     while !cancel.is_cancelled() {
         match next_assignment(&client, &store, &consumer_group, &group).await {
             Ok((members, assignment)) => {
@@ -236,7 +238,7 @@ where
         }
         tokio::select! {
             () = cancel.cancelled() => break,
-            () = tokio::time::sleep(group.heartbeat) => {}
+            _ = ticks.tick() => {}
         }
     }
     if let Some(r) = running.take() {
@@ -248,6 +250,16 @@ where
         tracing::warn!(member = %me, error = %e, "leaving the group failed; the lease ends it");
     }
     Ok(summary)
+}
+
+/// Ticks every `period` from now (the first one a period away), at a fixed
+/// rate: the time a heartbeat's own work takes does not stretch the
+/// period, so a dead member is noticed within the lease plus one period.
+fn every_tick(period: Duration) -> tokio::time::Interval {
+    let period = period.max(Duration::from_millis(1));
+    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    ticks
 }
 
 /// One heartbeat: the live members and the assignment over them

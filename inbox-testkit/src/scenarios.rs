@@ -137,6 +137,7 @@ pub struct ScriptedHandler {
     script: Mutex<VecDeque<Act>>,
     then: Act,
     calls: AtomicUsize,
+    hangs: AtomicUsize,
 }
 
 impl ScriptedHandler {
@@ -146,12 +147,18 @@ impl ScriptedHandler {
             script: Mutex::new(script.into_iter().collect()),
             then,
             calls: AtomicUsize::new(0),
+            hangs: AtomicUsize::new(0),
         })
     }
 
     /// How many times it ran.
     pub fn calls(&self) -> usize {
         self.calls.load(Ordering::SeqCst)
+    }
+
+    /// How many of its calls began to hang ([`Act::Hang`]).
+    pub fn hangs(&self) -> usize {
+        self.hangs.load(Ordering::SeqCst)
     }
 
     fn next_act(&self) -> Act {
@@ -177,6 +184,7 @@ impl<Tx: WriteInvoice + 'static> Handler<Tx> for ScriptedHandler {
             Act::Fail => Err(HandlerError::msg("payment provider timed out")),
             Act::Panic => panic!("handler bug"),
             Act::Hang => {
+                self.hangs.fetch_add(1, Ordering::SeqCst);
                 tokio::time::sleep(Duration::from_secs(3600)).await;
                 Ok(HandlerResult::completed())
             }
@@ -1479,10 +1487,18 @@ pub async fn failure_budget_bounds_a_crashing_handler<H: Harness>(h: &H) {
                 cfg,
             )
             .with_metrics(metrics.clone());
-            let work = drain(&mut runner, batched.then_some(b), 10);
-            match tokio::time::timeout(Duration::from_millis(300), work).await {
-                Err(_) => crashes += 1, // the runner is dropped mid-handler
-                Ok(_) => break,
+            // the process "dies" once its handler hangs: the runner is
+            // dropped mid-handler (waiting for the hang itself, not for a
+            // time, so a slow fetch is not taken for a crash)
+            let hangs = handler.hangs();
+            let hung = async {
+                while handler.hangs() == hangs {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            };
+            tokio::select! {
+                _ = drain(&mut runner, batched.then_some(b), 10) => break,
+                () = hung => crashes += 1,
             }
         }
         assert_eq!(crashes, 3, "{group}: three crashes, then given up");

@@ -56,6 +56,13 @@ pub enum MetricEvent {
         /// Partition.
         partition: i32,
     },
+    /// A partition's stored offset was not where this consumer left it
+    /// (the database lost its last commits, or a commit reported lost had
+    /// applied): the consumer read it again and delivers from there.
+    OffsetMoved {
+        /// Partition.
+        partition: i32,
+    },
     /// A partition's stored offset was outside the broker's log (the
     /// consumer's out-of-range policy applied).
     OffsetOutOfRange {
@@ -200,6 +207,7 @@ impl Metrics for CountingMetrics {
             | MetricEvent::OffsetGap { .. }
             | MetricEvent::Fenced { .. }
             | MetricEvent::OffsetOutOfRange { .. }
+            | MetricEvent::OffsetMoved { .. }
             | MetricEvent::AssignmentChanged { .. } => return,
         };
         self.counters[index].fetch_add(1, Ordering::Relaxed);
@@ -330,6 +338,13 @@ impl Metrics for FacadeMetrics {
                 #[allow(clippy::cast_precision_loss)]
                 let owned = partitions as f64;
                 ::metrics::gauge!("inbox_owned_partitions", "group" => group).set(owned);
+            }
+            MetricEvent::OffsetMoved { partition } => {
+                ::metrics::counter!(
+                    "inbox_offset_moved_total",
+                    &self.partition_labels(partition)
+                )
+                .increment(1);
             }
             MetricEvent::OffsetOutOfRange { partition } => {
                 ::metrics::counter!(

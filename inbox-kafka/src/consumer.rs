@@ -591,6 +591,7 @@ impl<O: OffsetStore> KafkaConsumer<O> {
                 p.forget();
                 p.next_fetch = from;
                 p.stored = claim.next_offset;
+                self.metrics.record(MetricEvent::OffsetMoved { partition });
             }
             _ => {
                 tracing::warn!(%topic, partition, epoch, "fenced: another consumer owns this partition now; it is no longer read here");

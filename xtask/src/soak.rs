@@ -24,12 +24,16 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 use async_trait::async_trait;
-use inbox_core::{BatchConfig, CountingMetrics, Handler, HandlerError, Message, RunnerConfig};
+use inbox_core::{
+    BatchConfig, CountingMetrics, Handler, HandlerError, Message, MetricEvent, Metrics,
+    RunnerConfig,
+};
 use inbox_kafka::{KafkaConfig, run_partitioned_with_metrics};
 use inbox_postgres::sea_orm::{ConnectionTrait, DbBackend, Statement};
 use inbox_postgres::{PgStore, PgTx, TableName};
@@ -146,6 +150,26 @@ impl Handler<PgTx> for SoakHandler {
 /// `xtask soak-consumer TOPIC FAIL_PERCENT`: the consumer process (the
 /// database URL comes in `SOAK_DATABASE_URL`, the broker in
 /// `KAFKA_BROKERS`). Runs until its stdin closes.
+/// The soak consumer's counters, and how often a partition's stored offset
+/// was found moved (PostgreSQL lost commits the consumer had made).
+struct SoakMetrics {
+    counts: Arc<CountingMetrics>,
+    offsets_moved: AtomicU64,
+}
+
+impl Metrics for SoakMetrics {
+    fn record(&self, event: MetricEvent) {
+        if let MetricEvent::OffsetMoved { partition } = event {
+            self.offsets_moved.fetch_add(1, Ordering::Relaxed);
+            eprintln!(
+                "soak-consumer {}: partition {partition}: the stored offset moved (PostgreSQL lost commits); reading from it again",
+                std::process::id()
+            );
+        }
+        self.counts.record(event);
+    }
+}
+
 pub(crate) fn consumer(args: &[String]) -> Result<()> {
     let [topic, fail_percent] = args else {
         bail!("soak-consumer TOPIC FAIL_PERCENT");
@@ -176,9 +200,13 @@ pub(crate) fn consumer(args: &[String]) -> Result<()> {
             .failure_budget(10);
         runner.redelivery_backoff.initial = Duration::from_millis(10);
         runner.store_backoff.max = Duration::from_secs(2);
-        let metrics = Arc::new(CountingMetrics::new());
+        let counts = Arc::new(CountingMetrics::new());
+        let metrics = Arc::new(SoakMetrics {
+            counts: counts.clone(),
+            offsets_moved: AtomicU64::new(0),
+        });
         if std::env::var("SOAK_VERBOSE").is_ok() {
-            let m = metrics.clone();
+            let m = counts.clone();
             tokio::spawn(async move {
                 loop {
                     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -210,15 +238,16 @@ pub(crate) fn consumer(args: &[String]) -> Result<()> {
                 }
             }
         }
-        let c = metrics.snapshot();
+        let c = counts.snapshot();
         eprintln!(
-            "soak-consumer {}: consumed {} processed {} failed {} duplicates {} poison {}",
+            "soak-consumer {}: consumed {} processed {} failed {} duplicates {} poison {} offsets found moved {}",
             std::process::id(),
             c.consumed,
             c.processed,
             c.failed,
             c.duplicate,
-            c.poison
+            c.poison,
+            metrics.offsets_moved.load(Ordering::Relaxed)
         );
         Ok(())
     })

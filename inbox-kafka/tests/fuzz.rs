@@ -16,7 +16,7 @@ use inbox_testkit::MemBroker;
 use inbox_testkit::pg::{count, fresh_store};
 use inbox_testkit::scenarios::FlakyById;
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestCaseError, TestRunner};
+use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
 use serde_json::{Value, json};
 
 /// One arbitrary record.
@@ -247,7 +247,14 @@ fn arbitrary_records_are_handled_or_dead_lettered() {
         .ok()
         .and_then(|n| n.parse().ok())
         .unwrap_or(256);
-    let mut runner = TestRunner::new(Config::with_cases(cases));
+    // A fixed seed: the closing assertion is about the generator's spread
+    // (both outcomes at least a tenth of the cases), which a random seed
+    // missed in about one run in twelve (handled records were 33 of 256 on
+    // average). `FUZZ_CASES` explores further from the same start.
+    let mut runner = TestRunner::new_with_rng(
+        Config::with_cases(cases),
+        TestRng::deterministic_rng(RngAlgorithm::ChaCha),
+    );
     let result = runner.run(&record(), |record| rt.block_on(one_case(&store, &record)));
     if let Err(e) = result {
         panic!("{e}");

@@ -593,14 +593,27 @@ impl<O: OffsetStore> KafkaConsumer<O> {
                 p.stored = claim.next_offset;
                 self.metrics.record(MetricEvent::OffsetMoved { partition });
             }
-            _ => {
-                tracing::warn!(%topic, partition, epoch, "fenced: another consumer owns this partition now; it is no longer read here");
-                p.fenced = true;
-                p.forget();
-                self.metrics.record(MetricEvent::Fenced { partition });
-            }
+            _ => self.fence(index),
         }
         Ok(())
+    }
+
+    /// Stops reading partition `index`: another consumer owns it now.
+    fn fence(&mut self, index: usize) {
+        let p = &mut self.partitions[index];
+        if !p.fenced {
+            tracing::warn!(
+                topic = %p.topic,
+                partition = p.partition,
+                epoch = p.epoch,
+                "fenced: another consumer owns this partition now; it is no longer read here"
+            );
+            p.fenced = true;
+            p.forget();
+            self.metrics.record(MetricEvent::Fenced {
+                partition: p.partition,
+            });
+        }
     }
 
     /// The stored offset of partition `index` is outside the log: follow
@@ -848,20 +861,7 @@ impl<O: OffsetStore> Consumer for KafkaConsumer<O> {
 
     fn fenced(&mut self, message: &Message) {
         if let Some(index) = self.index_of(message) {
-            let p = &mut self.partitions[index];
-            if !p.fenced {
-                tracing::warn!(
-                    topic = %p.topic,
-                    partition = p.partition,
-                    epoch = p.epoch,
-                    "fenced: another consumer owns this partition now; it is no longer read here"
-                );
-                p.fenced = true;
-                p.forget();
-                self.metrics.record(MetricEvent::Fenced {
-                    partition: p.partition,
-                });
-            }
+            self.fence(index);
         }
     }
 

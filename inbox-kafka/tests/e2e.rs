@@ -13,7 +13,8 @@ use inbox_core::{
 use inbox_testkit::scenarios::{Act, ScriptedHandler};
 use inbox_testkit::{FaultyStore, StoreFault};
 
-use common::{config, drain, env, next_delivery};
+use common::{config, drain, env};
+use inbox_testkit::scenarios::next_delivery;
 
 async fn inbox_state(
     env: &common::Env,

@@ -18,7 +18,8 @@ use inbox_testkit::pg::{count, fresh_store};
 use inbox_testkit::scenarios::{Act, ScriptedHandler, WriteInvoice};
 use serde_json::json;
 
-use common::{config, drain, env, next_delivery};
+use common::{config, drain, env};
+use inbox_testkit::scenarios::next_delivery;
 
 fn headers(pairs: &[(&str, &[u8])]) -> BTreeMap<String, Vec<u8>> {
     pairs

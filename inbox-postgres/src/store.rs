@@ -935,13 +935,29 @@ async fn read_partition(
         ))
         .await
         .map_err(db)?;
-    row.map(|row| {
-        Ok(PartitionClaim {
-            next_offset: get(&row, "next_offset")?,
-            owner_epoch: get(&row, "owner_epoch")?,
-        })
+    row.as_ref().map(partition_claim).transpose()
+}
+
+/// A row of `next_offset` and `owner_epoch` (a claim, or a read).
+fn partition_claim(row: &QueryResult) -> Result<PartitionClaim, StoreError> {
+    Ok(PartitionClaim {
+        next_offset: get(row, "next_offset")?,
+        owner_epoch: get(row, "owner_epoch")?,
     })
-    .transpose()
+}
+
+/// The assignment published for `consumer_group`, read on `conn`.
+async fn read_assignment(
+    conn: &impl ConnectionTrait,
+    sql: &Sql,
+    consumer_group: &str,
+) -> Result<std::collections::BTreeMap<(String, i32), String>, StoreError> {
+    conn.query_all_raw(stmt(&sql.assignment, vec![consumer_group.into()]))
+        .await
+        .map_err(db)?
+        .iter()
+        .map(|r| Ok(((get(r, "topic")?, get(r, "partition")?), get(r, "member")?)))
+        .collect()
 }
 
 /// A partition claimed by [`OffsetStore::claim_partition`] (the core's
@@ -982,14 +998,7 @@ impl MembershipStore for PgStore {
         &self,
         consumer_group: &str,
     ) -> Result<std::collections::BTreeMap<(String, i32), String>, StoreError> {
-        let rows = self
-            .db
-            .query_all_raw(stmt(&self.sql.assignment, vec![consumer_group.into()]))
-            .await
-            .map_err(db)?;
-        rows.iter()
-            .map(|r| Ok(((get(r, "topic")?, get(r, "partition")?), get(r, "member")?)))
-            .collect()
+        read_assignment(&self.db, &self.sql, consumer_group).await
     }
 
     async fn publish_assignment(
@@ -998,28 +1007,21 @@ impl MembershipStore for PgStore {
         previous: &std::collections::BTreeMap<(String, i32), String>,
         assignment: &std::collections::BTreeMap<(String, i32), String>,
     ) -> Result<bool, StoreError> {
-        let rows: Vec<serde_json::Value> = assignment
-            .iter()
-            .map(|((t, p), m)| serde_json::json!({ "t": t, "p": p, "m": m }))
-            .collect();
-        let rows = serde_json::Value::Array(rows).to_string();
         let tx = self.db.begin().await.map_err(db)?;
         // one publisher per group at a time (the lock ends with the
         // transaction); then compare with what this one computed from
         tx.execute_raw(stmt(&self.sql.publish_lock, vec![consumer_group.into()]))
             .await
             .map_err(db)?;
-        let current = tx
-            .query_all_raw(stmt(&self.sql.assignment, vec![consumer_group.into()]))
-            .await
-            .map_err(db)?
-            .iter()
-            .map(|r| Ok(((get(r, "topic")?, get(r, "partition")?), get(r, "member")?)))
-            .collect::<Result<std::collections::BTreeMap<(String, i32), String>, StoreError>>()?;
-        if &current != previous {
+        if &read_assignment(&tx, &self.sql, consumer_group).await? != previous {
             tx.rollback().await.map_err(db)?;
             return Ok(false);
         }
+        let rows: Vec<serde_json::Value> = assignment
+            .iter()
+            .map(|((t, p), m)| serde_json::json!({ "t": t, "p": p, "m": m }))
+            .collect();
+        let rows = serde_json::Value::Array(rows).to_string();
         tx.execute_raw(stmt(
             &self.sql.unpublish,
             vec![consumer_group.into(), rows.clone().into()],
@@ -1054,10 +1056,7 @@ impl OffsetStore for PgStore {
             .await
             .map_err(db)?
             .ok_or_else(|| StoreError::new(StoreErrorKind::Other, "claim returned no row"))?;
-        Ok(PartitionClaim {
-            next_offset: get(&row, "next_offset")?,
-            owner_epoch: get(&row, "owner_epoch")?,
-        })
+        partition_claim(&row)
     }
 
     async fn store_ack(&self, ack: &TxAck) -> Result<(), StoreError> {

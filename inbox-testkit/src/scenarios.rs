@@ -236,8 +236,14 @@ async fn runner_for<H: Harness>(
 /// running, so one empty poll does not mean the end.
 const DRAINED_AFTER: usize = 3;
 
-/// The next delivery, polling past empty answers (a bounded number).
-async fn next<S, C, H, M>(runner: &mut Runner<S, C, H, M>) -> ProcessResult
+/// The next delivery, polling past empty answers (a real broker's consumer
+/// answers `None` while a fetch is still running), a bounded number of
+/// times.
+///
+/// # Panics
+///
+/// When a fetch fails, or no delivery came.
+pub async fn next_delivery<S, C, H, M>(runner: &mut Runner<S, C, H, M>) -> ProcessResult
 where
     S: InboxStore,
     C: inbox_core::Consumer,
@@ -327,7 +333,7 @@ pub async fn handler_retry_four_deliveries<H: Harness>(h: &H) {
         runner_for(&store, &topic, group, &handler, AckStrategy::default()).await;
 
     // delivery 1: committed=False processed=False handler_calls=1 invoices=0 inbox=None
-    let d1 = next(&mut runner).await;
+    let d1 = next_delivery(&mut runner).await;
     assert_eq!((d1.acked, d1.processed), (false, false), "delivery 1");
     assert!(d1.rewound, "delivery 1 is rewound");
     assert_eq!(handler.calls(), 1);
@@ -336,7 +342,7 @@ pub async fn handler_retry_four_deliveries<H: Harness>(h: &H) {
     assert_eq!(topic.acked(group, 0).await, None);
 
     // delivery 2: committed=True processed=True handler_calls=2 invoices=1 inbox=(completed, None)
-    let d2 = next(&mut runner).await;
+    let d2 = next_delivery(&mut runner).await;
     assert_eq!(d2.position, d1.position, "the rewound message comes again");
     assert_eq!((d2.acked, d2.processed), (true, true), "delivery 2");
     assert_eq!(handler.calls(), 2);
@@ -347,7 +353,7 @@ pub async fn handler_retry_four_deliveries<H: Harness>(h: &H) {
     );
 
     // delivery 3: committed=True processed=False handler_calls=2 invoices=1 inbox=(completed, None)
-    let d3 = next(&mut runner).await;
+    let d3 = next_delivery(&mut runner).await;
     assert_eq!((d3.acked, d3.processed, d3.duplicate), (true, false, true));
     assert_eq!(handler.calls(), 2);
     assert_eq!(store.invoices("order-1").await, 1);
@@ -364,7 +370,7 @@ pub async fn handler_retry_four_deliveries<H: Harness>(h: &H) {
     assert_eq!(released, 0);
 
     // delivery 4: as delivery 3
-    let d4 = next(&mut runner).await;
+    let d4 = next_delivery(&mut runner).await;
     assert_eq!((d4.acked, d4.processed, d4.duplicate), (true, false, true));
     assert_eq!(handler.calls(), 2);
     assert_eq!(store.invoices("order-1").await, 1);
@@ -393,7 +399,7 @@ pub async fn handler_skipped<H: Harness>(h: &H) {
     let handler = ScriptedHandler::new([], Act::Skip);
     let (mut runner, metrics) =
         runner_for(&store, &topic, group, &handler, AckStrategy::default()).await;
-    let d1 = next(&mut runner).await;
+    let d1 = next_delivery(&mut runner).await;
     assert_eq!((d1.acked, d1.processed, d1.duplicate), (true, false, false));
     assert_eq!(d1.outcome, Some(inbox_core::Outcome::Skipped));
     let r = row(&store, "order-2", group)
@@ -407,7 +413,7 @@ pub async fn handler_skipped<H: Harness>(h: &H) {
         1,
         "a skip commits the transaction (the handler's writes stay)"
     );
-    let d2 = next(&mut runner).await;
+    let d2 = next_delivery(&mut runner).await;
     assert_eq!((d2.acked, d2.processed, d2.duplicate), (true, false, true));
     assert_eq!(handler.calls(), 1);
     let c = metrics.snapshot();
@@ -441,7 +447,7 @@ pub async fn write_then_fail<H: Harness>(
     topic.produce(0, order(&id)).await;
     let handler = ScriptedHandler::new([Act::Fail], Act::Succeed);
     let (mut runner, metrics) = runner_for(&store, &topic, group, &handler, strategy).await;
-    let first = next(&mut runner).await;
+    let first = next_delivery(&mut runner).await;
     assert!(!first.processed);
     assert_eq!(store.invoices(&id).await, 0, "the failed run rolled back");
     assert_eq!(row(&store, &id, group).await, None, "and so did the row");
@@ -523,14 +529,14 @@ pub async fn cumulative_commit_trap<H: Harness>(h: &H) {
     topic.produce(0, order("order-n1")).await;
     let handler = ScriptedHandler::new([Act::Fail], Act::Succeed);
     let (mut runner, _) = runner_for(&store, &topic, group, &handler, AckStrategy::default()).await;
-    let d1 = next(&mut runner).await;
+    let d1 = next_delivery(&mut runner).await;
     assert_eq!(d1.message_id, "order-n");
     assert!(!d1.acked && d1.rewound);
     assert!(topic.commit_log().is_empty(), "nothing acknowledged yet");
-    let d2 = next(&mut runner).await;
+    let d2 = next_delivery(&mut runner).await;
     assert_eq!(d2.message_id, "order-n", "N again before N+1");
     assert!(d2.processed && d2.acked);
-    let d3 = next(&mut runner).await;
+    let d3 = next_delivery(&mut runner).await;
     assert_eq!(d3.message_id, "order-n1");
     let offsets: Vec<i64> = topic.commit_log().iter().map(|c| c.next_offset).collect();
     assert_eq!(offsets, vec![1, 2], "N committed before N+1, never past it");
@@ -561,14 +567,14 @@ pub async fn no_handler_lands<H: Harness>(h: &H) {
             config(&group, strategy),
         )
         .with_metrics(metrics.clone());
-        let d1 = next(&mut runner).await;
+        let d1 = next_delivery(&mut runner).await;
         assert!(d1.acked && !d1.processed && !d1.duplicate, "{strategy:?}");
         let r = row(&store, "order-4", &group)
             .await
             .unwrap_or_else(|| panic!("not landed"));
         assert_eq!(r.status, InboxStatus::Pending);
         assert!(r.locked_by.is_none());
-        let d2 = next(&mut runner).await;
+        let d2 = next_delivery(&mut runner).await;
         assert!(d2.acked && d2.duplicate, "{strategy:?}");
         let c = metrics.snapshot();
         assert_eq!((c.landed, c.duplicate, c.acked), (1, 1, 2));
@@ -586,7 +592,7 @@ pub async fn pending_row_is_handled<H: Harness>(h: &H) {
     topic.produce(0, m).await;
     let handler = ScriptedHandler::new([], Act::Succeed);
     let (mut runner, _) = runner_for(&store, &topic, group, &handler, AckStrategy::default()).await;
-    let d = next(&mut runner).await;
+    let d = next_delivery(&mut runner).await;
     assert!(d.processed && d.acked && !d.duplicate);
     assert_eq!(handler.calls(), 1);
     let r = row(&store, "order-5", group)
@@ -628,13 +634,13 @@ pub async fn locked_elsewhere_is_deferred<H: Harness>(h: &H) {
         topic.produce(0, m).await;
         let handler = ScriptedHandler::new([], Act::Succeed);
         let (mut runner, _) = runner_for(&store, &topic, group, &handler, strategy).await;
-        let d = next(&mut runner).await;
+        let d = next_delivery(&mut runner).await;
         assert_eq!(handler.calls(), 0, "{strategy:?}: handler must not run");
         assert!(!d.processed && !d.duplicate);
         assert_eq!(d.acked, committed, "{strategy:?}");
         assert_eq!(d.rewound, !committed, "{strategy:?}");
         if !committed {
-            let again = next(&mut runner).await;
+            let again = next_delivery(&mut runner).await;
             assert_eq!(again.position, d.position, "delivered again");
             assert_eq!(handler.calls(), 0);
             // The batch processor's lease goes stale and is released.
@@ -643,7 +649,7 @@ pub async fn locked_elsewhere_is_deferred<H: Harness>(h: &H) {
                 .await
                 .unwrap_or_else(|e| panic!("{e}"));
             assert!(released >= 1);
-            let handled = next(&mut runner).await;
+            let handled = next_delivery(&mut runner).await;
             assert!(handled.processed && handled.acked, "{strategy:?}");
             assert_eq!(handler.calls(), 1);
             assert_eq!(store.invoices(&id).await, 1);
@@ -663,7 +669,7 @@ pub async fn failed_row_is_terminal<H: Harness>(h: &H) {
     let handler = ScriptedHandler::new([], Act::Succeed);
     let (mut runner, metrics) =
         runner_for(&store, &topic, group, &handler, AckStrategy::default()).await;
-    let d = next(&mut runner).await;
+    let d = next_delivery(&mut runner).await;
     assert_eq!(handler.calls(), 0);
     assert!(d.acked && !d.processed && !d.duplicate);
     assert_eq!(d.decision.tally, inbox_core::decision::Tally::Terminal);
@@ -687,7 +693,7 @@ pub async fn timeout_and_panic_are_failures<H: Harness>(h: &H) {
         let handler = ScriptedHandler::new([act], Act::Succeed);
         let (mut runner, metrics) =
             runner_for(&store, &topic, group, &handler, AckStrategy::default()).await;
-        let d = next(&mut runner).await;
+        let d = next_delivery(&mut runner).await;
         assert!(!d.processed && !d.acked && d.rewound, "{act:?}");
         assert!(
             matches!(
@@ -704,7 +710,7 @@ pub async fn timeout_and_panic_are_failures<H: Harness>(h: &H) {
             d.outcome
         );
         assert_eq!(row(&store, "order-8", group).await, None);
-        let d2 = next(&mut runner).await;
+        let d2 = next_delivery(&mut runner).await;
         assert!(d2.processed && d2.acked);
         let c = metrics.snapshot();
         assert_eq!((c.failed, c.processed, c.consumed), (1, 1, 2), "{act:?}");
@@ -724,14 +730,14 @@ pub async fn commit_failure_then_duplicate<H: Harness>(h: &H) {
     let handler = ScriptedHandler::new([], Act::Succeed);
     let (mut runner, metrics) =
         runner_for(&store, &topic, group, &handler, AckStrategy::default()).await;
-    let d = next(&mut runner).await;
+    let d = next_delivery(&mut runner).await;
     assert!(!d.acked);
     assert!(matches!(d.error, Some(inbox_core::ProcessError::Ack(_))));
     assert_eq!(store.invoices("order-9").await, 1);
     assert_eq!(metrics.snapshot().ack_failed, 1);
     drop(runner);
     let (mut fresh, _) = runner_for(&store, &topic, group, &handler, AckStrategy::default()).await;
-    let again = next(&mut fresh).await;
+    let again = next_delivery(&mut fresh).await;
     assert!(again.duplicate && again.acked);
     assert_eq!(handler.calls(), 1);
     assert_eq!(store.invoices("order-9").await, 1);
@@ -1178,11 +1184,11 @@ pub async fn poison_redelivered_is_recorded_once<H: Harness>(h: &H) {
     let (mut runner, metrics) =
         runner_for(&store, &topic, group, &handler, AckStrategy::default()).await;
     topic.fail_next(BrokerFault::Ack, 1);
-    let first = next(&mut runner).await;
+    let first = next_delivery(&mut runner).await;
     assert!(!first.acked, "the acknowledgement failed");
     drop(runner);
     let (mut fresh, _) = runner_for(&store, &topic, group, &handler, AckStrategy::default()).await;
-    let again = next(&mut fresh).await;
+    let again = next_delivery(&mut fresh).await;
     assert!(again.acked, "delivered again, acknowledged now");
     assert_eq!(
         store.dead_letters("poison-once-1", group).await,

@@ -106,24 +106,6 @@ pub fn config(group: &str, strategy: AckStrategy) -> RunnerConfig {
     c
 }
 
-/// The next delivery, asking again after empty answers (the consumer
-/// answers `None` while a fetch is still running), a bounded number of
-/// times.
-pub async fn next_delivery<S, C, H, M>(runner: &mut Runner<S, C, H, M>) -> inbox_core::ProcessResult
-where
-    S: inbox_core::InboxStore,
-    C: Consumer,
-    H: inbox_core::Handler<S::Tx>,
-    M: inbox_core::Metrics,
-{
-    for _ in 0..40 {
-        if let Some(r) = runner.process_one().await.unwrap_or_else(|e| panic!("{e}")) {
-            return r;
-        }
-    }
-    panic!("no delivery")
-}
-
 /// Processes deliveries until the consumer has had nothing for a few
 /// polls in a row (bounded); returns the results.
 pub async fn drain<S, C, H, M>(runner: &mut Runner<S, C, H, M>) -> Vec<inbox_core::ProcessResult>

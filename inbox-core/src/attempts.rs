@@ -193,6 +193,9 @@ pub fn failure_text(failure: &Failure) -> String {
         Failure::Error(e) => e.clone(),
         Failure::Timeout => "the handler timed out".into(),
         Failure::Panic(p) => format!("the handler panicked: {p}"),
+        Failure::Aborted(e) => {
+            format!("the handler returned success over an aborted transaction: {e}")
+        }
     }
 }
 

@@ -38,7 +38,7 @@
 
 use crate::error::{PersistStage, StoreErrorKind};
 use crate::model::InboxStatus;
-use crate::outcome::OutcomeClass;
+use crate::outcome::{Outcome, OutcomeClass};
 use crate::store::{Found, LockResult};
 use crate::strategy::{AckPolicy, AckStrategy};
 
@@ -374,6 +374,21 @@ pub fn after_handler(policy: Policy, row: RowState, outcome: OutcomeClass) -> De
                 tally: Tally::Failed,
             }
         }
+    }
+}
+
+/// The outcome of a handler run once the state of its transaction is known:
+/// `aborted` is why the transaction can no longer commit
+/// ([`InboxTransaction::aborted`](crate::InboxTransaction::aborted)). A
+/// handler that returned success or skip over an aborted transaction (it
+/// swallowed a database error) failed: its writes will not commit, so
+/// deciding on its success would acknowledge a message with no effect. A
+/// failure stays the failure the handler reported.
+pub fn after_run(outcome: Outcome, aborted: Option<String>) -> Outcome {
+    match (outcome, aborted) {
+        (failed @ Outcome::Failed(_), _) => failed,
+        (_, Some(cause)) => Outcome::Failed(crate::outcome::Failure::Aborted(cause)),
+        (outcome, None) => outcome,
     }
 }
 
@@ -1001,5 +1016,36 @@ mod tests {
         assert_eq!(before_counted_attempt(Policy::new(EOI), 99), None);
         let persist = Policy::new(PERSIST).with_failure_budget(Some(2));
         assert_eq!(before_counted_attempt(persist, 99), None, "not counted");
+    }
+
+    #[test]
+    fn a_success_over_an_aborted_transaction_is_a_failure() {
+        use crate::outcome::Failure as Why;
+        let aborted = || Some("division by zero".to_owned());
+        let ok = Outcome::Success(None);
+        assert_eq!(after_run(ok.clone(), None), ok);
+        assert_eq!(
+            after_run(ok, aborted()),
+            Outcome::Failed(Why::Aborted("division by zero".into()))
+        );
+        assert_eq!(
+            after_run(Outcome::Skipped, aborted()),
+            Outcome::Failed(Why::Aborted("division by zero".into()))
+        );
+        assert_eq!(after_run(Outcome::Skipped, None), Outcome::Skipped);
+        let own = Outcome::Failed(Why::Error("unique violation".into()));
+        assert_eq!(
+            after_run(own.clone(), aborted()),
+            own,
+            "its own failure kept"
+        );
+        // and the decision on it is the failure's, under every strategy
+        for s in [EOI, PERSIST] {
+            let class = after_run(Outcome::Success(None), aborted()).class();
+            assert_eq!(
+                decide(Policy::new(s), RowState::New, class),
+                decide(Policy::new(s), RowState::New, Failure)
+            );
+        }
     }
 }

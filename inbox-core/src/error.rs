@@ -167,6 +167,13 @@ pub enum StoreErrorKind {
     /// The database refused the data itself (PostgreSQL SQLSTATE class 22,
     /// a data exception): retrying the same message will fail the same way.
     Data,
+    /// The transaction is aborted: a statement in it failed (typically one
+    /// of the handler's, whose error the handler did not return), so the
+    /// server refuses every further statement and does not commit it. A
+    /// commit of such a transaction fails with this kind instead of
+    /// reporting success (PostgreSQL answers `COMMIT` with `ROLLBACK` and no
+    /// error).
+    Aborted,
     /// Anything else.
     Other,
 }
@@ -182,6 +189,7 @@ impl fmt::Display for StoreErrorKind {
             Self::OffsetMoved => "stored offset moved",
             Self::Unsupported => "unsupported",
             Self::Data => "data refused",
+            Self::Aborted => "transaction aborted",
             Self::Other => "storage error",
         })
     }

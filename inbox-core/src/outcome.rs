@@ -133,6 +133,11 @@ pub enum Failure {
     Timeout,
     /// It panicked.
     Panic(String),
+    /// It returned success over a transaction a failed statement had
+    /// aborted (it swallowed a database error): the server would not commit
+    /// its writes, so the run is a failure. The text is the statement's
+    /// error.
+    Aborted(String),
 }
 
 /// What came of running the handler on one message.

@@ -263,6 +263,20 @@ where
             Ok(Ok(Err(e))) => Err(Failure::Error(e.to_string())),
             Ok(Ok(Ok(output))) => Ok(output.into()),
         };
+        // a success over a transaction the handler left aborted is a failure
+        // of this row (never of the next one, whose statements would fail)
+        let result = match result {
+            Ok(output) => {
+                let outcome = crate::outcome::Outcome::from_result(&output);
+                match crate::decision::after_run(outcome, tx.aborted().await) {
+                    crate::outcome::Outcome::Failed(Failure::Aborted(cause)) => {
+                        Err(Failure::Aborted(cause))
+                    }
+                    _ => Ok(output),
+                }
+            }
+            failed => failed,
+        };
         if savepoint && is_failure(&result) {
             tx.rollback_to_savepoint().await?;
         }

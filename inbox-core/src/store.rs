@@ -181,7 +181,30 @@ pub trait InboxTransaction: Send + Sized {
     async fn complete(&mut self, id: RowId) -> Result<(), StoreError>;
 
     /// Commits: the row and the handler's writes become durable together.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreErrorKind::Aborted`](crate::StoreErrorKind::Aborted) when a
+    /// failed statement had aborted the transaction (see
+    /// [`aborted`](Self::aborted)): nothing is committed. A commit the
+    /// server did not carry out is never reported as done.
     async fn commit(self) -> Result<(), StoreError>;
+
+    /// Why this transaction can no longer commit, when it cannot: a
+    /// statement in it failed (typically the handler's, its error swallowed)
+    /// and the server aborted the transaction; `None` while it can commit.
+    /// The runner and the batch processor ask after every handler run, so
+    /// that the handler that left the transaction aborted is the one whose
+    /// run fails ([`Failure::Aborted`](crate::Failure::Aborted)), never the
+    /// next message's. A rollback to a savepoint taken before the failed
+    /// statement makes the transaction committable again.
+    ///
+    /// Adapters answer from what they saw on the connection, without a
+    /// round trip where they can. The default answers `None`: a store whose
+    /// transactions a failed statement cannot abort.
+    async fn aborted(&mut self) -> Option<String> {
+        None
+    }
 
     /// Rolls back: the row's changes and the handler's writes are gone.
     async fn rollback(self) -> Result<(), StoreError>;

@@ -20,6 +20,11 @@ async fn write_then_fail_every_strategy() {
 }
 
 #[tokio::test]
+async fn swallowed_database_error_every_strategy() {
+    scenarios::swallowed_database_error_every_strategy(&MemHarness::new(MemStore::new())).await;
+}
+
+#[tokio::test]
 async fn cumulative_commit_trap() {
     scenarios::cumulative_commit_trap(&MemHarness::new(MemStore::new())).await;
 }
@@ -125,4 +130,9 @@ async fn processor_lease_expires_after_a_worker_dies() {
 #[tokio::test]
 async fn retention_deletes_only_completed_rows_past_the_cutoff() {
     scenarios::retention_deletes_only_completed_rows_past_the_cutoff(MemStore::new()).await;
+}
+
+#[tokio::test]
+async fn processor_charges_the_row_that_aborted() {
+    scenarios::processor_charges_the_row_that_aborted(MemStore::new()).await;
 }

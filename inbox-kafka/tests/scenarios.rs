@@ -25,6 +25,11 @@ async fn write_then_fail_every_strategy() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn swallowed_database_error_every_strategy() {
+    scenarios::swallowed_database_error_every_strategy(&harness().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cumulative_commit_trap() {
     scenarios::cumulative_commit_trap(&harness().await).await;
 }

@@ -46,11 +46,13 @@
 //! insert-or-get, `COMMIT`), a failure 3 plus the handler's (`BEGIN`,
 //! insert-or-get, `ROLLBACK`). See `docs/postgres.md`.
 
+mod conn;
 mod error;
 mod migration;
 mod schema;
 mod store;
 
+pub use conn::PgConn;
 pub use error::{kind_of_sqlstate, map_db_err};
 pub use migration::InboxMigration;
 pub use schema::{MAX_TABLE_NAME, TableName, create_statements, drop_statements};

@@ -12,10 +12,11 @@ use inbox_core::{
     StoreError, StoreErrorKind, TxAck, ValidationError, WorkerId,
 };
 use sea_orm::{
-    ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DatabaseTransaction, DbBackend,
-    DbErr, QueryResult, Statement, TransactionTrait, Value,
+    ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, DbErr, QueryResult,
+    Statement, TransactionTrait, Value,
 };
 
+use crate::conn::PgConn;
 use crate::error::map_db_err;
 use crate::schema::{TableName, create_statements};
 
@@ -344,16 +345,19 @@ impl PgStore {
 /// Dropping it without `commit` rolls back.
 #[derive(Debug)]
 pub struct PgTx {
-    tx: DatabaseTransaction,
+    conn: PgConn,
     sql: Arc<Sql>,
     savepoint_open: bool,
 }
 
 impl PgTx {
     /// The transaction, for the handler's own statements (any sea-orm query
-    /// taking `&impl ConnectionTrait`).
-    pub fn connection(&self) -> &DatabaseTransaction {
-        &self.tx
+    /// taking `&impl ConnectionTrait`, and nested transactions). It notes a
+    /// statement that fails: a handler that swallows a database error and
+    /// returns `Ok` has its run failed, since PostgreSQL aborted the
+    /// transaction and would not commit it (see [`PgConn`]).
+    pub fn connection(&self) -> &PgConn {
+        &self.conn
     }
 }
 
@@ -408,7 +412,7 @@ impl InboxStore for PgStore {
     async fn begin(&self) -> Result<PgTx, StoreError> {
         let tx = self.db.begin().await.map_err(db)?;
         Ok(PgTx {
-            tx,
+            conn: PgConn::new(tx),
             sql: self.sql.clone(),
             savepoint_open: false,
         })
@@ -519,7 +523,8 @@ impl InboxStore for PgStore {
 impl InboxTransaction for PgTx {
     async fn insert_or_get(&mut self, row: &NewInboxRow) -> Result<RowRef, StoreError> {
         let found = self
-            .tx
+            .conn
+            .inner()
             .query_one_raw(stmt(
                 &self.sql.insert_or_get,
                 vec![
@@ -581,7 +586,8 @@ impl InboxTransaction for PgTx {
         let input = serde_json::to_string(&input)
             .map_err(|e| StoreError::new(StoreErrorKind::Other, e.to_string()))?;
         let found = self
-            .tx
+            .conn
+            .inner()
             .query_all_raw(stmt(
                 &self.sql.insert_or_get_many,
                 vec![input.into(), first.consumer_group.clone().into()],
@@ -612,7 +618,8 @@ impl InboxTransaction for PgTx {
             let keys = serde_json::to_string(&missing)
                 .map_err(|e| StoreError::new(StoreErrorKind::Other, e.to_string()))?;
             let existing = self
-                .tx
+                .conn
+                .inner()
                 .query_all_raw(stmt(
                     &self.sql.get_many,
                     vec![keys.into(), first.consumer_group.clone().into()],
@@ -643,7 +650,8 @@ impl InboxTransaction for PgTx {
 
     async fn lock(&mut self, id: RowId, _worker: &WorkerId) -> Result<LockResult, StoreError> {
         let row = self
-            .tx
+            .conn
+            .inner()
             .query_one_raw(stmt(&self.sql.lock, vec![id.into()]))
             .await
             .map_err(db)?;
@@ -660,7 +668,8 @@ impl InboxTransaction for PgTx {
     }
 
     async fn complete(&mut self, id: RowId) -> Result<(), StoreError> {
-        self.tx
+        self.conn
+            .inner()
             .execute_raw(stmt(&self.sql.complete, vec![id.into()]))
             .await
             .map_err(db)?;
@@ -673,7 +682,8 @@ impl InboxTransaction for PgTx {
         record: &AttemptRecord<'_>,
     ) -> Result<i32, StoreError> {
         let row = self
-            .tx
+            .conn
+            .inner()
             .query_one_raw(stmt(
                 &self.sql.record_attempt,
                 vec![
@@ -717,7 +727,8 @@ impl InboxTransaction for PgTx {
             })
             .collect();
         let r = self
-            .tx
+            .conn
+            .inner()
             .execute_raw(stmt(
                 &self.sql.write_outcomes,
                 vec![
@@ -739,22 +750,29 @@ impl InboxTransaction for PgTx {
         } else {
             "SAVEPOINT inbox_message"
         };
-        self.tx.execute_unprepared(sql).await.map_err(db)?;
+        self.conn
+            .inner()
+            .execute_unprepared(sql)
+            .await
+            .map_err(db)?;
         self.savepoint_open = true;
         Ok(())
     }
 
     async fn rollback_to_savepoint(&mut self) -> Result<(), StoreError> {
         // ROLLBACK TO keeps the savepoint open.
-        self.tx
+        self.conn
+            .inner()
             .execute_unprepared("ROLLBACK TO SAVEPOINT inbox_message")
             .await
             .map_err(db)?;
+        self.conn.recovered();
         Ok(())
     }
 
     async fn release_savepoint(&mut self) -> Result<(), StoreError> {
-        self.tx
+        self.conn
+            .inner()
             .execute_unprepared("RELEASE SAVEPOINT inbox_message")
             .await
             .map_err(db)?;
@@ -764,7 +782,8 @@ impl InboxTransaction for PgTx {
 
     async fn discard_rows(&mut self, ids: &[RowId]) -> Result<(), StoreError> {
         let ids: Vec<serde_json::Value> = ids.iter().map(|id| (*id).into()).collect();
-        self.tx
+        self.conn
+            .inner()
             .execute_raw(stmt(
                 &self.sql.discard,
                 vec![serde_json::Value::Array(ids).into()],
@@ -774,12 +793,36 @@ impl InboxTransaction for PgTx {
         Ok(())
     }
 
-    async fn commit(self) -> Result<(), StoreError> {
-        self.tx.commit().await.map_err(db)
+    async fn commit(mut self) -> Result<(), StoreError> {
+        // PostgreSQL answers COMMIT of an aborted transaction with ROLLBACK
+        // and no error: known here, it is reported as what it is
+        if let Some(cause) = self.aborted().await {
+            self.conn.into_inner().rollback().await.map_err(db)?;
+            return Err(StoreError::new(
+                StoreErrorKind::Aborted,
+                format!("the transaction was aborted and rolled back: {cause}"),
+            ));
+        }
+        self.conn.into_inner().commit().await.map_err(db)
     }
 
     async fn rollback(self) -> Result<(), StoreError> {
-        self.tx.rollback().await.map_err(db)
+        self.conn.into_inner().rollback().await.map_err(db)
+    }
+
+    async fn aborted(&mut self) -> Option<String> {
+        if let Some(cause) = self.conn.aborted_by() {
+            return Some(cause);
+        }
+        if !self.conn.opened_nested() {
+            return None;
+        }
+        // a nested transaction's statements were not seen: ask the server
+        // (any statement fails in an aborted transaction)
+        match self.conn.execute_unprepared("SELECT 1").await {
+            Ok(_) => None,
+            Err(e) => Some(e.to_string()),
+        }
     }
 
     async fn dead_letter(
@@ -796,7 +839,8 @@ impl InboxTransaction for PgTx {
         let mut as_json = serde_json::to_value(message)
             .map_err(|e| StoreError::new(StoreErrorKind::Other, e.to_string()))?;
         without_nul(&mut as_json);
-        self.tx
+        self.conn
+            .inner()
             .execute_raw(stmt(
                 &self.sql.dead_letter,
                 vec![
@@ -817,7 +861,7 @@ impl InboxTransaction for PgTx {
     }
 
     async fn store_ack(&mut self, ack: &TxAck) -> Result<(), StoreError> {
-        write_ack(&self.tx, &self.sql, ack).await
+        write_ack(self.conn.inner(), &self.sql, ack).await
     }
 }
 
@@ -826,7 +870,8 @@ impl PgTx {
     /// transaction committed it while this one waited on its key).
     async fn get_again(&self, row: &NewInboxRow) -> Result<RowRef, StoreError> {
         let again = self
-            .tx
+            .conn
+            .inner()
             .query_one_raw(stmt(
                 &self.sql.get,
                 vec![

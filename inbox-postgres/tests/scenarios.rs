@@ -26,6 +26,11 @@ async fn write_then_fail_every_strategy() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn swallowed_database_error_every_strategy() {
+    scenarios::swallowed_database_error_every_strategy(&MemHarness::new(store().await)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cumulative_commit_trap() {
     scenarios::cumulative_commit_trap(&MemHarness::new(store().await)).await;
 }
@@ -128,4 +133,9 @@ async fn processor_lease_expires_after_a_worker_dies() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retention_deletes_only_completed_rows_past_the_cutoff() {
     scenarios::retention_deletes_only_completed_rows_past_the_cutoff(store().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn processor_charges_the_row_that_aborted() {
+    scenarios::processor_charges_the_row_that_aborted(store().await).await;
 }

@@ -25,6 +25,9 @@ pub trait BusinessFixture<Tx: Send>: Send + Sync {
     /// Whether a committed business row `key` exists (read outside any
     /// transaction, as another connection would).
     async fn exists(&self, key: &str) -> Result<bool, StoreError>;
+    /// Runs a statement the database refuses through `tx` and ignores the
+    /// error (PostgreSQL: a division by zero), leaving `tx` aborted.
+    async fn fail_statement(&self, tx: &mut Tx);
 }
 
 /// A conformance check that failed.
@@ -96,6 +99,70 @@ where
             max_attempts: 3,
             status: InboxStatus::Pending,
         }
+    }
+
+    /// A statement that failed aborts the transaction: `aborted` says so at
+    /// once, `commit` fails with [`StoreErrorKind::Aborted`] and commits
+    /// nothing (never reported done); a rollback to a savepoint taken before
+    /// the failure makes it committable again.
+    async fn an_aborted_transaction_never_commits(&self) -> Result<(), ConformanceError> {
+        const C: &str = "an_aborted_transaction_never_commits";
+        let e = store_err(C);
+        let row = self.row("aborted");
+        let key = format!("{}-aborted", self.prefix);
+        let mut tx = self.store.begin().await.map_err(&e)?;
+        ensure(C, tx.aborted().await.is_none(), || {
+            "a fresh transaction is aborted".into()
+        })?;
+        tx.insert_or_get(&row).await.map_err(&e)?;
+        self.fixture.write(&mut tx, &key).await.map_err(&e)?;
+        self.fixture.fail_statement(&mut tx).await;
+        ensure(C, tx.aborted().await.is_some(), || {
+            "a failed statement did not abort the transaction".into()
+        })?;
+        let commit = tx.commit().await;
+        ensure(
+            C,
+            commit
+                .as_ref()
+                .is_err_and(|e| e.kind == StoreErrorKind::Aborted),
+            || format!("commit of an aborted transaction gave {commit:?}"),
+        )?;
+        let found = self
+            .store
+            .find(&row.message_id, &row.consumer_group)
+            .await
+            .map_err(&e)?;
+        ensure(C, found.is_none(), || {
+            "the aborted transaction's row was committed".into()
+        })?;
+        ensure(C, !self.fixture.exists(&key).await.map_err(&e)?, || {
+            "the aborted transaction's business write was committed".into()
+        })?;
+
+        let row = self.row("recovered");
+        let key = format!("{}-recovered", self.prefix);
+        let mut tx = self.store.begin().await.map_err(&e)?;
+        tx.insert_or_get(&row).await.map_err(&e)?;
+        tx.savepoint().await.map_err(&e)?;
+        self.fixture.fail_statement(&mut tx).await;
+        tx.rollback_to_savepoint().await.map_err(&e)?;
+        ensure(C, tx.aborted().await.is_none(), || {
+            "still aborted after the rollback to the savepoint".into()
+        })?;
+        self.fixture.write(&mut tx, &key).await.map_err(&e)?;
+        tx.commit().await.map_err(&e)?;
+        let found = self
+            .store
+            .find(&row.message_id, &row.consumer_group)
+            .await
+            .map_err(&e)?;
+        ensure(C, found.is_some(), || {
+            "the recovered transaction's row is missing".into()
+        })?;
+        ensure(C, self.fixture.exists(&key).await.map_err(&e)?, || {
+            "the recovered transaction's business write is missing".into()
+        })
     }
 
     async fn insert_commits_a_pending_unlocked_row(&self) -> Result<(), ConformanceError> {
@@ -875,6 +942,8 @@ where
     passed.push("attempts_are_recorded_and_requeued");
     ctx.counting_past_max_attempts_raises_it().await?;
     passed.push("counting_past_max_attempts_raises_it");
+    ctx.an_aborted_transaction_never_commits().await?;
+    passed.push("an_aborted_transaction_never_commits");
     ctx.offsets_claim_and_fence().await?;
     passed.push("offsets_claim_and_fence");
     ctx.members_heartbeat_and_leave().await?;

@@ -74,6 +74,9 @@ impl<T: WriteInvoice> WriteInvoice for FaultyTx<T> {
     async fn write_invoice(&mut self, order: &str) -> Result<(), HandlerError> {
         self.inner.write_invoice(order).await
     }
+    async fn swallow_a_failed_statement(&mut self) {
+        self.inner.swallow_a_failed_statement().await;
+    }
 }
 
 #[async_trait]
@@ -192,6 +195,10 @@ impl<T: InboxTransaction> InboxTransaction for FaultyTx<T> {
 
     async fn rollback(self) -> Result<(), StoreError> {
         self.inner.rollback().await
+    }
+
+    async fn aborted(&mut self) -> Option<String> {
+        self.inner.aborted().await
     }
 
     async fn dead_letter(

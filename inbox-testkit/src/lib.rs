@@ -79,4 +79,8 @@ impl BusinessFixture<MemTx> for MemFixture {
             .iter()
             .any(|k| k == key))
     }
+
+    async fn fail_statement(&self, tx: &mut MemTx) {
+        tx.fail_statement("division by zero");
+    }
 }

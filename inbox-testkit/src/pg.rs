@@ -401,6 +401,10 @@ mod with_store {
                 .await?;
             Ok(())
         }
+        async fn swallow_a_failed_statement(&mut self) {
+            let refused = self.connection().execute_unprepared("SELECT 1/0").await;
+            assert!(refused.is_err(), "a division by zero was not refused");
+        }
     }
 
     fn expect(what: &str, r: Result<u64, StoreError>) {
@@ -511,6 +515,11 @@ mod with_store {
             )
             .await?;
             Ok(n > 0)
+        }
+
+        async fn fail_statement(&self, tx: &mut PgTx) {
+            let refused = tx.connection().execute_unprepared("SELECT 1/0").await;
+            assert!(refused.is_err(), "a division by zero was not refused");
         }
     }
 }

@@ -36,6 +36,10 @@ use crate::harness::{Harness, ScenarioConsumer, Topic};
 pub trait WriteInvoice: Send {
     /// Writes one invoice for `order` in this transaction.
     async fn write_invoice(&mut self, order: &str) -> Result<(), HandlerError>;
+    /// Runs a statement the database refuses (PostgreSQL: a division by
+    /// zero) and ignores its error, as a careless handler does: the
+    /// transaction is left aborted.
+    async fn swallow_a_failed_statement(&mut self);
 }
 
 #[async_trait]
@@ -43,6 +47,9 @@ impl WriteInvoice for crate::MemTx {
     async fn write_invoice(&mut self, order: &str) -> Result<(), HandlerError> {
         self.insert_business("invoices", order);
         Ok(())
+    }
+    async fn swallow_a_failed_statement(&mut self) {
+        self.fail_statement("division by zero");
     }
 }
 
@@ -128,6 +135,9 @@ pub enum Act {
     Panic,
     /// Sleep far past any timeout.
     Hang,
+    /// Run a statement the database refuses, ignore its error and return
+    /// `Ok(())` (the transaction is left aborted).
+    SwallowDbError,
 }
 
 /// A handler that writes an invoice, then acts as scripted (then as `then`
@@ -183,6 +193,10 @@ impl<Tx: WriteInvoice + 'static> Handler<Tx> for ScriptedHandler {
             Act::Retry => Ok(HandlerResult::retry("try again later")),
             Act::Fail => Err(HandlerError::msg("payment provider timed out")),
             Act::Panic => panic!("handler bug"),
+            Act::SwallowDbError => {
+                tx.swallow_a_failed_statement().await;
+                Ok(HandlerResult::completed())
+            }
             Act::Hang => {
                 self.hangs.fetch_add(1, Ordering::SeqCst);
                 tokio::time::sleep(Duration::from_secs(3600)).await;
@@ -441,14 +455,37 @@ pub async fn write_then_fail<H: Harness>(
     strategy: AckStrategy,
     group: &str,
 ) -> FailureStory {
+    write_then(h, strategy, group, Act::Fail).await
+}
+
+/// [`write_then_fail`] with the first run's failure being `act` after the
+/// invoice is written ([`Act::Fail`], or [`Act::SwallowDbError`]: the
+/// handler returns `Ok` over a transaction a failed statement aborted, which
+/// must be the same failure, never a success with no effect).
+pub async fn write_then<H: Harness>(
+    h: &H,
+    strategy: AckStrategy,
+    group: &str,
+    act: Act,
+) -> FailureStory {
     let store = h.store();
     let id = format!("order-3-{group}");
     let topic = h.topic("orders", 1).await;
     topic.produce(0, order(&id)).await;
-    let handler = ScriptedHandler::new([Act::Fail], Act::Succeed);
+    let handler = ScriptedHandler::new([act], Act::Succeed);
     let (mut runner, metrics) = runner_for(&store, &topic, group, &handler, strategy).await;
     let first = next_delivery(&mut runner).await;
-    assert!(!first.processed);
+    assert!(!first.processed, "{strategy:?}: {act:?} reported processed");
+    if act == Act::SwallowDbError {
+        assert!(
+            matches!(
+                first.outcome,
+                Some(inbox_core::Outcome::Failed(inbox_core::Failure::Aborted(_)))
+            ),
+            "{strategy:?}: {:?}",
+            first.outcome
+        );
+    }
     assert_eq!(store.invoices(&id).await, 0, "the failed run rolled back");
     assert_eq!(row(&store, &id, group).await, None, "and so did the row");
     drop(runner);
@@ -469,6 +506,20 @@ pub async fn write_then_fail<H: Harness>(
 /// Runs [`write_then_fail`] under every strategy setting and asserts the
 /// SPEC's answer for each.
 pub async fn write_then_fail_every_strategy<H: Harness>(h: &H) {
+    write_then_every_strategy(h, Act::Fail, "wtf").await;
+}
+
+/// A handler that swallows a database error and returns `Ok` (its
+/// transaction aborted: the server would not commit it) gets, under every
+/// strategy, exactly the answer of a handler that returned an error: rolled
+/// back, rewound and handled on redelivery where the strategy redelivers,
+/// counted as dropped where it does not; never acknowledged as processed
+/// with no effect.
+pub async fn swallowed_database_error_every_strategy<H: Harness>(h: &H) {
+    write_then_every_strategy(h, Act::SwallowDbError, "swallow").await;
+}
+
+async fn write_then_every_strategy<H: Harness>(h: &H, act: Act, prefix: &str) {
     let lost = FailureStory {
         redelivered: false,
         handler_runs: 1,
@@ -482,39 +533,39 @@ pub async fn write_then_fail_every_strategy<H: Harness>(h: &H) {
         dropped: 0,
     };
     let cases = [
-        (AckStrategy::AtMostOnce, "wtf-amo", lost),
+        (AckStrategy::AtMostOnce, "amo", lost),
         (
             AckStrategy::AtLeastOnce {
                 policy: AckPolicy::OnPersist,
             },
-            "wtf-persist",
+            "persist",
             lost,
         ),
         (
             AckStrategy::AtLeastOnce {
                 policy: AckPolicy::OnSuccess,
             },
-            "wtf-success",
+            "success",
             retried,
         ),
         (
             AckStrategy::ExactlyOnceInbox {
                 commit_on_failed: false,
             },
-            "wtf-eoi",
+            "eoi",
             retried,
         ),
         (
             AckStrategy::ExactlyOnceInbox {
                 commit_on_failed: true,
             },
-            "wtf-eoi-cof",
+            "eoi-cof",
             lost,
         ),
     ];
     for (strategy, group, expected) in cases {
-        let story = write_then_fail(h, strategy, group).await;
-        assert_eq!(story, expected, "{strategy:?}");
+        let story = write_then(h, strategy, &format!("{prefix}-{group}"), act).await;
+        assert_eq!(story, expected, "{strategy:?} {act:?}");
     }
 }
 
@@ -748,6 +799,7 @@ pub async fn run_all<H: Harness>(h: &H) {
     handler_retry_four_deliveries(h).await;
     handler_skipped(h).await;
     write_then_fail_every_strategy(h).await;
+    swallowed_database_error_every_strategy(h).await;
     cumulative_commit_trap(h).await;
     no_handler_lands(h).await;
     pending_row_is_handled(h).await;
@@ -759,19 +811,33 @@ pub async fn run_all<H: Harness>(h: &H) {
 }
 
 /// A handler that writes an invoice, then fails the first `fails` calls of
-/// each message id listed, and succeeds otherwise: the outcome depends only
-/// on the id and its call count, so a batch replay does not change it.
+/// each message id listed, then (for the ids of `swallows`) swallows a
+/// failed statement and returns `Ok` that many times, and succeeds
+/// otherwise: the outcome depends only on the id and its call count, so a
+/// batch replay does not change it.
 #[derive(Debug, Default)]
 pub struct FlakyById {
     fails: std::collections::HashMap<String, u32>,
+    swallows: std::collections::HashMap<String, u32>,
     calls: Mutex<std::collections::HashMap<String, u32>>,
 }
 
 impl FlakyById {
     /// Fails each id of `fails` that many times.
     pub fn new<'a>(fails: impl IntoIterator<Item = (&'a str, u32)>) -> Arc<Self> {
+        Self::swallowing(fails, [])
+    }
+
+    /// Fails each id of `fails` that many times, then swallows a database
+    /// error on each id of `swallows` that many times.
+    pub fn swallowing<'a>(
+        fails: impl IntoIterator<Item = (&'a str, u32)>,
+        swallows: impl IntoIterator<Item = (&'a str, u32)>,
+    ) -> Arc<Self> {
+        let owned = |m: &str, n: u32| (m.to_owned(), n);
         Arc::new(Self {
-            fails: fails.into_iter().map(|(k, v)| (k.to_owned(), v)).collect(),
+            fails: fails.into_iter().map(|(m, n)| owned(m, n)).collect(),
+            swallows: swallows.into_iter().map(|(m, n)| owned(m, n)).collect(),
             calls: Mutex::default(),
         })
     }
@@ -791,8 +857,13 @@ impl<Tx: WriteInvoice + 'static> Handler<Tx> for FlakyById {
             *n
         };
         tx.write_invoice(&message.message_id).await?;
-        if n <= self.fails.get(&message.message_id).copied().unwrap_or(0) {
+        let fails = self.fails.get(&message.message_id).copied().unwrap_or(0);
+        if n <= fails {
             return Err(HandlerError::msg("payment provider timed out"));
+        }
+        let swallows = self.swallows.get(&message.message_id).copied().unwrap_or(0);
+        if n <= fails + swallows {
+            tx.swallow_a_failed_statement().await;
         }
         Ok(())
     }
@@ -826,11 +897,12 @@ struct Story {
 /// acknowledged offsets.
 pub async fn batched_matches_one_by_one<H: Harness>(h: &H) {
     let store = h.store();
-    let workload: [(&str, i32); 14] = [
+    let workload: [(&str, i32); 15] = [
         ("o1", 0),
         ("o2", 0),
         ("o1", 0),
         ("fail-once", 0),
+        ("swallow-once", 0),
         ("o3", 0),
         ("landed", 1),
         ("o4", 1),
@@ -862,10 +934,13 @@ pub async fn batched_matches_one_by_one<H: Harness>(h: &H) {
         let worker = WorkerId::new("batch-processor-1").unwrap_or_else(|e| panic!("{e}"));
         store.hold_lock(&id("held"), group, &worker).await;
 
-        let handler = FlakyById::new([
-            (id("fail-once").as_str(), 1),
-            (id("fail-twice").as_str(), 2),
-        ]);
+        let handler = FlakyById::swallowing(
+            [
+                (id("fail-once").as_str(), 1),
+                (id("fail-twice").as_str(), 2),
+            ],
+            [(id("swallow-once").as_str(), 1)],
+        );
         let metrics = Arc::new(CountingMetrics::new());
         let mut cfg = config(group, AckStrategy::default());
         if let Some(n) = batch {
@@ -894,7 +969,7 @@ pub async fn batched_matches_one_by_one<H: Harness>(h: &H) {
                     runner.process_batch(messages).await;
                 }
             }
-            if topic.acked(group, 0).await == Some(5)
+            if topic.acked(group, 0).await == Some(6)
                 && topic.acked(group, 1).await == Some(5)
                 && topic.acked(group, 2).await == Some(1)
             {
@@ -931,7 +1006,7 @@ pub async fn batched_matches_one_by_one<H: Harness>(h: &H) {
     // and the story itself is right
     assert_eq!(
         story.acked,
-        vec![Some(5), Some(5), Some(1)],
+        vec![Some(6), Some(5), Some(1)],
         "held stops partition 2"
     );
     for (m, invoices, status) in &story.per_message {
@@ -954,7 +1029,7 @@ pub async fn batched_matches_one_by_one<H: Harness>(h: &H) {
     let c = story.counts;
     assert_eq!(
         (c.processed, c.duplicate, c.failed, c.terminal),
-        (8, 2, 3, 1),
+        (9, 2, 4, 1),
         "{c:?}"
     );
 }
@@ -985,6 +1060,12 @@ pub async fn random_batches_match_one_by_one<H: Harness>(h: &H, seed: u64) -> us
             )
         })
         .collect();
+    // handlers that swallow a database error once, drawn apart so that
+    // each seed's workload and failures stay as they were
+    let mut roll_swallow = dice(seed.wrapping_mul(0x517c_c1b7_2722_0a95) ^ 0x005a_110e);
+    let swallows: Vec<(String, u32)> = (0..15)
+        .map(|i| (format!("m{i}"), u32::from(roll_swallow(4) == 0)))
+        .collect();
     let batch = usize::try_from(1 + roll(20)).unwrap_or(1);
     let savepoints = roll(2) == 0;
     let mut stories = Vec::new();
@@ -998,7 +1079,11 @@ pub async fn random_batches_match_one_by_one<H: Harness>(h: &H, seed: u64) -> us
             topic.produce(*p, order(&id(m))).await;
         }
         let budgets: Vec<(String, u32)> = fails.iter().map(|(m, n)| (id(m), *n)).collect();
-        let handler = FlakyById::new(budgets.iter().map(|(m, n)| (m.as_str(), *n)));
+        let swallowed: Vec<(String, u32)> = swallows.iter().map(|(m, n)| (id(m), *n)).collect();
+        let handler = FlakyById::swallowing(
+            budgets.iter().map(|(m, n)| (m.as_str(), *n)),
+            swallowed.iter().map(|(m, n)| (m.as_str(), *n)),
+        );
         let metrics = Arc::new(CountingMetrics::new());
         let mut b = inbox_core::BatchConfig::new(batch);
         b.max_wait = Duration::ZERO;
@@ -1700,6 +1785,58 @@ where
     }
 }
 
+/// The batch processor with a handler that swallows a database error on
+/// one row (returns `Ok` over an aborted transaction), in both the
+/// optimistic and the savepoint mode: that row alone gets a counted failure
+/// (pending, one attempt, the statement's error kept), its invoice rolled
+/// back; the rows before and after it are completed once, never charged.
+pub async fn processor_charges_the_row_that_aborted<S>(store: S)
+where
+    S: ScenarioStore,
+    S::Tx: WriteInvoice + 'static,
+{
+    use inbox_core::processor::{BatchProcessor, ProcessorConfig};
+    for optimistic in [true, false] {
+        let group = format!("processor-aborted-{optimistic}");
+        let ids: Vec<String> = (0..3).map(|i| format!("{group}-{i}")).collect();
+        for m in &ids {
+            store.land(&landed(m, &group, 3)).await;
+        }
+        let handler = FlakyById::swallowing([], [(ids[1].as_str(), 1)]);
+        let mut config =
+            ProcessorConfig::new("processor-aborted").unwrap_or_else(|e| panic!("{e}"));
+        config.filter.consumer_group = Some(group.clone());
+        config.optimistic = optimistic;
+        let mut processor = BatchProcessor::new(store.clone(), handler, config);
+        let batch = processor
+            .process_batch()
+            .await
+            .unwrap_or_else(|e| panic!("optimistic {optimistic}: {e}"));
+        assert_eq!((batch.claimed, batch.completed), (3, 2), "{batch:?}");
+        for (n, m) in ids.iter().enumerate() {
+            let r = row(&store, m, &group)
+                .await
+                .unwrap_or_else(|| panic!("{m}"));
+            if n == 1 {
+                assert_eq!(store.invoices(m).await, 0, "{m}: rolled back");
+                assert_eq!(
+                    (r.status, r.attempts_made),
+                    (InboxStatus::Pending, 1),
+                    "{m}"
+                );
+                let error = r.last_error.unwrap_or_default();
+                assert!(error.contains("aborted"), "{m}: {error}");
+            } else {
+                assert_eq!(store.invoices(m).await, 1, "{m}: once");
+                assert_eq!(
+                    (r.status, r.attempts_made),
+                    (InboxStatus::Completed, 0),
+                    "{m}"
+                );
+            }
+        }
+    }
+}
 /// A processor whose leases are released while it works (maintenance with
 /// a lease shorter than the batch): writing the outcomes finds the rows no
 /// longer its own, so nothing of the batch commits (`LeaseLost`) and the

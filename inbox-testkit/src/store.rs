@@ -367,14 +367,45 @@ pub struct MemTx {
     /// The open savepoint: how many staged writes and locks it keeps.
     savepoint: Option<(usize, usize)>,
     open: bool,
+    /// The error of a failed statement that aborted this transaction (see
+    /// [`MemTx::fail_statement`]).
+    aborted: Option<String>,
 }
 
 impl MemTx {
     /// Stages a business row (`key`) in `table`: durable on commit, gone on
     /// rollback.
+    ///
+    /// Refused (not staged) while the transaction is aborted, as a database
+    /// refuses every statement then.
     pub fn insert_business(&mut self, table: &str, key: &str) {
+        if self.aborted.is_some() {
+            return;
+        }
         self.staged
             .push(Staged::Business(table.to_owned(), key.to_owned()));
+    }
+
+    /// A statement of this transaction failed with `error` (as a unique
+    /// violation or a division by zero does in PostgreSQL): the transaction
+    /// is aborted. Every later statement fails with
+    /// [`StoreErrorKind::Aborted`] until a rollback to the savepoint, and
+    /// `commit` rolls back and fails with that kind. For testing handlers
+    /// that swallow a database error.
+    pub fn fail_statement(&mut self, error: &str) {
+        self.aborted = Some(error.to_owned());
+    }
+
+    /// `Err` (kind [`StoreErrorKind::Aborted`]) while the transaction is
+    /// aborted.
+    fn usable(&self) -> Result<(), StoreError> {
+        match &self.aborted {
+            None => Ok(()),
+            Some(_) => Err(StoreError::new(
+                StoreErrorKind::Aborted,
+                "current transaction is aborted, commands ignored until end of transaction block",
+            )),
+        }
     }
 
     /// How many business rows `table` would hold if this transaction
@@ -544,6 +575,7 @@ impl InboxStore for MemStore {
             locks: Vec::new(),
             savepoint: None,
             open: true,
+            aborted: None,
         })
     }
 
@@ -671,6 +703,7 @@ impl InboxStore for MemStore {
 #[async_trait]
 impl InboxTransaction for MemTx {
     async fn insert_or_get(&mut self, row: &NewInboxRow) -> Result<RowRef, StoreError> {
+        self.usable()?;
         let mut s = self.store.state();
         s.take_fault(StoreFault::Insert)?;
         s.take_fault(StoreFault::InsertRefused)?;
@@ -712,6 +745,7 @@ impl InboxTransaction for MemTx {
     }
 
     async fn lock(&mut self, id: RowId, _worker: &WorkerId) -> Result<LockResult, StoreError> {
+        self.usable()?;
         let mut s = self.store.state();
         s.take_fault(StoreFault::Lock)?;
         if let Some(owner) = s.row_locks.get(&id) {
@@ -731,12 +765,22 @@ impl InboxTransaction for MemTx {
     }
 
     async fn complete(&mut self, id: RowId) -> Result<(), StoreError> {
+        self.usable()?;
         self.store.state().take_fault(StoreFault::Complete)?;
         self.staged.push(Staged::Complete(id));
         Ok(())
     }
 
     async fn commit(mut self) -> Result<(), StoreError> {
+        if let Some(cause) = self.aborted.take() {
+            // the server answers ROLLBACK: nothing is committed
+            self.staged.clear();
+            self.finish();
+            return Err(StoreError::new(
+                StoreErrorKind::Aborted,
+                format!("the transaction was aborted and rolled back: {cause}"),
+            ));
+        }
         let store = self.store.clone();
         let mut s = store.state();
         s.take_fault(StoreFault::Commit)?;
@@ -832,6 +876,7 @@ impl InboxTransaction for MemTx {
         worker: &WorkerId,
         updates: &[(RowId, RowUpdate)],
     ) -> Result<u64, StoreError> {
+        self.usable()?;
         let held: Vec<RowId> = {
             let mut s = self.store.state();
             s.take_fault(StoreFault::Complete)?;
@@ -859,6 +904,7 @@ impl InboxTransaction for MemTx {
         id: RowId,
         record: &AttemptRecord<'_>,
     ) -> Result<i32, StoreError> {
+        self.usable()?;
         let committed = {
             let mut s = self.store.state();
             s.take_fault(StoreFault::Attempt)?;
@@ -877,11 +923,17 @@ impl InboxTransaction for MemTx {
     }
 
     async fn savepoint(&mut self) -> Result<(), StoreError> {
+        self.usable()?;
         self.savepoint = Some((self.staged.len(), self.locks.len()));
         Ok(())
     }
 
+    async fn aborted(&mut self) -> Option<String> {
+        self.aborted.clone()
+    }
+
     async fn rollback_to_savepoint(&mut self) -> Result<(), StoreError> {
+        self.aborted = None;
         let (staged, locks) = self
             .savepoint
             .ok_or_else(|| StoreError::new(StoreErrorKind::Other, "no savepoint is open"))?;
@@ -900,6 +952,7 @@ impl InboxTransaction for MemTx {
     }
 
     async fn discard_rows(&mut self, ids: &[RowId]) -> Result<(), StoreError> {
+        self.usable()?;
         let mut gone = Vec::new();
         self.staged.retain(|op| match op {
             Staged::Insert(row) if ids.contains(&row.id) => {
@@ -934,6 +987,7 @@ impl InboxTransaction for MemTx {
     }
 
     async fn release_savepoint(&mut self) -> Result<(), StoreError> {
+        self.usable()?;
         self.savepoint
             .take()
             .map(|_| ())
@@ -946,6 +1000,7 @@ impl InboxTransaction for MemTx {
         consumer_group: &str,
         error: &ValidationError,
     ) -> Result<(), StoreError> {
+        self.usable()?;
         self.store.state().take_fault(StoreFault::DeadLetter)?;
         self.staged.push(Staged::DeadLetter(Box::new(DeadLetter {
             message: message.clone(),
@@ -956,6 +1011,7 @@ impl InboxTransaction for MemTx {
     }
 
     async fn store_ack(&mut self, ack: &TxAck) -> Result<(), StoreError> {
+        self.usable()?;
         let key = self.store.state().check_ack(ack)?;
         self.staged.push(Staged::Ack(key, ack.position.offset + 1));
         Ok(())

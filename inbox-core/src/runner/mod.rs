@@ -251,7 +251,7 @@ async fn run_handler<Tx, H, M>(
     metrics: &M,
 ) -> Outcome
 where
-    Tx: Send,
+    Tx: InboxTransaction,
     H: Handler<Tx>,
     M: Metrics,
 {
@@ -264,7 +264,8 @@ where
         Ok(Ok(Ok(output))) => Outcome::from_result(&output.into()),
     };
     metrics.record(MetricEvent::HandlerDuration(started.elapsed()));
-    outcome
+    // a success over a transaction the handler left aborted is its failure
+    crate::decision::after_run(outcome, tx.aborted().await)
 }
 
 /// The text of a caught panic.

@@ -208,7 +208,11 @@ where
                     .into_iter()
                     .map(|o| Outcome::from_result(&o.into()))
                     .collect();
-                if outcomes.iter().all(|o| o.class() != OutcomeClass::Failure) {
+                // a batch that left the transaction aborted is replayed one
+                // message at a time, so the message that aborted it is found
+                let aborted = tx.aborted().await;
+                if aborted.is_none() && outcomes.iter().all(|o| o.class() != OutcomeClass::Failure)
+                {
                     BatchCall::Handled(outcomes)
                 } else {
                     BatchCall::Failed

@@ -1,0 +1,130 @@
+//! A transaction PostgreSQL aborted is never reported committed: the
+//! handler's statements are watched on [`inbox_postgres::PgConn`], and a
+//! nested transaction (whose statements are not seen) is checked before the
+//! commit.
+
+use inbox_core::{InboxStore, InboxTransaction, StoreErrorKind};
+use inbox_postgres::sea_orm::DatabaseTransaction;
+use inbox_postgres::sea_orm::{ConnectionTrait, TransactionTrait};
+use inbox_postgres::{PgStore, PgTx};
+use inbox_testkit::pg::{count, fresh_store};
+
+async fn store() -> PgStore {
+    fresh_store().await.unwrap_or_else(|e| panic!("{e}"))
+}
+
+async fn invoices(store: &PgStore, order: &str) -> i64 {
+    count(
+        store,
+        "SELECT count(*) FROM invoices WHERE order_id = $1",
+        vec![order.into()],
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// A transaction that wrote the invoice of `order`, and a nested
+/// transaction opened in it.
+async fn with_nested(store: &PgStore, order: &str) -> (PgTx, DatabaseTransaction) {
+    let tx = store.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    tx.connection()
+        .execute_unprepared(&format!(
+            "INSERT INTO invoices (order_id) VALUES ('{order}')"
+        ))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let nested = tx
+        .connection()
+        .begin()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    (tx, nested)
+}
+
+/// A failure inside a nested transaction, unseen by the watched
+/// connection, that leaves the outer transaction aborted (the nested one is
+/// leaked, so no rollback to its savepoint is sent): the store finds out
+/// with one statement, and the commit fails instead of reporting success.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abort_inside_a_nested_transaction_is_found() {
+    let store = store().await;
+    let (mut tx, nested) = with_nested(&store, "nested-1").await;
+    assert!(nested.execute_unprepared("SELECT 1/0").await.is_err());
+    std::mem::forget(nested);
+    let aborted = tx.aborted().await;
+    assert!(aborted.is_some(), "the nested failure was not found");
+    let commit = tx.commit().await;
+    assert!(
+        commit
+            .as_ref()
+            .is_err_and(|e| e.kind == StoreErrorKind::Aborted),
+        "{commit:?}"
+    );
+    assert_eq!(invoices(&store, "nested-1").await, 0);
+}
+
+/// A nested transaction that failed and whose commit failed too (both
+/// errors swallowed) is rolled back to its savepoint when dropped: the outer
+/// transaction really commits its own writes, so that commit is no lie.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_nested_commit_leaves_the_outer_committable() {
+    let store = store().await;
+    let (mut tx, nested) = with_nested(&store, "outer-1").await;
+    nested
+        .execute_unprepared("INSERT INTO invoices (order_id) VALUES ('inner-1')")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(nested.execute_unprepared("SELECT 1/0").await.is_err());
+    assert!(
+        nested.commit().await.is_err(),
+        "RELEASE of an aborted savepoint"
+    );
+    assert_eq!(tx.aborted().await, None);
+    tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(invoices(&store, "outer-1").await, 1);
+    assert_eq!(invoices(&store, "inner-1").await, 0);
+}
+
+/// A nested transaction whose failure was rolled back leaves the outer one
+/// committable: no false alarm.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nested_failure_rolled_back_is_no_abort() {
+    let store = store().await;
+    let mut tx = store.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let nested = tx
+        .connection()
+        .begin()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(nested.execute_unprepared("SELECT 1/0").await.is_err());
+    nested.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+    tx.connection()
+        .execute_unprepared("INSERT INTO invoices (order_id) VALUES ('nested-2')")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(tx.aborted().await, None);
+    tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(invoices(&store, "nested-2").await, 1);
+}
+
+/// The handler's own `ROLLBACK TO SAVEPOINT` after a failure it caught makes
+/// the transaction usable again, and the store sees that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_recovers_by_itself_commits() {
+    let store = store().await;
+    let mut tx = store.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let conn = tx.connection();
+    conn.execute_unprepared("SAVEPOINT mine")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(conn.execute_unprepared("SELECT 1/0").await.is_err());
+    conn.execute_unprepared("ROLLBACK TO SAVEPOINT mine")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    conn.execute_unprepared("INSERT INTO invoices (order_id) VALUES ('own-savepoint')")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(tx.aborted().await, None);
+    tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(invoices(&store, "own-savepoint").await, 1);
+}

@@ -1432,11 +1432,15 @@ pub async fn failure_budget_bounds_a_failing_message<H: Harness>(h: &H) {
             for m in ["a1", "a2", "bad", "after"] {
                 topic.produce(0, order(&id(m))).await;
             }
-            for m in ["o1", "flaky", "o3"] {
+            for m in ["o1", "flaky", "swallows", "o3"] {
                 topic.produce(1, order(&id(m))).await;
             }
             let (bad, flaky) = (id("bad"), id("flaky"));
-            let handler = FlakyById::new([(bad.as_str(), 1_000), (flaky.as_str(), 2)]);
+            let swallows = id("swallows");
+            let handler = FlakyById::swallowing(
+                [(bad.as_str(), 1_000), (flaky.as_str(), 2)],
+                [(swallows.as_str(), 2)],
+            );
             let mut b = inbox_core::BatchConfig::new(2);
             b.max_wait = Duration::ZERO;
             let mut cfg = config(&group, strategy).failure_budget(3);
@@ -1473,7 +1477,7 @@ pub async fn failure_budget_bounds_a_failing_message<H: Harness>(h: &H) {
                 0,
                 "{group}: its writes rolled back"
             );
-            for m in ["a1", "a2", "after", "o1", "flaky", "o3"] {
+            for m in ["a1", "a2", "after", "o1", "flaky", "swallows", "o3"] {
                 assert_eq!(store.invoices(&id(m)).await, 1, "{group}: {m} handled once");
             }
             let flaky_row = row(&store, &flaky, &group)
@@ -1481,11 +1485,23 @@ pub async fn failure_budget_bounds_a_failing_message<H: Harness>(h: &H) {
                 .unwrap_or_else(|| panic!("{group}: row"));
             assert_eq!(flaky_row.status, InboxStatus::Completed, "{group}");
             assert_eq!(flaky_row.attempts_made, 2, "{group}: two failures counted");
+            // a swallowed database error is a counted failure like any other
+            let swallows_row = row(&store, &swallows, &group)
+                .await
+                .unwrap_or_else(|| panic!("{group}: row"));
+            assert_eq!(
+                (swallows_row.status, swallows_row.attempts_made),
+                (InboxStatus::Completed, 2),
+                "{group}: two aborted transactions counted"
+            );
             assert_eq!(topic.acked(&group, 0).await, Some(4), "{group}");
-            assert_eq!(topic.acked(&group, 1).await, Some(3), "{group}");
+            assert_eq!(topic.acked(&group, 1).await, Some(4), "{group}");
             let counts = metrics.snapshot();
             assert_eq!(counts.exhausted, 1, "{group}");
-            assert_eq!(counts.failed, 4, "{group}: two of bad, two of flaky");
+            assert_eq!(
+                counts.failed, 6,
+                "{group}: two of bad, two of flaky, two of swallows"
+            );
             assert_eq!(counts.tallied(), counts.consumed, "{group}");
         }
     }

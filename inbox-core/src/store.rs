@@ -304,6 +304,23 @@ pub trait InboxTransaction: Send + Sized {
         ))
     }
 
+    /// Checks, in this transaction, that the consumer still owns the
+    /// partition of `ack` under `ack.owner_epoch`, without storing anything:
+    /// [`StoreErrorKind::Fenced`](crate::StoreErrorKind::Fenced) when a newer
+    /// owner claimed it. The runner checks every transaction it commits for
+    /// a partition that does not store an acknowledgement (a counted
+    /// failure, a first delivery's pre-count, a give-up), so that a fenced
+    /// member commits nothing; the check holds until the transaction ends
+    /// (PostgreSQL: the offsets row is read `FOR SHARE`, so a claim waits for
+    /// it). The default refuses, like [`store_ack`](Self::store_ack).
+    async fn check_owner(&mut self, ack: &TxAck) -> Result<(), StoreError> {
+        let _ = ack;
+        Err(StoreError::new(
+            crate::StoreErrorKind::Other,
+            "this store cannot keep consumer acknowledgements",
+        ))
+    }
+
     /// Stores a consumer's acknowledgement in this transaction, failing with
     /// [`StoreErrorKind::Fenced`](crate::StoreErrorKind::Fenced) when the
     /// epoch is stale. The default refuses: the store keeps no offsets.

@@ -169,8 +169,11 @@ async fn two_consumers_on_one_partition_never_both_commit_an_effect() {
         );
         let r = next_delivery(&mut a).await;
         assert!(!r.acked, "{strategy:?}: the stale owner cannot acknowledge");
-        match (&r.error, strategy) {
-            (Some(ProcessError::Persist(e)), AckStrategy::ExactlyOnceInbox { .. }) => {
+        // under every strategy the owner is checked in the transaction (an
+        // acknowledgement stored in it, or the owner check): a fenced
+        // member's effect rolls back
+        match &r.error {
+            Some(ProcessError::Persist(e)) => {
                 assert_eq!(
                     (e.stage, e.source.kind),
                     (PersistStage::Ack, StoreErrorKind::Fenced)
@@ -180,7 +183,6 @@ async fn two_consumers_on_one_partition_never_both_commit_an_effect() {
                     "its transaction failed: the effect rolled back"
                 );
             }
-            (Some(ProcessError::Ack(inbox_core::ConsumerError::Fenced(_))), _) => {}
             other => panic!("{strategy:?}: expected fencing, got {other:?}"),
         }
         assert_eq!(
@@ -494,4 +496,95 @@ async fn lost_commits_are_made_again() {
             "batched {batched}: the consumer read the stored offset again"
         );
     }
+}
+
+/// The next non-empty batch of `runner` (asked again after empty answers,
+/// a bounded number of times), processed.
+async fn next_batch_processed<S, C, H, M>(
+    runner: &mut Runner<S, C, H, M>,
+    batch: inbox_core::BatchConfig,
+) -> inbox_core::BatchResult
+where
+    S: InboxStore,
+    C: inbox_core::Consumer,
+    H: inbox_core::Handler<S::Tx>,
+    M: inbox_core::Metrics,
+{
+    for _ in 0..100 {
+        let messages = runner
+            .next_batch(batch)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        if !messages.is_empty() {
+            return runner.process_batch(messages).await;
+        }
+    }
+    panic!("no batch came")
+}
+
+/// A member whose partition was taken over commits nothing for it, not
+/// even the failure budget's bookkeeping: per message, the pre-count of a
+/// first delivery and a counted failure; batched, the give-up (row `failed`
+/// and a dead letter) of a message that spent its budget. Before the owner
+/// check, the zombie counted attempts on the new owner's row, or failed and
+/// dead-lettered a message the new owner then found `failed` and never ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_member_commits_no_bookkeeping() {
+    use inbox_testkit::scenarios::{FlakyById, ScenarioStore};
+    let fenced = |r: &inbox_core::ProcessResult| matches!(&r.error, Some(ProcessError::Persist(e)) if e.source.kind == StoreErrorKind::Fenced);
+
+    // per message, budget 3: the first delivery is pre-counted
+    let one = env("zombie-one", 1).await;
+    one.produce_orders(0, &["z-1", "z-2"]).await;
+    let handler = ScriptedHandler::new([], Act::Fail);
+    let cfg = config("billing", AckStrategy::default()).failure_budget(3);
+    let mut zombie = Runner::new(
+        one.store.clone(),
+        one.consumer("billing").await,
+        handler.clone(),
+        cfg,
+    );
+    let _owner = one.consumer("billing").await; // takes the partition over
+    let r = next_delivery(&mut zombie).await;
+    assert!(fenced(&r) && !r.acked, "{r:?}");
+    assert_eq!(handler.calls(), 0, "the fenced pre-count stops it");
+    assert_eq!(
+        one.store.find("z-1", "billing").await.expect("find"),
+        None,
+        "the zombie counted no attempt"
+    );
+    assert_eq!(
+        zombie.consumer_mut().fenced_partitions(),
+        vec![(one.topic.clone(), 0)]
+    );
+
+    // batched, budget 1: a failure spends it and gives the message up
+    let env = env("zombie-batch", 1).await;
+    env.produce_orders(0, &["y-1", "y-2"]).await;
+    let handler = FlakyById::new([("y-2", 1_000)]);
+    let mut batch = inbox_core::BatchConfig::new(1);
+    batch.max_wait = Duration::ZERO;
+    let cfg = config("billing", AckStrategy::default())
+        .failure_budget(1)
+        .batched(batch);
+    let mut zombie = Runner::new(
+        env.store.clone(),
+        env.consumer("billing").await,
+        handler,
+        cfg,
+    );
+    let first = next_batch_processed(&mut zombie, batch).await;
+    assert!(first.results.iter().all(|r| r.processed), "{first:?}");
+    let _owner = env.consumer("billing").await; // takes the partition over
+    let second = next_batch_processed(&mut zombie, batch).await;
+    let r = &second.results[0];
+    assert_eq!(r.message_id, "y-2");
+    assert!(fenced(r) && !r.acked, "{r:?}");
+    let row = env.store.find("y-2", "billing").await.expect("find");
+    assert!(
+        row.as_ref().is_none_or(|r| r.status != InboxStatus::Failed),
+        "the zombie gave the message up: {row:?}"
+    );
+    assert_eq!(env.store.dead_letters("y-2", "billing").await, 0);
+    assert_eq!(env.invoices("y-1").await, 1);
 }

@@ -41,6 +41,7 @@ struct Sql {
     dead_letter: String,
     store_ack: String,
     read_partition: String,
+    owner_check: String,
     claim: String,
     heartbeat: String,
     leave: String,
@@ -206,6 +207,14 @@ impl Sql {
                 "UPDATE {} SET next_offset = $4, updated_at = now()
                   WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND owner_epoch = $5
                     AND ($6::bigint IS NULL OR next_offset = $6::bigint)",
+                t.offsets()
+            ),
+            // The owner epoch, read FOR SHARE: a claim (an UPDATE of the
+            // row) waits until this transaction ends.
+            owner_check: format!(
+                "SELECT owner_epoch FROM {}
+                  WHERE consumer_group = $1 AND topic = $2 AND partition = $3
+                  FOR SHARE",
                 t.offsets()
             ),
             read_partition: format!(
@@ -862,6 +871,34 @@ impl InboxTransaction for PgTx {
 
     async fn store_ack(&mut self, ack: &TxAck) -> Result<(), StoreError> {
         write_ack(self.conn.inner(), &self.sql, ack).await
+    }
+
+    async fn check_owner(&mut self, ack: &TxAck) -> Result<(), StoreError> {
+        let (topic, partition, group) = (
+            &ack.position.topic,
+            ack.position.partition,
+            &ack.consumer_group,
+        );
+        let row = self
+            .conn
+            .inner()
+            .query_one_raw(stmt(
+                &self.sql.owner_check,
+                vec![group.into(), topic.into(), partition.into()],
+            ))
+            .await
+            .map_err(db)?;
+        let epoch: Option<i64> = row.as_ref().map(|r| get(r, "owner_epoch")).transpose()?;
+        if epoch == Some(ack.owner_epoch) {
+            return Ok(());
+        }
+        Err(StoreError::new(
+            StoreErrorKind::Fenced,
+            format!(
+                "{topic}:{partition} of group {group} is no longer owned under epoch {}",
+                ack.owner_epoch
+            ),
+        ))
     }
 }
 

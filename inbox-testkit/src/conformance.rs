@@ -813,6 +813,19 @@ where
             || format!("a stale epoch's acknowledgement gave {alone:?}"),
         )?;
         let mut tx = self.store.begin().await.map_err(&e)?;
+        tx.check_owner(&ack(0, second.owner_epoch))
+            .await
+            .map_err(&e)?;
+        let stale = tx.check_owner(&ack(0, first.owner_epoch)).await;
+        drop(tx);
+        ensure(
+            C,
+            stale
+                .as_ref()
+                .is_err_and(|x| x.kind == StoreErrorKind::Fenced),
+            || format!("a stale epoch's owner check gave {stale:?}"),
+        )?;
+        let mut tx = self.store.begin().await.map_err(&e)?;
         let inside = tx.store_ack(&ack(21, first.owner_epoch)).await;
         drop(tx);
         ensure(

@@ -197,6 +197,10 @@ impl<T: InboxTransaction> InboxTransaction for FaultyTx<T> {
         self.inner.rollback().await
     }
 
+    async fn check_owner(&mut self, ack: &inbox_core::TxAck) -> Result<(), StoreError> {
+        self.inner.check_owner(ack).await
+    }
+
     async fn aborted(&mut self) -> Option<String> {
         self.inner.aborted().await
     }

@@ -113,21 +113,12 @@ impl State {
     /// check ([`StoreErrorKind::Fenced`] when its epoch is stale).
     fn check_ack(&mut self, ack: &TxAck) -> Result<(String, String, i32), StoreError> {
         self.take_fault(StoreFault::Ack)?;
+        self.check_epoch(ack)?;
         let key = (
             ack.consumer_group.clone(),
             ack.position.topic.clone(),
             ack.position.partition,
         );
-        let current = self.epochs.get(&key).copied().unwrap_or(0);
-        if current != ack.owner_epoch {
-            return Err(StoreError::new(
-                StoreErrorKind::Fenced,
-                format!(
-                    "epoch {} is stale, partition owned under epoch {current}",
-                    ack.owner_epoch
-                ),
-            ));
-        }
         if let Some(expected) = ack.expected_next {
             let stored = self.acks.get(&key).copied();
             if stored != Some(expected) {
@@ -138,6 +129,26 @@ impl State {
             }
         }
         Ok(key)
+    }
+
+    /// [`StoreErrorKind::Fenced`] when `ack`'s epoch is not the partition's.
+    fn check_epoch(&self, ack: &TxAck) -> Result<(), StoreError> {
+        let key = (
+            ack.consumer_group.clone(),
+            ack.position.topic.clone(),
+            ack.position.partition,
+        );
+        let current = self.epochs.get(&key).copied().unwrap_or(0);
+        if current == ack.owner_epoch {
+            return Ok(());
+        }
+        Err(StoreError::new(
+            StoreErrorKind::Fenced,
+            format!(
+                "epoch {} is stale, partition owned under epoch {current}",
+                ack.owner_epoch
+            ),
+        ))
     }
 
     fn take_fault(&mut self, point: StoreFault) -> Result<(), StoreError> {
@@ -1008,6 +1019,11 @@ impl InboxTransaction for MemTx {
             error: error.clone(),
         })));
         Ok(())
+    }
+
+    async fn check_owner(&mut self, ack: &TxAck) -> Result<(), StoreError> {
+        self.usable()?;
+        self.store.state().check_epoch(ack)
     }
 
     async fn store_ack(&mut self, ack: &TxAck) -> Result<(), StoreError> {

@@ -253,6 +253,10 @@ where
             abandon(tx).await;
             return fail(PersistStage::Attempt, e);
         }
+        if let Err(e) = self.check_owner(&mut tx, message).await {
+            abandon(tx).await;
+            return fail(PersistStage::Ack, e);
+        }
         match tx.commit().await {
             Ok(()) => Precount::Go { counted: true },
             Err(e) => fail(PersistStage::Commit, e),
@@ -288,7 +292,16 @@ where
                 return fail(stage, e, outcome);
             }
         };
-        match record_failure(&mut tx, policy, message, &group, id, false, Some(&outcome)).await {
+        let recorded =
+            match record_failure(&mut tx, policy, message, &group, id, false, Some(&outcome)).await
+            {
+                Ok(decision) => match self.check_owner(&mut tx, message).await {
+                    Ok(()) => Ok(decision),
+                    Err(e) => Err((PersistStage::Ack, e)),
+                },
+                Err(failed) => Err(failed),
+            };
+        match recorded {
             Ok(decision) => match tx.commit().await {
                 Ok(()) => Work::new(decision, Some(id), Some(outcome)),
                 Err(e) => fail(PersistStage::Commit, e, outcome),

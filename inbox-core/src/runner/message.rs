@@ -376,18 +376,21 @@ where
         message: &Message,
         work: Work,
     ) -> Work {
-        if work.decision.ack == AckPoint::InTx {
+        let owned = if work.decision.ack == AckPoint::InTx {
             let ack = self.consumer.transactional_ack(message);
-            if let Err(e) = store_ack(&mut tx, ack.as_ref()).await {
-                abandon(tx).await;
-                return Work::storage_failure(
-                    acked_before,
-                    PersistStage::Ack,
-                    e,
-                    work.row_id,
-                    work.outcome,
-                );
-            }
+            store_ack(&mut tx, ack.as_ref()).await
+        } else {
+            self.check_owner(&mut tx, message).await
+        };
+        if let Err(e) = owned {
+            abandon(tx).await;
+            return Work::storage_failure(
+                acked_before,
+                PersistStage::Ack,
+                e,
+                work.row_id,
+                work.outcome,
+            );
         }
         if let Err(e) = tx.commit().await {
             return Work::storage_failure(
@@ -399,6 +402,23 @@ where
             );
         }
         work
+    }
+
+    /// Checks in `tx` that this consumer still owns `message`'s partition,
+    /// when it keeps its offsets in the store (it has a transactional
+    /// acknowledgement for it): every transaction the runner commits for a
+    /// partition either stores an acknowledgement (which checks the epoch)
+    /// or passes here, so a fenced member commits nothing for it: no
+    /// effect, no attempt count, no give-up.
+    pub(super) async fn check_owner(
+        &self,
+        tx: &mut S::Tx,
+        message: &Message,
+    ) -> Result<(), StoreError> {
+        match self.consumer.transactional_ack(message) {
+            Some(ack) => tx.check_owner(&ack).await,
+            None => Ok(()),
+        }
     }
 
     /// Carries out the broker side of a decision and reports it.

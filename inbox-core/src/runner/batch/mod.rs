@@ -304,11 +304,19 @@ where
     ) -> Attempt {
         let partitions = slots.iter().map(|s| s.partition + 1).max().unwrap_or(0);
         for p in 0..partitions {
-            let Some((k, AckPoint::InTx)) = partition_plan(slots, p) else {
-                continue;
+            // every partition this transaction writes for stores its
+            // acknowledgement or has its ownership checked in it
+            let owned = match partition_plan(slots, p) {
+                Some((k, AckPoint::InTx)) => {
+                    let ack = self.consumer.transactional_ack(&slots[k].message);
+                    store_ack(&mut tx, ack.as_ref()).await
+                }
+                _ => match this_tx.iter().find(|&&i| slots[i].partition == p) {
+                    Some(&i) => self.check_owner(&mut tx, &slots[i].message).await,
+                    None => Ok(()),
+                },
             };
-            let ack = self.consumer.transactional_ack(&slots[k].message);
-            if let Err(e) = store_ack(&mut tx, ack.as_ref()).await {
+            if let Err(e) = owned {
                 abandon(tx).await;
                 reopen(slots, this_tx);
                 if e.kind == StoreErrorKind::Fenced {

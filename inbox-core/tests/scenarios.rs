@@ -136,3 +136,8 @@ async fn retention_deletes_only_completed_rows_past_the_cutoff() {
 async fn processor_charges_the_row_that_aborted() {
     scenarios::processor_charges_the_row_that_aborted(MemStore::new()).await;
 }
+
+#[tokio::test]
+async fn one_refused_row_charges_only_itself() {
+    scenarios::one_refused_row_charges_only_itself(&MemHarness::new(MemStore::new())).await;
+}

@@ -114,3 +114,8 @@ async fn failure_budget_governs_a_landed_row() {
 async fn failure_budget_bounds_a_crashing_handler() {
     scenarios::failure_budget_bounds_a_crashing_handler(&harness().await).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_refused_row_charges_only_itself() {
+    scenarios::one_refused_row_charges_only_itself(&harness().await).await;
+}

@@ -481,3 +481,55 @@ async fn a_silent_member_drops_out_after_the_lease() {
     let live = store.heartbeat("g", "busy", lease).await.expect("beat");
     assert_eq!(live, ["busy", "recent"]);
 }
+
+/// Batched, one row whose completion PostgreSQL refuses (a landed `pending`
+/// row, and a CHECK constraint that refuses its update): that message
+/// alone is refused (rewound), the batch's other messages, before and after
+/// it and on the other partition, are handled in the same batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_completion_charges_only_its_message() {
+    use inbox_core::{BatchConfig, NewInboxRow};
+    use inbox_testkit::scenarios::ScenarioStore;
+    let store = store().await;
+    store
+        .land(&NewInboxRow::for_message(&order("c-2"), "billing", 3))
+        .await;
+    inbox_postgres::sea_orm::ConnectionTrait::execute_unprepared(
+        store.connection(),
+        // the proposed insert (created_at = updated_at = now()) passes; the
+        // completion of the row landed earlier (updated_at = now()) does not
+        "ALTER TABLE inbox ADD CONSTRAINT no_c2 CHECK (message_id <> 'c-2' OR updated_at = created_at)",
+    )
+    .await
+    .expect("constraint");
+    let broker = MemBroker::new();
+    for (p, id) in [(0, "c-1"), (0, "c-2"), (0, "c-3"), (1, "d-1"), (1, "d-2")] {
+        broker.produce("orders", p, order(id));
+    }
+    let handler = ScriptedHandler::new([], Act::Succeed);
+    let mut batch = BatchConfig::new(10);
+    batch.max_wait = Duration::ZERO;
+    batch.adaptive = false;
+    let mut runner = Runner::new(
+        store.clone(),
+        broker.consumer("billing"),
+        handler,
+        config().batched(batch),
+    );
+    let messages = runner.next_batch(batch).await.expect("batch");
+    assert_eq!(messages.len(), 5);
+    let result = runner.process_batch(messages).await;
+    let charged: Vec<&str> = result
+        .results
+        .iter()
+        .filter(|r| r.error.is_some())
+        .map(|r| r.message_id.as_str())
+        .collect();
+    assert_eq!(charged, vec!["c-2"], "{result:?}");
+    for id in ["c-1", "d-1", "d-2"] {
+        assert_eq!(store.invoices(id).await, 1, "{id}");
+    }
+    assert_eq!(store.invoices("c-2").await, 0);
+    assert_eq!(broker.acked("billing", "orders", 0), Some(1), "up to c-2");
+    assert_eq!(broker.acked("billing", "orders", 1), Some(2));
+}

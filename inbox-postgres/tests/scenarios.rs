@@ -139,3 +139,8 @@ async fn retention_deletes_only_completed_rows_past_the_cutoff() {
 async fn processor_charges_the_row_that_aborted() {
     scenarios::processor_charges_the_row_that_aborted(store().await).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_refused_row_charges_only_itself() {
+    scenarios::one_refused_row_charges_only_itself(&MemHarness::new(store().await)).await;
+}

@@ -466,6 +466,23 @@ mod with_store {
             expect("hold_lock", r);
         }
 
+        async fn refuse(&self, message_id: &str) {
+            // a CHECK constraint, as a user might add (SQLSTATE 23514)
+            let name: String = message_id
+                .chars()
+                .filter(char::is_ascii_alphanumeric)
+                .take(40)
+                .collect();
+            let sql = format!(
+                "ALTER TABLE {} ADD CONSTRAINT refuse_{name} CHECK (message_id <> '{}')",
+                self.table().qualified(),
+                message_id.replace('\'', "''")
+            );
+            if let Err(e) = exec(self, sql, vec![]).await {
+                panic!("refuse {message_id}: {e}");
+            }
+        }
+
         async fn mark_failed(&self, message_id: &str, consumer_group: &str) {
             let sql = format!(
                 "UPDATE {} SET status = 'failed', attempts_made = max_attempts, last_error = 'budget spent',

@@ -84,6 +84,9 @@ pub trait ScenarioStore: InboxStore + Clone + 'static {
     async fn mark_failed(&self, message_id: &str, consumer_group: &str);
     /// Dead letters recorded for `message_id` in `consumer_group`.
     async fn dead_letters(&self, message_id: &str, consumer_group: &str) -> usize;
+    /// Makes the database refuse the inbox row of `message_id` from now on,
+    /// as a CHECK constraint a user added to the inbox table would.
+    async fn refuse(&self, message_id: &str);
 }
 
 #[async_trait]
@@ -107,6 +110,10 @@ impl ScenarioStore for crate::MemStore {
             .iter()
             .filter(|d| d.message.message_id == message_id && d.consumer_group == consumer_group)
             .count()
+    }
+
+    async fn refuse(&self, message_id: &str) {
+        crate::MemStore::refuse(self, message_id);
     }
 
     async fn mark_failed(&self, message_id: &str, consumer_group: &str) {
@@ -1369,6 +1376,68 @@ pub async fn refused_data_becomes_poison<H: Harness>(h: &H) {
         );
         assert_eq!(topic.acked(group, 0).await, Some(2), "{group}");
         assert_eq!(metrics.snapshot().poison, 1, "{group}");
+    }
+}
+
+/// Batched, three partitions, the third message of partition 1 one whose
+/// row the database refuses (a CHECK constraint on the inbox table), with
+/// the batch size fixed (not adaptive) and adaptive: the refusal charges
+/// that message alone (rewound, refused three times, then poison:
+/// dead-lettered and acknowledged); the messages before it and the other
+/// partitions are handled at once, in the same batches; no other message is
+/// refused, dead-lettered or held.
+pub async fn one_refused_row_charges_only_itself<H: Harness>(h: &H) {
+    let store = h.store();
+    for adaptive in [false, true] {
+        let group = format!("refused-row-{adaptive}");
+        let id = |p: i32, n: i32| format!("{group}-p{p}-{n}");
+        let topic = h.topic("orders", 3).await;
+        for p in 0..3 {
+            for n in 1..=4 {
+                topic.produce(p, order(&id(p, n))).await;
+            }
+        }
+        let bad = id(1, 3);
+        store.refuse(&bad).await;
+        let handler = ScriptedHandler::new([], Act::Succeed);
+        let mut b = inbox_core::BatchConfig::new(12);
+        b.max_wait = Duration::ZERO;
+        b.adaptive = adaptive;
+        let cfg = config(&group, AckStrategy::default()).batched(b);
+        let mut runner = Runner::new(store.clone(), topic.consumer(&group).await, handler, cfg);
+        let mut refused = Vec::new();
+        for _ in 0..20 {
+            let messages = poll_batch(&mut runner, b).await.unwrap_or_default();
+            if messages.is_empty() {
+                break;
+            }
+            for r in runner.process_batch(messages).await.results {
+                if r.error.is_some() {
+                    refused.push(r.message_id.clone());
+                }
+            }
+        }
+        // three refusals, then the poison verdict (an error too)
+        assert_eq!(
+            refused,
+            vec![bad.clone(); 4],
+            "{group}: only {bad} is charged"
+        );
+        assert_eq!(store.dead_letters(&bad, &group).await, 1, "{group}");
+        assert_eq!(store.invoices(&bad).await, 0, "{group}");
+        for p in 0..3 {
+            for n in 1..=4 {
+                if id(p, n) != bad {
+                    assert_eq!(store.invoices(&id(p, n)).await, 1, "{group}: {}", id(p, n));
+                    assert_eq!(store.dead_letters(&id(p, n), &group).await, 0, "{group}");
+                }
+            }
+            assert_eq!(
+                topic.acked(&group, p).await,
+                Some(4),
+                "{group}: partition {p}"
+            );
+        }
     }
 }
 

@@ -81,6 +81,8 @@ struct State {
     assignments: HashMap<String, BTreeMap<(String, i32), String>>,
     now: DateTime<Utc>,
     faults: HashMap<StoreFault, u32>,
+    /// Message ids whose inbox row is refused (see [`MemStore::refuse`]).
+    refused: std::collections::HashSet<String>,
 }
 
 /// Takes one armed fault at `point` from `faults`: the error the store
@@ -196,6 +198,7 @@ impl MemStore {
                 assignments: HashMap::new(),
                 now,
                 faults: HashMap::new(),
+                refused: std::collections::HashSet::new(),
             })),
         }
     }
@@ -206,6 +209,14 @@ impl MemStore {
         self.inner
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Refuses the inbox row of `message_id` from now on, as a CHECK
+    /// constraint a user added to the inbox table would: its insert fails
+    /// with [`StoreErrorKind::Integrity`] (and so does a multi-row insert
+    /// holding it).
+    pub fn refuse(&self, message_id: &str) {
+        self.state().refused.insert(message_id.to_owned());
     }
 
     /// Makes the next `times` calls at `point` fail.
@@ -718,6 +729,12 @@ impl InboxTransaction for MemTx {
         let mut s = self.store.state();
         s.take_fault(StoreFault::Insert)?;
         s.take_fault(StoreFault::InsertRefused)?;
+        if s.refused.contains(&row.message_id) {
+            return Err(StoreError::new(
+                StoreErrorKind::Integrity,
+                "new row for relation \"inbox\" violates check constraint",
+            ));
+        }
         let key = (row.message_id.clone(), row.consumer_group.clone());
         if let Some(id) = s.keys.get(&key).copied() {
             let status = s.rows.get(&id).map_or(InboxStatus::Pending, |r| r.status);

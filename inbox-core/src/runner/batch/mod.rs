@@ -364,12 +364,107 @@ where
         };
         match self.insert_rows(slots, &open, &mut tx).await {
             Ok(state) => Some(Opened { tx, open, state }),
+            Err(e) if decision::refused_data(PersistStage::Insert, e.kind) => {
+                // one row the database refuses fails the whole statement:
+                // find it, so that it alone is charged
+                abandon(tx).await;
+                self.open_row_by_row(slots, transactions, e).await
+            }
             Err(e) => {
                 abandon(tx).await;
                 fail_all(slots, PersistStage::Insert, e);
                 None
             }
         }
+    }
+
+    /// [`open_attempt`](Self::open_attempt) after the multi-row insert was
+    /// refused for its data (`refused`): the rows are inserted one by one,
+    /// each after a savepoint, and a row the database refuses is rolled back
+    /// to it and its messages decided apart (a refusal: rewound, counted
+    /// towards poison), every later message of their partitions handed
+    /// back; the others go on in this transaction as if it were not there.
+    /// A store without savepoints fails the batch as before.
+    async fn open_row_by_row(
+        &mut self,
+        slots: &mut [Slot],
+        transactions: &mut usize,
+        refused: StoreError,
+    ) -> Option<Opened<S::Tx>> {
+        *transactions += 1;
+        let mut tx = match self.store.begin().await {
+            Ok(tx) => tx,
+            Err(e) => {
+                fail_all(slots, PersistStage::Begin, e);
+                return None;
+            }
+        };
+        let mut state = HashMap::new();
+        for i in 0..slots.len() {
+            if !matches!(slots[i].fate, Fate::Open) || slots[i].invalid.is_some() {
+                continue;
+            }
+            let key = slots[i].message.message_id.clone();
+            if state.contains_key(&key) {
+                continue;
+            }
+            if let Err(e) = tx.savepoint().await {
+                abandon(tx).await;
+                let e = if e.kind == StoreErrorKind::Unsupported {
+                    refused
+                } else {
+                    e
+                };
+                fail_all(slots, PersistStage::Insert, e);
+                return None;
+            }
+            let row = NewInboxRow::for_message(
+                &slots[i].message,
+                &self.config.consumer_group,
+                self.config.max_attempts,
+            )
+            .with_status(decision::insert_status(slots[i].policy));
+            match tx.insert_or_get(&row).await {
+                Ok(r) => {
+                    state.insert(key, (r.id, r.found));
+                }
+                Err(e) if decision::refused_data(PersistStage::Insert, e.kind) => {
+                    if let Err(e) = tx.rollback_to_savepoint().await {
+                        abandon(tx).await;
+                        fail_all(slots, PersistStage::Insert, e);
+                        return None;
+                    }
+                    tracing::warn!(message_id = %key, error = %e, "the database refused this message's row; the rest of the batch goes on");
+                    for j in i..slots.len() {
+                        if slots[j].message.message_id == key && matches!(slots[j].fate, Fate::Open)
+                        {
+                            let work = Work::storage_failure(
+                                slots[j].acked_before,
+                                PersistStage::Insert,
+                                e.clone(),
+                                None,
+                                None,
+                            );
+                            decide_and_return_rest(slots, j, work);
+                        }
+                    }
+                }
+                Err(e) => {
+                    abandon(tx).await;
+                    fail_all(slots, PersistStage::Insert, e);
+                    return None;
+                }
+            }
+        }
+        if let Err(e) = tx.release_savepoint().await {
+            abandon(tx).await;
+            fail_all(slots, PersistStage::Insert, e);
+            return None;
+        }
+        let open: Vec<usize> = (0..slots.len())
+            .filter(|&i| matches!(slots[i].fate, Fate::Open))
+            .collect();
+        Some(Opened { tx, open, state })
     }
 
     /// One multi-row insert-or-get for the distinct keys of the open valid

@@ -76,8 +76,7 @@ where
                     Ok(lock) => decision::after_lock(policy, lock),
                     Err(e) => {
                         abandon(tx).await;
-                        fail_all(slots, PersistStage::Lock, e);
-                        return Attempt::Done;
+                        return refused_alone_or_all(slots, i, PersistStage::Lock, e, None);
                     }
                 };
             }
@@ -175,8 +174,8 @@ where
                         && let Err(e) = tx.complete(row_id).await
                     {
                         abandon(tx).await;
-                        fail_all(slots, PersistStage::Complete, e);
-                        return Attempt::Done;
+                        let stage = PersistStage::Complete;
+                        return refused_alone_or_all(slots, i, stage, e, Some(outcome));
                     }
                     Work::new(d, Some(row_id), Some(outcome))
                 }
@@ -238,6 +237,26 @@ where
             .record(MetricEvent::HandlerDuration(started.elapsed()));
         outcome
     }
+}
+
+/// A storage failure of slot `i`'s own statement: when the database
+/// refused that row's data, slot `i` alone takes the refusal (and hands its
+/// partition's later slots back) and the rest is replayed; any other
+/// failure fails the batch's open slots.
+pub(super) fn refused_alone_or_all(
+    slots: &mut [Slot],
+    i: usize,
+    stage: PersistStage,
+    e: StoreError,
+    outcome: Option<Outcome>,
+) -> Attempt {
+    if decision::refused_data(stage, e.kind) {
+        let work = Work::storage_failure(slots[i].acked_before, stage, e, None, outcome);
+        decide_and_return_rest(slots, i, work);
+        return Attempt::Replay;
+    }
+    fail_all(slots, stage, e);
+    Attempt::Done
 }
 
 /// What the batch form of the handler did.

@@ -63,8 +63,7 @@ where
                     if e.kind == StoreErrorKind::Unsupported {
                         return Attempt::NoSavepoints;
                     }
-                    fail_all(slots, stage, e);
-                    return Attempt::Done;
+                    return super::optimistic::refused_alone_or_all(slots, i, stage, e, None);
                 }
             }
         }

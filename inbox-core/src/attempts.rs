@@ -11,6 +11,12 @@
 //! | retry, `count_as_attempt = false` | as above without `+ 1`; `next_retry_at` required ([`AttemptError::UncountedRetryWithoutTime`] otherwise, and the retry is counted) |
 //! | error, timeout, panic | a counted failure |
 //!
+//! A `next_retry_at` outside [`EARLIEST_DUE`, `LATEST_DUE`] (years 1970 to
+//! 9999, which every store holds; PostgreSQL refuses dates before 4713 BC)
+//! is clamped into it and reported ([`AttemptError::RetryTimeOutOfRange`]):
+//! one row's outcome can never make the statement that writes the batch's
+//! outcomes fail. A time before 1970 is in the past anyway (due at once).
+//!
 //! ```
 //! use inbox_core::attempts::{row_update, AttemptRules, RowUpdate};
 //! use inbox_core::{HandlerResult, InboxStatus};
@@ -99,6 +105,32 @@ pub enum AttemptError {
     /// instead.
     #[error("a retry that does not count as an attempt needs next_retry_at; counted instead")]
     UncountedRetryWithoutTime,
+    /// `next_retry_at` is outside the times a store can hold (see
+    /// [`clamp_due`]): the retry is due at the nearest one instead.
+    #[error("next_retry_at {given} is outside {EARLIEST_DUE_TEXT} .. {LATEST_DUE_TEXT}; clamped")]
+    RetryTimeOutOfRange {
+        /// The time the handler gave.
+        given: DateTime<Utc>,
+    },
+}
+
+const EARLIEST_DUE_TEXT: &str = "1970-01-01T00:00:00Z";
+const LATEST_DUE_TEXT: &str = "9999-12-31T23:59:59Z";
+
+/// The earliest `next_retry_at` kept as given (1970-01-01, the Unix epoch).
+pub const EARLIEST_DUE: DateTime<Utc> = DateTime::<Utc>::UNIX_EPOCH;
+
+/// The latest `next_retry_at` kept as given (9999-12-31T23:59:59Z).
+pub const LATEST_DUE: DateTime<Utc> = match DateTime::<Utc>::from_timestamp(253_402_300_799, 0) {
+    Some(t) => t,
+    None => DateTime::<Utc>::UNIX_EPOCH,
+};
+
+/// `at` clamped into [`EARLIEST_DUE`, `LATEST_DUE`], and whether it had to
+/// be.
+pub fn clamp_due(at: DateTime<Utc>) -> (DateTime<Utc>, bool) {
+    let clamped = at.clamp(EARLIEST_DUE, LATEST_DUE);
+    (clamped, clamped != at)
 }
 
 /// The row's update after the handler returned `result` (`Err`: it failed
@@ -156,9 +188,15 @@ pub fn row_update(
             broken,
         );
     }
-    let due = match at {
-        Some(at) => Due::At(at),
-        None => Due::After(jittered(rules, attempts.max(1), sample)),
+    let (due, broken) = match at {
+        Some(given) => match clamp_due(given) {
+            (at, false) => (Due::At(at), broken),
+            (at, true) => (
+                Due::At(at),
+                broken.or(Some(AttemptError::RetryTimeOutOfRange { given })),
+            ),
+        },
+        None => (Due::After(jittered(rules, attempts.max(1), sample)), broken),
     };
     (
         RowUpdate {
@@ -310,5 +348,24 @@ mod tests {
                 prop_assert!(delay <= base * (1.0 + jitter) + 1e-6);
             }
         }
+    }
+
+    #[test]
+    fn retry_times_a_store_cannot_hold_are_clamped() {
+        let rules = AttemptRules::default();
+        for (given, want) in [
+            (DateTime::<Utc>::MIN_UTC, EARLIEST_DUE),
+            (DateTime::<Utc>::MAX_UTC, LATEST_DUE),
+        ] {
+            let r = HandlerResult::retry_uncounted("dependency down", given);
+            let (u, e) = row_update(&Ok(r), 0, 3, 0.5, &rules);
+            assert_eq!(u.due, Some(Due::At(want)));
+            assert_eq!((u.status, u.attempts_made), (InboxStatus::Pending, 0));
+            assert_eq!(e, Some(AttemptError::RetryTimeOutOfRange { given }));
+        }
+        let inside = EARLIEST_DUE + chrono::Duration::days(1);
+        assert_eq!(clamp_due(inside), (inside, false));
+        assert_eq!(clamp_due(LATEST_DUE), (LATEST_DUE, false));
+        assert_eq!(LATEST_DUE.to_rfc3339(), "9999-12-31T23:59:59+00:00");
     }
 }

@@ -48,7 +48,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::attempts::{AttemptError, AttemptRules, RowUpdate, row_update};
-use crate::error::{HandlerError, StoreError, ValidationError};
+use crate::error::{HandlerError, StoreError, StoreErrorKind, ValidationError};
 use crate::handler::Handler;
 use crate::model::{InboxRow, InboxStatus, Message, RowId, WorkerId};
 use crate::outcome::{Failure, HandlerResult, OutcomeClass};
@@ -397,6 +397,13 @@ where
         }
         let written = match tx.write_outcomes(worker, &updates).await {
             Ok(n) => n,
+            Err(e) if refused(&e) => {
+                // one row's outcome the store refuses fails the statement
+                // of the whole batch: row by row, so only that row is charged
+                abandon(tx).await;
+                tracing::warn!(error = %e, "the batch's outcomes were refused; handling its rows one at a time");
+                return self.work_row_by_row(worker, rows, batch.transactions).await;
+            }
             Err(e) => {
                 abandon(tx).await;
                 return Err(e.into());
@@ -411,17 +418,120 @@ where
             });
         }
         tx.commit().await?;
-        if let Some(hook) = &self.hook {
-            for (row, (_, update)) in rows.iter().zip(&updates) {
-                if update.is_last_failure() {
-                    let error = update.last_error.as_deref().unwrap_or_default();
-                    if let Err(e) = hook.on_failed(row, error).await {
-                        tracing::warn!(message_id = %row.message_id, error = %e, "dead-letter hook failed; the row stays failed");
-                        batch.hook_failures += 1;
-                    }
+        self.call_hook(rows.iter().zip(updates.iter().map(|(_, u)| u)), &mut batch)
+            .await;
+        Ok(batch)
+    }
+
+    /// The dead-letter hook on each row's last counted failure.
+    async fn call_hook<'a>(
+        &self,
+        outcomes: impl Iterator<Item = (&'a InboxRow, &'a RowUpdate)>,
+        batch: &mut ProcessorBatch,
+    ) {
+        let Some(hook) = &self.hook else { return };
+        for (row, update) in outcomes {
+            if update.is_last_failure() {
+                let error = update.last_error.as_deref().unwrap_or_default();
+                if let Err(e) = hook.on_failed(row, error).await {
+                    tracing::warn!(message_id = %row.message_id, error = %e, "dead-letter hook failed; the row stays failed");
+                    batch.hook_failures += 1;
                 }
             }
         }
+    }
+
+    /// The batch again, one transaction per row (the handler after a
+    /// savepoint, its outcome written alone), after the store refused the
+    /// statement writing the batch's outcomes: a row whose outcome is
+    /// refused again gets a counted failure whose error is the refusal
+    /// (written in a transaction of its own, without the handler's writes),
+    /// so it alone is charged and the rest of the batch moves on.
+    async fn work_row_by_row(
+        &mut self,
+        worker: &WorkerId,
+        rows: &[InboxRow],
+        transactions: usize,
+    ) -> Result<ProcessorBatch, ProcessorError> {
+        let mut batch = ProcessorBatch {
+            claimed: rows.len(),
+            transactions,
+            ..ProcessorBatch::default()
+        };
+        let mut outcomes: Vec<(&InboxRow, RowUpdate)> = Vec::with_capacity(rows.len());
+        for row in rows {
+            batch.transactions += 1;
+            let mut tx = self.store.begin().await?;
+            let result = match self.handle_row(&mut tx, row, true).await {
+                Ok(result) => result,
+                Err(e) => {
+                    abandon(tx).await;
+                    return Err(e.into());
+                }
+            };
+            let sample = self.sample();
+            let (mut update, broken) = row_update(
+                &result,
+                row.attempts_made,
+                row.max_attempts,
+                sample,
+                &self.config.rules,
+            );
+            if let Some(e) = broken {
+                batch.refused.push((row.id, e));
+            }
+            match tx.write_outcomes(worker, &[(row.id, update.clone())]).await {
+                Ok(1) => tx.commit().await?,
+                Ok(_) => {
+                    abandon(tx).await;
+                    return Err(ProcessorError::LeaseLost {
+                        claimed: rows.len(),
+                        lost: 1,
+                    });
+                }
+                Err(e) if refused(&e) => {
+                    abandon(tx).await;
+                    tracing::warn!(message_id = %row.message_id, error = %e, "the store refused this row's outcome: counted as a failure");
+                    let failure =
+                        Failure::Error(format!("the store refused this row's outcome: {e}"));
+                    let sample = self.sample();
+                    (update, _) = row_update(
+                        &Err(failure),
+                        row.attempts_made,
+                        row.max_attempts,
+                        sample,
+                        &self.config.rules,
+                    );
+                    batch.transactions += 1;
+                    let mut tx = self.store.begin().await?;
+                    if tx
+                        .write_outcomes(worker, &[(row.id, update.clone())])
+                        .await?
+                        != 1
+                    {
+                        abandon(tx).await;
+                        return Err(ProcessorError::LeaseLost {
+                            claimed: rows.len(),
+                            lost: 1,
+                        });
+                    }
+                    tx.commit().await?;
+                }
+                Err(e) => {
+                    abandon(tx).await;
+                    return Err(e.into());
+                }
+            }
+            match update.status {
+                InboxStatus::Completed => batch.completed += 1,
+                InboxStatus::Pending => batch.retried += 1,
+                InboxStatus::Failed => batch.failed += 1,
+            }
+            outcomes.push((row, update));
+        }
+        self.last_failed = true;
+        self.call_hook(outcomes.iter().map(|(r, u)| (*r, u)), &mut batch)
+            .await;
         Ok(batch)
     }
 
@@ -461,6 +571,12 @@ where
         }
         summary
     }
+}
+
+/// Whether the store refused a statement for its data (a data exception or
+/// a constraint), so that retrying the same data fails the same way.
+fn refused(e: &StoreError) -> bool {
+    matches!(e.kind, StoreErrorKind::Data | StoreErrorKind::Integrity)
 }
 
 /// Whether a handler run failed.

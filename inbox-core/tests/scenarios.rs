@@ -141,3 +141,8 @@ async fn processor_charges_the_row_that_aborted() {
 async fn one_refused_row_charges_only_itself() {
     scenarios::one_refused_row_charges_only_itself(&MemHarness::new(MemStore::new())).await;
 }
+
+#[tokio::test]
+async fn processor_clamps_retry_times_a_store_cannot_hold() {
+    scenarios::processor_clamps_retry_times_a_store_cannot_hold(MemStore::new()).await;
+}

@@ -305,3 +305,76 @@ async fn maintenance_instances_run_beside_processors() {
         .unwrap_or(-1);
     assert_eq!(effects, total - always, "each completed row's effect once");
 }
+
+/// Fails rows whose id ends in `-1` with an error the table's own CHECK
+/// constraint refuses to keep; writes an invoice for each row first.
+struct Leaky;
+
+#[async_trait]
+impl Handler<PgTx> for Leaky {
+    type Output = ();
+    async fn handle(&self, m: &Message, tx: &mut PgTx) -> Result<(), HandlerError> {
+        use inbox_testkit::scenarios::WriteInvoice;
+        tx.write_invoice(&m.message_id).await?;
+        if m.message_id.ends_with("-1") {
+            return Err(HandlerError::msg("token 'secret' rejected"));
+        }
+        Ok(())
+    }
+}
+
+/// One row's outcome PostgreSQL refuses (a CHECK constraint a user added on
+/// `last_error`) makes the statement writing the batch's outcomes fail: the
+/// batch is handled again row by row, that row alone gets a counted failure
+/// whose error is the refusal, the others are completed once. Before, the
+/// batch failed, its claims were released, and it was claimed and failed
+/// again for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outcome_the_store_refuses_charges_only_its_row() {
+    use inbox_testkit::scenarios::ScenarioStore;
+    let store = inbox_testkit::pg::fresh_store()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    store
+        .connection()
+        .execute_unprepared(
+            "ALTER TABLE inbox ADD CONSTRAINT quiet CHECK (last_error IS NULL OR last_error NOT LIKE '%''secret''%')",
+        )
+        .await
+        .expect("constraint");
+    for i in 0..3 {
+        store
+            .land(&NewInboxRow::for_message(
+                &Message::new(
+                    format!("r-{i}"),
+                    "orders",
+                    "order.created",
+                    json!({ "i": i }),
+                ),
+                GROUP,
+                MAX_ATTEMPTS,
+            ))
+            .await;
+    }
+    let config = ProcessorConfig::new("refused-outcome").expect("config");
+    let mut processor = BatchProcessor::new(store.clone(), Leaky, config);
+    let batch = processor
+        .process_batch()
+        .await
+        .unwrap_or_else(|e| panic!("the batch failed: {e}"));
+    assert_eq!(
+        (batch.claimed, batch.completed, batch.retried),
+        (3, 2, 1),
+        "{batch:?}"
+    );
+    for i in [0, 2] {
+        let r = store.find(&format!("r-{i}"), GROUP).await.expect("find");
+        assert_eq!(r.map(|r| r.status), Some(InboxStatus::Completed), "r-{i}");
+        assert_eq!(store.invoices(&format!("r-{i}")).await, 1, "r-{i}");
+    }
+    let bad = store.find("r-1", GROUP).await.expect("find").expect("row");
+    assert_eq!((bad.status, bad.attempts_made), (InboxStatus::Pending, 1));
+    let error = bad.last_error.unwrap_or_default();
+    assert!(error.contains("refused this row's outcome"), "{error}");
+    assert_eq!(store.invoices("r-1").await, 0, "its writes rolled back");
+}

@@ -144,3 +144,8 @@ async fn processor_charges_the_row_that_aborted() {
 async fn one_refused_row_charges_only_itself() {
     scenarios::one_refused_row_charges_only_itself(&MemHarness::new(store().await)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn processor_clamps_retry_times_a_store_cannot_hold() {
+    scenarios::processor_clamps_retry_times_a_store_cannot_hold(store().await).await;
+}

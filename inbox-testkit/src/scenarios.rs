@@ -1870,6 +1870,80 @@ where
     }
 }
 
+/// A handler that writes an invoice, then asks for an uncounted retry at
+/// the time given for its message id (succeeds for the others).
+#[derive(Debug, Default)]
+pub struct RetryAt {
+    times: std::collections::HashMap<String, chrono::DateTime<chrono::Utc>>,
+}
+
+impl RetryAt {
+    /// Retries each id of `times` at its time.
+    pub fn new<'a>(
+        times: impl IntoIterator<Item = (&'a str, chrono::DateTime<chrono::Utc>)>,
+    ) -> Self {
+        Self {
+            times: times.into_iter().map(|(m, t)| (m.to_owned(), t)).collect(),
+        }
+    }
+}
+
+#[async_trait]
+impl<Tx: WriteInvoice + 'static> Handler<Tx> for RetryAt {
+    type Output = HandlerResult;
+    async fn handle(&self, message: &Message, tx: &mut Tx) -> Result<HandlerResult, HandlerError> {
+        tx.write_invoice(&message.message_id).await?;
+        Ok(match self.times.get(&message.message_id) {
+            Some(at) => HandlerResult::retry_uncounted("dependency down", *at),
+            None => HandlerResult::completed(),
+        })
+    }
+}
+
+/// The batch processor with handlers that ask for a retry at a time no
+/// store holds (the earliest and the latest time chrono has): the times are
+/// clamped into 1970..9999 and reported, the batch's outcomes are written
+/// (before, PostgreSQL refused the whole statement, and the batch was
+/// claimed and released again for ever), the other row is completed.
+pub async fn processor_clamps_retry_times_a_store_cannot_hold<S>(store: S)
+where
+    S: ScenarioStore,
+    S::Tx: WriteInvoice + 'static,
+{
+    use chrono::{DateTime, Utc};
+    use inbox_core::attempts::{EARLIEST_DUE, LATEST_DUE};
+    use inbox_core::processor::{BatchProcessor, ProcessorConfig};
+    let group = "processor-times";
+    let ids: Vec<String> = (0..3).map(|i| format!("{group}-{i}")).collect();
+    for m in &ids {
+        store.land(&landed(m, group, 3)).await;
+    }
+    let handler = RetryAt::new([
+        (ids[0].as_str(), DateTime::<Utc>::MIN_UTC),
+        (ids[1].as_str(), DateTime::<Utc>::MAX_UTC),
+    ]);
+    let mut config = ProcessorConfig::new("processor-times").unwrap_or_else(|e| panic!("{e}"));
+    config.filter.consumer_group = Some(group.to_owned());
+    let mut processor = BatchProcessor::new(store.clone(), handler, config);
+    let batch = processor
+        .process_batch()
+        .await
+        .unwrap_or_else(|e| panic!("the outcomes were refused: {e}"));
+    assert_eq!((batch.completed, batch.retried), (1, 2), "{batch:?}");
+    assert_eq!(batch.refused.len(), 2, "{batch:?}");
+    for (m, due) in [(&ids[0], EARLIEST_DUE), (&ids[1], LATEST_DUE)] {
+        let r = row(&store, m, group).await.unwrap_or_else(|| panic!("{m}"));
+        assert_eq!(
+            (r.status, r.attempts_made),
+            (InboxStatus::Pending, 0),
+            "{m}"
+        );
+        assert_eq!(r.scheduled_at, due, "{m}");
+        assert_eq!(store.invoices(m).await, 0, "{m}: its writes rolled back");
+    }
+    assert_eq!(store.invoices(&ids[2]).await, 1);
+}
+
 /// The batch processor with a handler that swallows a database error on
 /// one row (returns `Ok` over an aborted transaction), in both the
 /// optimistic and the savepoint mode: that row alone gets a counted failure

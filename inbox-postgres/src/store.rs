@@ -843,30 +843,76 @@ impl InboxTransaction for PgTx {
         // A poison message may hold what PostgreSQL cannot store (a NUL
         // character is one reason to be poison): its text columns and its
         // JSON copy get U+FFFD in place of NUL; `raw` keeps the bytes as
-        // they arrived.
-        let position = message.position.as_ref();
-        let mut as_json = serde_json::to_value(message)
+        // they arrived. When the record is refused all the same (a
+        // constraint or trigger of the user's, a size limit), it degrades
+        // until it fits, each try after a savepoint: then an escaped copy of
+        // the message with the raw bytes, finally the ids and the error
+        // only. A poison message always ends recorded, so it can be
+        // acknowledged and its partition moves on.
+        let mut full = serde_json::to_value(message)
             .map_err(|e| StoreError::new(StoreErrorKind::Other, e.to_string()))?;
-        without_nul(&mut as_json);
-        self.conn
-            .inner()
-            .execute_raw(stmt(
-                &self.sql.dead_letter,
-                vec![
-                    consumer_group.into(),
-                    storable(&message.message_id).into(),
-                    storable(&message.source).into(),
-                    position.map(|p| storable(&p.topic)).into(),
-                    position.map(|p| p.partition).into(),
-                    position.map(|p| p.offset).into(),
-                    as_json.into(),
-                    storable(&error.to_string()).into(),
-                    message.raw.clone().into(),
-                ],
-            ))
-            .await
-            .map_err(db)?;
-        Ok(())
+        without_nul(&mut full);
+        let ids = serde_json::json!({
+            "message_id": storable(&message.message_id),
+            "source": storable(&message.source),
+            "event_type": storable(&message.event_type),
+        });
+        let mut escaped = ids.clone();
+        if let Some(map) = escaped.as_object_mut() {
+            let text = serde_json::to_string(message).unwrap_or_default();
+            map.insert("escaped".into(), text.escape_default().to_string().into());
+        }
+        let mut reduced = ids;
+        if let Some(map) = reduced.as_object_mut() {
+            map.insert(
+                "reduced".into(),
+                "the database refused the full record; the ids and the error are kept".into(),
+            );
+        }
+        let error_text = storable(&error.to_string());
+        let short_error: String = error_text.chars().take(1_000).collect();
+        let tries = [
+            (full, message.raw.clone(), error_text.clone()),
+            (escaped, message.raw.clone(), error_text),
+            (reduced, None, short_error),
+        ];
+        let last = tries.len() - 1;
+        for (n, (as_json, raw, error_text)) in tries.into_iter().enumerate() {
+            self.conn
+                .inner()
+                .execute_unprepared("SAVEPOINT inbox_dead_letter")
+                .await
+                .map_err(db)?;
+            let inserted = self
+                .insert_dead_letter(message, consumer_group, as_json, raw, error_text)
+                .await;
+            match inserted {
+                Ok(()) => {
+                    self.conn
+                        .inner()
+                        .execute_unprepared("RELEASE SAVEPOINT inbox_dead_letter")
+                        .await
+                        .map_err(db)?;
+                    return Ok(());
+                }
+                Err(e)
+                    if n < last
+                        && matches!(e.kind, StoreErrorKind::Data | StoreErrorKind::Integrity) =>
+                {
+                    tracing::warn!(message_id = %storable(&message.message_id), error = %e, "the dead letter was refused; recording less of it");
+                    self.conn
+                        .inner()
+                        .execute_unprepared("ROLLBACK TO SAVEPOINT inbox_dead_letter")
+                        .await
+                        .map_err(db)?;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Err(StoreError::new(
+            StoreErrorKind::Other,
+            "no form of the dead letter was tried",
+        ))
     }
 
     async fn store_ack(&mut self, ack: &TxAck) -> Result<(), StoreError> {
@@ -903,6 +949,38 @@ impl InboxTransaction for PgTx {
 }
 
 impl PgTx {
+    /// One try at the dead-letter record of `message`, with the copy and the
+    /// error given.
+    async fn insert_dead_letter(
+        &self,
+        message: &Message,
+        consumer_group: &str,
+        as_json: serde_json::Value,
+        raw: Option<Vec<u8>>,
+        error: String,
+    ) -> Result<(), StoreError> {
+        let position = message.position.as_ref();
+        self.conn
+            .inner()
+            .execute_raw(stmt(
+                &self.sql.dead_letter,
+                vec![
+                    consumer_group.into(),
+                    storable(&message.message_id).into(),
+                    storable(&message.source).into(),
+                    position.map(|p| storable(&p.topic)).into(),
+                    position.map(|p| p.partition).into(),
+                    position.map(|p| p.offset).into(),
+                    as_json.into(),
+                    error.into(),
+                    raw.into(),
+                ],
+            ))
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+
     /// Reads a row that insert-or-get could not see (a concurrent
     /// transaction committed it while this one waited on its key).
     async fn get_again(&self, row: &NewInboxRow) -> Result<RowRef, StoreError> {

@@ -533,3 +533,52 @@ async fn a_refused_completion_charges_only_its_message() {
     assert_eq!(broker.acked("billing", "orders", 0), Some(1), "up to c-2");
     assert_eq!(broker.acked("billing", "orders", 1), Some(2));
 }
+
+/// A poison message whose dead letter the database refuses (here a CHECK
+/// constraint on the dead letters' size, as a user might add) is recorded
+/// all the same, in less detail: the ids and the error, no raw bytes. It is
+/// acknowledged and the partition moves on. Before, the dead letter failed,
+/// the message was rewound and the partition looped on it for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_the_database_refuses_is_recorded_smaller() {
+    let store = store().await;
+    inbox_postgres::sea_orm::ConnectionTrait::execute_unprepared(
+        store.connection(),
+        "ALTER TABLE inbox_dead_letters ADD CONSTRAINT small CHECK
+            (octet_length(message::text) < 2000 AND (raw IS NULL OR octet_length(raw) < 2000))",
+    )
+    .await
+    .expect("constraint");
+    let broker = MemBroker::new();
+    let big = "x".repeat(5_000);
+    // a payload that is not a JSON object: poison
+    let mut poison = Message::new("big-poison", "orders", "order.created", json!(big));
+    poison.raw = Some(big.clone().into_bytes());
+    broker.produce("orders", 0, poison);
+    broker.produce("orders", 0, order("after-big"));
+    let handler = ScriptedHandler::new([], Act::Succeed);
+    let mut runner = Runner::new(store.clone(), broker.consumer("billing"), handler, config());
+    let r = runner
+        .process_one()
+        .await
+        .expect("fetch")
+        .expect("delivery");
+    assert!(
+        matches!(r.error, Some(ProcessError::Invalid(_))) && r.acked && !r.rewound,
+        "{r:?}"
+    );
+    let next = runner
+        .process_one()
+        .await
+        .expect("fetch")
+        .expect("delivery");
+    assert!(next.processed && next.acked, "the partition moved on");
+    let kept = count_rows(
+        &store,
+        "SELECT count(*) FROM inbox_dead_letters
+          WHERE message_id = 'big-poison' AND raw IS NULL AND message->>'message_id' = 'big-poison'
+            AND error LIKE 'payload must be a JSON object%'",
+    )
+    .await;
+    assert_eq!(kept, 1, "recorded with its ids and error");
+}

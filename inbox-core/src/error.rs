@@ -132,6 +132,12 @@ pub enum ValidationError {
         /// The last failure (or why it is not known: the process stopped).
         last_error: String,
     },
+    /// The record's decoder (user code) panicked on it.
+    #[error("the decoder panicked: {reason}")]
+    DecoderPanicked {
+        /// The panic's message.
+        reason: String,
+    },
     /// A configuration value is out of range.
     #[error("invalid configuration: {reason}")]
     Config {

@@ -74,6 +74,9 @@ pub enum MetricEvent {
         /// How many partitions it owns now.
         partitions: usize,
     },
+    /// A group member's runner task ended without being stopped (a panic
+    /// outside the handler's guard); it is started again after a backoff.
+    RunnerRestarted,
 }
 
 /// Receives the runner's events. Every method has a no-op default.
@@ -81,6 +84,20 @@ pub trait Metrics: Send + Sync {
     /// Records one event.
     fn record(&self, event: MetricEvent) {
         let _ = event;
+    }
+}
+
+/// Records `event` on `metrics`, catching a panic of the implementation
+/// (user code): it is logged and the event dropped, so a faulty exporter
+/// never ends a runner.
+pub fn record_safely<M: Metrics + ?Sized>(metrics: &M, event: MetricEvent) {
+    let recorded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| metrics.record(event)));
+    if let Err(panic) = recorded {
+        tracing::error!(
+            ?event,
+            panic = %crate::runner::panic_text(&*panic),
+            "a Metrics implementation panicked; the event is dropped"
+        );
     }
 }
 
@@ -208,7 +225,8 @@ impl Metrics for CountingMetrics {
             | MetricEvent::Fenced { .. }
             | MetricEvent::OffsetOutOfRange { .. }
             | MetricEvent::OffsetMoved { .. }
-            | MetricEvent::AssignmentChanged { .. } => return,
+            | MetricEvent::AssignmentChanged { .. }
+            | MetricEvent::RunnerRestarted => return,
         };
         self.counters[index].fetch_add(1, Ordering::Relaxed);
     }
@@ -330,6 +348,10 @@ impl Metrics for FacadeMetrics {
             }
             MetricEvent::Fenced { partition } => {
                 ::metrics::counter!("inbox_fenced_total", &self.partition_labels(partition))
+                    .increment(1);
+            }
+            MetricEvent::RunnerRestarted => {
+                ::metrics::counter!("inbox_runner_restarts_total", "group" => group.clone())
                     .increment(1);
             }
             MetricEvent::AssignmentChanged { partitions } => {

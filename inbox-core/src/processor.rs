@@ -256,12 +256,17 @@ where
             tx.savepoint().await?;
         }
         let message = message_of(row);
-        let call = AssertUnwindSafe(self.handler.handle(&message, tx)).catch_unwind();
+        // the output is converted under the guard (user code too)
+        let call = AssertUnwindSafe(async {
+            let output = self.handler.handle(&message, &mut *tx).await;
+            output.map(Into::<HandlerResult>::into)
+        })
+        .catch_unwind();
         let result = match tokio::time::timeout(self.config.handler_timeout, call).await {
             Err(_) => Err(Failure::Timeout),
             Ok(Err(panic)) => Err(Failure::Panic(crate::runner::panic_text(&*panic))),
             Ok(Ok(Err(e))) => Err(Failure::Error(e.to_string())),
-            Ok(Ok(Ok(output))) => Ok(output.into()),
+            Ok(Ok(Ok(result))) => Ok(result),
         };
         // a success over a transaction the handler left aborted is a failure
         // of this row (never of the next one, whose statements would fail)

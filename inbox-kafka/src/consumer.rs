@@ -120,6 +120,9 @@ pub enum KafkaError {
     /// The configuration is unusable.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// A runner task died (a panic outside the handler's guard).
+    #[error("a runner task died: {0}")]
+    RunnerDied(String),
 }
 
 /// Most delivered, unacknowledged records kept per partition for rewinds in
@@ -547,10 +550,13 @@ impl<O: OffsetStore> KafkaConsumer<O> {
                 );
                 self.stats.gaps += 1;
                 self.stats.missing += missing;
-                self.metrics.record(MetricEvent::OffsetGap {
-                    partition: p.partition,
-                    missing,
-                });
+                inbox_core::record_safely(
+                    &self.metrics,
+                    MetricEvent::OffsetGap {
+                        partition: p.partition,
+                        missing,
+                    },
+                );
             }
             expected = record.offset + 1;
             p.buffered_bytes += record.record.approximate_size();
@@ -560,10 +566,13 @@ impl<O: OffsetStore> KafkaConsumer<O> {
         self.stats.max_buffered_bytes = self.stats.max_buffered_bytes.max(p.buffered_bytes);
         p.next_fetch = expected;
         let lag = p.high_watermark - p.buffer.front().map_or(p.next_fetch, |r| r.offset);
-        self.metrics.record(MetricEvent::Lag {
-            partition: p.partition,
-            lag,
-        });
+        inbox_core::record_safely(
+            &self.metrics,
+            MetricEvent::Lag {
+                partition: p.partition,
+                lag,
+            },
+        );
         Ok(())
     }
 
@@ -591,7 +600,7 @@ impl<O: OffsetStore> KafkaConsumer<O> {
                 p.forget();
                 p.next_fetch = from;
                 p.stored = claim.next_offset;
-                self.metrics.record(MetricEvent::OffsetMoved { partition });
+                inbox_core::record_safely(&self.metrics, MetricEvent::OffsetMoved { partition });
             }
             _ => self.fence(index),
         }
@@ -610,9 +619,12 @@ impl<O: OffsetStore> KafkaConsumer<O> {
             );
             p.fenced = true;
             p.forget();
-            self.metrics.record(MetricEvent::Fenced {
-                partition: p.partition,
-            });
+            inbox_core::record_safely(
+                &self.metrics,
+                MetricEvent::Fenced {
+                    partition: p.partition,
+                },
+            );
         }
     }
 
@@ -627,9 +639,12 @@ impl<O: OffsetStore> KafkaConsumer<O> {
         let policy = self.config.out_of_range;
         let p = &mut self.partitions[index];
         let from = p.next_fetch;
-        self.metrics.record(MetricEvent::OffsetOutOfRange {
-            partition: p.partition,
-        });
+        inbox_core::record_safely(
+            &self.metrics,
+            MetricEvent::OffsetOutOfRange {
+                partition: p.partition,
+            },
+        );
         let at = match policy {
             OutOfRange::Stop => {
                 tracing::error!(topic = %p.topic, partition = p.partition, offset = from, ?high_watermark,

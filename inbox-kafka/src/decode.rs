@@ -164,7 +164,18 @@ impl Decode for JsonDecoder {
 /// a poison message carrying the error and its position (the consumer then
 /// moves the record's raw value into it, for the dead letter).
 pub fn decode_or_poison(decoder: &dyn Decode, record: &RecordView<'_>) -> Message {
-    match decoder.decode(record) {
+    // a decoder is user code: its panic makes this record poison, it does
+    // not end the consumer
+    let decoded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| decoder.decode(record)))
+        .unwrap_or_else(|panic| {
+            let reason = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "the decoder panicked".to_owned());
+            Err(ValidationError::DecoderPanicked { reason })
+        });
+    match decoded {
         Ok(mut m) => {
             m.position = Some(record.position());
             m

@@ -135,6 +135,37 @@ impl Running {
         self.cancel.cancel();
         self.task.join().await.unwrap_or(0)
     }
+
+    /// Whether its task ended without being stopped (a panic outside the
+    /// handler's guard).
+    fn died(&self) -> bool {
+        !self.cancel.is_cancelled() && self.task.0.as_ref().is_some_and(JoinHandle::is_finished)
+    }
+
+    /// Why the task ended (it did: see [`died`](Self::died)).
+    async fn death(mut self) -> String {
+        match self.task.0.take() {
+            Some(task) => match task.await {
+                Ok(_) => "the runner returned".to_owned(),
+                Err(e) if e.is_panic() => {
+                    let panic = e.into_panic();
+                    panic
+                        .downcast_ref::<&str>()
+                        .map(|s| (*s).to_owned())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "a panic".to_owned())
+                }
+                Err(e) => e.to_string(),
+            },
+            None => "no task".to_owned(),
+        }
+    }
+}
+
+/// How long a member waits before it starts a runner again after its
+/// `deaths`-th death in a row: a heartbeat, doubling, at most 32 heartbeats.
+fn restart_delay(heartbeat: Duration, deaths: u32) -> Duration {
+    heartbeat.saturating_mul(1 << deaths.saturating_sub(1).min(5))
 }
 
 /// Runs this member of the group until `cancel` fires: heartbeats, follows
@@ -196,8 +227,29 @@ where
         })))
     };
     let mut ticks = every_tick(group.heartbeat);
+    // a runner task that died (a panic outside the handler's guard) is
+    // started again after a backoff: its partitions never stay unread
+    let mut deaths = 0u32;
+    let mut restart_at: Option<tokio::time::Instant> = None;
+    let mut started_at = tokio::time::Instant::now();
     while !cancel.is_cancelled() {
+        if running.as_ref().is_some_and(Running::died)
+            && let Some(dead) = running.take()
+        {
+            deaths = if started_at.elapsed() > group.heartbeat.saturating_mul(64) {
+                1
+            } else {
+                deaths.saturating_add(1)
+            };
+            let delay = restart_delay(group.heartbeat, deaths);
+            let why = dead.death().await;
+            tracing::error!(member = %me, panic = %why, ?delay, "the runner task died; starting it again");
+            inbox_core::record_safely(&metrics, MetricEvent::RunnerRestarted);
+            restart_at = Some(tokio::time::Instant::now() + delay);
+        }
+        let waiting = restart_at.is_some_and(|at| tokio::time::Instant::now() < at);
         match next_assignment(&client, &store, &consumer_group, &group).await {
+            Ok(_) if waiting => {}
             Ok((members, assignment)) => {
                 let owned: Vec<PartitionKey> =
                     owned_by(&assignment, &me).into_iter().cloned().collect();
@@ -205,13 +257,18 @@ where
                 // member with an older view claimed it; claim it back
                 let fenced = watch.fenced.swap(false, Ordering::SeqCst);
                 if fenced || running.as_ref().map(|r| &r.owned) != Some(&owned) {
+                    restart_at = None;
+                    started_at = tokio::time::Instant::now();
                     if let Some(r) = running.take() {
                         summary.messages += r.stop().await;
                     }
                     tracing::info!(member = %me, ?members, ?owned, "assignment changed");
-                    metrics.record(MetricEvent::AssignmentChanged {
-                        partitions: owned.len(),
-                    });
+                    inbox_core::record_safely(
+                        &metrics,
+                        MetricEvent::AssignmentChanged {
+                            partitions: owned.len(),
+                        },
+                    );
                     summary.changes.push(AssignmentChange {
                         members,
                         owned: owned.clone(),

@@ -80,7 +80,11 @@ use inbox_core::{
 ///
 /// # Errors
 ///
-/// A [`KafkaError`] when a consumer cannot connect.
+/// A [`KafkaError`] when a consumer cannot connect;
+/// [`KafkaError::RunnerDied`] as soon as a runner task dies (a panic
+/// outside the handler's guard), after the others finished their message
+/// in flight: nobody reads its partitions any more, so the caller must
+/// know (restart, or exit and let the process supervisor restart it).
 pub async fn run_partitioned<S, H>(
     config: KafkaConfig,
     store: S,
@@ -128,8 +132,10 @@ where
     for (i, p) in config.partitions.iter().enumerate() {
         groups[i % workers].push(p.clone());
     }
-    let mut tasks = Vec::with_capacity(workers);
-    for partitions in groups {
+    // the workers stop together: one that dies stops the others
+    let cancel = cancel.child_token();
+    let mut tasks = tokio::task::JoinSet::new();
+    for (index, partitions) in groups.into_iter().enumerate() {
         let consumer = KafkaConsumer::connect(
             KafkaConfig {
                 partitions,
@@ -142,16 +148,28 @@ where
         let mut r = Runner::new(store.clone(), consumer, handler.clone(), runner.clone())
             .with_metrics(metrics.clone());
         let cancel = cancel.clone();
-        tasks.push(tokio::spawn(async move { r.run(cancel).await }));
+        tasks.spawn(async move { (index, r.run(cancel).await) });
     }
-    let mut summaries = Vec::with_capacity(tasks.len());
-    for t in tasks {
-        match t.await {
-            Ok(s) => summaries.push(s),
+    // joined as they end, so a worker that dies (a panic outside the
+    // handler's guard) is reported at once, not when its turn comes
+    let mut summaries: Vec<Option<RunSummary>> = vec![None; tasks.len()];
+    let mut died = None;
+    while let Some(joined) = tasks.join_next().await {
+        match joined {
+            Ok((index, summary)) => {
+                if let Some(slot) = summaries.get_mut(index) {
+                    *slot = Some(summary);
+                }
+            }
             Err(e) => {
-                return Err(KafkaError::Config(format!("a runner task failed: {e}")));
+                tracing::error!(error = %e, "a runner task died; stopping the others");
+                cancel.cancel();
+                died.get_or_insert_with(|| e.to_string());
             }
         }
     }
-    Ok(summaries)
+    match died {
+        Some(e) => Err(KafkaError::RunnerDied(e)),
+        None => Ok(summaries.into_iter().flatten().collect()),
+    }
 }

@@ -126,7 +126,7 @@ where
                 error: handed_back,
             };
         }
-        self.metrics.record(MetricEvent::Consumed);
+        crate::metrics::record_safely(&self.metrics, MetricEvent::Consumed);
         let policy = self.policy(&message);
         let verdict = message
             .validate(&self.config.consumer_group)
@@ -178,13 +178,13 @@ where
         }
         match self.consumer.ack(message).await {
             Ok(()) => {
-                self.metrics.record(MetricEvent::Acked);
+                crate::metrics::record_safely(&self.metrics, MetricEvent::Acked);
                 let mut work = self.transaction(policy, message).await;
                 work.acked_before = true;
                 work
             }
             Err(e) => {
-                self.metrics.record(MetricEvent::AckFailed);
+                crate::metrics::record_safely(&self.metrics, MetricEvent::AckFailed);
                 // Fenced: another consumer owns the partition; stop reading
                 // it rather than rewind and read it again.
                 let decision = if matches!(e, ConsumerError::Fenced(_)) {
@@ -434,7 +434,7 @@ where
         match decision.ack {
             AckPoint::InTx => {
                 self.consumer.acked_in_transaction(&message);
-                self.metrics.record(MetricEvent::Acked);
+                crate::metrics::record_safely(&self.metrics, MetricEvent::Acked);
                 acked = true;
             }
             AckPoint::AfterTx => match self.ack_after(&message).await {
@@ -457,16 +457,19 @@ where
             tracing::warn!(message_id = %message.message_id, "the stored offset moved: the consumer reads it again");
             self.consumer.offset_moved(&message);
         }
-        self.metrics.record(MetricEvent::Tally(decision.tally));
+        crate::metrics::record_safely(&self.metrics, MetricEvent::Tally(decision.tally));
         if let Some(pos) = &message.position {
-            self.metrics.record(MetricEvent::PartitionTally {
-                partition: pos.partition,
-                tally: decision.tally,
-            });
+            crate::metrics::record_safely(
+                &self.metrics,
+                MetricEvent::PartitionTally {
+                    partition: pos.partition,
+                    tally: decision.tally,
+                },
+            );
         }
         if decision.drops_message() {
             tracing::warn!(message_id = %message.message_id, "handler failed; the message is acknowledged all the same and dropped (strategy)");
-            self.metrics.record(MetricEvent::Dropped);
+            crate::metrics::record_safely(&self.metrics, MetricEvent::Dropped);
         }
         ProcessResult {
             message_id: message.message_id,
@@ -486,12 +489,12 @@ where
     pub(super) async fn ack_after(&mut self, message: &Message) -> Result<(), ConsumerError> {
         match self.consumer.ack(message).await {
             Ok(()) => {
-                self.metrics.record(MetricEvent::Acked);
+                crate::metrics::record_safely(&self.metrics, MetricEvent::Acked);
                 Ok(())
             }
             Err(e) => {
                 tracing::warn!(message_id = %message.message_id, error = %e, "acknowledgement failed");
-                self.metrics.record(MetricEvent::AckFailed);
+                crate::metrics::record_safely(&self.metrics, MetricEvent::AckFailed);
                 Err(e)
             }
         }
@@ -531,7 +534,7 @@ where
     ) -> bool {
         match self.consumer.rewind(message).await {
             Ok(()) => {
-                self.metrics.record(MetricEvent::Rewound);
+                crate::metrics::record_safely(&self.metrics, MetricEvent::Rewound);
                 true
             }
             Err(e) => {

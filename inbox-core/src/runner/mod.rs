@@ -256,14 +256,20 @@ where
     M: Metrics,
 {
     let started = Instant::now();
-    let call = AssertUnwindSafe(handler.handle(message, tx)).catch_unwind();
+    // the handler's output is converted under the same guard (a user's
+    // `Into<HandlerResult>` is user code too)
+    let call = AssertUnwindSafe(async {
+        let output = handler.handle(message, &mut *tx).await;
+        output.map(Into::<crate::outcome::HandlerResult>::into)
+    })
+    .catch_unwind();
     let outcome = match tokio::time::timeout(timeout, call).await {
         Err(_) => Outcome::Failed(Failure::Timeout),
         Ok(Err(panic)) => Outcome::Failed(Failure::Panic(panic_text(&*panic))),
         Ok(Ok(Err(e))) => Outcome::Failed(Failure::Error(e.to_string())),
-        Ok(Ok(Ok(output))) => Outcome::from_result(&output.into()),
+        Ok(Ok(Ok(result))) => Outcome::from_result(&result),
     };
-    metrics.record(MetricEvent::HandlerDuration(started.elapsed()));
+    crate::metrics::record_safely(metrics, MetricEvent::HandlerDuration(started.elapsed()));
     // a success over a transaction the handler left aborted is its failure
     crate::decision::after_run(outcome, tx.aborted().await)
 }

@@ -273,12 +273,12 @@ where
             match self.consumer.ack(&slots[last].message).await {
                 Ok(()) => {
                     for s in slots[..=last].iter_mut().filter(|s| open(s)) {
-                        self.metrics.record(MetricEvent::Acked);
+                        crate::metrics::record_safely(&self.metrics, MetricEvent::Acked);
                         s.acked_before = true;
                     }
                 }
                 Err(e) => {
-                    self.metrics.record(MetricEvent::AckFailed);
+                    crate::metrics::record_safely(&self.metrics, MetricEvent::AckFailed);
                     let decision = if matches!(e, crate::ConsumerError::Fenced(_)) {
                         decision::on_fenced(false)
                     } else {
@@ -542,7 +542,7 @@ where
                 if ok {
                     for i in covered {
                         if point == AckPoint::InTx || i != k {
-                            self.metrics.record(MetricEvent::Acked);
+                            crate::metrics::record_safely(&self.metrics, MetricEvent::Acked);
                         }
                         acked[i] = true;
                     }
@@ -607,17 +607,20 @@ where
                 // taken up at the consumer's next fetch, after the rewinds
                 self.consumer.offset_moved(&message);
             }
-            self.metrics.record(MetricEvent::Consumed);
-            self.metrics.record(MetricEvent::Tally(work.decision.tally));
+            crate::metrics::record_safely(&self.metrics, MetricEvent::Consumed);
+            crate::metrics::record_safely(&self.metrics, MetricEvent::Tally(work.decision.tally));
             if let Some(pos) = &message.position {
-                self.metrics.record(MetricEvent::PartitionTally {
-                    partition: pos.partition,
-                    tally: work.decision.tally,
-                });
+                crate::metrics::record_safely(
+                    &self.metrics,
+                    MetricEvent::PartitionTally {
+                        partition: pos.partition,
+                        tally: work.decision.tally,
+                    },
+                );
             }
             if work.decision.drops_message() {
                 tracing::warn!(message_id = %message.message_id, "handler failed; the message is acknowledged all the same and dropped (strategy)");
-                self.metrics.record(MetricEvent::Dropped);
+                crate::metrics::record_safely(&self.metrics, MetricEvent::Dropped);
             }
             let rewound =
                 work.decision.rewind && !matches!(work.error, Some(ProcessError::Rewind(_)));

@@ -198,14 +198,26 @@ where
         };
         let messages: Vec<&Message> = runs.iter().map(|&i| &slots[i].message).collect();
         let started = Instant::now();
-        let call = AssertUnwindSafe(handler.handle_batch(&messages, tx)).catch_unwind();
+        // the outputs are converted under the guard (user code too)
+        let call = AssertUnwindSafe(async {
+            let outputs = handler.handle_batch(&messages, &mut *tx).await;
+            outputs.map(|r| {
+                r.map(|outputs| {
+                    outputs
+                        .into_iter()
+                        .map(Into::<crate::outcome::HandlerResult>::into)
+                        .collect::<Vec<_>>()
+                })
+            })
+        })
+        .catch_unwind();
         let result = tokio::time::timeout(self.config.handler_timeout, call).await;
         let outcome = match result {
             Ok(Ok(None)) => return BatchCall::Unsupported,
             Ok(Ok(Some(Ok(outputs)))) if outputs.len() == runs.len() => {
                 let outcomes: Vec<Outcome> = outputs
                     .into_iter()
-                    .map(|o| Outcome::from_result(&o.into()))
+                    .map(|o| Outcome::from_result(&o))
                     .collect();
                 // a batch that left the transaction aborted is replayed one
                 // message at a time, so the message that aborted it is found
@@ -233,8 +245,10 @@ where
             }
             Err(_) => BatchCall::Failed,
         };
-        self.metrics
-            .record(MetricEvent::HandlerDuration(started.elapsed()));
+        crate::metrics::record_safely(
+            &self.metrics,
+            MetricEvent::HandlerDuration(started.elapsed()),
+        );
         outcome
     }
 }

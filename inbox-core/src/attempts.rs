@@ -228,6 +228,11 @@ pub fn failure_text(failure: &Failure) -> String {
     match failure {
         Failure::Returned(Some(reason)) => reason.clone(),
         Failure::Returned(None) => "the handler returned a failure".into(),
+        Failure::RetryLater {
+            reason: Some(reason),
+            ..
+        } => reason.clone(),
+        Failure::RetryLater { reason: None, .. } => "the handler asked for a retry later".into(),
         Failure::Error(e) => e.clone(),
         Failure::Timeout => "the handler timed out".into(),
         Failure::Panic(p) => format!("the handler panicked: {p}"),

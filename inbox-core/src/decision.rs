@@ -392,6 +392,39 @@ pub fn after_run(outcome: Outcome, aborted: Option<String>) -> Outcome {
     }
 }
 
+/// How long the runner holds a rewound message's partition: the handler's
+/// own time when it gave one (`next_retry_at`, from `now`), else
+/// `backoff`; never longer than `max` (the redelivery backoff's maximum),
+/// never negative.
+pub fn redelivery_hold(
+    outcome: Option<&Outcome>,
+    now: chrono::DateTime<chrono::Utc>,
+    backoff: std::time::Duration,
+    max: std::time::Duration,
+) -> std::time::Duration {
+    let asked = match outcome {
+        Some(Outcome::Failed(crate::outcome::Failure::RetryLater { at: Some(at), .. })) => {
+            (*at - now).to_std().unwrap_or(std::time::Duration::ZERO)
+        }
+        _ => backoff,
+    };
+    asked.min(max)
+}
+
+/// Whether a handler failure counts against the failure budget: a retry
+/// the handler asked not to count (`retry_uncounted`) does not, until
+/// `uncounted_in_a_row` such retries of the same message reach `cap` (so a
+/// dependency that is down does not dead-letter messages, and a handler
+/// that never stops asking is still bounded).
+pub fn counts_attempt(outcome: Option<&Outcome>, uncounted_in_a_row: u32, cap: u32) -> bool {
+    match outcome {
+        Some(Outcome::Failed(crate::outcome::Failure::RetryLater { counted: false, .. })) => {
+            uncounted_in_a_row >= cap
+        }
+        _ => true,
+    }
+}
+
 /// The whole table in one call: the steps a driver takes for a row found in
 /// `row`, with `outcome` when the handler runs (ignored otherwise).
 pub fn decide(policy: Policy, row: RowState, outcome: OutcomeClass) -> Decision {
@@ -1047,5 +1080,41 @@ mod tests {
                 decide(Policy::new(s), RowState::New, Failure)
             );
         }
+    }
+
+    #[test]
+    fn a_retry_later_holds_until_its_time_and_counts_only_past_the_cap() {
+        use crate::outcome::Failure as Why;
+        use std::time::Duration as D;
+        let now = chrono::DateTime::<chrono::Utc>::UNIX_EPOCH;
+        let later = |secs: i64, counted: bool| {
+            Outcome::Failed(Why::RetryLater {
+                reason: None,
+                at: Some(now + chrono::Duration::seconds(secs)),
+                counted,
+            })
+        };
+        let (backoff, max) = (D::from_millis(100), D::from_secs(10));
+        assert_eq!(
+            redelivery_hold(Some(&later(3, true)), now, backoff, max),
+            D::from_secs(3)
+        );
+        assert_eq!(
+            redelivery_hold(Some(&later(60, true)), now, backoff, max),
+            max
+        );
+        assert_eq!(
+            redelivery_hold(Some(&later(-5, true)), now, backoff, max),
+            D::ZERO
+        );
+        let plain = Outcome::Failed(Why::Returned(None));
+        assert_eq!(redelivery_hold(Some(&plain), now, backoff, max), backoff);
+        assert_eq!(redelivery_hold(None, now, backoff, max), backoff);
+        assert!(!counts_attempt(Some(&later(1, false)), 0, 3));
+        assert!(!counts_attempt(Some(&later(1, false)), 2, 3));
+        assert!(counts_attempt(Some(&later(1, false)), 3, 3), "the cap");
+        assert!(counts_attempt(Some(&later(1, true)), 0, 3));
+        assert!(counts_attempt(Some(&plain), 0, 3));
+        assert!(counts_attempt(None, 0, 3));
     }
 }

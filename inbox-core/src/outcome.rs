@@ -127,6 +127,19 @@ pub enum OutcomeClass {
 pub enum Failure {
     /// It returned a result with `success = false` (e.g. `retry`).
     Returned(Option<String>),
+    /// It asked for a retry at a time of its own or that does not count
+    /// against the failure budget (`retry_uncounted`, `retry(..).at(..)`):
+    /// the runner holds the message's partition until `at` (bounded by the
+    /// redelivery backoff's maximum), and an uncounted retry spends no
+    /// budget (up to `RunnerConfig::uncounted_retries` in a row).
+    RetryLater {
+        /// The handler's message.
+        reason: Option<String>,
+        /// When to deliver it again.
+        at: Option<DateTime<Utc>>,
+        /// Whether it counts against the failure budget.
+        counted: bool,
+    },
     /// It returned `Err`.
     Error(String),
     /// It ran past the configured timeout.
@@ -166,6 +179,13 @@ impl Outcome {
         match result.class() {
             OutcomeClass::Success => Self::Success(result.status.clone()),
             OutcomeClass::Skip => Self::Skipped,
+            OutcomeClass::Failure if result.next_retry_at.is_some() || !result.count_as_attempt => {
+                Self::Failed(Failure::RetryLater {
+                    reason: result.message.clone(),
+                    at: result.next_retry_at,
+                    counted: result.count_as_attempt,
+                })
+            }
             OutcomeClass::Failure => Self::Failed(Failure::Returned(result.message.clone())),
         }
     }

@@ -146,3 +146,8 @@ async fn one_refused_row_charges_only_itself() {
 async fn processor_clamps_retry_times_a_store_cannot_hold() {
     scenarios::processor_clamps_retry_times_a_store_cannot_hold(MemStore::new()).await;
 }
+
+#[tokio::test]
+async fn uncounted_retries_spend_no_budget() {
+    scenarios::uncounted_retries_spend_no_budget(&MemHarness::new(MemStore::new())).await;
+}

@@ -119,3 +119,8 @@ async fn failure_budget_bounds_a_crashing_handler() {
 async fn one_refused_row_charges_only_itself() {
     scenarios::one_refused_row_charges_only_itself(&harness().await).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uncounted_retries_spend_no_budget() {
+    scenarios::uncounted_retries_spend_no_budget(&harness().await).await;
+}

@@ -149,3 +149,8 @@ async fn one_refused_row_charges_only_itself() {
 async fn processor_clamps_retry_times_a_store_cannot_hold() {
     scenarios::processor_clamps_retry_times_a_store_cannot_hold(store().await).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uncounted_retries_spend_no_budget() {
+    scenarios::uncounted_retries_spend_no_budget(&MemHarness::new(store().await)).await;
+}

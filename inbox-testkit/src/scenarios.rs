@@ -145,6 +145,9 @@ pub enum Act {
     /// Run a statement the database refuses, ignore its error and return
     /// `Ok(())` (the transaction is left aborted).
     SwallowDbError,
+    /// Return `retry_uncounted(..)` due 10 ms from now ("the dependency is
+    /// down").
+    RetryUncounted,
 }
 
 /// A handler that writes an invoice, then acts as scripted (then as `then`
@@ -200,6 +203,10 @@ impl<Tx: WriteInvoice + 'static> Handler<Tx> for ScriptedHandler {
             Act::Retry => Ok(HandlerResult::retry("try again later")),
             Act::Fail => Err(HandlerError::msg("payment provider timed out")),
             Act::Panic => panic!("handler bug"),
+            Act::RetryUncounted => Ok(HandlerResult::retry_uncounted(
+                "dependency down",
+                chrono::Utc::now() + chrono::Duration::milliseconds(10),
+            )),
             Act::SwallowDbError => {
                 tx.swallow_a_failed_statement().await;
                 Ok(HandlerResult::completed())
@@ -1572,6 +1579,79 @@ pub async fn failure_budget_bounds_a_failing_message<H: Harness>(h: &H) {
                 "{group}: two of bad, two of flaky, two of swallows"
             );
             assert_eq!(counts.tallied(), counts.consumed, "{group}");
+        }
+    }
+}
+
+/// "The dependency is down": a handler that asks for uncounted retries
+/// (`retry_uncounted`) spends no failure budget, so with a budget of 2 a
+/// message retried five times that way is then handled, not dead-lettered
+/// (before, the second retry spent the budget); and a handler that never
+/// stops asking is still bounded: past `uncounted_retries` (here 3) in a
+/// row the retries count, and the budget is spent.
+pub async fn uncounted_retries_spend_no_budget<H: Harness>(h: &H) {
+    let store = h.store();
+    for batched in [false, true] {
+        for (m, cap) in [("waits", 100), ("forever", 3)] {
+            let group = format!("uncounted-{m}-{}", if batched { "batch" } else { "one" });
+            let id = format!("{group}-order");
+            let topic = h.topic("orders", 1).await;
+            topic.produce(0, order(&id)).await;
+            let handler = if m == "waits" {
+                ScriptedHandler::new([Act::RetryUncounted; 5], Act::Succeed)
+            } else {
+                ScriptedHandler::new([], Act::RetryUncounted)
+            };
+            let mut b = inbox_core::BatchConfig::new(4);
+            b.max_wait = Duration::ZERO;
+            let mut cfg = config(&group, AckStrategy::default()).failure_budget(2);
+            cfg.uncounted_retries = cap;
+            if batched {
+                cfg = cfg.batched(b);
+            }
+            let metrics = Arc::new(CountingMetrics::new());
+            let mut runner = Runner::new(
+                store.clone(),
+                topic.consumer(&group).await,
+                handler.clone(),
+                cfg,
+            )
+            .with_metrics(metrics);
+            // the partition is held 10 ms after each retry: poll until the
+            // message is settled (bounded)
+            for _ in 0..200 {
+                drain(&mut runner, batched.then_some(b), 20).await;
+                if topic.acked(&group, 0).await == Some(1) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            let r = row(&store, &id, &group)
+                .await
+                .unwrap_or_else(|| panic!("row"));
+            if m == "waits" {
+                assert_eq!(
+                    r.status,
+                    InboxStatus::Completed,
+                    "{group}: handled, not given up"
+                );
+                assert_eq!(store.invoices(&id).await, 1, "{group}");
+                assert_eq!(store.dead_letters(&id, &group).await, 0, "{group}");
+                assert_eq!(handler.calls(), 6, "{group}: five retries, then success");
+            } else {
+                assert_eq!(
+                    r.status,
+                    InboxStatus::Failed,
+                    "{group}: bounded all the same"
+                );
+                assert_eq!(store.dead_letters(&id, &group).await, 1, "{group}");
+                assert_eq!(
+                    handler.calls(),
+                    4,
+                    "{group}: 3 uncounted in a row, then counted"
+                );
+            }
+            assert_eq!(topic.acked(&group, 0).await, Some(1), "{group}");
         }
     }
 }

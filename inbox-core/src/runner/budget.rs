@@ -43,6 +43,7 @@ pub(super) fn failure_text(outcome: Option<&Outcome>) -> String {
 /// (already rolled back to before the handler, or fresh): one attempt more
 /// unless `precounted`, the error; when that spends the budget, the row
 /// `failed` and a dead letter. The decision to commit `tx` with.
+#[allow(clippy::too_many_arguments)]
 pub(super) async fn record_failure<T: InboxTransaction>(
     tx: &mut T,
     policy: Policy,
@@ -50,12 +51,13 @@ pub(super) async fn record_failure<T: InboxTransaction>(
     consumer_group: &str,
     id: RowId,
     precounted: bool,
+    counted: bool,
     outcome: Option<&Outcome>,
 ) -> Result<Decision, (PersistStage, StoreError)> {
     let error = failure_text(outcome);
     let record = AttemptRecord {
         status: InboxStatus::Pending,
-        count: !precounted,
+        count: !precounted && counted,
         error: Some(&error),
     };
     let attempts = tx
@@ -129,6 +131,29 @@ where
     /// How many of each partition's first deliveries are counted before
     /// their handler: one in per-message mode, a batch's worth in batched
     /// mode (a crash in a batch may have come from any of its messages).
+    /// Whether `message`'s failure `outcome` counts against the failure
+    /// budget ([`decision::counts_attempt`]), noting an uncounted retry.
+    pub(super) fn counts_failure(&mut self, message: &Message, outcome: &Outcome) -> bool {
+        let Some(pos) = &message.position else {
+            return decision::counts_attempt(Some(outcome), 0, self.config.uncounted_retries);
+        };
+        let entry = self
+            .uncounted
+            .entry(pos.partition_key())
+            .or_insert((pos.offset, 0));
+        if entry.0 != pos.offset {
+            *entry = (pos.offset, 0);
+        }
+        let counted =
+            decision::counts_attempt(Some(outcome), entry.1, self.config.uncounted_retries);
+        entry.1 = if counted {
+            0
+        } else {
+            entry.1.saturating_add(1)
+        };
+        counted
+    }
+
     fn suspect_window(&self) -> usize {
         self.config.batch.map_or(1, |b| b.max_messages.max(1))
     }
@@ -292,15 +317,25 @@ where
                 return fail(stage, e, outcome);
             }
         };
-        let recorded =
-            match record_failure(&mut tx, policy, message, &group, id, false, Some(&outcome)).await
-            {
-                Ok(decision) => match self.check_owner(&mut tx, message).await {
-                    Ok(()) => Ok(decision),
-                    Err(e) => Err((PersistStage::Ack, e)),
-                },
-                Err(failed) => Err(failed),
-            };
+        let counted = self.counts_failure(message, &outcome);
+        let recorded = match record_failure(
+            &mut tx,
+            policy,
+            message,
+            &group,
+            id,
+            false,
+            counted,
+            Some(&outcome),
+        )
+        .await
+        {
+            Ok(decision) => match self.check_owner(&mut tx, message).await {
+                Ok(()) => Ok(decision),
+                Err(e) => Err((PersistStage::Ack, e)),
+            },
+            Err(failed) => Err(failed),
+        };
         match recorded {
             Ok(decision) => match tx.commit().await {
                 Ok(()) => Work::new(decision, Some(id), Some(outcome)),

@@ -76,6 +76,15 @@ pub struct RunnerConfig {
     /// handler always fails is delivered again forever, as the design
     /// note's runner does.
     pub failure_budget: Option<u32>,
+    /// How many uncounted retries in a row (`retry_uncounted`: "the
+    /// dependency is down") one message may ask for before they count
+    /// against the failure budget all the same. Default 100: with the
+    /// partition held until each retry's `next_retry_at` (at most the
+    /// redelivery backoff's maximum, 10 s by default), that is at least a
+    /// quarter of an hour of waiting before a budget of any size is spent;
+    /// a handler that never stops asking is still bounded. Counted in the
+    /// runner's memory (a restart starts again from zero).
+    pub uncounted_retries: u32,
 }
 
 /// How a batched runner gathers a batch: up to `max_messages` messages the
@@ -169,6 +178,7 @@ impl RunnerConfig {
             batch: None,
             refused_data_tries: 3,
             failure_budget: None,
+            uncounted_retries: 100,
         })
     }
 

@@ -294,6 +294,7 @@ where
                             .count_failure_apart(policy, message, decision, outcome)
                             .await;
                     }
+                    let counted = self.counts_failure(message, &outcome);
                     let group = &self.config.consumer_group;
                     let recorded = match tx.rollback_to_savepoint().await {
                         Ok(()) => {
@@ -304,6 +305,7 @@ where
                                 group,
                                 row.id,
                                 precounted,
+                                counted,
                                 Some(&outcome),
                             )
                             .await

@@ -63,6 +63,9 @@ pub struct Runner<S, C, H, M = NoopMetrics> {
     /// Per partition, the first deliveries seen (the failure budget counts
     /// them before their handler runs).
     first_seen: budget::FirstSeen,
+    /// Per partition, the message whose handler asked for uncounted
+    /// retries: its offset and how many in a row.
+    uncounted: HashMap<(String, i32), (i64, u32)>,
 }
 
 impl<S, C, H> Runner<S, C, H, NoopMetrics> {
@@ -80,6 +83,7 @@ impl<S, C, H> Runner<S, C, H, NoopMetrics> {
             unrewound: HashMap::new(),
             refused: HashMap::new(),
             first_seen: HashMap::new(),
+            uncounted: HashMap::new(),
         }
     }
 }
@@ -128,6 +132,7 @@ where
             batch_cap: self.batch_cap,
             unrewound: self.unrewound,
             refused: self.refused,
+            uncounted: self.uncounted,
             first_seen: self.first_seen,
         }
     }

@@ -167,7 +167,13 @@ where
                         *entry = (pos.offset, 0);
                     }
                     entry.1 = entry.1.saturating_add(1);
-                    let delay = self.config.redelivery_backoff.delay(entry.1);
+                    // the handler's own retry time when it gave one
+                    let delay = crate::decision::redelivery_hold(
+                        result.outcome.as_ref(),
+                        chrono::Utc::now(),
+                        self.config.redelivery_backoff.delay(entry.1),
+                        self.config.redelivery_backoff.max,
+                    );
                     // held back alone when the consumer can: the other
                     // partitions keep their pace
                     if !delay.is_zero() && self.consumer.hold(pos, Instant::now() + delay) {

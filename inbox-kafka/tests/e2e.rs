@@ -588,3 +588,61 @@ async fn a_fenced_member_commits_no_bookkeeping() {
     assert_eq!(env.store.dead_letters("y-2", "billing").await, 0);
     assert_eq!(env.invoices("y-1").await, 1);
 }
+
+/// A batch whose acknowledgement could not be stored (its write or its
+/// commit failed) acknowledges nothing in the transaction: the consumer is
+/// not told a message was acknowledged there. Before, a message decided
+/// apart in the batch (its failure budget spent, recorded in a transaction
+/// of its own) was reported acknowledged in the failed transaction: the
+/// consumer's expected offset moved past what PostgreSQL stored, and the
+/// next batch's acknowledgement was refused as "PostgreSQL lost commits"
+/// (`OffsetMoved`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_batch_acknowledgement_reports_nothing_acknowledged() {
+    use inbox_testkit::scenarios::FlakyById;
+    let env = env("failed-batch-ack", 1).await;
+    env.produce_orders(0, &["a", "b", "c", "d"]).await;
+    let faulty = FaultyStore::new(env.store.clone());
+    let mut batch = inbox_core::BatchConfig::new(2);
+    batch.max_wait = Duration::ZERO;
+    let cfg = config("billing", AckStrategy::default())
+        .failure_budget(1)
+        .batched(batch);
+    let mut runner = Runner::new(
+        faulty.clone(),
+        env.consumer("billing").await,
+        FlakyById::new([("c", 1_000)]),
+        cfg,
+    );
+    let mut results = Vec::new();
+    for _ in 0..200 {
+        if env.stored_offset("billing", 0).await == Some(4) {
+            break;
+        }
+        let messages = runner.next_batch(batch).await.expect("fetch");
+        if messages.is_empty() {
+            continue;
+        }
+        if messages.iter().any(|m| m.message_id == "c") {
+            // the batch's acknowledgement write fails once
+            faulty.fail_next(StoreFault::Ack, 1);
+        }
+        results.extend(runner.process_batch(messages).await.results);
+    }
+    assert_eq!(env.stored_offset("billing", 0).await, Some(4));
+    let moved: Vec<&str> = results
+        .iter()
+        .filter(|r| {
+            matches!(&r.error, Some(ProcessError::Persist(e)) if e.source.kind == StoreErrorKind::OffsetMoved)
+        })
+        .map(|r| r.message_id.as_str())
+        .collect();
+    assert!(moved.is_empty(), "false 'lost commits' at {moved:?}");
+    for id in ["a", "b", "d"] {
+        assert_eq!(env.invoices(id).await, 1, "{id}");
+    }
+    assert_eq!(
+        inbox_state(&env, "c", "billing").await.map(|s| s.0),
+        Some(InboxStatus::Failed)
+    );
+}

@@ -57,6 +57,9 @@ struct Slot {
     partition: usize,
     fate: Fate,
     acked_before: bool,
+    /// Its partition's acknowledgement was stored in a transaction that
+    /// committed (only then is it acknowledged in the transaction).
+    acked_in_tx: bool,
 }
 
 enum Fate {
@@ -156,6 +159,7 @@ where
                     partition,
                     fate: Fate::Open,
                     acked_before: false,
+                    acked_in_tx: false,
                 }
             })
             .collect();
@@ -303,11 +307,13 @@ where
         this_tx: &[usize],
     ) -> Attempt {
         let partitions = slots.iter().map(|s| s.partition + 1).max().unwrap_or(0);
+        let mut stored = Vec::new();
         for p in 0..partitions {
             // every partition this transaction writes for stores its
             // acknowledgement or has its ownership checked in it
             let owned = match partition_plan(slots, p) {
                 Some((k, AckPoint::InTx)) => {
+                    stored.push(k);
                     let ack = self.consumer.transactional_ack(&slots[k].message);
                     store_ack(&mut tx, ack.as_ref()).await
                 }
@@ -335,6 +341,10 @@ where
         if let Err(e) = tx.commit().await {
             reopen(slots, this_tx);
             fail_all(slots, PersistStage::Commit, e);
+            return Attempt::Done;
+        }
+        for k in stored {
+            slots[k].acked_in_tx = true;
         }
         Attempt::Done
     }
@@ -526,10 +536,15 @@ where
                     .filter(|&i| slots[i].partition == p && covered_by_ack(&slots[i]))
                     .collect();
                 let ok = match point {
-                    AckPoint::InTx => {
+                    // only when the transaction that stored it committed
+                    // (a failed final commit or acknowledgement write
+                    // stored nothing: reporting it would move the
+                    // consumer's expected offset past what is stored)
+                    AckPoint::InTx if slots[k].acked_in_tx => {
                         self.consumer.acked_in_transaction(&slots[k].message);
                         true
                     }
+                    AckPoint::InTx => false,
                     AckPoint::AfterTx => match self.ack_after(&slots[k].message).await {
                         Ok(()) => true,
                         Err(e) => {

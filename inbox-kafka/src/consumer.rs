@@ -517,14 +517,15 @@ impl<O: OffsetStore> KafkaConsumer<O> {
         let (records, high_watermark) = match fetched {
             Ok((records, hw)) if records.is_empty() && p.next_fetch > hw && hw >= 0 => {
                 // past the end of the log (some brokers answer so rather
-                // than with an error)
-                return self.out_of_range(index, Some(hw)).await;
+                // than with an error), or a high watermark not caught up yet
+                // (a new leader's): only the log's bounds tell
+                return self.outside_the_log(index, Some(hw)).await;
             }
             Ok(fetched) => fetched,
             Err(rskafka::client::error::Error::ServerError {
                 protocol_error: rskafka::client::error::ProtocolError::OffsetOutOfRange,
                 ..
-            }) => return self.out_of_range(index, None).await,
+            }) => return self.outside_the_log(index, None).await,
             Err(e) => {
                 return Err(ConsumerError::Fetch(format!(
                     "{}:{}: {e}",
@@ -626,6 +627,34 @@ impl<O: OffsetStore> KafkaConsumer<O> {
                 },
             );
         }
+    }
+
+    /// A fetch of partition `index` looked out of range: the log's bounds
+    /// (ListOffsets earliest and latest) decide. Inside them (a high
+    /// watermark that has not caught up, right after a leader change, or a
+    /// stale answer) it is an empty fetch, and the partition is fetched
+    /// again from the same offset; outside, the [`OutOfRange`] policy.
+    async fn outside_the_log(
+        &mut self,
+        index: usize,
+        high_watermark: Option<i64>,
+    ) -> Result<(), ConsumerError> {
+        let p = &self.partitions[index];
+        let bounds = async {
+            let earliest = p.client.offset_at(OffsetAt::Earliest).await?;
+            let latest = p.client.offset_at(OffsetAt::Latest).await?;
+            Ok::<_, rskafka::client::error::Error>((earliest, latest))
+        };
+        let (earliest, latest) = bounds
+            .await
+            .map_err(|e| ConsumerError::Fetch(format!("{}:{}: {e}", p.topic, p.partition)))?;
+        if (earliest..=latest).contains(&p.next_fetch) {
+            tracing::debug!(topic = %p.topic, partition = p.partition, offset = p.next_fetch,
+                ?high_watermark, earliest, latest,
+                "the fetch looked out of range, but the offset is inside the log: fetching again");
+            return Ok(());
+        }
+        self.out_of_range(index, high_watermark).await
     }
 
     /// The stored offset of partition `index` is outside the log: follow
@@ -901,6 +930,9 @@ mod tests {
         broken: bool,
         /// Never answers (a partition whose leader is gone).
         hangs: bool,
+        /// Answers its first fetch with no records and this high watermark
+        /// (a new leader whose high watermark has not caught up).
+        stale_once: std::sync::Mutex<Option<i64>>,
     }
 
     #[async_trait]
@@ -919,6 +951,14 @@ mod tests {
                     "broken partition".into(),
                 ));
             }
+            let stale = self
+                .stale_once
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .take();
+            if let Some(hw) = stale {
+                return Ok((Vec::new(), hw));
+            }
             let records: Vec<RecordAndOffset> = self
                 .records
                 .iter()
@@ -928,13 +968,16 @@ mod tests {
             Ok((records, i64::try_from(self.records.len()).unwrap_or(0)))
         }
 
-        async fn offset_at(&self, _at: OffsetAt) -> Result<i64, rskafka::client::error::Error> {
-            Ok(0)
+        async fn offset_at(&self, at: OffsetAt) -> Result<i64, rskafka::client::error::Error> {
+            Ok(match at {
+                OffsetAt::Latest => i64::try_from(self.records.len()).unwrap_or(0),
+                _ => 0,
+            })
         }
     }
 
-    fn fake(partition: i32, records: usize, broken: bool) -> Partition {
-        let records = (0..records)
+    fn records_of(partition: i32, records: usize) -> Vec<RecordAndOffset> {
+        (0..records)
             .map(|i| RecordAndOffset {
                 record: Record {
                     key: None,
@@ -947,12 +990,17 @@ mod tests {
                 },
                 offset: i64::try_from(i).unwrap_or(0),
             })
-            .collect();
+            .collect()
+    }
+
+    fn fake(partition: i32, records: usize, broken: bool) -> Partition {
+        let records = records_of(partition, records);
         Partition {
             client: Arc::new(Fake {
                 records,
                 broken,
                 hangs: false,
+                stale_once: std::sync::Mutex::new(None),
             }),
             topic: "orders".into(),
             partition,
@@ -1058,6 +1106,7 @@ mod tests {
             records: Vec::new(),
             broken: false,
             hangs: true,
+            stale_once: std::sync::Mutex::new(None),
         });
         let mut c = consumer(vec![hanging, fake(1, 5, false)]);
         let started = Instant::now();
@@ -1078,6 +1127,36 @@ mod tests {
         assert_eq!(c.stats().fetch_errors, 1);
         assert!(c.partitions[0].held_until.is_some(), "held back");
         assert_eq!(c.owned_partitions().len(), 2, "nothing lost");
+    }
+
+    /// An empty fetch above the high watermark, right after a leader change
+    /// (the new leader's high watermark has not caught up), is not "out of
+    /// range" while the offset is inside the log's bounds: the partition is
+    /// fetched again from the same offset, nothing is reset. Before, the
+    /// consumer followed the out-of-range policy and read the log again from
+    /// its start.
+    #[tokio::test]
+    async fn a_stale_high_watermark_is_not_out_of_range() {
+        let mut p = fake(0, 5, false);
+        p.next_fetch = 3;
+        p.client = Arc::new(Fake {
+            records: records_of(0, 5),
+            broken: false,
+            hangs: false,
+            stale_once: std::sync::Mutex::new(Some(2)),
+        });
+        let mut c = consumer(vec![p]);
+        let mut seen = Vec::new();
+        for _ in 0..50 {
+            if let Some(m) = c.next().await.expect("no error") {
+                seen.push(m.message_id);
+            }
+            if seen.len() == 2 {
+                break;
+            }
+        }
+        assert_eq!(seen, ["p0-3", "p0-4"], "read on from the stored offset");
+        assert_eq!(c.stats().out_of_range, 0);
     }
 
     /// When every partition tried fails, the error reaches the runner (which

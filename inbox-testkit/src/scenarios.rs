@@ -911,7 +911,7 @@ struct Story {
 /// acknowledged offsets.
 pub async fn batched_matches_one_by_one<H: Harness>(h: &H) {
     let store = h.store();
-    let workload: [(&str, i32); 15] = [
+    let workload: [(&str, i32); 16] = [
         ("o1", 0),
         ("o2", 0),
         ("o1", 0),
@@ -921,6 +921,7 @@ pub async fn batched_matches_one_by_one<H: Harness>(h: &H) {
         ("landed", 1),
         ("o4", 1),
         ("fail-twice", 1),
+        ("refused", 1),
         ("o4", 1),
         ("terminal", 1),
         ("o5", 2),
@@ -935,6 +936,7 @@ pub async fn batched_matches_one_by_one<H: Harness>(h: &H) {
         for (m, p) in workload {
             topic.produce(p, order(&id(m))).await;
         }
+        store.refuse(&id("refused")).await;
         store
             .land(&NewInboxRow::for_message(&order(&id("landed")), group, 5))
             .await;
@@ -984,7 +986,7 @@ pub async fn batched_matches_one_by_one<H: Harness>(h: &H) {
                 }
             }
             if topic.acked(group, 0).await == Some(6)
-                && topic.acked(group, 1).await == Some(5)
+                && topic.acked(group, 1).await == Some(6)
                 && topic.acked(group, 2).await == Some(1)
             {
                 break;
@@ -1020,10 +1022,15 @@ pub async fn batched_matches_one_by_one<H: Harness>(h: &H) {
     // and the story itself is right
     assert_eq!(
         story.acked,
-        vec![Some(6), Some(5), Some(1)],
+        vec![Some(6), Some(6), Some(1)],
         "held stops partition 2"
     );
     for (m, invoices, status) in &story.per_message {
+        if m == "refused" {
+            // poison: no row, no invoice (dead-lettered)
+            assert_eq!((*invoices, *status), (0, None), "{m}");
+            continue;
+        }
         let (want_invoices, want_status) = match m.as_str() {
             "held" => (0, InboxStatus::Pending),
             "terminal" => (0, InboxStatus::Failed),
@@ -1042,8 +1049,8 @@ pub async fn batched_matches_one_by_one<H: Harness>(h: &H) {
     }
     let c = story.counts;
     assert_eq!(
-        (c.processed, c.duplicate, c.failed, c.terminal),
-        (9, 2, 4, 1),
+        (c.processed, c.duplicate, c.failed, c.terminal, c.poison),
+        (9, 2, 7, 1, 1),
         "{c:?}"
     );
 }
@@ -1080,6 +1087,9 @@ pub async fn random_batches_match_one_by_one<H: Harness>(h: &H, seed: u64) -> us
     let swallows: Vec<(String, u32)> = (0..15)
         .map(|i| (format!("m{i}"), u32::from(roll_swallow(4) == 0)))
         .collect();
+    // and, in one seed of three, a message whose row the database refuses
+    // (a CHECK constraint on the inbox table): poison after its refusals
+    let refused = (roll_swallow(3) == 0).then(|| format!("m{}", roll_swallow(15)));
     let batch = usize::try_from(1 + roll(20)).unwrap_or(1);
     let savepoints = roll(2) == 0;
     let mut stories = Vec::new();
@@ -1091,6 +1101,9 @@ pub async fn random_batches_match_one_by_one<H: Harness>(h: &H, seed: u64) -> us
         let topic = h.topic("orders", 3).await;
         for (m, p) in &workload {
             topic.produce(*p, order(&id(m))).await;
+        }
+        if let Some(m) = &refused {
+            store.refuse(&id(m)).await;
         }
         let budgets: Vec<(String, u32)> = fails.iter().map(|(m, n)| (id(m), *n)).collect();
         let swallowed: Vec<(String, u32)> = swallows.iter().map(|(m, n)| (id(m), *n)).collect();
@@ -1387,7 +1400,8 @@ pub async fn refused_data_becomes_poison<H: Harness>(h: &H) {
 }
 
 /// Batched, three partitions, the third message of partition 1 one whose
-/// row the database refuses (a CHECK constraint on the inbox table), with
+/// row the database refuses (a CHECK constraint on the inbox table), the
+/// second one failing once, with
 /// the batch size fixed (not adaptive) and adaptive: the refusal charges
 /// that message alone (rewound, refused three times, then poison:
 /// dead-lettered and acknowledged); the messages before it and the other
@@ -1406,7 +1420,11 @@ pub async fn one_refused_row_charges_only_itself<H: Harness>(h: &H) {
         }
         let bad = id(1, 3);
         store.refuse(&bad).await;
-        let handler = ScriptedHandler::new([], Act::Succeed);
+        // the message before it fails once: the refusal is charged only
+        // once that one is settled, as alone (before, the refused row was
+        // charged in the same batch and again after the failure)
+        let before = id(1, 2);
+        let handler = FlakyById::new([(before.as_str(), 1)]);
         let mut b = inbox_core::BatchConfig::new(12);
         b.max_wait = Duration::ZERO;
         b.adaptive = adaptive;
@@ -1419,16 +1437,18 @@ pub async fn one_refused_row_charges_only_itself<H: Harness>(h: &H) {
                 break;
             }
             for r in runner.process_batch(messages).await.results {
-                if r.error.is_some() {
+                let failed = matches!(r.outcome, Some(inbox_core::Outcome::Failed(_)));
+                if r.error.is_some() || failed {
                     refused.push(r.message_id.clone());
                 }
             }
         }
-        // three refusals, then the poison verdict (an error too)
+        // its own failure once; three refusals, then the poison verdict
+        let mut want = vec![before.clone()];
+        want.extend(vec![bad.clone(); 4]);
         assert_eq!(
-            refused,
-            vec![bad.clone(); 4],
-            "{group}: only {bad} is charged"
+            refused, want,
+            "{group}: only {bad} is charged, and only when it is next"
         );
         assert_eq!(store.dead_letters(&bad, &group).await, 1, "{group}");
         assert_eq!(store.invoices(&bad).await, 0, "{group}");

@@ -445,8 +445,15 @@ where
                         return None;
                     }
                     tracing::warn!(message_id = %key, error = %e, "the database refused this message's row; the rest of the batch goes on");
+                    // (a later message of its partition, behind one still
+                    // undecided here, is handed back with its partition if
+                    // that one holds it, so it is charged only when it is
+                    // next, as alone; a poison slot of the same id is
+                    // dead-lettered, not refused again)
                     for j in i..slots.len() {
-                        if slots[j].message.message_id == key && matches!(slots[j].fate, Fate::Open)
+                        if slots[j].message.message_id == key
+                            && matches!(slots[j].fate, Fate::Open)
+                            && slots[j].invalid.is_none()
                         {
                             let work = Work::storage_failure(
                                 slots[j].acked_before,

@@ -2,8 +2,9 @@
 //!
 //! The PostgreSQL adapter of the inbox, on `sea-orm`: the migration that
 //! creates the inbox table, and [`PgStore`], which implements
-//! [`inbox_core::InboxStore`] with one `DatabaseTransaction` per message.
-//! The handler receives that transaction ([`PgTx::connection`]), so its
+//! [`inbox_core::InboxStore`] with one database transaction per message.
+//! The handler writes through that transaction ([`PgTx::connection`], a
+//! [`PgConn`] that also notes a statement that failed), so its
 //! business writes commit or roll back with the inbox row.
 //!
 //! ```no_run

@@ -129,6 +129,7 @@ fn workspace_root() -> std::path::PathBuf {
 fn test() -> Result<()> {
     setup::postgres()?;
     setup::tansu()?;
+    setup::librdkafka()?;
     cargo(&["fmt", "--all", "--check"], &[])?;
     cargo(
         &[

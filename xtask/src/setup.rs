@@ -86,3 +86,34 @@ pub(crate) fn tansu() -> Result<()> {
     }
     Ok(())
 }
+
+/// Makes sure the independent Kafka client the tests produce with is there:
+/// librdkafka through the `confluent-kafka` wheel for `python3`
+/// (`inbox-kafka/tests/independent.rs`), installed with pip when missing.
+pub(crate) fn librdkafka() -> Result<()> {
+    let has = |py: &str| {
+        Command::new(py)
+            .args(["-c", "import confluent_kafka"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if has("python3") {
+        return Ok(());
+    }
+    if Command::new("python3").arg("--version").output().is_err() {
+        bail!("python3 is missing: the test against librdkafka (confluent-kafka) needs it");
+    }
+    println!(
+        "setup: installing the confluent-kafka wheel (librdkafka) with pip, for the test against an independent producer"
+    );
+    let wheel = "'confluent-kafka>=2.3,<3'";
+    if sh(&format!("python3 -m pip install --quiet {wheel}")).is_err() {
+        sh(&format!(
+            "python3 -m pip install --quiet --break-system-packages {wheel}"
+        ))?;
+    }
+    if !has("python3") {
+        bail!("confluent-kafka was installed but python3 cannot import it");
+    }
+    Ok(())
+}

@@ -1,0 +1,79 @@
+//! A topic written by a client we did not write: librdkafka (the
+//! `confluent-kafka` wheel, which `cargo xtask test` installs) produces
+//! gzip, lz4 and zstd batches with idempotence on, keys, headers and
+//! tombstones to tansu; the consumer handles each valid record once and
+//! dead-letters each tombstone, and the partition is acknowledged to its
+//! end.
+
+mod common;
+
+use std::process::Command;
+
+use inbox_core::{AckStrategy, Runner};
+use inbox_testkit::scenarios::{Act, ScenarioStore, ScriptedHandler};
+
+use common::{config, drain, env};
+
+/// Runs the librdkafka producer script; what it produced.
+fn produce_with_librdkafka(broker: &str, topic: &str) -> serde_json::Value {
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/clients/librdkafka_produce.py"
+    );
+    let out = Command::new("python3")
+        .args([script, broker, topic])
+        .output()
+        .unwrap_or_else(|e| panic!("python3 could not be run ({e}): run `cargo xtask test`, which installs what this test needs"));
+    assert!(
+        out.status.success(),
+        "the librdkafka producer failed (is the confluent-kafka wheel installed? `cargo xtask test` installs it): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "producer output: {e}: {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
+fn names(v: &serde_json::Value, key: &str) -> Vec<String> {
+    v[key]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|s| s.as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_topic_written_by_librdkafka_is_consumed_exactly_once() {
+    let env = env("librdkafka", 1).await;
+    let produced = produce_with_librdkafka(env.broker.address(), &env.topic);
+    let (valid, tombstones) = (names(&produced, "valid"), names(&produced, "tombstones"));
+    let records = produced["records"].as_i64().unwrap_or(0);
+    assert_eq!(
+        (valid.len(), tombstones.len(), records),
+        (9, 3, 12),
+        "{produced}"
+    );
+    let handler = ScriptedHandler::new([], Act::Succeed);
+    let mut runner = Runner::new(
+        env.store.clone(),
+        env.consumer("billing").await,
+        handler.clone(),
+        config("billing", AckStrategy::default()),
+    );
+    let results = drain(&mut runner).await;
+    for order in &valid {
+        assert_eq!(env.invoices(order).await, 1, "{order} (codec in its name)");
+    }
+    for t in &tombstones {
+        assert_eq!(env.store.dead_letters(t, "billing").await, 1, "{t}");
+    }
+    assert_eq!(handler.calls(), 9, "each valid record handled once");
+    assert_eq!(results.len(), 12, "every record delivered once");
+    assert_eq!(env.stored_offset("billing", 0).await, Some(records));
+}

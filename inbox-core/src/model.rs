@@ -112,6 +112,13 @@ pub struct Message {
     pub schema_version: Option<String>,
     /// Position in the broker, when it came from one.
     pub position: Option<Position>,
+    /// The record's key, when it had one (what orders a Kafka partition).
+    #[serde(default)]
+    pub key: Option<Vec<u8>>,
+    /// When the record was produced (the broker record's timestamp), when
+    /// known.
+    #[serde(default)]
+    pub timestamp: Option<chrono::DateTime<chrono::Utc>>,
     /// The record's raw value bytes as the broker delivered them, kept by
     /// adapters so a poison message's dead letter holds what arrived.
     #[serde(skip)]
@@ -158,6 +165,8 @@ impl Message {
             causation_id: None,
             schema_version: None,
             position: None,
+            key: None,
+            timestamp: None,
             raw: None,
             decode_error: None,
         }

@@ -722,6 +722,7 @@ impl<O: OffsetStore> KafkaConsumer<O> {
             key: record.record.key.as_deref(),
             value: record.record.value.as_deref(),
             headers: &record.record.headers,
+            timestamp: Some(record.record.timestamp),
         };
         let mut message = decode_or_poison(self.config.decoder.as_ref(), &view);
         // Moved, not copied: kept so a message that fails validation later

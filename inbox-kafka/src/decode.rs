@@ -33,6 +33,8 @@ pub struct RecordView<'a> {
     pub value: Option<&'a [u8]>,
     /// Headers (keys are UTF-8 by the protocol; values are bytes).
     pub headers: &'a BTreeMap<String, Vec<u8>>,
+    /// The record's timestamp.
+    pub timestamp: Option<chrono::DateTime<chrono::Utc>>,
 }
 
 impl RecordView<'_> {
@@ -75,6 +77,13 @@ pub struct JsonDecoder {
     /// Payload field holding the event type when the header is absent.
     /// Default `event_type`.
     pub event_type_field: String,
+    /// The event type of records from these topics that carry none (a
+    /// topic of one type): tried after the header and the field.
+    pub event_types_by_topic: BTreeMap<String, String>,
+    /// The event type of any record that carries none and whose topic is
+    /// not in `event_types_by_topic`. Default `None`: such a record is
+    /// poison (`MissingHeader`).
+    pub default_event_type: Option<String>,
 }
 
 impl Default for JsonDecoder {
@@ -84,6 +93,8 @@ impl Default for JsonDecoder {
             require_message_id: false,
             event_type_header: "event_type".into(),
             event_type_field: "event_type".into(),
+            event_types_by_topic: BTreeMap::new(),
+            default_event_type: None,
         }
     }
 }
@@ -146,6 +157,8 @@ impl Decode for JsonDecoder {
                     .and_then(Value::as_str)
                     .map(str::to_owned)
             })
+            .or_else(|| self.event_types_by_topic.get(record.topic).cloned())
+            .or_else(|| self.default_event_type.clone())
             .ok_or_else(|| ValidationError::MissingHeader {
                 name: self.event_type_header.clone(),
             })?;
@@ -175,7 +188,7 @@ pub fn decode_or_poison(decoder: &dyn Decode, record: &RecordView<'_>) -> Messag
                 .unwrap_or_else(|| "the decoder panicked".to_owned());
             Err(ValidationError::DecoderPanicked { reason })
         });
-    match decoded {
+    let mut message = match decoded {
         Ok(mut m) => {
             m.position = Some(record.position());
             m
@@ -194,7 +207,12 @@ pub fn decode_or_poison(decoder: &dyn Decode, record: &RecordView<'_>) -> Messag
             m.decode_error = Some(error);
             m
         }
-    }
+    };
+    // the key and the timestamp travel with every message, whatever the
+    // decoder
+    message.key = record.key.map(<[u8]>::to_vec);
+    message.timestamp = record.timestamp;
+    message
 }
 
 #[cfg(test)]
@@ -206,9 +224,10 @@ mod tests {
             topic: "orders",
             partition: 2,
             offset: 41,
-            key: None,
+            key: Some(b"customer-7"),
             value,
             headers,
+            timestamp: chrono::DateTime::from_timestamp(1_700_000_000, 0),
         }
     }
 
@@ -335,5 +354,49 @@ mod tests {
         let none = BTreeMap::new();
         let m = decode_or_poison(&custom, &view(None, &none));
         assert_eq!(m.message_id, "k-41");
+    }
+
+    #[test]
+    fn the_key_and_timestamp_travel_and_one_type_topics_need_no_type() {
+        let hs = h(&[("message_id", b"m-1")]);
+        let value = br#"{"order": 1}"#;
+        let plain = JsonDecoder::default();
+        let poison = decode_or_poison(&plain, &view(Some(value), &hs));
+        assert!(matches!(
+            poison.decode_error,
+            Some(ValidationError::MissingHeader { .. })
+        ));
+        assert_eq!(
+            poison.key.as_deref(),
+            Some(&b"customer-7"[..]),
+            "poison too"
+        );
+        let by_topic = JsonDecoder {
+            event_types_by_topic: BTreeMap::from([("orders".into(), "order.created".into())]),
+            default_event_type: Some("unknown".into()),
+            ..JsonDecoder::default()
+        };
+        let m = decode_or_poison(&by_topic, &view(Some(value), &hs));
+        assert_eq!(m.decode_error, None);
+        assert_eq!(m.event_type, "order.created", "the topic's type first");
+        assert_eq!(m.key.as_deref(), Some(&b"customer-7"[..]));
+        assert_eq!(
+            m.timestamp,
+            chrono::DateTime::from_timestamp(1_700_000_000, 0)
+        );
+        let default_only = JsonDecoder {
+            default_event_type: Some("order.any".into()),
+            ..JsonDecoder::default()
+        };
+        assert_eq!(
+            decode_or_poison(&default_only, &view(Some(value), &hs)).event_type,
+            "order.any"
+        );
+        let typed = h(&[("message_id", b"m-2"), ("event_type", b"order.paid")]);
+        assert_eq!(
+            decode_or_poison(&by_topic, &view(Some(value), &typed)).event_type,
+            "order.paid",
+            "the record's own type wins"
+        );
     }
 }

@@ -122,6 +122,7 @@ fn decoded(record: &Record, offset: i64) -> Message {
         key: record.key.as_deref(),
         value: record.value.as_deref(),
         headers: &record.headers,
+        timestamp: None,
     };
     let mut message = decode_or_poison(&JsonDecoder::default(), &view);
     message.raw = Some(record.value.clone().unwrap_or_default());

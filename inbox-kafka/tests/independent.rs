@@ -8,9 +8,34 @@
 mod common;
 
 use std::process::Command;
+use std::sync::Mutex;
 
-use inbox_core::{AckStrategy, Runner};
-use inbox_testkit::scenarios::{Act, ScenarioStore, ScriptedHandler};
+use async_trait::async_trait;
+use inbox_core::{AckStrategy, Handler, HandlerError, Message, Runner};
+use inbox_postgres::PgTx;
+use inbox_testkit::scenarios::{ScenarioStore, WriteInvoice};
+
+/// A handled message's id, key and whether it had a timestamp.
+type Seen = (String, Option<Vec<u8>>, bool);
+
+/// Writes an invoice and notes what it saw of each message.
+#[derive(Default)]
+struct Noting {
+    seen: Mutex<Vec<Seen>>,
+}
+
+#[async_trait]
+impl Handler<PgTx> for Noting {
+    type Output = ();
+    async fn handle(&self, m: &Message, tx: &mut PgTx) -> Result<(), HandlerError> {
+        tx.write_invoice(&m.message_id).await?;
+        self.seen
+            .lock()
+            .map_err(|_| HandlerError::msg("lock"))?
+            .push((m.message_id.clone(), m.key.clone(), m.timestamp.is_some()));
+        Ok(())
+    }
+}
 
 use common::{config, drain, env};
 
@@ -59,7 +84,7 @@ async fn a_topic_written_by_librdkafka_is_consumed_exactly_once() {
         (9, 3, 12),
         "{produced}"
     );
-    let handler = ScriptedHandler::new([], Act::Succeed);
+    let handler = std::sync::Arc::new(Noting::default());
     let mut runner = Runner::new(
         env.store.clone(),
         env.consumer("billing").await,
@@ -73,7 +98,19 @@ async fn a_topic_written_by_librdkafka_is_consumed_exactly_once() {
     for t in &tombstones {
         assert_eq!(env.store.dead_letters(t, "billing").await, 1, "{t}");
     }
-    assert_eq!(handler.calls(), 9, "each valid record handled once");
+    let seen = handler.seen.lock().map(|s| s.clone()).unwrap_or_default();
+    assert_eq!(seen.len(), 9, "each valid record handled once");
+    for (id, key, timestamped) in &seen {
+        // the producer keyed order `<codec>-<i>` with `customer-<i>`
+        let i = id.rsplit('-').next().unwrap_or_default();
+        let want = format!("customer-{i}").into_bytes();
+        assert_eq!(
+            key.as_deref(),
+            Some(want.as_slice()),
+            "{id}: the record key"
+        );
+        assert!(timestamped, "{id}: the record timestamp");
+    }
     assert_eq!(results.len(), 12, "every record delivered once");
     assert_eq!(env.stored_offset("billing", 0).await, Some(records));
 }

@@ -178,11 +178,12 @@ async fn a_broker_that_skips_offsets_is_caught_and_counted() {
     )
     .await
     .expect("restart in the middle of the first batch");
-    let kafka = KafkaConfig::new(
+    let mut kafka = KafkaConfig::new(
         vec![broker.address().to_owned()],
         "billing",
         vec![(topic.clone(), 0)],
     );
+    kafka.max_wait = inbox_testkit::kafka::TANSU_MAX_WAIT;
     let consumer = KafkaConsumer::connect(kafka, store.clone())
         .await
         .expect("connect");

@@ -24,6 +24,11 @@ use rskafka::record::Record;
 use crate::pg::HarnessError;
 use crate::service::{free_port, spawn_reaper, temp_dir};
 
+/// The fetch max-wait to use against tansu: it holds every fetch for its
+/// whole max-wait even when records are ready, so the production default
+/// (500 ms) would slow every test and run to two fetches a second.
+pub const TANSU_MAX_WAIT: std::time::Duration = std::time::Duration::from_millis(10);
+
 /// A Kafka-protocol broker for the tests.
 #[derive(Debug)]
 pub struct Broker {

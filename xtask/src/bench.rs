@@ -407,11 +407,12 @@ async fn kafka(store: PgStore, messages: u64, inbox: bool) -> Result<Duration> {
             start = end;
         }
     }
-    let config = inbox_kafka::KafkaConfig::new(
+    let mut config = inbox_kafka::KafkaConfig::new(
         vec![broker.address().to_owned()],
         "bench",
         (0..PARTITIONS).map(|p| (topic.clone(), p)).collect(),
     );
+    config.max_wait = inbox_testkit::kafka::TANSU_MAX_WAIT;
     let mut consumer = inbox_kafka::KafkaConsumer::connect(config, store.clone()).await?;
     let db = store.connection().clone();
     let started = Instant::now();

@@ -316,6 +316,7 @@ async fn billing(per_message: bool, prometheus: Option<std::net::SocketAddr>) ->
         (0..PARTITIONS).map(|p| (topic.clone(), p)).collect(),
     );
     kafka.fetch_max_bytes = FETCH_MAX_BYTES;
+    kafka.max_wait = inbox_testkit::kafka::TANSU_MAX_WAIT;
     let mut runner = RunnerConfig::new(GROUP, "demo-worker")?;
     runner.redelivery_backoff.initial = Duration::from_millis(5);
     let mode = if per_message {

@@ -68,6 +68,7 @@ pub(crate) fn member(args: &[String]) -> Result<()> {
         let store = PgStore::connect(&url, TableName::default()).await?;
         let mut kafka = KafkaConfig::new(vec![brokers], GROUP, Vec::new());
         kafka.fetch_max_bytes = 16 * 1024;
+        kafka.max_wait = inbox_testkit::kafka::TANSU_MAX_WAIT;
         let mut group = GroupConfig::new(id.clone(), vec![topic.clone()]);
         group.heartbeat = HEARTBEAT;
         group.lease = LEASE;

@@ -195,6 +195,7 @@ pub(crate) fn consumer(args: &[String]) -> Result<()> {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(16 * 1024);
+        kafka.max_wait = inbox_testkit::kafka::TANSU_MAX_WAIT;
         let mut runner = RunnerConfig::new(GROUP, format!("soak-{}", std::process::id()))?
             .batched(BatchConfig::new(100))
             .failure_budget(10);

@@ -43,7 +43,7 @@ impl Env {
                 .map(|p| (self.topic.clone(), p))
                 .collect(),
         );
-        c.max_wait = Duration::from_millis(10);
+        c.max_wait = inbox_testkit::kafka::TANSU_MAX_WAIT;
         c
     }
 
@@ -191,7 +191,7 @@ impl inbox_testkit::harness::Harness for KafkaHarness {
             group,
             (0..partitions).map(|p| (topic.to_owned(), p)).collect(),
         );
-        c.max_wait = Duration::from_millis(10);
+        c.max_wait = inbox_testkit::kafka::TANSU_MAX_WAIT;
         KafkaConsumer::connect(c, self.store.clone())
             .await
             .unwrap_or_else(|e| panic!("{e}"))

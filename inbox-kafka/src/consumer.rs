@@ -75,6 +75,14 @@ pub struct KafkaConfig {
     pub fetch_timeout: Duration,
     /// The decoder. Default [`JsonDecoder`].
     pub decoder: Arc<dyn Decode>,
+    /// The client id the broker sees (in its logs and quotas). Default
+    /// `inbox`.
+    pub client_id: String,
+    /// How long connecting may take (the bootstrap brokers, then each
+    /// partition's leader): a wrong address, a refused handshake or an
+    /// unknown topic is a [`KafkaError::ConnectTimeout`] after it, instead
+    /// of retries without end. Default 30 s.
+    pub connect_timeout: Duration,
 }
 
 impl std::fmt::Debug for KafkaConfig {
@@ -107,7 +115,41 @@ impl KafkaConfig {
             fetch_max_bytes: 1024 * 1024,
             fetch_timeout: Duration::from_secs(10),
             decoder: Arc::new(JsonDecoder::default()),
+            client_id: "inbox".to_owned(),
+            connect_timeout: Duration::from_secs(30),
         }
+    }
+
+    /// A client of the brokers, connected within `connect_timeout`.
+    ///
+    /// # Errors
+    ///
+    /// [`KafkaError::ConnectTimeout`] when no broker answered in time, or
+    /// the broker's error.
+    pub async fn client(&self) -> Result<rskafka::client::Client, KafkaError> {
+        let builder = ClientBuilder::new(self.brokers.clone()).client_id(self.client_id.clone());
+        within(
+            "connecting to the bootstrap brokers",
+            self.connect_timeout,
+            builder.build(),
+        )
+        .await
+    }
+}
+
+/// `call`, unless it takes longer than `limit`: then a
+/// [`KafkaError::ConnectTimeout`] naming `what`.
+pub(crate) async fn within<T>(
+    what: &str,
+    limit: Duration,
+    call: impl std::future::Future<Output = Result<T, rskafka::client::error::Error>>,
+) -> Result<T, KafkaError> {
+    match tokio::time::timeout(limit, call).await {
+        Ok(result) => result.map_err(KafkaError::from),
+        Err(_) => Err(KafkaError::ConnectTimeout {
+            what: what.to_owned(),
+            after: limit,
+        }),
     }
 }
 
@@ -127,6 +169,17 @@ pub enum KafkaError {
     /// A runner task died (a panic outside the handler's guard).
     #[error("a runner task died: {0}")]
     RunnerDied(String),
+    /// Connecting took longer than `KafkaConfig::connect_timeout`: a wrong
+    /// address, a refused handshake, bad credentials or an unknown topic.
+    #[error(
+        "{what}: no answer within {after:?} (wrong address, refused handshake, bad credentials or unknown topic?)"
+    )]
+    ConnectTimeout {
+        /// What was being connected.
+        what: String,
+        /// The timeout.
+        after: Duration,
+    },
 }
 
 /// Most delivered, unacknowledged records kept per partition for rewinds in
@@ -350,12 +403,15 @@ impl<O: OffsetStore> KafkaConsumer<O> {
                 "fetch_max_bytes must be positive".into(),
             ));
         }
-        let client = ClientBuilder::new(config.brokers.clone()).build().await?;
+        let client = config.client().await?;
         let mut partitions = Vec::with_capacity(config.partitions.len());
         for (topic, partition) in &config.partitions {
-            let pc = client
-                .partition_client(topic.clone(), *partition, UnknownTopicHandling::Retry)
-                .await?;
+            let pc = within(
+                &format!("connecting to the leader of {topic}:{partition}"),
+                config.connect_timeout,
+                client.partition_client(topic.clone(), *partition, UnknownTopicHandling::Retry),
+            )
+            .await?;
             let claim = store
                 .claim_partition(&config.consumer_group, topic, *partition)
                 .await?;

@@ -32,7 +32,6 @@ use inbox_core::{
     CancellationToken, Handler, InboxStore, MembershipStore, MetricEvent, Metrics, OffsetStore,
     Runner, RunnerConfig,
 };
-use rskafka::client::ClientBuilder;
 use tokio::task::JoinHandle;
 
 use crate::{KafkaConfig, KafkaConsumer, KafkaError};
@@ -190,7 +189,7 @@ where
     S: InboxStore + OffsetStore + MembershipStore + Clone + 'static,
     H: Handler<S::Tx> + 'static,
 {
-    let client = ClientBuilder::new(kafka.brokers.clone()).build().await?;
+    let client = kafka.client().await?;
     let consumer_group = kafka.consumer_group.clone();
     let me = group.member_id.clone();
     let mut summary = GroupSummary::default();

@@ -646,3 +646,35 @@ async fn a_failed_batch_acknowledgement_reports_nothing_acknowledged() {
         Some(InboxStatus::Failed)
     );
 }
+
+/// Connecting fails with a typed error within `connect_timeout` instead of
+/// retrying without end: a broker address nothing listens on, and a topic
+/// the broker does not have.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connecting_gives_up_within_the_timeout() {
+    let env = env("connect", 1).await;
+    let mut wrong_address = env.kafka_config("billing");
+    wrong_address.brokers = vec!["127.0.0.1:1".to_owned()];
+    let mut unknown_topic = env.kafka_config("billing");
+    unknown_topic.partitions = vec![("no-such-topic-here".to_owned(), 0)];
+    for (case, mut config) in [
+        ("wrong address", wrong_address),
+        ("unknown topic", unknown_topic),
+    ] {
+        config.connect_timeout = Duration::from_millis(1_500);
+        let started = std::time::Instant::now();
+        let result = inbox_kafka::KafkaConsumer::connect(config, env.store.clone()).await;
+        let took = started.elapsed();
+        match result {
+            Err(inbox_kafka::KafkaError::ConnectTimeout { what, .. }) => {
+                assert!(!what.is_empty(), "{case}");
+            }
+            Err(other) => assert!(
+                matches!(other, inbox_kafka::KafkaError::Broker(_)),
+                "{case}: {other}"
+            ),
+            Ok(_) => panic!("{case}: connected"),
+        }
+        assert!(took < Duration::from_secs(10), "{case}: took {took:?}");
+    }
+}

@@ -100,9 +100,17 @@ impl PgConn {
         self.failed().clone()
     }
 
-    /// Whether a nested transaction was opened (its statements unseen).
+    /// Whether a nested transaction was opened (its statements unseen)
+    /// since the server last said the transaction is usable.
     pub(crate) fn opened_nested(&self) -> bool {
         self.nested.load(Ordering::Relaxed)
+    }
+
+    /// The server answered a statement after the nested transactions
+    /// opened so far: what they did is known (see
+    /// [`opened_nested`](Self::opened_nested)).
+    pub(crate) fn nested_checked(&self) {
+        self.nested.store(false, Ordering::Relaxed);
     }
 
     /// The transaction is usable again (rolled back to a savepoint taken

@@ -827,9 +827,13 @@ impl InboxTransaction for PgTx {
             return None;
         }
         // a nested transaction's statements were not seen: ask the server
-        // (any statement fails in an aborted transaction)
+        // (any statement fails in an aborted transaction), once: after the
+        // handler, not again at the commit
         match self.conn.execute_unprepared("SELECT 1").await {
-            Ok(_) => None,
+            Ok(_) => {
+                self.conn.nested_checked();
+                None
+            }
             Err(e) => Some(e.to_string()),
         }
     }

@@ -128,9 +128,6 @@ where
     H: Handler<S::Tx>,
     M: Metrics,
 {
-    /// How many of each partition's first deliveries are counted before
-    /// their handler: one in per-message mode, a batch's worth in batched
-    /// mode (a crash in a batch may have come from any of its messages).
     /// Whether `message`'s failure `outcome` counts against the failure
     /// budget ([`decision::counts_attempt`]), noting an uncounted retry.
     pub(super) fn counts_failure(&mut self, message: &Message, outcome: &Outcome) -> bool {
@@ -154,6 +151,9 @@ where
         counted
     }
 
+    /// How many of each partition's first deliveries are counted before
+    /// their handler: one in per-message mode, a batch's worth in batched
+    /// mode (a crash in a batch may have come from any of its messages).
     fn suspect_window(&self) -> usize {
         self.config.batch.map_or(1, |b| b.max_messages.max(1))
     }

@@ -75,7 +75,7 @@ pub use offsets::{MembershipStore, OffsetStore, PartitionClaim};
 pub use outcome::{Failure, HandlerResult, Outcome, OutcomeClass};
 pub use runner::{
     Backoff, BatchConfig, BatchResult, ProcessError, ProcessResult, RunSummary, Runner,
-    RunnerConfig,
+    RunnerConfig, panic_message,
 };
 pub use store::{
     AttemptRecord, DueFilter, Found, InboxStore, InboxTransaction, LockResult, RowRef,

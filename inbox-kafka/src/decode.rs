@@ -181,10 +181,7 @@ pub fn decode_or_poison(decoder: &dyn Decode, record: &RecordView<'_>) -> Messag
     // not end the consumer
     let decoded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| decoder.decode(record)))
         .unwrap_or_else(|panic| {
-            let reason = panic
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_owned())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
+            let reason = inbox_core::panic_message(&*panic)
                 .unwrap_or_else(|| "the decoder panicked".to_owned());
             Err(ValidationError::DecoderPanicked { reason })
         });

@@ -146,14 +146,8 @@ impl Running {
         match self.task.0.take() {
             Some(task) => match task.await {
                 Ok(_) => "the runner returned".to_owned(),
-                Err(e) if e.is_panic() => {
-                    let panic = e.into_panic();
-                    panic
-                        .downcast_ref::<&str>()
-                        .map(|s| (*s).to_owned())
-                        .or_else(|| panic.downcast_ref::<String>().cloned())
-                        .unwrap_or_else(|| "a panic".to_owned())
-                }
+                Err(e) if e.is_panic() => inbox_core::panic_message(&*e.into_panic())
+                    .unwrap_or_else(|| "a panic".to_owned()),
                 Err(e) => e.to_string(),
             },
             None => "no task".to_owned(),

@@ -278,13 +278,9 @@ where
             abandon(tx).await;
             return fail(PersistStage::Attempt, e);
         }
-        if let Err(e) = self.check_owner(&mut tx, message).await {
-            abandon(tx).await;
-            return fail(PersistStage::Ack, e);
-        }
-        match tx.commit().await {
+        match self.commit_owned(tx, message, false).await {
             Ok(()) => Precount::Go { counted: true },
-            Err(e) => fail(PersistStage::Commit, e),
+            Err((stage, e)) => fail(stage, e),
         }
     }
 
@@ -318,7 +314,7 @@ where
             }
         };
         let counted = self.counts_failure(message, &outcome);
-        let recorded = match record_failure(
+        let recorded = record_failure(
             &mut tx,
             policy,
             message,
@@ -328,18 +324,11 @@ where
             counted,
             Some(&outcome),
         )
-        .await
-        {
-            Ok(decision) => match self.check_owner(&mut tx, message).await {
-                Ok(()) => Ok(decision),
-                Err(e) => Err((PersistStage::Ack, e)),
-            },
-            Err(failed) => Err(failed),
-        };
+        .await;
         match recorded {
-            Ok(decision) => match tx.commit().await {
+            Ok(decision) => match self.commit_owned(tx, message, false).await {
                 Ok(()) => Work::new(decision, Some(id), Some(outcome)),
-                Err(e) => fail(PersistStage::Commit, e, outcome),
+                Err((stage, e)) => fail(stage, e, outcome),
             },
             Err((stage, e)) => {
                 abandon(tx).await;

@@ -374,11 +374,30 @@ where
     pub(super) async fn finish_tx(
         &mut self,
         acked_before: bool,
-        mut tx: S::Tx,
+        tx: S::Tx,
         message: &Message,
         work: Work,
     ) -> Work {
-        let owned = if work.decision.ack == AckPoint::InTx {
+        let ack_in_tx = work.decision.ack == AckPoint::InTx;
+        match self.commit_owned(tx, message, ack_in_tx).await {
+            Ok(()) => work,
+            Err((stage, e)) => {
+                Work::storage_failure(acked_before, stage, e, work.row_id, work.outcome)
+            }
+        }
+    }
+
+    /// Commits `tx`, written for `message`'s partition: first the
+    /// acknowledgement stored in it (`ack_in_tx`) or the owner check, so
+    /// every transaction the runner commits for a partition passes the
+    /// epoch check. A failure (rolled back) comes with its stage.
+    pub(super) async fn commit_owned(
+        &self,
+        mut tx: S::Tx,
+        message: &Message,
+        ack_in_tx: bool,
+    ) -> Result<(), (PersistStage, StoreError)> {
+        let owned = if ack_in_tx {
             let ack = self.consumer.transactional_ack(message);
             store_ack(&mut tx, ack.as_ref()).await
         } else {
@@ -386,24 +405,9 @@ where
         };
         if let Err(e) = owned {
             abandon(tx).await;
-            return Work::storage_failure(
-                acked_before,
-                PersistStage::Ack,
-                e,
-                work.row_id,
-                work.outcome,
-            );
+            return Err((PersistStage::Ack, e));
         }
-        if let Err(e) = tx.commit().await {
-            return Work::storage_failure(
-                acked_before,
-                PersistStage::Commit,
-                e,
-                work.row_id,
-                work.outcome,
-            );
-        }
-        work
+        tx.commit().await.map_err(|e| (PersistStage::Commit, e))
     }
 
     /// Checks in `tx` that this consumer still owns `message`'s partition,

@@ -173,6 +173,17 @@ pub struct ProcessorSummary {
     pub errors: u64,
 }
 
+impl ProcessorBatch {
+    /// Counts a row's outcome: completed, retried or failed.
+    fn count(&mut self, update: &RowUpdate) {
+        match update.status {
+            InboxStatus::Completed => self.completed += 1,
+            InboxStatus::Pending => self.retried += 1,
+            InboxStatus::Failed => self.failed += 1,
+        }
+    }
+}
+
 /// The batch processor, generic over the store and the handler.
 pub struct BatchProcessor<S, H> {
     store: S,
@@ -393,11 +404,7 @@ where
                 tracing::warn!(message_id = %row.message_id, error = %e, "handler result refused");
                 batch.refused.push((row.id, e));
             }
-            match update.status {
-                InboxStatus::Completed => batch.completed += 1,
-                InboxStatus::Pending => batch.retried += 1,
-                InboxStatus::Failed => batch.failed += 1,
-            }
+            batch.count(&update);
             updates.push((row.id, update));
         }
         let written = match tx.write_outcomes(worker, &updates).await {
@@ -527,11 +534,7 @@ where
                     return Err(e.into());
                 }
             }
-            match update.status {
-                InboxStatus::Completed => batch.completed += 1,
-                InboxStatus::Pending => batch.retried += 1,
-                InboxStatus::Failed => batch.failed += 1,
-            }
+            batch.count(&update);
             outcomes.push((row, update));
         }
         self.last_failed = true;

@@ -428,13 +428,7 @@ where
                 fail_all(slots, PersistStage::Insert, e);
                 return None;
             }
-            let row = NewInboxRow::for_message(
-                &slots[i].message,
-                &self.config.consumer_group,
-                self.config.max_attempts,
-            )
-            .with_status(decision::insert_status(slots[i].policy));
-            match tx.insert_or_get(&row).await {
+            match tx.insert_or_get(&self.new_row(&slots[i])).await {
                 Ok(r) => {
                     state.insert(key, (r.id, r.found));
                 }
@@ -484,6 +478,17 @@ where
         Some(Opened { tx, open, state })
     }
 
+    /// The inbox row of `slot`'s message, with the status its handling
+    /// inserts it with.
+    fn new_row(&self, slot: &Slot) -> NewInboxRow {
+        NewInboxRow::for_message(
+            &slot.message,
+            &self.config.consumer_group,
+            self.config.max_attempts,
+        )
+        .with_status(decision::insert_status(slot.policy))
+    }
+
     /// One multi-row insert-or-get for the distinct keys of the open valid
     /// slots; the row each key has, and what was found.
     async fn insert_rows(
@@ -499,14 +504,7 @@ where
             let key = s.message.message_id.as_str();
             if s.invalid.is_none() && !keys.contains(&key) {
                 keys.push(key);
-                rows.push(
-                    NewInboxRow::for_message(
-                        &s.message,
-                        &self.config.consumer_group,
-                        self.config.max_attempts,
-                    )
-                    .with_status(decision::insert_status(s.policy)),
-                );
+                rows.push(self.new_row(s));
             }
         }
         if rows.is_empty() {

@@ -8,7 +8,7 @@ use crate::decision::{self, RowState, Step, TxAction};
 use crate::error::{PersistStage, StoreError, StoreErrorKind};
 use crate::handler::Handler;
 use crate::metrics::Metrics;
-use crate::model::{InboxStatus, NewInboxRow, RowId};
+use crate::model::{InboxStatus, RowId};
 use crate::store::{Found, InboxStore, InboxTransaction};
 
 use super::super::message::Work;
@@ -111,14 +111,8 @@ where
             Some(&known) => known,
             None => {
                 // its row was discarded after an earlier occurrence failed
-                let row = NewInboxRow::for_message(
-                    &slots[i].message,
-                    &self.config.consumer_group,
-                    self.config.max_attempts,
-                )
-                .with_status(decision::insert_status(policy));
                 let r = tx
-                    .insert_or_get(&row)
+                    .insert_or_get(&self.new_row(&slots[i]))
                     .await
                     .map_err(|e| (PersistStage::Insert, e))?;
                 (r.id, r.found)

@@ -126,7 +126,7 @@ where
                 error: handed_back,
             };
         }
-        crate::metrics::record_safely(&self.metrics, MetricEvent::Consumed);
+        self.record(MetricEvent::Consumed);
         let policy = self.policy(&message);
         let verdict = message
             .validate(&self.config.consumer_group)
@@ -178,13 +178,13 @@ where
         }
         match self.consumer.ack(message).await {
             Ok(()) => {
-                crate::metrics::record_safely(&self.metrics, MetricEvent::Acked);
+                self.record(MetricEvent::Acked);
                 let mut work = self.transaction(policy, message).await;
                 work.acked_before = true;
                 work
             }
             Err(e) => {
-                crate::metrics::record_safely(&self.metrics, MetricEvent::AckFailed);
+                self.record(MetricEvent::AckFailed);
                 // Fenced: another consumer owns the partition; stop reading
                 // it rather than rewind and read it again.
                 let decision = if matches!(e, ConsumerError::Fenced(_)) {
@@ -440,7 +440,7 @@ where
         match decision.ack {
             AckPoint::InTx => {
                 self.consumer.acked_in_transaction(&message);
-                crate::metrics::record_safely(&self.metrics, MetricEvent::Acked);
+                self.record(MetricEvent::Acked);
                 acked = true;
             }
             AckPoint::AfterTx => match self.ack_after(&message).await {
@@ -463,19 +463,16 @@ where
             tracing::warn!(message_id = %message.message_id, "the stored offset moved: the consumer reads it again");
             self.consumer.offset_moved(&message);
         }
-        crate::metrics::record_safely(&self.metrics, MetricEvent::Tally(decision.tally));
+        self.record(MetricEvent::Tally(decision.tally));
         if let Some(pos) = &message.position {
-            crate::metrics::record_safely(
-                &self.metrics,
-                MetricEvent::PartitionTally {
-                    partition: pos.partition,
-                    tally: decision.tally,
-                },
-            );
+            self.record(MetricEvent::PartitionTally {
+                partition: pos.partition,
+                tally: decision.tally,
+            });
         }
         if decision.drops_message() {
             tracing::warn!(message_id = %message.message_id, "handler failed; the message is acknowledged all the same and dropped (strategy)");
-            crate::metrics::record_safely(&self.metrics, MetricEvent::Dropped);
+            self.record(MetricEvent::Dropped);
         }
         ProcessResult {
             message_id: message.message_id,
@@ -495,12 +492,12 @@ where
     pub(super) async fn ack_after(&mut self, message: &Message) -> Result<(), ConsumerError> {
         match self.consumer.ack(message).await {
             Ok(()) => {
-                crate::metrics::record_safely(&self.metrics, MetricEvent::Acked);
+                self.record(MetricEvent::Acked);
                 Ok(())
             }
             Err(e) => {
                 tracing::warn!(message_id = %message.message_id, error = %e, "acknowledgement failed");
-                crate::metrics::record_safely(&self.metrics, MetricEvent::AckFailed);
+                self.record(MetricEvent::AckFailed);
                 Err(e)
             }
         }
@@ -540,7 +537,7 @@ where
     ) -> bool {
         match self.consumer.rewind(message).await {
             Ok(()) => {
-                crate::metrics::record_safely(&self.metrics, MetricEvent::Rewound);
+                self.record(MetricEvent::Rewound);
                 true
             }
             Err(e) => {

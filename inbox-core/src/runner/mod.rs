@@ -231,6 +231,12 @@ where
         self.consumer
     }
 
+    /// Records `event` on the runner's metrics (a panic of theirs is
+    /// caught: [`record_safely`](crate::metrics::record_safely)).
+    fn record(&self, event: MetricEvent) {
+        crate::metrics::record_safely(&self.metrics, event);
+    }
+
     /// The decision policy for `message`.
     fn policy(&self, message: &Message) -> Policy {
         Policy::new(self.config.strategy)

@@ -277,12 +277,12 @@ where
             match self.consumer.ack(&slots[last].message).await {
                 Ok(()) => {
                     for s in slots[..=last].iter_mut().filter(|s| open(s)) {
-                        crate::metrics::record_safely(&self.metrics, MetricEvent::Acked);
+                        self.record(MetricEvent::Acked);
                         s.acked_before = true;
                     }
                 }
                 Err(e) => {
-                    crate::metrics::record_safely(&self.metrics, MetricEvent::AckFailed);
+                    self.record(MetricEvent::AckFailed);
                     let decision = if matches!(e, crate::ConsumerError::Fenced(_)) {
                         decision::on_fenced(false)
                     } else {
@@ -562,7 +562,7 @@ where
                 if ok {
                     for i in covered {
                         if point == AckPoint::InTx || i != k {
-                            crate::metrics::record_safely(&self.metrics, MetricEvent::Acked);
+                            self.record(MetricEvent::Acked);
                         }
                         acked[i] = true;
                     }
@@ -627,20 +627,17 @@ where
                 // taken up at the consumer's next fetch, after the rewinds
                 self.consumer.offset_moved(&message);
             }
-            crate::metrics::record_safely(&self.metrics, MetricEvent::Consumed);
-            crate::metrics::record_safely(&self.metrics, MetricEvent::Tally(work.decision.tally));
+            self.record(MetricEvent::Consumed);
+            self.record(MetricEvent::Tally(work.decision.tally));
             if let Some(pos) = &message.position {
-                crate::metrics::record_safely(
-                    &self.metrics,
-                    MetricEvent::PartitionTally {
-                        partition: pos.partition,
-                        tally: work.decision.tally,
-                    },
-                );
+                self.record(MetricEvent::PartitionTally {
+                    partition: pos.partition,
+                    tally: work.decision.tally,
+                });
             }
             if work.decision.drops_message() {
                 tracing::warn!(message_id = %message.message_id, "handler failed; the message is acknowledged all the same and dropped (strategy)");
-                crate::metrics::record_safely(&self.metrics, MetricEvent::Dropped);
+                self.record(MetricEvent::Dropped);
             }
             let rewound =
                 work.decision.rewind && !matches!(work.error, Some(ProcessError::Rewind(_)));

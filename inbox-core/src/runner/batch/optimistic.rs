@@ -245,10 +245,7 @@ where
             }
             Err(_) => BatchCall::Failed,
         };
-        crate::metrics::record_safely(
-            &self.metrics,
-            MetricEvent::HandlerDuration(started.elapsed()),
-        );
+        self.record(MetricEvent::HandlerDuration(started.elapsed()));
         outcome
     }
 }

@@ -9,6 +9,7 @@ use inbox_core::{
     Consumer, ConsumerError, Message, MetricEvent, Metrics, NoopMetrics, OffsetStore, Position,
     StoreErrorKind, TxAck,
 };
+use rskafka::BackoffConfig;
 use rskafka::client::partition::{OffsetAt, PartitionClient, UnknownTopicHandling};
 use rskafka::client::{Client, ClientBuilder};
 use rskafka::record::RecordAndOffset;
@@ -16,6 +17,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::decode::{Decode, JsonDecoder, RecordView, decode_or_poison};
+use crate::security::{Sasl, Tls};
 
 /// Where a partition is read from when no offset is stored for it yet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -83,6 +85,10 @@ pub struct KafkaConfig {
     /// unknown topic is a [`KafkaError::ConnectTimeout`] after it, instead
     /// of retries without end. Default 30 s.
     pub connect_timeout: Duration,
+    /// TLS to the brokers; `None` (the default) is plaintext.
+    pub tls: Option<Tls>,
+    /// SASL authentication; `None` (the default) is none.
+    pub sasl: Option<Sasl>,
 }
 
 impl std::fmt::Debug for KafkaConfig {
@@ -94,6 +100,9 @@ impl std::fmt::Debug for KafkaConfig {
             .field("start", &self.start)
             .field("max_wait", &self.max_wait)
             .field("fetch_max_bytes", &self.fetch_max_bytes)
+            .field("client_id", &self.client_id)
+            .field("tls", &self.tls)
+            .field("sasl", &self.sasl)
             .finish_non_exhaustive()
     }
 }
@@ -117,6 +126,8 @@ impl KafkaConfig {
             decoder: Arc::new(JsonDecoder::default()),
             client_id: "inbox".to_owned(),
             connect_timeout: Duration::from_secs(30),
+            tls: None,
+            sasl: None,
         }
     }
 
@@ -127,7 +138,21 @@ impl KafkaConfig {
     /// [`KafkaError::ConnectTimeout`] when no broker answered in time, or
     /// the broker's error.
     pub async fn client(&self) -> Result<rskafka::client::Client, KafkaError> {
-        let builder = ClientBuilder::new(self.brokers.clone()).client_id(self.client_id.clone());
+        let mut builder = ClientBuilder::new(self.brokers.clone())
+            .client_id(self.client_id.clone())
+            // the client retries a failed connection or request with a
+            // backoff; bounded, so that its last error (a refused
+            // handshake, bad credentials) comes back instead of a timeout
+            .backoff_config(BackoffConfig {
+                deadline: Some(self.connect_timeout / 2),
+                ..BackoffConfig::default()
+            });
+        if let Some(tls) = &self.tls {
+            builder = builder.tls_config(tls.client_config()?);
+        }
+        if let Some(sasl) = &self.sasl {
+            builder = builder.sasl_config(sasl.config());
+        }
         within(
             "connecting to the bootstrap brokers",
             self.connect_timeout,
@@ -169,6 +194,10 @@ pub enum KafkaError {
     /// A runner task died (a panic outside the handler's guard).
     #[error("a runner task died: {0}")]
     RunnerDied(String),
+    /// The TLS configuration is unusable (a file that cannot be read, no
+    /// certificate or key in it).
+    #[error("tls: {0}")]
+    Tls(String),
     /// Connecting took longer than `KafkaConfig::connect_timeout`: a wrong
     /// address, a refused handshake, bad credentials or an unknown topic.
     #[error(

@@ -59,12 +59,14 @@
 mod consumer;
 mod decode;
 mod group;
+mod security;
 
 pub use consumer::{
     ConsumerStats, KafkaConfig, KafkaConsumer, KafkaError, OutOfRange, StartPosition,
 };
 pub use decode::{Decode, JsonDecoder, RecordView, decode_or_poison};
 pub use group::{AssignmentChange, GroupConfig, GroupSummary, run_group};
+pub use security::{Sasl, Tls};
 
 use std::sync::Arc;
 

@@ -18,11 +18,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use rskafka::client::partition::{Compression, UnknownTopicHandling};
-use rskafka::client::{Client, ClientBuilder};
+use rskafka::client::{Client, ClientBuilder, Credentials, SaslConfig};
 use rskafka::record::Record;
 
 use crate::pg::HarnessError;
-use crate::service::{free_port, spawn_reaper, temp_dir};
+use crate::service::{free_port, run, spawn_reaper, temp_dir};
+use crate::tls::{self, Certificates};
 
 /// The fetch max-wait to use against tansu: it holds every fetch for its
 /// whole max-wait even when records are ready, so the production default
@@ -32,12 +33,78 @@ pub const TANSU_MAX_WAIT: std::time::Duration = std::time::Duration::from_millis
 /// A Kafka-protocol broker for the tests.
 #[derive(Debug)]
 pub struct Broker {
+    /// The address clients use (the one the broker advertises).
     address: String,
     /// The broker process, when started here (kept so it lives as long as
     /// the test process).
     child: Option<Child>,
-    /// How it was started: binary, directory, storage (to start it again).
-    launch: Option<(PathBuf, PathBuf, String)>,
+    /// How it was started (to start it again).
+    launch: Option<Launch>,
+    /// The test CA and its certificates, when the broker serves TLS.
+    certificates: Option<Certificates>,
+    /// How the broker is secured.
+    security: Security,
+}
+
+/// A SCRAM mechanism of a broker user.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scram {
+    /// SCRAM-SHA-256.
+    Sha256,
+    /// SCRAM-SHA-512.
+    Sha512,
+}
+
+impl Scram {
+    fn arg(self) -> &'static str {
+        match self {
+            Scram::Sha256 => "scram256",
+            Scram::Sha512 => "scram512",
+        }
+    }
+}
+
+/// How a broker started by [`Broker::start_secured`] is protected.
+#[derive(Clone, Default)]
+pub struct Security {
+    /// Serve TLS only, with a certificate of a CA made for this broker
+    /// ([`Broker::certificates`]).
+    pub tls: bool,
+    /// Also require a client certificate of that CA (mutual TLS; implies
+    /// `tls`).
+    pub mutual_tls: bool,
+    /// SCRAM users `(name, password, mechanism)`; any makes the broker
+    /// require authentication. The harness's own client (topics, produce)
+    /// signs in as the first.
+    pub users: Vec<(String, String, Scram)>,
+}
+
+impl std::fmt::Debug for Security {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let users: Vec<(&str, Scram)> = self
+            .users
+            .iter()
+            .map(|(u, _, m)| (u.as_str(), *m))
+            .collect();
+        f.debug_struct("Security")
+            .field("tls", &self.tls)
+            .field("mutual_tls", &self.mutual_tls)
+            .field("users", &users)
+            .finish()
+    }
+}
+
+/// How a tansu process is started.
+#[derive(Debug, Clone)]
+struct Launch {
+    tansu: PathBuf,
+    dir: PathBuf,
+    /// Where it listens (plaintext).
+    listen: String,
+    /// What it advertises (the TLS front's address when there is one).
+    advertised: String,
+    storage: String,
+    authentication: bool,
 }
 
 static BROKER: OnceLock<Result<Broker, HarnessError>> = OnceLock::new();
@@ -73,6 +140,8 @@ pub fn broker() -> Result<&'static Broker, HarnessError> {
                 address,
                 child: None,
                 launch: None,
+                certificates: None,
+                security: Security::default(),
             }),
             _ => Broker::start(),
         })
@@ -93,24 +162,103 @@ impl Broker {
     ///
     /// A [`HarnessError`] saying why it could not start.
     pub fn start_with_storage(storage: &str) -> Result<Self, HarnessError> {
-        let tansu = tansu_binary().ok_or_else(|| {
-            HarnessError(
-                "tansu not found ($TANSU, ~/.cargo/bin, PATH): run `cargo xtask test`, which installs it, or set KAFKA_BROKERS".into(),
-            )
-        })?;
-        let dir = temp_dir("inbox-tansu")?;
-        let port = free_port()?;
-        let address = format!("127.0.0.1:{port}");
-        let child = launch(&tansu, &dir, &address, storage)?;
+        let (tansu, dir, listen) = prepare()?;
+        let launch = Launch {
+            tansu,
+            dir,
+            advertised: listen.clone(),
+            listen,
+            storage: storage.to_owned(),
+            authentication: false,
+        };
+        let child = launch.start()?;
         eprintln!(
-            "inbox-testkit: started tansu on {address} ({})",
-            dir.display()
+            "inbox-testkit: started tansu on {} ({})",
+            launch.listen,
+            launch.dir.display()
         );
         Ok(Self {
-            address,
+            address: launch.advertised.clone(),
             child: Some(child),
-            launch: Some((tansu, dir, storage.to_owned())),
+            launch: Some(launch),
+            certificates: None,
+            security: Security::default(),
         })
+    }
+
+    /// Starts a secured broker (sqlite storage): SCRAM users created first
+    /// (tansu creates users only for a client it lets in, so on a first run
+    /// without authentication, then restarted with it), and TLS through the
+    /// harness's TLS front (see [`crate::tls`]: tansu 0.6's command line
+    /// cannot switch its own TLS on).
+    ///
+    /// # Errors
+    ///
+    /// A [`HarnessError`] saying why it could not start.
+    pub fn start_secured(security: Security) -> Result<Self, HarnessError> {
+        let (tansu, dir, listen) = prepare()?;
+        let mut launch = Launch {
+            tansu,
+            dir,
+            advertised: listen.clone(),
+            listen,
+            storage: "sqlite://tansu.db".to_owned(),
+            authentication: false,
+        };
+        if !security.users.is_empty() {
+            let mut first = launch.start()?;
+            let created = security
+                .users
+                .iter()
+                .try_for_each(|(user, password, scram)| {
+                    let mut cmd = Command::new(&launch.tansu);
+                    cmd.current_dir(&launch.dir).args([
+                        "user",
+                        "create",
+                        "--broker",
+                        &format!("tcp://{}", launch.listen),
+                        "--mechanism",
+                        scram.arg(),
+                        user,
+                        password,
+                    ]);
+                    run(cmd, &format!("creating the broker user {user}"))
+                });
+            let _ = first.kill().and_then(|()| first.wait().map(|_| ()));
+            created?;
+            launch.authentication = true;
+        }
+        let mut certificates = None;
+        if security.tls || security.mutual_tls {
+            let made = Certificates::generate()?;
+            let front = std::net::TcpListener::bind("127.0.0.1:0")
+                .map_err(|e| HarnessError(format!("TLS front: {e}")))?;
+            launch.advertised = front
+                .local_addr()
+                .map_err(|e| HarnessError(format!("TLS front: {e}")))?
+                .to_string();
+            tls::spawn_front(front, launch.listen.clone(), &made, security.mutual_tls)?;
+            certificates = Some(made);
+        }
+        let child = launch.start()?;
+        eprintln!(
+            "inbox-testkit: started a secured tansu ({security:?}) on {} advertised as {} ({})",
+            launch.listen,
+            launch.advertised,
+            launch.dir.display()
+        );
+        Ok(Self {
+            address: launch.advertised.clone(),
+            child: Some(child),
+            launch: Some(launch),
+            certificates,
+            security,
+        })
+    }
+
+    /// The test CA and its certificates of a broker serving TLS.
+    pub fn certificates(&self) -> Option<&Certificates> {
+        self.certificates.as_ref()
     }
 
     /// Kills the broker process (SIGKILL: no clean shutdown).
@@ -137,15 +285,15 @@ impl Broker {
     /// A [`HarnessError`] for a broker not started here, or why it did not
     /// start.
     pub fn restart(&mut self) -> Result<(), HarnessError> {
-        let (tansu, dir, storage) = self
+        let launch = self
             .launch
             .as_ref()
             .ok_or_else(|| HarnessError("this broker was not started here".into()))?;
-        self.child = Some(launch(tansu, dir, &self.address, storage)?);
+        self.child = Some(launch.start()?);
         Ok(())
     }
 
-    /// `host:port` of the broker.
+    /// `host:port` of the broker (the TLS front of a broker serving TLS).
     pub fn address(&self) -> &str {
         &self.address
     }
@@ -156,7 +304,18 @@ impl Broker {
     ///
     /// A [`HarnessError`] when the broker cannot be reached.
     pub async fn client(&self) -> Result<Client, HarnessError> {
-        ClientBuilder::new(vec![self.address.clone()])
+        let mut builder = ClientBuilder::new(vec![self.address.clone()]);
+        if let Some(certificates) = &self.certificates {
+            builder = builder.tls_config(certificates.client_config(self.security.mutual_tls)?);
+        }
+        if let Some((user, password, scram)) = self.security.users.first() {
+            let credentials = Credentials::new(user.clone(), password.clone());
+            builder = builder.sasl_config(match scram {
+                Scram::Sha256 => SaslConfig::ScramSha256(credentials),
+                Scram::Sha512 => SaslConfig::ScramSha512(credentials),
+            });
+        }
+        builder
             .build()
             .await
             .map_err(|e| HarnessError(format!("connecting to the broker: {e}")))
@@ -225,53 +384,68 @@ impl Broker {
     }
 }
 
-/// Starts `tansu` listening on `address` with `storage` (relative to
-/// `dir`), logging to `dir/tansu.log`; waits until it listens. A reaper
-/// kills it when this process ends.
-fn launch(
-    tansu: &std::path::Path,
-    dir: &std::path::Path,
-    address: &str,
-    storage: &str,
-) -> Result<Child, HarnessError> {
-    let url = format!("tcp://{address}");
-    let log = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(dir.join("tansu.log"))
-        .map_err(|e| HarnessError(format!("creating the broker log: {e}")))?;
-    let err = log
-        .try_clone()
-        .map_err(|e| HarnessError(format!("creating the broker log: {e}")))?;
-    let mut child = Command::new(tansu)
-        .current_dir(dir)
-        .args([
-            "broker",
-            "--listener-url",
-            &url,
-            "--advertised-listener-url",
-            &url,
-        ])
-        // a relative sqlite path is taken from the working directory
-        .args(["--storage-engine", storage])
-        .stdin(Stdio::null())
-        .stdout(log)
-        .stderr(err)
-        .spawn()
-        .map_err(|e| HarnessError(format!("starting {}: {e}", tansu.display())))?;
-    spawn_reaper(&format!("kill {}", child.id()), dir);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while std::net::TcpStream::connect(address).is_err() {
-        let exited = child.try_wait().ok().flatten();
-        if exited.is_some() || Instant::now() > deadline {
-            let log = std::fs::read_to_string(dir.join("tansu.log")).unwrap_or_default();
-            return Err(HarnessError(format!(
-                "tansu did not listen on {address} (exit: {exited:?}): {log}"
-            )));
+/// The tansu binary, a temporary directory and a free address to listen on.
+fn prepare() -> Result<(PathBuf, PathBuf, String), HarnessError> {
+    let tansu = tansu_binary().ok_or_else(|| {
+        HarnessError(
+            "tansu not found ($TANSU, ~/.cargo/bin, PATH): run `cargo xtask test`, which installs it, or set KAFKA_BROKERS".into(),
+        )
+    })?;
+    let dir = temp_dir("inbox-tansu")?;
+    let listen = format!("127.0.0.1:{}", free_port()?);
+    Ok((tansu, dir, listen))
+}
+
+impl Launch {
+    /// Starts `tansu` (storage relative to `dir`, logging to
+    /// `dir/tansu.log`); waits until it listens. A reaper kills it when this
+    /// process ends.
+    fn start(&self) -> Result<Child, HarnessError> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("tansu.log"))
+            .map_err(|e| HarnessError(format!("creating the broker log: {e}")))?;
+        let err = log
+            .try_clone()
+            .map_err(|e| HarnessError(format!("creating the broker log: {e}")))?;
+        let mut cmd = Command::new(&self.tansu);
+        cmd.current_dir(&self.dir)
+            .args([
+                "broker",
+                "--listener-url",
+                &format!("tcp://{}", self.listen),
+            ])
+            .args([
+                "--advertised-listener-url",
+                &format!("tcp://{}", self.advertised),
+            ])
+            // a relative sqlite path is taken from the working directory
+            .args(["--storage-engine", &self.storage]);
+        if self.authentication {
+            cmd.arg("--authentication");
         }
-        std::thread::sleep(Duration::from_millis(50));
+        let mut child = cmd
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(err)
+            .spawn()
+            .map_err(|e| HarnessError(format!("starting {}: {e}", self.tansu.display())))?;
+        spawn_reaper(&format!("kill {}", child.id()), &self.dir);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(&self.listen).is_err() {
+            let exited = child.try_wait().ok().flatten();
+            if exited.is_some() || Instant::now() > deadline {
+                let log = std::fs::read_to_string(self.dir.join("tansu.log")).unwrap_or_default();
+                return Err(HarnessError(format!(
+                    "tansu did not listen on {} (exit: {exited:?}): {log}",
+                    self.listen
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(child)
     }
-    Ok(child)
 }
 
 /// A record with a JSON value and string headers.

@@ -40,6 +40,8 @@ pub mod pg;
 pub mod scenarios;
 pub mod service;
 mod store;
+#[cfg(feature = "kafka")]
+pub mod tls;
 
 pub use broker::{BrokerFault, CommitRecord, MemBroker, MemConsumer};
 pub use conformance::{BusinessFixture, ConformanceError, ConformanceReport, run_conformance};

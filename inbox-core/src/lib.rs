@@ -69,7 +69,9 @@ pub use error::{
     StoreErrorKind, ValidationError,
 };
 pub use handler::{Handler, NoHandler};
-pub use metrics::{CountingMetrics, Counts, MetricEvent, Metrics, NoopMetrics, record_safely};
+pub use metrics::{
+    CountingMetrics, Counts, MetricEvent, Metrics, NoopMetrics, record_safely, topic_label,
+};
 pub use model::{InboxRow, InboxStatus, Message, NewInboxRow, Position, RowId, WorkerId};
 pub use offsets::{MembershipStore, OffsetStore, PartitionClaim};
 pub use outcome::{Failure, HandlerResult, Outcome, OutcomeClass};

@@ -7,6 +7,22 @@ use std::time::Duration;
 
 use crate::decision::Tally;
 
+/// `topic` as a `&'static str` for the events that name their topic
+/// ([`MetricEvent`] stays `Copy`): each distinct name is kept once for the
+/// life of the process, so memory is bounded by the number of topics.
+pub fn topic_label(topic: &str) -> &'static str {
+    static TOPICS: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());
+    let mut topics = TOPICS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(known) = topics.iter().find(|t| **t == topic) {
+        return known;
+    }
+    let leaked: &'static str = Box::leak(topic.to_owned().into_boxed_str());
+    topics.push(leaked);
+    leaked
+}
+
 /// One thing the runner reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -38,18 +54,36 @@ pub enum MetricEvent {
     HandlerDuration(Duration),
     /// Consumer lag of a partition (records behind the high watermark).
     Lag {
+        /// Topic ([`topic_label`]).
+        topic: &'static str,
         /// Partition.
         partition: i32,
         /// Records behind.
         lag: i64,
     },
-    /// The broker returned records starting after the requested offset: on
-    /// a topic without compaction or transactions, a broker fault.
+    /// The first fetch after the consumer moved to an offset (its claim, a
+    /// rewind fetched again, a resync, a reset) returned records starting
+    /// after it: where a broker that answers from the wrong batch hides
+    /// records. On a topic without compaction or transactions, a broker
+    /// fault; alert on it.
     OffsetGap {
+        /// Topic ([`topic_label`]).
+        topic: &'static str,
         /// Partition.
         partition: i32,
         /// How many offsets were skipped.
         missing: i64,
+    },
+    /// Offsets that hold no record, skipped while reading on: between two
+    /// records of one fetch, or at the start of a fetch that continues the
+    /// previous one (transaction markers, compacted records). Normal.
+    OffsetsSkipped {
+        /// Topic ([`topic_label`]).
+        topic: &'static str,
+        /// Partition.
+        partition: i32,
+        /// How many offsets.
+        count: i64,
     },
     /// This consumer lost a partition to another (its epoch is stale).
     Fenced {
@@ -222,6 +256,7 @@ impl Metrics for CountingMetrics {
             MetricEvent::Lag { .. }
             | MetricEvent::PartitionTally { .. }
             | MetricEvent::OffsetGap { .. }
+            | MetricEvent::OffsetsSkipped { .. }
             | MetricEvent::Fenced { .. }
             | MetricEvent::OffsetOutOfRange { .. }
             | MetricEvent::OffsetMoved { .. }
@@ -244,8 +279,10 @@ impl Metrics for CountingMetrics {
 /// | acknowledgements | counter `inbox_acks_total` | `group`, `result` (`ok`, `failed`) |
 /// | rewinds, dropped failures | counters `inbox_rewinds_total`, `inbox_dropped_total` | `group` |
 /// | handler duration | histogram `inbox_handler_duration_seconds` | `group` |
-/// | lag | gauge `inbox_lag` | `group`, `topic`, `partition` |
-/// | broker gaps, fencing, offsets out of range | counters `inbox_offset_gaps_total`, `inbox_offsets_skipped_total`, `inbox_fenced_total`, `inbox_offset_out_of_range_total` | `group`, `topic`, `partition` |
+/// | lag | gauge `inbox_lag` | `group`, `topic` (the event's), `partition` |
+/// | broker gaps (unexpected) and the offsets they passed | counters `inbox_offset_gaps_total`, `inbox_offset_gap_offsets_total` | `group`, `topic` (the event's), `partition` |
+/// | offsets holding no record, skipped (normal: markers, compaction) | counter `inbox_offsets_skipped_total` | `group`, `topic` (the event's), `partition` |
+/// | fencing, offsets out of range | counters `inbox_fenced_total`, `inbox_offset_out_of_range_total` | `group`, `topic`, `partition` |
 ///
 /// Alert on `exhausted`, `poison` and `dropped` outcomes, gaps, out-of-range
 /// offsets, and a lag that grows (see `docs/operations.md`).
@@ -268,9 +305,14 @@ impl FacadeMetrics {
     }
 
     fn partition_labels(&self, partition: i32) -> [(&'static str, String); 3] {
+        self.labels_of(&self.topic, partition)
+    }
+
+    /// Labels of an event that names its topic.
+    fn labels_of(&self, topic: &str, partition: i32) -> [(&'static str, String); 3] {
         [
             ("group", self.group.clone()),
-            ("topic", self.topic.clone()),
+            ("topic", topic.to_owned()),
             ("partition", partition.to_string()),
         ]
     }
@@ -335,16 +377,35 @@ impl Metrics for FacadeMetrics {
                 ::metrics::histogram!("inbox_handler_duration_seconds", "group" => group)
                     .record(d.as_secs_f64());
             }
-            MetricEvent::Lag { partition, lag } => {
+            MetricEvent::Lag {
+                topic,
+                partition,
+                lag,
+            } => {
                 #[allow(clippy::cast_precision_loss)]
                 let lag = lag as f64;
-                ::metrics::gauge!("inbox_lag", &self.partition_labels(partition)).set(lag);
+                ::metrics::gauge!("inbox_lag", &self.labels_of(topic, partition)).set(lag);
             }
-            MetricEvent::OffsetGap { partition, missing } => {
-                let labels = self.partition_labels(partition);
+            MetricEvent::OffsetGap {
+                topic,
+                partition,
+                missing,
+            } => {
+                let labels = self.labels_of(topic, partition);
                 ::metrics::counter!("inbox_offset_gaps_total", &labels).increment(1);
-                ::metrics::counter!("inbox_offsets_skipped_total", &labels)
+                ::metrics::counter!("inbox_offset_gap_offsets_total", &labels)
                     .increment(u64::try_from(missing).unwrap_or(0));
+            }
+            MetricEvent::OffsetsSkipped {
+                topic,
+                partition,
+                count,
+            } => {
+                ::metrics::counter!(
+                    "inbox_offsets_skipped_total",
+                    &self.labels_of(topic, partition)
+                )
+                .increment(u64::try_from(count).unwrap_or(0));
             }
             MetricEvent::Fenced { partition } => {
                 ::metrics::counter!("inbox_fenced_total", &self.partition_labels(partition))
@@ -396,6 +457,7 @@ mod facade_tests {
             m.record(MetricEvent::Tally(Tally::Processed));
             m.record(MetricEvent::HandlerDuration(Duration::from_millis(250)));
             m.record(MetricEvent::Lag {
+                topic: "orders",
                 partition: 3,
                 lag: 42,
             });

@@ -309,6 +309,11 @@ struct Partition {
     /// Where reading began at the claim when nothing was stored: where a
     /// resync goes back to if the stored offset is gone.
     start: i64,
+    /// Where the last fetch that returned records ended: a fetch from there
+    /// continues it (reading on), any other fetch follows a move.
+    read_on: Option<i64>,
+    /// The topic for metric events ([`inbox_core::topic_label`]).
+    label: &'static str,
 }
 
 /// The pause before fetching a partition again after `errors` consecutive
@@ -366,10 +371,15 @@ pub struct ConsumerStats {
     pub fetches: u64,
     /// Records fetched.
     pub records: u64,
-    /// Times the broker returned records starting after the requested offset.
+    /// Times the first fetch after a move (claim, rewind fetched again,
+    /// resync, reset) returned records starting after the requested offset
+    /// ([`MetricEvent::OffsetGap`]).
     pub gaps: u64,
     /// Offsets skipped over by those gaps.
     pub missing: i64,
+    /// Offsets holding no record skipped while reading on (transaction
+    /// markers, compaction; [`MetricEvent::OffsetsSkipped`]).
+    pub skipped_offsets: i64,
     /// Largest number of bytes buffered for one partition.
     pub max_buffered_bytes: usize,
     /// Rewinds served from the records kept since the last acknowledgement
@@ -471,6 +481,8 @@ impl<O: OffsetStore> KafkaConsumer<O> {
                 stored: claim.next_offset,
                 resync: false,
                 start: next_fetch,
+                read_on: None,
+                label: inbox_core::topic_label(topic),
             });
         }
         Ok(Self {
@@ -625,32 +637,61 @@ impl<O: OffsetStore> KafkaConsumer<O> {
         let p = &mut self.partitions[index];
         p.high_watermark = high_watermark;
         let mut expected = p.next_fetch;
+        // a fetch that continues the previous one reads on; the first after
+        // a move (claim, rewind fetched again, resync, reset) does not
+        let mut reading_on = p.read_on == Some(expected);
         for record in records {
             if record.offset < expected {
                 continue;
             }
             if record.offset > expected {
                 let missing = record.offset - expected;
-                tracing::error!(
-                    topic = %p.topic,
-                    partition = p.partition,
-                    requested = expected,
-                    returned = record.offset,
-                    "the broker skipped {missing} offsets: on a topic without compaction or transactions this is a broker fault"
-                );
-                self.stats.gaps += 1;
-                self.stats.missing += missing;
-                inbox_core::record_safely(
-                    &self.metrics,
-                    MetricEvent::OffsetGap {
-                        partition: p.partition,
-                        missing,
-                    },
-                );
+                if reading_on {
+                    // offsets holding no record: transaction markers,
+                    // compacted records. Normal.
+                    tracing::debug!(
+                        topic = %p.topic,
+                        partition = p.partition,
+                        from = expected,
+                        to = record.offset,
+                        "{missing} offsets hold no record"
+                    );
+                    self.stats.skipped_offsets += missing;
+                    inbox_core::record_safely(
+                        &self.metrics,
+                        MetricEvent::OffsetsSkipped {
+                            topic: p.label,
+                            partition: p.partition,
+                            count: missing,
+                        },
+                    );
+                } else {
+                    tracing::error!(
+                        topic = %p.topic,
+                        partition = p.partition,
+                        requested = expected,
+                        returned = record.offset,
+                        "the first fetch from offset {expected} began {missing} offsets later: on a topic without compaction or transactions this is a broker fault"
+                    );
+                    self.stats.gaps += 1;
+                    self.stats.missing += missing;
+                    inbox_core::record_safely(
+                        &self.metrics,
+                        MetricEvent::OffsetGap {
+                            topic: p.label,
+                            partition: p.partition,
+                            missing,
+                        },
+                    );
+                }
             }
+            reading_on = true;
             expected = record.offset + 1;
             p.buffered_bytes += record.record.approximate_size();
             p.buffer.push_back(record);
+        }
+        if reading_on {
+            p.read_on = Some(expected);
         }
         self.stats.records += u64::try_from(p.buffer.len()).unwrap_or(0);
         self.stats.max_buffered_bytes = self.stats.max_buffered_bytes.max(p.buffered_bytes);
@@ -659,6 +700,7 @@ impl<O: OffsetStore> KafkaConsumer<O> {
         inbox_core::record_safely(
             &self.metrics,
             MetricEvent::Lag {
+                topic: p.label,
                 partition: p.partition,
                 lag,
             },
@@ -1023,6 +1065,8 @@ mod tests {
         /// Answers its first fetch with no records and this high watermark
         /// (a new leader whose high watermark has not caught up).
         stale_once: std::sync::Mutex<Option<i64>>,
+        /// Most records one fetch returns.
+        per_fetch: usize,
     }
 
     #[async_trait]
@@ -1053,9 +1097,11 @@ mod tests {
                 .records
                 .iter()
                 .filter(|r| r.offset >= offset)
+                .take(self.per_fetch)
                 .cloned()
                 .collect();
-            Ok((records, i64::try_from(self.records.len()).unwrap_or(0)))
+            let end = self.records.last().map_or(0, |r| r.offset + 1);
+            Ok((records, end))
         }
 
         async fn offset_at(&self, at: OffsetAt) -> Result<i64, rskafka::client::error::Error> {
@@ -1091,6 +1137,7 @@ mod tests {
                 broken,
                 hangs: false,
                 stale_once: std::sync::Mutex::new(None),
+                per_fetch: usize::MAX,
             }),
             topic: "orders".into(),
             partition,
@@ -1109,6 +1156,8 @@ mod tests {
             stored: None,
             resync: false,
             start: 0,
+            read_on: None,
+            label: "orders",
         }
     }
 
@@ -1197,6 +1246,7 @@ mod tests {
             broken: false,
             hangs: true,
             stale_once: std::sync::Mutex::new(None),
+            per_fetch: usize::MAX,
         });
         let mut c = consumer(vec![hanging, fake(1, 5, false)]);
         let started = Instant::now();
@@ -1234,6 +1284,7 @@ mod tests {
             broken: false,
             hangs: false,
             stale_once: std::sync::Mutex::new(Some(2)),
+            per_fetch: usize::MAX,
         });
         let mut c = consumer(vec![p]);
         let mut seen = Vec::new();
@@ -1276,5 +1327,55 @@ mod tests {
         tokio::time::advance(Duration::from_millis(1_001)).await;
         let again = c.next().await.expect("next").expect("delivered again");
         assert_eq!(again.message_id, first.message_id);
+    }
+
+    /// Offsets that hold no record (transaction markers, compaction) met
+    /// while reading on are skipped and counted as such, not as a broker
+    /// gap; a fetch that begins after the offset the consumer moved to is
+    /// still a gap. Before, every hole was an `OffsetGap` error.
+    #[tokio::test]
+    async fn holes_while_reading_on_are_skipped_offsets_not_gaps() {
+        // records at 0 1 3 4 6 8; 2, 5 and 7 hold none (markers, say)
+        let holed: Vec<RecordAndOffset> = records_of(0, 9)
+            .into_iter()
+            .filter(|r| ![2, 5, 7].contains(&r.offset))
+            .collect();
+        let partition = |next_fetch: i64| {
+            let mut p = fake(0, 0, false);
+            p.next_fetch = next_fetch;
+            p.client = Arc::new(Fake {
+                records: holed.clone(),
+                broken: false,
+                hangs: false,
+                stale_once: std::sync::Mutex::new(None),
+                per_fetch: 2,
+            });
+            p
+        };
+        let read_all = |mut c: KafkaConsumer<NoOffsets>| async move {
+            let mut seen = Vec::new();
+            for _ in 0..50 {
+                if let Some(m) = c.next().await.expect("no error") {
+                    seen.push(m.message_id);
+                }
+            }
+            (seen, c.stats())
+        };
+        // fetches [0 1] [3 4] [6 8]: a hole at the start of a fetch that
+        // reads on (2, 5) and one inside a fetch (7)
+        let (seen, stats) = read_all(consumer(vec![partition(0)])).await;
+        assert_eq!(seen, ["p0-0", "p0-1", "p0-3", "p0-4", "p0-6", "p0-8"]);
+        assert_eq!(
+            (stats.skipped_offsets, stats.gaps, stats.missing),
+            (3, 0, 0)
+        );
+        // a consumer that starts at 2 (its stored offset): the broker's
+        // answer begins at 3, which only the broker can explain
+        let (seen, stats) = read_all(consumer(vec![partition(2)])).await;
+        assert_eq!(seen, ["p0-3", "p0-4", "p0-6", "p0-8"]);
+        assert_eq!(
+            (stats.skipped_offsets, stats.gaps, stats.missing),
+            (2, 1, 1)
+        );
     }
 }

@@ -218,7 +218,7 @@ async fn lag_is_reported_per_partition() {
     struct Lags(Mutex<Vec<(i32, i64)>>);
     impl inbox_core::Metrics for Lags {
         fn record(&self, e: inbox_core::MetricEvent) {
-            if let inbox_core::MetricEvent::Lag { partition, lag } = e {
+            if let inbox_core::MetricEvent::Lag { partition, lag, .. } = e {
                 self.0.lock().expect("lock").push((partition, lag));
             }
         }

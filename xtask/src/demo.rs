@@ -113,7 +113,7 @@ impl Metrics for DemoMetrics {
             f.record(event);
         }
         match event {
-            MetricEvent::Lag { partition, lag } => {
+            MetricEvent::Lag { partition, lag, .. } => {
                 if let Ok(mut l) = self.lag.lock() {
                     l.insert(partition, lag);
                 }

@@ -17,6 +17,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::decode::{Decode, JsonDecoder, RecordView, decode_or_poison};
+use crate::health::HealthHandle;
 use crate::security::{Sasl, Tls};
 
 /// Where a partition is read from when no offset is stored for it yet.
@@ -27,6 +28,9 @@ pub enum StartPosition {
     Earliest,
     /// Only records produced from now on.
     Latest,
+    /// The first record whose timestamp is at or after this time (the
+    /// log's end when there is none), as the broker's ListOffsets finds it.
+    Timestamp(chrono::DateTime<chrono::Utc>),
 }
 
 /// What to do when a partition's stored offset is outside the broker's log
@@ -89,6 +93,10 @@ pub struct KafkaConfig {
     pub tls: Option<Tls>,
     /// SASL authentication; `None` (the default) is none.
     pub sasl: Option<Sasl>,
+    /// Where every consumer connected with this configuration (or a clone
+    /// of it) reports its partitions' health: take a clone before handing
+    /// the configuration to `run_group` or `run_partitioned`.
+    pub health: HealthHandle,
 }
 
 impl std::fmt::Debug for KafkaConfig {
@@ -128,6 +136,7 @@ impl KafkaConfig {
             connect_timeout: Duration::from_secs(30),
             tls: None,
             sasl: None,
+            health: HealthHandle::new(),
         }
     }
 
@@ -412,6 +421,14 @@ pub struct KafkaConsumer<O> {
     fetched: Arc<Notify>,
     /// The connection the partition clients share (`None` in unit tests).
     _client: Option<Client>,
+    /// This consumer's id in `config.health`.
+    reporter: u64,
+}
+
+impl<O> Drop for KafkaConsumer<O> {
+    fn drop(&mut self) {
+        self.config.health.released(self.reporter);
+    }
 }
 
 impl<O> std::fmt::Debug for KafkaConsumer<O> {
@@ -443,6 +460,7 @@ impl<O: OffsetStore> KafkaConsumer<O> {
             ));
         }
         let client = config.client().await?;
+        let reporter = config.health.reporter();
         let mut partitions = Vec::with_capacity(config.partitions.len());
         for (topic, partition) in &config.partitions {
             let pc = within(
@@ -459,9 +477,15 @@ impl<O: OffsetStore> KafkaConsumer<O> {
                 None => match config.start {
                     StartPosition::Earliest => pc.get_offset(OffsetAt::Earliest).await?,
                     StartPosition::Latest => pc.get_offset(OffsetAt::Latest).await?,
+                    StartPosition::Timestamp(t) => {
+                        crate::offsets::offset_at_time(&pc, t, &config).await?
+                    }
                 },
             };
             tracing::info!(%topic, partition, epoch = claim.owner_epoch, next_fetch, "partition claimed");
+            config
+                .health
+                .claimed(reporter, topic, *partition, next_fetch);
             partitions.push(Partition {
                 client: Arc::new(pc),
                 topic: topic.clone(),
@@ -495,6 +519,7 @@ impl<O: OffsetStore> KafkaConsumer<O> {
             stats: ConsumerStats::default(),
             fetched: Arc::new(Notify::new()),
             _client: Some(client),
+            reporter,
         })
     }
 
@@ -696,7 +721,27 @@ impl<O: OffsetStore> KafkaConsumer<O> {
         self.stats.records += u64::try_from(p.buffer.len()).unwrap_or(0);
         self.stats.max_buffered_bytes = self.stats.max_buffered_bytes.max(p.buffered_bytes);
         p.next_fetch = expected;
-        let lag = p.high_watermark - p.buffer.front().map_or(p.next_fetch, |r| r.offset);
+        let next_offset = p.buffer.front().map_or(p.next_fetch, |r| r.offset);
+        let lag = p.high_watermark - next_offset;
+        let oldest = p.buffer.front().map(|r| r.record.timestamp);
+        let high_watermark = p.high_watermark;
+        self.config
+            .health
+            .update(self.reporter, &p.topic, p.partition, |h| {
+                h.next_offset = next_offset;
+                h.high_watermark = high_watermark;
+                h.lag_records = lag.max(0);
+                h.lag_seconds = match oldest {
+                    _ if lag <= 0 => Some(0.0),
+                    Some(t) => Some(
+                        (chrono::Utc::now() - t)
+                            .to_std()
+                            .unwrap_or_default()
+                            .as_secs_f64(),
+                    ),
+                    None => None,
+                };
+            });
         inbox_core::record_safely(
             &self.metrics,
             MetricEvent::Lag {
@@ -751,6 +796,9 @@ impl<O: OffsetStore> KafkaConsumer<O> {
             );
             p.fenced = true;
             p.forget();
+            self.config
+                .health
+                .update(self.reporter, &p.topic, p.partition, |h| h.owned = false);
             inbox_core::record_safely(
                 &self.metrics,
                 MetricEvent::Fenced {
@@ -811,6 +859,9 @@ impl<O: OffsetStore> KafkaConsumer<O> {
                     "the stored offset is outside the log; the partition is stopped (policy Stop)");
                 p.stopped = true;
                 p.forget();
+                self.config
+                    .health
+                    .update(self.reporter, &p.topic, p.partition, |h| h.owned = false);
                 return Ok(());
             }
             OutOfRange::Earliest => OffsetAt::Earliest,
@@ -998,6 +1049,14 @@ impl<O: OffsetStore> Consumer for KafkaConsumer<O> {
     fn acked_in_transaction(&mut self, message: &Message) {
         if let (Some(index), Some(pos)) = (self.index_of(message), message.position.as_ref()) {
             self.partitions[index].acknowledged(pos.offset);
+            let p = &self.partitions[index];
+            self.config
+                .health
+                .update(self.reporter, &p.topic, p.partition, |h| {
+                    h.last_progress = Some(std::time::SystemTime::now());
+                    h.next_offset = h.next_offset.max(pos.offset + 1);
+                    h.lag_records = (h.high_watermark - h.next_offset).max(0);
+                });
         }
     }
 
@@ -1207,6 +1266,7 @@ mod tests {
             stats: ConsumerStats::default(),
             fetched: Arc::new(Notify::new()),
             _client: None,
+            reporter: 0,
         }
     }
 

@@ -59,6 +59,8 @@
 mod consumer;
 mod decode;
 mod group;
+mod health;
+mod offsets;
 mod security;
 
 pub use consumer::{
@@ -66,6 +68,8 @@ pub use consumer::{
 };
 pub use decode::{Decode, JsonDecoder, RecordView, decode_or_poison};
 pub use group::{AssignmentChange, GroupConfig, GroupSummary, run_group};
+pub use health::{HealthHandle, PartitionHealth};
+pub use offsets::{MovedOffset, OffsetTarget, PartitionOffsets, move_offsets, read_offsets};
 pub use security::{Sasl, Tls};
 
 use std::sync::Arc;

@@ -276,3 +276,115 @@ async fn partitions_that_appear_while_members_run_are_shared() {
         }
     }
 }
+
+/// An operator moves the group back to the earliest record while two
+/// members run: the move fences them, each claims its partition back and
+/// reads it again from the start; every record delivered again is a
+/// duplicate the inbox recognises, so no effect happens twice, and the
+/// records produced after the move are handled once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_offset_reset_while_two_members_run_doubles_and_loses_nothing() {
+    use inbox_kafka::{OffsetTarget, move_offsets, read_offsets};
+    let env = env("reset", 2).await;
+    let handler = ScriptedHandler::new([], Act::Succeed);
+    let wave =
+        |w: usize, p: i32| -> Vec<String> { (0..15).map(|i| format!("w{w}-p{p}-{i}")).collect() };
+    for p in 0..2 {
+        let ids = wave(1, p);
+        let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+        env.produce_orders(p, &refs).await;
+    }
+    let metrics = Arc::new(inbox_core::CountingMetrics::default());
+    let kafka = env.kafka_config("billing");
+    let health = kafka.health.clone();
+    let start = |id: &str| {
+        let mut group = GroupConfig::new(id, vec![env.topic.clone()]);
+        group.heartbeat = Duration::from_millis(100);
+        group.lease = Duration::from_millis(800);
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(run_group(
+            kafka.clone(),
+            group,
+            env.store.clone(),
+            handler.clone(),
+            config("billing", AckStrategy::default()),
+            metrics.clone(),
+            cancel.clone(),
+        ));
+        (cancel, task)
+    };
+    let (stop_a, a) = start("member-a");
+    let (stop_b, b) = start("member-b");
+    wait_until(
+        "both members and the first wave",
+        Duration::from_secs(60),
+        async || owners(&env).await.len() == 2 && env.total_invoices().await == 30,
+    )
+    .await;
+    let before = read_offsets(&env.kafka_config("billing"), &env.store)
+        .await
+        .expect("read offsets");
+    assert!(
+        before
+            .iter()
+            .all(|p| p.stored == Some(15) && p.latest == 15 && p.lag() == Some(0)),
+        "{before:?}"
+    );
+
+    let moved = move_offsets(
+        &env.kafka_config("billing"),
+        &env.store,
+        OffsetTarget::Earliest,
+    )
+    .await
+    .expect("move");
+    assert_eq!(
+        moved.iter().map(|m| (m.from, m.to)).collect::<Vec<_>>(),
+        vec![(Some(15), 0), (Some(15), 0)]
+    );
+    for p in 0..2 {
+        let ids = wave(2, p);
+        let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+        env.produce_orders(p, &refs).await;
+    }
+    wait_until(
+        "the second wave, and the group at the log's end",
+        Duration::from_secs(60),
+        async || {
+            env.total_invoices().await == 60
+                && env.stored_offset("billing", 0).await == Some(30)
+                && env.stored_offset("billing", 1).await == Some(30)
+        },
+    )
+    .await;
+    let counts = metrics.snapshot();
+    assert!(
+        counts.duplicate >= 30,
+        "the first wave was delivered again after the move: {counts:?}"
+    );
+    // a member fenced mid-transaction ran its handler for nothing: its
+    // transaction was rolled back, the record came again after the claim
+    assert!(handler.calls() >= 60, "{}", handler.calls());
+    eprintln!("handler runs {} for 60 orders, {counts:?}", handler.calls());
+    let doubled = inbox_testkit::pg::count(
+        &env.store,
+        "SELECT count(*) FROM (SELECT order_id FROM invoices GROUP BY order_id HAVING count(*) > 1) d",
+        vec![],
+    )
+    .await
+    .expect("count");
+    assert_eq!(doubled, 0);
+    let after = read_offsets(&env.kafka_config("billing"), &env.store)
+        .await
+        .expect("read offsets");
+    assert!(
+        after
+            .iter()
+            .all(|p| p.owner_epoch > before[0].owner_epoch.min(before[1].owner_epoch)),
+        "the move fenced the owners: {before:?} -> {after:?}"
+    );
+    stop_a.cancel();
+    stop_b.cancel();
+    a.await.expect("join").expect("member a");
+    b.await.expect("join").expect("member b");
+}

@@ -1,0 +1,234 @@
+//! The operator's controls: read a group's stored offsets beside the log's
+//! bounds, and move them (to the earliest or latest record, an offset, or
+//! the first record at or after a time), safely while members run.
+//!
+//! Moving a partition claims it (its owner epoch goes up, so the member
+//! reading it is fenced: nothing it has in flight is acknowledged any more)
+//! and stores the new next offset under that epoch. A `run_group` member
+//! fenced off a partition still assigned to it claims it back and reads on
+//! from the moved offset; a `run_partitioned` consumer stops reading a
+//! fenced partition (restart it). Moving back delivers records again that
+//! the inbox recognises as duplicates (no effect twice); moving forward
+//! skips records on purpose.
+
+use chrono::{DateTime, Utc};
+use inbox_core::{OffsetStore, Position, StoreErrorKind, TxAck};
+use rskafka::client::partition::{OffsetAt, PartitionClient, UnknownTopicHandling};
+
+use crate::consumer::within;
+use crate::{KafkaConfig, KafkaError};
+
+/// Where to move a group's offset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OffsetTarget {
+    /// The earliest record the broker still has.
+    Earliest,
+    /// After the last record: only records produced from now on.
+    Latest,
+    /// This offset (clamped into the log's bounds).
+    Offset(i64),
+    /// The first record whose timestamp is at or after this time (the log's
+    /// end if there is none).
+    Timestamp(DateTime<Utc>),
+}
+
+impl std::str::FromStr for OffsetTarget {
+    type Err = KafkaError;
+
+    /// `earliest`, `latest`, an offset (`42`), or an RFC 3339 time
+    /// (`2026-12-01T09:00:00Z`).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "earliest" => Ok(Self::Earliest),
+            "latest" => Ok(Self::Latest),
+            _ => {
+                if let Ok(offset) = s.parse::<i64>() {
+                    return Ok(Self::Offset(offset));
+                }
+                DateTime::parse_from_rfc3339(s)
+                    .map(|t| Self::Timestamp(t.with_timezone(&Utc)))
+                    .map_err(|_| {
+                        KafkaError::Config(format!(
+                            "{s:?} is no offset target: earliest, latest, an offset, or an RFC 3339 time"
+                        ))
+                    })
+            }
+        }
+    }
+}
+
+/// A partition's stored offset beside the log's bounds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartitionOffsets {
+    /// Topic.
+    pub topic: String,
+    /// Partition.
+    pub partition: i32,
+    /// The group's stored next offset (`None`: never acknowledged).
+    pub stored: Option<i64>,
+    /// The epoch of the partition's owner (0: never claimed).
+    pub owner_epoch: i64,
+    /// The earliest offset the broker still has.
+    pub earliest: i64,
+    /// The offset after the last record.
+    pub latest: i64,
+}
+
+impl PartitionOffsets {
+    /// Records behind the log's end (`None` when nothing is stored).
+    pub fn lag(&self) -> Option<i64> {
+        self.stored.map(|s| (self.latest - s).max(0))
+    }
+}
+
+/// A partition moved by [`move_offsets`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MovedOffset {
+    /// Topic.
+    pub topic: String,
+    /// Partition.
+    pub partition: i32,
+    /// The stored next offset before.
+    pub from: Option<i64>,
+    /// The stored next offset now.
+    pub to: i64,
+}
+
+/// How many times a move claims a partition again when a member claimed
+/// it back between the claim and the store.
+const MOVE_ATTEMPTS: usize = 5;
+
+/// The offset of the first record at or after `t` (the log's end when
+/// there is none), by ListOffsets. Brokers say "none" differently (Kafka
+/// answers -1, tansu 0.6 the first offset), so the record the broker names
+/// is fetched and its timestamp checked.
+pub(crate) async fn offset_at_time(
+    pc: &PartitionClient,
+    t: DateTime<Utc>,
+    config: &KafkaConfig,
+) -> Result<i64, rskafka::client::error::Error> {
+    let earliest = pc.get_offset(OffsetAt::Earliest).await?;
+    let latest = pc.get_offset(OffsetAt::Latest).await?;
+    let at = pc.get_offset(OffsetAt::Timestamp(t)).await?;
+    if at < earliest || at >= latest {
+        return Ok(latest);
+    }
+    let wait = i32::try_from(config.max_wait.as_millis()).unwrap_or(i32::MAX);
+    let (records, _) = pc
+        .fetch_records(at, 1..config.fetch_max_bytes.max(2), wait)
+        .await?;
+    match records.iter().find(|r| r.offset >= at) {
+        Some(r) if r.record.timestamp >= t => Ok(r.offset),
+        // the broker named a record before `t`: it found none
+        _ => Ok(latest),
+    }
+}
+
+/// The stored offsets of `config.consumer_group` for `config.partitions`,
+/// beside the log's bounds at the broker.
+///
+/// # Errors
+///
+/// A [`KafkaError`] when the broker or the store cannot be read.
+pub async fn read_offsets<O: OffsetStore>(
+    config: &KafkaConfig,
+    store: &O,
+) -> Result<Vec<PartitionOffsets>, KafkaError> {
+    let client = config.client().await?;
+    let mut out = Vec::with_capacity(config.partitions.len());
+    for (topic, partition) in &config.partitions {
+        let pc = within(
+            "connecting to the partition's leader",
+            config.connect_timeout,
+            client.partition_client(topic.clone(), *partition, UnknownTopicHandling::Error),
+        )
+        .await?;
+        let earliest = pc.get_offset(OffsetAt::Earliest).await?;
+        let latest = pc.get_offset(OffsetAt::Latest).await?;
+        let claim = store
+            .read_partition(&config.consumer_group, topic, *partition)
+            .await?;
+        out.push(PartitionOffsets {
+            topic: topic.clone(),
+            partition: *partition,
+            stored: claim.and_then(|c| c.next_offset),
+            owner_epoch: claim.map_or(0, |c| c.owner_epoch),
+            earliest,
+            latest,
+        });
+    }
+    Ok(out)
+}
+
+/// Moves the stored offset of `config.consumer_group` on each of
+/// `config.partitions` to `target`: claims the partition (fencing its
+/// reader) and stores the new next offset under the new epoch. A member
+/// that claims the partition back in between fences the move: it claims
+/// again, up to five times.
+///
+/// # Errors
+///
+/// A [`KafkaError`] when the broker or the store cannot be reached, or a
+/// partition could not be moved because members kept claiming it.
+pub async fn move_offsets<O: OffsetStore>(
+    config: &KafkaConfig,
+    store: &O,
+    target: OffsetTarget,
+) -> Result<Vec<MovedOffset>, KafkaError> {
+    let client = config.client().await?;
+    let mut moved = Vec::with_capacity(config.partitions.len());
+    for (topic, partition) in &config.partitions {
+        let pc = within(
+            "connecting to the partition's leader",
+            config.connect_timeout,
+            client.partition_client(topic.clone(), *partition, UnknownTopicHandling::Error),
+        )
+        .await?;
+        let earliest = pc.get_offset(OffsetAt::Earliest).await?;
+        let latest = pc.get_offset(OffsetAt::Latest).await?;
+        let to = match target {
+            OffsetTarget::Earliest => earliest,
+            OffsetTarget::Latest => latest,
+            OffsetTarget::Offset(o) => o.clamp(earliest, latest.max(earliest)),
+            OffsetTarget::Timestamp(t) => offset_at_time(&pc, t, config).await?,
+        };
+        let mut attempt = 0;
+        let from = loop {
+            attempt += 1;
+            let claim = store
+                .claim_partition(&config.consumer_group, topic, *partition)
+                .await?;
+            let ack = TxAck {
+                consumer_group: config.consumer_group.clone(),
+                position: Position::new(topic.clone(), *partition, to - 1),
+                owner_epoch: claim.owner_epoch,
+                expected_next: claim.next_offset,
+            };
+            match store.store_ack(&ack).await {
+                Ok(()) => break claim.next_offset,
+                Err(e)
+                    if matches!(e.kind, StoreErrorKind::Fenced | StoreErrorKind::OffsetMoved)
+                        && attempt < MOVE_ATTEMPTS =>
+                {
+                    tracing::info!(%topic, partition, error = %e, "claimed back while moving: claiming again");
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
+        tracing::info!(
+            group = %config.consumer_group,
+            %topic,
+            partition,
+            ?from,
+            to,
+            "offset moved"
+        );
+        moved.push(MovedOffset {
+            topic: topic.clone(),
+            partition: *partition,
+            from,
+            to,
+        });
+    }
+    Ok(moved)
+}

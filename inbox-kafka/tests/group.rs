@@ -383,6 +383,18 @@ async fn an_offset_reset_while_two_members_run_doubles_and_loses_nothing() {
             .all(|p| p.owner_epoch > before[0].owner_epoch.min(before[1].owner_epoch)),
         "the move fenced the owners: {before:?} -> {after:?}"
     );
+    // the health both members report: each partition owned, caught up,
+    // acknowledged lately, none stalled
+    let mut owned = health.owned();
+    owned.sort();
+    assert_eq!(owned, vec![(env.topic.clone(), 0), (env.topic.clone(), 1)]);
+    for h in health.partitions() {
+        assert!(
+            h.owned && h.lag_records == 0 && h.next_offset == 30 && h.last_progress.is_some(),
+            "{h:?}"
+        );
+    }
+    assert!(health.stalled(Duration::from_secs(1)).is_empty());
     stop_a.cancel();
     stop_b.cancel();
     a.await.expect("join").expect("member a");

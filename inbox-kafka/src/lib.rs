@@ -69,7 +69,9 @@ pub use consumer::{
 pub use decode::{Decode, JsonDecoder, RecordView, decode_or_poison};
 pub use group::{AssignmentChange, GroupConfig, GroupSummary, run_group};
 pub use health::{HealthHandle, PartitionHealth};
-pub use offsets::{MovedOffset, OffsetTarget, PartitionOffsets, move_offsets, read_offsets};
+pub use offsets::{
+    MovedOffset, OffsetTarget, PartitionOffsets, move_offsets, read_offsets, topic_partitions,
+};
 pub use security::{Sasl, Tls};
 
 use std::sync::Arc;

@@ -124,6 +124,32 @@ pub(crate) async fn offset_at_time(
     }
 }
 
+/// Every partition of `topics`, from the brokers' metadata (what
+/// `KafkaConfig::partitions` needs to cover whole topics).
+///
+/// # Errors
+///
+/// A [`KafkaError`] when the brokers cannot be reached;
+/// [`KafkaError::Config`] naming a topic the brokers do not have.
+pub async fn topic_partitions(
+    config: &KafkaConfig,
+    topics: &[String],
+) -> Result<Vec<(String, i32)>, KafkaError> {
+    let client = config.client().await?;
+    let known = client.list_topics().await?;
+    let mut out = Vec::new();
+    for topic in topics {
+        let found = known
+            .iter()
+            .find(|t| &t.name == topic)
+            .ok_or_else(|| KafkaError::Config(format!("the brokers have no topic {topic:?}")))?;
+        let mut partitions: Vec<i32> = found.partitions.iter().copied().collect();
+        partitions.sort_unstable();
+        out.extend(partitions.into_iter().map(|p| (topic.clone(), p)));
+    }
+    Ok(out)
+}
+
 /// The stored offsets of `config.consumer_group` for `config.partitions`,
 /// beside the log's bounds at the broker.
 ///

@@ -77,6 +77,11 @@ pub struct Security {
     /// require authentication. The harness's own client (topics, produce)
     /// signs in as the first.
     pub users: Vec<(String, String, Scram)>,
+    /// Without TLS, still put the front before the broker, forwarding
+    /// plain TCP: what the hop alone costs, to compare with TLS.
+    pub plain_front: bool,
+    /// The `--storage-engine` (default `sqlite://tansu.db`).
+    pub storage: Option<String>,
 }
 
 impl std::fmt::Debug for Security {
@@ -90,6 +95,8 @@ impl std::fmt::Debug for Security {
             .field("tls", &self.tls)
             .field("mutual_tls", &self.mutual_tls)
             .field("users", &users)
+            .field("plain_front", &self.plain_front)
+            .field("storage", &self.storage)
             .finish()
     }
 }
@@ -202,7 +209,10 @@ impl Broker {
             dir,
             advertised: listen.clone(),
             listen,
-            storage: "sqlite://tansu.db".to_owned(),
+            storage: security
+                .storage
+                .clone()
+                .unwrap_or_else(|| "sqlite://tansu.db".to_owned()),
             authentication: false,
         };
         if !security.users.is_empty() {
@@ -228,17 +238,25 @@ impl Broker {
             created?;
             launch.authentication = true;
         }
-        let mut certificates = None;
-        if security.tls || security.mutual_tls {
-            let made = Certificates::generate()?;
+        let tls = security.tls || security.mutual_tls;
+        let certificates = if tls {
+            Some(Certificates::generate()?)
+        } else {
+            None
+        };
+        if tls || security.plain_front {
             let front = std::net::TcpListener::bind("127.0.0.1:0")
-                .map_err(|e| HarnessError(format!("TLS front: {e}")))?;
+                .map_err(|e| HarnessError(format!("front: {e}")))?;
             launch.advertised = front
                 .local_addr()
-                .map_err(|e| HarnessError(format!("TLS front: {e}")))?
+                .map_err(|e| HarnessError(format!("front: {e}")))?
                 .to_string();
-            tls::spawn_front(front, launch.listen.clone(), &made, security.mutual_tls)?;
-            certificates = Some(made);
+            tls::spawn_front(
+                front,
+                launch.listen.clone(),
+                certificates.as_ref(),
+                security.mutual_tls,
+            )?;
         }
         let child = launch.start()?;
         eprintln!(

@@ -165,15 +165,19 @@ fn key(pem: &str) -> Result<PrivateKeyDer<'static>, HarnessError> {
     PrivateKeyDer::from_pem_slice(pem.as_bytes()).map_err(|e| HarnessError(format!("key pem: {e}")))
 }
 
-/// Starts a TLS front on `listener` forwarding to `backend` (`host:port`)
-/// in a thread of its own (it lives as long as the test process).
+/// Starts a front on `listener` forwarding to `backend` (`host:port`) in a
+/// thread of its own (it lives as long as the test process): TLS with
+/// `certificates`, or plain TCP without (to measure the hop alone).
 pub(crate) fn spawn_front(
     listener: TcpListener,
     backend: String,
-    certificates: &Certificates,
+    certificates: Option<&Certificates>,
     mutual: bool,
 ) -> Result<(), HarnessError> {
-    let acceptor = tokio_rustls::TlsAcceptor::from(certificates.server_config(mutual)?);
+    let acceptor = match certificates {
+        Some(c) => Some(tokio_rustls::TlsAcceptor::from(c.server_config(mutual)?)),
+        None => None,
+    };
     listener
         .set_nonblocking(true)
         .map_err(|e| HarnessError(format!("TLS front: {e}")))?;
@@ -192,15 +196,26 @@ pub(crate) fn spawn_front(
                     let acceptor = acceptor.clone();
                     let backend = backend.clone();
                     tokio::spawn(async move {
-                        // a refused handshake closes the connection: that is
-                        // what the client sees
-                        let Ok(mut tls) = acceptor.accept(socket).await else {
-                            return;
-                        };
+                        let _ = socket.set_nodelay(true);
                         let Ok(mut plain) = tokio::net::TcpStream::connect(&backend).await else {
                             return;
                         };
-                        let _ = tokio::io::copy_bidirectional(&mut tls, &mut plain).await;
+                        let _ = plain.set_nodelay(true);
+                        match acceptor {
+                            // a refused handshake closes the connection:
+                            // that is what the client sees
+                            Some(acceptor) => {
+                                if let Ok(mut tls) = acceptor.accept(socket).await {
+                                    let _ =
+                                        tokio::io::copy_bidirectional(&mut tls, &mut plain).await;
+                                }
+                            }
+                            None => {
+                                let mut socket = socket;
+                                let _ =
+                                    tokio::io::copy_bidirectional(&mut socket, &mut plain).await;
+                            }
+                        }
                     });
                 }
             });

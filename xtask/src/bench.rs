@@ -30,6 +30,11 @@
 //!   optimistic replay the runner does;
 //! - `consumer`: the Kafka consumer alone, from tansu (in-memory storage,
 //!   forward only), fetch and decode, no database;
+//! - `consumer-front`: the same through the harness's front forwarding
+//!   plain TCP (the extra hop the TLS line has, without TLS);
+//! - `consumer-tls`: the same over TLS (rustls, TLS 1.3, through the
+//!   harness's TLS front: tansu 0.6 cannot switch its own TLS on), so
+//!   `consumer-tls / consumer-front` is what TLS costs;
 //! - `e2e`: the full inbox, tansu to PostgreSQL, batched, with the
 //!   batch-aware handler, offsets stored in the inbox transaction, the
 //!   exactly-once check and the broker-gap count after it.
@@ -55,7 +60,7 @@ use inbox_postgres::{PgStore, PgTx, TableName};
 use inbox_testkit::MemBroker;
 use serde_json::json;
 
-const LINES: [&str; 12] = [
+const LINES: [&str; 14] = [
     "omni-box",
     "floor",
     "raw-batch",
@@ -67,6 +72,8 @@ const LINES: [&str; 12] = [
     "processor",
     "processor-savepoints",
     "consumer",
+    "consumer-front",
+    "consumer-tls",
     "e2e",
 ];
 const PARTITIONS: i32 = 4;
@@ -205,6 +212,15 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             );
         }
     }
+    let rate = |l: &str| results.get(l).map(|r| r.0);
+    for (a, b) in [
+        ("consumer-tls", "consumer-front"),
+        ("consumer-tls", "consumer"),
+    ] {
+        if let (Some(x), Some(y)) = (rate(a), rate(b)) {
+            println!("{a} / {b}: {:.2}", x / y);
+        }
+    }
     Ok(())
 }
 
@@ -239,8 +255,10 @@ pub(crate) fn line(args: &[String]) -> Result<()> {
             "processor-savepoints" => processors(&url, store, messages, fail, false).await,
             "raw-batch" => raw_batch(&db, messages, false).await,
             "raw-savepoints" => raw_batch(&db, messages, true).await,
-            "consumer" => kafka(store, messages, false).await,
-            "e2e" => kafka(store, messages, true).await,
+            "consumer" => kafka(store, messages, false, Link::Direct).await,
+            "consumer-front" => kafka(store, messages, false, Link::Front).await,
+            "consumer-tls" => kafka(store, messages, false, Link::Tls).await,
+            "e2e" => kafka(store, messages, true, Link::Direct).await,
             other => bail!("unknown line {other}"),
         }
     })?;
@@ -371,11 +389,31 @@ async fn raw_batch(db: &DatabaseConnection, messages: u64, savepoints: bool) -> 
 /// From tansu: the consumer alone (`inbox = false`: fetch and decode) or the
 /// full batched inbox into PostgreSQL (`inbox = true`), on a topic of
 /// `messages` records produced before the clock starts.
-async fn kafka(store: PgStore, messages: u64, inbox: bool) -> Result<Duration> {
+/// How the consumer reaches the broker.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Link {
+    Direct,
+    /// Through the harness's front, plain TCP.
+    Front,
+    /// Through the harness's front, TLS.
+    Tls,
+}
+
+async fn kafka(store: PgStore, messages: u64, inbox: bool, link: Link) -> Result<Duration> {
     let storage =
         std::env::var("BENCH_TANSU_STORAGE").unwrap_or_else(|_| "memory://tansu/".to_owned());
-    let broker = inbox_testkit::kafka::Broker::start_with_storage(&storage)
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let broker = match link {
+        Link::Direct => inbox_testkit::kafka::Broker::start_with_storage(&storage),
+        Link::Front | Link::Tls => {
+            inbox_testkit::kafka::Broker::start_secured(inbox_testkit::kafka::Security {
+                tls: link == Link::Tls,
+                plain_front: link == Link::Front,
+                storage: Some(storage),
+                ..Default::default()
+            })
+        }
+    }
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
     let topic = broker
         .topic("bench", PARTITIONS)
         .await
@@ -413,6 +451,9 @@ async fn kafka(store: PgStore, messages: u64, inbox: bool) -> Result<Duration> {
         (0..PARTITIONS).map(|p| (topic.clone(), p)).collect(),
     );
     config.max_wait = inbox_testkit::kafka::TANSU_MAX_WAIT;
+    if let Some(certificates) = broker.certificates() {
+        config.tls = Some(inbox_kafka::Tls::ca_pem(certificates.ca_pem.clone()));
+    }
     let mut consumer = inbox_kafka::KafkaConsumer::connect(config, store.clone()).await?;
     let db = store.connection().clone();
     let started = Instant::now();

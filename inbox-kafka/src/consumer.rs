@@ -16,6 +16,7 @@ use rskafka::record::RecordAndOffset;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use crate::committed::{CommittedFetch, Dialer};
 use crate::decode::{Decode, JsonDecoder, RecordView, decode_or_poison};
 use crate::health::HealthHandle;
 use crate::security::{Sasl, Tls};
@@ -93,6 +94,12 @@ pub struct KafkaConfig {
     pub tls: Option<Tls>,
     /// SASL authentication; `None` (the default) is none.
     pub sasl: Option<Sasl>,
+    /// Drop the records of aborted transactions (default `true`): fetch
+    /// through the transaction-aware path (see `docs/kafka.md`, "Topics
+    /// from other producers"). `false` fetches with rskafka's own client,
+    /// which delivers aborted records as if committed: only for a topic no
+    /// transactional producer writes.
+    pub read_committed: bool,
     /// Where every consumer connected with this configuration (or a clone
     /// of it) reports its partitions' health: take a clone before handing
     /// the configuration to `run_group` or `run_partitioned`.
@@ -137,6 +144,7 @@ impl KafkaConfig {
             tls: None,
             sasl: None,
             health: HealthHandle::new(),
+            read_committed: true,
         }
     }
 
@@ -225,18 +233,33 @@ pub enum KafkaError {
 /// batch; a rewind further back fetches again).
 const MAX_KEPT_RECORDS: usize = 1024;
 
-/// What the consumer asks of a partition at the broker (rskafka's
-/// [`PartitionClient`]; a fake in the unit tests).
+/// Why a fetch or an offset lookup of a partition failed.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum FetchError {
+    /// The broker says the offset is outside the log.
+    #[error("offset out of range")]
+    OutOfRange,
+    /// The client's error.
+    #[error(transparent)]
+    Kafka(#[from] rskafka::client::error::Error),
+    /// Anything else, said.
+    #[error("{0}")]
+    Other(String),
+}
+
+/// What the consumer asks of a partition at the broker (the
+/// transaction-aware [`CommittedFetch`](crate::committed::CommittedFetch),
+/// or rskafka's [`PartitionClient`]; a fake in the unit tests).
 #[async_trait]
-trait Fetch: Send + Sync {
+pub(crate) trait Fetch: Send + Sync {
     async fn fetch(
         &self,
         offset: i64,
         bytes: std::ops::Range<i32>,
         max_wait_ms: i32,
-    ) -> Result<(Vec<RecordAndOffset>, i64), rskafka::client::error::Error>;
+    ) -> Result<(Vec<RecordAndOffset>, i64), FetchError>;
 
-    async fn offset_at(&self, at: OffsetAt) -> Result<i64, rskafka::client::error::Error>;
+    async fn offset_at(&self, at: OffsetAt) -> Result<i64, FetchError>;
 }
 
 #[async_trait]
@@ -246,12 +269,20 @@ impl Fetch for PartitionClient {
         offset: i64,
         bytes: std::ops::Range<i32>,
         max_wait_ms: i32,
-    ) -> Result<(Vec<RecordAndOffset>, i64), rskafka::client::error::Error> {
-        self.fetch_records(offset, bytes, max_wait_ms).await
+    ) -> Result<(Vec<RecordAndOffset>, i64), FetchError> {
+        self.fetch_records(offset, bytes, max_wait_ms)
+            .await
+            .map_err(|e| match e {
+                rskafka::client::error::Error::ServerError {
+                    protocol_error: rskafka::client::error::ProtocolError::OffsetOutOfRange,
+                    ..
+                } => FetchError::OutOfRange,
+                other => FetchError::Kafka(other),
+            })
     }
 
-    async fn offset_at(&self, at: OffsetAt) -> Result<i64, rskafka::client::error::Error> {
-        self.get_offset(at).await
+    async fn offset_at(&self, at: OffsetAt) -> Result<i64, FetchError> {
+        Ok(self.get_offset(at).await?)
     }
 }
 
@@ -262,10 +293,7 @@ const FETCH_GRACE: Duration = Duration::from_millis(250);
 
 /// What a fetch task gives back: the records and the high watermark, a
 /// broker error, or no answer within `fetch_timeout`.
-type Fetched = Result<
-    Result<(Vec<RecordAndOffset>, i64), rskafka::client::error::Error>,
-    tokio::time::error::Elapsed,
->;
+type Fetched = Result<Result<(Vec<RecordAndOffset>, i64), FetchError>, tokio::time::error::Elapsed>;
 
 /// A fetch of one partition running in a task of its own, so that a slow or
 /// hanging partition holds back nobody else. Dropping it aborts the task.
@@ -461,6 +489,16 @@ impl<O: OffsetStore> KafkaConsumer<O> {
         }
         let client = config.client().await?;
         let reporter = config.health.reporter();
+        let dialer = if config.read_committed {
+            Some(Arc::new(Dialer {
+                bootstrap: config.brokers.clone(),
+                client_id: Arc::from(config.client_id.as_str()),
+                tls: config.tls.as_ref().map(Tls::client_config).transpose()?,
+                sasl: config.sasl.as_ref().map(Sasl::config),
+            }))
+        } else {
+            None
+        };
         let mut partitions = Vec::with_capacity(config.partitions.len());
         for (topic, partition) in &config.partitions {
             let pc = within(
@@ -487,7 +525,15 @@ impl<O: OffsetStore> KafkaConsumer<O> {
                 .health
                 .claimed(reporter, topic, *partition, next_fetch);
             partitions.push(Partition {
-                client: Arc::new(pc),
+                client: match &dialer {
+                    Some(dialer) => Arc::new(CommittedFetch::new(
+                        pc,
+                        Arc::clone(dialer),
+                        topic.clone(),
+                        *partition,
+                    )) as Arc<dyn Fetch>,
+                    None => Arc::new(pc),
+                },
                 topic: topic.clone(),
                 partition: *partition,
                 epoch: claim.owner_epoch,
@@ -648,10 +694,7 @@ impl<O: OffsetStore> KafkaConsumer<O> {
                 return self.outside_the_log(index, Some(hw)).await;
             }
             Ok(fetched) => fetched,
-            Err(rskafka::client::error::Error::ServerError {
-                protocol_error: rskafka::client::error::ProtocolError::OffsetOutOfRange,
-                ..
-            }) => return self.outside_the_log(index, None).await,
+            Err(FetchError::OutOfRange) => return self.outside_the_log(index, None).await,
             Err(e) => {
                 return Err(ConsumerError::Fetch(format!(
                     "{}:{}: {e}",
@@ -822,7 +865,7 @@ impl<O: OffsetStore> KafkaConsumer<O> {
         let bounds = async {
             let earliest = p.client.offset_at(OffsetAt::Earliest).await?;
             let latest = p.client.offset_at(OffsetAt::Latest).await?;
-            Ok::<_, rskafka::client::error::Error>((earliest, latest))
+            Ok::<_, FetchError>((earliest, latest))
         };
         let (earliest, latest) = bounds
             .await
@@ -1135,14 +1178,12 @@ mod tests {
             offset: i64,
             _bytes: std::ops::Range<i32>,
             _max_wait_ms: i32,
-        ) -> Result<(Vec<RecordAndOffset>, i64), rskafka::client::error::Error> {
+        ) -> Result<(Vec<RecordAndOffset>, i64), FetchError> {
             if self.hangs {
                 tokio::time::sleep(Duration::from_secs(3600)).await;
             }
             if self.broken {
-                return Err(rskafka::client::error::Error::InvalidResponse(
-                    "broken partition".into(),
-                ));
+                return Err(FetchError::Other("broken partition".into()));
             }
             let stale = self
                 .stale_once
@@ -1163,7 +1204,7 @@ mod tests {
             Ok((records, end))
         }
 
-        async fn offset_at(&self, at: OffsetAt) -> Result<i64, rskafka::client::error::Error> {
+        async fn offset_at(&self, at: OffsetAt) -> Result<i64, FetchError> {
             Ok(match at {
                 OffsetAt::Latest => i64::try_from(self.records.len()).unwrap_or(0),
                 _ => 0,

@@ -30,6 +30,9 @@
 //!   optimistic replay the runner does;
 //! - `consumer`: the Kafka consumer alone, from tansu (in-memory storage,
 //!   forward only), fetch and decode, no database;
+//! - `consumer-rskafka`: the same with `read_committed` off, so with
+//!   rskafka's own fetch (which keeps no aborted-transaction list): what
+//!   the transaction-aware fetch costs or saves;
 //! - `consumer-front`: the same through the harness's front forwarding
 //!   plain TCP (the extra hop the TLS line has, without TLS);
 //! - `consumer-tls`: the same over TLS (rustls, TLS 1.3, through the
@@ -60,7 +63,7 @@ use inbox_postgres::{PgStore, PgTx, TableName};
 use inbox_testkit::MemBroker;
 use serde_json::json;
 
-const LINES: [&str; 14] = [
+const LINES: [&str; 15] = [
     "omni-box",
     "floor",
     "raw-batch",
@@ -72,6 +75,7 @@ const LINES: [&str; 14] = [
     "processor",
     "processor-savepoints",
     "consumer",
+    "consumer-rskafka",
     "consumer-front",
     "consumer-tls",
     "e2e",
@@ -82,6 +86,9 @@ const BUSINESS: &str = "CREATE TABLE bench_invoices (id BIGSERIAL PRIMARY KEY, o
 
 /// Options of `cargo xtask bench`.
 struct Options {
+    /// Rounds: every line runs once per round, lines interleaved, and the
+    /// table shows each line's median.
+    repeat: u64,
     messages: u64,
     rows: u64,
     fail_percent: u64,
@@ -90,6 +97,7 @@ struct Options {
 
 fn parse(args: &[String]) -> Result<Options> {
     let mut o = Options {
+        repeat: 1,
         messages: 20_000,
         rows: 0,
         fail_percent: 0,
@@ -107,6 +115,7 @@ fn parse(args: &[String]) -> Result<Options> {
         match a.as_str() {
             "--smoke" => o.messages = 300,
             "--messages" => o.messages = value("--messages")?,
+            "--repeat" => o.repeat = value("--repeat")?.max(1),
             "--rows" => o.rows = value("--rows")?,
             "--fail-percent" => o.fail_percent = value("--fail-percent")?.min(100),
             "--only" => {
@@ -155,57 +164,46 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             String::new()
         }
     );
+    let mut runs: BTreeMap<String, Vec<(f64, u64)>> = BTreeMap::new();
+    for round in 1..=o.repeat {
+        if o.repeat > 1 {
+            println!("round {round} of {}", o.repeat);
+        }
+        for line in &o.lines {
+            let parsed = run_line(&exe, server, line, &o)?;
+            println!("  {line:<12} {:>10.0} msg/s", parsed.0);
+            runs.entry(line.clone()).or_default().push(parsed);
+        }
+    }
+    // each line's median run (by rate), and the spread of its rates
     let mut results: BTreeMap<String, (f64, u64)> = BTreeMap::new();
-    for line in &o.lines {
-        let url = server
-            .create_database()
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
-        let out = Command::new(&exe)
-            .args([
-                "bench-line",
-                line,
-                &o.messages.to_string(),
-                &o.rows.to_string(),
-                &o.fail_percent.to_string(),
-            ])
-            .env("BENCH_DATABASE_URL", &url)
-            .output()
-            .with_context(|| format!("running bench line {line}"))?;
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        if std::env::var_os("BENCH_VERBOSE").is_some() {
-            eprint!("{}", String::from_utf8_lossy(&out.stderr));
-        }
-        if !out.status.success() {
-            bail!(
-                "bench line {line} failed: {}{}",
-                stdout,
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        let parsed = stdout
-            .lines()
-            .find_map(|l| l.strip_prefix("RESULT "))
-            .and_then(|r| {
-                let mut f = r.split_whitespace();
-                Some((
-                    f.next()?.parse::<f64>().ok()?,
-                    f.next()?.parse::<u64>().ok()?,
-                ))
-            })
-            .with_context(|| format!("bench line {line} printed no result: {stdout}"))?;
-        println!("  {line:<12} {:>10.0} msg/s", parsed.0);
-        results.insert(line.clone(), parsed);
+    let mut spread: BTreeMap<String, (f64, f64)> = BTreeMap::new();
+    for (line, mut r) in runs {
+        r.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let (lo, hi) = (r[0].0, r[r.len() - 1].0);
+        results.insert(line.clone(), r[r.len() / 2]);
+        spread.insert(line, (lo, hi));
     }
     let base = results.get("omni-box").map(|r| r.0);
     let floor = results.get("floor").map(|r| r.0);
     println!();
-    println!("| line | messages/s | vs omni-box | vs floor | peak RSS |");
+    let median = if o.repeat > 1 {
+        format!(" (median of {}, lowest-highest)", o.repeat)
+    } else {
+        String::new()
+    };
+    println!("| line | messages/s{median} | vs omni-box | vs floor | peak RSS |");
     println!("|---|---:|---:|---:|---:|");
     for line in &o.lines {
-        if let Some((rate, rss_kb)) = results.get(line) {
+        if let (Some((rate, rss_kb)), Some((lo, hi))) = (results.get(line), spread.get(line)) {
             let ratio = |b: Option<f64>| b.map_or("-".to_owned(), |b| format!("{:.2}x", rate / b));
+            let range = if o.repeat > 1 {
+                format!(" ({lo:.0}-{hi:.0})")
+            } else {
+                String::new()
+            };
             println!(
-                "| {line} | {rate:.0} | {} | {} | {:.1} MiB |",
+                "| {line} | {rate:.0}{range} | {} | {} | {:.1} MiB |",
                 ratio(base),
                 ratio(floor),
                 *rss_kb as f64 / 1024.0
@@ -214,6 +212,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     }
     let rate = |l: &str| results.get(l).map(|r| r.0);
     for (a, b) in [
+        ("consumer", "consumer-rskafka"),
         ("consumer-tls", "consumer-front"),
         ("consumer-tls", "consumer"),
     ] {
@@ -222,6 +221,52 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Runs `line` in a child process on a fresh database: its rate and peak
+/// RSS.
+fn run_line(
+    exe: &std::path::Path,
+    server: &inbox_testkit::pg::PgServer,
+    line: &str,
+    o: &Options,
+) -> Result<(f64, u64)> {
+    let url = server
+        .create_database()
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let out = Command::new(exe)
+        .args([
+            "bench-line",
+            line,
+            &o.messages.to_string(),
+            &o.rows.to_string(),
+            &o.fail_percent.to_string(),
+        ])
+        .env("BENCH_DATABASE_URL", &url)
+        .output()
+        .with_context(|| format!("running bench line {line}"))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if std::env::var_os("BENCH_VERBOSE").is_some() {
+        eprint!("{}", String::from_utf8_lossy(&out.stderr));
+    }
+    if !out.status.success() {
+        bail!(
+            "bench line {line} failed: {}{}",
+            stdout,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("RESULT "))
+        .and_then(|r| {
+            let mut f = r.split_whitespace();
+            Some((
+                f.next()?.parse::<f64>().ok()?,
+                f.next()?.parse::<u64>().ok()?,
+            ))
+        })
+        .with_context(|| format!("bench line {line} printed no result: {stdout}"))
 }
 
 /// One line, in a child process: prints `RESULT <msg/s> <peak RSS KiB>`.
@@ -256,6 +301,7 @@ pub(crate) fn line(args: &[String]) -> Result<()> {
             "raw-batch" => raw_batch(&db, messages, false).await,
             "raw-savepoints" => raw_batch(&db, messages, true).await,
             "consumer" => kafka(store, messages, false, Link::Direct).await,
+            "consumer-rskafka" => kafka(store, messages, false, Link::RskafkaFetch).await,
             "consumer-front" => kafka(store, messages, false, Link::Front).await,
             "consumer-tls" => kafka(store, messages, false, Link::Tls).await,
             "e2e" => kafka(store, messages, true, Link::Direct).await,
@@ -393,6 +439,8 @@ async fn raw_batch(db: &DatabaseConnection, messages: u64, savepoints: bool) -> 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Link {
     Direct,
+    /// Direct, with rskafka's own fetch (`read_committed` off).
+    RskafkaFetch,
     /// Through the harness's front, plain TCP.
     Front,
     /// Through the harness's front, TLS.
@@ -403,7 +451,9 @@ async fn kafka(store: PgStore, messages: u64, inbox: bool, link: Link) -> Result
     let storage =
         std::env::var("BENCH_TANSU_STORAGE").unwrap_or_else(|_| "memory://tansu/".to_owned());
     let broker = match link {
-        Link::Direct => inbox_testkit::kafka::Broker::start_with_storage(&storage),
+        Link::Direct | Link::RskafkaFetch => {
+            inbox_testkit::kafka::Broker::start_with_storage(&storage)
+        }
         Link::Front | Link::Tls => {
             inbox_testkit::kafka::Broker::start_secured(inbox_testkit::kafka::Security {
                 tls: link == Link::Tls,
@@ -451,6 +501,7 @@ async fn kafka(store: PgStore, messages: u64, inbox: bool, link: Link) -> Result
         (0..PARTITIONS).map(|p| (topic.clone(), p)).collect(),
     );
     config.max_wait = inbox_testkit::kafka::TANSU_MAX_WAIT;
+    config.read_committed = link != Link::RskafkaFetch;
     if let Some(certificates) = broker.certificates() {
         config.tls = Some(inbox_kafka::Tls::ca_pem(certificates.ca_pem.clone()));
     }

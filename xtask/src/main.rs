@@ -34,7 +34,7 @@ commands:
   bench   throughput table beside the baselines; options: --messages N,
           --rows N (preload the inbox table), --fail-percent P (the
           handler of the runner lines fails P% of its calls), --only LINE,LINE,
-          --smoke
+          --repeat N (N rounds, lines interleaved, medians), --smoke
           (for real figures: cargo run --release -p xtask -- bench)
   soak    real server faults end to end: PostgreSQL crashed (pg_ctl stop -m
           immediate), the broker and the consumer process killed, three times

@@ -1,0 +1,454 @@
+//! The fetch path that honours transactions: a read_committed fetch whose
+//! records of aborted transactions are dropped.
+//!
+//! A read_committed fetch returns records up to the last stable offset,
+//! aborted ones included: the broker adds the list of aborted transactions
+//! that overlap the range (producer id, first offset) and the client drops
+//! their batches, up to each producer's abort marker. rskafka 0.6 asks for
+//! read_committed but discards that list, so its consumers apply aborted
+//! records. This module fetches through rskafka's protocol layer instead
+//! (its `messenger` and `protocol` modules, public with the
+//! `unstable-fuzzing` feature; the workspace pins rskafka to `=0.6.0` for
+//! that reason), keeps the list, and filters the batches itself
+//! ([`committed_records`]). Everything else (metadata, ListOffsets,
+//! producing) stays on rskafka's client.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use chrono::{TimeZone, Utc};
+use rskafka::client::SaslConfig;
+use rskafka::client::partition::{OffsetAt, PartitionClient};
+use rskafka::messenger::Messenger;
+use rskafka::protocol::error::Error as ApiError;
+use rskafka::protocol::messages::{
+    FetchRequest, FetchRequestPartition, FetchRequestTopic, FetchResponseAbortedTransaction,
+    IsolationLevel, MetadataRequest, MetadataRequestTopic,
+};
+use rskafka::protocol::primitives::{Int32, Int64, String_};
+use rskafka::protocol::record::{
+    ControlBatchOrRecords, ControlBatchRecord, RecordBatch, RecordBatchTimestampType,
+};
+use rskafka::record::{Record, RecordAndOffset};
+use tokio::io::{AsyncRead, AsyncWrite, BufStream};
+use tokio::net::TcpStream;
+
+use crate::consumer::{Fetch, FetchError};
+
+/// A transport the messenger can run over: TCP, or TLS over TCP.
+trait Io: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
+impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Io for T {}
+
+type Conn = Messenger<BufStream<Box<dyn Io>>>;
+
+/// Largest response accepted (rskafka's default).
+const MAX_MESSAGE_SIZE: usize = 100 * 1024 * 1024;
+
+/// How connections to brokers are made: the same client id, TLS and SASL
+/// as the rskafka client of the configuration.
+pub(crate) struct Dialer {
+    pub(crate) bootstrap: Vec<String>,
+    pub(crate) client_id: Arc<str>,
+    pub(crate) tls: Option<Arc<rustls::ClientConfig>>,
+    pub(crate) sasl: Option<SaslConfig>,
+}
+
+fn failed(what: impl std::fmt::Display) -> FetchError {
+    FetchError::Other(what.to_string())
+}
+
+impl Dialer {
+    async fn connect(&self, address: &str) -> Result<Conn, FetchError> {
+        let (host, _) = address
+            .rsplit_once(':')
+            .ok_or_else(|| failed(format!("broker address {address:?} has no port")))?;
+        let tcp = TcpStream::connect(address)
+            .await
+            .map_err(|e| failed(format!("connecting to {address}: {e}")))?;
+        let _ = tcp.set_nodelay(true);
+        let stream: Box<dyn Io> = match &self.tls {
+            None => Box::new(tcp),
+            Some(config) => {
+                let name = rustls::pki_types::ServerName::try_from(host.to_owned())
+                    .map_err(|e| failed(format!("{host}: {e}")))?;
+                let tls = tokio_rustls::TlsConnector::from(Arc::clone(config))
+                    .connect(name, tcp)
+                    .await
+                    .map_err(|e| failed(format!("TLS with {address}: {e}")))?;
+                Box::new(tls)
+            }
+        };
+        let mut conn = Messenger::new(
+            BufStream::new(stream),
+            MAX_MESSAGE_SIZE,
+            Arc::clone(&self.client_id),
+        );
+        conn.sync_versions()
+            .await
+            .map_err(|e| failed(format!("{address}: {e}")))?;
+        if let Some(sasl) = &self.sasl {
+            conn.do_sasl(sasl.clone())
+                .await
+                .map_err(|e| failed(format!("{address}: {e}")))?;
+        }
+        Ok(conn)
+    }
+
+    /// A connection to the leader of `topic`/`partition`, found through the
+    /// first bootstrap broker that answers.
+    async fn leader(&self, topic: &str, partition: i32) -> Result<Conn, FetchError> {
+        let mut last = failed("no bootstrap broker");
+        for address in &self.bootstrap {
+            let conn = match self.connect(address).await {
+                Ok(c) => c,
+                Err(e) => {
+                    last = e;
+                    continue;
+                }
+            };
+            let metadata = conn
+                .request(MetadataRequest {
+                    topics: Some(vec![MetadataRequestTopic {
+                        name: String_(topic.to_owned()),
+                    }]),
+                    allow_auto_topic_creation: None,
+                })
+                .await
+                .map_err(|e| failed(format!("metadata from {address}: {e}")))?;
+            let leader = metadata
+                .topics
+                .iter()
+                .find(|t| t.name.0 == topic)
+                .and_then(|t| {
+                    t.partitions
+                        .iter()
+                        .find(|p| p.partition_index.0 == partition)
+                })
+                .map(|p| p.leader_id.0)
+                .ok_or_else(|| failed(format!("{topic}:{partition}: not in the metadata")))?;
+            let broker = metadata
+                .brokers
+                .iter()
+                .find(|b| b.node_id.0 == leader)
+                .ok_or_else(|| failed(format!("{topic}:{partition}: leader {leader} unknown")))?;
+            let leader_address = format!("{}:{}", broker.host.0, broker.port.0);
+            if &leader_address == address {
+                return Ok(conn);
+            }
+            return self.connect(&leader_address).await;
+        }
+        Err(last)
+    }
+}
+
+/// A partition read through the transaction-aware fetch; ListOffsets
+/// through rskafka's partition client.
+pub(crate) struct CommittedFetch {
+    client: PartitionClient,
+    dialer: Arc<Dialer>,
+    topic: String,
+    partition: i32,
+    /// The connection to the partition's leader, made on first use and
+    /// dropped after an error (made again at the next fetch).
+    conn: tokio::sync::Mutex<Option<Arc<Conn>>>,
+}
+
+impl CommittedFetch {
+    pub(crate) fn new(
+        client: PartitionClient,
+        dialer: Arc<Dialer>,
+        topic: String,
+        partition: i32,
+    ) -> Self {
+        Self {
+            client,
+            dialer,
+            topic,
+            partition,
+            conn: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    async fn connection(&self) -> Result<Arc<Conn>, FetchError> {
+        let mut held = self.conn.lock().await;
+        if let Some(c) = held.as_ref() {
+            return Ok(Arc::clone(c));
+        }
+        let c = Arc::new(self.dialer.leader(&self.topic, self.partition).await?);
+        *held = Some(Arc::clone(&c));
+        Ok(c)
+    }
+
+    async fn forget_connection(&self) {
+        *self.conn.lock().await = None;
+    }
+}
+
+#[async_trait]
+impl Fetch for CommittedFetch {
+    async fn fetch(
+        &self,
+        offset: i64,
+        bytes: std::ops::Range<i32>,
+        max_wait_ms: i32,
+    ) -> Result<(Vec<RecordAndOffset>, i64), FetchError> {
+        let conn = self.connection().await?;
+        let max_bytes = bytes.end.saturating_sub(1);
+        let request = FetchRequest {
+            replica_id: Int32(-1),
+            max_wait_ms: Int32(max_wait_ms),
+            min_bytes: Int32(bytes.start),
+            max_bytes: Some(Int32(max_bytes)),
+            isolation_level: Some(IsolationLevel::ReadCommitted),
+            topics: vec![FetchRequestTopic {
+                topic: String_(self.topic.clone()),
+                partitions: vec![FetchRequestPartition {
+                    partition: Int32(self.partition),
+                    fetch_offset: Int64(offset),
+                    partition_max_bytes: Int32(max_bytes),
+                }],
+            }],
+        };
+        let response = match conn.request(request).await {
+            Ok(r) => r,
+            Err(e) => {
+                self.forget_connection().await;
+                return Err(failed(format!("fetch: {e}")));
+            }
+        };
+        let partition = response
+            .responses
+            .into_iter()
+            .find(|t| t.topic.0 == self.topic)
+            .and_then(|t| {
+                t.partitions
+                    .into_iter()
+                    .find(|p| p.partition_index.0 == self.partition)
+            })
+            .ok_or_else(|| failed("the fetch response has no data for the partition"))?;
+        match partition.error_code {
+            None => {}
+            Some(ApiError::OffsetOutOfRange) => return Err(FetchError::OutOfRange),
+            Some(e) => {
+                // a leader moved, a broker restarting: find the leader again
+                self.forget_connection().await;
+                return Err(failed(format!("broker error {e}")));
+            }
+        }
+        let records =
+            committed_records(partition.records.0, &partition.aborted_transactions, offset)?;
+        Ok((records, partition.high_watermark.0))
+    }
+
+    async fn offset_at(&self, at: OffsetAt) -> Result<i64, FetchError> {
+        Ok(self.client.get_offset(at).await?)
+    }
+}
+
+/// The records of `batches` a read_committed consumer delivers from
+/// `from`: records of aborted transactions dropped (`aborted` as the broker
+/// lists them: producer id and first offset), control records (commit and
+/// abort markers) never delivered.
+///
+/// Kafka's rule: walking the batches in offset order, a producer becomes
+/// aborted once the batch reaches the first offset of one of its aborted
+/// transactions, its transactional batches are dropped from then on, and
+/// its abort marker ends that.
+///
+/// # Errors
+///
+/// [`FetchError::Other`] for a timestamp that cannot be a time.
+pub(crate) fn committed_records(
+    batches: Vec<RecordBatch>,
+    aborted: &[FetchResponseAbortedTransaction],
+    from: i64,
+) -> Result<Vec<RecordAndOffset>, FetchError> {
+    // first offset -> producer ids whose aborted transaction starts there
+    let mut pending: BTreeMap<i64, Vec<i64>> = BTreeMap::new();
+    for a in aborted {
+        pending
+            .entry(a.first_offset.0)
+            .or_default()
+            .push(a.producer_id.0);
+    }
+    let mut aborting: HashSet<i64> = HashSet::new();
+    let mut out = Vec::new();
+    for batch in batches {
+        let last = batch.base_offset + i64::from(batch.last_offset_delta);
+        while let Some(entry) = pending.first_entry() {
+            if *entry.key() > last {
+                break;
+            }
+            aborting.extend(entry.remove());
+        }
+        let records = match batch.records {
+            ControlBatchOrRecords::ControlBatch(marker) => {
+                if marker == ControlBatchRecord::Abort {
+                    aborting.remove(&batch.producer_id);
+                }
+                continue;
+            }
+            ControlBatchOrRecords::Records(records) => records,
+        };
+        if batch.is_transactional && aborting.contains(&batch.producer_id) {
+            continue;
+        }
+        for record in records {
+            let offset = batch.base_offset + i64::from(record.offset_delta);
+            if offset < from {
+                continue;
+            }
+            let millis = match batch.timestamp_type {
+                RecordBatchTimestampType::LogAppendTime => Some(batch.max_timestamp),
+                RecordBatchTimestampType::CreateTime => {
+                    batch.first_timestamp.checked_add(record.timestamp_delta)
+                }
+            };
+            let timestamp = millis
+                .and_then(|m| Utc.timestamp_millis_opt(m).single())
+                .ok_or_else(|| failed(format!("record {offset}: no valid timestamp")))?;
+            out.push(RecordAndOffset {
+                record: Record {
+                    key: record.key,
+                    value: record.value,
+                    headers: record
+                        .headers
+                        .into_iter()
+                        .map(|h| (h.key, h.value))
+                        .collect(),
+                    timestamp,
+                },
+                offset,
+            });
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use rskafka::protocol::record::{Record as Raw, RecordBatchCompression};
+
+    use super::*;
+
+    /// A batch of `producer` at `base` with `n` records (or a marker).
+    fn batch(base: i64, producer: i64, transactional: bool, body: Body) -> RecordBatch {
+        let (records, last) = match body {
+            Body::Records(n) => (
+                ControlBatchOrRecords::Records(
+                    (0..n)
+                        .map(|i| Raw {
+                            timestamp_delta: i64::from(i),
+                            offset_delta: i,
+                            key: None,
+                            value: Some(format!("{}", base + i64::from(i)).into_bytes()),
+                            headers: Vec::new(),
+                        })
+                        .collect(),
+                ),
+                n - 1,
+            ),
+            Body::Commit => (
+                ControlBatchOrRecords::ControlBatch(ControlBatchRecord::Commit),
+                0,
+            ),
+            Body::Abort => (
+                ControlBatchOrRecords::ControlBatch(ControlBatchRecord::Abort),
+                0,
+            ),
+        };
+        RecordBatch {
+            base_offset: base,
+            partition_leader_epoch: 0,
+            last_offset_delta: last,
+            first_timestamp: 1_764_000_000_000 + base,
+            max_timestamp: 1_764_000_000_000 + base + i64::from(last),
+            producer_id: producer,
+            producer_epoch: 0,
+            base_sequence: 0,
+            records,
+            compression: RecordBatchCompression::NoCompression,
+            is_transactional: transactional,
+            timestamp_type: RecordBatchTimestampType::CreateTime,
+        }
+    }
+
+    enum Body {
+        Records(i32),
+        Commit,
+        Abort,
+    }
+
+    fn aborted(producer: i64, first: i64) -> FetchResponseAbortedTransaction {
+        FetchResponseAbortedTransaction {
+            producer_id: Int64(producer),
+            first_offset: Int64(first),
+        }
+    }
+
+    fn offsets(records: &[RecordAndOffset]) -> Vec<i64> {
+        records.iter().map(|r| r.offset).collect()
+    }
+
+    /// A log as a transactional producer and a plain one leave it:
+    /// producer 7 commits 0-1 (marker 2), producer 8 aborts 3-4 while a
+    /// plain producer writes 5, producer 8's abort marker at 6, producer 7
+    /// aborts 7 (marker 8), producer 8 commits 9 (marker 10), a plain 11.
+    fn log() -> (Vec<RecordBatch>, Vec<FetchResponseAbortedTransaction>) {
+        (
+            vec![
+                batch(0, 7, true, Body::Records(2)),
+                batch(2, 7, true, Body::Commit),
+                batch(3, 8, true, Body::Records(2)),
+                batch(5, -1, false, Body::Records(1)),
+                batch(6, 8, true, Body::Abort),
+                batch(7, 7, true, Body::Records(1)),
+                batch(8, 7, true, Body::Abort),
+                batch(9, 8, true, Body::Records(1)),
+                batch(10, 8, true, Body::Commit),
+                batch(11, -1, false, Body::Records(1)),
+            ],
+            vec![aborted(8, 3), aborted(7, 7)],
+        )
+    }
+
+    #[test]
+    fn aborted_transactions_and_markers_are_never_delivered() {
+        let (batches, list) = log();
+        let got = committed_records(batches, &list, 0).expect("records");
+        assert_eq!(offsets(&got), [0, 1, 5, 9, 11]);
+        // values and timestamps travel
+        assert_eq!(got[2].record.value.as_deref(), Some(b"5".as_slice()));
+        assert_eq!(
+            got[0].record.timestamp.timestamp_millis(),
+            1_764_000_000_000
+        );
+        assert_eq!(
+            got[1].record.timestamp.timestamp_millis(),
+            1_764_000_000_001
+        );
+    }
+
+    /// Before: everything but the markers was delivered (what rskafka's
+    /// own fetch gives, the aborted list dropped).
+    #[test]
+    fn without_the_aborted_list_every_record_would_be_delivered() {
+        let (batches, _) = log();
+        let got = committed_records(batches, &[], 0).expect("records");
+        assert_eq!(offsets(&got), [0, 1, 3, 4, 5, 7, 9, 11]);
+    }
+
+    /// A fetch that starts inside the log gets the list for what overlaps
+    /// it; records before the requested offset are not delivered.
+    #[test]
+    fn a_fetch_from_the_middle() {
+        let (batches, list) = log();
+        let got =
+            committed_records(batches.into_iter().skip(3).collect(), &list, 5).expect("records");
+        assert_eq!(offsets(&got), [5, 9, 11]);
+        let (batches, list) = log();
+        let got = committed_records(batches, &list, 1).expect("records");
+        assert_eq!(offsets(&got), [1, 5, 9, 11]);
+    }
+}

@@ -4,7 +4,8 @@
 //! producers, commit and abort markers, the aborted-transaction list of a
 //! read_committed fetch) from a minimal broker written here, which speaks
 //! the Kafka wire protocol (ApiVersions, Metadata v1, Fetch v4) over TCP,
-//! the record batches encoded by rskafka's protocol layer. The consumer
+//! the record batches encoded by rskafka's protocol layer with every codec
+//! (gzip, snappy, lz4, zstd; tansu cannot serve snappy). The consumer
 //! connects to it as to any broker, PostgreSQL keeps the inbox: every
 //! committed record is handled once, no aborted one.
 
@@ -44,6 +45,13 @@ enum Body {
 }
 
 fn batch(base: i64, producer: i64, transactional: bool, body: Body) -> RecordBatch {
+    // every codec, snappy included (tansu 0.6 cannot serve snappy batches)
+    let compression = match (base / 2) % 4 {
+        0 => RecordBatchCompression::Gzip,
+        1 => RecordBatchCompression::Snappy,
+        2 => RecordBatchCompression::Lz4,
+        _ => RecordBatchCompression::Zstd,
+    };
     let (records, last) = match body {
         Body::Orders(ids) => (
             ControlBatchOrRecords::Records(
@@ -88,7 +96,7 @@ fn batch(base: i64, producer: i64, transactional: bool, body: Body) -> RecordBat
         producer_epoch: 0,
         base_sequence: 0,
         records,
-        compression: RecordBatchCompression::NoCompression,
+        compression,
         is_transactional: transactional,
         timestamp_type: RecordBatchTimestampType::CreateTime,
     }

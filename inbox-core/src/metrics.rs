@@ -63,9 +63,9 @@ pub enum MetricEvent {
     },
     /// The first fetch after the consumer moved to an offset (its claim, a
     /// rewind fetched again, a resync, a reset) returned records starting
-    /// after it: where a broker that answers from the wrong batch hides
-    /// records. On a topic without compaction or transactions, a broker
-    /// fault; alert on it.
+    /// after it, and nothing shows the broker answered from the batch that
+    /// holds it: where a broker that answers from the wrong batch hides
+    /// records. Alert on it.
     OffsetGap {
         /// Topic ([`topic_label`]).
         topic: &'static str,

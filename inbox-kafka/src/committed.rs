@@ -34,7 +34,7 @@ use rskafka::record::{Record, RecordAndOffset};
 use tokio::io::{AsyncRead, AsyncWrite, BufStream};
 use tokio::net::TcpStream;
 
-use crate::consumer::{Fetch, FetchError};
+use crate::consumer::{Fetch, FetchError, Page};
 
 /// A transport the messenger can run over: TCP, or TLS over TCP.
 trait Io: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
@@ -192,7 +192,7 @@ impl Fetch for CommittedFetch {
         offset: i64,
         bytes: std::ops::Range<i32>,
         max_wait_ms: i32,
-    ) -> Result<(Vec<RecordAndOffset>, i64), FetchError> {
+    ) -> Result<Page, FetchError> {
         let conn = self.connection().await?;
         let max_bytes = bytes.end.saturating_sub(1);
         let request = FetchRequest {
@@ -236,9 +236,10 @@ impl Fetch for CommittedFetch {
                 return Err(failed(format!("broker error {e}")));
             }
         }
+        let first_batch = partition.records.0.first().map(|b| b.base_offset);
         let records =
             committed_records(partition.records.0, &partition.aborted_transactions, offset)?;
-        Ok((records, partition.high_watermark.0))
+        Ok((records, partition.high_watermark.0, first_batch))
     }
 
     async fn offset_at(&self, at: OffsetAt) -> Result<i64, FetchError> {

@@ -247,6 +247,12 @@ pub(crate) enum FetchError {
     Other(String),
 }
 
+/// What one fetch of a partition gave: the records from the requested
+/// offset, the high watermark, and the base offset of the first batch the
+/// broker returned, when the fetch path sees batches (it may lie before the
+/// requested offset: a broker answers with the batch that holds it).
+pub(crate) type Page = (Vec<RecordAndOffset>, i64, Option<i64>);
+
 /// What the consumer asks of a partition at the broker (the
 /// transaction-aware [`CommittedFetch`](crate::committed::CommittedFetch),
 /// or rskafka's [`PartitionClient`]; a fake in the unit tests).
@@ -257,7 +263,7 @@ pub(crate) trait Fetch: Send + Sync {
         offset: i64,
         bytes: std::ops::Range<i32>,
         max_wait_ms: i32,
-    ) -> Result<(Vec<RecordAndOffset>, i64), FetchError>;
+    ) -> Result<Page, FetchError>;
 
     async fn offset_at(&self, at: OffsetAt) -> Result<i64, FetchError>;
 }
@@ -269,9 +275,10 @@ impl Fetch for PartitionClient {
         offset: i64,
         bytes: std::ops::Range<i32>,
         max_wait_ms: i32,
-    ) -> Result<(Vec<RecordAndOffset>, i64), FetchError> {
+    ) -> Result<Page, FetchError> {
         self.fetch_records(offset, bytes, max_wait_ms)
             .await
+            .map(|(records, hw)| (records, hw, None))
             .map_err(|e| match e {
                 rskafka::client::error::Error::ServerError {
                     protocol_error: rskafka::client::error::ProtocolError::OffsetOutOfRange,
@@ -293,7 +300,7 @@ const FETCH_GRACE: Duration = Duration::from_millis(250);
 
 /// What a fetch task gives back: the records and the high watermark, a
 /// broker error, or no answer within `fetch_timeout`.
-type Fetched = Result<Result<(Vec<RecordAndOffset>, i64), FetchError>, tokio::time::error::Elapsed>;
+type Fetched = Result<Result<Page, FetchError>, tokio::time::error::Elapsed>;
 
 /// A fetch of one partition running in a task of its own, so that a slow or
 /// hanging partition holds back nobody else. Dropping it aborts the task.
@@ -686,8 +693,8 @@ impl<O: OffsetStore> KafkaConsumer<O> {
             )));
         };
         self.stats.fetches += 1;
-        let (records, high_watermark) = match fetched {
-            Ok((records, hw)) if records.is_empty() && p.next_fetch > hw && hw >= 0 => {
+        let (records, high_watermark, first_batch) = match fetched {
+            Ok((records, hw, _)) if records.is_empty() && p.next_fetch > hw && hw >= 0 => {
                 // past the end of the log (some brokers answer so rather
                 // than with an error), or a high watermark not caught up yet
                 // (a new leader's): only the log's bounds tell
@@ -705,9 +712,13 @@ impl<O: OffsetStore> KafkaConsumer<O> {
         let p = &mut self.partitions[index];
         p.high_watermark = high_watermark;
         let mut expected = p.next_fetch;
-        // a fetch that continues the previous one reads on; the first after
-        // a move (claim, rewind fetched again, resync, reset) does not
-        let mut reading_on = p.read_on == Some(expected);
+        // a fetch that continues the previous one reads on; so does one
+        // whose first batch holds the requested offset (the broker answered
+        // from the right place; a hole there is a marker or a compacted
+        // record). The first after a move (claim, rewind fetched again,
+        // resync, reset) without that says nothing of the offsets between.
+        let mut reading_on =
+            p.read_on == Some(expected) || first_batch.is_some_and(|b| b <= expected);
         for record in records {
             if record.offset < expected {
                 continue;
@@ -1169,6 +1180,8 @@ mod tests {
         stale_once: std::sync::Mutex<Option<i64>>,
         /// Most records one fetch returns.
         per_fetch: usize,
+        /// Says where its first batch starts (the requested offset).
+        batch_starts: bool,
     }
 
     #[async_trait]
@@ -1178,7 +1191,7 @@ mod tests {
             offset: i64,
             _bytes: std::ops::Range<i32>,
             _max_wait_ms: i32,
-        ) -> Result<(Vec<RecordAndOffset>, i64), FetchError> {
+        ) -> Result<Page, FetchError> {
             if self.hangs {
                 tokio::time::sleep(Duration::from_secs(3600)).await;
             }
@@ -1191,7 +1204,7 @@ mod tests {
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .take();
             if let Some(hw) = stale {
-                return Ok((Vec::new(), hw));
+                return Ok((Vec::new(), hw, None));
             }
             let records: Vec<RecordAndOffset> = self
                 .records
@@ -1201,7 +1214,9 @@ mod tests {
                 .cloned()
                 .collect();
             let end = self.records.last().map_or(0, |r| r.offset + 1);
-            Ok((records, end))
+            // a broker that answers with the batch holding the offset
+            let first_batch = self.batch_starts.then_some(offset);
+            Ok((records, end, first_batch))
         }
 
         async fn offset_at(&self, at: OffsetAt) -> Result<i64, FetchError> {
@@ -1238,6 +1253,7 @@ mod tests {
                 hangs: false,
                 stale_once: std::sync::Mutex::new(None),
                 per_fetch: usize::MAX,
+                batch_starts: false,
             }),
             topic: "orders".into(),
             partition,
@@ -1348,6 +1364,7 @@ mod tests {
             hangs: true,
             stale_once: std::sync::Mutex::new(None),
             per_fetch: usize::MAX,
+            batch_starts: false,
         });
         let mut c = consumer(vec![hanging, fake(1, 5, false)]);
         let started = Instant::now();
@@ -1386,6 +1403,7 @@ mod tests {
             hangs: false,
             stale_once: std::sync::Mutex::new(Some(2)),
             per_fetch: usize::MAX,
+            batch_starts: false,
         });
         let mut c = consumer(vec![p]);
         let mut seen = Vec::new();
@@ -1441,7 +1459,7 @@ mod tests {
             .into_iter()
             .filter(|r| ![2, 5, 7].contains(&r.offset))
             .collect();
-        let partition = |next_fetch: i64| {
+        let partition = |next_fetch: i64, batch_starts: bool| {
             let mut p = fake(0, 0, false);
             p.next_fetch = next_fetch;
             p.client = Arc::new(Fake {
@@ -1450,6 +1468,7 @@ mod tests {
                 hangs: false,
                 stale_once: std::sync::Mutex::new(None),
                 per_fetch: 2,
+                batch_starts,
             });
             p
         };
@@ -1464,7 +1483,7 @@ mod tests {
         };
         // fetches [0 1] [3 4] [6 8]: a hole at the start of a fetch that
         // reads on (2, 5) and one inside a fetch (7)
-        let (seen, stats) = read_all(consumer(vec![partition(0)])).await;
+        let (seen, stats) = read_all(consumer(vec![partition(0, false)])).await;
         assert_eq!(seen, ["p0-0", "p0-1", "p0-3", "p0-4", "p0-6", "p0-8"]);
         assert_eq!(
             (stats.skipped_offsets, stats.gaps, stats.missing),
@@ -1472,11 +1491,19 @@ mod tests {
         );
         // a consumer that starts at 2 (its stored offset): the broker's
         // answer begins at 3, which only the broker can explain
-        let (seen, stats) = read_all(consumer(vec![partition(2)])).await;
+        let (seen, stats) = read_all(consumer(vec![partition(2, false)])).await;
         assert_eq!(seen, ["p0-3", "p0-4", "p0-6", "p0-8"]);
         assert_eq!(
             (stats.skipped_offsets, stats.gaps, stats.missing),
             (2, 1, 1)
+        );
+        // ... unless the fetch path sees the batches and the first one
+        // holds offset 2: then 2 is a hole in it (a marker), not a gap
+        let (seen, stats) = read_all(consumer(vec![partition(2, true)])).await;
+        assert_eq!(seen, ["p0-3", "p0-4", "p0-6", "p0-8"]);
+        assert_eq!(
+            (stats.skipped_offsets, stats.gaps, stats.missing),
+            (3, 0, 0)
         );
     }
 }

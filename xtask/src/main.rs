@@ -26,7 +26,8 @@ const HELP: &str = "\
 cargo xtask <command>
 
 commands:
-  test    fmt check, clippy -D warnings, cargo doc, every test of the workspace
+  test    fmt check, clippy -D warnings, cargo doc, every test of the workspace,
+          cargo package of every published crate, bench smoke, scale, soak
   demo    run the billing demo and check every order has exactly one invoice
           (--per-message: one transaction per message instead of batches;
           --prometheus ADDR: serve the metrics at http://ADDR/metrics;
@@ -148,6 +149,19 @@ fn test() -> Result<()> {
         &[("RUSTDOCFLAGS", "-D warnings")],
     )?;
     cargo(&["test", "--workspace", "--all-features"], &[])?;
+    // every crate packaged as it would be published, in dependency order
+    // (cargo resolves the workspace's own crates from the packages it
+    // made), each package built on its own
+    cargo(
+        &[
+            "package",
+            "--workspace",
+            "--exclude",
+            "xtask",
+            "--allow-dirty",
+        ],
+        &[],
+    )?;
     println!("$ cargo xtask bench --smoke");
     bench::run(&["--smoke".to_owned()])?;
     println!("$ cargo xtask scale");

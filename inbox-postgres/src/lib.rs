@@ -32,7 +32,7 @@
 //!
 //! # async fn run(consumer: impl inbox_core::Consumer) -> Result<(), Box<dyn std::error::Error>> {
 //! let store = PgStore::connect("postgres://app@localhost/app", TableName::default()).await?;
-//! store.create_tables().await?; // or add InboxMigration to your migrator
+//! store.create_tables().await?; // or add inbox_migrations(..) to your migrator
 //! let config = RunnerConfig::new("billing", "billing-1")?;
 //! let mut runner = Runner::new(store, consumer, Billing, config);
 //! runner.run(inbox_core::CancellationToken::new()).await;
@@ -55,7 +55,9 @@ mod store;
 
 pub use conn::PgConn;
 pub use error::{kind_of_sqlstate, map_db_err};
-pub use migration::InboxMigration;
-pub use schema::{MAX_TABLE_NAME, TableName, create_statements, drop_statements};
+pub use migration::{InboxMigration, inbox_migrations};
+pub use schema::{
+    MAX_TABLE_NAME, SchemaStep, TableName, create_statements, drop_statements, schema_steps,
+};
 pub use sea_orm;
 pub use store::{Claim, PgStore, PgTx};

@@ -1,14 +1,18 @@
-//! The migration users add to their own `sea-orm-migration` migrator.
+//! The migrations users add to their own `sea-orm-migration` migrator: one
+//! named, ordered migration per schema change, so an upgrade of this crate
+//! reaches a database migrated by an earlier version.
 
 use sea_orm_migration::prelude::*;
 
-use crate::schema::{TableName, create_statements, drop_statements};
+use crate::schema::{TableName, schema_steps};
 
-/// Creates the inbox table (with its unique key, partial indexes and check
-/// constraints) and the dead-letter table.
+/// Every schema migration of the inbox on `table`, in order: add them to
+/// your migrator after your own (their names sort after
+/// `m20261130_000000`). Each is idempotent, so a database made by
+/// `PgStore::create_tables` takes them too.
 ///
 /// ```no_run
-/// use inbox_postgres::{InboxMigration, TableName};
+/// use inbox_postgres::{TableName, inbox_migrations};
 /// use sea_orm_migration::prelude::*;
 ///
 /// struct Migrator;
@@ -16,24 +20,42 @@ use crate::schema::{TableName, create_statements, drop_statements};
 /// #[async_trait::async_trait]
 /// impl MigratorTrait for Migrator {
 ///     fn migrations() -> Vec<Box<dyn MigrationTrait>> {
-///         vec![
+///         let mut all: Vec<Box<dyn MigrationTrait>> = vec![
 ///             // ... your own migrations ...
-///             Box::new(InboxMigration::new(TableName::default())),
-///         ]
+///         ];
+///         all.extend(inbox_migrations(TableName::default()));
+///         all
 ///     }
 /// }
 /// ```
+pub fn inbox_migrations(table: TableName) -> Vec<Box<dyn MigrationTrait>> {
+    let steps = schema_steps(&table).len();
+    (0..steps)
+        .map(|step| Box::new(InboxMigration::step(table.clone(), step)) as Box<dyn MigrationTrait>)
+        .collect()
+}
+
+/// One schema change of the inbox on a table ([`crate::SchemaStep`]): see
+/// [`inbox_migrations`].
 #[derive(Debug, Clone)]
 pub struct InboxMigration {
     table: TableName,
+    step: usize,
     name: String,
 }
 
 impl InboxMigration {
-    /// The migration for `table`.
+    /// The first migration for `table` (the inbox and dead-letter tables):
+    /// use [`inbox_migrations`] for all of them.
     pub fn new(table: TableName) -> Self {
-        let name = format!("m20261130_000001_create_inbox_{}", table.table());
-        Self { table, name }
+        Self::step(table, 0)
+    }
+
+    /// Step `step` (from 0) of [`schema_steps`] for `table`.
+    fn step(table: TableName, step: usize) -> Self {
+        let suffix = schema_steps(&table).get(step).map_or("unknown", |s| s.name);
+        let name = format!("m20261130_{:06}_{suffix}_{}", step + 1, table.table());
+        Self { table, step, name }
     }
 }
 
@@ -46,18 +68,28 @@ impl MigrationName for InboxMigration {
 #[async_trait::async_trait]
 impl MigrationTrait for InboxMigration {
     async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        let db = manager.get_connection();
-        for sql in create_statements(&self.table) {
-            db.execute_unprepared(&sql).await?;
-        }
-        Ok(())
+        let statements = schema_steps(&self.table)
+            .into_iter()
+            .nth(self.step)
+            .map(|s| s.up)
+            .unwrap_or_default();
+        run(manager, statements).await
     }
 
     async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        let db = manager.get_connection();
-        for sql in drop_statements(&self.table) {
-            db.execute_unprepared(&sql).await?;
-        }
-        Ok(())
+        let statements = schema_steps(&self.table)
+            .into_iter()
+            .nth(self.step)
+            .map(|s| s.down)
+            .unwrap_or_default();
+        run(manager, statements).await
     }
+}
+
+async fn run(manager: &SchemaManager<'_>, statements: Vec<String>) -> Result<(), DbErr> {
+    let db = manager.get_connection();
+    for sql in statements {
+        db.execute_unprepared(&sql).await?;
+    }
+    Ok(())
 }

@@ -125,12 +125,30 @@ impl Default for TableName {
     }
 }
 
-/// The statements that create the inbox and dead-letter tables.
-pub fn create_statements(t: &TableName) -> Vec<String> {
+/// One change of the schema: its name (the migration's, after
+/// `m20261130_00000N_`), what applies it and what takes it back.
+#[derive(Debug, Clone)]
+pub struct SchemaStep {
+    /// The change's name.
+    pub name: &'static str,
+    /// Its statements, idempotent (`IF NOT EXISTS`).
+    pub up: Vec<String>,
+    /// The statements that take it back.
+    pub down: Vec<String>,
+}
+
+/// The schema changes in order. Each step is idempotent, so a database
+/// created by any earlier version, by [`create_statements`] or by a
+/// migrator reaches the current schema.
+pub fn schema_steps(t: &TableName) -> Vec<SchemaStep> {
+    let step = |name, up, down| SchemaStep { name, up, down };
     let q = t.qualified();
     vec![
-        format!(
-            "CREATE TABLE IF NOT EXISTS {q} (
+        step(
+            "create_inbox",
+            vec![
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {q} (
     id             BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     message_id     VARCHAR(255) NOT NULL,
     consumer_group VARCHAR(255) NOT NULL,
@@ -152,33 +170,33 @@ pub fn create_statements(t: &TableName) -> Vec<String> {
     CONSTRAINT {completed} CHECK ((status = 'completed') = (completed_at IS NOT NULL)),
     CONSTRAINT {lock} CHECK ((locked_at IS NULL) = (locked_by IS NULL))
 )",
-            status = t.index("status_known"),
-            attempts = t.index("attempts_within_budget"),
-            completed = t.index("completed_at_iff_completed"),
-            lock = t.index("lock_both_or_neither"),
-        ),
-        // Deduplication: one row per message and consumer group.
-        format!(
-            "CREATE UNIQUE INDEX IF NOT EXISTS {} ON {q} (message_id, consumer_group)",
-            t.index("message_group_key")
-        ),
-        // The batch processor's fetch: due, unlocked, pending rows.
-        format!(
-            "CREATE INDEX IF NOT EXISTS {} ON {q} (scheduled_at) WHERE status = 'pending' AND locked_by IS NULL",
-            t.index("due_pending")
-        ),
-        // release_stale_locks: rows with a lease, by its age.
-        format!(
-            "CREATE INDEX IF NOT EXISTS {} ON {q} (locked_at) WHERE locked_by IS NOT NULL",
-            t.index("locked")
-        ),
-        // delete_completed: completed rows by age.
-        format!(
-            "CREATE INDEX IF NOT EXISTS {} ON {q} (completed_at) WHERE status = 'completed'",
-            t.index("completed")
-        ),
-        format!(
-            "CREATE TABLE IF NOT EXISTS {} (
+                    status = t.index("status_known"),
+                    attempts = t.index("attempts_within_budget"),
+                    completed = t.index("completed_at_iff_completed"),
+                    lock = t.index("lock_both_or_neither"),
+                ),
+                // Deduplication: one row per message and consumer group.
+                format!(
+                    "CREATE UNIQUE INDEX IF NOT EXISTS {} ON {q} (message_id, consumer_group)",
+                    t.index("message_group_key")
+                ),
+                // The batch processor's fetch: due, unlocked, pending rows.
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {q} (scheduled_at) WHERE status = 'pending' AND locked_by IS NULL",
+                    t.index("due_pending")
+                ),
+                // release_stale_locks: rows with a lease, by its age.
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {q} (locked_at) WHERE locked_by IS NOT NULL",
+                    t.index("locked")
+                ),
+                // delete_completed: completed rows by age.
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {q} (completed_at) WHERE status = 'completed'",
+                    t.index("completed")
+                ),
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {} (
     id             BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     consumer_group VARCHAR(255) NOT NULL,
     message_id     TEXT NOT NULL,
@@ -187,36 +205,30 @@ pub fn create_statements(t: &TableName) -> Vec<String> {
     partition      INTEGER,
     record_offset  BIGINT,
     message        JSONB NOT NULL,
-    raw            BYTEA,
     error          TEXT NOT NULL,
     created_at     TIMESTAMPTZ NOT NULL DEFAULT now()
 )",
-            t.dead_letters()
+                    t.dead_letters()
+                ),
+            ],
+            vec![
+                format!("DROP TABLE IF EXISTS {}", t.dead_letters()),
+                format!("DROP TABLE IF EXISTS {q}"),
+            ],
         ),
-        // One dead letter per record position and group: a poison record
-        // delivered again (its acknowledgement failed after the dead letter
-        // committed) is not recorded twice. Copies written before this key
-        // existed are removed first (the oldest is kept; they are the same
-        // record), so the index can be created on an existing table.
-        format!(
-            "DELETE FROM {d} a USING {d} b
-              WHERE a.id > b.id AND a.consumer_group = b.consumer_group AND a.topic = b.topic
-                AND a.partition = b.partition AND a.record_offset = b.record_offset
-                AND to_regclass('{idx}') IS NULL",
-            d = t.dead_letters(),
-            idx = t.index_qualified("dead_letter_position"),
-        ),
-        format!(
-            "CREATE UNIQUE INDEX IF NOT EXISTS {} ON {} (consumer_group, topic, partition, record_offset)
-              WHERE topic IS NOT NULL",
-            t.index("dead_letter_position"),
-            t.dead_letters()
-        ),
-        // Each partition's next offset per consumer group, written in the
-        // same transaction as the inbox row; owner_epoch fences a consumer
-        // that lost the partition to another.
-        format!(
-            "CREATE TABLE IF NOT EXISTS {} (
+        step(
+            "inbox_offsets",
+            vec![
+                // a poison record's raw bytes
+                format!(
+                    "ALTER TABLE {} ADD COLUMN IF NOT EXISTS raw BYTEA",
+                    t.dead_letters()
+                ),
+                // Each partition's next offset per consumer group, written in
+                // the same transaction as the inbox row; owner_epoch fences a
+                // consumer that lost the partition to another.
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {} (
     consumer_group VARCHAR(255) NOT NULL,
     topic          TEXT NOT NULL,
     partition      INTEGER NOT NULL,
@@ -225,41 +237,93 @@ pub fn create_statements(t: &TableName) -> Vec<String> {
     updated_at     TIMESTAMPTZ NOT NULL DEFAULT now(),
     PRIMARY KEY (consumer_group, topic, partition)
 )",
-            t.offsets()
+                    t.offsets()
+                ),
+            ],
+            vec![
+                format!("DROP TABLE IF EXISTS {}", t.offsets()),
+                format!(
+                    "ALTER TABLE IF EXISTS {} DROP COLUMN IF EXISTS raw",
+                    t.dead_letters()
+                ),
+            ],
         ),
-        // Consumer group members and their last heartbeat.
-        format!(
-            "CREATE TABLE IF NOT EXISTS {} (
+        step(
+            "inbox_dead_letter_key",
+            vec![
+                // One dead letter per record position and group: a poison
+                // record delivered again (its acknowledgement failed after the
+                // dead letter committed) is not recorded twice. Copies written
+                // before this key existed are removed first (the oldest is
+                // kept; they are the same record), so the index can be
+                // created on an existing table.
+                format!(
+                    "DELETE FROM {d} a USING {d} b
+              WHERE a.id > b.id AND a.consumer_group = b.consumer_group AND a.topic = b.topic
+                AND a.partition = b.partition AND a.record_offset = b.record_offset
+                AND to_regclass('{idx}') IS NULL",
+                    d = t.dead_letters(),
+                    idx = t.index_qualified("dead_letter_position"),
+                ),
+                format!(
+                    "CREATE UNIQUE INDEX IF NOT EXISTS {} ON {} (consumer_group, topic, partition, record_offset)
+              WHERE topic IS NOT NULL",
+                    t.index("dead_letter_position"),
+                    t.dead_letters()
+                ),
+            ],
+            vec![format!(
+                "DROP INDEX IF EXISTS {}",
+                t.index_qualified("dead_letter_position")
+            )],
+        ),
+        step(
+            "inbox_members",
+            // Consumer group members and their last heartbeat.
+            vec![format!(
+                "CREATE TABLE IF NOT EXISTS {} (
     consumer_group VARCHAR(255) NOT NULL,
     member         VARCHAR(255) NOT NULL,
     heartbeat_at   TIMESTAMPTZ NOT NULL DEFAULT now(),
     PRIMARY KEY (consumer_group, member)
 )",
-            t.members()
+                t.members()
+            )],
+            vec![format!("DROP TABLE IF EXISTS {}", t.members())],
         ),
-        // The assignment last published per group.
-        format!(
-            "CREATE TABLE IF NOT EXISTS {} (
+        step(
+            "inbox_assignments",
+            // The assignment last published per group.
+            vec![format!(
+                "CREATE TABLE IF NOT EXISTS {} (
     consumer_group VARCHAR(255) NOT NULL,
     topic          TEXT NOT NULL,
     partition      INTEGER NOT NULL,
     member         VARCHAR(255) NOT NULL,
     PRIMARY KEY (consumer_group, topic, partition)
 )",
-            t.assignments()
+                t.assignments()
+            )],
+            vec![format!("DROP TABLE IF EXISTS {}", t.assignments())],
         ),
     ]
 }
 
-/// The statements that drop both tables.
+/// The statements that create the current schema: the inbox table, its
+/// dead letters, the offsets, members and assignments tables (every step
+/// of [`schema_steps`], in order).
+pub fn create_statements(t: &TableName) -> Vec<String> {
+    schema_steps(t).into_iter().flat_map(|s| s.up).collect()
+}
+
+/// The statements that drop the five tables (every step taken back, the
+/// last first).
 pub fn drop_statements(t: &TableName) -> Vec<String> {
-    vec![
-        format!("DROP TABLE IF EXISTS {}", t.assignments()),
-        format!("DROP TABLE IF EXISTS {}", t.members()),
-        format!("DROP TABLE IF EXISTS {}", t.offsets()),
-        format!("DROP TABLE IF EXISTS {}", t.dead_letters()),
-        format!("DROP TABLE IF EXISTS {}", t.qualified()),
-    ]
+    schema_steps(t)
+        .into_iter()
+        .rev()
+        .flat_map(|s| s.down)
+        .collect()
 }
 
 #[cfg(test)]

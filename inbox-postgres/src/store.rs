@@ -323,7 +323,7 @@ impl PgStore {
     }
 
     /// Creates the inbox and dead-letter tables and their indexes if they do
-    /// not exist (what [`crate::InboxMigration`] does in a migrator).
+    /// not exist (what [`crate::inbox_migrations`] do in a migrator).
     ///
     /// # Errors
     ///

@@ -30,31 +30,28 @@
 
 use chrono::{DateTime, Utc};
 
+use crate::backoff::Backoff;
 use crate::model::{InboxStatus, storable_error};
 use crate::outcome::{Failure, HandlerResult, OutcomeClass};
-use crate::runner::Backoff;
 
 /// How retries are scheduled.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttemptRules {
     /// The delay after the n-th counted attempt (when the handler gives no
-    /// `next_retry_at`).
+    /// `next_retry_at`), spread by its jitter.
     pub backoff: Backoff,
-    /// Spread of the delay, as a fraction: the delay is multiplied by a
-    /// factor drawn from `[1 - jitter, 1 + jitter)`. Clamped to `[0, 1]`.
-    pub jitter: f64,
 }
 
 impl Default for AttemptRules {
     /// 1 s doubling up to 1 h, ±20 %.
     fn default() -> Self {
         Self {
-            backoff: Backoff {
-                initial: std::time::Duration::from_secs(1),
-                max: std::time::Duration::from_secs(3_600),
-                factor: 2.0,
-            },
-            jitter: 0.2,
+            backoff: Backoff::new(
+                std::time::Duration::from_secs(1),
+                std::time::Duration::from_secs(3_600),
+                2.0,
+            )
+            .with_jitter(0.2),
         }
     }
 }
@@ -211,16 +208,9 @@ pub fn row_update(
 
 /// The backoff after `attempts` counted attempts, spread by the jitter.
 fn jittered(rules: &AttemptRules, attempts: i32, sample: f64) -> std::time::Duration {
-    let base = rules.backoff.delay(u32::try_from(attempts).unwrap_or(1));
-    let jitter = rules.jitter.clamp(0.0, 1.0);
-    let sample = if sample.is_finite() {
-        sample.clamp(0.0, 1.0)
-    } else {
-        0.5
-    };
-    let factor = 1.0 - jitter + 2.0 * jitter * sample;
-    let secs = base.as_secs_f64() * factor;
-    std::time::Duration::try_from_secs_f64(secs.max(0.0)).unwrap_or(std::time::Duration::MAX)
+    rules
+        .backoff
+        .jittered(u32::try_from(attempts).unwrap_or(1), sample)
 }
 
 /// The text kept for a failure.
@@ -342,7 +332,7 @@ mod tests {
             sample in 0.0f64..1.0,
             jitter in 0.0f64..1.0,
         ) {
-            let rules = AttemptRules { jitter, ..AttemptRules::default() };
+            let rules = AttemptRules { backoff: AttemptRules::default().backoff.with_jitter(jitter) };
             let (u, _) = row_update(&Ok(HandlerResult::retry("x")), attempts, max, sample, &rules);
             prop_assert_eq!(u.attempts_made, attempts + 1);
             prop_assert_eq!(u.status == InboxStatus::Failed, attempts + 1 >= max);

@@ -48,6 +48,7 @@
 
 pub mod assignment;
 pub mod attempts;
+pub mod backoff;
 pub mod consumer;
 pub mod decision;
 pub mod error;

@@ -48,11 +48,11 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::attempts::{AttemptError, AttemptRules, RowUpdate, row_update};
+use crate::backoff::Backoff;
 use crate::error::{HandlerError, StoreError, StoreErrorKind, ValidationError};
 use crate::handler::Handler;
 use crate::model::{InboxRow, InboxStatus, Message, RowId, WorkerId};
 use crate::outcome::{Failure, HandlerResult, OutcomeClass};
-use crate::runner::Backoff;
 use crate::store::{DueFilter, InboxStore, InboxTransaction};
 
 /// Whether [`ProcessorConfig::optimistic`] is on by default.
@@ -100,11 +100,7 @@ impl ProcessorConfig {
             idle_poll: Duration::from_millis(500),
             filter: DueFilter::default(),
             rules: AttemptRules::default(),
-            store_backoff: Backoff {
-                initial: Duration::from_millis(100),
-                max: Duration::from_secs(30),
-                factor: 2.0,
-            },
+            store_backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(30), 2.0),
             optimistic: OPTIMISTIC_BY_DEFAULT,
         })
     }

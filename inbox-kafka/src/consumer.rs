@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use inbox_core::{
-    Consumer, ConsumerError, Message, MetricEvent, Metrics, NoopMetrics, OffsetStore, Position,
-    StoreErrorKind, TxAck,
+    Backoff, Consumer, ConsumerError, Message, MetricEvent, Metrics, NoopMetrics, OffsetStore,
+    Position, StoreErrorKind, TxAck,
 };
 use rskafka::BackoffConfig;
 use rskafka::client::partition::{OffsetAt, PartitionClient, UnknownTopicHandling};
@@ -80,6 +80,10 @@ pub struct KafkaConfig {
     /// are fetched one after the other, so while one partition's fetches
     /// time out the others wait up to this long per try. Default 10 s.
     pub fetch_timeout: Duration,
+    /// The pause before fetching a partition again after its consecutive
+    /// fetch errors (the others are read on meanwhile). Default 100 ms
+    /// doubling to 10 s.
+    pub fetch_backoff: Backoff,
     /// The decoder. Default [`JsonDecoder`].
     pub decoder: Arc<dyn Decode>,
     /// The client id the broker sees (in its logs and quotas). Default
@@ -138,6 +142,7 @@ impl KafkaConfig {
             max_wait: Duration::from_millis(500),
             fetch_max_bytes: 1024 * 1024,
             fetch_timeout: Duration::from_secs(10),
+            fetch_backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(10), 2.0),
             decoder: Arc::new(JsonDecoder::default()),
             client_id: "inbox".to_owned(),
             connect_timeout: Duration::from_secs(30),
@@ -358,13 +363,6 @@ struct Partition {
     read_on: Option<i64>,
     /// The topic for metric events ([`inbox_core::topic_label`]).
     label: &'static str,
-}
-
-/// The pause before fetching a partition again after `errors` consecutive
-/// fetch errors: 100 ms doubling, at most 10 s.
-fn fetch_backoff(errors: u32) -> Duration {
-    let exp = errors.saturating_sub(1).min(7);
-    Duration::from_millis(100 << exp).min(Duration::from_secs(10))
 }
 
 impl Partition {
@@ -1039,7 +1037,7 @@ impl<O: OffsetStore> Consumer for KafkaConsumer<O> {
                             self.stats.fetch_errors += 1;
                             let p = &mut self.partitions[index];
                             p.fetch_errors = p.fetch_errors.saturating_add(1);
-                            let pause = fetch_backoff(p.fetch_errors);
+                            let pause = self.config.fetch_backoff.delay(p.fetch_errors);
                             p.held_until = Some(Instant::now() + pause);
                             tracing::warn!(topic = %p.topic, partition = p.partition, error = %e,
                                 retry_in_ms = pause.as_millis(), "fetch failed; this partition waits, the others go on");

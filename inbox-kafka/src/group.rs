@@ -158,7 +158,7 @@ impl Running {
 /// How long a member waits before it starts a runner again after its
 /// `deaths`-th death in a row: a heartbeat, doubling, at most 32 heartbeats.
 fn restart_delay(heartbeat: Duration, deaths: u32) -> Duration {
-    heartbeat.saturating_mul(1 << deaths.saturating_sub(1).min(5))
+    inbox_core::Backoff::new(heartbeat, heartbeat.saturating_mul(32), 2.0).delay(deaths.max(1))
 }
 
 /// Runs this member of the group until `cancel` fires: heartbeats, follows

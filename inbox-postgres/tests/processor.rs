@@ -112,11 +112,7 @@ fn processor(
 ) -> BatchProcessor<PgStore, Arc<Effects>> {
     let mut config =
         ProcessorConfig::new(format!("processor-{w}")).unwrap_or_else(|e| panic!("{e}"));
-    config.rules.backoff = Backoff {
-        initial: std::time::Duration::ZERO,
-        max: std::time::Duration::ZERO,
-        factor: 1.0,
-    };
+    config.rules.backoff = Backoff::new(std::time::Duration::ZERO, std::time::Duration::ZERO, 1.0);
     config.idle_poll = std::time::Duration::from_millis(20);
     BatchProcessor::new(store, handler, config)
 }
@@ -157,11 +153,8 @@ async fn four_processors_drain_every_row_once() {
     for (w, s) in stores.into_iter().enumerate() {
         let mut config =
             ProcessorConfig::new(format!("processor-{w}")).unwrap_or_else(|e| panic!("{e}"));
-        config.rules.backoff = Backoff {
-            initial: std::time::Duration::ZERO,
-            max: std::time::Duration::ZERO,
-            factor: 1.0,
-        };
+        config.rules.backoff =
+            Backoff::new(std::time::Duration::ZERO, std::time::Duration::ZERO, 1.0);
         config.idle_poll = std::time::Duration::from_millis(20);
         let mut p = BatchProcessor::new(s, handler.clone(), config);
         let cancel = cancel.clone();

@@ -1803,12 +1803,7 @@ pub async fn failure_budget_bounds_a_crashing_handler<H: Harness>(h: &H) {
 /// PostgreSQL's clock).
 fn immediate_retries() -> inbox_core::attempts::AttemptRules {
     inbox_core::attempts::AttemptRules {
-        backoff: inbox_core::Backoff {
-            initial: Duration::ZERO,
-            max: Duration::ZERO,
-            factor: 1.0,
-        },
-        jitter: 0.0,
+        backoff: inbox_core::Backoff::new(Duration::ZERO, Duration::ZERO, 1.0),
     }
 }
 

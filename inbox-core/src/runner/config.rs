@@ -2,46 +2,10 @@
 
 use std::time::Duration;
 
+pub use crate::backoff::Backoff;
 use crate::error::ValidationError;
 use crate::model::{DEFAULT_MAX_ATTEMPTS, WorkerId};
 use crate::strategy::AckStrategy;
-
-/// Exponential backoff: `initial * factor^(n-1)`, at most `max`.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Backoff {
-    /// Delay after the first failure.
-    pub initial: Duration,
-    /// Largest delay.
-    pub max: Duration,
-    /// Growth per consecutive failure (at least 1).
-    pub factor: f64,
-}
-
-impl Backoff {
-    /// The delay after `n` consecutive failures (`n = 0` gives zero).
-    ///
-    /// ```
-    /// use std::time::Duration;
-    /// use inbox_core::Backoff;
-    /// let b = Backoff { initial: Duration::from_millis(100), max: Duration::from_secs(1), factor: 2.0 };
-    /// assert_eq!(b.delay(0), Duration::ZERO);
-    /// assert_eq!(b.delay(1), Duration::from_millis(100));
-    /// assert_eq!(b.delay(3), Duration::from_millis(400));
-    /// assert_eq!(b.delay(30), Duration::from_secs(1));
-    /// ```
-    pub fn delay(&self, n: u32) -> Duration {
-        if n == 0 {
-            return Duration::ZERO;
-        }
-        let exp = i32::try_from(n - 1).unwrap_or(i32::MAX);
-        let secs = self.initial.as_secs_f64() * self.factor.max(1.0).powi(exp);
-        if !secs.is_finite() || secs >= self.max.as_secs_f64() {
-            self.max
-        } else {
-            Duration::from_secs_f64(secs)
-        }
-    }
-}
 
 /// How the runner behaves. [`RunnerConfig::new`] validates the consumer group
 /// and the worker id and sets sensible defaults.
@@ -164,16 +128,12 @@ impl RunnerConfig {
             strategy: AckStrategy::default(),
             handler_timeout: Duration::from_secs(30),
             max_attempts: DEFAULT_MAX_ATTEMPTS,
-            store_backoff: Backoff {
-                initial: Duration::from_millis(100),
-                max: Duration::from_secs(30),
-                factor: 2.0,
-            },
-            redelivery_backoff: Backoff {
-                initial: Duration::from_millis(100),
-                max: Duration::from_secs(10),
-                factor: 2.0,
-            },
+            store_backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(30), 2.0),
+            redelivery_backoff: Backoff::new(
+                Duration::from_millis(100),
+                Duration::from_secs(10),
+                2.0,
+            ),
             idle_poll: Duration::from_millis(50),
             batch: None,
             refused_data_tries: 3,
@@ -262,11 +222,7 @@ mod tests {
 
     #[test]
     fn backoff_grows_and_caps() {
-        let b = Backoff {
-            initial: Duration::from_millis(10),
-            max: Duration::from_millis(50),
-            factor: 2.0,
-        };
+        let b = Backoff::new(Duration::from_millis(10), Duration::from_millis(50), 2.0);
         assert_eq!(b.delay(2), Duration::from_millis(20));
         assert_eq!(b.delay(3), Duration::from_millis(40));
         assert_eq!(b.delay(4), Duration::from_millis(50));

@@ -153,6 +153,24 @@ impl KafkaConfig {
         }
     }
 
+    /// Refuses a runner configuration of another consumer group: the inbox
+    /// rows are keyed by the runner's group, the offsets by this one's, so
+    /// two names would split one group's state in two.
+    ///
+    /// # Errors
+    ///
+    /// [`KafkaError::Config`] naming both.
+    pub fn check_group(&self, runner: &inbox_core::RunnerConfig) -> Result<(), KafkaError> {
+        if runner.consumer_group == self.consumer_group {
+            Ok(())
+        } else {
+            Err(KafkaError::Config(format!(
+                "the runner's consumer group {:?} is not the Kafka configuration's {:?}: name the group once (KafkaConfig::new and RunnerConfig::new take the same name)",
+                runner.consumer_group, self.consumer_group
+            )))
+        }
+    }
+
     /// A client of the brokers, connected within `connect_timeout`.
     ///
     /// # Errors

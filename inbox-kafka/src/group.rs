@@ -170,6 +170,8 @@ fn restart_delay(heartbeat: Duration, deaths: u32) -> Duration {
 ///
 /// A [`KafkaError`] when the broker cannot be reached at the start; later
 /// failures (store, broker) are logged and retried at the next heartbeat.
+/// [`KafkaError::Config`] at once when `runner` names another consumer
+/// group than `kafka`.
 pub async fn run_group<S, H>(
     kafka: KafkaConfig,
     group: GroupConfig,
@@ -183,6 +185,7 @@ where
     S: InboxStore + OffsetStore + MembershipStore + Clone + 'static,
     H: Handler<S::Tx> + 'static,
 {
+    kafka.check_group(&runner)?;
     let client = kafka.client().await?;
     let consumer_group = kafka.consumer_group.clone();
     let me = group.member_id.clone();

@@ -122,7 +122,9 @@ where
 ///
 /// # Errors
 ///
-/// A [`KafkaError`] when a consumer cannot connect.
+/// A [`KafkaError`] when a consumer cannot connect;
+/// [`KafkaError::Config`] when `runner` names another consumer group than
+/// `config`.
 pub async fn run_partitioned_with_metrics<S, H>(
     config: KafkaConfig,
     store: S,
@@ -136,6 +138,7 @@ where
     S: InboxStore + OffsetStore + Clone + 'static,
     H: Handler<S::Tx> + 'static,
 {
+    config.check_group(&runner)?;
     let workers = workers.clamp(1, config.partitions.len().max(1));
     let mut groups: Vec<Vec<(String, i32)>> = vec![Vec::new(); workers];
     for (i, p) in config.partitions.iter().enumerate() {

@@ -400,3 +400,47 @@ async fn an_offset_reset_while_two_members_run_doubles_and_loses_nothing() {
     a.await.expect("join").expect("member a");
     b.await.expect("join").expect("member b");
 }
+
+/// The consumer group is named once: a runner configuration of another
+/// group is refused at once by both entry points, before any connection
+/// (the inbox rows would be keyed by one name and the offsets by the
+/// other). Before, both ran, the group's state split in two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_of_another_group_is_refused() {
+    let store = inbox_testkit::MemStore::new();
+    let kafka = inbox_kafka::KafkaConfig::new(
+        vec!["127.0.0.1:1".into()],
+        "billing",
+        vec![("orders".into(), 0)],
+    );
+    let handler = ScriptedHandler::new([], Act::Succeed);
+    let other = config("invoicing", AckStrategy::default());
+    let started = Instant::now();
+    let refused = run_group(
+        kafka.clone(),
+        GroupConfig::new("member-a", vec!["orders".into()]),
+        store.clone(),
+        handler.clone(),
+        other.clone(),
+        Arc::new(NoopMetrics),
+        CancellationToken::new(),
+    )
+    .await;
+    match refused {
+        Err(KafkaError::Config(m)) => {
+            assert!(
+                m.contains("\"invoicing\"") && m.contains("\"billing\""),
+                "{m}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    let refused =
+        inbox_kafka::run_partitioned(kafka, store, handler, other, 1, CancellationToken::new())
+            .await;
+    assert!(matches!(refused, Err(KafkaError::Config(_))), "{refused:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "refused before connecting"
+    );
+}

@@ -84,62 +84,60 @@ const PARTITIONS: i32 = 4;
 const BATCH: usize = 100;
 const BUSINESS: &str = "CREATE TABLE bench_invoices (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL, total BIGINT NOT NULL)";
 
-/// Options of `cargo xtask bench`.
-struct Options {
+/// Options of `cargo xtask bench` (for real figures: `cargo run --release
+/// -p xtask -- bench`).
+#[derive(clap::Args, Debug, Clone)]
+pub(crate) struct Options {
     /// Rounds: every line runs once per round, lines interleaved, and the
-    /// table shows each line's median.
-    repeat: u64,
-    messages: u64,
-    rows: u64,
-    fail_percent: u64,
-    lines: Vec<String>,
+    /// table shows each line's median and spread.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) repeat: u64,
+    /// Messages per line.
+    #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) messages: u64,
+    /// Rows preloaded into the inbox table before each line.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) rows: u64,
+    /// The handler of the runner lines fails this percentage of its calls
+    /// (rewound and redelivered).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=100))]
+    pub(crate) fail_percent: u64,
+    /// Only these lines, comma separated (default: all).
+    #[arg(long, value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(LINES))]
+    pub(crate) only: Vec<String>,
+    /// 300 messages a line: a second or so each (what CI runs).
+    #[arg(long)]
+    pub(crate) smoke: bool,
 }
 
-fn parse(args: &[String]) -> Result<Options> {
-    let mut o = Options {
-        repeat: 1,
-        messages: 20_000,
-        rows: 0,
-        fail_percent: 0,
-        lines: LINES.iter().map(|s| (*s).to_owned()).collect(),
-    };
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        let mut value = |name: &str| -> Result<u64> {
-            it.next()
-                .with_context(|| format!("{name} needs a value"))?
-                .replace('_', "")
-                .parse()
-                .with_context(|| format!("{name} takes a number"))
-        };
-        match a.as_str() {
-            "--smoke" => o.messages = 300,
-            "--messages" => o.messages = value("--messages")?,
-            "--repeat" => o.repeat = value("--repeat")?.max(1),
-            "--rows" => o.rows = value("--rows")?,
-            "--fail-percent" => o.fail_percent = value("--fail-percent")?.min(100),
-            "--only" => {
-                let names = it.next().context("--only needs line names")?;
-                o.lines = Vec::new();
-                for l in names.split(',') {
-                    if !LINES.contains(&l) {
-                        bail!("unknown line {l:?}: one of {}", LINES.join(", "));
-                    }
-                    o.lines.push(l.to_owned());
-                }
-            }
-            other => bail!("unknown bench option {other:?}"),
+impl Options {
+    /// What `--smoke` runs.
+    pub(crate) fn smoke() -> Self {
+        Self {
+            repeat: 1,
+            messages: 300,
+            rows: 0,
+            fail_percent: 0,
+            only: Vec::new(),
+            smoke: true,
         }
     }
-    if o.messages == 0 {
-        bail!("--messages must be positive");
+
+    fn lines(&self) -> Vec<String> {
+        if self.only.is_empty() {
+            LINES.iter().map(|s| (*s).to_owned()).collect()
+        } else {
+            self.only.clone()
+        }
     }
-    Ok(o)
 }
 
 /// Runs the bench: one child process per line, then the table.
-pub(crate) fn run(args: &[String]) -> Result<()> {
-    let o = parse(args)?;
+pub(crate) fn run(mut o: Options) -> Result<()> {
+    if o.smoke {
+        o.messages = 300;
+    }
+    let lines = o.lines();
     let server = inbox_testkit::pg::server().map_err(|e| anyhow::anyhow!("{e}"))?;
     let exe = std::env::current_exe().context("locating the xtask binary")?;
     if cfg!(debug_assertions) {
@@ -169,7 +167,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         if o.repeat > 1 {
             println!("round {round} of {}", o.repeat);
         }
-        for line in &o.lines {
+        for line in &lines {
             let parsed = run_line(&exe, server, line, &o)?;
             println!("  {line:<12} {:>10.0} msg/s", parsed.0);
             runs.entry(line.clone()).or_default().push(parsed);
@@ -194,7 +192,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     };
     println!("| line | messages/s{median} | vs omni-box | vs floor | peak RSS |");
     println!("|---|---:|---:|---:|---:|");
-    for line in &o.lines {
+    for line in &lines {
         if let (Some((rate, rss_kb)), Some((lo, hi))) = (results.get(line), spread.get(line)) {
             let ratio = |b: Option<f64>| b.map_or("-".to_owned(), |b| format!("{:.2}x", rate / b));
             let range = if o.repeat > 1 {

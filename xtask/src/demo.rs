@@ -132,38 +132,28 @@ impl DemoMetrics {
     }
 }
 
-/// `cargo xtask demo [--per-message] [--prometheus ADDR]`: batched mode
-/// (batches of up to 100 messages per transaction) unless `--per-message`
-/// asks for one transaction per message; `--prometheus 127.0.0.1:9000`
-/// serves the metrics at `http://ADDR/metrics` while it runs (and prints
-/// what a scrape at the end returned).
-pub(crate) fn run(args: &[String]) -> Result<()> {
-    let mut per_message = false;
-    let mut prometheus: Option<std::net::SocketAddr> = None;
-    let mut it = args.iter();
-    while let Some(flag) = it.next() {
-        match flag.as_str() {
-            "--per-message" => per_message = true,
-            "--processes" => {
-                let n = it.next().context("--processes needs a number")?;
-                if n != "3" {
-                    bail!(
-                        "--processes: the group demo runs 3 member processes (and a fourth that joins)"
-                    );
-                }
-                return crate::scale::run(&[]);
-            }
-            "--prometheus" => {
-                let addr = it.next().context("--prometheus needs an address")?;
-                prometheus = Some(addr.parse().context("--prometheus ADDR (host:port)")?);
-            }
-            other => {
-                bail!(
-                    "unknown demo option {other:?} (--per-message, --prometheus ADDR, --processes 3)"
-                )
-            }
-        }
+/// Options of `cargo xtask demo`: the billing scenario, batched (up to 100
+/// messages per transaction) unless `--per-message`.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub(crate) struct DemoArgs {
+    /// One transaction per message instead of batches.
+    #[arg(long)]
+    pub(crate) per_message: bool,
+    /// Serve the metrics at http://ADDR/metrics while it runs (and print
+    /// what a scrape at the end returned), e.g. 127.0.0.1:9000.
+    #[arg(long, value_name = "ADDR")]
+    pub(crate) prometheus: Option<std::net::SocketAddr>,
+    /// The group demo with member processes (as `cargo xtask scale`): 3.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(3..=3))]
+    pub(crate) processes: Option<u32>,
+}
+
+/// Runs the demo.
+pub(crate) fn run(args: DemoArgs) -> Result<()> {
+    if args.processes.is_some() {
+        return crate::scale::run();
     }
+    let (per_message, prometheus) = (args.per_message, args.prometheus);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -21,61 +21,70 @@ mod sql;
 use std::process::{Command, ExitCode};
 
 use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
 
-const HELP: &str = "\
-cargo xtask <command>
+/// `cargo xtask`: the project's automation.
+#[derive(Parser, Debug)]
+#[command(name = "cargo xtask", bin_name = "cargo xtask")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
 
-commands:
-  test    fmt check, clippy -D warnings, cargo doc, every test of the workspace,
-          cargo package of every published crate, bench smoke, scale, soak
-  demo    run the billing demo and check every order has exactly one invoice
-          (--per-message: one transaction per message instead of batches;
-          --prometheus ADDR: serve the metrics at http://ADDR/metrics;
-          --processes 3: the group demo, as `scale`)
-  bench   throughput table beside the baselines; options: --messages N,
-          --rows N (preload the inbox table), --fail-percent P (the
-          handler of the runner lines fails P% of its calls), --only LINE,LINE,
-          --repeat N (N rounds, lines interleaved, medians), --smoke
-          (for real figures: cargo run --release -p xtask -- bench)
-  soak    real server faults end to end: PostgreSQL crashed (pg_ctl stop -m
-          immediate), the broker and the consumer process killed, three times
-          each, backends terminated at random; checks every effect exactly once;
-          options: --messages N (default 1000000), --fail-percent P (default 1),
-          --synchronous-commit-off (a PostgreSQL crash loses its last commits:
-          the consumer must notice and handle those messages again)
-  scale   member processes of one group share 8 partitions through PostgreSQL:
-          one killed (SIGKILL), one joining, one leaving; checks every order once,
-          every partition owned by one live member, and the failover time
-  help    this text
-";
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Installs what is missing, then fmt check, clippy -D warnings, cargo
+    /// doc, every test of the workspace, cargo package of every published
+    /// crate, bench smoke, scale, soak.
+    Test,
+    /// The billing demo: orders through the broker into PostgreSQL, every
+    /// order with exactly one invoice (checked with SQL).
+    Demo(demo::DemoArgs),
+    /// Throughput table beside the baselines (for real figures: cargo run
+    /// --release -p xtask -- bench).
+    Bench(bench::Options),
+    /// One bench line in a process of its own (run by `bench`).
+    #[command(hide = true)]
+    BenchLine {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Real server faults end to end: PostgreSQL crashed (pg_ctl stop -m
+    /// immediate), the broker and the consumer process killed, three times
+    /// each, backends terminated at random; checks every effect exactly
+    /// once.
+    Soak(soak::Options),
+    /// The soak's consumer process (run by `soak`).
+    #[command(hide = true)]
+    SoakConsumer {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Member processes of one group share 8 partitions through
+    /// PostgreSQL: one killed (SIGKILL), one joining, one leaving; checks
+    /// every order once, every partition owned by one live member, and the
+    /// failover time.
+    Scale,
+    /// A member process of `scale`.
+    #[command(hide = true)]
+    ScaleMember {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+}
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let result = match args.first().map(String::as_str) {
-        None | Some("help" | "--help" | "-h") => {
-            print!("{HELP}");
-            Ok(())
-        }
-        Some("test") => test(),
-        Some("demo") => setup::postgres()
-            .and_then(|()| setup::tansu())
-            .and_then(|()| demo::run(&args[1..])),
-        Some("bench") => setup::postgres()
-            .and_then(|()| setup::tansu())
-            .and_then(|()| bench::run(&args[1..])),
-        Some("bench-line") => bench::line(&args[1..]),
-        Some("soak") => setup::postgres()
-            .and_then(|()| setup::tansu())
-            .and_then(|()| soak::run(&args[1..])),
-        Some("soak-consumer") => soak::consumer(&args[1..]),
-        Some("scale") => setup::postgres()
-            .and_then(|()| setup::tansu())
-            .and_then(|()| scale::run(&args[1..])),
-        Some("scale-member") => scale::member(&args[1..]),
-        Some(other) => {
-            eprint!("unknown command {other:?}\n\n{HELP}");
-            return ExitCode::from(2);
-        }
+    let cli = Cli::parse();
+    let services = || setup::postgres().and_then(|()| setup::tansu());
+    let result = match cli.command {
+        Cmd::Test => test(),
+        Cmd::Demo(args) => services().and_then(|()| demo::run(args)),
+        Cmd::Bench(o) => services().and_then(|()| bench::run(o)),
+        Cmd::BenchLine { args } => bench::line(&args),
+        Cmd::Soak(o) => services().and_then(|()| soak::run(o)),
+        Cmd::SoakConsumer { args } => soak::consumer(&args),
+        Cmd::Scale => services().and_then(|()| scale::run()),
+        Cmd::ScaleMember { args } => scale::member(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -163,17 +172,60 @@ fn test() -> Result<()> {
         &[],
     )?;
     println!("$ cargo xtask bench --smoke");
-    bench::run(&["--smoke".to_owned()])?;
+    bench::run(bench::Options::smoke())?;
     println!("$ cargo xtask scale");
-    scale::run(&[])?;
+    scale::run()?;
     println!("$ cargo xtask soak --messages 20000");
-    soak::run(&["--messages".to_owned(), "20000".to_owned()])?;
+    soak::run(soak::Options::of(20_000))?;
     println!("$ cargo xtask soak --messages 10000 --synchronous-commit-off");
-    soak::run(&[
-        "--messages".to_owned(),
-        "10000".to_owned(),
-        "--synchronous-commit-off".to_owned(),
-    ])?;
+    soak::run(soak::Options {
+        synchronous_commit_off: true,
+        ..soak::Options::of(10_000)
+    })?;
     println!("xtask test: all checks passed");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::Cli;
+
+    /// The command line is consistent, and each command's help lists every
+    /// option it takes (the hand-written help had lost `--no-faults`).
+    #[test]
+    fn the_help_lists_every_option() {
+        Cli::command().debug_assert();
+        let mut cli = Cli::command();
+        let help = |cli: &mut clap::Command, name: &str| -> String {
+            cli.find_subcommand_mut(name)
+                .map(|c| c.render_long_help().to_string())
+                .unwrap_or_default()
+        };
+        let soak = help(&mut cli, "soak");
+        for flag in [
+            "--messages",
+            "--fail-percent",
+            "--no-faults",
+            "--synchronous-commit-off",
+        ] {
+            assert!(soak.contains(flag), "soak --help lacks {flag}: {soak}");
+        }
+        let bench = help(&mut cli, "bench");
+        for flag in [
+            "--messages",
+            "--rows",
+            "--fail-percent",
+            "--only",
+            "--repeat",
+            "--smoke",
+        ] {
+            assert!(bench.contains(flag), "bench --help lacks {flag}: {bench}");
+        }
+        let demo = help(&mut cli, "demo");
+        for flag in ["--per-message", "--prometheus", "--processes"] {
+            assert!(demo.contains(flag), "demo --help lacks {flag}: {demo}");
+        }
+    }
 }

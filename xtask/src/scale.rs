@@ -105,10 +105,7 @@ fn spawn(id: &str, topic: &str, url: &str, brokers: &str) -> Result<Child> {
 }
 
 /// `cargo xtask scale`.
-pub(crate) fn run(args: &[String]) -> Result<()> {
-    if !args.is_empty() {
-        bail!("scale takes no options");
-    }
+pub(crate) fn run() -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

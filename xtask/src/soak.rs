@@ -51,41 +51,34 @@ const PARTITIONS: i32 = 4;
 const POISON_EVERY: i64 = 1_000;
 const DB_ENV: &str = "SOAK_DATABASE_URL";
 
-#[derive(Debug, Clone, Copy)]
-struct Options {
-    messages: i64,
-    fail_percent: u64,
-    /// `--no-faults`: the same run without any fault (a baseline).
-    faults: bool,
+/// Options of `cargo xtask soak`.
+#[derive(clap::Args, Debug, Clone)]
+pub(crate) struct Options {
+    /// Messages produced (at least one per partition).
+    #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(i64).range(i64::from(PARTITIONS)..))]
+    pub(crate) messages: i64,
+    /// The handler fails this percentage of its calls.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(0..=100))]
+    pub(crate) fail_percent: u64,
+    /// The same run without any fault (a baseline).
+    #[arg(long)]
+    pub(crate) no_faults: bool,
     /// PostgreSQL with `synchronous_commit = off`: a crash loses its last
-    /// commits, which the consumer must notice and make again.
-    async_commit: bool,
+    /// commits, which the consumer must notice and handle again.
+    #[arg(long)]
+    pub(crate) synchronous_commit_off: bool,
 }
 
-fn options(args: &[String]) -> Result<Options> {
-    let mut o = Options {
-        messages: 1_000_000,
-        fail_percent: 1,
-        faults: true,
-        async_commit: false,
-    };
-    let mut it = args.iter();
-    while let Some(flag) = it.next() {
-        let mut value = || it.next().with_context(|| format!("{flag} needs a value"));
-        match flag.as_str() {
-            "--messages" => o.messages = value()?.parse().context("--messages")?,
-            "--fail-percent" => o.fail_percent = value()?.parse().context("--fail-percent")?,
-            "--no-faults" => o.faults = false,
-            "--synchronous-commit-off" => o.async_commit = true,
-            other => bail!(
-                "unknown soak option {other:?} (--messages N, --fail-percent P, --no-faults, --synchronous-commit-off)"
-            ),
+impl Options {
+    /// A run of `messages` with the defaults.
+    pub(crate) fn of(messages: i64) -> Self {
+        Self {
+            messages,
+            fail_percent: 1,
+            no_faults: false,
+            synchronous_commit_off: false,
         }
     }
-    if o.messages < i64::from(PARTITIONS) || o.fail_percent > 100 {
-        bail!("--messages must be at least {PARTITIONS}, --fail-percent at most 100");
-    }
-    Ok(o)
 }
 
 fn is_poison(offset: i64) -> bool {
@@ -367,8 +360,7 @@ enum Fault {
 }
 
 /// `cargo xtask soak [--messages N] [--fail-percent P]`.
-pub(crate) fn run(args: &[String]) -> Result<()> {
-    let o = options(args)?;
+pub(crate) fn run(o: Options) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -413,14 +405,18 @@ async fn produce(broker: &Broker, topic: &str, per_partition: &[i64]) -> Result<
 async fn soak(o: Options) -> Result<()> {
     // With synchronous_commit off, a commit is reported before its WAL is
     // written out; the WAL writer's longest delay makes a crash lose more.
-    let settings = if o.async_commit {
+    let settings = if o.synchronous_commit_off {
         "-c fsync=off -c synchronous_commit=off -c wal_writer_delay=10s -c wal_writer_flush_after=0 -c full_page_writes=off -c max_connections=100"
     } else {
         "-c fsync=off -c synchronous_commit=on -c full_page_writes=off -c max_connections=100"
     };
     println!(
         "soak: PostgreSQL with synchronous_commit={}",
-        if o.async_commit { "off" } else { "on" }
+        if o.synchronous_commit_off {
+            "off"
+        } else {
+            "on"
+        }
     );
     let pg = PgServer::start_dedicated(settings).map_err(|e| anyhow!("{e}"))?;
     let url = pg.create_database().map_err(|e| anyhow!("{e}"))?;
@@ -532,7 +528,7 @@ async fn soak(o: Options) -> Result<()> {
                 checks += 1;
             }
         }
-        if last_terminate.elapsed() >= Duration::from_secs(2) && o.faults {
+        if last_terminate.elapsed() >= Duration::from_secs(2) && !o.no_faults {
             last_terminate = Instant::now();
             let killed = scalar(
                 &store,
@@ -546,7 +542,7 @@ async fn soak(o: Options) -> Result<()> {
             terminated += u64::try_from(killed).unwrap_or(0);
         }
         let threshold = total * i64::try_from(next_fault + 1)? / 10;
-        if o.faults
+        if !o.no_faults
             && next_fault < schedule.len()
             && progress >= threshold
             && pending_resume.is_none()
@@ -641,7 +637,7 @@ async fn soak(o: Options) -> Result<()> {
             .collect::<Vec<_>>()
             .join(", ")
     );
-    let expected = if o.faults { schedule.len() } else { 0 };
+    let expected = if !o.no_faults { schedule.len() } else { 0 };
     if lost != 0
         || doubled != 0
         || effects != valid

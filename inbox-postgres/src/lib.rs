@@ -60,4 +60,5 @@ pub use schema::{
     MAX_TABLE_NAME, SchemaStep, TableName, create_statements, drop_statements, schema_steps,
 };
 pub use sea_orm;
+pub use sea_orm_migration;
 pub use store::{Claim, PgStore, PgTx};

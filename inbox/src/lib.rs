@@ -28,6 +28,29 @@
 
 pub use inbox_core::*;
 
+/// `async_trait`, for implementing [`Handler`] and
+/// [`router::EventHandler`] without another dependency line.
+pub use async_trait::async_trait;
+
+/// What a service that consumes into the inbox imports:
+/// `use inbox::prelude::*;`, plus `inbox::postgres` / `inbox::kafka` for the
+/// adapters' own types.
+pub mod prelude {
+    pub use crate::async_trait;
+    pub use inbox_core::maintenance::{Maintenance, MaintenanceConfig};
+    pub use inbox_core::router::{EventHandler, Router, UnknownEventType};
+    pub use inbox_core::{
+        AckStrategy, Backoff, BatchConfig, CancellationToken, Handler, HandlerError, HandlerResult,
+        Message, Metrics, Runner, RunnerConfig,
+    };
+
+    #[cfg(feature = "postgres")]
+    pub use inbox_postgres::{PgStore, PgTx, TableName};
+
+    #[cfg(feature = "kafka")]
+    pub use inbox_kafka::{GroupConfig, KafkaConfig, run_group, run_partitioned};
+}
+
 /// The PostgreSQL adapter (feature `postgres`).
 #[cfg(feature = "postgres")]
 pub use inbox_postgres as postgres;

@@ -162,7 +162,7 @@ pub(crate) fn run(args: DemoArgs) -> Result<()> {
 }
 
 /// Scrapes `http://addr/metrics` with a plain HTTP/1.0 GET.
-async fn scrape(addr: std::net::SocketAddr) -> Result<String> {
+pub(crate) async fn scrape(addr: std::net::SocketAddr) -> Result<String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut conn = tokio::net::TcpStream::connect(addr).await?;
     conn.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")

@@ -13,6 +13,7 @@
 
 mod bench;
 mod demo;
+mod examples;
 mod scale;
 mod setup;
 mod soak;
@@ -35,7 +36,7 @@ struct Cli {
 enum Cmd {
     /// Installs what is missing, then fmt check, clippy -D warnings, cargo
     /// doc, every test of the workspace, cargo package of every published
-    /// crate, bench smoke, scale, soak.
+    /// crate, the examples, bench smoke, scale, soak.
     Test,
     /// The billing demo: orders through the broker into PostgreSQL, every
     /// order with exactly one invoice (checked with SQL).
@@ -60,6 +61,9 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Every example of the facade built and run against the throwaway
+    /// PostgreSQL and broker, its effects checked with SQL.
+    Examples,
     /// Member processes of one group share 8 partitions through
     /// PostgreSQL: one killed (SIGKILL), one joining, one leaving; checks
     /// every order once, every partition owned by one live member, and the
@@ -84,6 +88,7 @@ fn main() -> ExitCode {
         Cmd::Soak(o) => services().and_then(|()| soak::run(o)),
         Cmd::SoakConsumer { args } => soak::consumer(&args),
         Cmd::Scale => services().and_then(|()| scale::run()),
+        Cmd::Examples => services().and_then(|()| examples::run()),
         Cmd::ScaleMember { args } => scale::member(&args),
     };
     match result {
@@ -95,7 +100,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn cargo(args: &[&str], env: &[(&str, &str)]) -> Result<()> {
+pub(crate) fn cargo(args: &[&str], env: &[(&str, &str)]) -> Result<()> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     println!("$ cargo {}", args.join(" "));
     let status = Command::new(&cargo)
@@ -129,7 +134,7 @@ pub(crate) fn child_runtime() -> Result<(tokio::runtime::Runtime, inbox_core::Ca
     Ok((rt, cancel))
 }
 
-fn workspace_root() -> std::path::PathBuf {
+pub(crate) fn workspace_root() -> std::path::PathBuf {
     let manifest = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     manifest
         .parent()
@@ -171,6 +176,8 @@ fn test() -> Result<()> {
         ],
         &[],
     )?;
+    println!("$ cargo xtask examples");
+    examples::run()?;
     println!("$ cargo xtask bench --smoke");
     bench::run(bench::Options::smoke())?;
     println!("$ cargo xtask scale");

@@ -1,0 +1,170 @@
+//! `cargo xtask examples`: every example of the facade built and run as a
+//! user runs it, against the throwaway PostgreSQL and tansu, its effects
+//! checked with SQL.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use inbox_postgres::{PgStore, TableName};
+use inbox_testkit::kafka::json_record;
+use inbox_testkit::pg::count;
+use serde_json::json;
+
+const ORDERS: i64 = 20;
+
+/// Builds and runs the examples.
+pub(crate) fn run() -> Result<()> {
+    crate::cargo(
+        &[
+            "build",
+            "-p",
+            "inbox",
+            "--features",
+            "postgres,kafka,metrics",
+            "--example",
+            "kafka_to_postgres",
+        ],
+        &[],
+    )?;
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map_or_else(|| crate::workspace_root().join("target"), Into::into);
+    let exe = target.join("debug/examples/kafka_to_postgres");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(kafka_to_postgres(&exe))
+}
+
+fn harness<T>(r: Result<T, inbox_testkit::pg::HarnessError>) -> Result<T> {
+    r.map_err(|e| anyhow::anyhow!("{e}"))
+}
+
+async fn kafka_to_postgres(exe: &std::path::Path) -> Result<()> {
+    println!(
+        "$ {} (DATABASE_URL, KAFKA_BROKERS, TOPIC set)",
+        exe.display()
+    );
+    let url = harness(inbox_testkit::pg::server().and_then(|s| s.create_database()))?;
+    let broker = harness(inbox_testkit::kafka::broker())?;
+    let topic = harness(broker.topic("example-orders", 2).await)?;
+    for p in 0..2 {
+        let records = (0..ORDERS)
+            .filter(|i| i % 2 == i64::from(p))
+            .map(|i| {
+                let id = format!("order-{i}");
+                json_record(
+                    &json!({ "order": id, "total": 10 * i }),
+                    &[("message_id", &id), ("event_type", "order.created")],
+                )
+            })
+            .collect();
+        harness(broker.produce(&topic, p, records, 4).await)?;
+    }
+    // order-3 again (a producer's retry): the inbox recognises it
+    let again = json_record(
+        &json!({ "order": "order-3", "total": 30 }),
+        &[("message_id", "order-3"), ("event_type", "order.created")],
+    );
+    harness(broker.produce(&topic, 1, vec![again], 1).await)?;
+
+    let metrics_addr = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+    let mut child = Command::new(exe)
+        .env("DATABASE_URL", &url)
+        .env("KAFKA_BROKERS", broker.address())
+        .env("TOPIC", &topic)
+        .env("MEMBER", "example-1")
+        .env("METRICS_ADDR", metrics_addr.to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .with_context(|| format!("starting {}", exe.display()))?;
+
+    let store = PgStore::connect(&url, TableName::default()).await?;
+    let started = Instant::now();
+    let invoices = async || {
+        count(&store, "SELECT count(*) FROM invoices", vec![])
+            .await
+            .unwrap_or(-1)
+    };
+    while invoices().await < ORDERS {
+        if let Some(status) = child.try_wait()? {
+            bail!("the example ended before invoicing every order ({status})");
+        }
+        if started.elapsed() > Duration::from_secs(120) {
+            let _ = child.kill();
+            bail!(
+                "the example invoiced {} of {ORDERS} orders in 120 s",
+                invoices().await
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let scraped = crate::demo::scrape(metrics_addr).await?;
+    if !scraped.contains("inbox_messages_total") {
+        bail!("no inbox metrics at http://{metrics_addr}/metrics: {scraped}");
+    }
+
+    // Ctrl-C: the example finishes its batch, leaves the group and exits 0
+    let pid = child.id().to_string();
+    Command::new("kill").args(["-INT", &pid]).status()?;
+    let stopping = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        if stopping.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            bail!("the example did not stop within 30 s of SIGINT");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let mut out = String::new();
+    if let Some(mut stdout) = child.stdout.take() {
+        use std::io::Read;
+        stdout.read_to_string(&mut out)?;
+    }
+    if !status.success() || !out.contains("stopped cleanly") {
+        bail!("the example's stop: {status}\n{out}");
+    }
+    let store = &store;
+    let sql = |q: &'static str| async move { count(store, q, vec![]).await.unwrap_or(-1) };
+    let checks = [
+        (
+            "invoices",
+            sql("SELECT count(*) FROM invoices").await,
+            ORDERS,
+        ),
+        (
+            "orders invoiced",
+            sql("SELECT count(DISTINCT order_id) FROM invoices").await,
+            ORDERS,
+        ),
+        (
+            "inbox rows completed",
+            sql("SELECT count(*) FROM inbox WHERE status = 'completed'").await,
+            ORDERS,
+        ),
+        (
+            "migrations applied (the user's and the inbox's five)",
+            sql("SELECT count(*) FROM seaql_migrations").await,
+            6,
+        ),
+        (
+            "offsets at the end of both partitions",
+            sql("SELECT coalesce(sum(next_offset), 0)::bigint FROM inbox_offsets").await,
+            ORDERS + 1,
+        ),
+    ];
+    for (what, got, want) in checks {
+        if got != want {
+            bail!("kafka_to_postgres: {what}: {got}, expected {want}\n{out}");
+        }
+    }
+    println!(
+        "kafka_to_postgres passed: {ORDERS} orders (and one delivered twice) invoiced once each, stopped on SIGINT in {:.1} s, metrics served",
+        stopping.elapsed().as_secs_f64()
+    );
+    Ok(())
+}

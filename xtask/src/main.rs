@@ -235,4 +235,26 @@ mod tests {
             assert!(demo.contains(flag), "demo --help lacks {flag}: {demo}");
         }
     }
+
+    /// Every Rust block of docs/getting-started.md is a verbatim part of
+    /// the example it walks through (which `cargo xtask examples` runs), so
+    /// the guide cannot drift from code that works.
+    #[test]
+    fn the_guide_quotes_the_example_verbatim() {
+        let root = super::workspace_root();
+        let read = |p: &str| std::fs::read_to_string(root.join(p)).unwrap_or_default();
+        let guide = read("docs/getting-started.md");
+        let example = read("inbox/examples/kafka_to_postgres.rs");
+        assert!(!example.is_empty(), "the example is missing");
+        let mut blocks = 0;
+        for block in guide.split("```rust\n").skip(1) {
+            let code = block.split("```").next().unwrap_or_default();
+            assert!(
+                example.contains(code),
+                "docs/getting-started.md quotes code the example does not have:\n{code}"
+            );
+            blocks += 1;
+        }
+        assert!(blocks >= 10, "{blocks} blocks");
+    }
 }

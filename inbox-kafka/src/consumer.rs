@@ -76,9 +76,10 @@ pub struct KafkaConfig {
     pub fetch_max_bytes: i32,
     /// Longest a fetch of one partition may take before it counts as a
     /// fetch error of that partition (the client retries some broker errors,
-    /// such as a topic deleted under the consumer, without end). Partitions
-    /// are fetched one after the other, so while one partition's fetches
-    /// time out the others wait up to this long per try. Default 10 s.
+    /// such as a topic deleted under the consumer, without end). Each
+    /// partition is fetched by a task of its own, so a partition whose
+    /// fetches hang or time out holds back no other; it is fetched again
+    /// after [`KafkaConfig::fetch_backoff`]. Default 10 s.
     pub fetch_timeout: Duration,
     /// The pause before fetching a partition again after its consecutive
     /// fetch errors (the others are read on meanwhile). Default 100 ms

@@ -22,18 +22,110 @@ pub(crate) fn run() -> Result<()> {
             "inbox",
             "--features",
             "postgres,kafka,metrics",
-            "--example",
-            "kafka_to_postgres",
+            "--examples",
         ],
         &[],
     )?;
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map_or_else(|| crate::workspace_root().join("target"), Into::into);
-    let exe = target.join("debug/examples/kafka_to_postgres");
+    let exe = |name: &str| target.join("debug/examples").join(name);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    rt.block_on(kafka_to_postgres(&exe))
+    rt.block_on(async {
+        kafka_to_postgres(&exe("kafka_to_postgres")).await?;
+        land_and_drain(&exe("land_and_drain")).await
+    })
+}
+
+/// Produces orders `order-0..n` (payload `order`, `total`) over two
+/// partitions of a new topic.
+async fn orders(n: i64) -> Result<(String, &'static inbox_testkit::kafka::Broker)> {
+    let broker = harness(inbox_testkit::kafka::broker())?;
+    let topic = harness(broker.topic("example-orders", 2).await)?;
+    for p in 0..2 {
+        let records = (0..n)
+            .filter(|i| i % 2 == i64::from(p))
+            .map(|i| {
+                let id = format!("order-{i}");
+                json_record(
+                    &json!({ "order": id, "total": 10 * i }),
+                    &[("message_id", &id), ("event_type", "order.created")],
+                )
+            })
+            .collect();
+        harness(broker.produce(&topic, p, records, 4).await)?;
+    }
+    Ok((topic, broker))
+}
+
+async fn land_and_drain(exe: &std::path::Path) -> Result<()> {
+    println!(
+        "$ {} (DATABASE_URL, KAFKA_BROKERS, TOPIC set)",
+        exe.display()
+    );
+    let url = harness(inbox_testkit::pg::server().and_then(|s| s.create_database()))?;
+    let (topic, broker) = orders(10).await?;
+    let mut child = Command::new(exe)
+        .env("DATABASE_URL", &url)
+        .env("KAFKA_BROKERS", broker.address())
+        .env("TOPIC", &topic)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .with_context(|| format!("starting {}", exe.display()))?;
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        if started.elapsed() > Duration::from_secs(120) {
+            let _ = child.kill();
+            bail!("land_and_drain did not finish in 120 s");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let mut out = String::new();
+    if let Some(mut stdout) = child.stdout.take() {
+        use std::io::Read;
+        stdout.read_to_string(&mut out)?;
+    }
+    for want in [
+        "landed 10 messages",
+        "order-7: Failed after 3 attempts: payment provider unavailable",
+        "order-7 after the requeue: Completed",
+    ] {
+        if !status.success() || !out.contains(want) {
+            bail!("land_and_drain ({status}) did not say {want:?}:\n{out}");
+        }
+    }
+    let store = PgStore::connect(&url, TableName::default()).await?;
+    let store = &store;
+    let sql = |q: &'static str| async move { count(store, q, vec![]).await.unwrap_or(-1) };
+    let checks = [
+        ("payments", sql("SELECT count(*) FROM payments").await, 10),
+        (
+            "rows completed",
+            sql("SELECT count(*) FROM inbox WHERE status = 'completed'").await,
+            10,
+        ),
+        (
+            "order-7's attempts after the requeue (a fresh budget, completed first time)",
+            sql("SELECT attempts_made::bigint FROM inbox WHERE message_id = 'order-7'").await,
+            0,
+        ),
+    ];
+    for (what, got, want) in checks {
+        if got != want {
+            bail!("land_and_drain: {what}: {got}, expected {want}\n{out}");
+        }
+    }
+    println!(
+        "land_and_drain passed: 10 orders landed and drained, order-7 failed after 3 attempts, requeued and completed ({:.1} s)",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 fn harness<T>(r: Result<T, inbox_testkit::pg::HarnessError>) -> Result<T> {
@@ -46,21 +138,7 @@ async fn kafka_to_postgres(exe: &std::path::Path) -> Result<()> {
         exe.display()
     );
     let url = harness(inbox_testkit::pg::server().and_then(|s| s.create_database()))?;
-    let broker = harness(inbox_testkit::kafka::broker())?;
-    let topic = harness(broker.topic("example-orders", 2).await)?;
-    for p in 0..2 {
-        let records = (0..ORDERS)
-            .filter(|i| i % 2 == i64::from(p))
-            .map(|i| {
-                let id = format!("order-{i}");
-                json_record(
-                    &json!({ "order": id, "total": 10 * i }),
-                    &[("message_id", &id), ("event_type", "order.created")],
-                )
-            })
-            .collect();
-        harness(broker.produce(&topic, p, records, 4).await)?;
-    }
+    let (topic, broker) = orders(ORDERS).await?;
     // order-3 again (a producer's retry): the inbox recognises it
     let again = json_record(
         &json!({ "order": "order-3", "total": 30 }),

@@ -1,0 +1,158 @@
+//! Land and drain: the consumer only lands each message as a `pending` row
+//! (one INSERT, then the offset moves on), and a batch processor drains the
+//! rows later with its own retries. One order's payment provider is down:
+//! its row spends its attempts and ends `failed`; once the provider is back
+//! an operator requeues it and the next batch completes it.
+//!
+//! ```sh
+//! export DATABASE_URL=postgres://app@localhost/app KAFKA_BROKERS=localhost:9092 TOPIC=orders
+//! cargo run -p inbox --features postgres,kafka --example land_and_drain
+//! ```
+//!
+//! It reads the topic until it has been idle for a moment, drains, and
+//! exits. `cargo xtask examples` runs it on the throwaway PostgreSQL and
+//! broker and checks the rows with SQL.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use inbox::attempts::AttemptRules;
+use inbox::kafka::KafkaConsumer;
+use inbox::postgres::sea_orm::{ConnectionTrait, DbBackend, Statement};
+use inbox::prelude::*;
+use inbox::processor::{BatchProcessor, ProcessorConfig};
+use inbox::{InboxStatus, InboxStore};
+use serde::Deserialize;
+
+/// The `order.created` event.
+#[derive(Debug, Deserialize)]
+struct OrderCreated {
+    order: String,
+    total: i64,
+}
+
+/// Charges an order; the provider refuses `order-7` while it is down.
+struct Payments {
+    down_for_order_7: AtomicBool,
+}
+
+#[async_trait]
+impl EventHandler<OrderCreated, PgTx> for Payments {
+    async fn handle(
+        &self,
+        order: OrderCreated,
+        _message: &Message,
+        tx: &mut PgTx,
+    ) -> Result<HandlerResult, HandlerError> {
+        if order.order == "order-7" && self.down_for_order_7.load(Ordering::SeqCst) {
+            return Err(HandlerError::msg("payment provider unavailable"));
+        }
+        tx.connection()
+            .execute_raw(Statement::from_sql_and_values(
+                DbBackend::Postgres,
+                "INSERT INTO payments (order_id, total) VALUES ($1, $2)",
+                [order.order.into(), order.total.into()],
+            ))
+            .await?;
+        Ok(HandlerResult::completed())
+    }
+}
+
+const GROUP: &str = "payments";
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let url = std::env::var("DATABASE_URL").map_err(|_| "set DATABASE_URL")?;
+    let brokers: Vec<String> = std::env::var("KAFKA_BROKERS")
+        .unwrap_or_else(|_| "localhost:9092".into())
+        .split(',')
+        .map(str::to_owned)
+        .collect();
+    let topic = std::env::var("TOPIC").unwrap_or_else(|_| "orders".into());
+
+    let store = PgStore::connect(&url, TableName::default()).await?;
+    store.create_tables().await?;
+    store
+        .connection()
+        .execute_unprepared(
+            "CREATE TABLE IF NOT EXISTS payments (order_id TEXT PRIMARY KEY, total BIGINT NOT NULL)",
+        )
+        .await?;
+
+    // 1. land: every message becomes a pending row with a budget of three
+    //    attempts; the offset moves on in the same transaction
+    let mut kafka = KafkaConfig::new(brokers.clone(), GROUP, Vec::new());
+    kafka.partitions = inbox::kafka::topic_partitions(&kafka, std::slice::from_ref(&topic)).await?;
+    let consumer = KafkaConsumer::connect(kafka, store.clone()).await?;
+    let config = RunnerConfig::new(GROUP, "lander-1")?.failure_budget(3);
+    let mut lander = Runner::land_only(store.clone(), consumer, config);
+    let (mut landed, mut idle) = (0, 0);
+    while idle < 10 {
+        match lander.process_one().await? {
+            Some(_) => {
+                landed += 1;
+                idle = 0;
+            }
+            None => idle += 1,
+        }
+    }
+    println!("landed {landed} messages as pending rows");
+
+    // 2. drain: a processor claims due rows in batches (FOR UPDATE SKIP
+    //    LOCKED, so any number of processors can share the table); retries
+    //    are scheduled here 10 ms apart (default: 1 s doubling, ±20 %)
+    let payments = Arc::new(Payments {
+        down_for_order_7: AtomicBool::new(true),
+    });
+    let router = Router::new().on::<OrderCreated, _>("order.created", Arc::clone(&payments));
+    let mut config = ProcessorConfig::new("drainer-1")?;
+    config.rules = AttemptRules {
+        backoff: Backoff::new(Duration::from_millis(10), Duration::from_millis(10), 1.0),
+    };
+    let mut processor = BatchProcessor::new(store.clone(), router, config);
+    let drain = async |processor: &mut BatchProcessor<PgStore, Router<PgTx>>| {
+        let mut quiet = 0;
+        while quiet < 5 {
+            let batch = processor.process_batch().await?;
+            if batch.claimed == 0 {
+                quiet += 1;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            } else {
+                quiet = 0;
+                println!(
+                    "batch: {} claimed, {} completed, {} to retry, {} failed",
+                    batch.claimed, batch.completed, batch.retried, batch.failed
+                );
+            }
+        }
+        Ok::<_, Box<dyn std::error::Error>>(())
+    };
+    drain(&mut processor).await?;
+
+    // 3. the row that spent its budget, found by its key
+    let row = store
+        .find("order-7", GROUP)
+        .await?
+        .ok_or("order-7 was not landed")?;
+    println!(
+        "order-7: {:?} after {} attempts: {}",
+        row.status,
+        row.attempts_made,
+        row.last_error.as_deref().unwrap_or("")
+    );
+    if row.status != InboxStatus::Failed {
+        return Err("order-7 should have failed".into());
+    }
+
+    // 4. the provider is back: requeue it, and the next batch completes it
+    payments.down_for_order_7.store(false, Ordering::SeqCst);
+    store.requeue_failed(row.id).await?;
+    drain(&mut processor).await?;
+    let row = store
+        .find("order-7", GROUP)
+        .await?
+        .ok_or("order-7 vanished")?;
+    println!("order-7 after the requeue: {:?}", row.status);
+    Ok(())
+}

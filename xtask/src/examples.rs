@@ -21,7 +21,7 @@ pub(crate) fn run() -> Result<()> {
             "-p",
             "inbox",
             "--features",
-            "postgres,kafka,metrics",
+            "postgres,kafka,metrics,testkit",
             "--examples",
         ],
         &[],
@@ -35,7 +35,30 @@ pub(crate) fn run() -> Result<()> {
     rt.block_on(async {
         kafka_to_postgres(&exe("kafka_to_postgres")).await?;
         land_and_drain(&exe("land_and_drain")).await
-    })
+    })?;
+    testing_your_handler(&exe("testing_your_handler"))
+}
+
+/// The testkit example: its own checks, no servers.
+fn testing_your_handler(exe: &std::path::Path) -> Result<()> {
+    println!("$ {}", exe.display());
+    let out = Command::new(exe)
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("starting {}", exe.display()))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() || !stdout.contains("every check passed") {
+        bail!(
+            "testing_your_handler ({}):\n{stdout}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    println!(
+        "testing_your_handler passed: {} checks",
+        stdout.matches("ok: ").count()
+    );
+    Ok(())
 }
 
 /// Produces orders `order-0..n` (payload `order`, `total`) over two

@@ -62,3 +62,18 @@ pub use inbox_kafka as kafka;
 /// The testkit (feature `testkit`).
 #[cfg(feature = "testkit")]
 pub use inbox_testkit as testkit;
+
+// The Rust blocks of these guides compile and run as doc tests (the
+// getting-started guide quotes an example that `cargo xtask examples`
+// runs; a test in xtask keeps the quotes verbatim).
+#[cfg(all(doctest, feature = "postgres", feature = "kafka"))]
+#[doc = include_str!("../../docs/batch.md")]
+mod batch_md {}
+
+#[cfg(all(doctest, feature = "postgres", feature = "kafka"))]
+#[doc = include_str!("../../docs/kafka.md")]
+mod kafka_md {}
+
+#[cfg(all(doctest, feature = "postgres", feature = "kafka"))]
+#[doc = include_str!("../../docs/postgres.md")]
+mod postgres_md {}

@@ -20,8 +20,8 @@
 //! afterwards, whether the driver must write the completion, whether the
 //! message counts as processed, where its broker acknowledgement goes
 //! ([`AckPoint`]: before the transaction, inside it, after it, nowhere),
-//! whether to rewind, and which counter moves. Every row of SPEC "The runner,
-//! message by message" is one case here. [`partition_ack`] gives the one
+//! whether to rewind, and which counter moves. Every row of the strategy x outcome table of
+//! `docs/semantics.md` is one case here. [`partition_ack`] gives the one
 //! acknowledgement a batch writes per partition.
 //!
 //! ```
@@ -54,7 +54,7 @@ pub struct Policy {
     pub tx_acks: bool,
     /// The failure budget: how many counted attempts a message may make
     /// before it is given up (`failed`, dead-lettered, acknowledged).
-    /// `None`: failures are not counted (the design note's runner).
+    /// `None`: failures are not counted (the runner's default).
     pub failure_budget: Option<u32>,
 }
 

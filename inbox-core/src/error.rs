@@ -9,7 +9,7 @@ use thiserror::Error;
 /// A result with the core's [`Error`](enum@Error) as default error.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// A rule of SPEC "Validation" that input broke.
+/// A validation rule that input broke.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 #[non_exhaustive]
 pub enum ValidationError {

@@ -1,5 +1,5 @@
 //! Maintenance that runs: stale leases released and completed rows deleted
-//! on an interval (SPEC "Maintenance").
+//! on an interval (`docs/operations.md`).
 //!
 //! Every statement is bounded and skips rows another transaction holds, so
 //! several instances (one per process is fine) can run at once without

@@ -1,5 +1,5 @@
 //! The model: the consumed message, the inbox row and its status, and the
-//! validation rules of the contract (SPEC "Validation").
+//! validation rules (`docs/operations.md`, "One bad message is a bounded, recorded event").
 //!
 //! Validation is explicit: [`Message::validate`] checks a message for a consumer
 //! group and returns the first rule it breaks as a [`ValidationError`]. The
@@ -184,7 +184,7 @@ impl Message {
         self
     }
 
-    /// Checks every rule of SPEC "Validation" for this message consumed by
+    /// Checks every validation rule for this message consumed by
     /// `consumer_group`, and returns the first one broken (or the adapter's
     /// decode error, when it set one).
     ///

@@ -1,5 +1,4 @@
-//! What a handler returns, and how the runner classifies it (SPEC "Handler
-//! outcomes").
+//! What a handler returns, and how the runner classifies it (`docs/semantics.md`).
 //!
 //! | handler returns | class |
 //! |---|---|

@@ -1,6 +1,6 @@
 //! The batch processor: drains rows landed `pending` (by a runner without a
-//! handler, or brought back by `requeue_failed`), SPEC "The batch
-//! processor".
+//! handler, or brought back by `requeue_failed`); see
+//! `docs/batch.md`.
 //!
 //! One batch:
 //!

@@ -318,7 +318,10 @@ impl<Tx: Send + 'static> Handler<Tx> for Router<Tx> {
     ) -> Option<Result<Vec<HandlerResult>, HandlerError>> {
         let routes: Vec<Option<Arc<dyn Route<Tx>>>> = messages
             .iter()
-            .map(|m| self.route(&m.event_type, m.schema_version.as_deref()).cloned())
+            .map(|m| {
+                self.route(&m.event_type, m.schema_version.as_deref())
+                    .cloned()
+            })
             .collect();
         let mut out = Vec::with_capacity(messages.len());
         let mut batched_any = false;
@@ -329,11 +332,7 @@ impl<Tx: Send + 'static> Handler<Tx> for Router<Tx> {
                 (None, None) => true,
                 _ => false,
             };
-            let end = start
-                + routes[start..]
-                    .iter()
-                    .take_while(|r| same(r))
-                    .count();
+            let end = start + routes[start..].iter().take_while(|r| same(r)).count();
             let run = &messages[start..end];
             match &routes[start] {
                 Some(route) => match route.call_batch(run, tx).await {
@@ -509,7 +508,10 @@ mod tests {
         ) -> Option<Result<Vec<HandlerResult>, HandlerError>> {
             let ns: Vec<String> = events.iter().map(|(e, _)| e.n.to_string()).collect();
             tx.push(format!("bulk {}", ns.join(",")));
-            Some(Ok(events.iter().map(|_| HandlerResult::completed()).collect()))
+            Some(Ok(events
+                .iter()
+                .map(|_| HandlerResult::completed())
+                .collect()))
         }
     }
 
@@ -537,7 +539,10 @@ mod tests {
             .expect("handled");
         assert_eq!(results.len(), 5);
         assert!(results[..4].iter().all(|r| r.success && r.processed));
-        assert!(results[4].success && !results[4].processed, "the unknown type is skipped, as configured");
+        assert!(
+            results[4].success && !results[4].processed,
+            "the unknown type is skipped, as configured"
+        );
         assert_eq!(tx[0], "bulk 1,2");
         assert!(tx[1].starts_with("v1 OrderCreated"), "{tx:?}");
         assert_eq!(tx[2], "bulk 3");

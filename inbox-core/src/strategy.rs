@@ -10,7 +10,7 @@ pub enum AckPolicy {
     OnSuccess,
 }
 
-/// The runner's acknowledgement strategy (SPEC "The runner, message by message").
+/// The runner's acknowledgement strategy (`docs/semantics.md`).
 ///
 /// The default is `ExactlyOnceInbox { commit_on_failed: false }`.
 ///

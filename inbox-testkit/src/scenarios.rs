@@ -337,7 +337,7 @@ async fn row<S: InboxStore>(store: &S, id: &str, group: &str) -> Option<InboxRow
         .unwrap_or_else(|e| panic!("find failed: {e}"))
 }
 
-/// `(status, locked_by)` of a row, as the design note prints it.
+/// `(status, locked_by)` of a row, as the scenarios print it.
 async fn inbox_state<S: InboxStore>(
     store: &S,
     id: &str,
@@ -346,7 +346,7 @@ async fn inbox_state<S: InboxStore>(
     row(store, id, group).await.map(|r| (r.status, r.locked_by))
 }
 
-/// The design note's `handler_retry` scenario and its four-delivery script:
+/// The `handler_retry` scenario (a handler that asks for a retry) and its four-delivery script:
 /// the handler returns `retry()` on its first call; the message is produced
 /// three times in all.
 pub async fn handler_retry_four_deliveries<H: Harness>(h: &H) {
@@ -415,7 +415,7 @@ pub async fn handler_retry_four_deliveries<H: Harness>(h: &H) {
     assert_eq!((c.acked, c.rewound, c.handler_runs), (3, 1, 2));
 }
 
-/// The design note's `handler_skipped` scenario: after the first delivery
+/// The `handler_skipped` scenario (a handler that skips): after the first delivery
 /// the row is completed and unlocked; the redelivery is a committed
 /// duplicate and the handler is not called again.
 pub async fn handler_skipped<H: Harness>(h: &H) {
@@ -518,7 +518,7 @@ pub async fn write_then<H: Harness>(
 }
 
 /// Runs [`write_then_fail`] under every strategy setting and asserts the
-/// SPEC's answer for each.
+/// the rules' answer for each.
 pub async fn write_then_fail_every_strategy<H: Harness>(h: &H) {
     write_then_every_strategy(h, Act::Fail, "wtf").await;
 }

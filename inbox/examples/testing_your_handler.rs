@@ -7,16 +7,25 @@
 //! 2. a crash between the steps (the commit lost before it applied, or
 //!    applied with its answer lost) bills once after the redelivery;
 //! 3. a store of your own passes the conformance suite every store must
-//!    pass (here the in-memory one stands in for it).
+//!    pass (here `AuditedStore`, which counts the transactions it begins
+//!    and keeps its rows in the in-memory store).
 //!
 //! ```sh
 //! cargo run -p inbox --features testkit --example testing_your_handler
 //! ```
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use inbox::prelude::*;
+
 use inbox::testkit::{MemBroker, MemFixture, MemStore, MemTx, StoreFault, run_conformance};
+use inbox::{
+    DueFilter, InboxRow, InboxStore, MembershipStore, OffsetStore, PartitionClaim, RowId,
+    StoreError, TxAck, WorkerId,
+};
 use serde_json::json;
 
 /// Where the handler writes: in production a `PgTx` (an INSERT through
@@ -47,6 +56,101 @@ impl<Tx: Invoices + 'static> Handler<Tx> for Billing {
             .ok_or_else(|| HandlerError::msg("an order without its id"))?;
         tx.add_invoice(order).await?;
         Ok(HandlerResult::completed())
+    }
+}
+
+/// A store of your own: it counts the transactions it begins and keeps
+/// its rows in another store (in a service, your database's adapter).
+#[derive(Clone)]
+struct AuditedStore {
+    inner: MemStore,
+    begun: Arc<AtomicU64>,
+}
+
+#[async_trait]
+impl InboxStore for AuditedStore {
+    type Tx = MemTx;
+
+    async fn begin(&self) -> Result<MemTx, StoreError> {
+        self.begun.fetch_add(1, Ordering::Relaxed);
+        self.inner.begin().await
+    }
+    async fn find(&self, id: &str, group: &str) -> Result<Option<InboxRow>, StoreError> {
+        self.inner.find(id, group).await
+    }
+    async fn release_stale_locks(&self, older_than: Duration) -> Result<u64, StoreError> {
+        self.inner.release_stale_locks(older_than).await
+    }
+    async fn delete_completed(&self, older_than: Duration, batch: u64) -> Result<u64, StoreError> {
+        self.inner.delete_completed(older_than, batch).await
+    }
+    async fn claim_due(
+        &self,
+        worker: &WorkerId,
+        limit: usize,
+        filter: &DueFilter,
+    ) -> Result<Vec<InboxRow>, StoreError> {
+        self.inner.claim_due(worker, limit, filter).await
+    }
+    async fn release_claims(&self, worker: &WorkerId, ids: &[RowId]) -> Result<u64, StoreError> {
+        self.inner.release_claims(worker, ids).await
+    }
+    async fn requeue_failed(&self, id: RowId) -> Result<bool, StoreError> {
+        self.inner.requeue_failed(id).await
+    }
+}
+
+#[async_trait]
+impl OffsetStore for AuditedStore {
+    async fn claim_partition(
+        &self,
+        group: &str,
+        topic: &str,
+        partition: i32,
+    ) -> Result<PartitionClaim, StoreError> {
+        self.inner.claim_partition(group, topic, partition).await
+    }
+    async fn store_ack(&self, ack: &TxAck) -> Result<(), StoreError> {
+        self.inner.store_ack(ack).await
+    }
+    async fn read_partition(
+        &self,
+        group: &str,
+        topic: &str,
+        partition: i32,
+    ) -> Result<Option<PartitionClaim>, StoreError> {
+        self.inner.read_partition(group, topic, partition).await
+    }
+}
+
+#[async_trait]
+impl MembershipStore for AuditedStore {
+    async fn heartbeat(
+        &self,
+        group: &str,
+        member: &str,
+        lease: Duration,
+    ) -> Result<Vec<String>, StoreError> {
+        self.inner.heartbeat(group, member, lease).await
+    }
+    async fn leave(&self, group: &str, member: &str) -> Result<(), StoreError> {
+        self.inner.leave(group, member).await
+    }
+    async fn published_assignment(
+        &self,
+        group: &str,
+    ) -> Result<BTreeMap<(String, i32), String>, StoreError> {
+        self.inner.published_assignment(group).await
+    }
+    async fn publish_assignment(
+        &self,
+        group: &str,
+        previous: &BTreeMap<(String, i32), String>,
+        assignment: &BTreeMap<(String, i32), String>,
+    ) -> Result<bool, StoreError> {
+        self.inner
+            .publish_assignment(group, previous, assignment)
+            .await
     }
 }
 
@@ -106,15 +210,23 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         )?;
     }
 
-    // 3. the conformance suite: pass your own store and a fixture that
+    // 3. the conformance suite on a store of your own, with a fixture that
     //    writes and reads one of its business rows
-    let store = MemStore::new();
-    let report = run_conformance(&store, &MemFixture::new(&store))
+    let inner = MemStore::new();
+    let store = AuditedStore {
+        inner: inner.clone(),
+        begun: Arc::new(AtomicU64::new(0)),
+    };
+    let report = run_conformance(&store, &MemFixture::new(&inner))
         .await
         .map_err(|e| format!("conformance: {e:?}"))?;
     check(
-        &format!("the store passes {} conformance checks", report.len()),
-        report.len() >= 10,
+        &format!(
+            "AuditedStore passes {} conformance checks ({} transactions begun)",
+            report.len(),
+            store.begun.load(Ordering::Relaxed)
+        ),
+        report.len() >= 10 && store.begun.load(Ordering::Relaxed) > 0,
     )?;
     println!("every check passed");
     Ok(())

@@ -56,6 +56,14 @@ pub trait EventHandler<T, Tx>: Send + Sync {
         tx: &mut Tx,
     ) -> Result<HandlerResult, HandlerError>;
 
+    /// Whether [`handle_batch`](Self::handle_batch) is implemented: say
+    /// `true` when you implement it. The router asks before it runs
+    /// anything, so a batch with no batch-capable route goes to the
+    /// runner's per-message path untouched.
+    fn batches(&self) -> bool {
+        false
+    }
+
     /// Handles several events of this route at once (the batched runner's
     /// path, through [`Router`]'s [`Handler::handle_batch`]): write all
     /// their rows with as few statements as possible, one result per event,
@@ -86,6 +94,10 @@ impl<T: Send + 'static, Tx: Send, H: EventHandler<T, Tx> + ?Sized> EventHandler<
         tx: &mut Tx,
     ) -> Result<HandlerResult, HandlerError> {
         (**self).handle(event, message, tx).await
+    }
+
+    fn batches(&self) -> bool {
+        (**self).batches()
     }
 
     async fn handle_batch(
@@ -145,6 +157,9 @@ pub enum RouteError {
 trait Route<Tx>: Send + Sync {
     async fn call(&self, message: &Message, tx: &mut Tx) -> Result<HandlerResult, HandlerError>;
 
+    /// Whether its handler has a batch form.
+    fn batches(&self) -> bool;
+
     /// The route's batch form over `messages`, if its handler has one.
     async fn call_batch(
         &self,
@@ -168,6 +183,10 @@ where
     async fn call(&self, message: &Message, tx: &mut Tx) -> Result<HandlerResult, HandlerError> {
         let event = decode::<T>(message)?;
         self.handler.handle(event, message, tx).await
+    }
+
+    fn batches(&self) -> bool {
+        self.handler.batches()
     }
 
     async fn call_batch(
@@ -308,9 +327,9 @@ impl<Tx: Send + 'static> Handler<Tx> for Router<Tx> {
 
     /// The batch path: each run of consecutive messages of one route goes
     /// to that route's batch form in one call (in order), a route without
-    /// one gets its messages one by one in the same transaction. `None`
-    /// when no route of the batch has a batch form (the runner's
-    /// per-message path is then the same work).
+    /// one gets its messages one by one in the same transaction. `None`,
+    /// with nothing run, when no route of the batch has a batch form (the
+    /// runner's per-message path is then the same work).
     async fn handle_batch(
         &self,
         messages: &[&Message],
@@ -323,8 +342,10 @@ impl<Tx: Send + 'static> Handler<Tx> for Router<Tx> {
                     .cloned()
             })
             .collect();
+        if !routes.iter().flatten().any(|r| r.batches()) {
+            return None;
+        }
         let mut out = Vec::with_capacity(messages.len());
-        let mut batched_any = false;
         let mut start = 0;
         while start < messages.len() {
             let same = |r: &Option<Arc<dyn Route<Tx>>>| match (r, &routes[start]) {
@@ -336,10 +357,7 @@ impl<Tx: Send + 'static> Handler<Tx> for Router<Tx> {
             let run = &messages[start..end];
             match &routes[start] {
                 Some(route) => match route.call_batch(run, tx).await {
-                    Some(Ok(results)) => {
-                        batched_any = true;
-                        out.extend(results);
-                    }
+                    Some(Ok(results)) => out.extend(results),
                     Some(Err(e)) => return Some(Err(e)),
                     None => {
                         for m in run {
@@ -361,7 +379,7 @@ impl<Tx: Send + 'static> Handler<Tx> for Router<Tx> {
             }
             start = end;
         }
-        batched_any.then_some(Ok(out))
+        Some(Ok(out))
     }
 }
 
@@ -501,6 +519,10 @@ mod tests {
             Ok(HandlerResult::completed())
         }
 
+        fn batches(&self) -> bool {
+            true
+        }
+
         async fn handle_batch(
             &self,
             events: Vec<(Paid, &Message)>,
@@ -557,8 +579,13 @@ mod tests {
             .expect_err("a payload that does not fit");
         assert!(matches!(route_error(&err), RouteError::Payload { .. }));
 
+        // no batch-capable route in the batch: nothing is run (the runner
+        // then runs each message itself; had the router run them here too,
+        // every message would run twice: the bug the example found)
         let plain = [created.clone(), created];
         let refs: Vec<&Message> = plain.iter().collect();
-        assert!(r.handle_batch(&refs, &mut Vec::new()).await.is_none());
+        let mut untouched = Vec::new();
+        assert!(r.handle_batch(&refs, &mut untouched).await.is_none());
+        assert!(untouched.is_empty(), "ran {untouched:?}");
     }
 }

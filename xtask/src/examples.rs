@@ -195,8 +195,14 @@ async fn kafka_to_postgres(exe: &std::path::Path) -> Result<()> {
         }
         if started.elapsed() > Duration::from_secs(120) {
             let _ = child.kill();
+            let _ = child.wait();
+            let mut out = String::new();
+            if let Some(mut stdout) = child.stdout.take() {
+                use std::io::Read;
+                let _ = stdout.read_to_string(&mut out);
+            }
             bail!(
-                "the example invoiced {} of {ORDERS} orders in 120 s",
+                "the example invoiced {} of {ORDERS} orders in 120 s; its output:\n{out}",
                 invoices().await
             );
         }

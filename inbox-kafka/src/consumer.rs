@@ -540,7 +540,8 @@ impl<O: OffsetStore> KafkaConsumer<O> {
                     StartPosition::Earliest => pc.get_offset(OffsetAt::Earliest).await?,
                     StartPosition::Latest => pc.get_offset(OffsetAt::Latest).await?,
                     StartPosition::Timestamp(t) => {
-                        crate::offsets::offset_at_time(&pc, t, &config).await?
+                        let bounds = crate::offsets::bounds(&pc).await?;
+                        crate::offsets::offset_at_time(&pc, t, &config, bounds).await?
                     }
                 },
             };

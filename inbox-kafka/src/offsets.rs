@@ -98,17 +98,45 @@ pub struct MovedOffset {
 /// it back between the claim and the store.
 const MOVE_ATTEMPTS: usize = 5;
 
+/// The log's bounds: the earliest offset the broker still has and the one
+/// after the last record.
+pub(crate) async fn bounds(
+    pc: &PartitionClient,
+) -> Result<(i64, i64), rskafka::client::error::Error> {
+    Ok((
+        pc.get_offset(OffsetAt::Earliest).await?,
+        pc.get_offset(OffsetAt::Latest).await?,
+    ))
+}
+
+/// The partition's client (its leader found) and the log's bounds.
+async fn leader_and_bounds(
+    client: &rskafka::client::Client,
+    config: &KafkaConfig,
+    topic: &str,
+    partition: i32,
+) -> Result<(PartitionClient, i64, i64), KafkaError> {
+    let pc = within(
+        "connecting to the partition's leader",
+        config.connect_timeout,
+        client.partition_client(topic.to_owned(), partition, UnknownTopicHandling::Error),
+    )
+    .await?;
+    let (earliest, latest) = bounds(&pc).await?;
+    Ok((pc, earliest, latest))
+}
+
 /// The offset of the first record at or after `t` (the log's end when
 /// there is none), by ListOffsets. Brokers say "none" differently (Kafka
 /// answers -1, tansu 0.6 the first offset), so the record the broker names
 /// is fetched and its timestamp checked.
+/// `(earliest, latest)` are the log's bounds, as [`bounds`] gives them.
 pub(crate) async fn offset_at_time(
     pc: &PartitionClient,
     t: DateTime<Utc>,
     config: &KafkaConfig,
+    (earliest, latest): (i64, i64),
 ) -> Result<i64, rskafka::client::error::Error> {
-    let earliest = pc.get_offset(OffsetAt::Earliest).await?;
-    let latest = pc.get_offset(OffsetAt::Latest).await?;
     let at = pc.get_offset(OffsetAt::Timestamp(t)).await?;
     if at < earliest || at >= latest {
         return Ok(latest);
@@ -163,14 +191,7 @@ pub async fn read_offsets<O: OffsetStore>(
     let client = config.client().await?;
     let mut out = Vec::with_capacity(config.partitions.len());
     for (topic, partition) in &config.partitions {
-        let pc = within(
-            "connecting to the partition's leader",
-            config.connect_timeout,
-            client.partition_client(topic.clone(), *partition, UnknownTopicHandling::Error),
-        )
-        .await?;
-        let earliest = pc.get_offset(OffsetAt::Earliest).await?;
-        let latest = pc.get_offset(OffsetAt::Latest).await?;
+        let (_, earliest, latest) = leader_and_bounds(&client, config, topic, *partition).await?;
         let claim = store
             .read_partition(&config.consumer_group, topic, *partition)
             .await?;
@@ -204,19 +225,14 @@ pub async fn move_offsets<O: OffsetStore>(
     let client = config.client().await?;
     let mut moved = Vec::with_capacity(config.partitions.len());
     for (topic, partition) in &config.partitions {
-        let pc = within(
-            "connecting to the partition's leader",
-            config.connect_timeout,
-            client.partition_client(topic.clone(), *partition, UnknownTopicHandling::Error),
-        )
-        .await?;
-        let earliest = pc.get_offset(OffsetAt::Earliest).await?;
-        let latest = pc.get_offset(OffsetAt::Latest).await?;
+        let (pc, earliest, latest) = leader_and_bounds(&client, config, topic, *partition).await?;
         let to = match target {
             OffsetTarget::Earliest => earliest,
             OffsetTarget::Latest => latest,
             OffsetTarget::Offset(o) => o.clamp(earliest, latest.max(earliest)),
-            OffsetTarget::Timestamp(t) => offset_at_time(&pc, t, config).await?,
+            OffsetTarget::Timestamp(t) => {
+                offset_at_time(&pc, t, config, (earliest, latest)).await?
+            }
         };
         let mut attempt = 0;
         let from = loop {

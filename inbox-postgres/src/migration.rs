@@ -4,7 +4,7 @@
 
 use sea_orm_migration::prelude::*;
 
-use crate::schema::{TableName, schema_steps};
+use crate::schema::{SchemaStep, TableName, schema_steps};
 
 /// Every schema migration of the inbox on `table`, in order: add them to
 /// your migrator after your own (their names sort after
@@ -29,9 +29,12 @@ use crate::schema::{TableName, schema_steps};
 /// }
 /// ```
 pub fn inbox_migrations(table: TableName) -> Vec<Box<dyn MigrationTrait>> {
-    let steps = schema_steps(&table).len();
-    (0..steps)
-        .map(|step| Box::new(InboxMigration::step(table.clone(), step)) as Box<dyn MigrationTrait>)
+    schema_steps(&table)
+        .into_iter()
+        .enumerate()
+        .map(|(index, step)| {
+            Box::new(InboxMigration::of(&table, index, step)) as Box<dyn MigrationTrait>
+        })
         .collect()
 }
 
@@ -39,8 +42,7 @@ pub fn inbox_migrations(table: TableName) -> Vec<Box<dyn MigrationTrait>> {
 /// [`inbox_migrations`].
 #[derive(Debug, Clone)]
 pub struct InboxMigration {
-    table: TableName,
-    step: usize,
+    step: SchemaStep,
     name: String,
 }
 
@@ -48,14 +50,22 @@ impl InboxMigration {
     /// The first migration for `table` (the inbox and dead-letter tables):
     /// use [`inbox_migrations`] for all of them.
     pub fn new(table: TableName) -> Self {
-        Self::step(table, 0)
+        // schema_steps is never empty; the fallback only keeps this total
+        let first = schema_steps(&table)
+            .into_iter()
+            .next()
+            .unwrap_or(SchemaStep {
+                name: "create_inbox",
+                up: Vec::new(),
+                down: Vec::new(),
+            });
+        Self::of(&table, 0, first)
     }
 
-    /// Step `step` (from 0) of [`schema_steps`] for `table`.
-    fn step(table: TableName, step: usize) -> Self {
-        let suffix = schema_steps(&table).get(step).map_or("unknown", |s| s.name);
-        let name = format!("m20261130_{:06}_{suffix}_{}", step + 1, table.table());
-        Self { table, step, name }
+    /// Step `step` (the `index`-th, from 0) for `table`.
+    fn of(table: &TableName, index: usize, step: SchemaStep) -> Self {
+        let name = format!("m20261130_{:06}_{}_{}", index + 1, step.name, table.table());
+        Self { step, name }
     }
 }
 
@@ -68,28 +78,18 @@ impl MigrationName for InboxMigration {
 #[async_trait::async_trait]
 impl MigrationTrait for InboxMigration {
     async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        let statements = schema_steps(&self.table)
-            .into_iter()
-            .nth(self.step)
-            .map(|s| s.up)
-            .unwrap_or_default();
-        run(manager, statements).await
+        run(manager, &self.step.up).await
     }
 
     async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        let statements = schema_steps(&self.table)
-            .into_iter()
-            .nth(self.step)
-            .map(|s| s.down)
-            .unwrap_or_default();
-        run(manager, statements).await
+        run(manager, &self.step.down).await
     }
 }
 
-async fn run(manager: &SchemaManager<'_>, statements: Vec<String>) -> Result<(), DbErr> {
+async fn run(manager: &SchemaManager<'_>, statements: &[String]) -> Result<(), DbErr> {
     let db = manager.get_connection();
     for sql in statements {
-        db.execute_unprepared(&sql).await?;
+        db.execute_unprepared(sql).await?;
     }
     Ok(())
 }

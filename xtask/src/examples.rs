@@ -61,6 +61,37 @@ fn testing_your_handler(exe: &std::path::Path) -> Result<()> {
     Ok(())
 }
 
+/// What `child` printed on its piped stdout (it has ended).
+fn printed(child: &mut std::process::Child) -> String {
+    use std::io::Read;
+    let mut out = String::new();
+    if let Some(mut stdout) = child.stdout.take() {
+        let _ = stdout.read_to_string(&mut out);
+    }
+    out
+}
+
+/// Waits up to `limit` for `child` to end: its status and what it printed;
+/// past the limit it is killed and the error says `what`, with its output.
+async fn finish(
+    child: &mut std::process::Child,
+    limit: Duration,
+    what: &str,
+) -> Result<(std::process::ExitStatus, String)> {
+    let started = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait()? {
+            return Ok((status, printed(child)));
+        }
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("{what} within {limit:?}; its output:\n{}", printed(child));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// Produces orders `order-0..n` (payload `order`, `total`) over two
 /// partitions of a new topic.
 async fn orders(n: i64) -> Result<(String, &'static inbox_testkit::kafka::Broker)> {
@@ -99,21 +130,12 @@ async fn land_and_drain(exe: &std::path::Path) -> Result<()> {
         .spawn()
         .with_context(|| format!("starting {}", exe.display()))?;
     let started = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait()? {
-            break status;
-        }
-        if started.elapsed() > Duration::from_secs(120) {
-            let _ = child.kill();
-            bail!("land_and_drain did not finish in 120 s");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    let mut out = String::new();
-    if let Some(mut stdout) = child.stdout.take() {
-        use std::io::Read;
-        stdout.read_to_string(&mut out)?;
-    }
+    let (status, out) = finish(
+        &mut child,
+        Duration::from_secs(120),
+        "land_and_drain did not finish",
+    )
+    .await?;
     for want in [
         "landed 10 messages",
         "order-7: Failed after 3 attempts: payment provider unavailable",
@@ -124,30 +146,46 @@ async fn land_and_drain(exe: &std::path::Path) -> Result<()> {
         }
     }
     let store = PgStore::connect(&url, TableName::default()).await?;
-    let store = &store;
-    let sql = |q: &'static str| async move { count(store, q, vec![]).await.unwrap_or(-1) };
-    let checks = [
-        ("payments", sql("SELECT count(*) FROM payments").await, 10),
-        (
-            "rows completed",
-            sql("SELECT count(*) FROM inbox WHERE status = 'completed'").await,
-            10,
-        ),
-        (
-            "order-7's attempts after the requeue (a fresh budget, completed first time)",
-            sql("SELECT attempts_made::bigint FROM inbox WHERE message_id = 'order-7'").await,
-            0,
-        ),
-    ];
-    for (what, got, want) in checks {
-        if got != want {
-            bail!("land_and_drain: {what}: {got}, expected {want}\n{out}");
-        }
-    }
+    expect(
+        &store,
+        "land_and_drain",
+        &[
+            ("payments", "SELECT count(*) FROM payments", 10),
+            (
+                "rows completed",
+                "SELECT count(*) FROM inbox WHERE status = 'completed'",
+                10,
+            ),
+            (
+                "order-7's attempts after the requeue (a fresh budget, completed first time)",
+                "SELECT attempts_made::bigint FROM inbox WHERE message_id = 'order-7'",
+                0,
+            ),
+        ],
+        &out,
+    )
+    .await?;
     println!(
         "land_and_drain passed: 10 orders landed and drained, order-7 failed after 3 attempts, requeued and completed ({:.1} s)",
         started.elapsed().as_secs_f64()
     );
+    Ok(())
+}
+
+/// Each `(what, sql, want)`: the count `sql` returns is `want`, or an
+/// error naming the example, the check and its output.
+async fn expect(
+    store: &PgStore,
+    example: &str,
+    checks: &[(&str, &str, i64)],
+    out: &str,
+) -> Result<()> {
+    for (what, sql, want) in checks {
+        let got = count(store, sql, vec![]).await.unwrap_or(-1);
+        if got != *want {
+            bail!("{example}: {what}: {got}, expected {want}\n{out}");
+        }
+    }
     Ok(())
 }
 
@@ -196,11 +234,7 @@ async fn kafka_to_postgres(exe: &std::path::Path) -> Result<()> {
         if started.elapsed() > Duration::from_secs(120) {
             let _ = child.kill();
             let _ = child.wait();
-            let mut out = String::new();
-            if let Some(mut stdout) = child.stdout.take() {
-                use std::io::Read;
-                let _ = stdout.read_to_string(&mut out);
-            }
+            let out = printed(&mut child);
             bail!(
                 "the example invoiced {} of {ORDERS} orders in 120 s; its output:\n{out}",
                 invoices().await
@@ -217,58 +251,44 @@ async fn kafka_to_postgres(exe: &std::path::Path) -> Result<()> {
     let pid = child.id().to_string();
     Command::new("kill").args(["-INT", &pid]).status()?;
     let stopping = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait()? {
-            break status;
-        }
-        if stopping.elapsed() > Duration::from_secs(30) {
-            let _ = child.kill();
-            bail!("the example did not stop within 30 s of SIGINT");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    let mut out = String::new();
-    if let Some(mut stdout) = child.stdout.take() {
-        use std::io::Read;
-        stdout.read_to_string(&mut out)?;
-    }
+    let (status, out) = finish(
+        &mut child,
+        Duration::from_secs(30),
+        "the example did not stop after SIGINT",
+    )
+    .await?;
     if !status.success() || !out.contains("stopped cleanly") {
         bail!("the example's stop: {status}\n{out}");
     }
-    let store = &store;
-    let sql = |q: &'static str| async move { count(store, q, vec![]).await.unwrap_or(-1) };
-    let checks = [
-        (
-            "invoices",
-            sql("SELECT count(*) FROM invoices").await,
-            ORDERS,
-        ),
-        (
-            "orders invoiced",
-            sql("SELECT count(DISTINCT order_id) FROM invoices").await,
-            ORDERS,
-        ),
-        (
-            "inbox rows completed",
-            sql("SELECT count(*) FROM inbox WHERE status = 'completed'").await,
-            ORDERS,
-        ),
-        (
-            "migrations applied (the user's and the inbox's five)",
-            sql("SELECT count(*) FROM seaql_migrations").await,
-            6,
-        ),
-        (
-            "offsets at the end of both partitions",
-            sql("SELECT coalesce(sum(next_offset), 0)::bigint FROM inbox_offsets").await,
-            ORDERS + 1,
-        ),
-    ];
-    for (what, got, want) in checks {
-        if got != want {
-            bail!("kafka_to_postgres: {what}: {got}, expected {want}\n{out}");
-        }
-    }
+    expect(
+        &store,
+        "kafka_to_postgres",
+        &[
+            ("invoices", "SELECT count(*) FROM invoices", ORDERS),
+            (
+                "orders invoiced",
+                "SELECT count(DISTINCT order_id) FROM invoices",
+                ORDERS,
+            ),
+            (
+                "inbox rows completed",
+                "SELECT count(*) FROM inbox WHERE status = 'completed'",
+                ORDERS,
+            ),
+            (
+                "migrations applied (the user's and the inbox's five)",
+                "SELECT count(*) FROM seaql_migrations",
+                6,
+            ),
+            (
+                "offsets at the end of both partitions",
+                "SELECT coalesce(sum(next_offset), 0)::bigint FROM inbox_offsets",
+                ORDERS + 1,
+            ),
+        ],
+        &out,
+    )
+    .await?;
     println!(
         "kafka_to_postgres passed: {ORDERS} orders (and one delivered twice) invoiced once each, stopped on SIGINT in {:.1} s, metrics served",
         stopping.elapsed().as_secs_f64()

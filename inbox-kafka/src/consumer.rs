@@ -179,6 +179,17 @@ impl KafkaConfig {
     /// [`KafkaError::ConnectTimeout`] when no broker answered in time, or
     /// the broker's error.
     pub async fn client(&self) -> Result<rskafka::client::Client, KafkaError> {
+        let tls = self.tls.as_ref().map(Tls::client_config).transpose()?;
+        self.client_with(tls).await
+    }
+
+    /// [`client`](Self::client) with the rustls configuration already
+    /// built (files read once for the client and the consumer's own
+    /// connections).
+    pub(crate) async fn client_with(
+        &self,
+        tls: Option<Arc<rustls::ClientConfig>>,
+    ) -> Result<rskafka::client::Client, KafkaError> {
         let mut builder = ClientBuilder::new(self.brokers.clone())
             .client_id(self.client_id.clone())
             // the client retries a failed connection or request with a
@@ -188,8 +199,8 @@ impl KafkaConfig {
                 deadline: Some(self.connect_timeout / 2),
                 ..BackoffConfig::default()
             });
-        if let Some(tls) = &self.tls {
-            builder = builder.tls_config(tls.client_config()?);
+        if let Some(tls) = tls {
+            builder = builder.tls_config(tls);
         }
         if let Some(sasl) = &self.sasl {
             builder = builder.sasl_config(sasl.config());
@@ -511,13 +522,14 @@ impl<O: OffsetStore> KafkaConsumer<O> {
                 "fetch_max_bytes must be positive".into(),
             ));
         }
-        let client = config.client().await?;
+        let tls = config.tls.as_ref().map(Tls::client_config).transpose()?;
+        let client = config.client_with(tls.clone()).await?;
         let reporter = config.health.reporter();
         let dialer = if config.read_committed {
             Some(Arc::new(Dialer {
                 bootstrap: config.brokers.clone(),
                 client_id: Arc::from(config.client_id.as_str()),
-                tls: config.tls.as_ref().map(Tls::client_config).transpose()?,
+                tls,
                 sasl: config.sasl.as_ref().map(Sasl::config),
             }))
         } else {

@@ -57,6 +57,7 @@ pub mod maintenance;
 pub mod metrics;
 pub mod model;
 pub mod offsets;
+pub mod outbox;
 pub mod outcome;
 pub mod processor;
 pub mod router;

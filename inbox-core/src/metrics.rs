@@ -111,6 +111,13 @@ pub enum MetricEvent {
     /// A group member's runner task ended without being stopped (a panic
     /// outside the handler's guard); it is started again after a backoff.
     RunnerRestarted,
+    /// An outbox relay published events and marked them sent.
+    OutboxPublished {
+        /// How many.
+        count: u64,
+    },
+    /// An outbox relay dead-lettered an event the broker refused.
+    OutboxDeadLettered,
 }
 
 /// Receives the runner's events. Every method has a no-op default.
@@ -261,7 +268,9 @@ impl Metrics for CountingMetrics {
             | MetricEvent::OffsetOutOfRange { .. }
             | MetricEvent::OffsetMoved { .. }
             | MetricEvent::AssignmentChanged { .. }
-            | MetricEvent::RunnerRestarted => return,
+            | MetricEvent::RunnerRestarted
+            | MetricEvent::OutboxPublished { .. }
+            | MetricEvent::OutboxDeadLettered => return,
         };
         self.counters[index].fetch_add(1, Ordering::Relaxed);
     }
@@ -435,6 +444,14 @@ impl Metrics for FacadeMetrics {
                     &self.partition_labels(partition)
                 )
                 .increment(1);
+            }
+            MetricEvent::OutboxPublished { count } => {
+                ::metrics::counter!("inbox_outbox_published_total", "group" => group)
+                    .increment(count);
+            }
+            MetricEvent::OutboxDeadLettered => {
+                ::metrics::counter!("inbox_outbox_dead_lettered_total", "group" => group)
+                    .increment(1);
             }
         }
     }

@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use inbox_core::assignment::{PartitionKey, assign, owned_by};
+use inbox_core::assignment::{PartitionKey, owned_by};
 use inbox_core::{
     CancellationToken, Handler, InboxStore, MembershipStore, MetricEvent, Metrics, OffsetStore,
     Runner, RunnerConfig,
@@ -315,17 +315,14 @@ fn every_tick(period: Duration) -> tokio::time::Interval {
     ticks
 }
 
-/// One heartbeat: the live members and the assignment over them
-/// (published when it changed).
+/// One heartbeat: the live members and the assignment of the topics'
+/// partitions over them (published when it changed).
 async fn next_assignment<S: MembershipStore>(
     client: &rskafka::client::Client,
     store: &S,
     consumer_group: &str,
     group: &GroupConfig,
 ) -> Result<(Vec<String>, BTreeMap<PartitionKey, String>), KafkaError> {
-    let members = store
-        .heartbeat(consumer_group, &group.member_id, group.lease)
-        .await?;
     let partitions: Vec<PartitionKey> = client
         .list_topics()
         .await?
@@ -336,18 +333,14 @@ async fn next_assignment<S: MembershipStore>(
             t.partitions.into_iter().map(move |p| (name.clone(), p))
         })
         .collect();
-    let previous = store.published_assignment(consumer_group).await?;
-    let next = assign(&partitions, &members, &previous);
-    if next == previous
-        || store
-            .publish_assignment(consumer_group, &previous, &next)
-            .await?
-    {
-        return Ok((members, next));
-    }
-    // another member published first (from a newer view, or the same):
-    // follow what is published; the next heartbeat computes from it
-    Ok((members, store.published_assignment(consumer_group).await?))
+    Ok(inbox_core::outbox::next_assignment(
+        store,
+        consumer_group,
+        &group.member_id,
+        group.lease,
+        &partitions,
+    )
+    .await?)
 }
 
 /// A consumer claiming `owned` and a runner over it, spawned.

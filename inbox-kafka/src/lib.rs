@@ -62,6 +62,7 @@ mod decode;
 mod group;
 mod health;
 mod offsets;
+mod relay;
 mod security;
 
 pub use consumer::{
@@ -73,6 +74,8 @@ pub use health::{HealthHandle, PartitionHealth};
 pub use offsets::{
     MovedOffset, OffsetTarget, PartitionOffsets, move_offsets, read_offsets, topic_partitions,
 };
+pub use relay::{DEFAULT_MAX_RECORD_BYTES, KafkaPublisher, run_relay};
+pub use rskafka::client::partition::Compression;
 pub use security::{Sasl, Tls};
 
 use std::sync::Arc;

@@ -102,6 +102,26 @@ impl TableName {
         self.with_suffix("_assignments")
     }
 
+    /// The outbox table (`<table>_outbox`), qualified.
+    pub fn outbox(&self) -> String {
+        self.with_suffix("_outbox")
+    }
+
+    /// The outbox's per-key order records (`<table>_outbox_keys`),
+    /// qualified.
+    pub fn outbox_keys(&self) -> String {
+        self.with_suffix("_outbox_keys")
+    }
+
+    /// The channel the outbox notifies on (`<table>_outbox`, with the
+    /// schema when there is one): a text, not an identifier.
+    pub fn outbox_channel(&self) -> String {
+        match &self.schema {
+            Some(s) => format!("{s}.{}_outbox", self.table),
+            None => format!("{}_outbox", self.table),
+        }
+    }
+
     /// An index name (unqualified: indexes live in their table's schema).
     fn index(&self, suffix: &str) -> String {
         format!("\"{}_{suffix}\"", self.table)
@@ -306,6 +326,66 @@ pub fn schema_steps(t: &TableName) -> Vec<SchemaStep> {
             )],
             vec![format!("DROP TABLE IF EXISTS {}", t.assignments())],
         ),
+        step(
+            "outbox",
+            vec![
+                // Events to publish, written in the business transaction.
+                // Per key, ids follow commit order: the enqueue locks the
+                // key's row in `_outbox_keys` before it takes its id.
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {o} (
+    id          BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    message_id  VARCHAR(255) NOT NULL,
+    topic       VARCHAR(249) NOT NULL,
+    msg_key     BYTEA,
+    payload     BYTEA NOT NULL,
+    headers     JSONB NOT NULL DEFAULT '[]',
+    slot        INTEGER NOT NULL,
+    status      TEXT NOT NULL DEFAULT 'pending',
+    holds       BOOLEAN NOT NULL DEFAULT false,
+    error       TEXT,
+    created_at  TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp(),
+    sent_at     TIMESTAMPTZ,
+    CONSTRAINT {known} CHECK (status IN ('pending', 'sent', 'dead')),
+    CONSTRAINT {sent} CHECK ((status = 'sent') = (sent_at IS NOT NULL))
+)",
+                    o = t.outbox(),
+                    known = t.index("outbox_status_known"),
+                    sent = t.index("outbox_sent_at_iff_sent"),
+                ),
+                // the relay's read: pending rows by id
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {} (id) WHERE status = 'pending'",
+                    t.index("outbox_pending"),
+                    t.outbox()
+                ),
+                // retention: sent rows by age
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {} (sent_at) WHERE status = 'sent'",
+                    t.index("outbox_sent"),
+                    t.outbox()
+                ),
+                // dead rows that hold their key's later rows
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {} (topic, msg_key, id) WHERE status = 'dead' AND holds",
+                    t.index("outbox_holding"),
+                    t.outbox()
+                ),
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {} (
+    topic       VARCHAR(249) NOT NULL,
+    msg_key     BYTEA NOT NULL,
+    touched_at  TIMESTAMPTZ NOT NULL DEFAULT now(),
+    PRIMARY KEY (topic, msg_key)
+)",
+                    t.outbox_keys()
+                ),
+            ],
+            vec![
+                format!("DROP TABLE IF EXISTS {}", t.outbox_keys()),
+                format!("DROP TABLE IF EXISTS {}", t.outbox()),
+            ],
+        ),
     ]
 }
 
@@ -316,7 +396,7 @@ pub fn create_statements(t: &TableName) -> Vec<String> {
     schema_steps(t).into_iter().flat_map(|s| s.up).collect()
 }
 
-/// The statements that drop the five tables (every step taken back, the
+/// The statements that drop the tables (every step taken back, the
 /// last first).
 pub fn drop_statements(t: &TableName) -> Vec<String> {
     schema_steps(t)

@@ -280,19 +280,19 @@ impl Sql {
     }
 }
 
-fn stmt(sql: &str, values: Vec<Value>) -> Statement {
+pub(crate) fn stmt(sql: &str, values: Vec<Value>) -> Statement {
     Statement::from_sql_and_values(DbBackend::Postgres, sql, values)
 }
 
-fn secs(d: Duration) -> Value {
+pub(crate) fn secs(d: Duration) -> Value {
     Value::from(d.as_secs_f64())
 }
 
 /// The PostgreSQL inbox store. Cloning shares the pool.
 #[derive(Debug, Clone)]
 pub struct PgStore {
-    db: DatabaseConnection,
-    table: TableName,
+    pub(crate) db: DatabaseConnection,
+    pub(crate) table: TableName,
     sql: Arc<Sql>,
 }
 
@@ -370,7 +370,7 @@ impl PgTx {
     }
 }
 
-fn get<T: sea_orm::TryGetable>(row: &QueryResult, col: &str) -> Result<T, StoreError> {
+pub(crate) fn get<T: sea_orm::TryGetable>(row: &QueryResult, col: &str) -> Result<T, StoreError> {
     row.try_get::<T>("", col).map_err(|e| map_db_err(&e))
 }
 
@@ -410,7 +410,7 @@ fn inbox_row(r: &QueryResult) -> Result<InboxRow, StoreError> {
     })
 }
 
-fn db(e: DbErr) -> StoreError {
+pub(crate) fn db(e: DbErr) -> StoreError {
     map_db_err(&e)
 }
 

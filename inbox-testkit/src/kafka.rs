@@ -400,6 +400,44 @@ impl Broker {
         }
         Ok(offsets)
     }
+
+    /// Every record of `topic`/`partition` from its start to its high
+    /// watermark, with its offset.
+    ///
+    /// # Errors
+    ///
+    /// A [`HarnessError`] when fetching fails.
+    pub async fn read_all(
+        &self,
+        topic: &str,
+        partition: i32,
+    ) -> Result<Vec<(i64, Record)>, HarnessError> {
+        let client = self.client().await?;
+        let pc = client
+            .partition_client(topic, partition, UnknownTopicHandling::Retry)
+            .await
+            .map_err(|e| HarnessError(format!("partition client: {e}")))?;
+        let mut out = Vec::new();
+        let mut next = 0;
+        loop {
+            let (records, high) = pc
+                .fetch_records(next, 1..4_000_000, 10)
+                .await
+                .map_err(|e| HarnessError(format!("fetching {topic}:{partition}: {e}")))?;
+            if records.is_empty() {
+                return Ok(out);
+            }
+            for r in records {
+                if r.offset >= next {
+                    next = r.offset + 1;
+                    out.push((r.offset, r.record));
+                }
+            }
+            if next >= high {
+                return Ok(out);
+            }
+        }
+    }
 }
 
 /// The tansu binary, a temporary directory and a free address to listen on.

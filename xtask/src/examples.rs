@@ -276,9 +276,9 @@ async fn kafka_to_postgres(exe: &std::path::Path) -> Result<()> {
                 ORDERS,
             ),
             (
-                "migrations applied (the user's and the inbox's five)",
+                "migrations applied (the user's and the inbox's six)",
                 "SELECT count(*) FROM seaql_migrations",
-                6,
+                7,
             ),
             (
                 "offsets at the end of both partitions",

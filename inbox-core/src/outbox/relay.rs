@@ -1,0 +1,533 @@
+//! The relay: publishes the outbox's committed rows of the slots it holds,
+//! in id order per key, and marks them sent under its slot claims.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::{
+    OutboxRow, OutboxStore, PublishError, PublishErrorKind, Publisher, SLOT_TOPIC, SLOTS, SlotClaim,
+};
+use crate::assignment::{PartitionKey, assign, owned_by};
+use crate::backoff::Backoff;
+use crate::error::{StoreError, ValidationError};
+use crate::metrics::{MetricEvent, Metrics, NoopMetrics, record_safely};
+use crate::offsets::{MembershipStore, OffsetStore};
+
+/// What the relay does with a key's later events when the broker refused
+/// one of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OnRefused {
+    /// The refused event is dead-lettered and holds its key: the key's
+    /// later events wait until an operator releases it, so their order is
+    /// kept. The rest of the outbox moves on.
+    #[default]
+    Hold,
+    /// The refused event is dead-lettered and the key's later events are
+    /// published without it.
+    Skip,
+}
+
+/// How a relay runs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RelayConfig {
+    /// The relays' group (membership and slot leases are kept under it).
+    /// Default `outbox-relay`.
+    pub group: String,
+    /// This relay's member id, unique in the group.
+    pub member_id: String,
+    /// Rows read and published per round. Default 1000.
+    pub batch_size: usize,
+    /// How long the relay waits for a notification before it looks again
+    /// (the fallback when none comes). Default 1 s.
+    pub poll_interval: Duration,
+    /// Heartbeat period. Default 1 s.
+    pub heartbeat: Duration,
+    /// A relay whose last heartbeat is older leaves the group: its slots
+    /// move within `lease + heartbeat`. Default 10 s.
+    pub lease: Duration,
+    /// What a refused event does to its key. Default [`OnRefused::Hold`].
+    pub on_refused: OnRefused,
+    /// How long events for a topic the broker does not know are retried
+    /// before they are dead-lettered. Default 60 s.
+    pub unknown_topic_timeout: Duration,
+    /// Delays after failed rounds (store or broker unavailable).
+    pub retry: Backoff,
+    /// How long a topic's partition count is trusted before it is asked
+    /// again (a topic that grew gets its new partitions). Default 60 s.
+    pub metadata_ttl: Duration,
+}
+
+impl RelayConfig {
+    /// Defaults for member `member_id`.
+    ///
+    /// # Errors
+    ///
+    /// [`ValidationError`] when `member_id` is empty.
+    pub fn new(member_id: impl Into<String>) -> Result<Self, ValidationError> {
+        let member_id = member_id.into();
+        if member_id.trim().is_empty() {
+            return Err(ValidationError::Empty { field: "member_id" });
+        }
+        Ok(Self {
+            group: "outbox-relay".into(),
+            member_id,
+            batch_size: 1000,
+            poll_interval: Duration::from_secs(1),
+            heartbeat: Duration::from_secs(1),
+            lease: Duration::from_secs(10),
+            on_refused: OnRefused::Hold,
+            unknown_topic_timeout: Duration::from_secs(60),
+            retry: Backoff::new(Duration::from_millis(100), Duration::from_secs(5), 2.0)
+                .with_jitter(0.2),
+            metadata_ttl: Duration::from_secs(60),
+        })
+    }
+}
+
+/// The slots a relay holds, with their claim epochs.
+pub type SlotClaims = BTreeMap<i32, i64>;
+
+/// What one round did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RelayRound {
+    /// Rows read.
+    pub fetched: usize,
+    /// Rows the broker acknowledged and the store marked sent.
+    pub published: u64,
+    /// Rows acknowledged by the broker but not marked: their slot was taken
+    /// over (the new owner publishes them again, with the same id).
+    pub unmarked: u64,
+    /// Rows dead-lettered.
+    pub dead_lettered: u64,
+    /// A failure that left rows pending (retried at the next round).
+    pub failed: Option<String>,
+}
+
+/// What [`Relay::run`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RelaySummary {
+    /// Rows published and marked.
+    pub published: u64,
+    /// Rows published whose mark a takeover refused.
+    pub unmarked: u64,
+    /// Rows dead-lettered.
+    pub dead_lettered: u64,
+    /// How many times this relay's slots changed.
+    pub assignment_changes: u64,
+}
+
+/// One heartbeat of `member` in `group`: the live members and the
+/// assignment of `partitions` over them, published when it changed (a
+/// compare-and-set; when another member published first, its assignment
+/// is followed).
+///
+/// # Errors
+///
+/// The store's.
+pub async fn next_assignment<S: MembershipStore + ?Sized>(
+    store: &S,
+    group: &str,
+    member: &str,
+    lease: Duration,
+    partitions: &[PartitionKey],
+) -> Result<(Vec<String>, BTreeMap<PartitionKey, String>), StoreError> {
+    let members = store.heartbeat(group, member, lease).await?;
+    let previous = store.published_assignment(group).await?;
+    let next = assign(partitions, &members, &previous);
+    if next == previous || store.publish_assignment(group, &previous, &next).await? {
+        return Ok((members, next));
+    }
+    Ok((members, store.published_assignment(group).await?))
+}
+
+/// Publishes the outbox: reads pending rows of the slots it holds, sends
+/// them to the [`Publisher`] batched per partition, marks them sent.
+pub struct Relay<S, P> {
+    store: S,
+    publisher: P,
+    config: RelayConfig,
+    metrics: Arc<dyn Metrics>,
+    claims: SlotClaims,
+    partitions: HashMap<String, (i32, Instant)>,
+    unknown_since: HashMap<String, Instant>,
+}
+
+impl<S, P> std::fmt::Debug for Relay<S, P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Relay")
+            .field("config", &self.config)
+            .field("claims", &self.claims)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, P> Relay<S, P>
+where
+    S: OutboxStore + OffsetStore + MembershipStore + Clone + 'static,
+    P: Publisher,
+{
+    /// A relay over `store` publishing to `publisher`.
+    pub fn new(store: S, publisher: P, config: RelayConfig) -> Self {
+        Self {
+            store,
+            publisher,
+            config,
+            metrics: Arc::new(NoopMetrics),
+            claims: SlotClaims::new(),
+            partitions: HashMap::new(),
+            unknown_since: HashMap::new(),
+        }
+    }
+
+    /// Reports to `metrics`.
+    #[must_use]
+    pub fn with_metrics(mut self, metrics: Arc<dyn Metrics>) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
+    /// The slots held now, with their epochs.
+    pub fn claims(&self) -> &SlotClaims {
+        &self.claims
+    }
+
+    /// Holds exactly `slots`: claims those not held (fencing their previous
+    /// relay) and lets go of the others.
+    ///
+    /// # Errors
+    ///
+    /// The store's; the slots claimed before it stay held.
+    pub async fn hold(&mut self, slots: &[i32]) -> Result<(), StoreError> {
+        self.claims.retain(|s, _| slots.contains(s));
+        for &slot in slots {
+            if !self.claims.contains_key(&slot) {
+                let claim = self
+                    .store
+                    .claim_partition(&self.config.group, SLOT_TOPIC, slot)
+                    .await?;
+                self.claims.insert(slot, claim.owner_epoch);
+            }
+        }
+        Ok(())
+    }
+
+    /// One round: reads up to `batch_size` pending rows of the held slots,
+    /// publishes them (one append per partition, the partitions at once),
+    /// marks what the broker acknowledged, dead-letters what it refused.
+    ///
+    /// # Errors
+    ///
+    /// The store's, when reading or marking fails (what was published and
+    /// not marked is published again later, with the same id).
+    pub async fn round(&mut self) -> Result<RelayRound, StoreError> {
+        let mut round = RelayRound::default();
+        if self.claims.is_empty() {
+            return Ok(round);
+        }
+        let slots: Vec<i32> = self.claims.keys().copied().collect();
+        let rows = self.store.pending(&slots, self.config.batch_size).await?;
+        round.fetched = rows.len();
+        let mut dead: Vec<(&OutboxRow, String)> = Vec::new();
+        // (topic, partition) -> rows in id order; the order groups were met
+        let mut groups: Vec<((String, i32), Vec<&OutboxRow>)> = Vec::new();
+        let mut index: HashMap<(String, i32), usize> = HashMap::new();
+        for row in &rows {
+            let topic = &row.message.topic;
+            let count = match self.partition_count(topic).await {
+                Ok(n) => n,
+                Err(e) if e.kind == PublishErrorKind::UnknownTopic => {
+                    let since = *self
+                        .unknown_since
+                        .entry(topic.clone())
+                        .or_insert_with(Instant::now);
+                    if since.elapsed() >= self.config.unknown_topic_timeout {
+                        dead.push((row, format!("unknown topic {topic:?}: {}", e.message)));
+                    } else {
+                        round.failed.get_or_insert(e.to_string());
+                    }
+                    continue;
+                }
+                Err(e) => {
+                    round.failed.get_or_insert(e.to_string());
+                    continue;
+                }
+            };
+            let key = (topic.clone(), row.partition(count));
+            let at = *index.entry(key.clone()).or_insert_with(|| {
+                groups.push((key, Vec::new()));
+                groups.len() - 1
+            });
+            groups[at].1.push(row);
+        }
+        let results = futures::future::join_all(
+            groups
+                .iter()
+                .map(|((t, p), rs)| self.publisher.publish(t, *p, rs)),
+        )
+        .await;
+        let mut sent: Vec<i64> = Vec::new();
+        for (((topic, partition), batch), result) in groups.iter().zip(results) {
+            match result {
+                Ok(()) => sent.extend(batch.iter().map(|r| r.id)),
+                Err(e) if e.kind == PublishErrorKind::Refused => {
+                    let (ok, refused, failure) = self.one_by_one(topic, *partition, batch).await;
+                    sent.extend(ok);
+                    dead.extend(refused);
+                    if let Some(f) = failure {
+                        round.failed.get_or_insert(f.to_string());
+                    }
+                }
+                Err(e) => {
+                    // the partition count may have changed, or the topic
+                    // gone: asked again next round
+                    self.partitions.remove(topic);
+                    round.failed.get_or_insert(e.to_string());
+                }
+            }
+        }
+        if !sent.is_empty() {
+            let claims = self.slot_claims();
+            let marked = self
+                .store
+                .mark_sent(&self.config.group, &claims, &sent)
+                .await?;
+            round.published = marked;
+            round.unmarked = (sent.len() as u64).saturating_sub(marked);
+            if marked > 0 {
+                record_safely(
+                    &*self.metrics,
+                    MetricEvent::OutboxPublished { count: marked },
+                );
+            }
+            if round.unmarked > 0 {
+                self.drop_stale_claims().await?;
+            }
+        }
+        for (row, error) in dead {
+            let Some(&epoch) = self.claims.get(&row.slot) else {
+                continue;
+            };
+            let holds = self.config.on_refused == OnRefused::Hold && row.message.key.is_some();
+            let claim = SlotClaim {
+                slot: row.slot,
+                epoch,
+            };
+            tracing::warn!(
+                id = row.id,
+                message_id = %row.message.message_id,
+                topic = %row.message.topic,
+                holds,
+                %error,
+                "the broker refused an outbox event; dead-lettered"
+            );
+            if self
+                .store
+                .dead_letter(&self.config.group, claim, row.id, &error, holds)
+                .await?
+            {
+                round.dead_lettered += 1;
+                record_safely(&*self.metrics, MetricEvent::OutboxDeadLettered);
+            } else {
+                self.claims.remove(&row.slot);
+            }
+        }
+        Ok(round)
+    }
+
+    /// The rows of a refused batch one at a time: which were taken, which
+    /// refused (and, when refusals hold their key, the key's later rows
+    /// left pending), and a failure that stopped it.
+    async fn one_by_one<'r>(
+        &self,
+        topic: &str,
+        partition: i32,
+        batch: &[&'r OutboxRow],
+    ) -> (Vec<i64>, Vec<(&'r OutboxRow, String)>, Option<PublishError>) {
+        let mut ok = Vec::new();
+        let mut refused = Vec::new();
+        let mut held: HashSet<&[u8]> = HashSet::new();
+        for row in batch {
+            if let Some(k) = row.message.key.as_deref()
+                && held.contains(k)
+            {
+                continue;
+            }
+            match self.publisher.publish(topic, partition, &[*row]).await {
+                Ok(()) => ok.push(row.id),
+                Err(e) if e.kind == PublishErrorKind::Refused => {
+                    if self.config.on_refused == OnRefused::Hold
+                        && let Some(k) = row.message.key.as_deref()
+                    {
+                        held.insert(k);
+                    }
+                    refused.push((*row, e.message));
+                }
+                Err(e) => return (ok, refused, Some(e)),
+            }
+        }
+        (ok, refused, None)
+    }
+
+    fn slot_claims(&self) -> Vec<SlotClaim> {
+        self.claims
+            .iter()
+            .map(|(&slot, &epoch)| SlotClaim { slot, epoch })
+            .collect()
+    }
+
+    /// Lets go of the slots whose epoch moved on (another relay claimed
+    /// them).
+    async fn drop_stale_claims(&mut self) -> Result<(), StoreError> {
+        let mut stale = Vec::new();
+        for (&slot, &epoch) in &self.claims {
+            let now = self
+                .store
+                .read_partition(&self.config.group, SLOT_TOPIC, slot)
+                .await?;
+            if now.map(|c| c.owner_epoch) != Some(epoch) {
+                stale.push(slot);
+            }
+        }
+        for slot in stale {
+            tracing::warn!(member = %self.config.member_id, slot, "outbox slot taken over; marks refused");
+            record_safely(&*self.metrics, MetricEvent::Fenced { partition: slot });
+            self.claims.remove(&slot);
+        }
+        Ok(())
+    }
+
+    async fn partition_count(&mut self, topic: &str) -> Result<i32, PublishError> {
+        if let Some((n, at)) = self.partitions.get(topic)
+            && at.elapsed() < self.config.metadata_ttl
+        {
+            return Ok(*n);
+        }
+        let n = self.publisher.partitions(topic).await?;
+        self.unknown_since.remove(topic);
+        self.partitions
+            .insert(topic.to_owned(), (n, Instant::now()));
+        Ok(n)
+    }
+
+    /// Runs until `cancel` fires: heartbeats in the relays' group, holds
+    /// the slots the assignment gives it, publishes in rounds, waking on
+    /// the store's notifications and every `poll_interval`. On `cancel` it
+    /// finishes the round in hand and leaves the group (its slots move at
+    /// the next heartbeat of the others).
+    pub async fn run(mut self, cancel: CancellationToken) -> RelaySummary {
+        let mut summary = RelaySummary::default();
+        let group = self.config.group.clone();
+        let me = self.config.member_id.clone();
+        let all: Vec<PartitionKey> = (0..SLOTS).map(|s| (SLOT_TOPIC.to_owned(), s)).collect();
+        // heartbeats in their own task: a slow round never makes this
+        // relay look dead
+        let beating = CancellationToken::new();
+        let beater = {
+            let (store, group, me, lease, every) = (
+                self.store.clone(),
+                group.clone(),
+                me.clone(),
+                self.config.lease,
+                self.config.heartbeat,
+            );
+            let stop = beating.clone();
+            tokio::spawn(async move {
+                while !stop.is_cancelled() {
+                    if let Err(e) = store.heartbeat(&group, &me, lease).await {
+                        tracing::warn!(member = %me, error = %e, "relay heartbeat failed");
+                    }
+                    tokio::select! {
+                        () = stop.cancelled() => break,
+                        () = tokio::time::sleep(every) => {}
+                    }
+                }
+            })
+        };
+        let wake = match self.store.subscribe().await {
+            Ok(w) => w,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for outbox notifications; polling");
+                None
+            }
+        };
+        let mut next_beat = Instant::now();
+        let mut failures = 0u32;
+        while !cancel.is_cancelled() {
+            if Instant::now() >= next_beat {
+                next_beat = Instant::now() + self.config.heartbeat;
+                match next_assignment(&self.store, &group, &me, self.config.lease, &all).await {
+                    Ok((members, assignment)) => {
+                        let owned: Vec<i32> = owned_by(&assignment, &me)
+                            .into_iter()
+                            .map(|p| p.1)
+                            .collect();
+                        let before: Vec<i32> = self.claims.keys().copied().collect();
+                        if let Err(e) = self.hold(&owned).await {
+                            tracing::warn!(member = %me, error = %e, "claiming outbox slots failed");
+                        }
+                        let after: Vec<i32> = self.claims.keys().copied().collect();
+                        if before != after {
+                            summary.assignment_changes += 1;
+                            tracing::info!(member = %me, ?members, slots = after.len(), "outbox slots changed");
+                            record_safely(
+                                &*self.metrics,
+                                MetricEvent::AssignmentChanged {
+                                    partitions: after.len(),
+                                },
+                            );
+                        }
+                    }
+                    Err(e) => tracing::warn!(member = %me, error = %e, "relay assignment failed"),
+                }
+            }
+            let mut wait = self.config.poll_interval;
+            match self.round().await {
+                Ok(r) => {
+                    summary.published += r.published;
+                    summary.unmarked += r.unmarked;
+                    summary.dead_lettered += r.dead_lettered;
+                    if let Some(f) = &r.failed {
+                        failures = failures.saturating_add(1);
+                        wait = wait.min(self.config.retry.delay(failures));
+                        tracing::warn!(member = %me, error = %f, "outbox round left events pending");
+                    } else {
+                        failures = 0;
+                        if r.fetched >= self.config.batch_size {
+                            continue;
+                        }
+                    }
+                }
+                Err(e) => {
+                    failures = failures.saturating_add(1);
+                    wait = self
+                        .config
+                        .retry
+                        .delay(failures)
+                        .max(Duration::from_millis(10));
+                    tracing::warn!(member = %me, error = %e, "outbox round failed");
+                }
+            }
+            let until = (Instant::now() + wait).min(next_beat);
+            tokio::select! {
+                () = cancel.cancelled() => break,
+                () = tokio::time::sleep_until(until) => {}
+                () = async {
+                    match &wake {
+                        Some(n) if failures == 0 => n.notified().await,
+                        _ => std::future::pending().await,
+                    }
+                } => {}
+            }
+        }
+        beating.cancel();
+        let _ = beater.await;
+        if let Err(e) = self.store.leave(&group, &me).await {
+            tracing::warn!(member = %me, error = %e, "leaving the relay group failed; the lease ends it");
+        }
+        summary
+    }
+}

@@ -1,0 +1,532 @@
+//! The outbox on PostgreSQL and tansu: what enqueued events become on the
+//! broker, with the relay driven round by round (and, for the process
+//! kill, run in a child process that dies between produce and mark).
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use inbox_core::outbox::{
+    OnRefused, OutboxMessage, OutboxRow, PublishError, Publisher, Relay, RelayConfig, SLOTS,
+    partition_for,
+};
+use inbox_core::{CancellationToken, NoopMetrics};
+use inbox_kafka::{KafkaPublisher, run_relay};
+use inbox_postgres::PgStore;
+use inbox_postgres::sea_orm::TransactionTrait;
+use inbox_testkit::pg::count;
+
+use common::env;
+
+fn all_slots() -> Vec<i32> {
+    (0..SLOTS).collect()
+}
+
+async fn relay(env: &common::Env, member: &str) -> Relay<PgStore, KafkaPublisher> {
+    let publisher = KafkaPublisher::connect(&env.kafka_config("relay"))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut r = Relay::new(
+        env.store.clone(),
+        publisher,
+        RelayConfig::new(member).unwrap_or_else(|e| panic!("{e}")),
+    );
+    r.hold(&all_slots()).await.unwrap_or_else(|e| panic!("{e}"));
+    r
+}
+
+async fn enqueue_one(store: &PgStore, event: &OutboxMessage) -> i64 {
+    let tx = store
+        .connection()
+        .begin()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let id = store
+        .outbox()
+        .enqueue(&tx, event)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+    id
+}
+
+/// Every record of the topic: (partition, key, message_id), in each
+/// partition's order.
+async fn published(env: &common::Env) -> Vec<(i32, Option<String>, String)> {
+    let mut out = Vec::new();
+    for p in 0..env.partitions {
+        for (_, r) in env
+            .broker
+            .read_all(&env.topic, p)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+        {
+            let id = String::from_utf8_lossy(r.headers.get("message_id").map_or(&[][..], |v| v))
+                .into_owned();
+            let key = r.key.map(|k| String::from_utf8_lossy(&k).into_owned());
+            out.push((p, key, id));
+        }
+    }
+    out
+}
+
+async fn status_count(store: &PgStore, status: &str) -> i64 {
+    count(
+        store,
+        "SELECT count(*) FROM inbox_outbox WHERE status = $1",
+        vec![status.into()],
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+async fn drain(r: &mut Relay<PgStore, KafkaPublisher>) -> u64 {
+    let mut published = 0;
+    for _ in 0..20 {
+        let round = r.round().await.unwrap_or_else(|e| panic!("{e}"));
+        published += round.published;
+        if round.fetched == 0 {
+            break;
+        }
+    }
+    published
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_reach_kafka_once_on_their_keys_partition_in_commit_order() {
+    let env = env("outbox", 4).await;
+    let mut expected: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    // 10 keys x 6 events, one transaction each, keys interleaved; then a
+    // transaction of 20 at once; then 5 without key
+    for i in 0..6 {
+        for k in 0..10 {
+            let key = format!("customer-{k}");
+            let e = OutboxMessage::new(&env.topic, format!("{{\"n\":{i}}}"))
+                .key(key.clone())
+                .header("event_type", "customer.changed");
+            enqueue_one(&env.store, &e).await;
+            expected.entry(key).or_default().push(e.message_id);
+        }
+    }
+    let many: Vec<OutboxMessage> = (0..20)
+        .map(|i| OutboxMessage::new(&env.topic, "{}").key(format!("customer-{}", i % 3)))
+        .collect();
+    let tx = env
+        .store
+        .connection()
+        .begin()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let ids = env
+        .store
+        .outbox()
+        .enqueue_many(&tx, &many)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+    assert!(ids.windows(2).all(|w| w[0] < w[1]), "ids in order: {ids:?}");
+    for e in &many {
+        let key = String::from_utf8_lossy(e.key.as_deref().unwrap_or_default()).into_owned();
+        expected.entry(key).or_default().push(e.message_id.clone());
+    }
+    let mut keyless = BTreeSet::new();
+    for _ in 0..5 {
+        let e = OutboxMessage::new(&env.topic, "{}");
+        enqueue_one(&env.store, &e).await;
+        keyless.insert(e.message_id);
+    }
+
+    let mut r = relay(&env, "relay-1").await;
+    assert_eq!(drain(&mut r).await, 85);
+    assert_eq!(status_count(&env.store, "sent").await, 85);
+
+    let records = published(&env).await;
+    assert_eq!(records.len(), 85, "each event once");
+    let ids: BTreeSet<&String> = records.iter().map(|r| &r.2).collect();
+    assert_eq!(ids.len(), 85);
+    for (key, events) in &expected {
+        let on: Vec<&(i32, Option<String>, String)> = records
+            .iter()
+            .filter(|r| r.1.as_deref() == Some(key))
+            .collect();
+        let want_partition = partition_for(key.as_bytes(), 4);
+        assert!(
+            on.iter().all(|r| r.0 == want_partition),
+            "{key} on {want_partition}"
+        );
+        let order: Vec<&String> = on.iter().map(|r| &r.2).collect();
+        assert_eq!(order, events.iter().collect::<Vec<_>>(), "{key} in order");
+    }
+    let unkeyed: BTreeSet<String> = records
+        .iter()
+        .filter(|r| r.1.is_none())
+        .map(|r| r.2.clone())
+        .collect();
+    assert_eq!(unkeyed, keyless);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_earlier_id_that_commits_later_is_not_skipped() {
+    let env = env("outbox-late", 1).await;
+    let mut r = relay(&env, "relay-1").await;
+    // A takes the lower id and stays open; B takes a higher id, commits
+    let a = env
+        .store
+        .connection()
+        .begin()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let a_id = env
+        .store
+        .outbox()
+        .enqueue(
+            &a,
+            &OutboxMessage::new(&env.topic, "a")
+                .key("a")
+                .message_id("event-a"),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let b_id = enqueue_one(
+        &env.store,
+        &OutboxMessage::new(&env.topic, "b")
+            .key("b")
+            .message_id("event-b"),
+    )
+    .await;
+    assert!(a_id < b_id);
+    let first = r.round().await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(first.published, 1, "B, the only committed one");
+    a.commit().await.unwrap_or_else(|e| panic!("{e}"));
+    let second = r.round().await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(second.published, 1, "A, committed after B was published");
+    let ids: Vec<String> = published(&env).await.into_iter().map(|r| r.2).collect();
+    assert_eq!(ids, ["event-b", "event-a"], "commit order");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_later_transaction_of_the_same_key_waits_for_the_earlier() {
+    let env = env("outbox-serial", 1).await;
+    let a = env
+        .store
+        .connection()
+        .begin()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let a_id = env
+        .store
+        .outbox()
+        .enqueue(&a, &OutboxMessage::new(&env.topic, "1").key("k"))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    // another key does not wait
+    let other = tokio::time::timeout(
+        Duration::from_secs(5),
+        enqueue_one(
+            &env.store,
+            &OutboxMessage::new(&env.topic, "x").key("other"),
+        ),
+    )
+    .await;
+    assert!(other.is_ok(), "another key's writer is not held");
+    let store = env.store.clone();
+    let topic = env.topic.clone();
+    let b = tokio::spawn(async move {
+        enqueue_one(&store, &OutboxMessage::new(&topic, "2").key("k")).await
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !b.is_finished(),
+        "the same key's writer waits for the open transaction"
+    );
+    a.commit().await.unwrap_or_else(|e| panic!("{e}"));
+    let b_id = tokio::time::timeout(Duration::from_secs(5), b)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(b_id > a_id, "per key, ids follow commit order");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_slots_were_taken_over_marks_nothing() {
+    let env = env("outbox-fence", 2).await;
+    for i in 0..10 {
+        enqueue_one(
+            &env.store,
+            &OutboxMessage::new(&env.topic, "{}")
+                .key(format!("k{i}"))
+                .message_id(format!("e{i}")),
+        )
+        .await;
+    }
+    let mut old = relay(&env, "relay-old").await;
+    let mut new = relay(&env, "relay-new").await; // claims every slot again
+    let zombie = old.round().await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        (zombie.published, zombie.unmarked),
+        (0, 10),
+        "published, nothing marked"
+    );
+    assert!(old.claims().is_empty(), "the stale claims are dropped");
+    assert_eq!(status_count(&env.store, "pending").await, 10);
+    assert_eq!(drain(&mut new).await, 10);
+    let records = published(&env).await;
+    assert_eq!(
+        records.len(),
+        20,
+        "every event twice: the zombie's and the owner's"
+    );
+    let mut per_id: BTreeMap<String, usize> = BTreeMap::new();
+    for r in &records {
+        *per_id.entry(r.2.clone()).or_default() += 1;
+    }
+    assert_eq!(per_id.len(), 10);
+    assert!(
+        per_id.values().all(|n| *n == 2),
+        "duplicates carry the same id"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_event_holds_its_key_and_the_rest_moves_on() {
+    for policy in [OnRefused::Hold, OnRefused::Skip] {
+        let env = env("outbox-refused", 1).await;
+        let big = "x".repeat(5_000);
+        for (id, key, body) in [
+            ("a1", "a", "1"),
+            ("a2", "a", big.as_str()),
+            ("a3", "a", "3"),
+            ("b1", "b", "1"),
+        ] {
+            enqueue_one(
+                &env.store,
+                &OutboxMessage::new(&env.topic, body).key(key).message_id(id),
+            )
+            .await;
+        }
+        let publisher = KafkaPublisher::connect(&env.kafka_config("relay"))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .with_max_record_bytes(1_000);
+        let mut config = RelayConfig::new("relay-1").unwrap_or_else(|e| panic!("{e}"));
+        config.on_refused = policy;
+        let mut r = Relay::new(env.store.clone(), publisher, config);
+        r.hold(&all_slots()).await.unwrap_or_else(|e| panic!("{e}"));
+        let round = r.round().await.unwrap_or_else(|e| panic!("{e}"));
+        let ids = || async {
+            published(&env)
+                .await
+                .into_iter()
+                .map(|r| r.2)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(round.dead_lettered, 1, "{policy:?}");
+        match policy {
+            OnRefused::Hold => {
+                assert_eq!(ids().await, ["a1", "b1"], "a3 waits behind a2");
+                assert_eq!(round.published, 2);
+                // a later round does not publish a3 either
+                assert_eq!(
+                    r.round().await.unwrap_or_else(|e| panic!("{e}")).published,
+                    0
+                );
+                let dead = count(
+                    &env.store,
+                    "SELECT id FROM inbox_outbox WHERE message_id = 'a2' AND status = 'dead' AND holds AND error LIKE '%the topic takes at most 1000%'",
+                    vec![],
+                )
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+                assert!(dead > 0, "dead-lettered with its error");
+                assert!(
+                    env.store
+                        .release_outbox_key(dead)
+                        .await
+                        .unwrap_or_else(|e| panic!("{e}"))
+                );
+                assert_eq!(
+                    r.round().await.unwrap_or_else(|e| panic!("{e}")).published,
+                    1
+                );
+                assert_eq!(ids().await, ["a1", "b1", "a3"]);
+            }
+            OnRefused::Skip => {
+                assert_eq!(ids().await, ["a1", "a3", "b1"]);
+                assert_eq!(round.published, 3);
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_for_an_unknown_topic_are_dead_lettered_after_the_timeout() {
+    let env = env("outbox-unknown", 1).await;
+    enqueue_one(
+        &env.store,
+        &OutboxMessage::new("no-such-topic-here", "{}").key("k"),
+    )
+    .await;
+    enqueue_one(&env.store, &OutboxMessage::new(&env.topic, "{}").key("k")).await;
+    let publisher = KafkaPublisher::connect(&env.kafka_config("relay"))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut config = RelayConfig::new("relay-1").unwrap_or_else(|e| panic!("{e}"));
+    config.unknown_topic_timeout = Duration::from_millis(300);
+    let mut r = Relay::new(env.store.clone(), publisher, config);
+    r.hold(&all_slots()).await.unwrap_or_else(|e| panic!("{e}"));
+    let first = r.round().await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        (first.published, first.dead_lettered),
+        (1, 0),
+        "retried within the timeout"
+    );
+    assert!(first.failed.is_some());
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let second = r.round().await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(second.dead_lettered, 1);
+    assert_eq!(status_count(&env.store, "dead").await, 1);
+}
+
+/// Counts publishes and kills the process (abort: no unwinding, no
+/// cleanup) after `die_after` of them succeeded: between the broker's
+/// acknowledgement and the mark.
+struct DyingPublisher {
+    inner: KafkaPublisher,
+    done: AtomicUsize,
+    die_after: usize,
+}
+
+#[async_trait]
+impl Publisher for DyingPublisher {
+    async fn partitions(&self, topic: &str) -> Result<i32, PublishError> {
+        self.inner.partitions(topic).await
+    }
+
+    async fn publish(
+        &self,
+        topic: &str,
+        partition: i32,
+        rows: &[&OutboxRow],
+    ) -> Result<(), PublishError> {
+        self.inner.publish(topic, partition, rows).await?;
+        if self.done.fetch_add(1, Ordering::SeqCst) + 1 >= self.die_after {
+            std::process::abort();
+        }
+        Ok(())
+    }
+}
+
+const CHILD_ENV: &str = "OUTBOX_RELAY_CHILD";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_killed_between_produce_and_mark_publishes_again_with_the_same_ids() {
+    if let Ok(spec) = std::env::var(CHILD_ENV) {
+        // the child: a relay that dies after its first acknowledged append
+        let mut parts = spec.split(',');
+        let (url, broker, topic) = (
+            parts.next().unwrap_or_default().to_owned(),
+            parts.next().unwrap_or_default().to_owned(),
+            parts.next().unwrap_or_default().to_owned(),
+        );
+        let store = PgStore::connect(&url, inbox_postgres::TableName::default())
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let kafka = inbox_kafka::KafkaConfig::new(vec![broker], "relay", vec![(topic, 0)]);
+        let publisher = DyingPublisher {
+            inner: KafkaPublisher::connect(&kafka)
+                .await
+                .unwrap_or_else(|e| panic!("{e}")),
+            done: AtomicUsize::new(0),
+            die_after: 1,
+        };
+        let mut r = Relay::new(
+            store,
+            publisher,
+            RelayConfig::new("child").unwrap_or_else(|e| panic!("{e}")),
+        );
+        r.hold(&all_slots()).await.unwrap_or_else(|e| panic!("{e}"));
+        let _ = r.round().await;
+        panic!("the child should have died");
+    }
+    let url = inbox_testkit::pg::server()
+        .and_then(|s| s.create_database())
+        .unwrap_or_else(|e| panic!("{e}"));
+    let store = PgStore::connect(&url, inbox_postgres::TableName::default())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    store
+        .create_tables()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let broker = inbox_testkit::kafka::broker().unwrap_or_else(|e| panic!("{e}"));
+    let env = common::Env {
+        topic: broker
+            .topic("outbox-kill", 1)
+            .await
+            .unwrap_or_else(|e| panic!("{e}")),
+        store,
+        broker,
+        partitions: 1,
+    };
+    let mut order = Vec::new();
+    for i in 0..30 {
+        let e = OutboxMessage::new(&env.topic, "{}").key(format!("k{}", i % 4));
+        order.push(e.message_id.clone());
+        enqueue_one(&env.store, &e).await;
+    }
+    let status =
+        std::process::Command::new(std::env::current_exe().unwrap_or_else(|e| panic!("{e}")))
+            .args([
+                "a_relay_killed_between_produce_and_mark_publishes_again_with_the_same_ids",
+                "--exact",
+                "--nocapture",
+            ])
+            .env(
+                CHILD_ENV,
+                format!("{url},{},{}", env.broker.address(), env.topic),
+            )
+            .status()
+            .unwrap_or_else(|e| panic!("{e}"));
+    assert!(!status.success(), "the child was killed: {status:?}");
+    let before = published(&env).await;
+    assert_eq!(before.len(), 30, "the child published all 30 in one append");
+    assert_eq!(status_count(&env.store, "sent").await, 0, "and marked none");
+
+    // a relay started afterwards publishes them again, ids unchanged
+    let cancel = CancellationToken::new();
+    let mut config = RelayConfig::new("relay-2").unwrap_or_else(|e| panic!("{e}"));
+    config.heartbeat = Duration::from_millis(100);
+    let task = tokio::spawn(run_relay(
+        env.kafka_config("relay"),
+        config,
+        env.store.clone(),
+        Arc::new(NoopMetrics),
+        cancel.clone(),
+    ));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while status_count(&env.store, "sent").await < 30 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the relay did not mark every event"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    cancel.cancel();
+    let summary = task
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(summary.published, 30);
+    let after: Vec<String> = published(&env).await.into_iter().map(|r| r.2).collect();
+    assert_eq!(after.len(), 60);
+    assert_eq!(after[..30], order[..], "the first publication");
+    assert_eq!(
+        after[30..],
+        order[..],
+        "the second: the same ids, the same order"
+    );
+}

@@ -1,0 +1,476 @@
+//! The outbox on PostgreSQL: [`Outbox::enqueue`] writes an event in the
+//! caller's transaction; [`PgStore`] implements
+//! [`inbox_core::outbox::OutboxStore`] for the relay.
+
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use inbox_core::outbox::{OutboxMessage, OutboxRow, OutboxStore, SLOT_TOPIC, SlotClaim};
+use inbox_core::{StoreError, StoreErrorKind};
+use sea_orm::{ConnectionTrait, QueryResult, Value};
+use tokio::sync::Notify;
+
+use crate::schema::TableName;
+use crate::store::{PgStore, db, get, secs, stmt};
+
+/// Writes events into the outbox table of an inbox table (`<table>_outbox`,
+/// created by the migrations), inside the caller's transaction.
+///
+/// ```no_run
+/// use inbox_core::outbox::OutboxMessage;
+/// use inbox_postgres::{Outbox, TableName};
+/// use sea_orm::{DatabaseConnection, TransactionTrait};
+/// use serde_json::json;
+///
+/// # async fn place(db: &DatabaseConnection) -> Result<(), Box<dyn std::error::Error>> {
+/// let outbox = Outbox::new(&TableName::default());
+/// let tx = db.begin().await?;
+/// // ... the order itself, through `tx` ...
+/// let event = OutboxMessage::json("orders", &json!({"order": "o-1"})).key("o-1");
+/// outbox.enqueue(&tx, &event).await?;
+/// tx.commit().await?; // the event exists if and only if this commits
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct Outbox {
+    enqueue: Arc<str>,
+    enqueue_many: Arc<str>,
+    notify: bool,
+}
+
+impl Outbox {
+    /// The outbox of inbox table `table`. Each enqueue notifies the
+    /// relays (`pg_notify`, delivered at commit).
+    pub fn new(table: &TableName) -> Self {
+        Self::render(table, true)
+    }
+
+    /// The same, without notifying: relays find the events when they poll
+    /// (every `poll_interval`). A notification takes a lock that every
+    /// notifying transaction's commit queues on; without it many writers
+    /// commit in parallel, at the price of latency.
+    pub fn without_notify(table: &TableName) -> Self {
+        Self::render(table, false)
+    }
+
+    /// Whether each enqueue notifies the relays.
+    pub fn notifies(&self) -> bool {
+        self.notify
+    }
+
+    fn render(t: &TableName, notify: bool) -> Self {
+        let (o, k) = (t.outbox(), t.outbox_keys());
+        let tail = if notify {
+            format!(
+                "SELECT o.id FROM o CROSS JOIN LATERAL (SELECT pg_notify('{}', '')) n",
+                t.outbox_channel()
+            )
+        } else {
+            "SELECT o.id FROM o".to_owned()
+        };
+        // The key's row is locked (inserted or updated) before the event
+        // takes its id: a later transaction of the same key waits here
+        // until the earlier one ends, so per key, ids follow commit order.
+        let enqueue = format!(
+            "WITH k AS (
+               INSERT INTO {k} AS k (topic, msg_key) SELECT $1, $2::bytea WHERE $2::bytea IS NOT NULL
+               ON CONFLICT (topic, msg_key) DO UPDATE SET touched_at = now()
+               RETURNING 1
+             ), o AS (
+               INSERT INTO {o} (message_id, topic, msg_key, payload, headers, slot)
+               SELECT $3, $1, $2::bytea, $4, $5, $6
+                WHERE $2::bytea IS NULL OR EXISTS (SELECT 1 FROM k)
+               RETURNING id
+             ) {tail}"
+        );
+        // Many events: the keys locked in one order (so two writers of
+        // the same keys cannot deadlock), then the rows in the given order.
+        let enqueue_many = format!(
+            "WITH e AS (
+               SELECT ord, message_id, topic, decode(msg_key, 'hex') AS msg_key,
+                      decode(payload, 'hex') AS payload, headers, slot
+                 FROM ROWS FROM (jsonb_to_recordset($1)
+                        AS (message_id text, topic text, msg_key text, payload text, headers jsonb, slot int))
+                      WITH ORDINALITY AS x(message_id, topic, msg_key, payload, headers, slot, ord)
+             ), k AS (
+               INSERT INTO {k} AS k (topic, msg_key)
+               SELECT DISTINCT topic, msg_key FROM e WHERE msg_key IS NOT NULL ORDER BY topic, msg_key
+               ON CONFLICT (topic, msg_key) DO UPDATE SET touched_at = now()
+               RETURNING 1
+             ), o AS (
+               INSERT INTO {o} (message_id, topic, msg_key, payload, headers, slot)
+               SELECT message_id, topic, msg_key, payload, headers, slot FROM e
+                WHERE (SELECT count(*) FROM k) >= 0
+                ORDER BY ord
+               RETURNING id
+             ) {tail}"
+        );
+        Self {
+            enqueue: enqueue.into(),
+            enqueue_many: enqueue_many.into(),
+            notify,
+        }
+    }
+
+    /// Writes `event` through `conn` (the caller's transaction: a sea-orm
+    /// `DatabaseTransaction`, or a handler's `PgTx::connection()`), and
+    /// returns its row id. It is published after, and only if, that
+    /// transaction commits.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreErrorKind::Data`] for an event that breaks
+    /// [`OutboxMessage::validate`] (nothing is written); the database's
+    /// error otherwise.
+    pub async fn enqueue<C: ConnectionTrait>(
+        &self,
+        conn: &C,
+        event: &OutboxMessage,
+    ) -> Result<i64, StoreError> {
+        event
+            .validate()
+            .map_err(|e| StoreError::new(StoreErrorKind::Data, e.to_string()))?;
+        let row = conn
+            .query_one_raw(stmt(
+                &self.enqueue,
+                vec![
+                    event.topic.clone().into(),
+                    Value::Bytes(event.key.clone()),
+                    event.message_id.clone().into(),
+                    event.payload.clone().into(),
+                    headers_json(event).into(),
+                    event.slot().into(),
+                ],
+            ))
+            .await
+            .map_err(db)?
+            .ok_or_else(|| StoreError::new(StoreErrorKind::Other, "enqueue returned no row"))?;
+        get(&row, "id")
+    }
+
+    /// Writes `events` through `conn` in one statement, in order; returns
+    /// their row ids.
+    ///
+    /// # Errors
+    ///
+    /// As [`Outbox::enqueue`]; nothing is written if one event is invalid.
+    pub async fn enqueue_many<C: ConnectionTrait>(
+        &self,
+        conn: &C,
+        events: &[OutboxMessage],
+    ) -> Result<Vec<i64>, StoreError> {
+        if events.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut list = Vec::with_capacity(events.len());
+        for event in events {
+            event
+                .validate()
+                .map_err(|e| StoreError::new(StoreErrorKind::Data, e.to_string()))?;
+            list.push(serde_json::json!({
+                "message_id": event.message_id,
+                "topic": event.topic,
+                "msg_key": event.key.as_ref().map(hex::encode),
+                "payload": hex::encode(&event.payload),
+                "headers": headers_json(event),
+                "slot": event.slot(),
+            }));
+        }
+        let rows = conn
+            .query_all_raw(stmt(
+                &self.enqueue_many,
+                vec![serde_json::Value::Array(list).into()],
+            ))
+            .await
+            .map_err(db)?;
+        rows.iter().map(|r| get(r, "id")).collect()
+    }
+}
+
+fn headers_json(event: &OutboxMessage) -> serde_json::Value {
+    serde_json::Value::Array(
+        event
+            .headers
+            .iter()
+            .map(|(k, v)| serde_json::json!([k, v]))
+            .collect(),
+    )
+}
+
+fn outbox_row(row: &QueryResult) -> Result<OutboxRow, StoreError> {
+    let headers: serde_json::Value = get(row, "headers")?;
+    let headers = headers
+        .as_array()
+        .map(|pairs| {
+            pairs
+                .iter()
+                .filter_map(|p| {
+                    Some((
+                        p.get(0)?.as_str()?.to_owned(),
+                        p.get(1)?.as_str()?.to_owned(),
+                    ))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    Ok(OutboxRow {
+        id: get(row, "id")?,
+        slot: get(row, "slot")?,
+        created_at: get::<DateTime<Utc>>(row, "created_at")?,
+        message: OutboxMessage {
+            topic: get(row, "topic")?,
+            key: get(row, "msg_key")?,
+            payload: get(row, "payload")?,
+            headers,
+            message_id: get(row, "message_id")?,
+        },
+    })
+}
+
+/// The relay's statements, rendered per call (they are few per round).
+fn pending_sql(t: &TableName) -> String {
+    let o = t.outbox();
+    format!(
+        "SELECT o.id, o.message_id, o.topic, o.msg_key, o.payload, o.headers, o.slot, o.created_at
+           FROM {o} o
+          WHERE o.status = 'pending'
+            AND o.slot IN (SELECT value::int FROM jsonb_array_elements_text($1))
+            AND NOT EXISTS (SELECT 1 FROM {o} d
+                             WHERE d.status = 'dead' AND d.holds
+                               AND d.topic = o.topic AND d.msg_key = o.msg_key AND d.id < o.id)
+          ORDER BY o.id
+          LIMIT $2"
+    )
+}
+
+/// The claims still current, locked against a takeover until the
+/// statement's transaction ends (a relay claiming a slot waits for the
+/// marks in flight, then sees them).
+fn current_claims(t: &TableName) -> String {
+    format!(
+        "SELECT c.slot FROM {a} a
+           JOIN jsonb_to_recordset($3) AS c(slot int, epoch bigint)
+             ON a.partition = c.slot AND a.owner_epoch = c.epoch
+          WHERE a.consumer_group = $1 AND a.topic = $2
+            FOR SHARE OF a",
+        a = t.offsets()
+    )
+}
+
+fn claims_json(claims: &[SlotClaim]) -> serde_json::Value {
+    serde_json::Value::Array(
+        claims
+            .iter()
+            .map(|c| serde_json::json!({"slot": c.slot, "epoch": c.epoch}))
+            .collect(),
+    )
+}
+
+fn ids_json(ids: &[i64]) -> serde_json::Value {
+    serde_json::Value::Array(ids.iter().map(|i| serde_json::json!(i)).collect())
+}
+
+impl PgStore {
+    /// The outbox of this store's table, for enqueuing.
+    pub fn outbox(&self) -> Outbox {
+        Outbox::new(&self.table)
+    }
+
+    /// Puts a dead-lettered outbox event back to be published again (its
+    /// key's later events follow it). `false`: no dead event has that id.
+    ///
+    /// # Errors
+    ///
+    /// The database's.
+    pub async fn retry_outbox_event(&self, id: i64) -> Result<bool, StoreError> {
+        let r = self
+            .db
+            .execute_raw(stmt(
+                &format!(
+                    "UPDATE {} SET status = 'pending', holds = false, error = NULL
+                      WHERE id = $1 AND status = 'dead'",
+                    self.table.outbox()
+                ),
+                vec![id.into()],
+            ))
+            .await
+            .map_err(db)?;
+        Ok(r.rows_affected() == 1)
+    }
+
+    /// Lets a dead-lettered outbox event stop holding its key: the key's
+    /// later events are published without it. `false`: no holding dead
+    /// event has that id.
+    ///
+    /// # Errors
+    ///
+    /// The database's.
+    pub async fn release_outbox_key(&self, id: i64) -> Result<bool, StoreError> {
+        let r = self
+            .db
+            .execute_raw(stmt(
+                &format!(
+                    "UPDATE {} SET holds = false WHERE id = $1 AND status = 'dead' AND holds",
+                    self.table.outbox()
+                ),
+                vec![id.into()],
+            ))
+            .await
+            .map_err(db)?;
+        Ok(r.rows_affected() == 1)
+    }
+}
+
+#[async_trait]
+impl OutboxStore for PgStore {
+    async fn pending(&self, slots: &[i32], limit: usize) -> Result<Vec<OutboxRow>, StoreError> {
+        let slots = serde_json::Value::Array(slots.iter().map(|s| serde_json::json!(s)).collect());
+        let rows = self
+            .db
+            .query_all_raw(stmt(
+                &pending_sql(&self.table),
+                vec![
+                    slots.into(),
+                    i64::try_from(limit).unwrap_or(i64::MAX).into(),
+                ],
+            ))
+            .await
+            .map_err(db)?;
+        rows.iter().map(outbox_row).collect()
+    }
+
+    async fn mark_sent(
+        &self,
+        group: &str,
+        claims: &[SlotClaim],
+        ids: &[i64],
+    ) -> Result<u64, StoreError> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let sql = format!(
+            "WITH c AS ({current})
+             UPDATE {o} SET status = 'sent', sent_at = now()
+              WHERE id IN (SELECT value::bigint FROM jsonb_array_elements_text($4))
+                AND status = 'pending'
+                AND slot IN (SELECT slot FROM c)",
+            current = current_claims(&self.table),
+            o = self.table.outbox()
+        );
+        let r = self
+            .db
+            .execute_raw(stmt(
+                &sql,
+                vec![
+                    group.into(),
+                    SLOT_TOPIC.into(),
+                    claims_json(claims).into(),
+                    ids_json(ids).into(),
+                ],
+            ))
+            .await
+            .map_err(db)?;
+        Ok(r.rows_affected())
+    }
+
+    async fn dead_letter(
+        &self,
+        group: &str,
+        claim: SlotClaim,
+        id: i64,
+        error: &str,
+        holds: bool,
+    ) -> Result<bool, StoreError> {
+        let sql = format!(
+            "WITH c AS ({current})
+             UPDATE {o} SET status = 'dead', holds = $6, error = $5
+              WHERE id = $4 AND status = 'pending' AND slot IN (SELECT slot FROM c)",
+            current = current_claims(&self.table),
+            o = self.table.outbox()
+        );
+        let r = self
+            .db
+            .execute_raw(stmt(
+                &sql,
+                vec![
+                    group.into(),
+                    SLOT_TOPIC.into(),
+                    claims_json(&[claim]).into(),
+                    id.into(),
+                    error.replace('\0', "").into(),
+                    holds.into(),
+                ],
+            ))
+            .await
+            .map_err(db)?;
+        Ok(r.rows_affected() == 1)
+    }
+
+    async fn delete_sent(&self, older_than: Duration, batch: u64) -> Result<u64, StoreError> {
+        let limit = i64::try_from(batch).unwrap_or(i64::MAX);
+        let r = self
+            .db
+            .execute_raw(stmt(
+                &format!(
+                    "DELETE FROM {o} WHERE id IN (
+                       SELECT id FROM {o} WHERE status = 'sent'
+                          AND sent_at < now() - $1 * interval '1 second'
+                        ORDER BY sent_at LIMIT $2)",
+                    o = self.table.outbox()
+                ),
+                vec![secs(older_than), limit.into()],
+            ))
+            .await
+            .map_err(db)?;
+        // a key's order record is only a lock target: one idle as long
+        // can go (a writer that comes later makes it again)
+        self.db
+            .execute_raw(stmt(
+                &format!(
+                    "DELETE FROM {k} WHERE ctid IN (
+                       SELECT ctid FROM {k} WHERE touched_at < now() - $1 * interval '1 second'
+                        LIMIT $2)",
+                    k = self.table.outbox_keys()
+                ),
+                vec![secs(older_than), limit.into()],
+            ))
+            .await
+            .map_err(db)?;
+        Ok(r.rows_affected())
+    }
+
+    async fn subscribe(&self) -> Result<Option<Arc<Notify>>, StoreError> {
+        let pool = self.db.get_postgres_connection_pool();
+        let mut listener = sea_orm::sqlx::postgres::PgListener::connect_with(pool)
+            .await
+            .map_err(|e| StoreError::new(StoreErrorKind::Connection, e.to_string()))?;
+        listener
+            .listen(&self.table.outbox_channel())
+            .await
+            .map_err(|e| StoreError::new(StoreErrorKind::Connection, e.to_string()))?;
+        let notify = Arc::new(Notify::new());
+        let weak: Weak<Notify> = Arc::downgrade(&notify);
+        tokio::spawn(async move {
+            loop {
+                // wakes every second to see whether the relay is gone
+                let got = tokio::time::timeout(Duration::from_secs(1), listener.try_recv()).await;
+                let Some(n) = weak.upgrade() else { break };
+                match got {
+                    Ok(Ok(Some(_))) => n.notify_one(),
+                    // the connection was lost (re-made at the next call):
+                    // events may have been missed, so look now
+                    Ok(Ok(None)) => n.notify_one(),
+                    Ok(Err(e)) => {
+                        tracing::warn!(error = %e, "outbox listener failed; the relay polls");
+                        n.notify_one();
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                    Err(_) => {}
+                }
+            }
+        });
+        Ok(Some(notify))
+    }
+}

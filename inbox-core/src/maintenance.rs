@@ -91,19 +91,48 @@ pub struct MaintenanceReport {
     pub released: u64,
     /// Completed rows deleted.
     pub deleted: u64,
+    /// Sent outbox events deleted ([`Maintenance::with_outbox`]).
+    pub outbox_deleted: u64,
 }
 
 /// Runs maintenance on a store.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Maintenance<S> {
     store: S,
     config: MaintenanceConfig,
+    outbox: Option<(std::sync::Arc<dyn crate::outbox::OutboxStore>, Duration)>,
+}
+
+impl<S> std::fmt::Debug for Maintenance<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Maintenance")
+            .field("config", &self.config)
+            .field("outbox", &self.outbox.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl<S: InboxStore> Maintenance<S> {
     /// Maintenance of `store`.
     pub fn new(store: S, config: MaintenanceConfig) -> Self {
-        Self { store, config }
+        Self {
+            store,
+            config,
+            outbox: None,
+        }
+    }
+
+    /// Also deletes the store's outbox events sent more than `retention`
+    /// ago (and the keys' order records idle as long), in the same batches.
+    /// A sent event is not needed again (the broker has it): the retention
+    /// is for looking back, and bounds the table.
+    #[must_use]
+    pub fn with_outbox(mut self, retention: Duration) -> Self
+    where
+        S: crate::outbox::OutboxStore + Clone + 'static,
+    {
+        self.outbox = Some((std::sync::Arc::new(self.store.clone()), retention));
+        self
     }
 
     /// One run: stale leases released, then completed rows past the
@@ -129,7 +158,21 @@ impl<S: InboxStore> Maintenance<S> {
                 break;
             }
         }
-        Ok(MaintenanceReport { released, deleted })
+        let mut outbox_deleted = 0;
+        if let Some((outbox, retention)) = &self.outbox {
+            for _ in 0..self.config.max_batches_per_run.max(1) {
+                let n = outbox.delete_sent(*retention, batch).await?;
+                outbox_deleted += n;
+                if n < batch {
+                    break;
+                }
+            }
+        }
+        Ok(MaintenanceReport {
+            released,
+            deleted,
+            outbox_deleted,
+        })
     }
 
     /// Runs every `interval` until `cancel` fires; a failed run is logged
@@ -142,6 +185,7 @@ impl<S: InboxStore> Maintenance<S> {
                 Ok(r) => {
                     total.released += r.released;
                     total.deleted += r.deleted;
+                    total.outbox_deleted += r.outbox_deleted;
                     if r.released > 0 {
                         tracing::info!(released = r.released, "stale leases released");
                     }

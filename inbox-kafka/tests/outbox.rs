@@ -530,3 +530,192 @@ async fn a_relay_killed_between_produce_and_mark_publishes_again_with_the_same_i
         "the second: the same ids, the same order"
     );
 }
+
+/// Consumes orders through the inbox and, in the same transaction, enqueues
+/// `invoice.created`; fails once after enqueuing on the orders in `fail`.
+struct Announce {
+    topic: String,
+    outbox: inbox_postgres::Outbox,
+    fail: std::sync::Mutex<BTreeSet<String>>,
+}
+
+#[async_trait]
+impl inbox_core::Handler<inbox_postgres::PgTx> for Announce {
+    type Output = ();
+    async fn handle(
+        &self,
+        m: &inbox_core::Message,
+        tx: &mut inbox_postgres::PgTx,
+    ) -> Result<(), inbox_core::HandlerError> {
+        let event = OutboxMessage::new(&self.topic, m.payload.to_string())
+            .key(m.message_id.clone())
+            .message_id(format!("invoice-for-{}", m.message_id));
+        self.outbox.enqueue(tx.connection(), &event).await?;
+        let fail_now = self
+            .fail
+            .lock()
+            .map(|mut f| f.remove(&m.message_id))
+            .unwrap_or(false);
+        if fail_now {
+            return Err(inbox_core::HandlerError::msg("failed after enqueuing"));
+        }
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_consumes_and_publishes_is_exactly_once_end_to_end() {
+    let env = env("outbox-orders", 1).await;
+    let out = env
+        .broker
+        .topic("outbox-invoices", 2)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let orders: Vec<String> = (0..10).map(|i| format!("order-{i}")).collect();
+    let refs: Vec<&str> = orders.iter().map(String::as_str).collect();
+    env.produce_orders(0, &refs).await;
+    env.produce_orders(0, &refs[..3]).await; // delivered twice
+    let handler = Announce {
+        topic: out.clone(),
+        outbox: env.store.outbox(),
+        fail: std::sync::Mutex::new(["order-2".to_owned(), "order-7".to_owned()].into()),
+    };
+    let mut runner = inbox_core::Runner::new(
+        env.store.clone(),
+        env.consumer("billing").await,
+        handler,
+        common::config("billing", inbox_core::AckStrategy::default()),
+    );
+    common::drain(&mut runner).await;
+    assert_eq!(
+        status_count(&env.store, "pending").await,
+        10,
+        "one event per order"
+    );
+
+    let mut r = relay(&env, "relay-1").await;
+    assert_eq!(drain(&mut r).await, 10);
+    let mut ids = Vec::new();
+    for p in 0..2 {
+        for (_, rec) in env
+            .broker
+            .read_all(&out, p)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+        {
+            ids.push(String::from_utf8_lossy(&rec.headers["message_id"]).into_owned());
+        }
+    }
+    ids.sort();
+    let mut want: Vec<String> = orders.iter().map(|o| format!("invoice-for-{o}")).collect();
+    want.sort();
+    assert_eq!(
+        ids, want,
+        "every order announced once: none from the failed attempts or the duplicates"
+    );
+
+    // retention: sent events older than the retention go
+    let maintenance = inbox_core::maintenance::Maintenance::new(
+        env.store.clone(),
+        inbox_core::maintenance::MaintenanceConfig::new(Duration::from_secs(86_400))
+            .unwrap_or_else(|e| panic!("{e}")),
+    )
+    .with_outbox(Duration::ZERO);
+    let report = maintenance
+        .run_once()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(report.outbox_deleted, 10);
+    assert_eq!(status_count(&env.store, "sent").await, 0);
+    let keys = count(&env.store, "SELECT count(*) FROM inbox_outbox_keys", vec![])
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(keys, 0, "idle key records go too");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_relays_share_the_slots_and_a_dead_ones_move_to_the_other() {
+    let env = env("outbox-scale", 3).await;
+    let start = |member: &str| {
+        let mut config = RelayConfig::new(member).unwrap_or_else(|e| panic!("{e}"));
+        config.heartbeat = Duration::from_millis(100);
+        config.lease = Duration::from_millis(800);
+        config.poll_interval = Duration::from_millis(50);
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(run_relay(
+            env.kafka_config("relay"),
+            config,
+            env.store.clone(),
+            Arc::new(NoopMetrics),
+            cancel.clone(),
+        ));
+        (cancel, task)
+    };
+    let (a_stop, a) = start("relay-a");
+    let (b_stop, b) = start("relay-b");
+    let mut order: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut enqueue = async |n: usize, from: usize| {
+        for i in from..from + n {
+            let key = format!("k{}", i % 8);
+            let e = OutboxMessage::new(&env.topic, "{}").key(key.clone());
+            order.entry(key).or_default().push(e.message_id.clone());
+            enqueue_one(&env.store, &e).await;
+        }
+    };
+    enqueue(100, 0).await;
+    let owners = || async {
+        count(
+            &env.store,
+            "SELECT count(DISTINCT member) FROM inbox_assignments WHERE consumer_group = 'outbox-relay'",
+            vec![],
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while owners().await < 2 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "both relays hold slots"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // relay a dies without leaving: its task is dropped mid-flight
+    a.abort();
+    let died = tokio::time::Instant::now();
+    enqueue(100, 100).await;
+    while status_count(&env.store, "sent").await < 200 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "every event published by b"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let moved_in = died.elapsed();
+    a_stop.cancel();
+    b_stop.cancel();
+    let summary = b
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        summary.assignment_changes >= 2,
+        "b took a's slots over: {summary:?}"
+    );
+    assert!(
+        moved_in < Duration::from_secs(10),
+        "within lease + heartbeat and the rounds: {moved_in:?}"
+    );
+    // per key: the first time each event appears follows the enqueue order
+    let records = published(&env).await;
+    for (key, events) in &order {
+        let mut seen = BTreeSet::new();
+        let firsts: Vec<&String> = records
+            .iter()
+            .filter(|r| r.1.as_deref() == Some(key))
+            .map(|r| &r.2)
+            .filter(|id| seen.insert((*id).clone()))
+            .collect();
+        assert_eq!(firsts, events.iter().collect::<Vec<_>>(), "{key}");
+    }
+}

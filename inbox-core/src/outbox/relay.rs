@@ -88,6 +88,23 @@ impl RelayConfig {
     }
 }
 
+/// A task aborted when dropped: a relay's heartbeats end with the relay,
+/// also when the relay's own task is dropped or aborted, so its slots move.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl AbortOnDrop {
+    async fn join(mut self) {
+        let handle = std::mem::replace(&mut self.0, tokio::spawn(async {}));
+        let _ = handle.await;
+    }
+}
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// The slots a relay holds, with their claim epochs.
 pub type SlotClaims = BTreeMap<i32, i64>;
 
@@ -435,7 +452,7 @@ where
                 self.config.heartbeat,
             );
             let stop = beating.clone();
-            tokio::spawn(async move {
+            AbortOnDrop(tokio::spawn(async move {
                 while !stop.is_cancelled() {
                     if let Err(e) = store.heartbeat(&group, &me, lease).await {
                         tracing::warn!(member = %me, error = %e, "relay heartbeat failed");
@@ -445,7 +462,7 @@ where
                         () = tokio::time::sleep(every) => {}
                     }
                 }
-            })
+            }))
         };
         let wake = match self.store.subscribe().await {
             Ok(w) => w,
@@ -524,7 +541,7 @@ where
             }
         }
         beating.cancel();
-        let _ = beater.await;
+        beater.join().await;
         if let Err(e) = self.store.leave(&group, &me).await {
             tracing::warn!(member = %me, error = %e, "leaving the relay group failed; the lease ends it");
         }

@@ -132,26 +132,33 @@ impl DemoMetrics {
     }
 }
 
-/// Options of `cargo xtask demo`: the billing scenario, batched (up to 100
-/// messages per transaction) unless `--per-message`.
+/// Options of `cargo xtask demo`: the pipeline (orders -> outbox -> relay
+/// -> billing inbox -> outbox -> relay -> announcements inbox), or with
+/// `--inbox-only` the billing consumer alone, batched (up to 100 messages
+/// per transaction) unless `--per-message`.
 #[derive(clap::Args, Debug, Clone, Default)]
 pub(crate) struct DemoArgs {
-    /// One transaction per message instead of batches.
+    /// The billing consumer alone: poison records, random handler
+    /// failures, duplicates; no outbox.
     #[arg(long)]
+    pub(crate) inbox_only: bool,
+    /// With --inbox-only: one transaction per message instead of batches.
+    #[arg(long, requires = "inbox_only")]
     pub(crate) per_message: bool,
-    /// Serve the metrics at http://ADDR/metrics while it runs (and print
-    /// what a scrape at the end returned), e.g. 127.0.0.1:9000.
-    #[arg(long, value_name = "ADDR")]
+    /// With --inbox-only: serve the metrics at http://ADDR/metrics while it
+    /// runs (and print what a scrape at the end returned), e.g.
+    /// 127.0.0.1:9000.
+    #[arg(long, value_name = "ADDR", requires = "inbox_only")]
     pub(crate) prometheus: Option<std::net::SocketAddr>,
-    /// The group demo with member processes (as `cargo xtask scale`): 3.
-    #[arg(long, value_parser = clap::value_parser!(u32).range(3..=3))]
+    /// Relay processes of the pipeline (1 to 8; default 1).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=8))]
     pub(crate) processes: Option<u32>,
 }
 
 /// Runs the demo.
 pub(crate) fn run(args: DemoArgs) -> Result<()> {
-    if args.processes.is_some() {
-        return crate::scale::run();
+    if !args.inbox_only {
+        return crate::pipeline::run(args.processes.unwrap_or(1));
     }
     let (per_message, prometheus) = (args.per_message, args.prometheus);
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -172,7 +179,7 @@ pub(crate) async fn scrape(addr: std::net::SocketAddr) -> Result<String> {
     Ok(body)
 }
 
-async fn database() -> Result<String> {
+pub(crate) async fn database() -> Result<String> {
     if let Ok(url) = std::env::var("DATABASE_URL")
         && !url.is_empty()
     {

@@ -3,17 +3,20 @@
 //! - `cargo xtask test`: installs what is missing (PostgreSQL server
 //!   binaries, tansu), then fmt check, clippy with `-D warnings`, docs with
 //!   warnings denied, and every test of the workspace.
-//! - `cargo xtask demo`: the main job, the billing scenario.
+//! - `cargo xtask demo`: the main job, the pipeline through the outbox and
+//!   the inbox with a relay and the billing consumer killed (see
+//!   `pipeline.rs`); `--inbox-only` runs the billing consumer alone.
 //! - `cargo xtask bench`: throughput beside the baselines (see `bench.rs`).
 //! - `cargo xtask soak`: real server faults end to end (see `soak.rs`); a
 //!   short one (20,000 messages) ends `cargo xtask test`.
-//! - `cargo xtask scale` (also `cargo xtask demo --processes 3`): member
+//! - `cargo xtask scale`: member
 //!   processes of one group sharing its partitions (see `scale.rs`); run by
 //!   `cargo xtask test`.
 
 mod bench;
 mod demo;
 mod examples;
+mod pipeline;
 mod scale;
 mod setup;
 mod soak;
@@ -38,8 +41,11 @@ enum Cmd {
     /// doc, every test of the workspace, cargo package of every published
     /// crate, the examples, bench smoke, scale, soak.
     Test,
-    /// The billing demo: orders through the broker into PostgreSQL, every
-    /// order with exactly one invoice (checked with SQL).
+    /// The pipeline: orders and their events written through the outbox,
+    /// relayed to Kafka, invoiced by the inbox which announces each invoice
+    /// through the outbox, announcements consumed; a relay and the billing
+    /// consumer killed once each; every order invoiced and every invoice
+    /// announced exactly once (checked with SQL).
     Demo(demo::DemoArgs),
     /// Throughput table beside the baselines (for real figures: cargo run
     /// --release -p xtask -- bench).
@@ -75,6 +81,18 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// A relay process of the pipeline demo.
+    #[command(hide = true)]
+    PipelineRelay {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// The billing consumer process of the pipeline demo.
+    #[command(hide = true)]
+    PipelineBilling {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -90,6 +108,8 @@ fn main() -> ExitCode {
         Cmd::Scale => services().and_then(|()| scale::run()),
         Cmd::Examples => services().and_then(|()| examples::run()),
         Cmd::ScaleMember { args } => scale::member(&args),
+        Cmd::PipelineRelay { args } => pipeline::relay(&args),
+        Cmd::PipelineBilling { args } => pipeline::billing(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -231,7 +251,12 @@ mod tests {
             assert!(bench.contains(flag), "bench --help lacks {flag}: {bench}");
         }
         let demo = help(&mut cli, "demo");
-        for flag in ["--per-message", "--prometheus", "--processes"] {
+        for flag in [
+            "--inbox-only",
+            "--per-message",
+            "--prometheus",
+            "--processes",
+        ] {
             assert!(demo.contains(flag), "demo --help lacks {flag}: {demo}");
         }
     }

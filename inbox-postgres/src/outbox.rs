@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use inbox_core::outbox::{OutboxMessage, OutboxRow, OutboxStore, SLOT_TOPIC, SlotClaim};
 use inbox_core::{StoreError, StoreErrorKind};
-use sea_orm::{ConnectionTrait, QueryResult, Value};
+use sea_orm::{ConnectionTrait, Value};
 use tokio::sync::Notify;
 
 use crate::schema::TableName;
@@ -199,44 +199,48 @@ fn headers_json(event: &OutboxMessage) -> serde_json::Value {
     )
 }
 
-fn outbox_row(row: &QueryResult) -> Result<OutboxRow, StoreError> {
-    let headers: serde_json::Value = get(row, "headers")?;
-    let headers = headers
-        .as_array()
-        .map(|pairs| {
-            pairs
-                .iter()
-                .filter_map(|p| {
-                    Some((
-                        p.get(0)?.as_str()?.to_owned(),
-                        p.get(1)?.as_str()?.to_owned(),
-                    ))
-                })
-                .collect()
-        })
-        .unwrap_or_default();
-    Ok(OutboxRow {
-        id: get(row, "id")?,
-        slot: get(row, "slot")?,
-        created_at: get::<DateTime<Utc>>(row, "created_at")?,
-        message: OutboxMessage {
-            topic: get(row, "topic")?,
-            key: get(row, "msg_key")?,
-            payload: get(row, "payload")?,
-            headers,
-            message_id: get(row, "message_id")?,
-        },
-    })
+/// A pending row as read: id, message id, topic, key, payload, headers
+/// (JSON text), slot, created at.
+type PendingRow = (
+    i64,
+    String,
+    String,
+    Option<Vec<u8>>,
+    Vec<u8>,
+    String,
+    i32,
+    DateTime<Utc>,
+);
+
+/// Headers as stored: `[[name, value], ...]`.
+fn parse_headers(text: &str) -> Vec<(String, String)> {
+    serde_json::from_str::<Vec<(String, String)>>(text).unwrap_or_default()
+}
+
+fn sqlx_err(e: sea_orm::sqlx::Error) -> StoreError {
+    let kind = match &e {
+        sea_orm::sqlx::Error::PoolTimedOut => StoreErrorKind::Timeout,
+        sea_orm::sqlx::Error::Database(d) => d.code().map_or(StoreErrorKind::Other, |c| {
+            crate::error::kind_of_sqlstate(&c)
+        }),
+        _ => StoreErrorKind::Connection,
+    };
+    StoreError::new(kind, e.to_string())
 }
 
 /// The relay's statements, rendered per call (they are few per round).
+/// Lists come as JSON arrays, turned into arrays with `ANY(ARRAY(..))`: a
+/// plain `IN (SELECT ..)` over the function let the planner, before the
+/// table has statistics, join the list to every pending row (1,000 ids
+/// against 20,000 rows took 3 s to mark; with the array it is an index
+/// lookup per id).
 fn pending_sql(t: &TableName) -> String {
     let o = t.outbox();
     format!(
-        "SELECT o.id, o.message_id, o.topic, o.msg_key, o.payload, o.headers, o.slot, o.created_at
+        "SELECT o.id, o.message_id::text, o.topic::text, o.msg_key, o.payload, o.headers::text, o.slot, o.created_at
            FROM {o} o
           WHERE o.status = 'pending'
-            AND o.slot IN (SELECT value::int FROM jsonb_array_elements_text($1))
+            AND o.slot = ANY(ARRAY(SELECT value::int FROM jsonb_array_elements_text($1::jsonb)))
             AND NOT EXISTS (SELECT 1 FROM {o} d
                              WHERE d.status = 'dead' AND d.holds
                                AND d.topic = o.topic AND d.msg_key = o.msg_key AND d.id < o.id)
@@ -251,7 +255,7 @@ fn pending_sql(t: &TableName) -> String {
 fn current_claims(t: &TableName) -> String {
     format!(
         "SELECT c.slot FROM {a} a
-           JOIN jsonb_to_recordset($3) AS c(slot int, epoch bigint)
+           JOIN jsonb_to_recordset($3::jsonb) AS c(slot int, epoch bigint)
              ON a.partition = c.slot AND a.owner_epoch = c.epoch
           WHERE a.consumer_group = $1 AND a.topic = $2
             FOR SHARE OF a",
@@ -266,10 +270,6 @@ fn claims_json(claims: &[SlotClaim]) -> serde_json::Value {
             .map(|c| serde_json::json!({"slot": c.slot, "epoch": c.epoch}))
             .collect(),
     )
-}
-
-fn ids_json(ids: &[i64]) -> serde_json::Value {
-    serde_json::Value::Array(ids.iter().map(|i| serde_json::json!(i)).collect())
 }
 
 impl PgStore {
@@ -327,18 +327,50 @@ impl PgStore {
 impl OutboxStore for PgStore {
     async fn pending(&self, slots: &[i32], limit: usize) -> Result<Vec<OutboxRow>, StoreError> {
         let slots = serde_json::Value::Array(slots.iter().map(|s| serde_json::json!(s)).collect());
-        let rows = self
-            .db
-            .query_all_raw(stmt(
-                &pending_sql(&self.table),
-                vec![
-                    slots.into(),
-                    i64::try_from(limit).unwrap_or(i64::MAX).into(),
-                ],
-            ))
+        // Read in id order along the pending index, never by sorting every
+        // pending row: before the table has statistics (a fresh table, a
+        // burst since the last ANALYZE) the planner takes the backlog for a
+        // dozen rows and sorts all of it for each read (80-100 ms a read
+        // with 50,000 pending, against 6 ms along the index). Rows are read
+        // with sqlx's typed decoding (sea-orm's decoding by column name
+        // took about 10 us a row, 50 ms for 5,000).
+        let pool = self.db.get_postgres_connection_pool();
+        let mut tx = pool.begin().await.map_err(sqlx_err)?;
+        for setting in [
+            "SET LOCAL enable_sort = off",
+            "SET LOCAL enable_bitmapscan = off",
+        ] {
+            sea_orm::sqlx::query(setting)
+                .execute(&mut *tx)
+                .await
+                .map_err(sqlx_err)?;
+        }
+        // the table name is a checked identifier (TableName::new)
+        let sql = sea_orm::sqlx::AssertSqlSafe(pending_sql(&self.table));
+        let rows: Vec<PendingRow> = sea_orm::sqlx::query_as(sql)
+            .bind(slots.to_string())
+            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+            .fetch_all(&mut *tx)
             .await
-            .map_err(db)?;
-        rows.iter().map(outbox_row).collect()
+            .map_err(sqlx_err)?;
+        tx.commit().await.map_err(sqlx_err)?;
+        Ok(rows
+            .into_iter()
+            .map(
+                |(id, message_id, topic, key, payload, headers, slot, created_at)| OutboxRow {
+                    id,
+                    slot,
+                    created_at,
+                    message: OutboxMessage {
+                        topic,
+                        key,
+                        payload,
+                        headers: parse_headers(&headers),
+                        message_id,
+                    },
+                },
+            )
+            .collect())
     }
 
     async fn mark_sent(
@@ -353,25 +385,21 @@ impl OutboxStore for PgStore {
         let sql = format!(
             "WITH c AS ({current})
              UPDATE {o} SET status = 'sent', sent_at = now()
-              WHERE id IN (SELECT value::bigint FROM jsonb_array_elements_text($4))
+              WHERE id = ANY($4::bigint[])
                 AND status = 'pending'
-                AND slot IN (SELECT slot FROM c)",
+                AND slot = ANY(ARRAY(SELECT slot FROM c))",
             current = current_claims(&self.table),
             o = self.table.outbox()
         );
-        let r = self
-            .db
-            .execute_raw(stmt(
-                &sql,
-                vec![
-                    group.into(),
-                    SLOT_TOPIC.into(),
-                    claims_json(claims).into(),
-                    ids_json(ids).into(),
-                ],
-            ))
+        // sqlx, for the id list as a bigint[] parameter (5,000 ids)
+        let r = sea_orm::sqlx::query(sea_orm::sqlx::AssertSqlSafe(sql))
+            .bind(group)
+            .bind(SLOT_TOPIC)
+            .bind(claims_json(claims).to_string())
+            .bind(ids)
+            .execute(self.db.get_postgres_connection_pool())
             .await
-            .map_err(db)?;
+            .map_err(sqlx_err)?;
         Ok(r.rows_affected())
     }
 
@@ -386,7 +414,7 @@ impl OutboxStore for PgStore {
         let sql = format!(
             "WITH c AS ({current})
              UPDATE {o} SET status = 'dead', holds = $6, error = $5
-              WHERE id = $4 AND status = 'pending' AND slot IN (SELECT slot FROM c)",
+              WHERE id = $4 AND status = 'pending' AND slot = ANY(ARRAY(SELECT slot FROM c))",
             current = current_claims(&self.table),
             o = self.table.outbox()
         );

@@ -63,7 +63,7 @@ use inbox_postgres::{PgStore, PgTx, TableName};
 use inbox_testkit::MemBroker;
 use serde_json::json;
 
-const LINES: [&str; 15] = [
+const LINES: [&str; 20] = [
     "omni-box",
     "floor",
     "raw-batch",
@@ -79,6 +79,11 @@ const LINES: [&str; 15] = [
     "consumer-front",
     "consumer-tls",
     "e2e",
+    "producer",
+    "relay",
+    "relay-2",
+    "relay-latency",
+    "relay-soak",
 ];
 const PARTITIONS: i32 = 4;
 const BATCH: usize = 100;
@@ -168,7 +173,12 @@ pub(crate) fn run(mut o: Options) -> Result<()> {
             println!("round {round} of {}", o.repeat);
         }
         for line in &lines {
-            let parsed = run_line(&exe, server, line, &o)?;
+            // the latency line runs at half the relay line's rate
+            let rate = runs
+                .get("relay")
+                .and_then(|r| r.last())
+                .map_or(1_000.0, |r| r.0 / 2.0);
+            let parsed = run_line(&exe, server, line, &o, rate)?;
             println!("  {line:<12} {:>10.0} msg/s", parsed.0);
             runs.entry(line.clone()).or_default().push(parsed);
         }
@@ -213,6 +223,9 @@ pub(crate) fn run(mut o: Options) -> Result<()> {
         ("consumer", "consumer-rskafka"),
         ("consumer-tls", "consumer-front"),
         ("consumer-tls", "consumer"),
+        ("relay", "producer"),
+        ("relay-2", "producer"),
+        ("relay-2", "relay"),
     ] {
         if let (Some(x), Some(y)) = (rate(a), rate(b)) {
             println!("{a} / {b}: {:.2}", x / y);
@@ -228,6 +241,7 @@ fn run_line(
     server: &inbox_testkit::pg::PgServer,
     line: &str,
     o: &Options,
+    rate: f64,
 ) -> Result<(f64, u64)> {
     let url = server
         .create_database()
@@ -241,6 +255,7 @@ fn run_line(
             &o.fail_percent.to_string(),
         ])
         .env("BENCH_DATABASE_URL", &url)
+        .env("BENCH_RATE", format!("{rate:.0}"))
         .output()
         .with_context(|| format!("running bench line {line}"))?;
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -253,6 +268,9 @@ fn run_line(
             stdout,
             String::from_utf8_lossy(&out.stderr)
         );
+    }
+    for note in stdout.lines().filter_map(|l| l.strip_prefix("NOTE ")) {
+        println!("    {note}");
     }
     stdout
         .lines()
@@ -303,12 +321,29 @@ pub(crate) fn line(args: &[String]) -> Result<()> {
             "consumer-front" => kafka(store, messages, false, Link::Front).await,
             "consumer-tls" => kafka(store, messages, false, Link::Tls).await,
             "e2e" => kafka(store, messages, true, Link::Direct).await,
+            "producer" => crate::bench_outbox::producer(messages).await,
+            // the relays hold their own connections (and a listener)
+            "relay" => crate::bench_outbox::relays(pooled(&url).await?, messages, 1).await,
+            "relay-2" => crate::bench_outbox::relays(pooled(&url).await?, messages, 2).await,
+            "relay-latency" => {
+                let rate = std::env::var("BENCH_RATE")
+                    .ok()
+                    .and_then(|r| r.parse::<f64>().ok())
+                    .unwrap_or(1_000.0);
+                crate::bench_outbox::latency(pooled(&url).await?, messages, rate).await
+            }
+            "relay-soak" => crate::bench_outbox::soak(pooled(&url).await?, messages).await,
             other => bail!("unknown line {other}"),
         }
     })?;
     let rate = messages as f64 / elapsed.as_secs_f64();
     println!("RESULT {rate:.1} {}", peak_rss_kb());
     Ok(())
+}
+
+/// A store with the default pool (the relay lines).
+async fn pooled(url: &str) -> Result<PgStore> {
+    Ok(PgStore::connect(url, TableName::default()).await?)
 }
 
 async fn connect(url: &str) -> Result<DatabaseConnection> {

@@ -14,6 +14,7 @@
 //!   `cargo xtask test`.
 
 mod bench;
+mod bench_outbox;
 mod demo;
 mod examples;
 mod pipeline;

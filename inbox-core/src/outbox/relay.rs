@@ -39,7 +39,8 @@ pub struct RelayConfig {
     pub group: String,
     /// This relay's member id, unique in the group.
     pub member_id: String,
-    /// Rows read and published per round. Default 1000.
+    /// Rows read and published per round (held in memory at once: mind
+    /// the events' size). Default 5,000.
     pub batch_size: usize,
     /// How long the relay waits for a notification before it looks again
     /// (the fallback when none comes). Default 1 s.
@@ -75,7 +76,7 @@ impl RelayConfig {
         Ok(Self {
             group: "outbox-relay".into(),
             member_id,
-            batch_size: 1000,
+            batch_size: 5_000,
             poll_interval: Duration::from_secs(1),
             heartbeat: Duration::from_secs(1),
             lease: Duration::from_secs(10),

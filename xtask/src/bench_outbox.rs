@@ -1,0 +1,340 @@
+//! The outbox's bench lines (run by `bench.rs` in their own processes):
+//!
+//! - `producer`: rskafka producing the records the relay would (key,
+//!   value, `message_id` and `event_type` headers, murmur2 placement) to
+//!   tansu (in-memory storage), appends of up to 1,000 records per
+//!   partition, the partitions at once: the ceiling for a relay;
+//! - `relay`: one relay publishing as many events enqueued beforehand
+//!   (read, produce, mark sent; rounds of 1,000);
+//! - `relay-2`: two relays sharing the slots, each its own connections;
+//! - `relay-latency`: events enqueued by eight writers in transactions of
+//!   ten at a fixed rate (half the `relay` line's rate of the same run; the
+//!   line's own figure is the rate reached) while a relay runs as
+//!   in production (woken by LISTEN/NOTIFY); notes p50/p99/max from the
+//!   event's insert to its mark (after the broker acknowledged it);
+//! - `relay-soak`: events enqueued in transactions of 100 while a relay
+//!   publishes and maintenance deletes sent events every second; notes the
+//!   outbox table's size (`pg_total_relation_size`) along the way.
+//!
+//! Each line notes the outbox table's size at its end.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, anyhow, bail};
+use inbox_core::outbox::{OutboxMessage, Relay, RelayConfig, SLOTS, partition_for};
+use inbox_core::{CancellationToken, NoopMetrics};
+use inbox_kafka::{KafkaConfig, KafkaPublisher};
+use inbox_postgres::PgStore;
+use inbox_postgres::sea_orm::TransactionTrait;
+use inbox_testkit::kafka::Broker;
+use serde_json::json;
+
+use crate::sql::scalar;
+
+const PARTITIONS: i32 = 4;
+const ENQUEUE_CHUNK: u64 = 1_000;
+
+fn event(topic: &str, i: u64) -> OutboxMessage {
+    OutboxMessage::json(topic, &json!({ "total": 10 }))
+        .key(format!("order-{i}"))
+        .header("event_type", "order.created")
+}
+
+async fn broker() -> Result<(Broker, String)> {
+    let storage =
+        std::env::var("BENCH_TANSU_STORAGE").unwrap_or_else(|_| "memory://tansu/".to_owned());
+    let broker = Broker::start_with_storage(&storage).map_err(|e| anyhow!("{e}"))?;
+    let topic = broker
+        .topic("bench-outbox", PARTITIONS)
+        .await
+        .map_err(|e| anyhow!("{e}"))?;
+    Ok((broker, topic))
+}
+
+fn kafka(broker: &Broker) -> KafkaConfig {
+    KafkaConfig::new(vec![broker.address().to_owned()], "relay", Vec::new())
+}
+
+async fn enqueue_all(store: &PgStore, topic: &str, from: u64, to: u64, chunk: u64) -> Result<()> {
+    let outbox = store.outbox();
+    let mut start = from;
+    while start < to {
+        let end = (start + chunk).min(to);
+        let events: Vec<OutboxMessage> = (start..end).map(|i| event(topic, i)).collect();
+        let tx = store.connection().begin().await?;
+        outbox.enqueue_many(&tx, &events).await?;
+        tx.commit().await?;
+        start = end;
+    }
+    Ok(())
+}
+
+async fn table_size(store: &PgStore) -> Result<i64> {
+    scalar(
+        store,
+        "SELECT (pg_total_relation_size('inbox_outbox') + pg_total_relation_size('inbox_outbox_keys'))::bigint",
+    )
+    .await
+}
+
+async fn sent(store: &PgStore) -> Result<i64> {
+    scalar(
+        store,
+        "SELECT count(*) FROM inbox_outbox WHERE status = 'sent'",
+    )
+    .await
+}
+
+/// `producer`: rskafka alone.
+pub(crate) async fn producer(messages: u64) -> Result<Duration> {
+    let (broker, topic) = broker().await?;
+    let client = broker.client().await.map_err(|e| anyhow!("{e}"))?;
+    let mut per_partition: BTreeMap<i32, Vec<rskafka::record::Record>> = BTreeMap::new();
+    for i in 0..messages {
+        let key = format!("order-{i}");
+        let mut record = inbox_testkit::kafka::json_record(
+            &json!({ "total": 10 }),
+            &[
+                ("message_id", &inbox_core::outbox::new_message_id()),
+                ("event_type", "order.created"),
+            ],
+        );
+        record.key = Some(key.clone().into_bytes());
+        per_partition
+            .entry(partition_for(key.as_bytes(), PARTITIONS))
+            .or_default()
+            .push(record);
+    }
+    let mut clients = BTreeMap::new();
+    for p in 0..PARTITIONS {
+        clients.insert(
+            p,
+            client
+                .partition_client(
+                    topic.clone(),
+                    p,
+                    rskafka::client::partition::UnknownTopicHandling::Retry,
+                )
+                .await?,
+        );
+    }
+    let started = Instant::now();
+    let mut queues: Vec<(i32, std::vec::IntoIter<rskafka::record::Record>)> = per_partition
+        .into_iter()
+        .map(|(p, r)| (p, r.into_iter()))
+        .collect();
+    loop {
+        let mut appends = Vec::new();
+        for (p, records) in &mut queues {
+            let chunk: Vec<_> = records.by_ref().take(1_000).collect();
+            if !chunk.is_empty() {
+                appends.push(clients[p].produce(
+                    chunk,
+                    rskafka::client::partition::Compression::NoCompression,
+                ));
+            }
+        }
+        if appends.is_empty() {
+            break;
+        }
+        for r in futures::future::join_all(appends).await {
+            r?;
+        }
+    }
+    Ok(started.elapsed())
+}
+
+/// `relay` and `relay-2`: `relays` relays publishing events enqueued
+/// beforehand.
+pub(crate) async fn relays(store: PgStore, messages: u64, relays: usize) -> Result<Duration> {
+    let (broker, topic) = broker().await?;
+    enqueue_all(&store, &topic, 0, messages, ENQUEUE_CHUNK).await?;
+    let mut ready = Vec::new();
+    for r in 0..relays {
+        let slots: Vec<i32> = (0..SLOTS)
+            .filter(|s| usize::try_from(*s).unwrap_or(0) % relays == r)
+            .collect();
+        let publisher = KafkaPublisher::connect(&kafka(&broker)).await?;
+        let mut relay = Relay::new(
+            store.clone(),
+            publisher,
+            RelayConfig::new(format!("bench-{r}"))?,
+        );
+        relay.hold(&slots).await?;
+        ready.push(relay);
+    }
+    let started = Instant::now();
+    let tasks = ready.into_iter().map(|mut relay| async move {
+        loop {
+            let round = relay.round().await?;
+            if let Some(f) = round.failed {
+                bail!("a round failed: {f}");
+            }
+            if round.fetched == 0 {
+                return Ok::<_, anyhow::Error>(());
+            }
+        }
+    });
+    for r in futures::future::join_all(tasks).await {
+        r?;
+    }
+    let elapsed = started.elapsed();
+    let done = sent(&store).await?;
+    if u64::try_from(done)? != messages {
+        bail!("{done} of {messages} events sent");
+    }
+    println!(
+        "NOTE outbox table after the run: {} KiB",
+        table_size(&store).await? / 1024
+    );
+    Ok(elapsed)
+}
+
+/// `relay-latency`: a relay as in production under a steady load of
+/// `rate` events/s.
+pub(crate) async fn latency(store: PgStore, messages: u64, rate: f64) -> Result<Duration> {
+    let (broker, topic) = broker().await?;
+    let cancel = CancellationToken::new();
+    let mut config = RelayConfig::new("bench-latency")?;
+    config.poll_interval = Duration::from_millis(500);
+    let relay = tokio::spawn(inbox_kafka::run_relay(
+        kafka(&broker),
+        config,
+        store.clone(),
+        Arc::new(NoopMetrics),
+        cancel.clone(),
+    ));
+    // the relay holds its slots before the load starts
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while scalar(
+        &store,
+        "SELECT count(*) FROM inbox_offsets WHERE consumer_group = 'outbox-relay'",
+    )
+    .await?
+        < i64::from(SLOTS)
+    {
+        if Instant::now() > deadline {
+            bail!("the relay did not claim its slots");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // eight writers, transactions of ten events, paced together at `rate`
+    // events/s (one event per transaction cannot reach it: a commit each)
+    const WRITERS: u64 = 8;
+    const PER_TX: u64 = 10;
+    let started = Instant::now();
+    let writers = (0..WRITERS).map(|w| {
+        let (store, topic) = (store.clone(), topic.clone());
+        async move {
+            let outbox = store.outbox();
+            let mut i = w * PER_TX;
+            while i < messages {
+                #[allow(clippy::cast_precision_loss)]
+                let due = started + Duration::from_secs_f64(i as f64 / rate);
+                tokio::time::sleep_until(due.into()).await;
+                let events: Vec<OutboxMessage> = (i..(i + PER_TX).min(messages))
+                    .map(|j| event(&topic, j))
+                    .collect();
+                let tx = store.connection().begin().await?;
+                outbox.enqueue_many(&tx, &events).await?;
+                tx.commit().await?;
+                i += WRITERS * PER_TX;
+            }
+            Ok::<_, anyhow::Error>(())
+        }
+    });
+    for r in futures::future::join_all(writers).await {
+        r?;
+    }
+    let elapsed = started.elapsed();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while u64::try_from(sent(&store).await?)? < messages {
+        if Instant::now() > deadline {
+            bail!("the relay did not publish every event");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cancel.cancel();
+    relay.await??;
+    let ms = |q: f64| {
+        format!(
+            "SELECT (1000 * percentile_cont({q}) WITHIN GROUP (ORDER BY extract(epoch FROM sent_at - created_at)))::bigint FROM inbox_outbox"
+        )
+    };
+    let (p50, p99, max) = (
+        scalar(&store, &ms(0.5)).await?,
+        scalar(&store, &ms(0.99)).await?,
+        scalar(&store, &ms(1.0)).await?,
+    );
+    println!(
+        "NOTE relay-latency, {rate:.0} events/s asked: insert to mark (after the broker's ack) p50 {p50} ms, p99 {p99} ms, max {max} ms"
+    );
+    println!(
+        "NOTE outbox table after the run: {} KiB",
+        table_size(&store).await? / 1024
+    );
+    Ok(elapsed)
+}
+
+/// `relay-soak`: enqueue, publish and delete at once; the table's size.
+pub(crate) async fn soak(store: PgStore, messages: u64) -> Result<Duration> {
+    let (broker, topic) = broker().await?;
+    let cancel = CancellationToken::new();
+    let mut config = RelayConfig::new("bench-soak")?;
+    config.poll_interval = Duration::from_millis(200);
+    let relay = tokio::spawn(inbox_kafka::run_relay(
+        kafka(&broker),
+        config,
+        store.clone(),
+        Arc::new(NoopMetrics),
+        cancel.clone(),
+    ));
+    let mut maintenance_config =
+        inbox_core::maintenance::MaintenanceConfig::new(Duration::from_secs(86_400))?;
+    maintenance_config.interval = Duration::from_secs(1);
+    maintenance_config.delete_batch = 5_000;
+    let maintenance = inbox_core::maintenance::Maintenance::new(store.clone(), maintenance_config)
+        .with_outbox(Duration::ZERO);
+    let cleaner = {
+        let cancel = cancel.clone();
+        tokio::spawn(async move { maintenance.run(cancel).await })
+    };
+    let started = Instant::now();
+    let step = (messages / 10).max(100);
+    let mut sizes = Vec::new();
+    let mut start = 0;
+    while start < messages {
+        let end = (start + step).min(messages);
+        enqueue_all(&store, &topic, start, end, 100).await?;
+        sizes.push(table_size(&store).await? / 1024);
+        start = end;
+    }
+    let deadline = Instant::now() + Duration::from_secs(600);
+    loop {
+        let left = scalar(
+            &store,
+            "SELECT count(*) FROM inbox_outbox WHERE status = 'pending'",
+        )
+        .await?;
+        if left == 0 {
+            break;
+        }
+        if Instant::now() > deadline {
+            bail!("{left} events still pending");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let elapsed = started.elapsed();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    cancel.cancel();
+    relay.await??;
+    let _ = cleaner.await;
+    sizes.push(table_size(&store).await? / 1024);
+    let rows = scalar(&store, "SELECT count(*) FROM inbox_outbox").await?;
+    println!(
+        "NOTE relay-soak: {messages} events through; outbox + keys table size (KiB) after each tenth, then at the end: {sizes:?}; {rows} rows left"
+    );
+    Ok(elapsed)
+}

@@ -719,3 +719,128 @@ async fn two_relays_share_the_slots_and_a_dead_ones_move_to_the_other() {
         assert_eq!(firsts, events.iter().collect::<Vec<_>>(), "{key}");
     }
 }
+
+/// Enqueues `event`, again with the same id until a commit succeeds (a
+/// commit reported failed may have applied: then the event is there twice,
+/// with one id).
+async fn enqueue_until_committed(store: &PgStore, event: &OutboxMessage) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let attempt = async {
+            let tx = store.connection().begin().await?;
+            store
+                .outbox()
+                .enqueue(&tx, event)
+                .await
+                .map_err(|e| inbox_postgres::sea_orm::DbErr::Custom(e.to_string()))?;
+            tx.commit().await
+        };
+        match attempt.await {
+            Ok(()) => return,
+            Err(e) => {
+                assert!(tokio::time::Instant::now() < deadline, "enqueue kept failing: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_rides_out_a_postgres_crash_and_a_broker_kill() {
+    let pg = inbox_testkit::pg::PgServer::start_dedicated("-c synchronous_commit=on")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let url = pg.create_database().unwrap_or_else(|e| panic!("{e}"));
+    let store = PgStore::connect(&url, inbox_postgres::TableName::default())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.create_tables().await.unwrap_or_else(|e| panic!("{e}"));
+    let mut broker = inbox_testkit::kafka::Broker::start_with_storage("sqlite://tansu.db")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let topic = broker.topic("outbox-crash", 2).await.unwrap_or_else(|e| panic!("{e}"));
+    let mut kafka = inbox_kafka::KafkaConfig::new(vec![broker.address().to_owned()], "relay", vec![]);
+    kafka.connect_timeout = Duration::from_secs(2);
+    let mut config = RelayConfig::new("relay-1").unwrap_or_else(|e| panic!("{e}"));
+    config.heartbeat = Duration::from_millis(100);
+    config.lease = Duration::from_secs(3);
+    config.poll_interval = Duration::from_millis(100);
+    config.retry = inbox_core::backoff::Backoff::new(
+        Duration::from_millis(50),
+        Duration::from_millis(500),
+        2.0,
+    );
+    let cancel = CancellationToken::new();
+    let relay = tokio::spawn(run_relay(
+        kafka,
+        config,
+        store.clone(),
+        Arc::new(NoopMetrics),
+        cancel.clone(),
+    ));
+    let mut order: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    const EVENTS: usize = 240;
+    for i in 0..EVENTS {
+        if i == EVENTS / 3 {
+            pg.crash().unwrap_or_else(|e| panic!("{e}"));
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            pg.restart().unwrap_or_else(|e| panic!("{e}"));
+        }
+        if i == 2 * EVENTS / 3 {
+            broker.kill().unwrap_or_else(|e| panic!("{e}"));
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            broker.restart().unwrap_or_else(|e| panic!("{e}"));
+        }
+        let key = format!("k{}", i % 6);
+        let e = OutboxMessage::new(&topic, "{}").key(key.clone()).message_id(format!("e-{i:03}"));
+        enqueue_until_committed(&store, &e).await;
+        order.entry(key).or_default().push(e.message_id);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+    loop {
+        let pending = count(
+            &store,
+            "SELECT count(*) FROM inbox_outbox WHERE status <> 'sent'",
+            vec![],
+        )
+        .await
+        .unwrap_or(1);
+        if pending == 0 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{pending} events not sent");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    cancel.cancel();
+    relay
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut records = Vec::new();
+    for p in 0..2 {
+        for (_, r) in broker.read_all(&topic, p).await.unwrap_or_else(|e| panic!("{e}")) {
+            records.push((
+                r.key.map(|k| String::from_utf8_lossy(&k).into_owned()),
+                String::from_utf8_lossy(&r.headers["message_id"]).into_owned(),
+            ));
+        }
+    }
+    let ids: BTreeSet<&String> = records.iter().map(|r| &r.1).collect();
+    let want: BTreeSet<String> = (0..EVENTS).map(|i| format!("e-{i:03}")).collect();
+    assert_eq!(ids, want.iter().collect(), "none lost, none invented");
+    for (key, events) in &order {
+        let mut seen = BTreeSet::new();
+        let firsts: Vec<&String> = records
+            .iter()
+            .filter(|r| r.0.as_deref() == Some(key))
+            .map(|r| &r.1)
+            .filter(|id| seen.insert((*id).clone()))
+            .collect();
+        assert_eq!(firsts, events.iter().collect::<Vec<_>>(), "{key} in order");
+    }
+    eprintln!(
+        "{} records for {} events ({} published again)",
+        records.len(),
+        ids.len(),
+        records.len() - ids.len()
+    );
+}

@@ -738,7 +738,10 @@ async fn enqueue_until_committed(store: &PgStore, event: &OutboxMessage) {
         match attempt.await {
             Ok(()) => return,
             Err(e) => {
-                assert!(tokio::time::Instant::now() < deadline, "enqueue kept failing: {e}");
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "enqueue kept failing: {e}"
+                );
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
@@ -753,11 +756,18 @@ async fn the_relay_rides_out_a_postgres_crash_and_a_broker_kill() {
     let store = PgStore::connect(&url, inbox_postgres::TableName::default())
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    store.create_tables().await.unwrap_or_else(|e| panic!("{e}"));
+    store
+        .create_tables()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     let mut broker = inbox_testkit::kafka::Broker::start_with_storage("sqlite://tansu.db")
         .unwrap_or_else(|e| panic!("{e}"));
-    let topic = broker.topic("outbox-crash", 2).await.unwrap_or_else(|e| panic!("{e}"));
-    let mut kafka = inbox_kafka::KafkaConfig::new(vec![broker.address().to_owned()], "relay", vec![]);
+    let topic = broker
+        .topic("outbox-crash", 2)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut kafka =
+        inbox_kafka::KafkaConfig::new(vec![broker.address().to_owned()], "relay", vec![]);
     kafka.connect_timeout = Duration::from_secs(2);
     let mut config = RelayConfig::new("relay-1").unwrap_or_else(|e| panic!("{e}"));
     config.heartbeat = Duration::from_millis(100);
@@ -790,7 +800,9 @@ async fn the_relay_rides_out_a_postgres_crash_and_a_broker_kill() {
             broker.restart().unwrap_or_else(|e| panic!("{e}"));
         }
         let key = format!("k{}", i % 6);
-        let e = OutboxMessage::new(&topic, "{}").key(key.clone()).message_id(format!("e-{i:03}"));
+        let e = OutboxMessage::new(&topic, "{}")
+            .key(key.clone())
+            .message_id(format!("e-{i:03}"));
         enqueue_until_committed(&store, &e).await;
         order.entry(key).or_default().push(e.message_id);
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -807,7 +819,10 @@ async fn the_relay_rides_out_a_postgres_crash_and_a_broker_kill() {
         if pending == 0 {
             break;
         }
-        assert!(tokio::time::Instant::now() < deadline, "{pending} events not sent");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{pending} events not sent"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     cancel.cancel();
@@ -817,7 +832,11 @@ async fn the_relay_rides_out_a_postgres_crash_and_a_broker_kill() {
         .unwrap_or_else(|e| panic!("{e}"));
     let mut records = Vec::new();
     for p in 0..2 {
-        for (_, r) in broker.read_all(&topic, p).await.unwrap_or_else(|e| panic!("{e}")) {
+        for (_, r) in broker
+            .read_all(&topic, p)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+        {
             records.push((
                 r.key.map(|k| String::from_utf8_lossy(&k).into_owned()),
                 String::from_utf8_lossy(&r.headers["message_id"]).into_owned(),
@@ -843,4 +862,60 @@ async fn the_relay_rides_out_a_postgres_crash_and_a_broker_kill() {
         ids.len(),
         records.len() - ids.len()
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_land_where_librdkafkas_murmur2_partitioner_puts_them() {
+    let env = env("outbox-placement", 7).await;
+    let keys: Vec<String> = (0..40).map(|i| format!("customer-{i}")).collect();
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/clients/librdkafka_partitions.py"
+    );
+    let out = std::process::Command::new("python3")
+        .arg(script)
+        .arg(env.broker.address())
+        .arg(&env.topic)
+        .args(&keys)
+        .output()
+        .unwrap_or_else(|e| {
+            panic!(
+                "python3 could not be run ({e}): `cargo xtask test` installs what this test needs"
+            )
+        });
+    assert!(
+        out.status.success(),
+        "librdkafka failed (confluent-kafka installed? `cargo xtask test` installs it): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let theirs: BTreeMap<String, i32> =
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(theirs.len(), keys.len());
+    // the relay's placement of the same keys, on the same topic
+    for key in &keys {
+        enqueue_one(
+            &env.store,
+            &OutboxMessage::new(&env.topic, "{}").key(key.clone()),
+        )
+        .await;
+    }
+    let mut r = relay(&env, "relay-1").await;
+    assert_eq!(drain(&mut r).await, 40);
+    let mut ours: BTreeMap<String, BTreeSet<i32>> = BTreeMap::new();
+    for (p, key, _) in published(&env).await {
+        ours.entry(key.unwrap_or_default()).or_default().insert(p);
+    }
+    let spread: BTreeSet<i32> = theirs.values().copied().collect();
+    assert!(
+        spread.len() > 3,
+        "the keys spread over the partitions: {spread:?}"
+    );
+    for (key, p) in &theirs {
+        assert_eq!(
+            ours.get(key),
+            Some(&BTreeSet::from([*p])),
+            "{key}: librdkafka put it on {p}, and so must the relay (with librdkafka's own record)"
+        );
+        assert_eq!(partition_for(key.as_bytes(), 7), *p, "{key}");
+    }
 }

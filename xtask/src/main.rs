@@ -40,7 +40,7 @@ struct Cli {
 enum Cmd {
     /// Installs what is missing, then fmt check, clippy -D warnings, cargo
     /// doc, every test of the workspace, cargo package of every published
-    /// crate, the examples, bench smoke, scale, soak.
+    /// crate, the examples, the pipeline demo, bench smoke, scale, soak.
     Test,
     /// The pipeline: orders and their events written through the outbox,
     /// relayed to Kafka, invoiced by the inbox which announces each invoice
@@ -199,6 +199,8 @@ fn test() -> Result<()> {
     )?;
     println!("$ cargo xtask examples");
     examples::run()?;
+    println!("$ cargo xtask demo --processes 2");
+    pipeline::run(2)?;
     println!("$ cargo xtask bench --smoke");
     bench::run(bench::Options::smoke())?;
     println!("$ cargo xtask scale");

@@ -167,6 +167,9 @@ impl<S: InboxStore> Maintenance<S> {
                     break;
                 }
             }
+            if outbox_deleted > 0 {
+                outbox.reclaim().await?;
+            }
         }
         Ok(MaintenanceReport {
             released,

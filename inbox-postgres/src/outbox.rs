@@ -469,6 +469,19 @@ impl OutboxStore for PgStore {
         Ok(r.rows_affected())
     }
 
+    async fn reclaim(&self) -> Result<(), StoreError> {
+        // outside any transaction block; takes no lock against writers
+        self.db
+            .execute_unprepared(&format!(
+                "VACUUM {}, {}",
+                self.table.outbox(),
+                self.table.outbox_keys()
+            ))
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+
     async fn subscribe(&self) -> Result<Option<Arc<Notify>>, StoreError> {
         let pool = self.db.get_postgres_connection_pool();
         let mut listener = sea_orm::sqlx::postgres::PgListener::connect_with(pool)

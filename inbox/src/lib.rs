@@ -12,7 +12,7 @@
 //! |---|---|---|
 //! | (always) | the crate root | `inbox-core`: model, decision, traits, runner |
 //! | `postgres` | [`postgres`] | `inbox-postgres`: the PostgreSQL store |
-//! | `kafka` | [`kafka`] | `inbox-kafka`: the Kafka consumer |
+//! | `kafka` | [`kafka`] | `inbox-kafka`: the Kafka consumer and the outbox relay |
 //! | `testkit` | [`testkit`] | `inbox-testkit`: in-memory store and broker, conformance suite |
 //!
 //! ```
@@ -38,6 +38,7 @@ pub use async_trait::async_trait;
 pub mod prelude {
     pub use crate::async_trait;
     pub use inbox_core::maintenance::{Maintenance, MaintenanceConfig};
+    pub use inbox_core::outbox::{OnRefused, OutboxMessage, RelayConfig};
     pub use inbox_core::router::{EventHandler, Router, UnknownEventType};
     pub use inbox_core::{
         AckStrategy, Backoff, BatchConfig, CancellationToken, Handler, HandlerError, HandlerResult,
@@ -45,10 +46,10 @@ pub mod prelude {
     };
 
     #[cfg(feature = "postgres")]
-    pub use inbox_postgres::{PgStore, PgTx, TableName};
+    pub use inbox_postgres::{Outbox, PgStore, PgTx, TableName};
 
     #[cfg(feature = "kafka")]
-    pub use inbox_kafka::{GroupConfig, KafkaConfig, run_group, run_partitioned};
+    pub use inbox_kafka::{GroupConfig, KafkaConfig, run_group, run_partitioned, run_relay};
 }
 
 /// The PostgreSQL adapter (feature `postgres`).
@@ -77,3 +78,7 @@ mod kafka_md {}
 #[cfg(all(doctest, feature = "postgres", feature = "kafka"))]
 #[doc = include_str!("../../docs/postgres.md")]
 mod postgres_md {}
+
+#[cfg(all(doctest, feature = "postgres", feature = "kafka"))]
+#[doc = include_str!("../../docs/outbox.md")]
+mod outbox_md {}

@@ -330,6 +330,14 @@ pub trait OutboxStore: Send + Sync {
     /// keys' order records idle as long). Returns how many rows went.
     async fn delete_sent(&self, older_than: Duration, batch: u64) -> Result<u64, StoreError>;
 
+    /// Makes the space of deleted rows reusable now (PostgreSQL: `VACUUM`
+    /// of the outbox tables, which does not block writers), so the table
+    /// stays the size of what is pending and retained instead of waiting
+    /// for autovacuum. Run by maintenance after deleting.
+    async fn reclaim(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
     /// Wakes the relay when rows are written, where the store can tell
     /// (PostgreSQL: `LISTEN`); `None`: the relay polls only.
     async fn subscribe(&self) -> Result<Option<std::sync::Arc<tokio::sync::Notify>>, StoreError> {

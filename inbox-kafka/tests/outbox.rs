@@ -919,3 +919,39 @@ async fn keys_land_where_librdkafkas_murmur2_partitioner_puts_them() {
         assert_eq!(partition_for(key.as_bytes(), 7), *p, "{key}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_event_is_refused_with_a_typed_error_and_nothing_is_written() {
+    let env = env("outbox-bad", 1).await;
+    let tx = env
+        .store
+        .connection()
+        .begin()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let outbox = env.store.outbox();
+    for bad in [
+        OutboxMessage::new("", "{}"),
+        OutboxMessage::new("no spaces", "{}"),
+        OutboxMessage::new(&env.topic, "{}").key(vec![1u8; 5_000]),
+        OutboxMessage::new(&env.topic, "{}").header("message_id", "x"),
+    ] {
+        let e = outbox.enqueue(&tx, &bad).await.err();
+        assert_eq!(
+            e.map(|e| e.kind),
+            Some(inbox_core::StoreErrorKind::Data),
+            "{bad:?}"
+        );
+        let many = outbox
+            .enqueue_many(&tx, &[OutboxMessage::new(&env.topic, "{}"), bad.clone()])
+            .await;
+        assert!(many.is_err(), "a list with a bad event is refused whole");
+    }
+    // the transaction is still usable: nothing reached the database
+    let good = outbox
+        .enqueue(&tx, &OutboxMessage::new(&env.topic, "{}").key("k"))
+        .await;
+    assert!(good.is_ok(), "{good:?}");
+    tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(status_count(&env.store, "pending").await, 1);
+}

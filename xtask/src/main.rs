@@ -121,6 +121,38 @@ fn main() -> ExitCode {
     }
 }
 
+/// Removes the sources cargo extracted from the local registries of earlier
+/// `cargo package` runs (`$CARGO_HOME/registry/src/-<hash>/inbox-*`). cargo
+/// names that registry after the target directory, and reuses an extracted
+/// crate of the same name and version without looking at it again, so a
+/// second run from the same checkout path built the dependents against the
+/// first run's copy of `inbox-core` (seen: "could not find `outbox` in
+/// `inbox_core`"). The packages themselves are made afresh each run.
+fn clear_packaged_sources() -> Result<()> {
+    let home = std::env::var_os("CARGO_HOME").map_or_else(
+        || std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cargo")),
+        |h| Some(std::path::PathBuf::from(h)),
+    );
+    let Some(src) = home.map(|h| h.join("registry").join("src")) else {
+        return Ok(());
+    };
+    let Ok(registries) = std::fs::read_dir(&src) else {
+        return Ok(());
+    };
+    for registry in registries.flatten() {
+        if !registry.file_name().to_string_lossy().starts_with('-') {
+            continue; // a real registry's sources
+        }
+        for krate in std::fs::read_dir(registry.path())?.flatten() {
+            if krate.file_name().to_string_lossy().starts_with("inbox") {
+                std::fs::remove_dir_all(krate.path())
+                    .with_context(|| format!("removing {}", krate.path().display()))?;
+            }
+        }
+    }
+    Ok(())
+}
+
 pub(crate) fn cargo(args: &[&str], env: &[(&str, &str)]) -> Result<()> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     println!("$ cargo {}", args.join(" "));
@@ -187,6 +219,7 @@ fn test() -> Result<()> {
     // every crate packaged as it would be published, in dependency order
     // (cargo resolves the workspace's own crates from the packages it
     // made), each package built on its own
+    clear_packaged_sources()?;
     cargo(
         &[
             "package",

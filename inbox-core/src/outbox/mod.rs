@@ -56,6 +56,10 @@ pub const MAX_TOPIC_LEN: usize = 249;
 /// The longest `message_id` the outbox stores (the inbox's own limit).
 pub const MAX_MESSAGE_ID_LEN: usize = 255;
 
+/// The longest key the outbox takes, in bytes (a key is indexed, and an
+/// index entry must fit in a third of a PostgreSQL page).
+pub const MAX_KEY_LEN: usize = 1024;
+
 /// An event to publish, enqueued inside the transaction that makes the
 /// change it announces.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -117,7 +121,8 @@ impl OutboxMessage {
     }
 
     /// Checks what the database and the broker would refuse: an empty or
-    /// too long topic or id, a topic with characters Kafka does not allow,
+    /// too long topic or id, a key longer than [`MAX_KEY_LEN`] bytes, a
+    /// topic with characters Kafka does not allow,
     /// a header named [`MESSAGE_ID_HEADER`] (the relay sets it), NUL
     /// characters in texts.
     ///
@@ -145,6 +150,15 @@ impl OutboxMessage {
                     "topic {:?} holds {c:?}; Kafka allows A-Z a-z 0-9 . _ -",
                     self.topic
                 ),
+            });
+        }
+        if let Some(key) = &self.key
+            && key.len() > MAX_KEY_LEN
+        {
+            return Err(ValidationError::TooLong {
+                field: "key",
+                max: MAX_KEY_LEN,
+                actual: key.len(),
             });
         }
         if self.message_id.trim().is_empty() {

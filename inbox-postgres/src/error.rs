@@ -51,6 +51,12 @@ pub fn map_db_err(e: &DbErr) -> StoreError {
     StoreError::new(kind, e.to_string())
 }
 
+/// Maps an error of sqlx itself (statements run on the pool directly) as
+/// [`map_db_err`] maps one sea-orm wraps.
+pub(crate) fn map_sqlx_err(e: &sqlx::Error) -> StoreError {
+    StoreError::new(kind_of_sqlx(e), e.to_string())
+}
+
 /// Removes `url` and its password from an error's cause.
 pub(crate) fn redact(mut e: StoreError, url: &str) -> StoreError {
     if !url.is_empty() {

@@ -12,6 +12,7 @@ use inbox_core::{StoreError, StoreErrorKind};
 use sea_orm::{ConnectionTrait, Value};
 use tokio::sync::Notify;
 
+use crate::error::map_sqlx_err;
 use crate::schema::TableName;
 use crate::store::{PgStore, db, get, secs, stmt};
 
@@ -129,9 +130,7 @@ impl Outbox {
         conn: &C,
         event: &OutboxMessage,
     ) -> Result<i64, StoreError> {
-        event
-            .validate()
-            .map_err(|e| StoreError::new(StoreErrorKind::Data, e.to_string()))?;
+        checked(event)?;
         let row = conn
             .query_one_raw(stmt(
                 &self.enqueue,
@@ -166,9 +165,7 @@ impl Outbox {
         }
         let mut list = Vec::with_capacity(events.len());
         for event in events {
-            event
-                .validate()
-                .map_err(|e| StoreError::new(StoreErrorKind::Data, e.to_string()))?;
+            checked(event)?;
             list.push(serde_json::json!({
                 "message_id": event.message_id,
                 "topic": event.topic,
@@ -187,6 +184,13 @@ impl Outbox {
             .map_err(db)?;
         rows.iter().map(|r| get(r, "id")).collect()
     }
+}
+
+/// `event` validated, a refusal as a [`StoreErrorKind::Data`] error.
+fn checked(event: &OutboxMessage) -> Result<(), StoreError> {
+    event
+        .validate()
+        .map_err(|e| StoreError::new(StoreErrorKind::Data, e.to_string()))
 }
 
 fn headers_json(event: &OutboxMessage) -> serde_json::Value {
@@ -215,17 +219,6 @@ type PendingRow = (
 /// Headers as stored: `[[name, value], ...]`.
 fn parse_headers(text: &str) -> Vec<(String, String)> {
     serde_json::from_str::<Vec<(String, String)>>(text).unwrap_or_default()
-}
-
-fn sqlx_err(e: sea_orm::sqlx::Error) -> StoreError {
-    let kind = match &e {
-        sea_orm::sqlx::Error::PoolTimedOut => StoreErrorKind::Timeout,
-        sea_orm::sqlx::Error::Database(d) => d.code().map_or(StoreErrorKind::Other, |c| {
-            crate::error::kind_of_sqlstate(&c)
-        }),
-        _ => StoreErrorKind::Connection,
-    };
-    StoreError::new(kind, e.to_string())
 }
 
 /// The relay's statements, rendered per call (they are few per round).
@@ -335,7 +328,7 @@ impl OutboxStore for PgStore {
         // with sqlx's typed decoding (sea-orm's decoding by column name
         // took about 10 us a row, 50 ms for 5,000).
         let pool = self.db.get_postgres_connection_pool();
-        let mut tx = pool.begin().await.map_err(sqlx_err)?;
+        let mut tx = pool.begin().await.map_err(|e| map_sqlx_err(&e))?;
         for setting in [
             "SET LOCAL enable_sort = off",
             "SET LOCAL enable_bitmapscan = off",
@@ -343,7 +336,7 @@ impl OutboxStore for PgStore {
             sea_orm::sqlx::query(setting)
                 .execute(&mut *tx)
                 .await
-                .map_err(sqlx_err)?;
+                .map_err(|e| map_sqlx_err(&e))?;
         }
         // the table name is a checked identifier (TableName::new)
         let sql = sea_orm::sqlx::AssertSqlSafe(pending_sql(&self.table));
@@ -352,8 +345,8 @@ impl OutboxStore for PgStore {
             .bind(i64::try_from(limit).unwrap_or(i64::MAX))
             .fetch_all(&mut *tx)
             .await
-            .map_err(sqlx_err)?;
-        tx.commit().await.map_err(sqlx_err)?;
+            .map_err(|e| map_sqlx_err(&e))?;
+        tx.commit().await.map_err(|e| map_sqlx_err(&e))?;
         Ok(rows
             .into_iter()
             .map(
@@ -399,7 +392,7 @@ impl OutboxStore for PgStore {
             .bind(ids)
             .execute(self.db.get_postgres_connection_pool())
             .await
-            .map_err(sqlx_err)?;
+            .map_err(|e| map_sqlx_err(&e))?;
         Ok(r.rows_affected())
     }
 

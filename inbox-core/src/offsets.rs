@@ -16,6 +16,7 @@ use std::collections::BTreeMap;
 
 use async_trait::async_trait;
 
+use crate::assignment::{PartitionKey, assign};
 use crate::consumer::TxAck;
 use crate::error::StoreError;
 
@@ -102,4 +103,28 @@ pub trait MembershipStore: Send + Sync {
         previous: &BTreeMap<(String, i32), String>,
         assignment: &BTreeMap<(String, i32), String>,
     ) -> Result<bool, StoreError>;
+}
+
+/// One heartbeat of `member` in `group`: the live members and the
+/// assignment of `partitions` over them, published when it changed (a
+/// compare-and-set; when another member published first, its assignment
+/// is followed).
+///
+/// # Errors
+///
+/// The store's.
+pub async fn next_assignment<S: MembershipStore + ?Sized>(
+    store: &S,
+    group: &str,
+    member: &str,
+    lease: std::time::Duration,
+    partitions: &[PartitionKey],
+) -> Result<(Vec<String>, BTreeMap<PartitionKey, String>), StoreError> {
+    let members = store.heartbeat(group, member, lease).await?;
+    let previous = store.published_assignment(group).await?;
+    let next = assign(partitions, &members, &previous);
+    if next == previous || store.publish_assignment(group, &previous, &next).await? {
+        return Ok((members, next));
+    }
+    Ok((members, store.published_assignment(group).await?))
 }

@@ -333,7 +333,7 @@ async fn next_assignment<S: MembershipStore>(
             t.partitions.into_iter().map(move |p| (name.clone(), p))
         })
         .collect();
-    Ok(inbox_core::outbox::next_assignment(
+    Ok(inbox_core::offsets::next_assignment(
         store,
         consumer_group,
         &group.member_id,

@@ -31,9 +31,7 @@ use chrono::{DateTime, Utc};
 
 use crate::error::{StoreError, ValidationError};
 
-pub use relay::{
-    OnRefused, Relay, RelayConfig, RelayRound, RelaySummary, SlotClaims, next_assignment,
-};
+pub use relay::{OnRefused, Relay, RelayConfig, RelayRound, RelaySummary, SlotClaims};
 
 /// The header that carries an event's [`OutboxMessage::message_id`]: the
 /// inbox on the consuming side reads it (its default decoder's first

@@ -11,11 +11,11 @@ use tokio_util::sync::CancellationToken;
 use super::{
     OutboxRow, OutboxStore, PublishError, PublishErrorKind, Publisher, SLOT_TOPIC, SLOTS, SlotClaim,
 };
-use crate::assignment::{PartitionKey, assign, owned_by};
+use crate::assignment::{PartitionKey, owned_by};
 use crate::backoff::Backoff;
 use crate::error::{StoreError, ValidationError};
 use crate::metrics::{MetricEvent, Metrics, NoopMetrics, record_safely};
-use crate::offsets::{MembershipStore, OffsetStore};
+use crate::offsets::{MembershipStore, OffsetStore, next_assignment};
 
 /// What the relay does with a key's later events when the broker refused
 /// one of them.
@@ -136,30 +136,6 @@ pub struct RelaySummary {
     pub dead_lettered: u64,
     /// How many times this relay's slots changed.
     pub assignment_changes: u64,
-}
-
-/// One heartbeat of `member` in `group`: the live members and the
-/// assignment of `partitions` over them, published when it changed (a
-/// compare-and-set; when another member published first, its assignment
-/// is followed).
-///
-/// # Errors
-///
-/// The store's.
-pub async fn next_assignment<S: MembershipStore + ?Sized>(
-    store: &S,
-    group: &str,
-    member: &str,
-    lease: Duration,
-    partitions: &[PartitionKey],
-) -> Result<(Vec<String>, BTreeMap<PartitionKey, String>), StoreError> {
-    let members = store.heartbeat(group, member, lease).await?;
-    let previous = store.published_assignment(group).await?;
-    let next = assign(partitions, &members, &previous);
-    if next == previous || store.publish_assignment(group, &previous, &next).await? {
-        return Ok((members, next));
-    }
-    Ok((members, store.published_assignment(group).await?))
 }
 
 /// Publishes the outbox: reads pending rows of the slots it holds, sends

@@ -193,14 +193,17 @@ async fn consume<H: inbox_core::Handler<PgTx> + 'static>(
     Ok(())
 }
 
-fn spawn(role: &str, id: &str, url: &str, brokers: &str) -> Result<Child> {
+/// Starts `role` (a hidden xtask command) with `args`, on the database
+/// `url` and the broker `brokers`; its stdin is its stop signal.
+fn spawn(role: &str, args: &[&str], url: &str, brokers: &str) -> Result<Child> {
     Command::new(std::env::current_exe()?)
-        .args([role, id])
+        .arg(role)
+        .args(args)
         .env(DB_ENV, url)
         .env("KAFKA_BROKERS", brokers)
         .stdin(Stdio::piped())
         .spawn()
-        .with_context(|| format!("starting {role} {id}"))
+        .with_context(|| format!("starting {role} {args:?}"))
 }
 
 /// Closes the child's stdin (its graceful stop) and waits.
@@ -229,10 +232,6 @@ pub(crate) fn run(relays: u32) -> Result<()> {
         .enable_all()
         .build()?;
     rt.block_on(pipeline(relays.max(1)))
-}
-
-async fn count_sql(store: &PgStore, sql: &str) -> Result<i64> {
-    scalar(store, sql).await
 }
 
 /// Records on `topic` and how many distinct message ids they carry.
@@ -312,24 +311,18 @@ async fn pipeline(relays: u32) -> Result<()> {
     println!(
         "orders service -> outbox -> {relays} relay process(es) -> {orders_topic} -> billing process (inbox; invoice + invoice.created through the outbox) -> {invoices_topic} -> announcements consumer (inbox)"
     );
-    let spawn_billing = |n: u32| -> Result<Child> {
-        Command::new(std::env::current_exe()?)
-            .args([
-                "pipeline-billing",
-                &format!("billing-{n}"),
-                &orders_topic,
-                &invoices_topic,
-            ])
-            .env(DB_ENV, &url)
-            .env("KAFKA_BROKERS", &brokers)
-            .stdin(Stdio::piped())
-            .spawn()
-            .context("starting the billing process")
+    let spawn_billing = |id: &str| {
+        spawn(
+            "pipeline-billing",
+            &[id, &orders_topic, &invoices_topic],
+            &url,
+            &brokers,
+        )
     };
     let mut relay_children: Vec<Child> = (1..=relays)
-        .map(|n| spawn("pipeline-relay", &format!("relay-{n}"), &url, &brokers))
+        .map(|n| spawn("pipeline-relay", &[&format!("relay-{n}")], &url, &brokers))
         .collect::<Result<_>>()?;
-    let mut billing_child = spawn_billing(1)?;
+    let mut billing_child = spawn_billing("billing-1")?;
     // the announcements consumer, in this process
     let cancel = inbox_core::CancellationToken::new();
     let announcements = {
@@ -361,14 +354,14 @@ async fn pipeline(relays: u32) -> Result<()> {
     let deadline = started + Duration::from_secs(600);
     loop {
         tokio::time::sleep(Duration::from_millis(250)).await;
-        let orders = count_sql(&store, "SELECT count(*) FROM pipeline_orders").await?;
-        let sent = count_sql(
+        let orders = scalar(&store, "SELECT count(*) FROM pipeline_orders").await?;
+        let sent = scalar(
             &store,
             "SELECT count(*) FROM pipeline_outbox WHERE status = 'sent'",
         )
         .await?;
-        let invoices = count_sql(&store, "SELECT count(*) FROM pipeline_invoices").await?;
-        let announced = count_sql(&store, "SELECT count(*) FROM pipeline_announced").await?;
+        let invoices = scalar(&store, "SELECT count(*) FROM pipeline_invoices").await?;
+        let announced = scalar(&store, "SELECT count(*) FROM pipeline_announced").await?;
         println!(
             "  t={:>5.1} s  orders {orders:>5}  events sent {sent:>5}  invoices {invoices:>5}  announced {announced:>5}",
             started.elapsed().as_secs_f64()
@@ -377,18 +370,18 @@ async fn pipeline(relays: u32) -> Result<()> {
             relay_children[0].kill()?;
             relay_children[0].wait()?;
             println!("  relay-1 killed (SIGKILL) with {sent} events sent; starting relay-1b");
-            relay_children[0] = spawn("pipeline-relay", "relay-1b", &url, &brokers)?;
+            relay_children[0] = spawn("pipeline-relay", &["relay-1b"], &url, &brokers)?;
             relay_killed = true;
         }
         if !billing_killed && invoices >= ORDERS / 2 {
             billing_child.kill()?;
             billing_child.wait()?;
             println!("  billing-1 killed (SIGKILL) with {invoices} invoices; starting billing-2");
-            billing_child = spawn_billing(2)?;
+            billing_child = spawn_billing("billing-2")?;
             billing_killed = true;
         }
         if relay_killed && billing_killed && announced >= ORDERS && writer.is_finished() {
-            let pending = count_sql(
+            let pending = scalar(
                 &store,
                 "SELECT count(*) FROM pipeline_outbox WHERE status <> 'sent'",
             )
@@ -410,28 +403,18 @@ async fn pipeline(relays: u32) -> Result<()> {
         stop(child)?;
     }
 
-    let orders = count_sql(&store, "SELECT count(*) FROM pipeline_orders").await?;
+    let orders = scalar(&store, "SELECT count(*) FROM pipeline_orders").await?;
     let published = |topic: &str| {
-        let topic = topic.to_owned();
-        let store = store.clone();
-        async move {
-            scalar(
-                &store,
-                &format!(
-                    "SELECT count(*) FROM pipeline_outbox WHERE status = 'sent' AND topic = '{topic}'"
-                ),
-            )
-            .await
-        }
+        format!("SELECT count(*) FROM pipeline_outbox WHERE status = 'sent' AND topic = '{topic}'")
     };
-    let order_events = published(&orders_topic).await?;
-    let invoice_events = published(&invoices_topic).await?;
+    let order_events = scalar(&store, &published(&orders_topic)).await?;
+    let invoice_events = scalar(&store, &published(&invoices_topic)).await?;
     let (order_records, order_ids) = on_broker(broker, &orders_topic).await?;
     let (invoice_records, invoice_ids) = on_broker(broker, &invoices_topic).await?;
     let (invoices, invoiced, doubled) = effects(&store, "pipeline_invoices", "order_id").await?;
     let (announced, announced_distinct, announced_twice) =
         effects(&store, "pipeline_announced", "invoice_id").await?;
-    let announced_unknown = count_sql(
+    let announced_unknown = scalar(
         &store,
         "SELECT count(*) FROM pipeline_announced a WHERE NOT EXISTS (SELECT 1 FROM pipeline_invoices i WHERE i.id = a.invoice_id)",
     )

@@ -57,6 +57,30 @@ fn kafka(broker: &Broker) -> KafkaConfig {
     KafkaConfig::new(vec![broker.address().to_owned()], "relay", Vec::new())
 }
 
+/// A relay as in production (`run_relay`), spawned; cancel the token to
+/// stop it.
+fn spawn_relay(
+    broker: &Broker,
+    store: &PgStore,
+    member: &str,
+    poll_interval: Duration,
+) -> Result<(
+    CancellationToken,
+    tokio::task::JoinHandle<Result<inbox_core::outbox::RelaySummary, inbox_kafka::KafkaError>>,
+)> {
+    let cancel = CancellationToken::new();
+    let mut config = RelayConfig::new(member)?;
+    config.poll_interval = poll_interval;
+    let relay = tokio::spawn(inbox_kafka::run_relay(
+        kafka(broker),
+        config,
+        store.clone(),
+        Arc::new(NoopMetrics),
+        cancel.clone(),
+    ));
+    Ok((cancel, relay))
+}
+
 async fn enqueue_all(store: &PgStore, topic: &str, from: u64, to: u64, chunk: u64) -> Result<()> {
     let outbox = store.outbox();
     let mut start = from;
@@ -196,16 +220,8 @@ pub(crate) async fn relays(store: PgStore, messages: u64, relays: usize) -> Resu
 /// `rate` events/s.
 pub(crate) async fn latency(store: PgStore, messages: u64, rate: f64) -> Result<Duration> {
     let (broker, topic) = broker().await?;
-    let cancel = CancellationToken::new();
-    let mut config = RelayConfig::new("bench-latency")?;
-    config.poll_interval = Duration::from_millis(500);
-    let relay = tokio::spawn(inbox_kafka::run_relay(
-        kafka(&broker),
-        config,
-        store.clone(),
-        Arc::new(NoopMetrics),
-        cancel.clone(),
-    ));
+    let (cancel, relay) =
+        spawn_relay(&broker, &store, "bench-latency", Duration::from_millis(500))?;
     // the relay holds its slots before the load starts
     let deadline = Instant::now() + Duration::from_secs(30);
     while scalar(
@@ -281,16 +297,7 @@ pub(crate) async fn latency(store: PgStore, messages: u64, rate: f64) -> Result<
 /// `relay-soak`: enqueue, publish and delete at once; the table's size.
 pub(crate) async fn soak(store: PgStore, messages: u64) -> Result<Duration> {
     let (broker, topic) = broker().await?;
-    let cancel = CancellationToken::new();
-    let mut config = RelayConfig::new("bench-soak")?;
-    config.poll_interval = Duration::from_millis(200);
-    let relay = tokio::spawn(inbox_kafka::run_relay(
-        kafka(&broker),
-        config,
-        store.clone(),
-        Arc::new(NoopMetrics),
-        cancel.clone(),
-    ));
+    let (cancel, relay) = spawn_relay(&broker, &store, "bench-soak", Duration::from_millis(200))?;
     let mut maintenance_config =
         inbox_core::maintenance::MaintenanceConfig::new(Duration::from_secs(86_400))?;
     maintenance_config.interval = Duration::from_secs(1);

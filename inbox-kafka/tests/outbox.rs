@@ -39,12 +39,16 @@ async fn relay(env: &common::Env, member: &str) -> Relay<PgStore, KafkaPublisher
     r
 }
 
-async fn enqueue_one(store: &PgStore, event: &OutboxMessage) -> i64 {
-    let tx = store
+async fn begin(store: &PgStore) -> inbox_postgres::sea_orm::DatabaseTransaction {
+    store
         .connection()
         .begin()
         .await
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+async fn enqueue_one(store: &PgStore, event: &OutboxMessage) -> i64 {
+    let tx = begin(store).await;
     let id = store
         .outbox()
         .enqueue(&tx, event)
@@ -115,12 +119,7 @@ async fn events_reach_kafka_once_on_their_keys_partition_in_commit_order() {
     let many: Vec<OutboxMessage> = (0..20)
         .map(|i| OutboxMessage::new(&env.topic, "{}").key(format!("customer-{}", i % 3)))
         .collect();
-    let tx = env
-        .store
-        .connection()
-        .begin()
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+    let tx = begin(&env.store).await;
     let ids = env
         .store
         .outbox()
@@ -174,12 +173,7 @@ async fn an_earlier_id_that_commits_later_is_not_skipped() {
     let env = env("outbox-late", 1).await;
     let mut r = relay(&env, "relay-1").await;
     // A takes the lower id and stays open; B takes a higher id, commits
-    let a = env
-        .store
-        .connection()
-        .begin()
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+    let a = begin(&env.store).await;
     let a_id = env
         .store
         .outbox()
@@ -211,12 +205,7 @@ async fn an_earlier_id_that_commits_later_is_not_skipped() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_later_transaction_of_the_same_key_waits_for_the_earlier() {
     let env = env("outbox-serial", 1).await;
-    let a = env
-        .store
-        .connection()
-        .begin()
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+    let a = begin(&env.store).await;
     let a_id = env
         .store
         .outbox()
@@ -923,12 +912,7 @@ async fn keys_land_where_librdkafkas_murmur2_partitioner_puts_them() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bad_event_is_refused_with_a_typed_error_and_nothing_is_written() {
     let env = env("outbox-bad", 1).await;
-    let tx = env
-        .store
-        .connection()
-        .begin()
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+    let tx = begin(&env.store).await;
     let outbox = env.store.outbox();
     for bad in [
         OutboxMessage::new("", "{}"),

@@ -672,6 +672,26 @@ async fn two_relays_share_the_slots_and_a_dead_ones_move_to_the_other() {
     // relay a dies without leaving: its task is dropped mid-flight
     a.abort();
     let died = tokio::time::Instant::now();
+    // the slots move to b within the lease and a heartbeat (0.9 s; seen
+    // here 0.72-0.91 s), plus 2 s for this shared machine's scheduling
+    let b_owns_all = || async {
+        count(
+            &env.store,
+            "SELECT count(*) FROM inbox_assignments WHERE consumer_group = 'outbox-relay' AND member = 'relay-b'",
+            vec![],
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+            == i64::from(SLOTS)
+    };
+    while !b_owns_all().await {
+        assert!(
+            died.elapsed() < Duration::from_millis(800 + 100 + 2_000),
+            "a's slots did not move within lease + heartbeat"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eprintln!("a's slots moved to b in {:?}", died.elapsed());
     enqueue(100, 100).await;
     while status_count(&env.store, "sent").await < 200 {
         assert!(

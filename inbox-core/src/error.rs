@@ -146,6 +146,33 @@ pub enum ValidationError {
     },
 }
 
+impl ValidationError {
+    /// `Ok` when `holds`, else [`ValidationError::Config`] with `reason`
+    /// (a configuration value out of its range).
+    ///
+    /// ```
+    /// use inbox_core::ValidationError;
+    /// assert!(ValidationError::unless(true, "batch_size must be at least 1").is_ok());
+    /// assert_eq!(
+    ///     ValidationError::unless(false, "batch_size must be at least 1").unwrap_err().to_string(),
+    ///     "invalid configuration: batch_size must be at least 1"
+    /// );
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`ValidationError::Config`] when `holds` is false.
+    pub fn unless(holds: bool, reason: &str) -> Result<(), Self> {
+        if holds {
+            Ok(())
+        } else {
+            Err(Self::Config {
+                reason: reason.to_owned(),
+            })
+        }
+    }
+}
+
 /// The kind of a store failure, so callers can decide without parsing text.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]

@@ -106,6 +106,24 @@ impl ProcessorConfig {
     }
 }
 
+impl ProcessorConfig {
+    /// Checks the ranges: `batch_size` at least 1, a handler timeout and
+    /// an idle poll above zero. [`BatchProcessor::run`] and
+    /// [`BatchProcessor::process_batch`] check it first.
+    ///
+    /// # Errors
+    ///
+    /// [`ValidationError::Config`] naming the field out of range.
+    pub fn validate(&self) -> Result<(), ValidationError> {
+        ValidationError::unless(self.batch_size >= 1, "batch_size must be at least 1")?;
+        ValidationError::unless(
+            !self.handler_timeout.is_zero(),
+            "handler_timeout must be above zero",
+        )?;
+        ValidationError::unless(!self.idle_poll.is_zero(), "idle_poll must be above zero")
+    }
+}
+
 /// Sees each row on its last counted failure (the row is `failed` then).
 #[async_trait]
 pub trait DeadLetterHook: Send + Sync {
@@ -122,6 +140,10 @@ pub enum ProcessorError {
     /// The store failed (claiming, the transaction, writing back, commit).
     #[error("store: {0}")]
     Store(#[from] StoreError),
+    /// The processor's configuration is out of range
+    /// ([`ProcessorConfig::validate`]): nothing was claimed.
+    #[error("{0}")]
+    Config(#[from] ValidationError),
     /// Some rows of the batch were no longer this worker's when the
     /// outcomes were written (their lease was released as stale): nothing
     /// of the batch was committed, the rows are handled again.
@@ -304,6 +326,7 @@ where
     /// batch's claims are then released (what cannot be released is
     /// released by maintenance once stale).
     pub async fn process_batch(&mut self) -> Result<ProcessorBatch, ProcessorError> {
+        self.config.validate()?;
         let span = tracing::info_span!(
             "inbox.processor.batch",
             worker = self.config.worker_id.as_str(),
@@ -542,7 +565,16 @@ where
     /// Processes batches until `cancel` fires, waiting `idle_poll` when
     /// nothing is due and backing off after failures. The batch in hand
     /// when `cancel` fires is finished (committed or rolled back) first.
-    pub async fn run(&mut self, cancel: CancellationToken) -> ProcessorSummary {
+    ///
+    /// # Errors
+    ///
+    /// A [`ValidationError`] at once when the configuration is out of
+    /// range ([`ProcessorConfig::validate`]).
+    pub async fn run(
+        &mut self,
+        cancel: CancellationToken,
+    ) -> Result<ProcessorSummary, ValidationError> {
+        self.config.validate()?;
         let mut summary = ProcessorSummary::default();
         let mut failures = 0u32;
         while !cancel.is_cancelled() {
@@ -573,7 +605,7 @@ where
                 }
             }
         }
-        summary
+        Ok(summary)
     }
 }
 

@@ -304,7 +304,7 @@ async fn run_backs_off_on_redelivery_and_stops_on_cancel() {
         stop.cancel();
         took
     });
-    let summary = runner.run(cancel).await;
+    let summary = runner.run(cancel).await.expect("a valid configuration");
     let took = watcher.await.expect("watcher");
     assert_eq!(summary.messages, 4);
     assert_eq!(handler.calls(), 4);
@@ -333,7 +333,7 @@ async fn run_backs_off_exponentially_when_the_store_fails() {
         stop.cancel();
         started.elapsed()
     });
-    runner.run(cancel).await;
+    runner.run(cancel).await.expect("a valid configuration");
     let took = watcher.await.expect("watcher");
     // store backoff 100+200+400+800 ms dominates the redelivery backoff
     assert!(took >= Duration::from_millis(1500), "took {took:?}");
@@ -354,6 +354,13 @@ async fn cancelled_run_returns_without_messages() {
     );
     let cancel = CancellationToken::new();
     cancel.cancel();
-    assert_eq!(runner.run(cancel).await.messages, 0);
+    assert_eq!(
+        runner
+            .run(cancel)
+            .await
+            .expect("a valid configuration")
+            .messages,
+        0
+    );
     assert!(store.find("x", "billing").await.expect("find").is_none());
 }

@@ -49,7 +49,7 @@ async fn a_failing_message_holds_back_only_its_own_partition() {
         let stop = cancel.clone();
         let started = tokio::time::Instant::now();
         let run = tokio::spawn(async move {
-            runner.run(cancel).await;
+            runner.run(cancel).await.expect("a valid configuration");
         });
         tokio::time::sleep(Duration::from_secs(3)).await;
         stop.cancel();

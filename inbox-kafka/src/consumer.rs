@@ -154,14 +154,18 @@ impl KafkaConfig {
         }
     }
 
-    /// Refuses a runner configuration of another consumer group: the inbox
+    /// Refuses a runner configuration of another consumer group (the inbox
     /// rows are keyed by the runner's group, the offsets by this one's, so
-    /// two names would split one group's state in two.
+    /// two names would split one group's state in two), or one out of
+    /// range ([`RunnerConfig::validate`](inbox_core::RunnerConfig::validate)).
     ///
     /// # Errors
     ///
-    /// [`KafkaError::Config`] naming both.
+    /// [`KafkaError::Config`] naming both groups, or the value out of range.
     pub fn check_group(&self, runner: &inbox_core::RunnerConfig) -> Result<(), KafkaError> {
+        runner
+            .validate()
+            .map_err(|e| KafkaError::Config(e.to_string()))?;
         if runner.consumer_group == self.consumer_group {
             Ok(())
         } else {

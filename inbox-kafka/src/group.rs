@@ -30,7 +30,7 @@ use std::time::Duration;
 use inbox_core::assignment::{PartitionKey, owned_by};
 use inbox_core::{
     CancellationToken, Handler, InboxStore, MembershipStore, MetricEvent, Metrics, OffsetStore,
-    Runner, RunnerConfig,
+    Runner, RunnerConfig, ValidationError, WorkerId,
 };
 use tokio::task::JoinHandle;
 
@@ -61,6 +61,37 @@ impl GroupConfig {
             heartbeat: Duration::from_secs(1),
             lease: Duration::from_secs(5),
         }
+    }
+
+    /// Checks the ranges: a valid member id, at least one topic, a
+    /// heartbeat above zero and a lease longer than the heartbeat.
+    /// [`run_group`] checks it before connecting.
+    ///
+    /// ```
+    /// use inbox_kafka::GroupConfig;
+    /// let mut group = GroupConfig::new("member-1", vec!["orders".into()]);
+    /// assert!(group.validate().is_ok());
+    /// group.lease = group.heartbeat;
+    /// assert!(group.validate().is_err());
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`KafkaError::Config`] naming the value out of range.
+    pub fn validate(&self) -> Result<(), KafkaError> {
+        let check = || -> Result<(), ValidationError> {
+            WorkerId::new(self.member_id.clone())?;
+            ValidationError::unless(!self.topics.is_empty(), "group topics must not be empty")?;
+            ValidationError::unless(
+                !self.heartbeat.is_zero(),
+                "group heartbeat must be above zero",
+            )?;
+            ValidationError::unless(
+                self.lease > self.heartbeat,
+                "group lease must be longer than its heartbeat",
+            )
+        };
+        check().map_err(|e| KafkaError::Config(format!("member {:?}: {e}", self.member_id)))
     }
 }
 
@@ -186,6 +217,7 @@ where
     H: Handler<S::Tx> + 'static,
 {
     kafka.check_group(&runner)?;
+    group.validate()?;
     let client = kafka.client().await?;
     let consumer_group = kafka.consumer_group.clone();
     let me = group.member_id.clone();
@@ -369,9 +401,10 @@ where
         .with_metrics(metrics.clone());
     let cancel = CancellationToken::new();
     let stop = cancel.clone();
-    let task = Owned(Some(tokio::spawn(
-        async move { r.run(stop).await.messages },
-    )));
+    // the configuration was checked before the group started
+    let task = Owned(Some(tokio::spawn(async move {
+        r.run(stop).await.map_or(0, |summary| summary.messages)
+    })));
     Ok(Running {
         owned,
         cancel,

@@ -171,10 +171,16 @@ where
     let mut died = None;
     while let Some(joined) = tasks.join_next().await {
         match joined {
-            Ok((index, summary)) => {
+            Ok((index, Ok(summary))) => {
                 if let Some(slot) = summaries.get_mut(index) {
                     *slot = Some(summary);
                 }
+            }
+            Ok((_, Err(e))) => {
+                // checked above: not reached unless the check and the
+                // runner disagree
+                cancel.cancel();
+                return Err(KafkaError::Config(e.to_string()));
             }
             Err(e) => {
                 tracing::error!(error = %e, "a runner task died; stopping the others");

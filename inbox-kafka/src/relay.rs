@@ -197,7 +197,9 @@ impl Publisher for KafkaPublisher {
 ///
 /// # Errors
 ///
-/// A [`KafkaError`] when the brokers cannot be reached at the start.
+/// A [`KafkaError`] when the brokers cannot be reached at the start;
+/// [`KafkaError::Config`] before connecting when `relay` is out of range
+/// ([`RelayConfig::validate`]).
 pub async fn run_relay<S>(
     kafka: KafkaConfig,
     relay: RelayConfig,
@@ -208,11 +210,15 @@ pub async fn run_relay<S>(
 where
     S: OutboxStore + OffsetStore + MembershipStore + Clone + 'static,
 {
+    relay
+        .validate()
+        .map_err(|e| KafkaError::Config(e.to_string()))?;
     let publisher = KafkaPublisher::connect(&kafka).await?;
-    Ok(Relay::new(store, publisher, relay)
+    Relay::new(store, publisher, relay)
         .with_metrics(metrics)
         .run(cancel)
-        .await)
+        .await
+        .map_err(|e| KafkaError::Config(e.to_string()))
 }
 
 #[cfg(test)]

@@ -380,6 +380,79 @@ async fn events_for_an_unknown_topic_are_dead_lettered_after_the_timeout() {
     assert_eq!(status_count(&env.store, "dead").await, 1);
 }
 
+/// A publisher whose first partition lookup fails (the broker's metadata
+/// unavailable for a moment); everything else goes to Kafka.
+struct FirstLookupFails {
+    inner: KafkaPublisher,
+    lookups: AtomicUsize,
+}
+
+#[async_trait]
+impl Publisher for FirstLookupFails {
+    async fn partitions(&self, topic: &str) -> Result<i32, PublishError> {
+        if self.lookups.fetch_add(1, Ordering::SeqCst) == 0 {
+            return Err(PublishError::new(
+                inbox_core::outbox::PublishErrorKind::Unavailable,
+                "metadata unavailable (injected)",
+            ));
+        }
+        self.inner.partitions(topic).await
+    }
+
+    async fn publish(
+        &self,
+        topic: &str,
+        partition: i32,
+        rows: &[&OutboxRow],
+    ) -> Result<(), PublishError> {
+        self.inner.publish(topic, partition, rows).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_partition_lookup_holds_the_topics_later_rows_for_the_round() {
+    let env = env("outbox-lookup", 1).await;
+    for n in 1..=3 {
+        enqueue_one(
+            &env.store,
+            &OutboxMessage::new(&env.topic, "{}")
+                .key("k")
+                .message_id(format!("k-{n}")),
+        )
+        .await;
+    }
+    let publisher = FirstLookupFails {
+        inner: KafkaPublisher::connect(&env.kafka_config("relay"))
+            .await
+            .unwrap_or_else(|e| panic!("{e}")),
+        lookups: AtomicUsize::new(0),
+    };
+    let mut r = Relay::new(
+        env.store.clone(),
+        publisher,
+        RelayConfig::new("relay-1").unwrap_or_else(|e| panic!("{e}")),
+    );
+    r.hold(&all_slots()).await.unwrap_or_else(|e| panic!("{e}"));
+    let first = r.round().await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        first.published, 0,
+        "no row of the topic goes out this round"
+    );
+    assert!(first.failed.is_some(), "the failed lookup is reported");
+    assert!(
+        published(&env).await.is_empty(),
+        "nothing reached the broker"
+    );
+    let second = r.round().await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(second.published, 3);
+    let ids: Vec<String> = published(&env).await.into_iter().map(|r| r.2).collect();
+    assert_eq!(
+        ids,
+        ["k-1", "k-2", "k-3"],
+        "the key's events in commit order"
+    );
+}
+
 /// Counts publishes and kills the process (abort: no unwinding, no
 /// cleanup) after `die_after` of them succeeded: between the broker's
 /// acknowledgement and the mark.

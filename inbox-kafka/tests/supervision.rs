@@ -86,3 +86,56 @@ async fn a_panicking_decoder_or_metrics_never_stops_a_member() {
     assert_eq!(env.stored_offset("billing", 0).await, Some(6));
     assert_eq!(env.stored_offset("billing", 1).await, Some(5));
 }
+
+/// Out-of-range group, runner and relay settings are refused as
+/// configuration errors before anything connects (the broker address here
+/// is not listening: a connection attempt would be another error).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn out_of_range_settings_are_refused_before_connecting() {
+    use inbox_core::outbox::RelayConfig;
+    use inbox_kafka::{KafkaConfig, KafkaError, run_relay};
+    let store = inbox_testkit::pg::fresh_store()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let kafka = KafkaConfig::new(vec!["127.0.0.1:1".into()], "billing", vec![]);
+    let mut relay = RelayConfig::new("relay-1").unwrap_or_else(|e| panic!("{e}"));
+    relay.batch_size = 0;
+    let relayed = run_relay(
+        kafka.clone(),
+        relay,
+        store.clone(),
+        std::sync::Arc::new(inbox_core::NoopMetrics),
+        inbox_core::CancellationToken::new(),
+    )
+    .await;
+    assert!(matches!(relayed, Err(KafkaError::Config(_))), "{relayed:?}");
+    let mut group = GroupConfig::new("member-1", vec!["orders".into()]);
+    group.lease = group.heartbeat;
+    let handler = ScriptedHandler::new([], Act::Succeed);
+    let runner =
+        inbox_core::RunnerConfig::new("billing", "member-1").unwrap_or_else(|e| panic!("{e}"));
+    let grouped = run_group(
+        kafka.clone(),
+        group,
+        store.clone(),
+        handler.clone(),
+        runner.clone(),
+        std::sync::Arc::new(inbox_core::NoopMetrics),
+        inbox_core::CancellationToken::new(),
+    )
+    .await;
+    assert!(matches!(grouped, Err(KafkaError::Config(_))), "{grouped:?}");
+    let mut idle = runner;
+    idle.idle_poll = std::time::Duration::ZERO;
+    let grouped = run_group(
+        kafka,
+        GroupConfig::new("member-1", vec!["orders".into()]),
+        store,
+        handler,
+        idle,
+        std::sync::Arc::new(inbox_core::NoopMetrics),
+        inbox_core::CancellationToken::new(),
+    )
+    .await;
+    assert!(matches!(grouped, Err(KafkaError::Config(_))), "{grouped:?}");
+}

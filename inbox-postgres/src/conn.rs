@@ -15,9 +15,22 @@
 //! so a later success means it is usable again). A handler that opens a
 //! nested transaction (a savepoint, whose statements this wrapper does not
 //! see) costs one checking statement before the commit instead.
+//!
+//! A handler can also end the transaction it was given: a `ROLLBACK`,
+//! `COMMIT`, `END`, `ABORT`, `PREPARE TRANSACTION` or `... AND CHAIN` of its
+//! own leaves the session outside the inbox's transaction (or in another
+//! one), where the row and the offset would be written on their own:
+//! acknowledged with no effect. Only a statement holding one of those words
+//! can do it (a procedure or a `DO` block cannot end a transaction block),
+//! so only then, and when a nested transaction is opened, the wrapper takes
+//! the transaction's id before sending it (one statement) and the check
+//! after the handler compares it with the id the session has then (one
+//! statement): ordinary handlers pay nothing. A statement of that kind sent
+//! while the transaction was already aborted cannot be compared (no
+//! statement but those runs then); unless it is a lone `ROLLBACK TO
+//! SAVEPOINT`, which cannot end a transaction, the handler's run is failed.
 
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::{future::Future, pin::Pin};
 
 use async_trait::async_trait;
@@ -37,8 +50,55 @@ pub struct PgConn {
     tx: DatabaseTransaction,
     /// The error of the last statement when it failed at the server.
     failed: Mutex<Option<String>>,
-    /// A nested transaction was opened: its statements are not seen here.
-    nested: AtomicBool,
+    /// What the handler may have done to the transaction itself.
+    control: Mutex<Control>,
+}
+
+/// The watch on statements that can end the transaction.
+#[derive(Debug, Default)]
+struct Control {
+    /// The transaction's id, taken before the first statement that could
+    /// end it (or before a nested transaction was opened).
+    xid: Option<i64>,
+    /// Such a statement was sent since the transaction was last checked.
+    unchecked: bool,
+    /// Such a statement was sent while the transaction was aborted: the id
+    /// could not be taken, so what it did cannot be told.
+    unverifiable: bool,
+    /// Why the transaction is not the inbox's any more, once found.
+    ended: Option<String>,
+}
+
+/// Whether `sql` may end the transaction block it runs in: it holds one of
+/// the words `COMMIT`, `ROLLBACK`, `END`, `ABORT` or `PREPARE` (any case,
+/// anywhere: a false alarm only costs a check), and is not a lone
+/// `ROLLBACK TO [SAVEPOINT] name`.
+pub(crate) fn may_end_transaction(sql: &str) -> bool {
+    let words: Vec<String> = sql
+        .split(|c: char| !(c.is_alphanumeric() || c == '_'))
+        .filter(|w| !w.is_empty())
+        .map(str::to_ascii_lowercase)
+        .collect();
+    let ends = words.iter().any(|w| {
+        matches!(
+            w.as_str(),
+            "commit" | "rollback" | "end" | "abort" | "prepare"
+        )
+    });
+    if !ends {
+        return false;
+    }
+    let lone = sql.trim().trim_end_matches(';').trim();
+    let rollback_to = !lone.contains(';')
+        && matches!(
+            words
+                .iter()
+                .map(String::as_str)
+                .collect::<Vec<_>>()
+                .as_slice(),
+            ["rollback", "to", _] | ["rollback", "to", "savepoint", _]
+        );
+    !rollback_to
 }
 
 /// Whether `e` came from the server (or the connection broke): a failed
@@ -65,8 +125,107 @@ impl PgConn {
         Self {
             tx,
             failed: Mutex::new(None),
-            nested: AtomicBool::new(false),
+            control: Mutex::new(Control::default()),
         }
+    }
+
+    fn control(&self) -> std::sync::MutexGuard<'_, Control> {
+        self.control
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Before a statement that may end the transaction (or a nested
+    /// transaction): takes the transaction's id once, so the check after
+    /// the handler can tell whether it is still the same transaction.
+    async fn before_control(&self) {
+        if self.control().xid.is_some() {
+            self.control().unchecked = true;
+            return;
+        }
+        let aborted = self.failed().is_some();
+        let xid = if aborted {
+            None
+        } else {
+            match self
+                .tx
+                .query_one_raw(Statement::from_string(
+                    DbBackend::Postgres,
+                    "SELECT txid_current() AS xid",
+                ))
+                .await
+            {
+                Ok(Some(row)) => row.try_get::<i64>("", "xid").ok(),
+                Ok(None) => None,
+                Err(e) => {
+                    let _ = self.watch::<()>(Err(e));
+                    None
+                }
+            }
+        };
+        let mut control = self.control();
+        control.unchecked = true;
+        match xid {
+            Some(xid) => control.xid = Some(xid),
+            None => control.unverifiable = true,
+        }
+    }
+
+    /// Whether the handler may have ended the transaction since the last
+    /// check (see the module's doc).
+    pub(crate) fn control_unchecked(&self) -> bool {
+        let control = self.control();
+        control.unchecked || control.ended.is_some()
+    }
+
+    /// The check after the handler: `Some(why)` when the transaction is not
+    /// the one begun any more. Found once, it stays found.
+    pub(crate) async fn check_control(&self) -> Option<String> {
+        let (xid, unverifiable) = {
+            let control = self.control();
+            if let Some(why) = &control.ended {
+                return Some(why.clone());
+            }
+            if !control.unchecked {
+                return None;
+            }
+            (control.xid, control.unverifiable)
+        };
+        let why = if unverifiable {
+            Some(
+                "the handler sent a statement that can end the transaction (COMMIT, ROLLBACK, END, ABORT, PREPARE TRANSACTION) after a failed one: the inbox's transaction may be gone"
+                    .to_owned(),
+            )
+        } else {
+            let now = self
+                .tx
+                .query_one_raw(Statement::from_string(
+                    DbBackend::Postgres,
+                    "SELECT txid_current_if_assigned() AS xid",
+                ))
+                .await;
+            match now {
+                Err(e) => {
+                    // the transaction is aborted: the caller reports that
+                    let _ = self.watch::<()>(Err(e));
+                    return None;
+                }
+                Ok(row) => {
+                    let now: Option<i64> =
+                        row.and_then(|r| r.try_get::<Option<i64>>("", "xid").ok().flatten());
+                    (now != xid).then(|| {
+                        "the handler ended the inbox's transaction (COMMIT, ROLLBACK, END, ABORT, PREPARE TRANSACTION or AND CHAIN of its own): what it wrote is not the inbox's"
+                            .to_owned()
+                    })
+                }
+            }
+        };
+        let mut control = self.control();
+        control.unchecked = false;
+        if why.is_some() {
+            control.ended.clone_from(&why);
+        }
+        why
     }
 
     /// The transaction, for the store's own statements (not watched: their
@@ -100,19 +259,6 @@ impl PgConn {
         self.failed().clone()
     }
 
-    /// Whether a nested transaction was opened (its statements unseen)
-    /// since the server last said the transaction is usable.
-    pub(crate) fn opened_nested(&self) -> bool {
-        self.nested.load(Ordering::Relaxed)
-    }
-
-    /// The server answered a statement after the nested transactions
-    /// opened so far: what they did is known (see
-    /// [`opened_nested`](Self::opened_nested)).
-    pub(crate) fn nested_checked(&self) {
-        self.nested.store(false, Ordering::Relaxed);
-    }
-
     /// The transaction is usable again (rolled back to a savepoint taken
     /// before the failure).
     pub(crate) fn recovered(&self) {
@@ -127,18 +273,30 @@ impl ConnectionTrait for PgConn {
     }
 
     async fn execute_raw(&self, stmt: Statement) -> Result<ExecResult, DbErr> {
+        if may_end_transaction(&stmt.sql) {
+            self.before_control().await;
+        }
         self.watch(self.tx.execute_raw(stmt).await)
     }
 
     async fn execute_unprepared(&self, sql: &str) -> Result<ExecResult, DbErr> {
+        if may_end_transaction(sql) {
+            self.before_control().await;
+        }
         self.watch(self.tx.execute_unprepared(sql).await)
     }
 
     async fn query_one_raw(&self, stmt: Statement) -> Result<Option<QueryResult>, DbErr> {
+        if may_end_transaction(&stmt.sql) {
+            self.before_control().await;
+        }
         self.watch(self.tx.query_one_raw(stmt).await)
     }
 
     async fn query_all_raw(&self, stmt: Statement) -> Result<Vec<QueryResult>, DbErr> {
+        if may_end_transaction(&stmt.sql) {
+            self.before_control().await;
+        }
         self.watch(self.tx.query_all_raw(stmt).await)
     }
 
@@ -152,7 +310,7 @@ impl TransactionTrait for PgConn {
     type Transaction = DatabaseTransaction;
 
     async fn begin(&self) -> Result<DatabaseTransaction, DbErr> {
-        self.nested.store(true, Ordering::Relaxed);
+        self.before_control().await;
         self.watch(self.tx.begin().await)
     }
 
@@ -161,7 +319,7 @@ impl TransactionTrait for PgConn {
         isolation_level: Option<IsolationLevel>,
         access_mode: Option<AccessMode>,
     ) -> Result<DatabaseTransaction, DbErr> {
-        self.nested.store(true, Ordering::Relaxed);
+        self.before_control().await;
         self.watch(
             self.tx
                 .begin_with_config(isolation_level, access_mode)
@@ -173,7 +331,7 @@ impl TransactionTrait for PgConn {
         &self,
         options: TransactionOptions,
     ) -> Result<DatabaseTransaction, DbErr> {
-        self.nested.store(true, Ordering::Relaxed);
+        self.before_control().await;
         self.watch(self.tx.begin_with_options(options).await)
     }
 
@@ -186,7 +344,7 @@ impl TransactionTrait for PgConn {
         T: Send,
         E: std::fmt::Display + std::fmt::Debug + Send,
     {
-        self.nested.store(true, Ordering::Relaxed);
+        self.before_control().await;
         self.tx.transaction(callback).await
     }
 
@@ -204,7 +362,7 @@ impl TransactionTrait for PgConn {
         T: Send,
         E: std::fmt::Display + std::fmt::Debug + Send,
     {
-        self.nested.store(true, Ordering::Relaxed);
+        self.before_control().await;
         self.tx
             .transaction_with_config(callback, isolation_level, access_mode)
             .await

@@ -769,6 +769,11 @@ impl InboxTransaction for PgTx {
     }
 
     async fn rollback_to_savepoint(&mut self) -> Result<(), StoreError> {
+        // a transaction the handler ended has no savepoint left: its failure
+        // is recorded in a transaction of its own
+        if let Some(ended) = self.conn.check_control().await {
+            return Err(StoreError::new(StoreErrorKind::Aborted, ended));
+        }
         // ROLLBACK TO keeps the savepoint open.
         self.conn
             .inner()
@@ -823,19 +828,18 @@ impl InboxTransaction for PgTx {
         if let Some(cause) = self.conn.aborted_by() {
             return Some(cause);
         }
-        if !self.conn.opened_nested() {
+        if !self.conn.control_unchecked() {
             return None;
         }
-        // a nested transaction's statements were not seen: ask the server
-        // (any statement fails in an aborted transaction), once: after the
-        // handler, not again at the commit
-        match self.conn.execute_unprepared("SELECT 1").await {
-            Ok(_) => {
-                self.conn.nested_checked();
-                None
-            }
-            Err(e) => Some(e.to_string()),
+        // a statement that may have ended the transaction, or a nested
+        // transaction whose statements were not seen: ask the server once
+        // (after the handler, not again at the commit) whether this is
+        // still the transaction begun, and usable (any statement fails in
+        // an aborted one)
+        if let Some(ended) = self.conn.check_control().await {
+            return Some(ended);
         }
+        self.conn.aborted_by()
     }
 
     async fn dead_letter(

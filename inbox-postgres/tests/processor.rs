@@ -181,7 +181,10 @@ async fn four_processors_drain_every_row_once() {
     cancel.cancel();
     let mut batches = 0;
     for t in tasks {
-        let summary = t.await.unwrap_or_else(|e| panic!("{e}"));
+        let summary = t
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(summary.errors, 0, "no batch failed: {summary:?}");
         batches += summary.batches;
     }
@@ -262,7 +265,10 @@ async fn maintenance_instances_run_beside_processors() {
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     cancel.cancel();
     for t in processors {
-        let s = t.await.unwrap_or_else(|e| panic!("{e}"));
+        let s = t
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(s.errors, 0, "{s:?}");
     }
     let mut deleted = 0;

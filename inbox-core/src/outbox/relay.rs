@@ -89,6 +89,49 @@ impl RelayConfig {
     }
 }
 
+impl RelayConfig {
+    /// Checks the ranges: `batch_size` from 1 to 1,000,000 (a round's rows
+    /// are held in memory), a poll interval and a heartbeat above zero, a
+    /// lease longer than the heartbeat, a group and a member id.
+    /// [`Relay::run`] checks it before anything else.
+    ///
+    /// ```
+    /// use inbox_core::outbox::RelayConfig;
+    /// let mut config = RelayConfig::new("relay-1").unwrap();
+    /// assert!(config.validate().is_ok());
+    /// config.batch_size = 0;
+    /// assert!(config.validate().is_err());
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`ValidationError`] naming the field out of range.
+    pub fn validate(&self) -> Result<(), ValidationError> {
+        if self.group.trim().is_empty() {
+            return Err(ValidationError::Empty { field: "group" });
+        }
+        if self.member_id.trim().is_empty() {
+            return Err(ValidationError::Empty { field: "member_id" });
+        }
+        ValidationError::unless(
+            (1..=1_000_000).contains(&self.batch_size),
+            "relay batch_size must be from 1 to 1,000,000",
+        )?;
+        ValidationError::unless(
+            !self.poll_interval.is_zero(),
+            "relay poll_interval must be above zero",
+        )?;
+        ValidationError::unless(
+            !self.heartbeat.is_zero(),
+            "relay heartbeat must be above zero",
+        )?;
+        ValidationError::unless(
+            self.lease > self.heartbeat,
+            "relay lease must be longer than its heartbeat",
+        )
+    }
+}
+
 /// A task aborted when dropped: a relay's heartbeats end with the relay,
 /// also when the relay's own task is dropped or aborted, so its slots move.
 struct AbortOnDrop(tokio::task::JoinHandle<()>);
@@ -229,9 +272,21 @@ where
         // (topic, partition) -> rows in id order; the order groups were met
         let mut groups: Vec<((String, i32), Vec<&OutboxRow>)> = Vec::new();
         let mut index: HashMap<(String, i32), usize> = HashMap::new();
+        // one lookup per topic and round: once a topic's lookup failed,
+        // none of its later rows go out this round (a key's row must not
+        // pass its earlier row that could not be placed)
+        let mut lookups: HashMap<&str, Result<i32, PublishError>> = HashMap::new();
         for row in &rows {
             let topic = &row.message.topic;
-            let count = match self.partition_count(topic).await {
+            let looked = match lookups.get(topic.as_str()) {
+                Some(known) => known.clone(),
+                None => {
+                    let asked = self.partition_count(topic).await;
+                    lookups.insert(topic, asked.clone());
+                    asked
+                }
+            };
+            let count = match looked {
                 Ok(n) => n,
                 Err(e) if e.kind == PublishErrorKind::UnknownTopic => {
                     let since = *self
@@ -412,7 +467,13 @@ where
     /// the store's notifications and every `poll_interval`. On `cancel` it
     /// finishes the round in hand and leaves the group (its slots move at
     /// the next heartbeat of the others).
-    pub async fn run(mut self, cancel: CancellationToken) -> RelaySummary {
+    ///
+    /// # Errors
+    ///
+    /// A [`ValidationError`] at once, before joining the group, when the
+    /// configuration is out of range ([`RelayConfig::validate`]).
+    pub async fn run(mut self, cancel: CancellationToken) -> Result<RelaySummary, ValidationError> {
+        self.config.validate()?;
         let mut summary = RelaySummary::default();
         let group = self.config.group.clone();
         let me = self.config.member_id.clone();
@@ -522,6 +583,6 @@ where
         if let Err(e) = self.store.leave(&group, &me).await {
             tracing::warn!(member = %me, error = %e, "leaving the relay group failed; the lease ends it");
         }
-        summary
+        Ok(summary)
     }
 }

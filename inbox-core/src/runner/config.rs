@@ -97,7 +97,56 @@ impl BatchConfig {
     }
 }
 
+impl BatchConfig {
+    /// Checks the ranges: `max_messages` and `max_bytes` at least 1.
+    ///
+    /// ```
+    /// use inbox_core::BatchConfig;
+    /// let mut batch = BatchConfig::new(100);
+    /// assert!(batch.validate().is_ok());
+    /// batch.max_messages = 0;
+    /// assert!(batch.validate().is_err());
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`ValidationError::Config`] naming the field out of range.
+    pub fn validate(&self) -> Result<(), ValidationError> {
+        ValidationError::unless(
+            self.max_messages >= 1,
+            "batch max_messages must be at least 1",
+        )?;
+        ValidationError::unless(self.max_bytes >= 1, "batch max_bytes must be at least 1")
+    }
+}
+
 impl RunnerConfig {
+    /// Checks the ranges the runner relies on: a handler timeout and an
+    /// idle poll above zero (zero would fail every handler, or spin on an
+    /// idle partition), a failure budget of at least 1, `max_attempts` at
+    /// least 1, and the batch's ([`BatchConfig::validate`]).
+    /// [`Runner::run`](crate::Runner::run) checks it before anything else.
+    ///
+    /// # Errors
+    ///
+    /// [`ValidationError::Config`] naming the field out of range.
+    pub fn validate(&self) -> Result<(), ValidationError> {
+        ValidationError::unless(
+            !self.handler_timeout.is_zero(),
+            "handler_timeout must be above zero",
+        )?;
+        ValidationError::unless(!self.idle_poll.is_zero(), "idle_poll must be above zero")?;
+        ValidationError::unless(self.max_attempts >= 1, "max_attempts must be at least 1")?;
+        ValidationError::unless(
+            self.failure_budget != Some(0),
+            "failure_budget must be at least 1 (None turns it off)",
+        )?;
+        match &self.batch {
+            Some(batch) => batch.validate(),
+            None => Ok(()),
+        }
+    }
+
     /// A configuration with defaults, after validating the consumer group and
     /// the worker id.
     ///

@@ -296,7 +296,19 @@ where
                     }
                     let counted = self.counts_failure(message, &outcome);
                     let group = &self.config.consumer_group;
-                    let recorded = match tx.rollback_to_savepoint().await {
+                    let rolled_back = tx.rollback_to_savepoint().await;
+                    if rolled_back
+                        .as_ref()
+                        .is_err_and(|e| e.kind == StoreErrorKind::Aborted)
+                    {
+                        // the handler ended the transaction: no savepoint
+                        // left to return to; the failure is counted apart
+                        abandon(tx).await;
+                        return self
+                            .count_failure_apart(policy, message, decision, outcome)
+                            .await;
+                    }
+                    let recorded = match rolled_back {
                         Ok(()) => {
                             record_failure(
                                 &mut tx,

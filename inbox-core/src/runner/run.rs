@@ -7,7 +7,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::consumer::Consumer;
-use crate::error::ConsumerError;
+use crate::error::{ConsumerError, ValidationError};
 use crate::handler::Handler;
 use crate::metrics::Metrics;
 use crate::model::Message;
@@ -27,7 +27,13 @@ where
     /// is set), backs off. The message or batch in flight when `cancel`
     /// fires is finished (acknowledged or rewound) before `run` returns;
     /// waiting for the next message is abandoned.
-    pub async fn run(&mut self, cancel: CancellationToken) -> RunSummary {
+    ///
+    /// # Errors
+    ///
+    /// A [`ValidationError`] at once, before fetching, when the
+    /// configuration is out of range ([`RunnerConfig::validate`](super::RunnerConfig::validate)).
+    pub async fn run(&mut self, cancel: CancellationToken) -> Result<RunSummary, ValidationError> {
+        self.config.validate()?;
         let mut summary = RunSummary::default();
         let mut fetch_failures = 0u32;
         while !cancel.is_cancelled() {
@@ -75,7 +81,7 @@ where
                 }
             }
         }
-        summary
+        Ok(summary)
     }
 
     /// The next messages to process: one, or in batched mode a batch of

@@ -1,0 +1,346 @@
+//! A handler that ends the transaction it was given (`ROLLBACK`, `COMMIT`,
+//! `END`, `ABORT`, `PREPARE TRANSACTION`, `... AND CHAIN`) is caught: its
+//! run fails, nothing of the inbox is written outside the transaction, and
+//! the message is not acknowledged with no effect. Per message, batched, and
+//! in the batch processor, on a real PostgreSQL.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use inbox_core::processor::{BatchProcessor, ProcessorConfig};
+use inbox_core::{
+    BatchConfig, Handler, HandlerError, InboxStore, InboxTransaction, Message, NewInboxRow, Runner,
+    RunnerConfig, StoreErrorKind,
+};
+use inbox_postgres::sea_orm::ConnectionTrait;
+use inbox_postgres::{PgStore, PgTx};
+use inbox_testkit::MemBroker;
+use inbox_testkit::pg::{count, fresh_store};
+use inbox_testkit::scenarios::{ScenarioStore, WriteInvoice};
+use serde_json::json;
+
+/// Every way a statement can end the transaction block it runs in.
+const ENDINGS: [&str; 8] = [
+    "ROLLBACK",
+    "ABORT",
+    "END",
+    "COMMIT",
+    "ROLLBACK AND CHAIN",
+    "COMMIT AND CHAIN",
+    "PREPARE TRANSACTION 'inbox_test'",
+    "SELECT 1; COMMIT",
+];
+
+/// Whether `ending` keeps what was written before it.
+fn keeps_writes(ending: &str) -> bool {
+    ending.contains("COMMIT") || ending == "END"
+}
+
+async fn store() -> PgStore {
+    fresh_store().await.unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn order(id: &str) -> Message {
+    Message::new(id, "orders", "order.created", json!({ "order": id }))
+}
+
+fn config() -> RunnerConfig {
+    RunnerConfig::new("billing", "worker-1").unwrap_or_else(|e| panic!("{e}"))
+}
+
+async fn rows(store: &PgStore, id: &str) -> i64 {
+    count(
+        store,
+        "SELECT count(*) FROM inbox WHERE message_id = $1",
+        vec![id.into()],
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Writes the invoice of its message, then, on the calls listed in
+/// `misbehave` (counted from 0 per message id), sends `ending` and returns
+/// `Ok` as if all went well (its own errors swallowed).
+struct Ender {
+    ending: &'static str,
+    misbehave: usize,
+    calls: std::sync::Mutex<std::collections::HashMap<String, usize>>,
+    total: AtomicUsize,
+}
+
+impl Ender {
+    fn new(ending: &'static str, misbehave: usize) -> Arc<Self> {
+        Arc::new(Self {
+            ending,
+            misbehave,
+            calls: std::sync::Mutex::new(std::collections::HashMap::new()),
+            total: AtomicUsize::new(0),
+        })
+    }
+}
+
+#[async_trait]
+impl Handler<PgTx> for Ender {
+    type Output = ();
+    async fn handle(&self, m: &Message, tx: &mut PgTx) -> Result<(), HandlerError> {
+        self.total.fetch_add(1, Ordering::SeqCst);
+        let call = {
+            let mut calls = self
+                .calls
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let n = calls.entry(m.message_id.clone()).or_insert(0);
+            *n += 1;
+            *n - 1
+        };
+        tx.write_invoice(&m.message_id).await?;
+        if call < self.misbehave && m.message_id.starts_with("bad") {
+            let _ = tx.connection().execute_unprepared(self.ending).await;
+        }
+        Ok(())
+    }
+}
+
+/// The store alone: after each ending the transaction is reported as not
+/// the inbox's (`aborted`), and its commit fails instead of reporting a
+/// commit of the inbox's writes; what the ending rolled back is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_ending_is_found_before_the_commit() {
+    let store = store().await;
+    for (n, ending) in ENDINGS.iter().enumerate() {
+        let id = format!("end-{n}");
+        let mut tx = store.begin().await.unwrap_or_else(|e| panic!("{e}"));
+        tx.write_invoice(&id)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let _ = tx.connection().execute_unprepared(ending).await;
+        let found = tx.aborted().await;
+        assert!(found.is_some(), "{ending}: not found");
+        let commit = tx.commit().await;
+        assert!(
+            commit
+                .as_ref()
+                .is_err_and(|e| e.kind == StoreErrorKind::Aborted),
+            "{ending}: {commit:?}"
+        );
+        if !keeps_writes(ending) {
+            assert_eq!(store.invoices(&id).await, 0, "{ending}");
+        }
+    }
+}
+
+/// A swallowed error followed by a plain `ROLLBACK` (which succeeds, and
+/// would clear the watch on failed statements) is still a failed run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_swallowed_error_then_a_rollback_is_found() {
+    let store = store().await;
+    let mut tx = store.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    tx.write_invoice("swallowed")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        tx.connection()
+            .execute_unprepared("SELECT 1/0")
+            .await
+            .is_err()
+    );
+    tx.connection()
+        .execute_unprepared("ROLLBACK")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(tx.aborted().await.is_some());
+    assert!(tx.commit().await.is_err());
+}
+
+/// No false alarm: a statement holding the words in other roles (`CASE ...
+/// END`, a column named `commit_sha`) leaves the transaction the inbox's,
+/// and it commits. (A lone `ROLLBACK TO SAVEPOINT` after a failure, which
+/// cannot end a transaction, is `aborted.rs`'s
+/// `a_handler_that_recovers_by_itself_commits`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_words_in_other_roles_are_no_alarm() {
+    let store = store().await;
+    let mut tx = store.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    tx.connection()
+        .execute_unprepared("SELECT CASE WHEN 1 = 1 THEN 'end' END AS commit_sha")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    tx.write_invoice("kept")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(tx.aborted().await, None);
+    tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(store.invoices("kept").await, 1);
+}
+
+/// Per message: the run that ended its transaction is a failure, not
+/// acknowledged, and for the endings that roll back, leaves no invoice and
+/// no inbox row; the redelivery handles the message once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_message_an_ending_fails_the_run_and_the_redelivery_handles_it() {
+    for (n, ending) in ENDINGS.iter().enumerate() {
+        let store = store().await;
+        let broker = MemBroker::new();
+        let id = format!("bad-{n}");
+        broker.produce("orders", 0, order(&id));
+        let handler = Ender::new(ending, 1);
+        let mut runner = Runner::new(
+            store.clone(),
+            broker.consumer("billing"),
+            handler.clone(),
+            config(),
+        );
+        let first = runner
+            .process_one()
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .unwrap_or_else(|| panic!("a delivery"));
+        assert!(
+            !first.acked && !first.processed && first.rewound,
+            "{ending}: {first:?}"
+        );
+        assert_eq!(broker.acked("billing", "orders", 0), None, "{ending}");
+        if !keeps_writes(ending) {
+            assert_eq!(store.invoices(&id).await, 0, "{ending}");
+            assert_eq!(rows(&store, &id).await, 0, "{ending}");
+        }
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let second = runner
+            .process_one()
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .unwrap_or_else(|| panic!("a redelivery"));
+        assert!(second.acked, "{ending}: {second:?}");
+        assert_eq!(broker.acked("billing", "orders", 0), Some(1), "{ending}");
+        if !keeps_writes(ending) {
+            assert_eq!(store.invoices(&id).await, 1, "{ending}");
+        }
+    }
+}
+
+/// With a failure budget of 2, a handler that always ends its transaction
+/// spends the budget (recorded in a transaction of its own, since no
+/// savepoint is left to return to): the message is dead-lettered and
+/// acknowledged, and the next message of the partition is handled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ending_spends_the_failure_budget() {
+    let store = store().await;
+    let broker = MemBroker::new();
+    broker.produce("orders", 0, order("bad-always"));
+    broker.produce("orders", 0, order("good-after"));
+    let handler = Ender::new("ROLLBACK", usize::MAX);
+    let mut runner = Runner::new(
+        store.clone(),
+        broker.consumer("billing"),
+        handler,
+        config().failure_budget(2),
+    );
+    for _ in 0..8 {
+        if runner
+            .process_one()
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .is_none()
+        {
+            tokio::time::sleep(Duration::from_millis(120)).await;
+        }
+        if broker.acked("billing", "orders", 0) == Some(2) {
+            break;
+        }
+    }
+    assert_eq!(broker.acked("billing", "orders", 0), Some(2));
+    assert_eq!(store.invoices("bad-always").await, 0);
+    assert_eq!(store.invoices("good-after").await, 1);
+    let dead = count(
+        &store,
+        "SELECT count(*) FROM inbox_dead_letters WHERE message_id = 'bad-always'",
+        vec![],
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(dead, 1, "the spent message is dead-lettered");
+}
+
+/// Batched: the message whose handler ended the transaction is charged
+/// alone; the messages before it are handled, nothing at or past it on its
+/// partition is acknowledged, the other partition goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_an_ending_charges_only_its_message() {
+    for ending in ["ROLLBACK", "COMMIT AND CHAIN"] {
+        let store = store().await;
+        let broker = MemBroker::new();
+        for (p, id) in [(0, "ok-1"), (0, "bad-2"), (0, "ok-3"), (1, "ok-4")] {
+            broker.produce("orders", p, order(id));
+        }
+        let mut batch = BatchConfig::new(10);
+        batch.max_wait = Duration::ZERO;
+        batch.adaptive = false;
+        let mut runner = Runner::new(
+            store.clone(),
+            broker.consumer("billing"),
+            Ender::new(ending, 1),
+            config().batched(batch),
+        );
+        let messages = runner
+            .next_batch(batch)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(messages.len(), 4);
+        let result = runner.process_batch(messages).await;
+        for id in ["ok-1", "ok-4"] {
+            assert_eq!(store.invoices(id).await, 1, "{ending} {id}");
+        }
+        assert_eq!(
+            broker.acked("billing", "orders", 0),
+            Some(1),
+            "{ending}: up to bad-2, {result:?}"
+        );
+        assert_eq!(broker.acked("billing", "orders", 1), Some(1), "{ending}");
+        let charged: Vec<&str> = result
+            .results
+            .iter()
+            .filter(|r| {
+                r.outcome
+                    .as_ref()
+                    .is_some_and(|o| o.class() == inbox_core::OutcomeClass::Failure)
+            })
+            .map(|r| r.message_id.as_str())
+            .collect();
+        assert_eq!(charged, ["bad-2"], "{ending}: {result:?}");
+    }
+}
+
+/// The batch processor: a landed row whose handler ends the transaction
+/// is not completed by a write outside the transaction; its neighbours
+/// complete and it is retried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_processor_does_not_complete_a_row_whose_handler_ended_the_transaction() {
+    let store = store().await;
+    for id in ["ok-1", "bad-2", "ok-3"] {
+        store
+            .land(&NewInboxRow::for_message(&order(id), "billing", 3))
+            .await;
+    }
+    let handler = Ender::new("ROLLBACK", 1);
+    let mut config = ProcessorConfig::new("processor-1").unwrap_or_else(|e| panic!("{e}"));
+    config.rules.backoff = inbox_core::Backoff::new(Duration::ZERO, Duration::ZERO, 1.0);
+    let mut processor = BatchProcessor::new(store.clone(), handler, config);
+    let batch = processor
+        .process_batch()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!((batch.completed, batch.retried), (2, 1), "{batch:?}");
+    assert_eq!(store.invoices("ok-1").await, 1);
+    assert_eq!(store.invoices("ok-3").await, 1);
+    assert_eq!(store.invoices("bad-2").await, 0);
+    let status = count(
+        &store,
+        "SELECT count(*) FROM inbox WHERE message_id = 'bad-2' AND status = 'pending' AND attempts_made = 1",
+        vec![],
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(status, 1, "retried, one attempt counted");
+}

@@ -237,9 +237,20 @@ impl Fetch for CommittedFetch {
             }
         }
         let first_batch = partition.records.0.first().map(|b| b.base_offset);
+        let examined_end = partition
+            .records
+            .0
+            .iter()
+            .map(|b| b.base_offset + i64::from(b.last_offset_delta) + 1)
+            .max();
         let records =
             committed_records(partition.records.0, &partition.aborted_transactions, offset)?;
-        Ok((records, partition.high_watermark.0, first_batch))
+        Ok(Page {
+            records,
+            high_watermark: partition.high_watermark.0,
+            first_batch,
+            examined_end,
+        })
     }
 
     async fn offset_at(&self, at: OffsetAt) -> Result<i64, FetchError> {

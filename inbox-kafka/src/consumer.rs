@@ -286,11 +286,23 @@ pub(crate) enum FetchError {
     Other(String),
 }
 
-/// What one fetch of a partition gave: the records from the requested
-/// offset, the high watermark, and the base offset of the first batch the
-/// broker returned, when the fetch path sees batches (it may lie before the
-/// requested offset: a broker answers with the batch that holds it).
-pub(crate) type Page = (Vec<RecordAndOffset>, i64, Option<i64>);
+/// What one fetch of a partition gave.
+#[derive(Debug, Default)]
+pub(crate) struct Page {
+    /// The records to deliver, from the requested offset.
+    pub(crate) records: Vec<RecordAndOffset>,
+    /// The partition's high watermark.
+    pub(crate) high_watermark: i64,
+    /// The base offset of the first batch the broker returned, when the
+    /// fetch path sees batches (it may lie before the requested offset: a
+    /// broker answers with the batch that holds it).
+    pub(crate) first_batch: Option<i64>,
+    /// The offset after the last complete batch examined, delivered or not
+    /// (aborted records, transaction markers), when the fetch path sees
+    /// batches: the next fetch starts there, as Kafka's own consumer does,
+    /// so a fetch filled with what is not delivered still moves on.
+    pub(crate) examined_end: Option<i64>,
+}
 
 /// What the consumer asks of a partition at the broker (the
 /// transaction-aware [`CommittedFetch`](crate::committed::CommittedFetch),
@@ -317,7 +329,11 @@ impl Fetch for PartitionClient {
     ) -> Result<Page, FetchError> {
         self.fetch_records(offset, bytes, max_wait_ms)
             .await
-            .map(|(records, hw)| (records, hw, None))
+            .map(|(records, high_watermark)| Page {
+                records,
+                high_watermark,
+                ..Page::default()
+            })
             .map_err(|e| match e {
                 rskafka::client::error::Error::ServerError {
                     protocol_error: rskafka::client::error::ProtocolError::OffsetOutOfRange,
@@ -727,8 +743,18 @@ impl<O: OffsetStore> KafkaConsumer<O> {
             )));
         };
         self.stats.fetches += 1;
-        let (records, high_watermark, first_batch) = match fetched {
-            Ok((records, hw, _)) if records.is_empty() && p.next_fetch > hw && hw >= 0 => {
+        let Page {
+            records,
+            high_watermark,
+            first_batch,
+            examined_end,
+        } = match fetched {
+            Ok(page)
+                if page.records.is_empty()
+                    && p.next_fetch > page.high_watermark
+                    && page.high_watermark >= 0 =>
+            {
+                let hw = page.high_watermark;
                 // past the end of the log (some brokers answer so rather
                 // than with an error), or a high watermark not caught up yet
                 // (a new leader's): only the log's bounds tell
@@ -802,6 +828,33 @@ impl<O: OffsetStore> KafkaConsumer<O> {
             expected = record.offset + 1;
             p.buffered_bytes += record.record.approximate_size();
             p.buffer.push_back(record);
+        }
+        // past what the fetch examined and did not deliver (aborted
+        // records, markers): without it a fetch of nothing but those is
+        // asked again for ever, and a partition ending in a marker shows a
+        // lag of 1 and answers at once instead of long-polling
+        if reading_on
+            && let Some(end) = examined_end
+            && end > expected
+        {
+            let missing = end - expected;
+            tracing::debug!(
+                topic = %p.topic,
+                partition = p.partition,
+                from = expected,
+                to = end,
+                "{missing} offsets hold nothing to deliver"
+            );
+            self.stats.skipped_offsets += missing;
+            inbox_core::record_safely(
+                &self.metrics,
+                MetricEvent::OffsetsSkipped {
+                    topic: p.label,
+                    partition: p.partition,
+                    count: missing,
+                },
+            );
+            expected = end;
         }
         if reading_on {
             p.read_on = Some(expected);
@@ -1238,7 +1291,10 @@ mod tests {
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .take();
             if let Some(hw) = stale {
-                return Ok((Vec::new(), hw, None));
+                return Ok(Page {
+                    high_watermark: hw,
+                    ..Page::default()
+                });
             }
             let records: Vec<RecordAndOffset> = self
                 .records
@@ -1250,7 +1306,12 @@ mod tests {
             let end = self.records.last().map_or(0, |r| r.offset + 1);
             // a broker that answers with the batch holding the offset
             let first_batch = self.batch_starts.then_some(offset);
-            Ok((records, end, first_batch))
+            Ok(Page {
+                records,
+                high_watermark: end,
+                first_batch,
+                examined_end: None,
+            })
         }
 
         async fn offset_at(&self, at: OffsetAt) -> Result<i64, FetchError> {

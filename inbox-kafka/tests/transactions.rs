@@ -126,6 +126,41 @@ fn log() -> (Vec<RecordBatch>, Vec<(i64, i64)>) {
 
 const LOG_END: i64 = 12;
 
+/// A log the test broker serves, and how.
+#[derive(Clone)]
+struct Served {
+    batches: Arc<Vec<RecordBatch>>,
+    /// (producer id, first offset) of the aborted transactions.
+    aborted: Arc<Vec<(i64, i64)>>,
+    /// The high watermark (and last stable offset).
+    end: i64,
+    /// Most batches in one fetch answer (as `fetch_max_bytes` cuts one).
+    per_fetch: usize,
+    /// Fetches answered.
+    fetches: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Served {
+    fn new(batches: Vec<RecordBatch>, aborted: Vec<(i64, i64)>, end: i64) -> Self {
+        Self {
+            batches: Arc::new(batches),
+            aborted: Arc::new(aborted),
+            end,
+            per_fetch: usize::MAX,
+            fetches: Arc::default(),
+        }
+    }
+
+    fn standard() -> Self {
+        let (batches, aborted) = log();
+        Self::new(batches, aborted, LOG_END)
+    }
+
+    fn fetches(&self) -> usize {
+        self.fetches.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
 fn put_str(out: &mut Vec<u8>, s: &str) {
     out.extend_from_slice(&i16::try_from(s.len()).unwrap_or(0).to_be_bytes());
     out.extend_from_slice(s.as_bytes());
@@ -163,8 +198,8 @@ impl Reader<'_> {
 }
 
 /// The broker: answers ApiVersions, Metadata v1 and Fetch v4.
-async fn serve(socket: TcpStream, address: String) -> std::io::Result<()> {
-    let (batches, aborted) = log();
+async fn serve(socket: TcpStream, address: String, served: Served) -> std::io::Result<()> {
+    let (batches, aborted) = (&*served.batches, &*served.aborted);
     let mut socket = socket;
     loop {
         let size = socket.read_i32().await?;
@@ -218,7 +253,7 @@ async fn serve(socket: TcpStream, address: String) -> std::io::Result<()> {
             }
             ApiKey::Fetch => {
                 // replica, max wait, min bytes, max bytes, isolation
-                let (_, _, _, _) = (r.i32(), r.i32(), r.i32(), r.i32());
+                let (_, max_wait, _, _) = (r.i32(), r.i32(), r.i32(), r.i32());
                 let isolation = r.take::<1>()[0];
                 assert_eq!(isolation, 1, "the consumer asks for read_committed");
                 let _topics = r.i32();
@@ -227,14 +262,25 @@ async fn serve(socket: TcpStream, address: String) -> std::io::Result<()> {
                 let (_partition, offset) = (r.i32(), r.i64());
                 // as Kafka: every batch that ends at or after the offset,
                 // and the aborted transactions they overlap
+                // (at most `per_fetch` of them); nothing there: it waits
+                // the request's max wait first, as a broker long-polls
+                served
+                    .fetches
+                    .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 let mut records = Vec::new();
                 let mut last = offset;
-                for b in &batches {
+                for b in batches
+                    .iter()
+                    .filter(|b| b.base_offset + i64::from(b.last_offset_delta) >= offset)
+                    .take(served.per_fetch)
+                {
                     let end = b.base_offset + i64::from(b.last_offset_delta);
-                    if end >= offset {
-                        b.write(&mut records).map_err(std::io::Error::other)?;
-                        last = last.max(end);
-                    }
+                    b.write(&mut records).map_err(std::io::Error::other)?;
+                    last = last.max(end);
+                }
+                if records.is_empty() {
+                    let wait = u64::try_from(max_wait).unwrap_or(0);
+                    tokio::time::sleep(std::time::Duration::from_millis(wait)).await;
                 }
                 let listed: Vec<&(i64, i64)> =
                     aborted.iter().filter(|(_, first)| *first <= last).collect();
@@ -244,8 +290,8 @@ async fn serve(socket: TcpStream, address: String) -> std::io::Result<()> {
                 array_len(&mut body, 1);
                 body.extend_from_slice(&0i32.to_be_bytes()); // partition
                 body.extend_from_slice(&0i16.to_be_bytes()); // no error
-                body.extend_from_slice(&LOG_END.to_be_bytes()); // high watermark
-                body.extend_from_slice(&LOG_END.to_be_bytes()); // last stable offset
+                body.extend_from_slice(&served.end.to_be_bytes()); // high watermark
+                body.extend_from_slice(&served.end.to_be_bytes()); // last stable offset
                 array_len(&mut body, listed.len());
                 for (producer, first) in listed {
                     body.extend_from_slice(&producer.to_be_bytes());
@@ -264,13 +310,13 @@ async fn serve(socket: TcpStream, address: String) -> std::io::Result<()> {
     }
 }
 
-async fn start_broker() -> String {
+async fn start_broker(served: Served) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let address = listener.local_addr().expect("address").to_string();
-    let served = address.clone();
+    let advertised = address.clone();
     tokio::spawn(async move {
         while let Ok((socket, _)) = listener.accept().await {
-            tokio::spawn(serve(socket, served.clone()));
+            tokio::spawn(serve(socket, advertised.clone(), served.clone()));
         }
     });
     address
@@ -282,7 +328,62 @@ async fn consume(
     read_committed: bool,
     start: i64,
 ) -> (BTreeMap<String, i64>, inbox_kafka::ConsumerStats) {
-    let address = start_broker().await;
+    let (store, consumer) = connect(Served::standard(), start, |kafka| {
+        kafka.read_committed = read_committed;
+    })
+    .await;
+    let handler = ScriptedHandler::new([], Act::Succeed);
+    let mut runner = Runner::new(
+        store.clone(),
+        consumer,
+        Arc::clone(&handler),
+        common::config("billing", AckStrategy::default()),
+    );
+    drain(&mut runner).await;
+    let stats = runner.consumer_mut().stats();
+    assert_eq!(
+        stored_offset(&store).await,
+        LOG_END,
+        "acknowledged to the log's end"
+    );
+    let mut invoices = BTreeMap::new();
+    for id in ["a-1", "a-2", "x-1", "x-2", "p-1", "x-3", "b-1", "p-2"] {
+        invoices.insert(id.to_owned(), invoiced(&store, id).await);
+    }
+    (invoices, stats)
+}
+
+async fn stored_offset(store: &inbox_postgres::PgStore) -> i64 {
+    count(
+        store,
+        "SELECT max(next_offset) FROM inbox_offsets WHERE consumer_group = 'billing'",
+        vec![],
+    )
+    .await
+    .expect("offset")
+}
+
+async fn invoiced(store: &inbox_postgres::PgStore, id: &str) -> i64 {
+    count(
+        store,
+        "SELECT count(*) FROM invoices WHERE order_id = $1",
+        vec![id.into()],
+    )
+    .await
+    .expect("count")
+}
+
+/// A consumer of the test broker serving `served`, its group stored at
+/// `start`, on a fresh database.
+async fn connect(
+    served: Served,
+    start: i64,
+    tune: impl FnOnce(&mut KafkaConfig),
+) -> (
+    inbox_postgres::PgStore,
+    KafkaConsumer<inbox_postgres::PgStore>,
+) {
+    let address = start_broker(served).await;
     let store = fresh_store().await.unwrap_or_else(|e| panic!("{e}"));
     // the group starts at offset 0 (stored, so no ListOffsets is needed)
     let claim = store
@@ -300,39 +401,11 @@ async fn consume(
         .expect("start at 0");
     let mut kafka = KafkaConfig::new(vec![address], "billing", vec![(TOPIC.to_owned(), 0)]);
     kafka.max_wait = inbox_testkit::kafka::TANSU_MAX_WAIT;
-    kafka.read_committed = read_committed;
+    tune(&mut kafka);
     let consumer = KafkaConsumer::connect(kafka, store.clone())
         .await
         .expect("connect");
-    let handler = ScriptedHandler::new([], Act::Succeed);
-    let mut runner = Runner::new(
-        store.clone(),
-        consumer,
-        Arc::clone(&handler),
-        common::config("billing", AckStrategy::default()),
-    );
-    drain(&mut runner).await;
-    let stats = runner.consumer_mut().stats();
-    let stored = count(
-        &store,
-        "SELECT max(next_offset) FROM inbox_offsets WHERE consumer_group = 'billing'",
-        vec![],
-    )
-    .await
-    .expect("offset");
-    assert_eq!(stored, LOG_END, "acknowledged to the log's end");
-    let mut invoices = BTreeMap::new();
-    for id in ["a-1", "a-2", "x-1", "x-2", "p-1", "x-3", "b-1", "p-2"] {
-        let n = count(
-            &store,
-            "SELECT count(*) FROM invoices WHERE order_id = $1",
-            vec![id.into()],
-        )
-        .await
-        .expect("count");
-        invoices.insert(id.to_owned(), n);
-    }
-    (invoices, stats)
+    (store, consumer)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -375,5 +448,91 @@ async fn a_restart_at_a_marker_is_no_gap() {
     assert_eq!(
         (invoices["p-1"], invoices["b-1"], invoices["p-2"]),
         (1, 1, 1)
+    );
+}
+
+/// Producer 8 aborts a transaction of five batches (offsets 0-4, marker at
+/// 5), larger than one fetch answer (two batches here, as
+/// `fetch_max_bytes` cuts one); a plain record follows at 6. Each fetch
+/// moves past the batches it examined, delivered or not: the committed
+/// record is handled and the offset is stored past it. Before, the next
+/// fetch began where the last delivered record ended, so the same two
+/// aborted batches were fetched for ever and the partition never moved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_aborted_transaction_larger_than_a_fetch_is_passed() {
+    let mut batches: Vec<RecordBatch> = ["x-1", "x-2", "x-3", "x-4", "x-5"]
+        .iter()
+        .zip(0..)
+        .map(|(id, at)| batch(at, 8, true, Body::Orders(std::slice::from_ref(id))))
+        .collect();
+    batches.push(batch(5, 8, true, Body::Abort));
+    batches.push(batch(6, -1, false, Body::Orders(&["p-1"])));
+    let mut served = Served::new(batches, vec![(8, 0)], 7);
+    served.per_fetch = 2;
+    let (store, consumer) = connect(served, 0, |_| {}).await;
+    let mut runner = Runner::new(
+        store.clone(),
+        consumer,
+        ScriptedHandler::new([], Act::Succeed),
+        common::config("billing", AckStrategy::default()),
+    );
+    drain(&mut runner).await;
+    assert_eq!(
+        invoiced(&store, "p-1").await,
+        1,
+        "the committed record is handled"
+    );
+    for id in ["x-1", "x-2", "x-3", "x-4", "x-5"] {
+        assert_eq!(invoiced(&store, id).await, 0, "{id} was aborted");
+    }
+    assert_eq!(stored_offset(&store).await, 7, "stored past it");
+}
+
+/// A transaction commits (a-1 at 0, its marker at 1) and the partition
+/// goes quiet: the consumer's position moves past the marker, so health
+/// shows no lag, the partition is not stalled, and the fetch long-polls at
+/// the log's end instead of being answered at once with the marker again
+/// (counted at the broker). Before: lag 1 for ever, stalled, a fetch every
+/// idle poll.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_partition_after_a_commit_marker_has_no_lag_and_long_polls() {
+    let batches = vec![
+        batch(0, 7, true, Body::Orders(&["a-1"])),
+        batch(1, 7, true, Body::Commit),
+    ];
+    let served = Served::new(batches, vec![], 2);
+    let health = inbox_kafka::HealthHandle::new();
+    let watched = health.clone();
+    let (store, consumer) = connect(served.clone(), 0, move |kafka| {
+        kafka.max_wait = std::time::Duration::from_millis(300);
+        kafka.health = watched;
+    })
+    .await;
+    let mut runner = Runner::new(
+        store.clone(),
+        consumer,
+        ScriptedHandler::new([], Act::Succeed),
+        common::config("billing", AckStrategy::default()),
+    );
+    drain(&mut runner).await;
+    assert_eq!(invoiced(&store, "a-1").await, 1);
+    let before = served.fetches();
+    let quiet = std::time::Instant::now();
+    while quiet.elapsed() < std::time::Duration::from_millis(1_500) {
+        assert!(runner.process_one().await.expect("fetch").is_none());
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let fetches = served.fetches() - before;
+    assert!(
+        fetches <= 10,
+        "{fetches} fetches in 1.5 s at a 300 ms long poll"
+    );
+    assert_eq!(health.lag_records(), 0, "{:?}", health.partitions());
+    assert!(
+        health
+            .stalled(std::time::Duration::from_millis(500))
+            .is_empty(),
+        "{:?}",
+        health.partitions()
     );
 }

@@ -601,6 +601,18 @@ pub fn refused_data(stage: PersistStage, kind: StoreErrorKind) -> bool {
         )
 }
 
+/// Whether a COMMIT that failed with `kind` refused the transaction for
+/// what it holds (a deferred constraint, a constraint trigger that raises
+/// at commit): the server answered, and would answer the same again. Such a
+/// refusal is the message's failure, charged like a handler failure; a lost
+/// connection, a timeout or a serialization failure is not.
+pub fn refused_at_commit(kind: StoreErrorKind) -> bool {
+    matches!(
+        kind,
+        StoreErrorKind::Data | StoreErrorKind::Integrity | StoreErrorKind::Other
+    )
+}
+
 /// Whether a message refused `tries` times (see [`refused_data`]) is now
 /// poison, with `limit` tries allowed (at least one).
 pub fn refused_is_poison(tries: u32, limit: u32) -> bool {
@@ -961,6 +973,14 @@ mod tests {
             "a commit is the handler's too"
         );
         assert!(!refused_data(P::Begin, K::Data));
+        assert!(refused_at_commit(K::Integrity));
+        assert!(refused_at_commit(K::Data));
+        assert!(refused_at_commit(K::Other));
+        assert!(!refused_at_commit(K::Connection));
+        assert!(!refused_at_commit(K::Serialization));
+        assert!(!refused_at_commit(K::Timeout));
+        assert!(!refused_at_commit(K::Fenced));
+        assert!(!refused_at_commit(K::Aborted));
         assert!(!refused_is_poison(2, 3));
         assert!(refused_is_poison(3, 3));
         assert!(refused_is_poison(1, 0), "at least one try");

@@ -255,8 +255,10 @@ where
                 }
             };
         }
+        let mut ran = None;
         let (decision, outcome) = match (step, &self.handler) {
             (Step::RunHandler(state), Some(handler)) => {
+                ran = Some(state);
                 // The failure budget: a savepoint before the handler, so a
                 // failure is undone alone and recorded on the row. A store
                 // without savepoints records it in a transaction of its own.
@@ -372,12 +374,47 @@ where
         }
         let work = Work::new(decision, Some(row.id), outcome);
         match decision.transaction {
-            TxAction::Commit => self.finish_tx(acked_before, tx, message, work).await,
+            TxAction::Commit => {
+                let work = self.finish_tx(acked_before, tx, message, work).await;
+                match (ran, refused_at_commit(&work)) {
+                    (Some(state), Some(cause)) => {
+                        self.charge_refused_commit(policy, state, message, work, cause)
+                            .await
+                    }
+                    _ => work,
+                }
+            }
             TxAction::Rollback => {
                 abandon(tx).await;
                 work
             }
         }
+    }
+
+    /// A transaction whose handler succeeded and whose COMMIT the database
+    /// refused for what it holds: the message's failure, decided and
+    /// counted as a handler failure (with a failure budget, recorded in a
+    /// transaction of its own: the refused one is gone), so that it is
+    /// parked within the budget instead of refused at every delivery.
+    async fn charge_refused_commit(
+        &mut self,
+        policy: Policy,
+        state: decision::RowState,
+        message: &Message,
+        refused: Work,
+        cause: String,
+    ) -> Work {
+        tracing::warn!(message_id = %message.message_id, %cause, "the database refused the message's transaction at COMMIT; charged as a handler failure");
+        let outcome = Outcome::Failed(crate::outcome::Failure::Aborted(format!(
+            "the database refused the transaction at COMMIT: {cause}"
+        )));
+        let decision = decision::after_handler(policy, state, OutcomeClass::Failure);
+        if decision::counts_failures(policy) {
+            return self
+                .count_failure_apart(policy, message, decision, outcome)
+                .await;
+        }
+        Work::new(decision, refused.row_id, Some(outcome))
     }
 
     /// Commits `tx`, first storing the acknowledgement in it when the
@@ -573,5 +610,26 @@ pub(super) async fn store_ack<T: InboxTransaction>(
             StoreErrorKind::Other,
             "the consumer has no acknowledgement for this message",
         )),
+    }
+}
+
+/// The cause of a COMMIT the database refused for what the transaction
+/// holds (see [`decision::refused_at_commit`]), after a handler that did not
+/// fail.
+fn refused_at_commit(work: &Work) -> Option<String> {
+    if work
+        .outcome
+        .as_ref()
+        .is_some_and(|o| o.class() == OutcomeClass::Failure)
+    {
+        return None;
+    }
+    match &work.error {
+        Some(ProcessError::Persist(e))
+            if e.stage == PersistStage::Commit && decision::refused_at_commit(e.source.kind) =>
+        {
+            Some(e.source.cause.clone())
+        }
+        _ => None,
     }
 }

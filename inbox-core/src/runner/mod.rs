@@ -66,6 +66,10 @@ pub struct Runner<S, C, H, M = NoopMetrics> {
     /// Per partition, the message whose handler asked for uncounted
     /// retries: its offset and how many in a row.
     uncounted: HashMap<(String, i32), (i64, u32)>,
+    /// Per partition, the last offset of a batch whose COMMIT the database
+    /// refused: its messages come again one at a time, so that the one
+    /// whose writes were refused is charged alone.
+    apart: HashMap<(String, i32), i64>,
 }
 
 impl<S, C, H> Runner<S, C, H, NoopMetrics> {
@@ -84,6 +88,7 @@ impl<S, C, H> Runner<S, C, H, NoopMetrics> {
             refused: HashMap::new(),
             first_seen: HashMap::new(),
             uncounted: HashMap::new(),
+            apart: HashMap::new(),
         }
     }
 }
@@ -133,6 +138,7 @@ where
             unrewound: self.unrewound,
             refused: self.refused,
             uncounted: self.uncounted,
+            apart: self.apart,
             first_seen: self.first_seen,
         }
     }

@@ -134,7 +134,10 @@ where
     }
 
     async fn process_batch_in_span(&mut self, messages: Vec<Message>) -> BatchResult {
-        if messages.iter().any(|m| self.is_suspect(self.policy(m), m)) {
+        if messages
+            .iter()
+            .any(|m| self.is_suspect(self.policy(m), m) || self.tried_apart(m))
+        {
             return self.process_one_by_one(messages).await;
         }
         let mut partitions: Vec<Option<(String, i32)>> = Vec::new();
@@ -227,8 +230,27 @@ where
         self.adapt_batch_size(len, if failed { 2 } else { transactions });
         for r in &result.results {
             self.note_result(r);
+            // a batch the database refused at COMMIT: which message's
+            // writes it refused is found by handling them one at a time
+            if let (Some(pos), Some(ProcessError::Persist(e))) = (&r.position, &r.error)
+                && e.stage == PersistStage::Commit
+                && decision::refused_at_commit(e.source.kind)
+            {
+                let last = self.apart.entry(pos.partition_key()).or_insert(pos.offset);
+                *last = (*last).max(pos.offset);
+            }
         }
         result
+    }
+
+    /// Whether `message` is among those of a batch the database refused at
+    /// COMMIT, to be handled one at a time.
+    fn tried_apart(&self, message: &Message) -> bool {
+        message.position.as_ref().is_some_and(|pos| {
+            self.apart
+                .get(&pos.partition_key())
+                .is_some_and(|&last| pos.offset <= last)
+        })
     }
 
     /// The batch one message at a time (each its own transaction), as the
@@ -246,6 +268,15 @@ where
             }
             let r = self.process_message(message).await;
             result.transactions += 1;
+            if let Some(pos) = &r.position
+                && !r.decision.rewind
+                && self
+                    .apart
+                    .get(&pos.partition_key())
+                    .is_some_and(|&last| pos.offset >= last)
+            {
+                self.apart.remove(&pos.partition_key());
+            }
             if r.decision.holds_partition() {
                 held.push(key);
             }

@@ -392,6 +392,30 @@ pub fn after_run(outcome: Outcome, aborted: Option<String>) -> Outcome {
     }
 }
 
+/// A handler failure over a transaction a transient database error
+/// aborted (`transient`: what the store saw, see
+/// [`InboxTransaction::transient`](crate::InboxTransaction::transient)) is
+/// retried like an uncounted retry: the message is delivered again after
+/// the redelivery backoff and spends no failure budget, up to
+/// `uncounted_retries` in a row ([`counts_attempt`]); the handler did
+/// nothing wrong. A returned or raised failure, or a success over the
+/// aborted transaction, becomes that retry; a timeout, a panic and a retry
+/// the handler asked for stay what they are.
+pub fn after_transient(outcome: Outcome, transient: Option<String>) -> Outcome {
+    use crate::outcome::Failure;
+    match (outcome, transient) {
+        (
+            Outcome::Failed(Failure::Error(_) | Failure::Aborted(_) | Failure::Returned(_)),
+            Some(cause),
+        ) => Outcome::Failed(Failure::RetryLater {
+            reason: Some(format!("transient database error: {cause}")),
+            at: None,
+            counted: false,
+        }),
+        (outcome, _) => outcome,
+    }
+}
+
 /// How long the runner holds a rewound message's partition: the handler's
 /// own time when it gave one (`next_retry_at`, from `now`), else
 /// `backoff`; never longer than `max` (the redelivery backoff's maximum),
@@ -958,6 +982,56 @@ mod tests {
             let acked = acks_before_tx(Policy::new(s));
             assert!(!on_storage_failure(acked, true).drops_message() || s == AtMostOnce);
         }
+    }
+
+    #[test]
+    fn a_transient_database_error_is_an_uncounted_retry() {
+        use crate::outcome::Failure as F;
+        let cause = || Some("could not serialize access".to_owned());
+        let retry = |o: Outcome| match o {
+            Outcome::Failed(F::RetryLater {
+                counted: false,
+                at: None,
+                reason: Some(r),
+            }) => r.contains("could not serialize access"),
+            _ => false,
+        };
+        assert!(retry(after_transient(
+            Outcome::Failed(F::Error("e".into())),
+            cause()
+        )));
+        assert!(retry(after_transient(
+            Outcome::Failed(F::Aborted("e".into())),
+            cause()
+        )));
+        assert!(retry(after_transient(
+            Outcome::Failed(F::Returned(None)),
+            cause()
+        )));
+        assert_eq!(
+            after_transient(Outcome::Failed(F::Timeout), cause()),
+            Outcome::Failed(F::Timeout)
+        );
+        assert_eq!(
+            after_transient(Outcome::Failed(F::Panic("p".into())), cause()),
+            Outcome::Failed(F::Panic("p".into()))
+        );
+        assert_eq!(
+            after_transient(Outcome::Failed(F::Error("e".into())), None),
+            Outcome::Failed(F::Error("e".into()))
+        );
+        assert_eq!(
+            after_transient(Outcome::Success(None), cause()),
+            Outcome::Success(None)
+        );
+        assert!(!counts_attempt(
+            Some(&after_transient(
+                Outcome::Failed(F::Error("e".into())),
+                cause()
+            )),
+            0,
+            100
+        ));
     }
 
     #[test]

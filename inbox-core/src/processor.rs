@@ -84,6 +84,12 @@ pub struct ProcessorConfig {
     /// a savepoint per row always. Default `true` (measured faster with no
     /// failures and level with 3% failing, see `docs/batch.md`).
     pub optimistic: bool,
+    /// How many transient database failures in a row (a serialization
+    /// failure, a deadlock, a lost connection met by the handler's
+    /// statements) one row may have retried without spending an attempt,
+    /// each after `store_backoff`, before they count all the same. Default
+    /// 100.
+    pub transient_retries: u32,
 }
 
 impl ProcessorConfig {
@@ -102,6 +108,7 @@ impl ProcessorConfig {
             rules: AttemptRules::default(),
             store_backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(30), 2.0),
             optimistic: OPTIMISTIC_BY_DEFAULT,
+            transient_retries: 100,
         })
     }
 }
@@ -213,6 +220,9 @@ pub struct BatchProcessor<S, H> {
     hook: Option<Arc<dyn DeadLetterHook>>,
     /// The jitter's random state (xorshift; seeded from the worker id).
     seed: u64,
+    /// Per row, transient database failures in a row (retried uncounted up
+    /// to [`ProcessorConfig::transient_retries`]).
+    transient: std::sync::Mutex<HashMap<RowId, u32>>,
 }
 
 impl<S, H> std::fmt::Debug for BatchProcessor<S, H> {
@@ -256,6 +266,7 @@ where
             last_failed: false,
             hook: None,
             seed,
+            transient: std::sync::Mutex::new(HashMap::new()),
         }
     }
 
@@ -311,10 +322,64 @@ where
             }
             failed => failed,
         };
+        // a failure a transient database error caused (asked before the
+        // rollback clears it) is retried without spending the budget, up to
+        // `transient_retries` in a row for the row
+        let result = match result {
+            Err(failure) if self.transient_retries(row.id) < self.config.transient_retries => {
+                match tx.transient().await {
+                    Some(cause) => {
+                        self.note_transient(row.id);
+                        let delay = self
+                            .config
+                            .store_backoff
+                            .delay(self.transient_retries(row.id));
+                        let due = chrono::Utc::now()
+                            + chrono::Duration::from_std(delay).unwrap_or_default();
+                        Ok(HandlerResult::retry_uncounted(
+                            format!("transient database error: {cause}"),
+                            due,
+                        ))
+                    }
+                    None => Err(failure),
+                }
+            }
+            other => other,
+        };
+        // anything but an uncounted retry ends the row's run of them
+        if !matches!(&result, Ok(r) if !r.count_as_attempt) {
+            self.forget_transient(row.id);
+        }
         if savepoint && is_failure(&result) {
             tx.rollback_to_savepoint().await?;
         }
         Ok(result)
+    }
+
+    /// Transient failures in a row of row `id`.
+    fn transient_retries(&self, id: RowId) -> u32 {
+        self.transient
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(&id)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    fn note_transient(&self, id: RowId) {
+        let mut counts = self
+            .transient
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let n = counts.entry(id).or_insert(0);
+        *n = n.saturating_add(1);
+    }
+
+    fn forget_transient(&self, id: RowId) {
+        self.transient
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(&id);
     }
 
     /// Claims a batch of due rows, handles them in one transaction, writes

@@ -206,6 +206,18 @@ pub trait InboxTransaction: Send + Sized {
         None
     }
 
+    /// Why the transaction is aborted, when a transient database error
+    /// aborted it: a serialization failure, a deadlock, a lost connection,
+    /// met by the handler's statements. The handler did nothing wrong: the
+    /// runner and the batch processor retry such a failure without
+    /// spending the failure budget, up to a cap (see
+    /// [`decision::after_transient`](crate::decision::after_transient)).
+    /// Asked after a failed handler run, before any rollback. The default
+    /// answers `None`: a store that cannot tell.
+    async fn transient(&mut self) -> Option<String> {
+        None
+    }
+
     /// Rolls back: the row's changes and the handler's writes are gone.
     async fn rollback(self) -> Result<(), StoreError>;
 

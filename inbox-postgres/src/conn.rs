@@ -31,9 +31,12 @@
 //! SAVEPOINT`, which cannot end a transaction, the handler's run is failed.
 
 use std::sync::Mutex;
+
+use crate::error::map_db_err;
 use std::{future::Future, pin::Pin};
 
 use async_trait::async_trait;
+use inbox_core::StoreErrorKind;
 use sea_orm::{
     AccessMode, ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, ExecResult, IsolationLevel,
     QueryResult, RuntimeErr, Statement, TransactionError, TransactionOptions, TransactionTrait,
@@ -48,8 +51,9 @@ use sea_orm::{
 #[derive(Debug)]
 pub struct PgConn {
     tx: DatabaseTransaction,
-    /// The error of the last statement when it failed at the server.
-    failed: Mutex<Option<String>>,
+    /// The error of the last statement when it failed at the server, and
+    /// its kind.
+    failed: Mutex<Option<(String, StoreErrorKind)>>,
     /// What the handler may have done to the transaction itself.
     control: Mutex<Control>,
 }
@@ -238,7 +242,7 @@ impl PgConn {
         self.tx
     }
 
-    fn failed(&self) -> std::sync::MutexGuard<'_, Option<String>> {
+    fn failed(&self) -> std::sync::MutexGuard<'_, Option<(String, StoreErrorKind)>> {
         self.failed
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -248,7 +252,7 @@ impl PgConn {
     fn watch<T>(&self, result: Result<T, DbErr>) -> Result<T, DbErr> {
         match &result {
             Ok(_) => *self.failed() = None,
-            Err(e) if aborts(e) => *self.failed() = Some(e.to_string()),
+            Err(e) if aborts(e) => *self.failed() = Some((e.to_string(), map_db_err(e).kind)),
             Err(_) => {}
         }
         result
@@ -256,7 +260,20 @@ impl PgConn {
 
     /// The error that left the transaction aborted, if a statement did.
     pub(crate) fn aborted_by(&self) -> Option<String> {
-        self.failed().clone()
+        self.failed().as_ref().map(|(cause, _)| cause.clone())
+    }
+
+    /// The error that left the transaction aborted, when it is transient:
+    /// a serialization failure or deadlock (SQLSTATE 40001, 40P01), or the
+    /// connection lost.
+    pub(crate) fn aborted_transiently(&self) -> Option<String> {
+        self.failed().as_ref().and_then(|(cause, kind)| {
+            matches!(
+                kind,
+                StoreErrorKind::Serialization | StoreErrorKind::Connection
+            )
+            .then(|| cause.clone())
+        })
     }
 
     /// The transaction is usable again (rolled back to a savepoint taken

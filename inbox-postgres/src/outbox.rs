@@ -120,6 +120,19 @@ impl Outbox {
     /// returns its row id. It is published after, and only if, that
     /// transaction commits.
     ///
+    /// # Deadlocks
+    ///
+    /// The event's key row is locked until the transaction ends (so a
+    /// key's events leave in commit order). Two transactions that enqueue
+    /// the same keys in different orders can deadlock: PostgreSQL aborts
+    /// one of them (SQLSTATE 40P01, [`StoreErrorKind::Serialization`]).
+    /// [`enqueue_many`](Self::enqueue_many) orders its own keys so it
+    /// cannot deadlock with itself; across transactions, enqueue keys in
+    /// one order (sorted, say) or retry the transaction. In an inbox
+    /// handler that enqueues through its `PgTx::connection()` and returns
+    /// the error, the deadlock is a transient failure: the message is
+    /// delivered again without spending the failure budget.
+    ///
     /// # Errors
     ///
     /// [`StoreErrorKind::Data`] for an event that breaks

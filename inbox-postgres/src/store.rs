@@ -842,6 +842,10 @@ impl InboxTransaction for PgTx {
         self.conn.aborted_by()
     }
 
+    async fn transient(&mut self) -> Option<String> {
+        self.conn.aborted_transiently()
+    }
+
     async fn dead_letter(
         &mut self,
         message: &Message,

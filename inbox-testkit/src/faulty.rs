@@ -205,6 +205,10 @@ impl<T: InboxTransaction> InboxTransaction for FaultyTx<T> {
         self.inner.aborted().await
     }
 
+    async fn transient(&mut self) -> Option<String> {
+        self.inner.transient().await
+    }
+
     async fn dead_letter(
         &mut self,
         message: &Message,

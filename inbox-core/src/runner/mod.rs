@@ -288,7 +288,12 @@ where
     };
     crate::metrics::record_safely(metrics, MetricEvent::HandlerDuration(started.elapsed()));
     // a success over a transaction the handler left aborted is its failure
-    crate::decision::after_run(outcome, tx.aborted().await)
+    let outcome = crate::decision::after_run(outcome, tx.aborted().await);
+    // a failure a transient database error caused is retried, uncounted
+    if outcome.class() == crate::outcome::OutcomeClass::Failure {
+        return crate::decision::after_transient(outcome, tx.transient().await);
+    }
+    outcome
 }
 
 /// The text of a caught panic of the handler.

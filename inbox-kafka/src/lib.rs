@@ -74,7 +74,7 @@ pub use health::{HealthHandle, PartitionHealth};
 pub use offsets::{
     MovedOffset, OffsetTarget, PartitionOffsets, move_offsets, read_offsets, topic_partitions,
 };
-pub use relay::{DEFAULT_MAX_RECORD_BYTES, KafkaPublisher, run_relay};
+pub use relay::{DEFAULT_MAX_RECORD_BYTES, DEFAULT_MAX_REQUEST_BYTES, KafkaPublisher, run_relay};
 pub use rskafka::client::partition::Compression;
 pub use security::{Sasl, Tls};
 

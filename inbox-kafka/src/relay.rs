@@ -23,12 +23,22 @@ use crate::{KafkaConfig, KafkaError};
 /// larger event is refused before it is sent.
 pub const DEFAULT_MAX_RECORD_BYTES: usize = 1_048_588;
 
+/// The most bytes of records one append carries by default (the Java
+/// producer's `max.request.size`): a larger round for a partition is sent
+/// in several appends, so no broker refuses it as too large.
+pub const DEFAULT_MAX_REQUEST_BYTES: usize = 1_048_576;
+
+/// What one record adds to an append besides its key, value and headers
+/// (the record's own framing, an upper bound).
+const RECORD_OVERHEAD: usize = 32;
+
 /// Produces outbox rows to Kafka.
 pub struct KafkaPublisher {
     client: Client,
     partitions: Mutex<HashMap<(String, i32), Arc<PartitionClient>>>,
     compression: Compression,
     max_record_bytes: usize,
+    max_request_bytes: usize,
 }
 
 impl std::fmt::Debug for KafkaPublisher {
@@ -36,6 +46,7 @@ impl std::fmt::Debug for KafkaPublisher {
         f.debug_struct("KafkaPublisher")
             .field("compression", &self.compression)
             .field("max_record_bytes", &self.max_record_bytes)
+            .field("max_request_bytes", &self.max_request_bytes)
             .finish_non_exhaustive()
     }
 }
@@ -53,7 +64,17 @@ impl KafkaPublisher {
             partitions: Mutex::new(HashMap::new()),
             compression: Compression::NoCompression,
             max_record_bytes: DEFAULT_MAX_RECORD_BYTES,
+            max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
         })
+    }
+
+    /// Sends a partition's records in appends of at most `bytes` (records
+    /// and their framing; a single larger record goes alone). Default
+    /// [`DEFAULT_MAX_REQUEST_BYTES`].
+    #[must_use]
+    pub fn with_max_request_bytes(mut self, bytes: usize) -> Self {
+        self.max_request_bytes = bytes.max(1);
+        self
     }
 
     /// Compresses the batches (none by default).
@@ -95,12 +116,19 @@ impl KafkaPublisher {
 fn classify(e: RsError) -> PublishError {
     let kind = match &e {
         RsError::ServerError { protocol_error, .. } => match protocol_error {
+            // what the same records get again, however often they are
+            // sent: dead-lettered by the relay's `OnRefused` rule
             ProtocolError::MessageTooLarge
             | ProtocolError::RecordListTooLarge
             | ProtocolError::InvalidRecord
             | ProtocolError::CorruptMessage
             | ProtocolError::InvalidTopicException
             | ProtocolError::InvalidRequiredAcks
+            | ProtocolError::InvalidTimestamp
+            | ProtocolError::PolicyViolation
+            | ProtocolError::UnsupportedCompressionType
+            | ProtocolError::UnsupportedForMessageFormat
+            | ProtocolError::InvalidRequest
             | ProtocolError::TopicAuthorizationFailed => PublishErrorKind::Refused,
             ProtocolError::UnknownTopicOrPartition => PublishErrorKind::UnknownTopic,
             _ => PublishErrorKind::Unavailable,
@@ -110,7 +138,14 @@ fn classify(e: RsError) -> PublishError {
     PublishError::new(kind, e.to_string())
 }
 
-fn record_of(row: &OutboxRow) -> Record {
+/// The record of `row`, stamped `at`: the time it is published, not the
+/// time it was enqueued. An event can wait in the outbox for a long while
+/// (a broker down for a day, a key held by a refused event): stamped with
+/// its enqueue time it would be refused for good by a topic that bounds
+/// timestamps (`message.timestamp.before.max.ms`, or `...difference...`),
+/// and counted old by time-based retention as soon as it arrived. The
+/// enqueue time stays in the outbox row (`created_at`).
+fn record_of(row: &OutboxRow, at: chrono::DateTime<chrono::Utc>) -> Record {
     let m = &row.message;
     let mut headers: BTreeMap<String, Vec<u8>> = m
         .headers
@@ -125,8 +160,28 @@ fn record_of(row: &OutboxRow) -> Record {
         key: m.key.clone(),
         value: Some(m.payload.clone()),
         headers,
-        timestamp: row.created_at,
+        timestamp: at,
     }
+}
+
+/// Splits `records` into appends of at most `max` bytes (each record's
+/// size plus [`RECORD_OVERHEAD`]), in order; a record larger than `max`
+/// goes alone.
+fn appends(records: Vec<Record>, max: usize) -> Vec<Vec<Record>> {
+    let mut out: Vec<Vec<Record>> = Vec::new();
+    let mut size = 0;
+    for r in records {
+        let n = size_of(&r) + RECORD_OVERHEAD;
+        match out.last_mut() {
+            Some(last) if size + n <= max => last.push(r),
+            _ => {
+                out.push(vec![r]);
+                size = 0;
+            }
+        }
+        size += n;
+    }
+    out
 }
 
 fn size_of(r: &Record) -> usize {
@@ -160,7 +215,8 @@ impl Publisher for KafkaPublisher {
         partition: i32,
         rows: &[&OutboxRow],
     ) -> Result<(), PublishError> {
-        let records: Vec<Record> = rows.iter().map(|r| record_of(r)).collect();
+        let now = chrono::Utc::now();
+        let records: Vec<Record> = rows.iter().map(|r| record_of(r, now)).collect();
         if let Some(big) = records.iter().find(|r| size_of(r) > self.max_record_bytes) {
             return Err(PublishError::new(
                 PublishErrorKind::Refused,
@@ -172,9 +228,10 @@ impl Publisher for KafkaPublisher {
             ));
         }
         let client = self.partition(topic, partition).await?;
-        match client.produce(records, self.compression).await {
-            Ok(_) => Ok(()),
-            Err(e) => {
+        // in order, one append after the other: a failed one stops the
+        // rest (what went is published again with the same ids)
+        for append in appends(records, self.max_request_bytes) {
+            if let Err(e) = client.produce(append, self.compression).await {
                 let e = classify(e);
                 if e.kind != PublishErrorKind::Refused {
                     // the leader may have moved: connect again next time
@@ -183,9 +240,10 @@ impl Publisher for KafkaPublisher {
                         .await
                         .remove(&(topic.to_owned(), partition));
                 }
-                Err(e)
+                return Err(e);
             }
         }
+        Ok(())
     }
 }
 
@@ -237,7 +295,7 @@ mod tests {
                 .header("event_type", "x")
                 .message_id("id-1"),
         };
-        let r = record_of(&row);
+        let r = record_of(&row, row.created_at);
         assert_eq!(r.key.as_deref(), Some(&b"k"[..]));
         assert_eq!(
             r.headers.get("message_id").map(Vec::as_slice),
@@ -263,5 +321,75 @@ mod tests {
             is_virtual: false,
         };
         assert_eq!(classify(refused).kind, PublishErrorKind::Refused);
+    }
+
+    #[test]
+    fn appends_stay_under_the_request_size_in_order() {
+        let record = |n: usize| Record {
+            key: None,
+            value: Some(vec![0; n]),
+            headers: BTreeMap::new(),
+            timestamp: chrono::Utc::now(),
+        };
+        let sizes = |appends: &[Vec<Record>]| -> Vec<Vec<usize>> {
+            appends
+                .iter()
+                .map(|a| {
+                    a.iter()
+                        .map(|r| r.value.as_ref().map_or(0, Vec::len))
+                        .collect()
+                })
+                .collect()
+        };
+        let max = 100 + RECORD_OVERHEAD;
+        // with the framing, 60 and 40 do not fit together, nor 40 and 70;
+        // 500 (larger than an append) goes alone; 10 and 20 go together
+        let split = appends(
+            [60, 40, 70, 500, 10, 20].into_iter().map(record).collect(),
+            max,
+        );
+        assert_eq!(
+            sizes(&split),
+            [vec![60], vec![40], vec![70], vec![500], vec![10, 20]]
+                .into_iter()
+                .map(|v| v.into_iter().collect::<Vec<_>>())
+                .collect::<Vec<_>>()
+        );
+        let one = appends(
+            [10, 20, 30].into_iter().map(record).collect(),
+            DEFAULT_MAX_REQUEST_BYTES,
+        );
+        assert_eq!(one.len(), 1);
+        assert!(appends(Vec::new(), max).is_empty());
+    }
+
+    #[test]
+    fn errors_that_never_pass_are_refusals() {
+        for e in [
+            ProtocolError::InvalidTimestamp,
+            ProtocolError::PolicyViolation,
+            ProtocolError::UnsupportedCompressionType,
+            ProtocolError::UnsupportedForMessageFormat,
+            ProtocolError::MessageTooLarge,
+            ProtocolError::RecordListTooLarge,
+            ProtocolError::InvalidRecord,
+        ] {
+            let refused = classify(RsError::ServerError {
+                protocol_error: e,
+                error_message: None,
+                request: rskafka::client::error::RequestContext::Topic("t".into()),
+                response: None,
+                is_virtual: false,
+            });
+            assert_eq!(refused.kind, PublishErrorKind::Refused, "{e:?}");
+        }
+        let passing = classify(RsError::ServerError {
+            protocol_error: ProtocolError::NotLeaderOrFollower,
+            error_message: None,
+            request: rskafka::client::error::RequestContext::Topic("t".into()),
+            response: None,
+            is_virtual: false,
+        });
+        assert_eq!(passing.kind, PublishErrorKind::Unavailable);
     }
 }

@@ -427,11 +427,10 @@ async fn a_failed_partition_lookup_holds_the_topics_later_rows_for_the_round() {
             .unwrap_or_else(|e| panic!("{e}")),
         lookups: AtomicUsize::new(0),
     };
-    let mut r = Relay::new(
-        env.store.clone(),
-        publisher,
-        RelayConfig::new("relay-1").unwrap_or_else(|e| panic!("{e}")),
-    );
+    let mut config = RelayConfig::new("relay-1").unwrap_or_else(|e| panic!("{e}"));
+    config.retry =
+        inbox_core::Backoff::new(Duration::from_millis(20), Duration::from_millis(20), 1.0);
+    let mut r = Relay::new(env.store.clone(), publisher, config);
     r.hold(&all_slots()).await.unwrap_or_else(|e| panic!("{e}"));
     let first = r.round().await.unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(
@@ -443,6 +442,8 @@ async fn a_failed_partition_lookup_holds_the_topics_later_rows_for_the_round() {
         published(&env).await.is_empty(),
         "nothing reached the broker"
     );
+    // the topic backs off on its own, then is tried again
+    tokio::time::sleep(Duration::from_millis(100)).await;
     let second = r.round().await.unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(second.published, 3);
     let ids: Vec<String> = published(&env).await.into_iter().map(|r| r.2).collect();
@@ -450,6 +451,88 @@ async fn a_failed_partition_lookup_holds_the_topics_later_rows_for_the_round() {
         ids,
         ["k-1", "k-2", "k-3"],
         "the key's events in commit order"
+    );
+}
+
+/// A publisher whose appends to one partition always fail (its leader
+/// unreachable, say) while the others go to Kafka.
+struct OnePartitionDown {
+    inner: KafkaPublisher,
+    down: i32,
+    tries: AtomicUsize,
+}
+
+#[async_trait]
+impl Publisher for OnePartitionDown {
+    async fn partitions(&self, topic: &str) -> Result<i32, PublishError> {
+        self.inner.partitions(topic).await
+    }
+
+    async fn publish(
+        &self,
+        topic: &str,
+        partition: i32,
+        rows: &[&OutboxRow],
+    ) -> Result<(), PublishError> {
+        if partition == self.down {
+            self.tries.fetch_add(1, Ordering::SeqCst);
+            return Err(PublishError::new(
+                inbox_core::outbox::PublishErrorKind::Unavailable,
+                "leader unreachable (injected)",
+            ));
+        }
+        self.inner.publish(topic, partition, rows).await
+    }
+}
+
+/// Thirty events of keys on a partition whose appends always fail, then
+/// twenty on the other partitions, read ten at a time: the failing
+/// partition backs off on its own and its rows are left out of the reads,
+/// so the others are all published (before: every read took the oldest
+/// ten, all of the failing partition, and nothing else ever went out).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_partition_does_not_hold_back_the_others() {
+    let env = env("outbox-down", 4).await;
+    let keys_on = |wanted: bool, n: usize| -> Vec<String> {
+        (0..)
+            .map(|i| format!("key-{i}"))
+            .filter(|k| (partition_for(k.as_bytes(), 4) == 0) == wanted)
+            .take(n)
+            .collect()
+    };
+    for key in keys_on(true, 30).into_iter().chain(keys_on(false, 20)) {
+        enqueue_one(
+            &env.store,
+            &OutboxMessage::new(&env.topic, "{}")
+                .key(key.as_str())
+                .message_id(key.clone()),
+        )
+        .await;
+    }
+    let publisher = OnePartitionDown {
+        inner: KafkaPublisher::connect(&env.kafka_config("relay"))
+            .await
+            .unwrap_or_else(|e| panic!("{e}")),
+        down: 0,
+        tries: AtomicUsize::new(0),
+    };
+    let mut config = RelayConfig::new("relay-1").unwrap_or_else(|e| panic!("{e}"));
+    config.batch_size = 10;
+    config.retry = inbox_core::Backoff::new(Duration::from_secs(5), Duration::from_secs(5), 1.0);
+    let mut r = Relay::new(env.store.clone(), publisher, config);
+    r.hold(&all_slots()).await.unwrap_or_else(|e| panic!("{e}"));
+    let mut published = 0;
+    for _ in 0..10 {
+        published += r.round().await.unwrap_or_else(|e| panic!("{e}")).published;
+    }
+    assert_eq!(published, 20, "every event of the other partitions");
+    let on_broker = self::published(&env).await;
+    assert_eq!(on_broker.len(), 20);
+    assert!(on_broker.iter().all(|(p, _, _)| *p != 0));
+    assert_eq!(
+        status_count(&env.store, "pending").await,
+        30,
+        "the failing partition's wait"
     );
 }
 

@@ -250,6 +250,7 @@ fn pending_sql(t: &TableName) -> String {
             AND NOT EXISTS (SELECT 1 FROM {o} d
                              WHERE d.status = 'dead' AND d.holds
                                AND d.topic = o.topic AND d.msg_key = o.msg_key AND d.id < o.id)
+            AND NOT (o.id = ANY($3::bigint[]))
           ORDER BY o.id
           LIMIT $2"
     )
@@ -331,7 +332,12 @@ impl PgStore {
 
 #[async_trait]
 impl OutboxStore for PgStore {
-    async fn pending(&self, slots: &[i32], limit: usize) -> Result<Vec<OutboxRow>, StoreError> {
+    async fn pending(
+        &self,
+        slots: &[i32],
+        limit: usize,
+        except: &[i64],
+    ) -> Result<Vec<OutboxRow>, StoreError> {
         let slots = serde_json::Value::Array(slots.iter().map(|s| serde_json::json!(s)).collect());
         // Read in id order along the pending index, never by sorting every
         // pending row: before the table has statistics (a fresh table, a
@@ -356,6 +362,7 @@ impl OutboxStore for PgStore {
         let rows: Vec<PendingRow> = sea_orm::sqlx::query_as(sql)
             .bind(slots.to_string())
             .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+            .bind(except)
             .fetch_all(&mut *tx)
             .await
             .map_err(|e| map_sqlx_err(&e))?;

@@ -313,8 +313,15 @@ pub struct SlotClaim {
 pub trait OutboxStore: Send + Sync {
     /// Up to `limit` pending rows of `slots`, by id, leaving out the rows of
     /// a key that a dead-lettered row holds (an earlier row of the key
-    /// refused and kept holding).
-    async fn pending(&self, slots: &[i32], limit: usize) -> Result<Vec<OutboxRow>, StoreError>;
+    /// refused and kept holding), and the rows of `except` (the relay's
+    /// rows of partitions that are backing off after failures: so that
+    /// they never fill a read and hold back the other partitions).
+    async fn pending(
+        &self,
+        slots: &[i32],
+        limit: usize,
+        except: &[i64],
+    ) -> Result<Vec<OutboxRow>, StoreError>;
 
     /// Marks `ids` sent, each only if its slot's claim in `claims` is still
     /// current in `group`. Returns how many were marked: fewer than given

@@ -149,6 +149,25 @@ impl Drop for AbortOnDrop {
     }
 }
 
+/// Most row ids a relay leaves out of its reads while their partitions
+/// back off (their ids are kept in memory and sent with each read).
+const MAX_HELD_IDS: usize = 100_000;
+
+/// A partition (or a whole topic, partition -1, whose partition count
+/// could not be looked up) backing off after failures.
+#[derive(Debug)]
+struct Held {
+    /// It is tried again from then on.
+    until: Instant,
+    /// Failures in a row.
+    failures: u32,
+    /// Its rows read meanwhile: left out of reads until `until`.
+    ids: Vec<i64>,
+}
+
+/// The whole topic, in [`Relay`]'s holds.
+const WHOLE_TOPIC: i32 = -1;
+
 /// The slots a relay holds, with their claim epochs.
 pub type SlotClaims = BTreeMap<i32, i64>;
 
@@ -191,6 +210,10 @@ pub struct Relay<S, P> {
     claims: SlotClaims,
     partitions: HashMap<String, (i32, Instant)>,
     unknown_since: HashMap<String, Instant>,
+    /// Partitions and topics backing off after failures, each on its own.
+    held: HashMap<(String, i32), Held>,
+    /// How many ids `held` keeps in all.
+    held_ids: usize,
 }
 
 impl<S, P> std::fmt::Debug for Relay<S, P> {
@@ -217,7 +240,66 @@ where
             claims: SlotClaims::new(),
             partitions: HashMap::new(),
             unknown_since: HashMap::new(),
+            held: HashMap::new(),
+            held_ids: 0,
         }
+    }
+
+    /// Whether `key` is backing off at `now`.
+    fn is_held(&self, key: &(String, i32), now: Instant) -> bool {
+        self.held.get(key).is_some_and(|h| h.until > now)
+    }
+
+    /// One more failure of `key` at `now`: it backs off for the retry
+    /// backoff's next delay (unless it is backing off already).
+    fn back_off(&mut self, key: &(String, i32), now: Instant) {
+        let retry = self.config.retry;
+        let h = self.held.entry(key.clone()).or_insert(Held {
+            until: now,
+            failures: 0,
+            ids: Vec::new(),
+        });
+        if h.until <= now {
+            h.failures = h.failures.saturating_add(1);
+            h.until = now + retry.delay(h.failures);
+        }
+    }
+
+    /// Leaves row `id` of `key` (backing off) out of the reads until the
+    /// backoff ends, up to [`MAX_HELD_IDS`] ids in all.
+    fn park(&mut self, key: &(String, i32), id: i64) {
+        if self.held_ids >= MAX_HELD_IDS {
+            return;
+        }
+        if let Some(h) = self.held.get_mut(key) {
+            h.ids.push(id);
+            self.held_ids += 1;
+        }
+    }
+
+    /// The ids to leave out of the next read; the holds that ran out give
+    /// their rows back (read again, oldest first).
+    fn release_holds(&mut self, now: Instant) -> Vec<i64> {
+        let mut except = Vec::new();
+        for h in self.held.values_mut() {
+            if h.until <= now {
+                self.held_ids = self.held_ids.saturating_sub(h.ids.len());
+                h.ids.clear();
+            } else {
+                except.extend_from_slice(&h.ids);
+            }
+        }
+        except
+    }
+
+    /// When the first hold ends, if one is in force.
+    fn next_release(&self) -> Option<Instant> {
+        let now = Instant::now();
+        self.held
+            .values()
+            .filter(|h| h.until > now)
+            .map(|h| h.until)
+            .min()
     }
 
     /// Reports to `metrics`.
@@ -266,7 +348,12 @@ where
             return Ok(round);
         }
         let slots: Vec<i32> = self.claims.keys().copied().collect();
-        let rows = self.store.pending(&slots, self.config.batch_size).await?;
+        let now = Instant::now();
+        let except = self.release_holds(now);
+        let rows = self
+            .store
+            .pending(&slots, self.config.batch_size, &except)
+            .await?;
         round.fetched = rows.len();
         let mut dead: Vec<(&OutboxRow, String)> = Vec::new();
         // (topic, partition) -> rows in id order; the order groups were met
@@ -278,6 +365,11 @@ where
         let mut lookups: HashMap<&str, Result<i32, PublishError>> = HashMap::new();
         for row in &rows {
             let topic = &row.message.topic;
+            let whole = (topic.clone(), WHOLE_TOPIC);
+            if self.is_held(&whole, now) {
+                self.park(&whole, row.id);
+                continue;
+            }
             let looked = match lookups.get(topic.as_str()) {
                 Some(known) => known.clone(),
                 None => {
@@ -297,15 +389,25 @@ where
                         dead.push((row, format!("unknown topic {topic:?}: {}", e.message)));
                     } else {
                         round.failed.get_or_insert(e.to_string());
+                        self.back_off(&whole, now);
+                        self.park(&whole, row.id);
                     }
                     continue;
                 }
                 Err(e) => {
                     round.failed.get_or_insert(e.to_string());
+                    self.back_off(&whole, now);
+                    self.park(&whole, row.id);
                     continue;
                 }
             };
+            self.held.remove(&whole);
             let key = (topic.clone(), row.partition(count));
+            if self.is_held(&key, now) {
+                // its partition backs off on its own: the others go on
+                self.park(&key, row.id);
+                continue;
+            }
             let at = *index.entry(key.clone()).or_insert_with(|| {
                 groups.push((key, Vec::new()));
                 groups.len() - 1
@@ -320,8 +422,12 @@ where
         .await;
         let mut sent: Vec<i64> = Vec::new();
         for (((topic, partition), batch), result) in groups.iter().zip(results) {
+            let key = (topic.clone(), *partition);
             match result {
-                Ok(()) => sent.extend(batch.iter().map(|r| r.id)),
+                Ok(()) => {
+                    self.held.remove(&key);
+                    sent.extend(batch.iter().map(|r| r.id));
+                }
                 Err(e) if e.kind == PublishErrorKind::Refused => {
                     let (ok, refused, failure) = self.one_by_one(topic, *partition, batch).await;
                     sent.extend(ok);
@@ -332,9 +438,14 @@ where
                 }
                 Err(e) => {
                     // the partition count may have changed, or the topic
-                    // gone: asked again next round
+                    // gone: asked again next round; this partition backs
+                    // off on its own, its rows left out of the reads
                     self.partitions.remove(topic);
                     round.failed.get_or_insert(e.to_string());
+                    self.back_off(&key, now);
+                    for row in batch {
+                        self.park(&key, row.id);
+                    }
                 }
             }
         }
@@ -545,15 +656,19 @@ where
                     summary.published += r.published;
                     summary.unmarked += r.unmarked;
                     summary.dead_lettered += r.dead_lettered;
+                    // a failure of a partition or topic holds that one
+                    // back on its own (its rows left out of the reads until
+                    // its backoff ends): the relay goes on with the rest
+                    failures = 0;
                     if let Some(f) = &r.failed {
-                        failures = failures.saturating_add(1);
-                        wait = wait.min(self.config.retry.delay(failures));
-                        tracing::warn!(member = %me, error = %f, "outbox round left events pending");
-                    } else {
-                        failures = 0;
-                        if r.fetched >= self.config.batch_size {
-                            continue;
-                        }
+                        tracing::warn!(member = %me, error = %f, "outbox round left events pending; their partition backs off");
+                    }
+                    let progress = r.published + r.unmarked + r.dead_lettered > 0;
+                    if progress && r.fetched >= self.config.batch_size {
+                        continue;
+                    }
+                    if let Some(at) = self.next_release() {
+                        wait = wait.min(at.saturating_duration_since(Instant::now()));
                     }
                 }
                 Err(e) => {

@@ -536,6 +536,85 @@ async fn a_failing_partition_does_not_hold_back_the_others() {
     );
 }
 
+/// A publisher whose appends to one partition take `delay` (a slow
+/// leader) and then go to Kafka like the others'.
+struct OnePartitionSlow {
+    inner: KafkaPublisher,
+    slow: i32,
+    delay: Duration,
+}
+
+#[async_trait]
+impl Publisher for OnePartitionSlow {
+    async fn partitions(&self, topic: &str) -> Result<i32, PublishError> {
+        self.inner.partitions(topic).await
+    }
+
+    async fn publish(
+        &self,
+        topic: &str,
+        partition: i32,
+        rows: &[&OutboxRow],
+    ) -> Result<(), PublishError> {
+        if partition == self.slow {
+            tokio::time::sleep(self.delay).await;
+        }
+        self.inner.publish(topic, partition, rows).await
+    }
+}
+
+/// One round over a slow partition (3 s an append) and fast ones: the fast
+/// partitions' rows are marked sent while the slow append is still under
+/// way, not after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_partition_does_not_delay_the_others_marks() {
+    let env = env("outbox-slow", 4).await;
+    let keys_on = |wanted: bool, n: usize| -> Vec<String> {
+        (0..)
+            .map(|i| format!("key-{i}"))
+            .filter(|k| (partition_for(k.as_bytes(), 4) == 0) == wanted)
+            .take(n)
+            .collect()
+    };
+    for key in keys_on(true, 5).into_iter().chain(keys_on(false, 20)) {
+        enqueue_one(
+            &env.store,
+            &OutboxMessage::new(&env.topic, "{}")
+                .key(key.as_str())
+                .message_id(key.clone()),
+        )
+        .await;
+    }
+    let publisher = OnePartitionSlow {
+        inner: KafkaPublisher::connect(&env.kafka_config("relay"))
+            .await
+            .unwrap_or_else(|e| panic!("{e}")),
+        slow: 0,
+        delay: Duration::from_secs(3),
+    };
+    let mut r = Relay::new(
+        env.store.clone(),
+        publisher,
+        RelayConfig::new("relay-1").unwrap_or_else(|e| panic!("{e}")),
+    );
+    r.hold(&all_slots()).await.unwrap_or_else(|e| panic!("{e}"));
+    let started = std::time::Instant::now();
+    let watch = async {
+        while status_count(&env.store, "sent").await < 20 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        started.elapsed()
+    };
+    let (round, fast_marked) = tokio::join!(r.round(), watch);
+    let round = round.unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        fast_marked < Duration::from_millis(2_500),
+        "the fast partitions were marked after {fast_marked:?}, behind the 3 s append"
+    );
+    assert_eq!(round.published, 25);
+    assert_eq!(status_count(&env.store, "sent").await, 25);
+}
+
 /// Counts publishes and kills the process (abort: no unwinding, no
 /// cleanup) after `die_after` of them succeeded: between the broker's
 /// acknowledgement and the mark.

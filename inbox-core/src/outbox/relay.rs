@@ -5,6 +5,8 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::FutureExt;
+use futures::stream::{FuturesUnordered, StreamExt};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -414,58 +416,66 @@ where
             });
             groups[at].1.push(row);
         }
-        let results = futures::future::join_all(
-            groups
-                .iter()
-                .map(|((t, p), rs)| self.publisher.publish(t, *p, rs)),
-        )
-        .await;
+        // the partitions at once; each one's rows are marked as soon as its
+        // append is acknowledged (with the others done by then), never
+        // waiting for a slow partition
+        let claims = self.slot_claims();
+        let publisher = &self.publisher;
+        let mut appends: FuturesUnordered<_> = groups
+            .iter()
+            .enumerate()
+            .map(|(i, ((t, p), rs))| async move { (i, publisher.publish(t, *p, rs).await) })
+            .collect();
+        let mut done: Vec<usize> = Vec::new();
+        let mut refused: Vec<usize> = Vec::new();
+        let mut failed: Vec<(usize, PublishError)> = Vec::new();
+        while let Some(first) = appends.next().await {
+            let mut ready = vec![first];
+            while let Some(Some(more)) = appends.next().now_or_never() {
+                ready.push(more);
+            }
+            let mut sent: Vec<i64> = Vec::new();
+            for (i, result) in ready {
+                match result {
+                    Ok(()) => {
+                        done.push(i);
+                        sent.extend(groups[i].1.iter().map(|r| r.id));
+                    }
+                    Err(e) if e.kind == PublishErrorKind::Refused => refused.push(i),
+                    Err(e) => failed.push((i, e)),
+                }
+            }
+            self.mark(&claims, &sent, &mut round).await?;
+        }
+        drop(appends);
         let mut sent: Vec<i64> = Vec::new();
-        for (((topic, partition), batch), result) in groups.iter().zip(results) {
-            let key = (topic.clone(), *partition);
-            match result {
-                Ok(()) => {
-                    self.held.remove(&key);
-                    sent.extend(batch.iter().map(|r| r.id));
-                }
-                Err(e) if e.kind == PublishErrorKind::Refused => {
-                    let (ok, refused, failure) = self.one_by_one(topic, *partition, batch).await;
-                    sent.extend(ok);
-                    dead.extend(refused);
-                    if let Some(f) = failure {
-                        round.failed.get_or_insert(f.to_string());
-                    }
-                }
-                Err(e) => {
-                    // the partition count may have changed, or the topic
-                    // gone: asked again next round; this partition backs
-                    // off on its own, its rows left out of the reads
-                    self.partitions.remove(topic);
-                    round.failed.get_or_insert(e.to_string());
-                    self.back_off(&key, now);
-                    for row in batch {
-                        self.park(&key, row.id);
-                    }
-                }
+        for &i in &refused {
+            let ((topic, partition), batch) = &groups[i];
+            let (ok, refused, failure) = self.one_by_one(topic, *partition, batch).await;
+            sent.extend(ok);
+            dead.extend(refused);
+            if let Some(f) = failure {
+                round.failed.get_or_insert(f.to_string());
             }
         }
-        if !sent.is_empty() {
-            let claims = self.slot_claims();
-            let marked = self
-                .store
-                .mark_sent(&self.config.group, &claims, &sent)
-                .await?;
-            round.published = marked;
-            round.unmarked = (sent.len() as u64).saturating_sub(marked);
-            if marked > 0 {
-                record_safely(
-                    &*self.metrics,
-                    MetricEvent::OutboxPublished { count: marked },
-                );
+        self.mark(&claims, &sent, &mut round).await?;
+        for i in done {
+            self.held.remove(&groups[i].0);
+        }
+        for (i, e) in failed {
+            let (key, batch) = &groups[i];
+            // the partition count may have changed, or the topic gone:
+            // asked again next round; this partition backs off on its own,
+            // its rows left out of the reads
+            self.partitions.remove(&key.0);
+            round.failed.get_or_insert(e.to_string());
+            self.back_off(key, now);
+            for row in batch {
+                self.park(key, row.id);
             }
-            if round.unmarked > 0 {
-                self.drop_stale_claims().await?;
-            }
+        }
+        if round.unmarked > 0 {
+            self.drop_stale_claims().await?;
         }
         for (row, error) in dead {
             let Some(&epoch) = self.claims.get(&row.slot) else {
@@ -496,6 +506,32 @@ where
             }
         }
         Ok(round)
+    }
+
+    /// Marks `ids` sent under `claims`, adding to `round` what was marked
+    /// and what a takeover refused.
+    async fn mark(
+        &self,
+        claims: &[SlotClaim],
+        ids: &[i64],
+        round: &mut RelayRound,
+    ) -> Result<(), StoreError> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let marked = self
+            .store
+            .mark_sent(&self.config.group, claims, ids)
+            .await?;
+        round.published += marked;
+        round.unmarked += (ids.len() as u64).saturating_sub(marked);
+        if marked > 0 {
+            record_safely(
+                &*self.metrics,
+                MetricEvent::OutboxPublished { count: marked },
+            );
+        }
+        Ok(())
     }
 
     /// The rows of a refused batch one at a time: which were taken, which

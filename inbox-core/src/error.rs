@@ -95,6 +95,20 @@ pub enum ValidationError {
         /// The header.
         name: String,
     },
+    /// A record carries no event type: no event-type header, no event-type
+    /// field in its payload, and no type configured for its topic. The
+    /// message says how to fix it.
+    #[error(
+        "the record on topic {topic:?} has no event type: no {header:?} header, no {field:?} field in its payload, and no type configured for the topic; have the producer set the header, or configure one: JsonDecoder::event_types_by_topic (a type per topic) or JsonDecoder::default_event_type (one for every record)"
+    )]
+    NoEventType {
+        /// The record's topic.
+        topic: String,
+        /// The header looked for.
+        header: String,
+        /// The payload field looked for.
+        field: String,
+    },
     /// A worker id holds a character outside `[A-Za-z0-9.\-/:]`.
     #[error("worker_id may only contain A-Z a-z 0-9 . - / :, found {character:?}")]
     WorkerIdCharacter {

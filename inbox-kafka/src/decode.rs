@@ -82,7 +82,7 @@ pub struct JsonDecoder {
     pub event_types_by_topic: BTreeMap<String, String>,
     /// The event type of any record that carries none and whose topic is
     /// not in `event_types_by_topic`. Default `None`: such a record is
-    /// poison (`MissingHeader`).
+    /// poison (`NoEventType`, whose message names both settings).
     pub default_event_type: Option<String>,
 }
 
@@ -159,8 +159,10 @@ impl Decode for JsonDecoder {
             })
             .or_else(|| self.event_types_by_topic.get(record.topic).cloned())
             .or_else(|| self.default_event_type.clone())
-            .ok_or_else(|| ValidationError::MissingHeader {
-                name: self.event_type_header.clone(),
+            .ok_or_else(|| ValidationError::NoEventType {
+                topic: record.topic.to_owned(),
+                header: self.event_type_header.clone(),
+                field: self.event_type_field.clone(),
             })?;
         let mut message = Message::new(message_id, record.topic, event_type, payload);
         message.trace_id = headers.get("trace_id").cloned();
@@ -302,10 +304,19 @@ mod tests {
             d.decode(&view(Some(b""), &none)),
             Err(ValidationError::PayloadNotJson { .. })
         ));
-        assert!(matches!(
-            d.decode(&view(Some(br#"{"a": 1}"#), &none)),
-            Err(ValidationError::MissingHeader { .. })
-        ));
+        let untyped = d.decode(&view(Some(br#"{"a": 1}"#), &none));
+        assert!(
+            matches!(&untyped, Err(ValidationError::NoEventType { topic, .. }) if topic == "orders"),
+            "{untyped:?}"
+        );
+        let said = untyped.err().map(|e| e.to_string()).unwrap_or_default();
+        for fix in [
+            "event_types_by_topic",
+            "default_event_type",
+            "\"event_type\" header",
+        ] {
+            assert!(said.contains(fix), "{said}");
+        }
         let big = vec![b' '; MAX_PAYLOAD_BYTES + 1];
         assert!(matches!(
             d.decode(&view(Some(&big), &none)),
@@ -361,7 +372,7 @@ mod tests {
         let poison = decode_or_poison(&plain, &view(Some(value), &hs));
         assert!(matches!(
             poison.decode_error,
-            Some(ValidationError::MissingHeader { .. })
+            Some(ValidationError::NoEventType { .. })
         ));
         assert_eq!(
             poison.key.as_deref(),

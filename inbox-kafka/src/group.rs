@@ -199,7 +199,9 @@ fn restart_delay(heartbeat: Duration, deaths: u32) -> Duration {
 ///
 /// # Errors
 ///
-/// A [`KafkaError`] when the broker cannot be reached at the start; later
+/// A [`KafkaError`] when the broker cannot be reached at the start
+/// ([`KafkaError::Config`] when it does not know one of the group's
+/// topics, or a setting is out of range); later
 /// failures (store, broker) are logged and retried at the next heartbeat.
 /// [`KafkaError::Config`] at once when `runner` names another consumer
 /// group than `kafka`.
@@ -219,6 +221,20 @@ where
     kafka.check_group(&runner)?;
     group.validate()?;
     let client = kafka.client().await?;
+    // a misspelled topic is an error now, not a member that owns nothing
+    let known: Vec<String> = client
+        .list_topics()
+        .await?
+        .into_iter()
+        .map(|t| t.name)
+        .collect();
+    let unknown: Vec<&String> = group.topics.iter().filter(|t| !known.contains(t)).collect();
+    if !unknown.is_empty() {
+        return Err(KafkaError::Config(format!(
+            "the brokers do not know the topics {unknown:?} (misspelled, or not created yet? the group does not create them); they know {} topics",
+            known.len()
+        )));
+    }
     let consumer_group = kafka.consumer_group.clone();
     let me = group.member_id.clone();
     let mut summary = GroupSummary::default();

@@ -139,3 +139,29 @@ async fn out_of_range_settings_are_refused_before_connecting() {
     .await;
     assert!(matches!(grouped, Err(KafkaError::Config(_))), "{grouped:?}");
 }
+
+/// A group over a topic the broker does not know (a typo) fails at start
+/// with the topic named, instead of running a member that owns nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_topic_is_an_error_at_start() {
+    let env = env("known", 1).await;
+    let typo = format!("{}-typo", env.topic);
+    let started = Instant::now();
+    let grouped = run_group(
+        env.kafka_config("billing"),
+        GroupConfig::new("member-1", vec![env.topic.clone(), typo.clone()]),
+        env.store.clone(),
+        ScriptedHandler::new([], Act::Succeed),
+        config("billing", AckStrategy::default()),
+        Arc::new(inbox_core::NoopMetrics),
+        CancellationToken::new(),
+    )
+    .await;
+    let said = match grouped {
+        Err(inbox_kafka::KafkaError::Config(said)) => said,
+        other => panic!("expected a configuration error, got {other:?}"),
+    };
+    assert!(said.contains(&typo), "{said}");
+    assert!(!said.contains(&format!("\"{}\"", env.topic)), "{said}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+}

@@ -286,6 +286,34 @@ pub(crate) enum FetchError {
     Other(String),
 }
 
+/// Counts offsets `from..to` of `p` as holding nothing to deliver
+/// (transaction markers, aborted or compacted records): normal, not a gap.
+fn skipped(
+    stats: &mut ConsumerStats,
+    metrics: &Arc<dyn Metrics>,
+    p: &Partition,
+    from: i64,
+    to: i64,
+) {
+    let missing = to - from;
+    tracing::debug!(
+        topic = %p.topic,
+        partition = p.partition,
+        from,
+        to,
+        "{missing} offsets hold nothing to deliver"
+    );
+    stats.skipped_offsets += missing;
+    inbox_core::record_safely(
+        metrics,
+        MetricEvent::OffsetsSkipped {
+            topic: p.label,
+            partition: p.partition,
+            count: missing,
+        },
+    );
+}
+
 /// What one fetch of a partition gave.
 #[derive(Debug, Default)]
 pub(crate) struct Page {
@@ -788,22 +816,7 @@ impl<O: OffsetStore> KafkaConsumer<O> {
                 if reading_on {
                     // offsets holding no record: transaction markers,
                     // compacted records. Normal.
-                    tracing::debug!(
-                        topic = %p.topic,
-                        partition = p.partition,
-                        from = expected,
-                        to = record.offset,
-                        "{missing} offsets hold no record"
-                    );
-                    self.stats.skipped_offsets += missing;
-                    inbox_core::record_safely(
-                        &self.metrics,
-                        MetricEvent::OffsetsSkipped {
-                            topic: p.label,
-                            partition: p.partition,
-                            count: missing,
-                        },
-                    );
+                    skipped(&mut self.stats, &self.metrics, p, expected, record.offset);
                 } else {
                     tracing::error!(
                         topic = %p.topic,
@@ -837,23 +850,7 @@ impl<O: OffsetStore> KafkaConsumer<O> {
             && let Some(end) = examined_end
             && end > expected
         {
-            let missing = end - expected;
-            tracing::debug!(
-                topic = %p.topic,
-                partition = p.partition,
-                from = expected,
-                to = end,
-                "{missing} offsets hold nothing to deliver"
-            );
-            self.stats.skipped_offsets += missing;
-            inbox_core::record_safely(
-                &self.metrics,
-                MetricEvent::OffsetsSkipped {
-                    topic: p.label,
-                    partition: p.partition,
-                    count: missing,
-                },
-            );
+            skipped(&mut self.stats, &self.metrics, p, expected, end);
             expected = end;
         }
         if reading_on {

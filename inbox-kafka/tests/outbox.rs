@@ -454,6 +454,29 @@ async fn a_failed_partition_lookup_holds_the_topics_later_rows_for_the_round() {
     );
 }
 
+/// `n` keys that murmur2 puts on partition 0 of 4 (`on`), or on another.
+fn keys_on_partition_0(on: bool, n: usize) -> Vec<String> {
+    (0..)
+        .map(|i| format!("key-{i}"))
+        .filter(|k| (partition_for(k.as_bytes(), 4) == 0) == on)
+        .take(n)
+        .collect()
+}
+
+/// One event per key, in order, each in its own transaction, its message
+/// id the key.
+async fn enqueue_keyed(env: &common::Env, keys: impl IntoIterator<Item = String>) {
+    for key in keys {
+        enqueue_one(
+            &env.store,
+            &OutboxMessage::new(&env.topic, "{}")
+                .key(key.as_str())
+                .message_id(key.clone()),
+        )
+        .await;
+    }
+}
+
 /// A publisher whose appends to one partition always fail (its leader
 /// unreachable, say) while the others go to Kafka.
 struct OnePartitionDown {
@@ -493,22 +516,13 @@ impl Publisher for OnePartitionDown {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_partition_does_not_hold_back_the_others() {
     let env = env("outbox-down", 4).await;
-    let keys_on = |wanted: bool, n: usize| -> Vec<String> {
-        (0..)
-            .map(|i| format!("key-{i}"))
-            .filter(|k| (partition_for(k.as_bytes(), 4) == 0) == wanted)
-            .take(n)
-            .collect()
-    };
-    for key in keys_on(true, 30).into_iter().chain(keys_on(false, 20)) {
-        enqueue_one(
-            &env.store,
-            &OutboxMessage::new(&env.topic, "{}")
-                .key(key.as_str())
-                .message_id(key.clone()),
-        )
-        .await;
-    }
+    enqueue_keyed(
+        &env,
+        keys_on_partition_0(true, 30)
+            .into_iter()
+            .chain(keys_on_partition_0(false, 20)),
+    )
+    .await;
     let publisher = OnePartitionDown {
         inner: KafkaPublisher::connect(&env.kafka_config("relay"))
             .await
@@ -569,22 +583,13 @@ impl Publisher for OnePartitionSlow {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_partition_does_not_delay_the_others_marks() {
     let env = env("outbox-slow", 4).await;
-    let keys_on = |wanted: bool, n: usize| -> Vec<String> {
-        (0..)
-            .map(|i| format!("key-{i}"))
-            .filter(|k| (partition_for(k.as_bytes(), 4) == 0) == wanted)
-            .take(n)
-            .collect()
-    };
-    for key in keys_on(true, 5).into_iter().chain(keys_on(false, 20)) {
-        enqueue_one(
-            &env.store,
-            &OutboxMessage::new(&env.topic, "{}")
-                .key(key.as_str())
-                .message_id(key.clone()),
-        )
-        .await;
-    }
+    enqueue_keyed(
+        &env,
+        keys_on_partition_0(true, 5)
+            .into_iter()
+            .chain(keys_on_partition_0(false, 20)),
+    )
+    .await;
     let publisher = OnePartitionSlow {
         inner: KafkaPublisher::connect(&env.kafka_config("relay"))
             .await

@@ -4,11 +4,14 @@
 //! the message is not acknowledged with no effect. Per message, batched, and
 //! in the batch processor, on a real PostgreSQL.
 
+mod common;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use common::{Calls, dead_letters, order, process_until_acked};
 use inbox_core::processor::{BatchProcessor, ProcessorConfig};
 use inbox_core::{
     BatchConfig, Handler, HandlerError, InboxStore, InboxTransaction, Message, NewInboxRow, Runner,
@@ -19,7 +22,6 @@ use inbox_postgres::{PgStore, PgTx};
 use inbox_testkit::MemBroker;
 use inbox_testkit::pg::{count, fresh_store};
 use inbox_testkit::scenarios::{ScenarioStore, WriteInvoice};
-use serde_json::json;
 
 /// Every way a statement can end the transaction block it runs in.
 const ENDINGS: [&str; 8] = [
@@ -42,10 +44,6 @@ async fn store() -> PgStore {
     fresh_store().await.unwrap_or_else(|e| panic!("{e}"))
 }
 
-fn order(id: &str) -> Message {
-    Message::new(id, "orders", "order.created", json!({ "order": id }))
-}
-
 fn config() -> RunnerConfig {
     RunnerConfig::new("billing", "worker-1").unwrap_or_else(|e| panic!("{e}"))
 }
@@ -66,7 +64,7 @@ async fn rows(store: &PgStore, id: &str) -> i64 {
 struct Ender {
     ending: &'static str,
     misbehave: usize,
-    calls: std::sync::Mutex<std::collections::HashMap<String, usize>>,
+    calls: Calls,
     total: AtomicUsize,
 }
 
@@ -75,7 +73,7 @@ impl Ender {
         Arc::new(Self {
             ending,
             misbehave,
-            calls: std::sync::Mutex::new(std::collections::HashMap::new()),
+            calls: Calls::default(),
             total: AtomicUsize::new(0),
         })
     }
@@ -86,15 +84,7 @@ impl Handler<PgTx> for Ender {
     type Output = ();
     async fn handle(&self, m: &Message, tx: &mut PgTx) -> Result<(), HandlerError> {
         self.total.fetch_add(1, Ordering::SeqCst);
-        let call = {
-            let mut calls = self
-                .calls
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let n = calls.entry(m.message_id.clone()).or_insert(0);
-            *n += 1;
-            *n - 1
-        };
+        let call = self.calls.next(m) - 1;
         tx.write_invoice(&m.message_id).await?;
         if call < self.misbehave && m.message_id.starts_with("bad") {
             let _ = tx.connection().execute_unprepared(self.ending).await;
@@ -237,29 +227,11 @@ async fn an_ending_spends_the_failure_budget() {
         handler,
         config().failure_budget(2),
     );
-    for _ in 0..8 {
-        if runner
-            .process_one()
-            .await
-            .unwrap_or_else(|e| panic!("{e}"))
-            .is_none()
-        {
-            tokio::time::sleep(Duration::from_millis(120)).await;
-        }
-        if broker.acked("billing", "orders", 0) == Some(2) {
-            break;
-        }
-    }
+    process_until_acked(&mut runner, &broker, 2, Duration::from_secs(20)).await;
     assert_eq!(broker.acked("billing", "orders", 0), Some(2));
     assert_eq!(store.invoices("bad-always").await, 0);
     assert_eq!(store.invoices("good-after").await, 1);
-    let dead = count(
-        &store,
-        "SELECT count(*) FROM inbox_dead_letters WHERE message_id = 'bad-always'",
-        vec![],
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    let dead = dead_letters(&store, "bad-always").await;
     assert_eq!(dead, 1, "the spent message is dead-lettered");
 }
 

@@ -5,21 +5,19 @@
 //! handled. Per message and batched (where the refused batch is retried one
 //! message at a time to find it), on a real PostgreSQL.
 
+mod common;
+
 use std::time::Duration;
 
-use inbox_core::{BatchConfig, Message, Runner, RunnerConfig};
+use common::{dead_letters, order, process_until_acked};
+use inbox_core::{BatchConfig, Runner, RunnerConfig};
 use inbox_postgres::PgStore;
 use inbox_postgres::sea_orm::ConnectionTrait;
 use inbox_testkit::MemBroker;
 use inbox_testkit::pg::{count, fresh_store};
 use inbox_testkit::scenarios::{Act, ScenarioStore, ScriptedHandler};
-use serde_json::json;
 
 const ORDERS: [&str; 7] = ["bad-1", "ok-2", "ok-3", "ok-4", "ok-5", "ok-6", "ok-7"];
-
-fn order(id: &str) -> Message {
-    Message::new(id, "orders", "order.created", json!({ "order": id }))
-}
 
 /// A store whose invoices table refuses an order starting with `bad` at
 /// COMMIT, raising with `errcode` (a constraint trigger, deferred).
@@ -54,16 +52,6 @@ fn config() -> RunnerConfig {
     RunnerConfig::new("billing", "worker-1")
         .unwrap_or_else(|e| panic!("{e}"))
         .failure_budget(3)
-}
-
-async fn dead_letters(store: &PgStore, id: &str) -> i64 {
-    count(
-        store,
-        "SELECT count(*) FROM inbox_dead_letters WHERE message_id = $1",
-        vec![id.into()],
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"))
 }
 
 async fn check(store: &PgStore, broker: &MemBroker, end: i64, how: &str) {
@@ -103,19 +91,7 @@ async fn per_message_a_refusal_at_commit_is_parked_within_the_budget() {
             ScriptedHandler::new([], Act::Succeed),
             config(),
         );
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        while broker.acked("billing", "orders", 0) != Some(7)
-            && tokio::time::Instant::now() < deadline
-        {
-            if runner
-                .process_one()
-                .await
-                .unwrap_or_else(|e| panic!("{e}"))
-                .is_none()
-            {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
+        process_until_acked(&mut runner, &broker, 7, Duration::from_secs(30)).await;
         check(
             &store,
             &broker,

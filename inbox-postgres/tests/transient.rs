@@ -4,30 +4,27 @@
 //! good messages. The errors are real PostgreSQL errors of those SQLSTATEs,
 //! raised by the handler's own statement; on a real PostgreSQL.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+mod common;
+
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use common::{Calls, dead_letters, order, process_until_acked};
 use inbox_core::processor::{BatchProcessor, ProcessorConfig};
 use inbox_core::{Handler, HandlerError, Message, NewInboxRow, Runner, RunnerConfig};
+use inbox_postgres::PgTx;
 use inbox_postgres::sea_orm::ConnectionTrait;
-use inbox_postgres::{PgStore, PgTx};
 use inbox_testkit::MemBroker;
 use inbox_testkit::pg::{count, fresh_store};
 use inbox_testkit::scenarios::{ScenarioStore, WriteInvoice};
-use serde_json::json;
-
-fn order(id: &str) -> Message {
-    Message::new(id, "orders", "order.created", json!({ "order": id }))
-}
 
 /// Writes the invoice, then for its first `fails` calls per message runs
 /// a statement that fails with `sqlstate` and returns that error.
 struct Contended {
     sqlstate: &'static str,
     fails: usize,
-    calls: Mutex<HashMap<String, usize>>,
+    calls: Calls,
 }
 
 impl Contended {
@@ -35,7 +32,7 @@ impl Contended {
         Arc::new(Self {
             sqlstate,
             fails,
-            calls: Mutex::new(HashMap::new()),
+            calls: Calls::default(),
         })
     }
 }
@@ -44,15 +41,7 @@ impl Contended {
 impl Handler<PgTx> for Contended {
     type Output = ();
     async fn handle(&self, m: &Message, tx: &mut PgTx) -> Result<(), HandlerError> {
-        let call = {
-            let mut calls = self
-                .calls
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let n = calls.entry(m.message_id.clone()).or_insert(0);
-            *n += 1;
-            *n
-        };
+        let call = self.calls.next(m);
         tx.write_invoice(&m.message_id).await?;
         if call <= self.fails {
             tx.connection()
@@ -64,12 +53,6 @@ impl Handler<PgTx> for Contended {
         }
         Ok(())
     }
-}
-
-async fn dead_letters(store: &PgStore) -> i64 {
-    count(store, "SELECT count(*) FROM inbox_dead_letters", vec![])
-        .await
-        .unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// A budget of 2 and five serialization failures (then deadlocks) before
@@ -93,23 +76,11 @@ async fn the_runner_retries_transient_errors_without_spending_the_budget() {
             Contended::new(sqlstate, 5),
             config,
         );
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-        while broker.acked("billing", "orders", 0) != Some(1)
-            && tokio::time::Instant::now() < deadline
-        {
-            if runner
-                .process_one()
-                .await
-                .unwrap_or_else(|e| panic!("{e}"))
-                .is_none()
-            {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        }
+        process_until_acked(&mut runner, &broker, 1, Duration::from_secs(20)).await;
         assert_eq!(broker.acked("billing", "orders", 0), Some(1), "{sqlstate}");
         assert_eq!(store.invoices("o-1").await, 1, "{sqlstate}: handled once");
         assert_eq!(
-            dead_letters(&store).await,
+            dead_letters(&store, "o-1").await,
             0,
             "{sqlstate}: not dead-lettered"
         );
@@ -129,20 +100,9 @@ async fn the_runner_retries_transient_errors_without_spending_the_budget() {
         Contended::new("P0001", 5),
         config,
     );
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while broker.acked("billing", "orders", 0) != Some(1) && tokio::time::Instant::now() < deadline
-    {
-        if runner
-            .process_one()
-            .await
-            .unwrap_or_else(|e| panic!("{e}"))
-            .is_none()
-        {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
+    process_until_acked(&mut runner, &broker, 1, Duration::from_secs(20)).await;
     assert_eq!(
-        dead_letters(&store).await,
+        dead_letters(&store, "o-1").await,
         1,
         "a business error spends the budget"
     );

@@ -1,0 +1,82 @@
+//! Shared pieces of the PostgreSQL suites that drive a runner over the
+//! in-memory broker: orders, a per-message call count for misbehaving
+//! handlers, driving a runner until a partition is acknowledged, counts.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use inbox_core::{Consumer, Handler, InboxStore, Message, Metrics, Runner};
+use inbox_postgres::PgStore;
+use inbox_testkit::MemBroker;
+use serde_json::json;
+
+/// An `order.created` message for order `id` on topic `orders`.
+pub fn order(id: &str) -> Message {
+    Message::new(id, "orders", "order.created", json!({ "order": id }))
+}
+
+/// Counts a handler's calls per message id.
+#[derive(Debug, Default)]
+pub struct Calls(Mutex<HashMap<String, usize>>);
+
+impl Calls {
+    /// Counts one more call for `m`; the first call gives 1.
+    pub fn next(&self, m: &Message) -> usize {
+        let mut calls = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let n = calls.entry(m.message_id.clone()).or_insert(0);
+        *n += 1;
+        *n
+    }
+}
+
+/// Processes messages one at a time until `broker` has acknowledged
+/// partition 0 of `orders` up to `end` for group `billing`, or `within`
+/// has passed (the caller's assertions then say what is missing).
+pub async fn process_until_acked<S, C, H, M>(
+    runner: &mut Runner<S, C, H, M>,
+    broker: &MemBroker,
+    end: i64,
+    within: Duration,
+) where
+    S: InboxStore,
+    C: Consumer,
+    H: Handler<S::Tx>,
+    M: Metrics,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    while broker.acked("billing", "orders", 0) != Some(end)
+        && tokio::time::Instant::now() < deadline
+    {
+        if runner
+            .process_one()
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .is_none()
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+/// `SELECT count(*)`-like `sql` with one text parameter, as a number.
+pub async fn count_of(store: &PgStore, sql: &str, param: &str) -> i64 {
+    inbox_testkit::pg::count(store, sql, vec![param.into()])
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Dead letters recorded for message `id`.
+pub async fn dead_letters(store: &PgStore, id: &str) -> i64 {
+    count_of(
+        store,
+        "SELECT count(*) FROM inbox_dead_letters WHERE message_id = $1",
+        id,
+    )
+    .await
+}

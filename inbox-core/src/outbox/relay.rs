@@ -153,12 +153,12 @@ impl Drop for AbortOnDrop {
 
 /// Most row ids a relay leaves out of its reads while their partitions
 /// back off (their ids are kept in memory and sent with each read).
-const MAX_HELD_IDS: usize = 100_000;
+const MAX_PARKED_IDS: usize = 100_000;
 
 /// A partition (or a whole topic, partition -1, whose partition count
 /// could not be looked up) backing off after failures.
 #[derive(Debug)]
-struct Held {
+struct Paused {
     /// It is tried again from then on.
     until: Instant,
     /// Failures in a row.
@@ -167,7 +167,7 @@ struct Held {
     ids: Vec<i64>,
 }
 
-/// The whole topic, in [`Relay`]'s holds.
+/// The whole topic, in [`Relay`]'s pauses.
 const WHOLE_TOPIC: i32 = -1;
 
 /// The slots a relay holds, with their claim epochs.
@@ -213,9 +213,9 @@ pub struct Relay<S, P> {
     partitions: HashMap<String, (i32, Instant)>,
     unknown_since: HashMap<String, Instant>,
     /// Partitions and topics backing off after failures, each on its own.
-    held: HashMap<(String, i32), Held>,
-    /// How many ids `held` keeps in all.
-    held_ids: usize,
+    paused: HashMap<(String, i32), Paused>,
+    /// How many ids `paused` keeps in all.
+    parked_ids: usize,
 }
 
 impl<S, P> std::fmt::Debug for Relay<S, P> {
@@ -242,21 +242,21 @@ where
             claims: SlotClaims::new(),
             partitions: HashMap::new(),
             unknown_since: HashMap::new(),
-            held: HashMap::new(),
-            held_ids: 0,
+            paused: HashMap::new(),
+            parked_ids: 0,
         }
     }
 
     /// Whether `key` is backing off at `now`.
-    fn is_held(&self, key: &(String, i32), now: Instant) -> bool {
-        self.held.get(key).is_some_and(|h| h.until > now)
+    fn is_paused(&self, key: &(String, i32), now: Instant) -> bool {
+        self.paused.get(key).is_some_and(|h| h.until > now)
     }
 
     /// One more failure of `key` at `now`: it backs off for the retry
     /// backoff's next delay (unless it is backing off already).
     fn back_off(&mut self, key: &(String, i32), now: Instant) {
         let retry = self.config.retry;
-        let h = self.held.entry(key.clone()).or_insert(Held {
+        let h = self.paused.entry(key.clone()).or_insert(Paused {
             until: now,
             failures: 0,
             ids: Vec::new(),
@@ -268,24 +268,24 @@ where
     }
 
     /// Leaves row `id` of `key` (backing off) out of the reads until the
-    /// backoff ends, up to [`MAX_HELD_IDS`] ids in all.
+    /// backoff ends, up to [`MAX_PARKED_IDS`] ids in all.
     fn park(&mut self, key: &(String, i32), id: i64) {
-        if self.held_ids >= MAX_HELD_IDS {
+        if self.parked_ids >= MAX_PARKED_IDS {
             return;
         }
-        if let Some(h) = self.held.get_mut(key) {
+        if let Some(h) = self.paused.get_mut(key) {
             h.ids.push(id);
-            self.held_ids += 1;
+            self.parked_ids += 1;
         }
     }
 
-    /// The ids to leave out of the next read; the holds that ran out give
+    /// The ids to leave out of the next read; the pauses that ran out give
     /// their rows back (read again, oldest first).
-    fn release_holds(&mut self, now: Instant) -> Vec<i64> {
+    fn resume_paused(&mut self, now: Instant) -> Vec<i64> {
         let mut except = Vec::new();
-        for h in self.held.values_mut() {
+        for h in self.paused.values_mut() {
             if h.until <= now {
-                self.held_ids = self.held_ids.saturating_sub(h.ids.len());
+                self.parked_ids = self.parked_ids.saturating_sub(h.ids.len());
                 h.ids.clear();
             } else {
                 except.extend_from_slice(&h.ids);
@@ -294,10 +294,10 @@ where
         except
     }
 
-    /// When the first hold ends, if one is in force.
-    fn next_release(&self) -> Option<Instant> {
+    /// When the first pause ends, if one is in force.
+    fn next_resume(&self) -> Option<Instant> {
         let now = Instant::now();
-        self.held
+        self.paused
             .values()
             .filter(|h| h.until > now)
             .map(|h| h.until)
@@ -351,7 +351,7 @@ where
         }
         let slots: Vec<i32> = self.claims.keys().copied().collect();
         let now = Instant::now();
-        let except = self.release_holds(now);
+        let except = self.resume_paused(now);
         let rows = self
             .store
             .pending(&slots, self.config.batch_size, &except)
@@ -368,7 +368,7 @@ where
         for row in &rows {
             let topic = &row.message.topic;
             let whole = (topic.clone(), WHOLE_TOPIC);
-            if self.is_held(&whole, now) {
+            if self.is_paused(&whole, now) {
                 self.park(&whole, row.id);
                 continue;
             }
@@ -403,9 +403,9 @@ where
                     continue;
                 }
             };
-            self.held.remove(&whole);
+            self.paused.remove(&whole);
             let key = (topic.clone(), row.partition(count));
-            if self.is_held(&key, now) {
+            if self.is_paused(&key, now) {
                 // its partition backs off on its own: the others go on
                 self.park(&key, row.id);
                 continue;
@@ -460,7 +460,7 @@ where
         }
         self.mark(&claims, &sent, &mut round).await?;
         for i in done {
-            self.held.remove(&groups[i].0);
+            self.paused.remove(&groups[i].0);
         }
         for (i, e) in failed {
             let (key, batch) = &groups[i];
@@ -692,8 +692,8 @@ where
                     summary.published += r.published;
                     summary.unmarked += r.unmarked;
                     summary.dead_lettered += r.dead_lettered;
-                    // a failure of a partition or topic holds that one
-                    // back on its own (its rows left out of the reads until
+                    // a failure of a partition or topic pauses that one
+                    // on its own (its rows left out of the reads until
                     // its backoff ends): the relay goes on with the rest
                     failures = 0;
                     if let Some(f) = &r.failed {
@@ -703,7 +703,7 @@ where
                     if progress && r.fetched >= self.config.batch_size {
                         continue;
                     }
-                    if let Some(at) = self.next_release() {
+                    if let Some(at) = self.next_resume() {
                         wait = wait.min(at.saturating_duration_since(Instant::now()));
                     }
                 }

@@ -317,6 +317,7 @@ where
                         members,
                         owned: owned.clone(),
                     });
+                    kafka.health.assigned(Some(owned.clone()));
                     if owned.is_empty() {
                         running = Some(Running {
                             owned,
@@ -342,6 +343,7 @@ where
             _ = ticks.tick() => {}
         }
     }
+    kafka.health.assigned(None);
     if let Some(r) = running.take() {
         summary.messages += r.stop().await;
     }

@@ -13,8 +13,13 @@
 //! let kafka = KafkaConfig::new(vec!["localhost:9092".into()], "billing", vec![]);
 //! let health = kafka.health.clone();
 //! // tokio::spawn(run_group(kafka, ...));
-//! // in the readiness probe:
-//! let ready = !health.owned().is_empty() && health.stalled(Duration::from_secs(60)).is_empty();
+//! // the readiness probe: the member has its share of the group (an idle
+//! // member of a group with more members than partitions has none, and is
+//! // ready), every partition of it claimed
+//! let ready = health.ready();
+//! // the liveness probe: no owned partition behind and still for a minute
+//! let live = health.live(Duration::from_secs(60));
+//! # assert!(!ready && live);
 //! ```
 
 use std::collections::BTreeMap;
@@ -71,6 +76,10 @@ pub struct HealthHandle {
 struct Inner {
     partitions: Mutex<BTreeMap<(String, i32), (u64, PartitionHealth)>>,
     consumers: AtomicU64,
+    /// The partitions this member is to read: its share of the group's
+    /// latest assignment (`run_group`), or all of its configuration
+    /// (`run_partitioned`); `None` before it has one.
+    assigned: Mutex<Option<Vec<(String, i32)>>>,
 }
 
 impl std::fmt::Debug for HealthHandle {
@@ -110,6 +119,44 @@ impl HealthHandle {
             .filter(|(_, h)| h.is_stalled(limit, now))
             .map(|(_, h)| h.clone())
             .collect()
+    }
+
+    /// Ready to serve: the member knows its share of the partitions and
+    /// reads every one of them. An idle member (its group has more members
+    /// than partitions, so its share is empty) is ready; a member that has
+    /// not joined its group yet, or whose consumer has not claimed a
+    /// partition of its share yet, is not.
+    pub fn ready(&self) -> bool {
+        let assigned = self
+            .inner
+            .assigned
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        match assigned {
+            None => false,
+            Some(share) => {
+                let owned = self.owned();
+                share.iter().all(|p| owned.contains(p))
+            }
+        }
+    }
+
+    /// Alive: no owned partition is stalled (behind, and not moved for
+    /// `limit`; see [`PartitionHealth::is_stalled`]). A member that owns
+    /// nothing is alive.
+    pub fn live(&self, limit: Duration) -> bool {
+        self.stalled(limit).is_empty()
+    }
+
+    /// The member's share of the partitions is `share` from now on (`None`:
+    /// it has none, having left its group).
+    pub(crate) fn assigned(&self, share: Option<Vec<(String, i32)>>) {
+        *self
+            .inner
+            .assigned
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = share;
     }
 
     /// Records behind over the owned partitions.
@@ -215,5 +262,31 @@ mod tests {
         health.released(me);
         assert_eq!(health.owned(), vec![("orders".to_owned(), 1)]);
         assert_eq!(health.lag_records(), 0);
+    }
+
+    /// Ready is the member's whole share claimed, an empty share included;
+    /// live is nothing stalled.
+    #[test]
+    fn ready_and_live() {
+        let health = HealthHandle::new();
+        assert!(!health.ready(), "no share before the member joins");
+        health.assigned(Some(Vec::new()));
+        assert!(health.ready(), "an idle member is ready");
+        health.assigned(Some(vec![("orders".into(), 0), ("orders".into(), 1)]));
+        let me = health.reporter();
+        health.claimed(me, "orders", 0, 0);
+        assert!(!health.ready(), "partition 1 not claimed yet");
+        health.claimed(me, "orders", 1, 0);
+        assert!(health.ready());
+        assert!(health.live(Duration::from_secs(60)));
+        health.update(me, "orders", 1, |h| {
+            h.lag_records = 5;
+            h.claimed_at = SystemTime::now() - Duration::from_secs(120);
+        });
+        assert!(!health.live(Duration::from_secs(60)), "a stalled partition");
+        health.released(me);
+        assert!(!health.ready(), "its share is not read any more");
+        health.assigned(None);
+        assert!(!health.ready(), "left the group");
     }
 }

@@ -142,6 +142,7 @@ where
     H: Handler<S::Tx> + 'static,
 {
     config.check_group(&runner)?;
+    config.health.assigned(Some(config.partitions.clone()));
     let workers = workers.clamp(1, config.partitions.len().max(1));
     let mut groups: Vec<Vec<(String, i32)>> = vec![Vec::new(); workers];
     for (i, p) in config.partitions.iter().enumerate() {

@@ -444,3 +444,53 @@ async fn a_runner_of_another_group_is_refused() {
         "refused before connecting"
     );
 }
+
+/// Readiness fits a group with more members than partitions: of two
+/// members over one partition, the one that owns it and the idle one are
+/// both ready (the idle one's share is empty), and both are live. The probe
+/// the guide used to show (`owned()` not empty) never passed on the idle one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_member_is_ready() {
+    let env = env("idle", 1).await;
+    let handler = ScriptedHandler::new([], Act::Succeed);
+    let mut members = Vec::new();
+    for id in ["member-a", "member-b"] {
+        let kafka = env.kafka_config("billing");
+        let health = kafka.health.clone();
+        let mut group = GroupConfig::new(id, vec![env.topic.clone()]);
+        group.heartbeat = Duration::from_millis(100);
+        group.lease = Duration::from_millis(800);
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(run_group(
+            kafka,
+            group,
+            env.store.clone(),
+            handler.clone(),
+            config("billing", AckStrategy::default()),
+            Arc::new(NoopMetrics),
+            cancel.clone(),
+        ));
+        assert!(!health.ready(), "not ready before it joined");
+        members.push((health, cancel, task));
+    }
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !members.iter().all(|(h, _, _)| h.ready()) {
+        assert!(Instant::now() < deadline, "both members ready");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // settled: one owner, one idle
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let owned: Vec<usize> = members.iter().map(|(h, _, _)| h.owned().len()).collect();
+    assert_eq!(owned.iter().sum::<usize>(), 1, "{owned:?}");
+    for (health, _, _) in &members {
+        assert!(health.ready());
+        assert!(health.live(Duration::from_secs(60)));
+    }
+    for (health, cancel, task) in members {
+        cancel.cancel();
+        task.await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(!health.ready(), "a member that left is not ready");
+    }
+}

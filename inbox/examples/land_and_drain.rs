@@ -63,6 +63,15 @@ const GROUP: &str = "payments";
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // the library's warnings (a failing handler, a poison record, a broker
+    // or database that went away) are seen: on stderr, `RUST_LOG` to change
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
     let url = std::env::var("DATABASE_URL").map_err(|_| "set DATABASE_URL")?;
     let brokers: Vec<String> = std::env::var("KAFKA_BROKERS")
         .unwrap_or_else(|_| "localhost:9092".into())

@@ -187,6 +187,15 @@ fn check(what: &str, ok: bool) -> Result<(), Box<dyn std::error::Error>> {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // the library's warnings (a failing handler, a poison record, a broker
+    // or database that went away) are seen: on stderr, `RUST_LOG` to change
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
     // 1. delivered twice: billed once
     let (store, broker) = (MemStore::new(), MemBroker::new());
     broker.produce("orders", 0, order("order-1"));

@@ -50,6 +50,11 @@ pub struct GroupConfig {
     /// move. Default 5 s. Longer than a few heartbeats, shorter than what
     /// you accept as failover time.
     pub lease: Duration,
+    /// Wait for topics the brokers do not know yet (their partitions are
+    /// shared once they are created) instead of refusing them at start.
+    /// Default `false`: a misspelled topic is an error, not a member that
+    /// silently owns nothing.
+    pub wait_for_topics: bool,
 }
 
 impl GroupConfig {
@@ -60,6 +65,7 @@ impl GroupConfig {
             topics,
             heartbeat: Duration::from_secs(1),
             lease: Duration::from_secs(5),
+            wait_for_topics: false,
         }
     }
 
@@ -229,9 +235,9 @@ where
         .map(|t| t.name)
         .collect();
     let unknown: Vec<&String> = group.topics.iter().filter(|t| !known.contains(t)).collect();
-    if !unknown.is_empty() {
+    if !unknown.is_empty() && !group.wait_for_topics {
         return Err(KafkaError::Config(format!(
-            "the brokers do not know the topics {unknown:?} (misspelled, or not created yet? the group does not create them); they know {} topics",
+            "the brokers do not know the topics {unknown:?} (misspelled? not created yet: create them first, or set GroupConfig::wait_for_topics); they know {} topics",
             known.len()
         )));
     }

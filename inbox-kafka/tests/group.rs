@@ -39,6 +39,9 @@ fn member_of(
     let mut group = GroupConfig::new(id, topics);
     group.heartbeat = Duration::from_millis(100);
     group.lease = Duration::from_millis(800);
+    // partitions_that_appear_while_members_run_are_shared names a topic
+    // that is created while the members run
+    group.wait_for_topics = true;
     let cancel = CancellationToken::new();
     let task = tokio::spawn(run_group(
         env.kafka_config("billing"),

@@ -284,6 +284,48 @@ async fn batched_an_ending_charges_only_its_message() {
     }
 }
 
+/// Batched with a savepoint per handler after a failure: a second message
+/// whose handler ends the transaction in the savepoint attempt (no
+/// savepoint left to return to) is charged alone; the message handled
+/// before it in that attempt is not charged a storage failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_with_savepoints_an_ending_charges_only_its_message() {
+    let store = store().await;
+    let broker = MemBroker::new();
+    for (p, id) in [(0, "ok-1"), (0, "bad-2"), (1, "bad-3"), (1, "ok-4")] {
+        broker.produce("orders", p, order(id));
+    }
+    let mut batch = BatchConfig::new(10);
+    batch.max_wait = Duration::ZERO;
+    batch.adaptive = false;
+    batch.savepoints_after_failure = true;
+    let mut runner = Runner::new(
+        store.clone(),
+        broker.consumer("billing"),
+        Ender::new("ROLLBACK", 1),
+        config().batched(batch),
+    );
+    let messages = runner
+        .next_batch(batch)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(messages.len(), 4);
+    let result = runner.process_batch(messages).await;
+    let stored: Vec<&str> = result
+        .results
+        .iter()
+        .filter(|r| matches!(r.error, Some(inbox_core::ProcessError::Persist(_))))
+        .map(|r| r.message_id.as_str())
+        .collect();
+    assert!(stored.is_empty(), "no storage failure charged: {result:?}");
+    assert_eq!(store.invoices("ok-1").await, 1, "{result:?}");
+    assert_eq!(broker.acked("billing", "orders", 0), Some(1), "up to bad-2");
+    assert_eq!(broker.acked("billing", "orders", 1), None, "bad-3 first");
+    for bad in ["bad-2", "bad-3"] {
+        assert_eq!(store.invoices(bad).await, 0, "{bad}");
+    }
+}
+
 /// The batch processor: a landed row whose handler ends the transaction
 /// is not completed by a write outside the transaction; its neighbours
 /// complete and it is retried.

@@ -63,6 +63,13 @@ where
                     if e.kind == StoreErrorKind::Unsupported {
                         return Attempt::NoSavepoints;
                     }
+                    if e.kind == StoreErrorKind::Aborted
+                        && matches!(slots[i].fate, Fate::Decided(_))
+                    {
+                        // decided apart (its handler ended the transaction):
+                        // the others are replayed
+                        return Attempt::Replay;
+                    }
                     return super::optimistic::refused_alone_or_all(slots, i, stage, e, None);
                 }
             }
@@ -162,9 +169,15 @@ where
         let d = decision::after_handler(policy, row, outcome.class());
         let work = Work::new(d, Some(row_id), Some(outcome));
         if d.transaction == TxAction::Rollback || d.holds_partition() {
-            tx.rollback_to_savepoint()
-                .await
-                .map_err(|e| (PersistStage::Insert, e))?;
+            if let Err(e) = tx.rollback_to_savepoint().await {
+                if e.kind == StoreErrorKind::Aborted {
+                    // the handler ended the transaction: no savepoint to
+                    // return to; its failure is decided apart and the rest
+                    // of the batch replayed (the caller sees it decided)
+                    decide_and_return_rest(slots, i, work);
+                }
+                return Err((PersistStage::Insert, e));
+            }
             if row == RowState::New {
                 // inserted (completed) before the savepoint: gone, as alone
                 tx.discard_rows(&[row_id])

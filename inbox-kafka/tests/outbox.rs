@@ -477,16 +477,36 @@ async fn enqueue_keyed(env: &common::Env, keys: impl IntoIterator<Item = String>
     }
 }
 
-/// A publisher whose appends to one partition always fail (its leader
-/// unreachable, say) while the others go to Kafka.
-struct OnePartitionDown {
+/// What a [`OnePartition`] publisher does to its partition's appends.
+enum Fault {
+    /// They fail (its leader unreachable, say).
+    Fails,
+    /// They take this long (a slow leader), then go to Kafka.
+    Slow(Duration),
+}
+
+/// A publisher whose appends to one partition meet a [`Fault`] while the
+/// others go to Kafka.
+struct OnePartition {
     inner: KafkaPublisher,
-    down: i32,
-    tries: AtomicUsize,
+    partition: i32,
+    fault: Fault,
+}
+
+impl OnePartition {
+    async fn connect(env: &common::Env, partition: i32, fault: Fault) -> Self {
+        Self {
+            inner: KafkaPublisher::connect(&env.kafka_config("relay"))
+                .await
+                .unwrap_or_else(|e| panic!("{e}")),
+            partition,
+            fault,
+        }
+    }
 }
 
 #[async_trait]
-impl Publisher for OnePartitionDown {
+impl Publisher for OnePartition {
     async fn partitions(&self, topic: &str) -> Result<i32, PublishError> {
         self.inner.partitions(topic).await
     }
@@ -497,12 +517,16 @@ impl Publisher for OnePartitionDown {
         partition: i32,
         rows: &[&OutboxRow],
     ) -> Result<(), PublishError> {
-        if partition == self.down {
-            self.tries.fetch_add(1, Ordering::SeqCst);
-            return Err(PublishError::new(
-                inbox_core::outbox::PublishErrorKind::Unavailable,
-                "leader unreachable (injected)",
-            ));
+        if partition == self.partition {
+            match self.fault {
+                Fault::Fails => {
+                    return Err(PublishError::new(
+                        inbox_core::outbox::PublishErrorKind::Unavailable,
+                        "leader unreachable (injected)",
+                    ));
+                }
+                Fault::Slow(delay) => tokio::time::sleep(delay).await,
+            }
         }
         self.inner.publish(topic, partition, rows).await
     }
@@ -523,13 +547,7 @@ async fn a_failing_partition_does_not_hold_back_the_others() {
             .chain(keys_on_partition_0(false, 20)),
     )
     .await;
-    let publisher = OnePartitionDown {
-        inner: KafkaPublisher::connect(&env.kafka_config("relay"))
-            .await
-            .unwrap_or_else(|e| panic!("{e}")),
-        down: 0,
-        tries: AtomicUsize::new(0),
-    };
+    let publisher = OnePartition::connect(&env, 0, Fault::Fails).await;
     let mut config = RelayConfig::new("relay-1").unwrap_or_else(|e| panic!("{e}"));
     config.batch_size = 10;
     config.retry = inbox_core::Backoff::new(Duration::from_secs(5), Duration::from_secs(5), 1.0);
@@ -550,33 +568,6 @@ async fn a_failing_partition_does_not_hold_back_the_others() {
     );
 }
 
-/// A publisher whose appends to one partition take `delay` (a slow
-/// leader) and then go to Kafka like the others'.
-struct OnePartitionSlow {
-    inner: KafkaPublisher,
-    slow: i32,
-    delay: Duration,
-}
-
-#[async_trait]
-impl Publisher for OnePartitionSlow {
-    async fn partitions(&self, topic: &str) -> Result<i32, PublishError> {
-        self.inner.partitions(topic).await
-    }
-
-    async fn publish(
-        &self,
-        topic: &str,
-        partition: i32,
-        rows: &[&OutboxRow],
-    ) -> Result<(), PublishError> {
-        if partition == self.slow {
-            tokio::time::sleep(self.delay).await;
-        }
-        self.inner.publish(topic, partition, rows).await
-    }
-}
-
 /// One round over a slow partition (3 s an append) and fast ones: the fast
 /// partitions' rows are marked sent while the slow append is still under
 /// way, not after it.
@@ -590,13 +581,7 @@ async fn a_slow_partition_does_not_delay_the_others_marks() {
             .chain(keys_on_partition_0(false, 20)),
     )
     .await;
-    let publisher = OnePartitionSlow {
-        inner: KafkaPublisher::connect(&env.kafka_config("relay"))
-            .await
-            .unwrap_or_else(|e| panic!("{e}")),
-        slow: 0,
-        delay: Duration::from_secs(3),
-    };
+    let publisher = OnePartition::connect(&env, 0, Fault::Slow(Duration::from_secs(3))).await;
     let mut r = Relay::new(
         env.store.clone(),
         publisher,

@@ -53,6 +53,7 @@ pub mod consumer;
 pub mod decision;
 pub mod error;
 pub mod handler;
+pub mod headers;
 pub mod maintenance;
 pub mod metrics;
 pub mod model;
@@ -71,6 +72,7 @@ pub use error::{
     StoreErrorKind, ValidationError,
 };
 pub use handler::{Handler, NoHandler};
+pub use headers::Headers;
 pub use metrics::{
     CountingMetrics, Counts, MetricEvent, Metrics, NoopMetrics, record_safely, topic_label,
 };

@@ -6,7 +6,6 @@
 //! runner calls it before anything is written, so bad input never reaches a
 //! store.
 
-use std::collections::BTreeMap;
 use std::fmt;
 
 use chrono::{DateTime, Utc};
@@ -14,6 +13,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::error::ValidationError;
+use crate::headers::Headers;
 
 /// Largest serialized payload accepted, in bytes.
 pub const MAX_PAYLOAD_BYTES: usize = 1_000_000;
@@ -100,8 +100,9 @@ pub struct Message {
     pub event_type: String,
     /// The JSON payload; must be a non-empty object.
     pub payload: Value,
-    /// Headers, UTF-8 keys and values.
-    pub headers: BTreeMap<String, String>,
+    /// Headers, UTF-8 names and values, in the record's order (a name may
+    /// repeat).
+    pub headers: Headers,
     /// Trace id, when the producer set one.
     pub trace_id: Option<String>,
     /// Correlation id, when the producer set one.
@@ -159,7 +160,7 @@ impl Message {
             source: source.into(),
             event_type: event_type.into(),
             payload,
-            headers: BTreeMap::new(),
+            headers: Headers::new(),
             trace_id: None,
             correlation_id: None,
             causation_id: None,
@@ -178,9 +179,9 @@ impl Message {
         self
     }
 
-    /// The same message with one more header.
+    /// The same message with one more header, after the others.
     pub fn with_header(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
-        self.headers.insert(key.into(), value.into());
+        self.headers.push(key, value);
         self
     }
 
@@ -327,7 +328,7 @@ fn json_kind(value: &Value) -> &'static str {
 /// [`ValidationError::TooManyHeaders`], [`ValidationError::HeaderKeyTooLong`],
 /// [`ValidationError::HeaderValueTooLong`] or [`ValidationError::Empty`] for an
 /// empty key.
-pub fn validate_headers(headers: &BTreeMap<String, String>) -> Result<(), ValidationError> {
+pub fn validate_headers(headers: &Headers) -> Result<(), ValidationError> {
     if headers.len() > MAX_HEADERS {
         return Err(ValidationError::TooManyHeaders {
             max: MAX_HEADERS,
@@ -356,7 +357,7 @@ pub fn validate_headers(headers: &BTreeMap<String, String>) -> Result<(), Valida
         let value_chars = value.chars().count();
         if value_chars > MAX_HEADER_VALUE_CHARS {
             return Err(ValidationError::HeaderValueTooLong {
-                key: key.clone(),
+                key: key.to_owned(),
                 max: MAX_HEADER_VALUE_CHARS,
                 actual: value_chars,
             });
@@ -617,7 +618,7 @@ mod tests {
         m.payload = json!({"deep": [{"k\u{0}": 1}]});
         assert_eq!(m.validate("billing"), nul("payload"), "a key, nested");
         let mut m = ok();
-        m.headers.insert("trace".into(), "x\0".into());
+        m.headers.push("trace", "x\0");
         assert_eq!(m.validate("billing"), nul("header \"trace\""));
         assert_eq!(ok().validate("bill\0ing"), nul("consumer_group"));
     }
@@ -731,12 +732,12 @@ mod tests {
 
     #[test]
     fn header_rules() {
-        let mut h = BTreeMap::new();
+        let mut h = Headers::new();
         for i in 0..100 {
-            h.insert(format!("k{i}"), "v".into());
+            h.push(format!("k{i}"), "v");
         }
         assert_eq!(validate_headers(&h), Ok(()));
-        h.insert("one-more".into(), "v".into());
+        h.push("one-more", "v");
         assert_eq!(
             validate_headers(&h),
             Err(ValidationError::TooManyHeaders {
@@ -744,14 +745,14 @@ mod tests {
                 actual: 101
             })
         );
-        let mut h = BTreeMap::new();
-        h.insert("k".repeat(65), "v".into());
+        let mut h = Headers::new();
+        h.push("k".repeat(65), "v");
         assert!(matches!(
             validate_headers(&h),
             Err(ValidationError::HeaderKeyTooLong { actual: 65, .. })
         ));
-        let mut h = BTreeMap::new();
-        h.insert("k".into(), "v".repeat(513));
+        let mut h = Headers::new();
+        h.push("k", "v".repeat(513));
         assert!(matches!(
             validate_headers(&h),
             Err(ValidationError::HeaderValueTooLong { actual: 513, .. })

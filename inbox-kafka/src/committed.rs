@@ -6,182 +6,67 @@
 //! that overlap the range (producer id, first offset) and the client drops
 //! their batches, up to each producer's abort marker. rskafka 0.6 asks for
 //! read_committed but discards that list, so its consumers apply aborted
-//! records. This module fetches through rskafka's protocol layer instead
-//! (its `messenger` and `protocol` modules, public with the
-//! `unstable-fuzzing` feature; the workspace pins rskafka to `=0.6.0` for
-//! that reason), keeps the list, and filters the batches itself
-//! ([`committed_records`]). Everything else (metadata, ListOffsets,
-//! producing) stays on rskafka's client.
+//! records, and its records keep headers in a map (sorted, a repeated name
+//! lost). This module fetches through rskafka's protocol layer instead
+//! ([`crate::wire`]), keeps the list, filters the batches itself
+//! ([`committed_records`]) and keeps headers as they came. Every consumer
+//! fetches this way; with `read_committed` off it asks for
+//! read_uncommitted and delivers every record (never the markers).
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 
 use async_trait::async_trait;
 use chrono::{TimeZone, Utc};
-use rskafka::client::SaslConfig;
 use rskafka::client::partition::{OffsetAt, PartitionClient};
-use rskafka::messenger::Messenger;
 use rskafka::protocol::error::Error as ApiError;
 use rskafka::protocol::messages::{
     FetchRequest, FetchRequestPartition, FetchRequestTopic, FetchResponseAbortedTransaction,
-    IsolationLevel, MetadataRequest, MetadataRequestTopic,
+    IsolationLevel,
 };
 use rskafka::protocol::primitives::{Int32, Int64, String_};
 use rskafka::protocol::record::{
     ControlBatchOrRecords, ControlBatchRecord, RecordBatch, RecordBatchTimestampType,
 };
-use rskafka::record::{Record, RecordAndOffset};
-use tokio::io::{AsyncRead, AsyncWrite, BufStream};
-use tokio::net::TcpStream;
 
 use crate::consumer::{Fetch, FetchError, Page};
-
-/// A transport the messenger can run over: TCP, or TLS over TCP.
-trait Io: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
-impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Io for T {}
-
-type Conn = Messenger<BufStream<Box<dyn Io>>>;
-
-/// Largest response accepted (rskafka's default).
-const MAX_MESSAGE_SIZE: usize = 100 * 1024 * 1024;
-
-/// How connections to brokers are made: the same client id, TLS and SASL
-/// as the rskafka client of the configuration.
-pub(crate) struct Dialer {
-    pub(crate) bootstrap: Vec<String>,
-    pub(crate) client_id: Arc<str>,
-    pub(crate) tls: Option<Arc<rustls::ClientConfig>>,
-    pub(crate) sasl: Option<SaslConfig>,
-}
+use crate::wire::{Dialer, Fetched, Leader, Record};
 
 fn failed(what: impl std::fmt::Display) -> FetchError {
     FetchError::Other(what.to_string())
 }
 
-impl Dialer {
-    async fn connect(&self, address: &str) -> Result<Conn, FetchError> {
-        let (host, _) = address
-            .rsplit_once(':')
-            .ok_or_else(|| failed(format!("broker address {address:?} has no port")))?;
-        let tcp = TcpStream::connect(address)
-            .await
-            .map_err(|e| failed(format!("connecting to {address}: {e}")))?;
-        let _ = tcp.set_nodelay(true);
-        let stream: Box<dyn Io> = match &self.tls {
-            None => Box::new(tcp),
-            Some(config) => {
-                let name = rustls::pki_types::ServerName::try_from(host.to_owned())
-                    .map_err(|e| failed(format!("{host}: {e}")))?;
-                let tls = tokio_rustls::TlsConnector::from(Arc::clone(config))
-                    .connect(name, tcp)
-                    .await
-                    .map_err(|e| failed(format!("TLS with {address}: {e}")))?;
-                Box::new(tls)
-            }
-        };
-        let mut conn = Messenger::new(
-            BufStream::new(stream),
-            MAX_MESSAGE_SIZE,
-            Arc::clone(&self.client_id),
-        );
-        conn.sync_versions()
-            .await
-            .map_err(|e| failed(format!("{address}: {e}")))?;
-        if let Some(sasl) = &self.sasl {
-            conn.do_sasl(sasl.clone())
-                .await
-                .map_err(|e| failed(format!("{address}: {e}")))?;
-        }
-        Ok(conn)
-    }
-
-    /// A connection to the leader of `topic`/`partition`, found through the
-    /// first bootstrap broker that answers.
-    async fn leader(&self, topic: &str, partition: i32) -> Result<Conn, FetchError> {
-        let mut last = failed("no bootstrap broker");
-        for address in &self.bootstrap {
-            let conn = match self.connect(address).await {
-                Ok(c) => c,
-                Err(e) => {
-                    last = e;
-                    continue;
-                }
-            };
-            let metadata = conn
-                .request(MetadataRequest {
-                    topics: Some(vec![MetadataRequestTopic {
-                        name: String_(topic.to_owned()),
-                    }]),
-                    allow_auto_topic_creation: None,
-                })
-                .await
-                .map_err(|e| failed(format!("metadata from {address}: {e}")))?;
-            let leader = metadata
-                .topics
-                .iter()
-                .find(|t| t.name.0 == topic)
-                .and_then(|t| {
-                    t.partitions
-                        .iter()
-                        .find(|p| p.partition_index.0 == partition)
-                })
-                .map(|p| p.leader_id.0)
-                .ok_or_else(|| failed(format!("{topic}:{partition}: not in the metadata")))?;
-            let broker = metadata
-                .brokers
-                .iter()
-                .find(|b| b.node_id.0 == leader)
-                .ok_or_else(|| failed(format!("{topic}:{partition}: leader {leader} unknown")))?;
-            let leader_address = format!("{}:{}", broker.host.0, broker.port.0);
-            if &leader_address == address {
-                return Ok(conn);
-            }
-            return self.connect(&leader_address).await;
-        }
-        Err(last)
-    }
-}
-
-/// A partition read through the transaction-aware fetch; ListOffsets
-/// through rskafka's partition client.
+/// A partition read through our own fetch (read_committed or not);
+/// ListOffsets through rskafka's partition client.
 pub(crate) struct CommittedFetch {
     client: PartitionClient,
-    dialer: Arc<Dialer>,
+    leader: Leader,
     topic: String,
     partition: i32,
-    /// The connection to the partition's leader, made on first use and
-    /// dropped after an error (made again at the next fetch).
-    conn: tokio::sync::Mutex<Option<Arc<Conn>>>,
+    isolation: IsolationLevel,
 }
 
 impl CommittedFetch {
+    /// `read_committed`: drop the records of aborted transactions; without
+    /// it every record is delivered (markers never are).
     pub(crate) fn new(
         client: PartitionClient,
         dialer: Arc<Dialer>,
         topic: String,
         partition: i32,
+        read_committed: bool,
     ) -> Self {
         Self {
             client,
-            dialer,
+            leader: Leader::new(dialer, topic.clone(), partition),
             topic,
             partition,
-            conn: tokio::sync::Mutex::new(None),
+            isolation: if read_committed {
+                IsolationLevel::ReadCommitted
+            } else {
+                IsolationLevel::ReadUncommitted
+            },
         }
-    }
-
-    async fn connection(&self) -> Result<Arc<Conn>, FetchError> {
-        let mut held = self.conn.lock().await;
-        if let Some(c) = held.as_ref() {
-            return Ok(Arc::clone(c));
-        }
-        let c = Arc::new(self.dialer.leader(&self.topic, self.partition).await?);
-        *held = Some(Arc::clone(&c));
-        Ok(c)
-    }
-
-    async fn forget_connection(&self) {
-        *self.conn.lock().await = None;
     }
 }
 
@@ -193,14 +78,18 @@ impl Fetch for CommittedFetch {
         bytes: std::ops::Range<i32>,
         max_wait_ms: i32,
     ) -> Result<Page, FetchError> {
-        let conn = self.connection().await?;
+        let conn = self
+            .leader
+            .get()
+            .await
+            .map_err(|e| FetchError::Other(e.to_string()))?;
         let max_bytes = bytes.end.saturating_sub(1);
         let request = FetchRequest {
             replica_id: Int32(-1),
             max_wait_ms: Int32(max_wait_ms),
             min_bytes: Int32(bytes.start),
             max_bytes: Some(Int32(max_bytes)),
-            isolation_level: Some(IsolationLevel::ReadCommitted),
+            isolation_level: Some(self.isolation),
             topics: vec![FetchRequestTopic {
                 topic: String_(self.topic.clone()),
                 partitions: vec![FetchRequestPartition {
@@ -213,7 +102,7 @@ impl Fetch for CommittedFetch {
         let response = match conn.request(request).await {
             Ok(r) => r,
             Err(e) => {
-                self.forget_connection().await;
+                self.leader.forget().await;
                 return Err(failed(format!("fetch: {e}")));
             }
         };
@@ -232,7 +121,7 @@ impl Fetch for CommittedFetch {
             Some(ApiError::OffsetOutOfRange) => return Err(FetchError::OutOfRange),
             Some(e) => {
                 // a leader moved, a broker restarting: find the leader again
-                self.forget_connection().await;
+                self.leader.forget().await;
                 return Err(failed(format!("broker error {e}")));
             }
         }
@@ -275,7 +164,7 @@ pub(crate) fn committed_records(
     batches: Vec<RecordBatch>,
     aborted: &[FetchResponseAbortedTransaction],
     from: i64,
-) -> Result<Vec<RecordAndOffset>, FetchError> {
+) -> Result<Vec<Fetched>, FetchError> {
     // first offset -> producer ids whose aborted transaction starts there
     let mut pending: BTreeMap<i64, Vec<i64>> = BTreeMap::new();
     for a in aborted {
@@ -320,10 +209,11 @@ pub(crate) fn committed_records(
             let timestamp = millis
                 .and_then(|m| Utc.timestamp_millis_opt(m).single())
                 .ok_or_else(|| failed(format!("record {offset}: no valid timestamp")))?;
-            out.push(RecordAndOffset {
+            out.push(Fetched {
                 record: Record {
                     key: record.key,
                     value: record.value,
+                    // in the record's order, a repeated name kept
                     headers: record
                         .headers
                         .into_iter()
@@ -399,7 +289,7 @@ mod tests {
         }
     }
 
-    fn offsets(records: &[RecordAndOffset]) -> Vec<i64> {
+    fn offsets(records: &[Fetched]) -> Vec<i64> {
         records.iter().map(|r| r.offset).collect()
     }
 

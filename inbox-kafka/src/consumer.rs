@@ -10,16 +10,16 @@ use inbox_core::{
     Position, StoreErrorKind, TxAck,
 };
 use rskafka::BackoffConfig;
-use rskafka::client::partition::{OffsetAt, PartitionClient, UnknownTopicHandling};
+use rskafka::client::partition::{OffsetAt, UnknownTopicHandling};
 use rskafka::client::{Client, ClientBuilder};
-use rskafka::record::RecordAndOffset;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use crate::committed::{CommittedFetch, Dialer};
+use crate::committed::CommittedFetch;
 use crate::decode::{Decode, JsonDecoder, RecordView, decode_or_poison};
 use crate::health::HealthHandle;
 use crate::security::{Sasl, Tls};
+use crate::wire::{Dialer, Fetched};
 
 /// Where a partition is read from when no offset is stored for it yet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -99,11 +99,10 @@ pub struct KafkaConfig {
     pub tls: Option<Tls>,
     /// SASL authentication; `None` (the default) is none.
     pub sasl: Option<Sasl>,
-    /// Drop the records of aborted transactions (default `true`): fetch
-    /// through the transaction-aware path (see `docs/kafka.md`, "Topics
-    /// from other producers"). `false` fetches with rskafka's own client,
-    /// which delivers aborted records as if committed: only for a topic no
-    /// transactional producer writes.
+    /// Drop the records of aborted transactions (default `true`; see
+    /// `docs/kafka.md`, "Topics from other producers"). `false` fetches
+    /// read_uncommitted, which delivers aborted records as if committed:
+    /// only for a topic no transactional producer writes.
     pub read_committed: bool,
     /// Where every consumer connected with this configuration (or a clone
     /// of it) reports its partitions' health: take a clone before handing
@@ -190,6 +189,17 @@ impl KafkaConfig {
     /// [`client`](Self::client) with the rustls configuration already
     /// built (files read once for the client and the consumer's own
     /// connections).
+    /// How our own connections (fetch, produce) reach the brokers: the
+    /// same client id, TLS and SASL as [`Self::client`].
+    pub(crate) fn dialer(&self, tls: Option<Arc<rustls::ClientConfig>>) -> Dialer {
+        Dialer {
+            bootstrap: self.brokers.clone(),
+            client_id: Arc::from(self.client_id.as_str()),
+            tls,
+            sasl: self.sasl.as_ref().map(Sasl::config),
+        }
+    }
+
     pub(crate) async fn client_with(
         &self,
         tls: Option<Arc<rustls::ClientConfig>>,
@@ -318,7 +328,7 @@ fn skipped(
 #[derive(Debug, Default)]
 pub(crate) struct Page {
     /// The records to deliver, from the requested offset.
-    pub(crate) records: Vec<RecordAndOffset>,
+    pub(crate) records: Vec<Fetched>,
     /// The partition's high watermark.
     pub(crate) high_watermark: i64,
     /// The base offset of the first batch the broker returned, when the
@@ -347,35 +357,6 @@ pub(crate) trait Fetch: Send + Sync {
     async fn offset_at(&self, at: OffsetAt) -> Result<i64, FetchError>;
 }
 
-#[async_trait]
-impl Fetch for PartitionClient {
-    async fn fetch(
-        &self,
-        offset: i64,
-        bytes: std::ops::Range<i32>,
-        max_wait_ms: i32,
-    ) -> Result<Page, FetchError> {
-        self.fetch_records(offset, bytes, max_wait_ms)
-            .await
-            .map(|(records, high_watermark)| Page {
-                records,
-                high_watermark,
-                ..Page::default()
-            })
-            .map_err(|e| match e {
-                rskafka::client::error::Error::ServerError {
-                    protocol_error: rskafka::client::error::ProtocolError::OffsetOutOfRange,
-                    ..
-                } => FetchError::OutOfRange,
-                other => FetchError::Kafka(other),
-            })
-    }
-
-    async fn offset_at(&self, at: OffsetAt) -> Result<i64, FetchError> {
-        Ok(self.get_offset(at).await?)
-    }
-}
-
 /// How long `next()` waits for running fetches beyond the broker's
 /// `max_wait` before it answers `None` (the fetches go on, and a later call
 /// takes their records).
@@ -383,7 +364,7 @@ const FETCH_GRACE: Duration = Duration::from_millis(250);
 
 /// What a fetch task gives back: the records and the high watermark, a
 /// broker error, or no answer within `fetch_timeout`.
-type Fetched = Result<Result<Page, FetchError>, tokio::time::error::Elapsed>;
+type FetchResult = Result<Result<Page, FetchError>, tokio::time::error::Elapsed>;
 
 /// A fetch of one partition running in a task of its own, so that a slow or
 /// hanging partition holds back nobody else. Dropping it aborts the task.
@@ -392,7 +373,7 @@ struct Inflight {
     offset: i64,
     task: tokio::task::JoinHandle<()>,
     /// Where the task puts its result, before it wakes the consumer.
-    result: tokio::sync::oneshot::Receiver<Fetched>,
+    result: tokio::sync::oneshot::Receiver<FetchResult>,
 }
 
 impl Drop for Inflight {
@@ -408,12 +389,12 @@ struct Partition {
     epoch: i64,
     /// Next offset to fetch.
     next_fetch: i64,
-    buffer: VecDeque<RecordAndOffset>,
+    buffer: VecDeque<Fetched>,
     buffered_bytes: usize,
     /// Records delivered and not yet acknowledged, oldest first (bounded by
     /// `fetch_max_bytes` and [`MAX_KEPT_RECORDS`]): a rewind to one of them
     /// puts them back in `buffer` instead of fetching them again.
-    delivered: VecDeque<RecordAndOffset>,
+    delivered: VecDeque<Fetched>,
     delivered_bytes: usize,
     high_watermark: i64,
     fenced: bool,
@@ -573,16 +554,7 @@ impl<O: OffsetStore> KafkaConsumer<O> {
         let tls = config.tls.as_ref().map(Tls::client_config).transpose()?;
         let client = config.client_with(tls.clone()).await?;
         let reporter = config.health.reporter();
-        let dialer = if config.read_committed {
-            Some(Arc::new(Dialer {
-                bootstrap: config.brokers.clone(),
-                client_id: Arc::from(config.client_id.as_str()),
-                tls,
-                sasl: config.sasl.as_ref().map(Sasl::config),
-            }))
-        } else {
-            None
-        };
+        let dialer = Arc::new(config.dialer(tls));
         let mut partitions = Vec::with_capacity(config.partitions.len());
         for (topic, partition) in &config.partitions {
             let pc = within(
@@ -610,15 +582,13 @@ impl<O: OffsetStore> KafkaConsumer<O> {
                 .health
                 .claimed(reporter, topic, *partition, next_fetch);
             partitions.push(Partition {
-                client: match &dialer {
-                    Some(dialer) => Arc::new(CommittedFetch::new(
-                        pc,
-                        Arc::clone(dialer),
-                        topic.clone(),
-                        *partition,
-                    )) as Arc<dyn Fetch>,
-                    None => Arc::new(pc),
-                },
+                client: Arc::new(CommittedFetch::new(
+                    pc,
+                    Arc::clone(&dialer),
+                    topic.clone(),
+                    *partition,
+                    config.read_committed,
+                )),
                 topic: topic.clone(),
                 partition: *partition,
                 epoch: claim.owner_epoch,
@@ -759,7 +729,7 @@ impl<O: OffsetStore> KafkaConsumer<O> {
     }
 
     /// Puts what a fetch of partition `index` gave into its buffer.
-    async fn apply(&mut self, index: usize, fetched: Fetched) -> Result<(), ConsumerError> {
+    async fn apply(&mut self, index: usize, fetched: FetchResult) -> Result<(), ConsumerError> {
         let timeout = self.config.fetch_timeout;
         let p = &mut self.partitions[index];
         let Ok(fetched) = fetched else {
@@ -1247,15 +1217,12 @@ impl<O: OffsetStore> Consumer for KafkaConsumer<O> {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
-
-    use rskafka::record::Record;
-
     use super::*;
+    use crate::wire::Record;
 
     /// A partition at a fake broker: its records, or an error on every fetch.
     struct Fake {
-        records: Vec<RecordAndOffset>,
+        records: Vec<Fetched>,
         broken: bool,
         /// Never answers (a partition whose leader is gone).
         hangs: bool,
@@ -1293,7 +1260,7 @@ mod tests {
                     ..Page::default()
                 });
             }
-            let records: Vec<RecordAndOffset> = self
+            let records: Vec<Fetched> = self
                 .records
                 .iter()
                 .filter(|r| r.offset >= offset)
@@ -1319,16 +1286,16 @@ mod tests {
         }
     }
 
-    fn records_of(partition: i32, records: usize) -> Vec<RecordAndOffset> {
+    fn records_of(partition: i32, records: usize) -> Vec<Fetched> {
         (0..records)
-            .map(|i| RecordAndOffset {
+            .map(|i| Fetched {
                 record: Record {
                     key: None,
                     value: Some(br#"{"event_type":"order.created","n":1}"#.to_vec()),
-                    headers: BTreeMap::from([(
+                    headers: vec![(
                         "message_id".to_owned(),
                         format!("p{partition}-{i}").into_bytes(),
-                    )]),
+                    )],
                     timestamp: chrono::Utc::now(),
                 },
                 offset: i64::try_from(i).unwrap_or(0),
@@ -1547,7 +1514,7 @@ mod tests {
     #[tokio::test]
     async fn holes_while_reading_on_are_skipped_offsets_not_gaps() {
         // records at 0 1 3 4 6 8; 2, 5 and 7 hold none (markers, say)
-        let holed: Vec<RecordAndOffset> = records_of(0, 9)
+        let holed: Vec<Fetched> = records_of(0, 9)
             .into_iter()
             .filter(|r| ![2, 5, 7].contains(&r.offset))
             .collect();

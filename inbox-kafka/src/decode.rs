@@ -15,7 +15,7 @@
 use std::collections::BTreeMap;
 
 use inbox_core::model::{MAX_PAYLOAD_BYTES, decode_header};
-use inbox_core::{Message, Position, ValidationError};
+use inbox_core::{Headers, Message, Position, ValidationError};
 use serde_json::Value;
 
 /// A borrowed view of one fetched record.
@@ -31,13 +31,24 @@ pub struct RecordView<'a> {
     pub key: Option<&'a [u8]>,
     /// Value bytes.
     pub value: Option<&'a [u8]>,
-    /// Headers (keys are UTF-8 by the protocol; values are bytes).
-    pub headers: &'a BTreeMap<String, Vec<u8>>,
+    /// Headers in the record's order, a name possibly repeated (names are
+    /// UTF-8 by the protocol; values are bytes).
+    pub headers: &'a [(String, Vec<u8>)],
     /// The record's timestamp.
     pub timestamp: Option<chrono::DateTime<chrono::Utc>>,
 }
 
 impl RecordView<'_> {
+    /// The last value of header `name`, when present (Kafka's
+    /// `lastHeader`).
+    pub fn header(&self, name: &str) -> Option<&[u8]> {
+        self.headers
+            .iter()
+            .rev()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_slice())
+    }
+
     /// The record's position.
     pub fn position(&self) -> Position {
         Position::new(self.topic, self.partition, self.offset)
@@ -99,22 +110,23 @@ impl Default for JsonDecoder {
     }
 }
 
-fn headers(record: &RecordView<'_>) -> Result<BTreeMap<String, String>, ValidationError> {
+fn headers(record: &RecordView<'_>) -> Result<Headers, ValidationError> {
     record
         .headers
         .iter()
         .map(|(k, v)| decode_header(k.as_bytes(), v))
-        .collect()
+        .collect::<Result<Vec<_>, _>>()
+        .map(Headers::from)
 }
 
 impl JsonDecoder {
     fn message_id(
         &self,
         record: &RecordView<'_>,
-        headers: &BTreeMap<String, String>,
+        headers: &Headers,
     ) -> Result<String, ValidationError> {
         if let Some(id) = self.message_id_headers.iter().find_map(|h| headers.get(h)) {
-            return Ok(id.clone());
+            return Ok(id.to_owned());
         }
         if self.require_message_id {
             return Err(ValidationError::MissingHeader {
@@ -150,7 +162,7 @@ impl Decode for JsonDecoder {
             })?;
         let event_type = headers
             .get(&self.event_type_header)
-            .cloned()
+            .map(str::to_owned)
             .or_else(|| {
                 payload
                     .get(&self.event_type_field)
@@ -165,10 +177,10 @@ impl Decode for JsonDecoder {
                 field: self.event_type_field.clone(),
             })?;
         let mut message = Message::new(message_id, record.topic, event_type, payload);
-        message.trace_id = headers.get("trace_id").cloned();
-        message.correlation_id = headers.get("correlation_id").cloned();
-        message.causation_id = headers.get("causation_id").cloned();
-        message.schema_version = headers.get("schema_version").cloned();
+        message.trace_id = headers.get("trace_id").map(str::to_owned);
+        message.correlation_id = headers.get("correlation_id").map(str::to_owned);
+        message.causation_id = headers.get("causation_id").map(str::to_owned);
+        message.schema_version = headers.get("schema_version").map(str::to_owned);
         message.headers = headers;
         message.position = Some(record.position());
         Ok(message)
@@ -194,9 +206,8 @@ pub fn decode_or_poison(decoder: &dyn Decode, record: &RecordView<'_>) -> Messag
         }
         Err(error) => {
             let id = record
-                .headers
-                .get("message_id")
-                .and_then(|v| String::from_utf8(v.clone()).ok())
+                .header("message_id")
+                .and_then(|v| String::from_utf8(v.to_vec()).ok())
                 .filter(|s| !s.is_empty())
                 .unwrap_or_else(|| {
                     format!("{}:{}:{}", record.topic, record.partition, record.offset)
@@ -218,7 +229,7 @@ pub fn decode_or_poison(decoder: &dyn Decode, record: &RecordView<'_>) -> Messag
 mod tests {
     use super::*;
 
-    fn view<'a>(value: Option<&'a [u8]>, headers: &'a BTreeMap<String, Vec<u8>>) -> RecordView<'a> {
+    fn view<'a>(value: Option<&'a [u8]>, headers: &'a [(String, Vec<u8>)]) -> RecordView<'a> {
         RecordView {
             topic: "orders",
             partition: 2,
@@ -230,7 +241,7 @@ mod tests {
         }
     }
 
-    fn h(pairs: &[(&str, &[u8])]) -> BTreeMap<String, Vec<u8>> {
+    fn h(pairs: &[(&str, &[u8])]) -> Vec<(String, Vec<u8>)> {
         pairs
             .iter()
             .map(|(k, v)| ((*k).to_owned(), v.to_vec()))
@@ -273,7 +284,7 @@ mod tests {
             .expect("decodes");
         assert_eq!(m.message_id, "m-1");
         assert_eq!(m.event_type, "x", "event type from the payload field");
-        let none = BTreeMap::new();
+        let none = Vec::new();
         let m = JsonDecoder::default()
             .decode(&view(Some(br#"{"event_type": "x"}"#), &none))
             .expect("decodes");
@@ -290,7 +301,7 @@ mod tests {
 
     #[test]
     fn poison_kinds_are_typed() {
-        let none = BTreeMap::new();
+        let none = Vec::new();
         let d = JsonDecoder::default();
         assert!(matches!(
             d.decode(&view(Some(b"{nope"), &none)),
@@ -359,7 +370,7 @@ mod tests {
                 serde_json::json!({"x": 1}),
             ))
         };
-        let none = BTreeMap::new();
+        let none = Vec::new();
         let m = decode_or_poison(&custom, &view(None, &none));
         assert_eq!(m.message_id, "k-41");
     }

@@ -64,6 +64,7 @@ mod health;
 mod offsets;
 mod relay;
 mod security;
+mod wire;
 
 pub use consumer::{
     ConsumerStats, KafkaConfig, KafkaConsumer, KafkaError, OutOfRange, StartPosition,

@@ -1,9 +1,16 @@
 //! The outbox relay's Kafka side: [`KafkaPublisher`] produces the outbox's
-//! rows with rskafka (one append per partition, the `message_id` header
-//! set), and [`run_relay`] runs a relay over it.
+//! rows (one append per partition, the `message_id` header set, the
+//! event's headers in their order, a repeated name kept), and
+//! [`run_relay`] runs a relay over it.
+//!
+//! Appends go through rskafka's protocol layer on connections of our own
+//! ([`crate::wire`]): rskafka's client takes records whose headers are a
+//! map, which would sort them and keep one value per name. Topic metadata
+//! stays on rskafka's client.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use inbox_core::outbox::{
@@ -13,11 +20,24 @@ use inbox_core::outbox::{
 use inbox_core::{CancellationToken, MembershipStore, Metrics, OffsetStore};
 use rskafka::client::Client;
 use rskafka::client::error::{Error as RsError, ProtocolError};
-use rskafka::client::partition::{Compression, PartitionClient, UnknownTopicHandling};
-use rskafka::record::Record;
+use rskafka::client::partition::Compression;
+use rskafka::protocol::messages::{
+    ProduceRequest, ProduceRequestPartitionData, ProduceRequestTopicData,
+};
+use rskafka::protocol::primitives::{Int16, Int32, NullableString, Records, String_};
+use rskafka::protocol::record::{
+    ControlBatchOrRecords, Record, RecordBatch, RecordBatchCompression, RecordBatchTimestampType,
+    RecordHeader,
+};
 use tokio::sync::Mutex;
 
-use crate::{KafkaConfig, KafkaError};
+use crate::wire::{Dialer, Leader};
+use crate::{KafkaConfig, KafkaError, Tls};
+
+/// How long the broker may take to acknowledge an append (the Java
+/// producer's `request.timeout.ms`); we wait a little longer for its
+/// answer before the append counts as failed.
+const PRODUCE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Kafka's default `max.message.bytes` (1 MiB and its record overhead): a
 /// larger event is refused before it is sent.
@@ -35,7 +55,8 @@ const RECORD_OVERHEAD: usize = 32;
 /// Produces outbox rows to Kafka.
 pub struct KafkaPublisher {
     client: Client,
-    partitions: Mutex<HashMap<(String, i32), Arc<PartitionClient>>>,
+    dialer: Arc<Dialer>,
+    leaders: Mutex<HashMap<(String, i32), Arc<Leader>>>,
     compression: Compression,
     max_record_bytes: usize,
     max_request_bytes: usize,
@@ -59,9 +80,11 @@ impl KafkaPublisher {
     ///
     /// A [`KafkaError`] when the brokers cannot be reached.
     pub async fn connect(kafka: &KafkaConfig) -> Result<Self, KafkaError> {
+        let tls = kafka.tls.as_ref().map(Tls::client_config).transpose()?;
         Ok(Self {
-            client: kafka.client().await?,
-            partitions: Mutex::new(HashMap::new()),
+            client: kafka.client_with(tls.clone()).await?,
+            dialer: Arc::new(kafka.dialer(tls)),
+            leaders: Mutex::new(HashMap::new()),
             compression: Compression::NoCompression,
             max_record_bytes: DEFAULT_MAX_RECORD_BYTES,
             max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
@@ -92,75 +115,179 @@ impl KafkaPublisher {
         self
     }
 
-    async fn partition(
+    async fn leader(&self, topic: &str, partition: i32) -> Arc<Leader> {
+        let mut leaders = self.leaders.lock().await;
+        Arc::clone(
+            leaders
+                .entry((topic.to_owned(), partition))
+                .or_insert_with(|| {
+                    Arc::new(Leader::new(
+                        Arc::clone(&self.dialer),
+                        topic.to_owned(),
+                        partition,
+                    ))
+                }),
+        )
+    }
+
+    /// One append of `records` to `topic`/`partition`, acknowledged by all
+    /// in-sync replicas.
+    async fn append(
         &self,
+        leader: &Leader,
         topic: &str,
         partition: i32,
-    ) -> Result<Arc<PartitionClient>, PublishError> {
-        let key = (topic.to_owned(), partition);
-        if let Some(c) = self.partitions.lock().await.get(&key) {
-            return Ok(c.clone());
+        records: Vec<Record>,
+        at: i64,
+    ) -> Result<(), PublishError> {
+        let Some(last) = records.len().checked_sub(1) else {
+            return Ok(());
+        };
+        let request = ProduceRequest {
+            transactional_id: NullableString(None),
+            acks: Int16(-1),
+            timeout_ms: Int32(i32::try_from(PRODUCE_TIMEOUT.as_millis()).unwrap_or(i32::MAX)),
+            topic_data: vec![ProduceRequestTopicData {
+                name: String_(topic.to_owned()),
+                partition_data: vec![ProduceRequestPartitionData {
+                    index: Int32(partition),
+                    records: Records(vec![RecordBatch {
+                        base_offset: 0,
+                        partition_leader_epoch: 0,
+                        last_offset_delta: i32::try_from(last).unwrap_or(i32::MAX),
+                        is_transactional: false,
+                        base_sequence: -1,
+                        compression: batch_compression(self.compression),
+                        timestamp_type: RecordBatchTimestampType::CreateTime,
+                        producer_id: -1,
+                        producer_epoch: -1,
+                        first_timestamp: at,
+                        max_timestamp: at,
+                        records: ControlBatchOrRecords::Records(records),
+                    }]),
+                }],
+            }],
+        };
+        let unavailable = |what: String| PublishError::new(PublishErrorKind::Unavailable, what);
+        let conn = leader.get().await.map_err(|e| unavailable(e.to_string()))?;
+        let answer = tokio::time::timeout(
+            PRODUCE_TIMEOUT + Duration::from_secs(5),
+            conn.request(&request),
+        )
+        .await;
+        let response = match answer {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => {
+                leader.forget().await;
+                return Err(unavailable(format!("produce to {topic}:{partition}: {e}")));
+            }
+            Err(_) => {
+                leader.forget().await;
+                return Err(unavailable(format!(
+                    "produce to {topic}:{partition}: no answer within {PRODUCE_TIMEOUT:?}"
+                )));
+            }
+        };
+        let error = response
+            .responses
+            .iter()
+            .find(|t| t.name.0 == topic)
+            .and_then(|t| {
+                t.partition_responses
+                    .iter()
+                    .find(|p| p.index.0 == partition)
+            })
+            .map(|p| p.error)
+            .ok_or_else(|| {
+                unavailable(format!(
+                    "the produce response has no answer for {topic}:{partition}"
+                ))
+            })?;
+        match error {
+            None => Ok(()),
+            Some(e) => {
+                let kind = kind_of(e);
+                if kind != PublishErrorKind::Refused {
+                    // the leader may have moved: connect again next time
+                    leader.forget().await;
+                }
+                Err(PublishError::new(
+                    kind,
+                    format!("the broker refused the append to {topic}:{partition}: {e}"),
+                ))
+            }
         }
-        let c = Arc::new(
-            self.client
-                .partition_client(topic.to_owned(), partition, UnknownTopicHandling::Error)
-                .await
-                .map_err(classify)?,
-        );
-        self.partitions.lock().await.insert(key, c.clone());
-        Ok(c)
     }
 }
 
-/// What a produce error means to the relay.
+fn batch_compression(c: Compression) -> RecordBatchCompression {
+    match c {
+        Compression::NoCompression => RecordBatchCompression::NoCompression,
+        Compression::Gzip => RecordBatchCompression::Gzip,
+        Compression::Lz4 => RecordBatchCompression::Lz4,
+        Compression::Snappy => RecordBatchCompression::Snappy,
+        Compression::Zstd => RecordBatchCompression::Zstd,
+    }
+}
+
+/// What a broker's error code means to the relay.
+fn kind_of(e: ProtocolError) -> PublishErrorKind {
+    match e {
+        // what the same records get again, however often they are sent:
+        // dead-lettered by the relay's `OnRefused` rule
+        ProtocolError::MessageTooLarge
+        | ProtocolError::RecordListTooLarge
+        | ProtocolError::InvalidRecord
+        | ProtocolError::CorruptMessage
+        | ProtocolError::InvalidTopicException
+        | ProtocolError::InvalidRequiredAcks
+        | ProtocolError::InvalidTimestamp
+        | ProtocolError::PolicyViolation
+        | ProtocolError::UnsupportedCompressionType
+        | ProtocolError::UnsupportedForMessageFormat
+        | ProtocolError::InvalidRequest
+        | ProtocolError::TopicAuthorizationFailed => PublishErrorKind::Refused,
+        ProtocolError::UnknownTopicOrPartition => PublishErrorKind::UnknownTopic,
+        _ => PublishErrorKind::Unavailable,
+    }
+}
+
+/// What an error of rskafka's client (metadata) means to the relay.
 fn classify(e: RsError) -> PublishError {
     let kind = match &e {
-        RsError::ServerError { protocol_error, .. } => match protocol_error {
-            // what the same records get again, however often they are
-            // sent: dead-lettered by the relay's `OnRefused` rule
-            ProtocolError::MessageTooLarge
-            | ProtocolError::RecordListTooLarge
-            | ProtocolError::InvalidRecord
-            | ProtocolError::CorruptMessage
-            | ProtocolError::InvalidTopicException
-            | ProtocolError::InvalidRequiredAcks
-            | ProtocolError::InvalidTimestamp
-            | ProtocolError::PolicyViolation
-            | ProtocolError::UnsupportedCompressionType
-            | ProtocolError::UnsupportedForMessageFormat
-            | ProtocolError::InvalidRequest
-            | ProtocolError::TopicAuthorizationFailed => PublishErrorKind::Refused,
-            ProtocolError::UnknownTopicOrPartition => PublishErrorKind::UnknownTopic,
-            _ => PublishErrorKind::Unavailable,
-        },
+        RsError::ServerError { protocol_error, .. } => kind_of(*protocol_error),
         _ => PublishErrorKind::Unavailable,
     };
     PublishError::new(kind, e.to_string())
 }
 
-/// The record of `row`, stamped `at`: the time it is published, not the
-/// time it was enqueued. An event can wait in the outbox for a long while
+/// The record of `row`: the `message_id` header first, then the event's
+/// headers in the order they were given, a repeated name kept.
+///
+/// Its timestamp is the append's (`first_timestamp`, delta 0): the time it
+/// is published, not the time it was enqueued. An event can wait in the outbox for a long while
 /// (a broker down for a day, a key held by a refused event): stamped with
 /// its enqueue time it would be refused for good by a topic that bounds
 /// timestamps (`message.timestamp.before.max.ms`, or `...difference...`),
 /// and counted old by time-based retention as soon as it arrived. The
 /// enqueue time stays in the outbox row (`created_at`).
-fn record_of(row: &OutboxRow, at: chrono::DateTime<chrono::Utc>) -> Record {
+fn record_of(row: &OutboxRow) -> Record {
     let m = &row.message;
-    let mut headers: BTreeMap<String, Vec<u8>> = m
-        .headers
-        .iter()
-        .map(|(k, v)| (k.clone(), v.clone().into_bytes()))
-        .collect();
-    headers.insert(
-        MESSAGE_ID_HEADER.to_owned(),
-        m.message_id.clone().into_bytes(),
-    );
+    let headers = std::iter::once(RecordHeader {
+        key: MESSAGE_ID_HEADER.to_owned(),
+        value: m.message_id.clone().into_bytes(),
+    })
+    .chain(m.headers.iter().map(|(k, v)| RecordHeader {
+        key: k.clone(),
+        value: v.clone().into_bytes(),
+    }))
+    .collect();
     Record {
+        timestamp_delta: 0,
+        offset_delta: 0,
         key: m.key.clone(),
         value: Some(m.payload.clone()),
         headers,
-        timestamp: at,
     }
 }
 
@@ -189,7 +316,7 @@ fn size_of(r: &Record) -> usize {
         + r.value.as_ref().map_or(0, Vec::len)
         + r.headers
             .iter()
-            .map(|(k, v)| k.len() + v.len())
+            .map(|h| h.key.len() + h.value.len())
             .sum::<usize>()
 }
 
@@ -215,8 +342,8 @@ impl Publisher for KafkaPublisher {
         partition: i32,
         rows: &[&OutboxRow],
     ) -> Result<(), PublishError> {
-        let now = chrono::Utc::now();
-        let records: Vec<Record> = rows.iter().map(|r| record_of(r, now)).collect();
+        let now = chrono::Utc::now().timestamp_millis();
+        let records: Vec<Record> = rows.iter().map(|r| record_of(r)).collect();
         if let Some(big) = records.iter().find(|r| size_of(r) > self.max_record_bytes) {
             return Err(PublishError::new(
                 PublishErrorKind::Refused,
@@ -227,21 +354,20 @@ impl Publisher for KafkaPublisher {
                 ),
             ));
         }
-        let client = self.partition(topic, partition).await?;
+        let leader = self.leader(topic, partition).await;
         // in order, one append after the other: a failed one stops the
         // rest (what went is published again with the same ids)
         for append in appends(records, self.max_request_bytes) {
-            if let Err(e) = client.produce(append, self.compression).await {
-                let e = classify(e);
-                if e.kind != PublishErrorKind::Refused {
-                    // the leader may have moved: connect again next time
-                    self.partitions
-                        .lock()
-                        .await
-                        .remove(&(topic.to_owned(), partition));
-                }
-                return Err(e);
-            }
+            let numbered = append
+                .into_iter()
+                .enumerate()
+                .map(|(i, mut r)| {
+                    r.offset_delta = i32::try_from(i).unwrap_or(i32::MAX);
+                    r
+                })
+                .collect();
+            self.append(&leader, topic, partition, numbered, now)
+                .await?;
         }
         Ok(())
     }
@@ -293,21 +419,30 @@ mod tests {
             message: OutboxMessage::new("t", "v")
                 .key("k")
                 .header("event_type", "x")
+                .header("hop", "b")
+                .header("hop", "a")
                 .message_id("id-1"),
         };
-        let r = record_of(&row, row.created_at);
+        let r = record_of(&row);
         assert_eq!(r.key.as_deref(), Some(&b"k"[..]));
+        let headers: Vec<(&str, &[u8])> = r
+            .headers
+            .iter()
+            .map(|h| (h.key.as_str(), h.value.as_slice()))
+            .collect();
         assert_eq!(
-            r.headers.get("message_id").map(Vec::as_slice),
-            Some(&b"id-1"[..])
-        );
-        assert_eq!(
-            r.headers.get("event_type").map(Vec::as_slice),
-            Some(&b"x"[..])
+            headers,
+            [
+                ("message_id", &b"id-1"[..]),
+                ("event_type", b"x"),
+                ("hop", b"b"),
+                ("hop", b"a")
+            ],
+            "the id first, then the event's headers in order, a repeat kept"
         );
         assert_eq!(
             size_of(&r),
-            1 + 1 + "message_id".len() + 4 + "event_type".len() + 1
+            1 + 1 + "message_id".len() + 4 + "event_type".len() + 1 + 2 * ("hop".len() + 1)
         );
     }
 
@@ -328,8 +463,9 @@ mod tests {
         let record = |n: usize| Record {
             key: None,
             value: Some(vec![0; n]),
-            headers: BTreeMap::new(),
-            timestamp: chrono::Utc::now(),
+            headers: Vec::new(),
+            timestamp_delta: 0,
+            offset_delta: 0,
         };
         let sizes = |appends: &[Vec<Record>]| -> Vec<Vec<usize>> {
             appends

@@ -4,7 +4,6 @@
 //! it. Bytes, any Unicode (NUL included), deep nesting, huge and odd
 //! numbers, long keys, odd headers (invalid UTF-8, NUL, over-long ids).
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -24,7 +23,7 @@ use serde_json::{Value, json};
 struct Record {
     key: Option<Vec<u8>>,
     value: Option<Vec<u8>>,
-    headers: BTreeMap<String, Vec<u8>>,
+    headers: Vec<(String, Vec<u8>)>,
 }
 
 fn text() -> impl Strategy<Value = String> {
@@ -85,7 +84,7 @@ fn value() -> impl Strategy<Value = Option<Vec<u8>>> {
     ]
 }
 
-fn headers() -> impl Strategy<Value = BTreeMap<String, Vec<u8>>> {
+fn headers() -> impl Strategy<Value = Vec<(String, Vec<u8>)>> {
     let value = prop_oneof![
         text().prop_map(String::into_bytes),
         prop::collection::vec(any::<u8>(), 0..16),
@@ -97,7 +96,8 @@ fn headers() -> impl Strategy<Value = BTreeMap<String, Vec<u8>>> {
         1 => Just("trace_id".to_owned()),
         1 => Just("schema_version".to_owned()),
     ];
-    prop::collection::btree_map(name, value, 0..4)
+    // a name may repeat, as Kafka allows
+    prop::collection::vec((name, value), 0..4)
 }
 
 fn record() -> impl Strategy<Value = Record> {

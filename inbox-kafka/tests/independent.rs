@@ -1,13 +1,12 @@
 //! A topic written by a client we did not write: librdkafka (the
 //! `confluent-kafka` wheel, which `cargo xtask test` installs) produces
 //! gzip, lz4 and zstd batches with idempotence on, keys, headers and
-//! tombstones to tansu; the consumer handles each valid record once and
-//! dead-letters each tombstone, and the partition is acknowledged to its
-//! end.
+//! tombstones to tansu; the consumer handles each valid record once (its
+//! headers in their order, a repeated name kept) and dead-letters each
+//! tombstone, and the partition is acknowledged to its end.
 
 mod common;
 
-use std::process::Command;
 use std::sync::Mutex;
 
 use async_trait::async_trait;
@@ -15,8 +14,9 @@ use inbox_core::{AckStrategy, Handler, HandlerError, Message, Runner};
 use inbox_postgres::PgTx;
 use inbox_testkit::scenarios::{ScenarioStore, WriteInvoice};
 
-/// A handled message's id, key and whether it had a timestamp.
-type Seen = (String, Option<Vec<u8>>, bool);
+/// A handled message's id, key, whether it had a timestamp, and its
+/// headers.
+type Seen = (String, Option<Vec<u8>>, bool, Vec<(String, String)>);
 
 /// Writes an invoice and notes what it saw of each message.
 #[derive(Default)]
@@ -32,35 +32,17 @@ impl Handler<PgTx> for Noting {
         self.seen
             .lock()
             .map_err(|_| HandlerError::msg("lock"))?
-            .push((m.message_id.clone(), m.key.clone(), m.timestamp.is_some()));
+            .push((
+                m.message_id.clone(),
+                m.key.clone(),
+                m.timestamp.is_some(),
+                m.headers.clone().into_vec(),
+            ));
         Ok(())
     }
 }
 
 use common::{config, drain, env};
-
-/// Runs the librdkafka producer script; what it produced.
-fn produce_with_librdkafka(broker: &str, topic: &str) -> serde_json::Value {
-    let script = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/clients/librdkafka_produce.py"
-    );
-    let out = Command::new("python3")
-        .args([script, broker, topic])
-        .output()
-        .unwrap_or_else(|e| panic!("python3 could not be run ({e}): run `cargo xtask test`, which installs what this test needs"));
-    assert!(
-        out.status.success(),
-        "the librdkafka producer failed (is the confluent-kafka wheel installed? `cargo xtask test` installs it): {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "producer output: {e}: {}",
-            String::from_utf8_lossy(&out.stdout)
-        )
-    })
-}
 
 fn names(v: &serde_json::Value, key: &str) -> Vec<String> {
     v[key]
@@ -76,7 +58,7 @@ fn names(v: &serde_json::Value, key: &str) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_topic_written_by_librdkafka_is_consumed_exactly_once() {
     let env = env("librdkafka", 1).await;
-    let produced = produce_with_librdkafka(env.broker.address(), &env.topic);
+    let produced = common::librdkafka("librdkafka_produce.py", &[env.broker.address(), &env.topic]);
     let (valid, tombstones) = (names(&produced, "valid"), names(&produced, "tombstones"));
     let records = produced["records"].as_i64().unwrap_or(0);
     assert_eq!(
@@ -100,7 +82,7 @@ async fn a_topic_written_by_librdkafka_is_consumed_exactly_once() {
     }
     let seen = handler.seen.lock().map(|s| s.clone()).unwrap_or_default();
     assert_eq!(seen.len(), 9, "each valid record handled once");
-    for (id, key, timestamped) in &seen {
+    for (id, key, timestamped, headers) in &seen {
         // the producer keyed order `<codec>-<i>` with `customer-<i>`
         let i = id.rsplit('-').next().unwrap_or_default();
         let want = format!("customer-{i}").into_bytes();
@@ -110,6 +92,14 @@ async fn a_topic_written_by_librdkafka_is_consumed_exactly_once() {
             "{id}: the record key"
         );
         assert!(timestamped, "{id}: the record timestamp");
+        let want = common::pairs(&[
+            ("message_id", id),
+            ("hop", "gateway"),
+            ("event_type", "order.created"),
+            ("hop", "billing"),
+            ("a", "last"),
+        ]);
+        assert_eq!(headers, &want, "{id}: headers in order, the repeat kept");
     }
     assert_eq!(results.len(), 12, "every record delivered once");
     assert_eq!(env.stored_offset("billing", 0).await, Some(records));

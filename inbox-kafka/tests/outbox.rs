@@ -1102,28 +1102,11 @@ async fn the_relay_rides_out_a_postgres_crash_and_a_broker_kill() {
 async fn keys_land_where_librdkafkas_murmur2_partitioner_puts_them() {
     let env = env("outbox-placement", 7).await;
     let keys: Vec<String> = (0..40).map(|i| format!("customer-{i}")).collect();
-    let script = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/clients/librdkafka_partitions.py"
-    );
-    let out = std::process::Command::new("python3")
-        .arg(script)
-        .arg(env.broker.address())
-        .arg(&env.topic)
-        .args(&keys)
-        .output()
-        .unwrap_or_else(|e| {
-            panic!(
-                "python3 could not be run ({e}): `cargo xtask test` installs what this test needs"
-            )
-        });
-    assert!(
-        out.status.success(),
-        "librdkafka failed (confluent-kafka installed? `cargo xtask test` installs it): {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let mut args = vec![env.broker.address(), env.topic.as_str()];
+    args.extend(keys.iter().map(String::as_str));
     let theirs: BTreeMap<String, i32> =
-        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}"));
+        serde_json::from_value(common::librdkafka("librdkafka_partitions.py", &args))
+            .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(theirs.len(), keys.len());
     // the relay's placement of the same keys, on the same topic
     for key in &keys {
@@ -1152,6 +1135,42 @@ async fn keys_land_where_librdkafkas_murmur2_partitioner_puts_them() {
         );
         assert_eq!(partition_for(key.as_bytes(), 7), *p, "{key}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn headers_leave_in_their_order_with_repeated_names_as_librdkafka_reads_them() {
+    let env = env("outbox-headers", 1).await;
+    // Kafka allows a name twice and keeps the order: a chain of hops, a
+    // vendor's state after another's
+    enqueue_one(
+        &env.store,
+        &OutboxMessage::new(&env.topic, r#"{"n":1}"#)
+            .key("k")
+            .message_id("h-1")
+            .header("hop", "gateway")
+            .header("event_type", "order.created")
+            .header("hop", "billing")
+            .header("a", "last"),
+    )
+    .await;
+    let mut r = relay(&env, "relay-1").await;
+    assert_eq!(drain(&mut r).await, 1);
+    // partition 0 from its start, as another team's service reads it
+    let read = common::librdkafka(
+        "librdkafka_consume.py",
+        &[env.broker.address(), &env.topic, "1"],
+    );
+    let headers: Vec<(String, String)> =
+        serde_json::from_value(read[0]["headers"].clone()).unwrap_or_else(|e| panic!("{e}"));
+    let want = common::pairs(&[
+        ("message_id", "h-1"),
+        ("hop", "gateway"),
+        ("event_type", "order.created"),
+        ("hop", "billing"),
+        ("a", "last"),
+    ]);
+    assert_eq!(headers, want, "{read}");
+    assert_eq!(read[0]["value"], r#"{"n":1}"#);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

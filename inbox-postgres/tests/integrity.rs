@@ -402,7 +402,7 @@ async fn nul_characters_are_dead_lettered_and_the_partition_moves_on() {
     let store = store().await;
     let broker = MemBroker::new();
     let mut in_header = order("nul-header");
-    in_header.headers.insert("trace".into(), "x\0y".into());
+    in_header.headers.push("trace", "x\0y");
     let nul = [
         Message::new("nul\0id", "orders", "e", json!({"a": 1})),
         Message::new("nul-source", "orders\0", "e", json!({"a": 1})),

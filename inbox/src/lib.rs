@@ -42,7 +42,7 @@ pub mod prelude {
     pub use inbox_core::router::{EventHandler, Router, UnknownEventType};
     pub use inbox_core::{
         AckStrategy, Backoff, BatchConfig, CancellationToken, Handler, HandlerError, HandlerResult,
-        Message, Metrics, Runner, RunnerConfig,
+        Headers, Message, Metrics, Runner, RunnerConfig,
     };
 
     #[cfg(feature = "postgres")]

@@ -30,9 +30,9 @@
 //!   optimistic replay the runner does;
 //! - `consumer`: the Kafka consumer alone, from tansu (in-memory storage,
 //!   forward only), fetch and decode, no database;
-//! - `consumer-rskafka`: the same with `read_committed` off, so with
-//!   rskafka's own fetch (which keeps no aborted-transaction list): what
-//!   the transaction-aware fetch costs or saves;
+//! - `consumer-uncommitted`: the same with `read_committed` off (a
+//!   read_uncommitted fetch: no aborted-transaction list to apply): what
+//!   the transaction filter costs;
 //! - `consumer-front`: the same through the harness's front forwarding
 //!   plain TCP (the extra hop the TLS line has, without TLS);
 //! - `consumer-tls`: the same over TLS (rustls, TLS 1.3, through the
@@ -75,7 +75,7 @@ const LINES: [&str; 20] = [
     "processor",
     "processor-savepoints",
     "consumer",
-    "consumer-rskafka",
+    "consumer-uncommitted",
     "consumer-front",
     "consumer-tls",
     "e2e",
@@ -220,7 +220,7 @@ pub(crate) fn run(mut o: Options) -> Result<()> {
     }
     let rate = |l: &str| results.get(l).map(|r| r.0);
     for (a, b) in [
-        ("consumer", "consumer-rskafka"),
+        ("consumer", "consumer-uncommitted"),
         ("consumer-tls", "consumer-front"),
         ("consumer-tls", "consumer"),
         ("relay", "producer"),
@@ -317,7 +317,7 @@ pub(crate) fn line(args: &[String]) -> Result<()> {
             "raw-batch" => raw_batch(&db, messages, false).await,
             "raw-savepoints" => raw_batch(&db, messages, true).await,
             "consumer" => kafka(store, messages, false, Link::Direct).await,
-            "consumer-rskafka" => kafka(store, messages, false, Link::RskafkaFetch).await,
+            "consumer-uncommitted" => kafka(store, messages, false, Link::Uncommitted).await,
             "consumer-front" => kafka(store, messages, false, Link::Front).await,
             "consumer-tls" => kafka(store, messages, false, Link::Tls).await,
             "e2e" => kafka(store, messages, true, Link::Direct).await,
@@ -472,8 +472,8 @@ async fn raw_batch(db: &DatabaseConnection, messages: u64, savepoints: bool) -> 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Link {
     Direct,
-    /// Direct, with rskafka's own fetch (`read_committed` off).
-    RskafkaFetch,
+    /// Direct, `read_committed` off (read_uncommitted).
+    Uncommitted,
     /// Through the harness's front, plain TCP.
     Front,
     /// Through the harness's front, TLS.
@@ -484,7 +484,7 @@ async fn kafka(store: PgStore, messages: u64, inbox: bool, link: Link) -> Result
     let storage =
         std::env::var("BENCH_TANSU_STORAGE").unwrap_or_else(|_| "memory://tansu/".to_owned());
     let broker = match link {
-        Link::Direct | Link::RskafkaFetch => {
+        Link::Direct | Link::Uncommitted => {
             inbox_testkit::kafka::Broker::start_with_storage(&storage)
         }
         Link::Front | Link::Tls => {
@@ -534,7 +534,7 @@ async fn kafka(store: PgStore, messages: u64, inbox: bool, link: Link) -> Result
         (0..PARTITIONS).map(|p| (topic.clone(), p)).collect(),
     );
     config.max_wait = inbox_testkit::kafka::TANSU_MAX_WAIT;
-    config.read_committed = link != Link::RskafkaFetch;
+    config.read_committed = link != Link::Uncommitted;
     if let Some(certificates) = broker.certificates() {
         config.tls = Some(inbox_kafka::Tls::ca_pem(certificates.ca_pem.clone()));
     }

@@ -1,7 +1,8 @@
 """Writes a topic with librdkafka (the confluent-kafka wheel), as another
 team's service would: every codec tansu serves (gzip, lz4, zstd; tansu
 cannot serve snappy batches), idempotence on, keys, headers, and a
-tombstone (a record without a value). Prints one JSON line: what was
+tombstone (a record without a value); headers with a repeated name, in
+an order no sort gives. Prints one JSON line: what was
 produced, for the test to check against.
 
 Usage: librdkafka_produce.py BROKER TOPIC
@@ -32,7 +33,13 @@ def main() -> None:
                 json.dumps({"order": order, "total": 10}).encode(),
                 key=f"customer-{i}".encode(),
                 partition=0,
-                headers=[("message_id", order.encode()), ("event_type", b"order.created")],
+                headers=[
+                    ("message_id", order.encode()),
+                    ("hop", b"gateway"),
+                    ("event_type", b"order.created"),
+                    ("hop", b"billing"),
+                    ("a", b"last"),
+                ],
             )
             valid.append(order)
             records += 1

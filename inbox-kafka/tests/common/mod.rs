@@ -208,3 +208,37 @@ impl inbox_testkit::harness::Harness for KafkaHarness {
         (n >= 0).then_some(n)
     }
 }
+
+/// Runs `tests/clients/<script>` (a librdkafka client, the
+/// `confluent-kafka` wheel) with `args`; its standard output, parsed as
+/// JSON. Panics, saying what to install, when it cannot run or fails.
+pub fn librdkafka(script: &str, args: &[&str]) -> serde_json::Value {
+    let path = format!("{}/tests/clients/{script}", env!("CARGO_MANIFEST_DIR"));
+    let out = std::process::Command::new("python3")
+        .arg(&path)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| {
+            panic!(
+                "python3 could not be run ({e}): `cargo xtask test` installs what this test needs"
+            )
+        });
+    assert!(
+        out.status.success(),
+        "{script} failed (confluent-kafka installed? `cargo xtask test` installs it): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "{script} printed what is not the JSON expected ({e}): {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
+/// Owned `(name, value)` pairs, as `Headers::into_vec` gives them.
+pub fn pairs(list: &[(&str, &str)]) -> Vec<(String, String)> {
+    list.iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect()
+}

@@ -50,6 +50,7 @@ pub mod assignment;
 pub mod attempts;
 pub mod backoff;
 pub mod consumer;
+pub mod dead_letters;
 pub mod decision;
 pub mod error;
 pub mod handler;

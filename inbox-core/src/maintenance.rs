@@ -1,5 +1,6 @@
-//! Maintenance that runs: stale leases released and completed rows deleted
-//! on an interval (`docs/operations.md`).
+//! Maintenance that runs: stale leases released, completed rows deleted,
+//! and (when asked) sent outbox events and old dead letters deleted, on an
+//! interval (`docs/operations.md`).
 //!
 //! Every statement is bounded and skips rows another transaction holds, so
 //! several instances (one per process is fine) can run at once without
@@ -26,6 +27,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
+use crate::dead_letters::DeadLetterStore;
 use crate::error::{StoreError, ValidationError};
 use crate::store::InboxStore;
 
@@ -93,6 +95,23 @@ pub struct MaintenanceReport {
     pub deleted: u64,
     /// Sent outbox events deleted ([`Maintenance::with_outbox`]).
     pub outbox_deleted: u64,
+    /// Dead letters past their retention deleted
+    /// ([`Maintenance::with_dead_letters`]).
+    pub dead_letters_deleted: u64,
+}
+
+/// Deletes old dead letters (any [`DeadLetterStore`], kept without its
+/// transaction type).
+#[async_trait::async_trait]
+trait DeadLetterRetention: Send + Sync {
+    async fn delete(&self, older_than: Duration, batch: u64) -> Result<u64, StoreError>;
+}
+
+#[async_trait::async_trait]
+impl<S: DeadLetterStore> DeadLetterRetention for S {
+    async fn delete(&self, older_than: Duration, batch: u64) -> Result<u64, StoreError> {
+        self.delete_dead_letters(older_than, batch).await
+    }
 }
 
 /// Runs maintenance on a store.
@@ -101,6 +120,7 @@ pub struct Maintenance<S> {
     store: S,
     config: MaintenanceConfig,
     outbox: Option<(std::sync::Arc<dyn crate::outbox::OutboxStore>, Duration)>,
+    dead_letters: Option<(std::sync::Arc<dyn DeadLetterRetention>, Duration)>,
 }
 
 impl<S> std::fmt::Debug for Maintenance<S> {
@@ -108,6 +128,7 @@ impl<S> std::fmt::Debug for Maintenance<S> {
         f.debug_struct("Maintenance")
             .field("config", &self.config)
             .field("outbox", &self.outbox.is_some())
+            .field("dead_letters", &self.dead_letters.as_ref().map(|(_, d)| d))
             .finish_non_exhaustive()
     }
 }
@@ -119,7 +140,22 @@ impl<S: InboxStore> Maintenance<S> {
             store,
             config,
             outbox: None,
+            dead_letters: None,
         }
+    }
+
+    /// Also deletes dead letters recorded more than `retention` ago, in the
+    /// same batches. Without it (the default) dead letters stay until an
+    /// operator replays or discards them: they are the record of what was
+    /// given up on. A deleted dead letter cannot be replayed; keep them
+    /// longer than your team takes to look (weeks, not days).
+    #[must_use]
+    pub fn with_dead_letters(mut self, retention: Duration) -> Self
+    where
+        S: DeadLetterStore + Clone + 'static,
+    {
+        self.dead_letters = Some((std::sync::Arc::new(self.store.clone()), retention));
+        self
     }
 
     /// Also deletes the store's outbox events sent more than `retention`
@@ -146,36 +182,49 @@ impl<S: InboxStore> Maintenance<S> {
             .store
             .release_stale_locks(self.config.stale_after)
             .await?;
-        let mut deleted = 0;
         let batch = self.config.delete_batch.max(1);
-        for _ in 0..self.config.max_batches_per_run.max(1) {
-            let n = self
-                .store
-                .delete_completed(self.config.retention, batch)
-                .await?;
-            deleted += n;
-            if n < batch {
-                break;
-            }
-        }
+        let deleted = self
+            .in_batches(|| self.store.delete_completed(self.config.retention, batch))
+            .await?;
         let mut outbox_deleted = 0;
         if let Some((outbox, retention)) = &self.outbox {
-            for _ in 0..self.config.max_batches_per_run.max(1) {
-                let n = outbox.delete_sent(*retention, batch).await?;
-                outbox_deleted += n;
-                if n < batch {
-                    break;
-                }
-            }
+            outbox_deleted = self
+                .in_batches(|| outbox.delete_sent(*retention, batch))
+                .await?;
             if outbox_deleted > 0 {
                 outbox.reclaim().await?;
             }
+        }
+        let mut dead_letters_deleted = 0;
+        if let Some((store, retention)) = &self.dead_letters {
+            dead_letters_deleted = self.in_batches(|| store.delete(*retention, batch)).await?;
         }
         Ok(MaintenanceReport {
             released,
             deleted,
             outbox_deleted,
+            dead_letters_deleted,
         })
+    }
+
+    /// Runs `delete` (one bounded statement, how many rows it deleted)
+    /// until it deletes less than a batch, at most `max_batches_per_run`
+    /// times; the total.
+    async fn in_batches<'a, F, Fut>(&self, mut delete: F) -> Result<u64, StoreError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<u64, StoreError>> + 'a,
+    {
+        let batch = self.config.delete_batch.max(1);
+        let mut total = 0;
+        for _ in 0..self.config.max_batches_per_run.max(1) {
+            let n = delete().await?;
+            total += n;
+            if n < batch {
+                break;
+            }
+        }
+        Ok(total)
     }
 
     /// Runs every `interval` until `cancel` fires; a failed run is logged
@@ -189,6 +238,7 @@ impl<S: InboxStore> Maintenance<S> {
                     total.released += r.released;
                     total.deleted += r.deleted;
                     total.outbox_deleted += r.outbox_deleted;
+                    total.dead_letters_deleted += r.dead_letters_deleted;
                     if r.released > 0 {
                         tracing::info!(released = r.released, "stale leases released");
                     }

@@ -14,6 +14,7 @@
 
 use std::collections::BTreeMap;
 
+use inbox_core::dead_letters::DeadLetter;
 use inbox_core::model::{MAX_PAYLOAD_BYTES, decode_header};
 use inbox_core::{Headers, Message, Position, ValidationError};
 use serde_json::Value;
@@ -214,6 +215,13 @@ pub fn decode_or_poison(decoder: &dyn Decode, record: &RecordView<'_>) -> Messag
                 });
             let mut m = Message::new(id, record.topic, "", Value::Null);
             m.position = Some(record.position());
+            // kept for the dead letter (shown, and read by `redecode`);
+            // bytes that are not UTF-8 become U+FFFD
+            m.headers = record
+                .headers
+                .iter()
+                .map(|(k, v)| (k.clone(), String::from_utf8_lossy(v).into_owned()))
+                .collect();
             m.decode_error = Some(error);
             m
         }
@@ -223,6 +231,62 @@ pub fn decode_or_poison(decoder: &dyn Decode, record: &RecordView<'_>) -> Messag
     message.key = record.key.map(<[u8]>::to_vec);
     message.timestamp = record.timestamp;
     message
+}
+
+/// The message of dead letter `letter` decoded again from the bytes that
+/// arrived (its raw value, key, headers in their order, timestamp and
+/// position as recorded) by `decoder`: how a poison message is replayed
+/// once the decoder reads it (`PgStore::replay_dead_letter_with`).
+///
+/// # Errors
+///
+/// The [`ValidationError`] the decoder still finds; a dead letter without
+/// raw bytes (one recorded from a handler's failure, whose recorded message
+/// is complete: replay it as recorded) is [`ValidationError::Config`].
+pub fn redecode(decoder: &dyn Decode, letter: &DeadLetter) -> Result<Message, ValidationError> {
+    let Some(value) = letter.raw.as_deref() else {
+        return Err(ValidationError::Config {
+            reason: format!(
+                "dead letter {} keeps no raw bytes to decode again: replay the message as recorded",
+                letter.id
+            ),
+        });
+    };
+    let recorded = &letter.recorded;
+    let headers: Vec<(String, Vec<u8>)> = recorded
+        .get("headers")
+        .and_then(|h| serde_json::from_value::<Headers>(h.clone()).ok())
+        .unwrap_or_default()
+        .into_vec()
+        .into_iter()
+        .map(|(k, v)| (k, v.into_bytes()))
+        .collect();
+    let key: Option<Vec<u8>> = recorded
+        .get("key")
+        .and_then(|k| serde_json::from_value(k.clone()).ok());
+    let timestamp = recorded
+        .get("timestamp")
+        .and_then(|t| serde_json::from_value(t.clone()).ok());
+    let (topic, partition, offset) = match &letter.position {
+        Some(p) => (p.topic.as_str(), p.partition, p.offset),
+        None => (letter.source.as_str(), 0, 0),
+    };
+    let view = RecordView {
+        topic,
+        partition,
+        offset,
+        key: key.as_deref(),
+        value: Some(value),
+        headers: &headers,
+        timestamp,
+    };
+    let mut message = decode_or_poison(decoder, &view);
+    if let Some(e) = message.decode_error.take() {
+        return Err(e);
+    }
+    message.position.clone_from(&letter.position);
+    message.raw = Some(value.to_vec());
+    Ok(message)
 }
 
 #[cfg(test)]

@@ -69,7 +69,7 @@ mod wire;
 pub use consumer::{
     ConsumerStats, KafkaConfig, KafkaConsumer, KafkaError, OutOfRange, StartPosition,
 };
-pub use decode::{Decode, JsonDecoder, RecordView, decode_or_poison};
+pub use decode::{Decode, JsonDecoder, RecordView, decode_or_poison, redecode};
 pub use group::{AssignmentChange, GroupConfig, GroupSummary, run_group};
 pub use health::{HealthHandle, PartitionHealth};
 pub use offsets::{

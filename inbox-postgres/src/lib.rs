@@ -48,6 +48,7 @@
 //! insert-or-get, `ROLLBACK`). See `docs/postgres.md`.
 
 mod conn;
+mod dead_letters;
 mod error;
 mod migration;
 mod outbox;

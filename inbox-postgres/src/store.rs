@@ -49,12 +49,15 @@ struct Sql {
     publish: String,
     unpublish: String,
     publish_lock: String,
+    /// The table the statements use.
+    table: TableName,
 }
 
 impl Sql {
     fn new(t: &TableName) -> Self {
         let q = t.qualified();
         Self {
+            table: t.clone(),
             // One round trip: insert, or return the existing row. When a
             // concurrent transaction inserted the key and commits while we
             // wait, the statement's snapshot cannot see its row and returns
@@ -367,6 +370,11 @@ impl PgTx {
     /// transaction and would not commit it (see [`PgConn`]).
     pub fn connection(&self) -> &PgConn {
         &self.conn
+    }
+
+    /// The inbox's table names.
+    pub(crate) fn table(&self) -> &TableName {
+        &self.sql.table
     }
 }
 

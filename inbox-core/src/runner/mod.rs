@@ -260,7 +260,7 @@ async fn abandon<T: InboxTransaction>(tx: T) {
 }
 
 /// Runs the handler with a timeout, catching a panic; reports its duration.
-async fn run_handler<Tx, H, M>(
+pub(crate) async fn run_handler<Tx, H, M>(
     handler: &H,
     message: &Message,
     tx: &mut Tx,

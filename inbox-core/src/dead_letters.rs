@@ -1,0 +1,346 @@
+//! Dead letters an operator can work with: list, show, replay, discard,
+//! and a retention for [`Maintenance`](crate::maintenance::Maintenance).
+//!
+//! A dead letter records a message the inbox gave up on (poison, or its
+//! failure budget spent) with the error, so its partition could move on.
+//! Once the cause is fixed (a handler that now knows the event type, a
+//! decoder that reads the new format), [`replay`] runs the message through
+//! the handler in the inbox's transaction, exactly once: the dead letter
+//! is locked for the replay and removed in the same transaction that
+//! completes the message's inbox row, and a message whose row completed
+//! meanwhile (a redelivery after an offset reset) is not applied again.
+//! Replay needs neither the broker nor the offset: it works long after the
+//! partition moved past the message.
+//!
+//! ```
+//! use inbox_core::dead_letters::{DeadLetterQuery, Replayed};
+//! let query = DeadLetterQuery::new()
+//!     .consumer_group("billing")
+//!     .error_contains("unknown event type")
+//!     .limit(20);
+//! assert_eq!(query.limit, 20);
+//! assert!(matches!(Replayed::Applied, Replayed::Applied));
+//! ```
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+
+use crate::error::{StoreError, ValidationError};
+use crate::handler::Handler;
+use crate::model::{InboxStatus, Message, NewInboxRow, Position, RowId};
+use crate::outcome::Outcome;
+use crate::store::{Found, InboxStore, InboxTransaction};
+
+/// One recorded dead letter.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeadLetter {
+    /// Its id (what `replay` and `discard` take).
+    pub id: i64,
+    /// The consumer group that gave up on the message.
+    pub consumer_group: String,
+    /// The message's id.
+    pub message_id: String,
+    /// Where it came from (the topic).
+    pub source: String,
+    /// Its broker position, when it came from one.
+    pub position: Option<Position>,
+    /// The message as recorded (JSON: ids, event type, payload, headers in
+    /// their order, key, timestamp). A record the database refused in full
+    /// is kept reduced (`{"reduced": ..}` or `{"escaped": ..}`).
+    pub recorded: serde_json::Value,
+    /// The record's value bytes as the broker delivered them, when kept
+    /// (a poison message's are).
+    pub raw: Option<Vec<u8>>,
+    /// Why the inbox gave up.
+    pub error: String,
+    /// When it was recorded.
+    pub created_at: DateTime<Utc>,
+}
+
+impl DeadLetter {
+    /// The message as recorded, to hand to the handler again.
+    ///
+    /// # Errors
+    ///
+    /// [`ValidationError::Config`] when the dead letter keeps only a
+    /// reduced record (the database refused the full one): such a message
+    /// cannot be replayed as recorded; re-decode its raw bytes instead.
+    pub fn message(&self) -> Result<Message, ValidationError> {
+        let mut m: Message =
+            serde_json::from_value(self.recorded.clone()).map_err(|e| ValidationError::Config {
+                reason: format!(
+                    "dead letter {} keeps no full message to replay ({e}): re-decode its raw bytes",
+                    self.id
+                ),
+            })?;
+        if m.position.is_none() {
+            m.position.clone_from(&self.position);
+        }
+        if m.raw.is_none() {
+            m.raw.clone_from(&self.raw);
+        }
+        Ok(m)
+    }
+}
+
+/// Which dead letters to list: every filter is optional; newest first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadLetterQuery {
+    /// Only this consumer group's.
+    pub consumer_group: Option<String>,
+    /// Only messages from this topic (source).
+    pub topic: Option<String>,
+    /// Only those recorded at or after this time.
+    pub since: Option<DateTime<Utc>>,
+    /// Only those recorded before this time.
+    pub until: Option<DateTime<Utc>>,
+    /// Only those whose error contains this text (case-insensitive).
+    pub error_contains: Option<String>,
+    /// Only those with an id below this one (the next page after the
+    /// last id of a page).
+    pub before_id: Option<i64>,
+    /// Most returned. Default 100.
+    pub limit: u32,
+}
+
+impl Default for DeadLetterQuery {
+    fn default() -> Self {
+        Self {
+            consumer_group: None,
+            topic: None,
+            since: None,
+            until: None,
+            error_contains: None,
+            before_id: None,
+            limit: 100,
+        }
+    }
+}
+
+impl DeadLetterQuery {
+    /// Every dead letter, newest first, 100 at most.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Only `group`'s.
+    #[must_use]
+    pub fn consumer_group(mut self, group: impl Into<String>) -> Self {
+        self.consumer_group = Some(group.into());
+        self
+    }
+
+    /// Only from `topic`.
+    #[must_use]
+    pub fn topic(mut self, topic: impl Into<String>) -> Self {
+        self.topic = Some(topic.into());
+        self
+    }
+
+    /// Only those recorded at or after `t`.
+    #[must_use]
+    pub fn since(mut self, t: DateTime<Utc>) -> Self {
+        self.since = Some(t);
+        self
+    }
+
+    /// Only those recorded before `t`.
+    #[must_use]
+    pub fn until(mut self, t: DateTime<Utc>) -> Self {
+        self.until = Some(t);
+        self
+    }
+
+    /// Only those whose error contains `text` (case-insensitive).
+    #[must_use]
+    pub fn error_contains(mut self, text: impl Into<String>) -> Self {
+        self.error_contains = Some(text.into());
+        self
+    }
+
+    /// The page after the one whose last id was `id`.
+    #[must_use]
+    pub fn before_id(mut self, id: i64) -> Self {
+        self.before_id = Some(id);
+        self
+    }
+
+    /// At most `n`.
+    #[must_use]
+    pub fn limit(mut self, n: u32) -> Self {
+        self.limit = n;
+        self
+    }
+}
+
+/// A store that keeps dead letters.
+#[async_trait]
+pub trait DeadLetterStore: InboxStore {
+    /// The dead letters `query` selects, newest first.
+    async fn list_dead_letters(
+        &self,
+        query: &DeadLetterQuery,
+    ) -> Result<Vec<DeadLetter>, StoreError>;
+
+    /// One dead letter, when it exists.
+    async fn dead_letter(&self, id: i64) -> Result<Option<DeadLetter>, StoreError>;
+
+    /// Removes a dead letter without replaying it; whether it existed. Its
+    /// message stays given up on (the inbox row keeps its status).
+    async fn discard_dead_letter(&self, id: i64) -> Result<bool, StoreError>;
+
+    /// Deletes at most `batch` dead letters recorded more than `older_than`
+    /// ago; how many.
+    async fn delete_dead_letters(
+        &self,
+        older_than: Duration,
+        batch: u64,
+    ) -> Result<u64, StoreError>;
+}
+
+/// The steps of a replay inside the store's transaction.
+#[async_trait]
+pub trait DeadLetterTransaction: InboxTransaction {
+    /// The dead letter, locked by this transaction until it ends (a
+    /// concurrent replay of it waits, then finds it gone); `None` when it
+    /// does not exist.
+    async fn take_dead_letter(&mut self, id: i64) -> Result<Option<DeadLetter>, StoreError>;
+
+    /// The inbox row of `message_id` in `consumer_group`, locked by this
+    /// transaction: its id and status; `None` when there is none.
+    async fn lock_inbox_row(
+        &mut self,
+        message_id: &str,
+        consumer_group: &str,
+    ) -> Result<Option<(RowId, InboxStatus)>, StoreError>;
+
+    /// Removes the dead letter, with this transaction.
+    async fn remove_dead_letter(&mut self, id: i64) -> Result<(), StoreError>;
+}
+
+/// What came of a replay.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Replayed {
+    /// The handler succeeded: its writes, the completed inbox row and the
+    /// dead letter's removal committed together.
+    Applied,
+    /// The message's inbox row had completed meanwhile (it was delivered
+    /// again and handled): not applied again; the dead letter is removed.
+    AlreadyApplied,
+    /// No dead letter with that id (already replayed or discarded).
+    NotFound,
+    /// The message cannot be handled as it is (as recorded, or as
+    /// re-decoded): nothing changed, the dead letter stays.
+    Invalid(ValidationError),
+    /// The handler failed again: rolled back, the dead letter stays.
+    Failed(String),
+}
+
+/// How [`replay`] runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplayOptions {
+    /// The handler's time limit. Default 30 s.
+    pub handler_timeout: Duration,
+}
+
+impl Default for ReplayOptions {
+    fn default() -> Self {
+        Self {
+            handler_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Replays dead letter `id` through `handler`, in one transaction of
+/// `store`, exactly once (see the module's documentation). `decode` gives
+/// the message to handle: [`DeadLetter::message`] for the message as
+/// recorded, or a re-decoding of its raw bytes with a fixed decoder (a
+/// poison message's recorded payload is empty).
+///
+/// # Errors
+///
+/// A [`StoreError`] when the store fails (nothing is committed then); the
+/// handler's failure is [`Replayed::Failed`], not an error.
+pub async fn replay<S, H>(
+    store: &S,
+    id: i64,
+    handler: &H,
+    decode: &(dyn Fn(&DeadLetter) -> Result<Message, ValidationError> + Sync),
+    options: ReplayOptions,
+) -> Result<Replayed, StoreError>
+where
+    S: DeadLetterStore,
+    S::Tx: DeadLetterTransaction,
+    H: Handler<S::Tx>,
+{
+    let mut tx = store.begin().await?;
+    let Some(letter) = tx.take_dead_letter(id).await? else {
+        tx.rollback().await?;
+        return Ok(Replayed::NotFound);
+    };
+    let message = match decode(&letter).and_then(|m| m.validate(&letter.consumer_group).map(|()| m))
+    {
+        Ok(m) => m,
+        Err(e) => {
+            tx.rollback().await?;
+            return Ok(Replayed::Invalid(e));
+        }
+    };
+    let group = &letter.consumer_group;
+    let row = match tx.lock_inbox_row(&message.message_id, group).await? {
+        Some((row, status)) => Some((row, status)),
+        None => {
+            let inserted = tx
+                .insert_or_get(&NewInboxRow::for_message(
+                    &message,
+                    group,
+                    crate::model::DEFAULT_MAX_ATTEMPTS,
+                ))
+                .await?;
+            match inserted.found {
+                Found::Inserted => Some((inserted.id, InboxStatus::Pending)),
+                // inserted by a delivery that committed meanwhile
+                Found::Existing(_) => tx.lock_inbox_row(&message.message_id, group).await?,
+            }
+        }
+    };
+    let Some((row, status)) = row else {
+        tx.rollback().await?;
+        return Err(StoreError::new(
+            crate::error::StoreErrorKind::Other,
+            format!(
+                "the inbox row of {} vanished during the replay",
+                message.message_id
+            ),
+        ));
+    };
+    if status == InboxStatus::Completed {
+        tx.remove_dead_letter(id).await?;
+        tx.commit().await?;
+        return Ok(Replayed::AlreadyApplied);
+    }
+    let outcome = crate::runner::run_handler(
+        handler,
+        &message,
+        &mut tx,
+        options.handler_timeout,
+        &crate::metrics::NoopMetrics,
+    )
+    .await;
+    if let Outcome::Failed(failure) = outcome {
+        tx.rollback().await?;
+        return Ok(Replayed::Failed(crate::attempts::failure_text(&failure)));
+    }
+    tx.complete(row).await?;
+    tx.remove_dead_letter(id).await?;
+    tx.commit().await?;
+    tracing::info!(
+        dead_letter = id,
+        message_id = %message.message_id,
+        consumer_group = %group,
+        "dead letter replayed"
+    );
+    Ok(Replayed::Applied)
+}

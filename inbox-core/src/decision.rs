@@ -504,6 +504,17 @@ pub fn counts_failures(policy: Policy) -> bool {
     policy.failure_budget.is_some() && unsettled(policy.strategy, true) == (AckPoint::Never, true)
 }
 
+/// Whether a driver that counts failures ([`counts_failures`]) takes a
+/// savepoint before the handler: only over a row that existed before this
+/// transaction (a message that failed before, or was counted before its
+/// handler ran). A new row's run goes without one, so the common case (a
+/// new message, handled) costs no extra round trip; if it fails, the whole
+/// transaction rolls back (the row with it) and the failure is recorded in
+/// a transaction of its own, as in batched mode.
+pub fn savepoint_before_handler(policy: Policy, state: RowState) -> bool {
+    counts_failures(policy) && state != RowState::New
+}
+
 /// The decision for a message whose budget is spent: the row becomes
 /// `failed` (the driver writes it and a dead letter), the transaction
 /// commits, the message is acknowledged as a settled one would be.
@@ -1210,5 +1221,22 @@ mod tests {
         assert!(counts_attempt(Some(&later(1, true)), 0, 3));
         assert!(counts_attempt(Some(&plain), 0, 3));
         assert!(counts_attempt(None, 0, 3));
+    }
+
+    #[test]
+    fn a_savepoint_only_over_a_row_that_existed() {
+        let budget = Policy::new(AckStrategy::default()).with_failure_budget(Some(3));
+        assert!(counts_failures(budget));
+        for state in RowState::ALL {
+            assert_eq!(
+                savepoint_before_handler(budget, state),
+                state != RowState::New,
+                "{state:?}"
+            );
+            assert!(
+                !savepoint_before_handler(Policy::new(AckStrategy::default()), state),
+                "no budget, no savepoint: {state:?}"
+            );
+        }
     }
 }

@@ -81,8 +81,8 @@ pub use model::{InboxRow, InboxStatus, Message, NewInboxRow, Position, RowId, Wo
 pub use offsets::{MembershipStore, OffsetStore, PartitionClaim};
 pub use outcome::{Failure, HandlerResult, Outcome, OutcomeClass};
 pub use runner::{
-    Backoff, BatchConfig, BatchResult, ProcessError, ProcessResult, RunSummary, Runner,
-    RunnerConfig, panic_message,
+    Backoff, BatchConfig, BatchResult, DEFAULT_FAILURE_BUDGET, ProcessError, ProcessResult,
+    RunSummary, Runner, RunnerConfig, panic_message,
 };
 pub use store::{
     AttemptRecord, DueFilter, Found, InboxStore, InboxTransaction, LockResult, RowRef,

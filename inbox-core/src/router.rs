@@ -117,8 +117,10 @@ impl<T: Send + 'static, Tx: Send, H: EventHandler<T, Tx> + ?Sized> EventHandler<
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum UnknownEventType {
     /// A failure ([`RouteError::UnknownEventType`]): the message is retried
-    /// or given up as its strategy says. The default: a message nobody
-    /// handles is more often a missing route than an event to ignore.
+    /// or given up as its strategy says, within the failure budget (on by
+    /// default), then dead-lettered and replayed once the route exists. The
+    /// default: a message nobody handles is more often a missing route than
+    /// an event to ignore.
     #[default]
     Fail,
     /// Skipped: handled by not acting (the row completes).

@@ -123,9 +123,11 @@ fn runner_with_budget(
     budget: Option<u32>,
 ) -> (TestRunner, Arc<CountingMetrics>) {
     let metrics = Arc::new(CountingMetrics::new());
+    // no budget unless the test gives one (these count transactions)
     let mut config = RunnerConfig::new("billing", "w-1")
         .expect("config")
-        .with_strategy(strategy);
+        .with_strategy(strategy)
+        .no_failure_budget();
     if let Some(n) = budget {
         config = config.failure_budget(n);
     }
@@ -343,6 +345,7 @@ async fn several_failures_in_one_batch_cost_two_transactions_with_savepoints() {
         b.savepoints_after_failure = savepoints;
         let config = RunnerConfig::new("billing", "w-1")
             .expect("config")
+            .no_failure_budget()
             .batched(b);
         let mut r = Runner::new(store.clone(), broker.consumer("billing"), handler, config)
             .with_metrics(metrics.clone());

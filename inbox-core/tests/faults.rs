@@ -17,9 +17,11 @@ fn order(id: &str) -> Message {
 }
 
 fn config(strategy: AckStrategy) -> RunnerConfig {
+    // the design note's runner: no failure budget
     RunnerConfig::new("billing", "worker-1")
         .expect("valid config")
         .with_strategy(strategy)
+        .no_failure_budget()
 }
 
 type TestRunner = Runner<MemStore, MemConsumer, Arc<ScriptedHandler>, Arc<CountingMetrics>>;

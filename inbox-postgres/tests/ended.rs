@@ -44,8 +44,11 @@ async fn store() -> PgStore {
     fresh_store().await.unwrap_or_else(|e| panic!("{e}"))
 }
 
+/// No failure budget unless a test sets one: a failed run leaves no row.
 fn config() -> RunnerConfig {
-    RunnerConfig::new("billing", "worker-1").unwrap_or_else(|e| panic!("{e}"))
+    RunnerConfig::new("billing", "worker-1")
+        .unwrap_or_else(|e| panic!("{e}"))
+        .no_failure_budget()
 }
 
 async fn rows(store: &PgStore, id: &str) -> i64 {

@@ -24,8 +24,11 @@ fn order(id: &str) -> Message {
     Message::new(id, "orders", "order.created", json!({ "order": id }))
 }
 
+/// No failure budget: a failed run leaves no row behind.
 fn config() -> RunnerConfig {
-    RunnerConfig::new("billing", "worker-1").expect("config")
+    RunnerConfig::new("billing", "worker-1")
+        .expect("config")
+        .no_failure_budget()
 }
 
 /// Writes an invoice, then (on its first call only) waits at a gate.

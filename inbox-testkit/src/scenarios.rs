@@ -225,7 +225,11 @@ fn order(id: &str) -> Message {
 }
 
 fn config(group: &str, strategy: AckStrategy) -> RunnerConfig {
-    let mut c = RunnerConfig::new(group, "scenario-worker").unwrap_or_else(|e| panic!("{e}"));
+    // the strategy x outcome matrix of the design note: no failure budget
+    // (the budget's scenarios set one)
+    let mut c = RunnerConfig::new(group, "scenario-worker")
+        .unwrap_or_else(|e| panic!("{e}"))
+        .no_failure_budget();
     c.strategy = strategy;
     c.handler_timeout = Duration::from_millis(200);
     c

@@ -7,6 +7,23 @@ use crate::error::ValidationError;
 use crate::model::{DEFAULT_MAX_ATTEMPTS, WorkerId};
 use crate::strategy::AckStrategy;
 
+/// The failure budget a runner has unless told otherwise: 10 handler
+/// attempts per message, then it is dead-lettered and its partition moves
+/// on.
+///
+/// Why 10: the number of attempts Spring Kafka's `DefaultErrorHandler`
+/// makes by default, which many Kafka teams already expect; with the
+/// default redelivery backoff (100 ms doubling to 10 s) the attempts span
+/// about half a minute, long enough to ride out a redeploy of a dependency
+/// or a lock held for a while, short enough that a message the code cannot
+/// handle (a new event type, a payload that no longer deserializes) stops
+/// its partition for half a minute, not for ever. A failure that means
+/// "not yet" for longer should say so (`HandlerResult::retry_uncounted`,
+/// which spends no budget) or turn the budget off
+/// ([`RunnerConfig::no_failure_budget`]); a dead letter is replayed after
+/// the fix (`inbox_core::dead_letters`).
+pub const DEFAULT_FAILURE_BUDGET: u32 = 10;
+
 /// How the runner behaves. [`RunnerConfig::new`] validates the consumer group
 /// and the worker id and sets sensible defaults.
 #[derive(Debug, Clone)]
@@ -35,10 +52,11 @@ pub struct RunnerConfig {
     /// data (a data exception, or the inbox's own constraints) before the
     /// message is poison: dead-lettered and acknowledged. Default 3.
     pub refused_data_tries: u32,
-    /// The failure budget (see [`RunnerConfig::failure_budget`]). `None`
-    /// (the default): handler failures are not counted and a message whose
-    /// handler always fails is delivered again forever, as the design
-    /// note's runner does.
+    /// The failure budget (see [`RunnerConfig::failure_budget`]): by
+    /// default [`DEFAULT_FAILURE_BUDGET`] attempts. `None`
+    /// ([`RunnerConfig::no_failure_budget`]): handler failures are not
+    /// counted and a message whose handler always fails is delivered again
+    /// forever, as the design note's runner does.
     pub failure_budget: Option<u32>,
     /// How many uncounted retries in a row (`retry_uncounted`: "the
     /// dependency is down") one message may ask for before they count
@@ -176,7 +194,7 @@ impl RunnerConfig {
             worker_id: WorkerId::new(worker_id)?,
             strategy: AckStrategy::default(),
             handler_timeout: Duration::from_secs(30),
-            max_attempts: DEFAULT_MAX_ATTEMPTS,
+            max_attempts: i32::try_from(DEFAULT_FAILURE_BUDGET).unwrap_or(DEFAULT_MAX_ATTEMPTS),
             store_backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(30), 2.0),
             redelivery_backoff: Backoff::new(
                 Duration::from_millis(100),
@@ -186,7 +204,7 @@ impl RunnerConfig {
             idle_poll: Duration::from_millis(50),
             batch: None,
             refused_data_tries: 3,
-            failure_budget: None,
+            failure_budget: Some(DEFAULT_FAILURE_BUDGET),
             uncounted_retries: 100,
         })
     }
@@ -225,6 +243,24 @@ impl RunnerConfig {
         let attempts = attempts.max(1);
         self.failure_budget = Some(attempts);
         self.max_attempts = i32::try_from(attempts).unwrap_or(i32::MAX);
+        self
+    }
+
+    /// The same configuration without a failure budget: a message whose
+    /// handler keeps failing is delivered again forever and its partition
+    /// waits (the design note's runner). For handlers whose failures only
+    /// ever mean "not yet" (a dependency down), where giving up is worse
+    /// than waiting; watch the partition's lag and `failed` counter.
+    ///
+    /// ```
+    /// use inbox_core::RunnerConfig;
+    /// let config = RunnerConfig::new("billing", "worker-1").unwrap();
+    /// assert_eq!(config.failure_budget, Some(10), "on by default");
+    /// assert_eq!(config.no_failure_budget().failure_budget, None);
+    /// ```
+    #[must_use]
+    pub fn no_failure_budget(mut self) -> Self {
+        self.failure_budget = None;
         self
     }
 

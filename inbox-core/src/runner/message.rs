@@ -259,10 +259,12 @@ where
         let (decision, outcome) = match (step, &self.handler) {
             (Step::RunHandler(state), Some(handler)) => {
                 ran = Some(state);
-                // The failure budget: a savepoint before the handler, so a
-                // failure is undone alone and recorded on the row. A store
-                // without savepoints records it in a transaction of its own.
-                let savepoint = if counting {
+                // The failure budget: over a row that existed, a savepoint
+                // before the handler, so a failure is undone alone and
+                // recorded on the row. A new row (the common case) goes
+                // without, as does a store without savepoints: a failure
+                // is recorded in a transaction of its own.
+                let savepoint = if decision::savepoint_before_handler(policy, state) {
                     match tx.savepoint().await {
                         Ok(()) => true,
                         Err(e) if e.kind == StoreErrorKind::Unsupported => false,

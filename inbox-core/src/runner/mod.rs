@@ -29,7 +29,7 @@ use std::time::Duration;
 use futures::FutureExt;
 use tokio::time::Instant;
 
-pub use config::{Backoff, BatchConfig, RunnerConfig};
+pub use config::{Backoff, BatchConfig, DEFAULT_FAILURE_BUDGET, RunnerConfig};
 pub use result::{BatchResult, ProcessError, ProcessResult, RunSummary};
 
 use crate::consumer::Consumer;

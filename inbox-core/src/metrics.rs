@@ -85,6 +85,9 @@ pub enum MetricEvent {
         /// How many offsets.
         count: i64,
     },
+    /// Copying the stored offsets to the broker's group coordinator failed
+    /// (so Kafka's tools see older offsets; PostgreSQL keeps the truth).
+    BrokerCommitFailed,
     /// This consumer lost a partition to another (its epoch is stale).
     Fenced {
         /// Partition.
@@ -269,6 +272,7 @@ impl Metrics for CountingMetrics {
             | MetricEvent::OffsetMoved { .. }
             | MetricEvent::AssignmentChanged { .. }
             | MetricEvent::RunnerRestarted
+            | MetricEvent::BrokerCommitFailed
             | MetricEvent::OutboxPublished { .. }
             | MetricEvent::OutboxDeadLettered => return,
         };
@@ -292,6 +296,7 @@ impl Metrics for CountingMetrics {
 /// | broker gaps (unexpected) and the offsets they passed | counters `inbox_offset_gaps_total`, `inbox_offset_gap_offsets_total` | `group`, `topic` (the event's), `partition` |
 /// | offsets holding no record, skipped (normal: markers, compaction) | counter `inbox_offsets_skipped_total` | `group`, `topic` (the event's), `partition` |
 /// | fencing, offsets out of range | counters `inbox_fenced_total`, `inbox_offset_out_of_range_total` | `group`, `topic`, `partition` |
+/// | offsets not copied to the broker's group coordinator | counter `inbox_broker_commit_failures_total` | `group` |
 ///
 /// Alert on `exhausted`, `poison` and `dropped` outcomes, gaps, out-of-range
 /// offsets, and a lag that grows (see `docs/operations.md`).
@@ -423,6 +428,13 @@ impl Metrics for FacadeMetrics {
             MetricEvent::RunnerRestarted => {
                 ::metrics::counter!("inbox_runner_restarts_total", "group" => group.clone())
                     .increment(1);
+            }
+            MetricEvent::BrokerCommitFailed => {
+                ::metrics::counter!(
+                    "inbox_broker_commit_failures_total",
+                    "group" => group.clone()
+                )
+                .increment(1);
             }
             MetricEvent::AssignmentChanged { partitions } => {
                 ::metrics::counter!("inbox_assignment_changes_total", "group" => group.clone())

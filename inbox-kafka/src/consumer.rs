@@ -15,6 +15,7 @@ use rskafka::client::{Client, ClientBuilder};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use crate::broker_group::{BrokerCommits, BrokerGroup};
 use crate::committed::CommittedFetch;
 use crate::decode::{Decode, JsonDecoder, RecordView, decode_or_poison};
 use crate::health::HealthHandle;
@@ -22,7 +23,7 @@ use crate::security::{Sasl, Tls};
 use crate::wire::{Dialer, Fetched};
 
 /// Where a partition is read from when no offset is stored for it yet.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum StartPosition {
     /// The earliest record the broker still has.
     #[default]
@@ -32,6 +33,14 @@ pub enum StartPosition {
     /// The first record whose timestamp is at or after this time (the
     /// log's end when there is none), as the broker's ListOffsets finds it.
     Timestamp(chrono::DateTime<chrono::Utc>),
+    /// Where the Kafka consumer group of this name stands: the offsets it
+    /// committed at the brokers' group coordinator (OffsetFetch), so a
+    /// service moving to this library from another Kafka consumer reads on
+    /// where the old one stopped instead of reading the topic again. A
+    /// partition that group never committed starts at the earliest record.
+    /// That group's offsets are read once, at the claim; an error reading
+    /// them is an error, never a silent start from the beginning.
+    GroupOffsets(String),
 }
 
 /// What to do when a partition's stored offset is outside the broker's log
@@ -104,6 +113,14 @@ pub struct KafkaConfig {
     /// read_uncommitted, which delivers aborted records as if committed:
     /// only for a topic no transactional producer writes.
     pub read_committed: bool,
+    /// How often the offsets stored in PostgreSQL are also committed to
+    /// the brokers' group coordinator, under this group's name, as a
+    /// standalone consumer commits them (the group is never joined), so
+    /// `kafka-consumer-groups --describe`, Burrow and the managed
+    /// clusters' lag views see the group. PostgreSQL stays the truth; a
+    /// failure there is a warning and a metric, never a stop. Default
+    /// 5 s; `None` turns it off.
+    pub broker_commit_interval: Option<Duration>,
     /// Where every consumer connected with this configuration (or a clone
     /// of it) reports its partitions' health: take a clone before handing
     /// the configuration to `run_group` or `run_partitioned`.
@@ -150,6 +167,7 @@ impl KafkaConfig {
             sasl: None,
             health: HealthHandle::new(),
             read_committed: true,
+            broker_commit_interval: Some(Duration::from_secs(5)),
         }
     }
 
@@ -274,6 +292,15 @@ pub enum KafkaError {
         what: String,
         /// The timeout.
         after: Duration,
+    },
+    /// The offsets of the Kafka consumer group to start from
+    /// ([`StartPosition::GroupOffsets`]) could not be read.
+    #[error("reading the offsets of Kafka consumer group {group:?}: {cause}")]
+    GroupOffsets {
+        /// The group.
+        group: String,
+        /// Why.
+        cause: String,
     },
 }
 
@@ -496,6 +523,9 @@ pub struct ConsumerStats {
     /// Times a partition's stored offset was read again because it was
     /// not where this consumer left it (`StoreErrorKind::OffsetMoved`).
     pub offset_resyncs: u64,
+    /// Commits of the stored offsets to the brokers' group coordinator
+    /// that failed ([`KafkaConfig::broker_commit_interval`]).
+    pub broker_commit_failures: u64,
 }
 
 /// A consumer of a set of partitions for one consumer group, with each
@@ -515,6 +545,8 @@ pub struct KafkaConsumer<O> {
     _client: Option<Client>,
     /// This consumer's id in `config.health`.
     reporter: u64,
+    /// The stored offsets copied to the group coordinator (`None`: off).
+    broker: Option<BrokerCommits>,
 }
 
 impl<O> Drop for KafkaConsumer<O> {
@@ -555,6 +587,15 @@ impl<O: OffsetStore> KafkaConsumer<O> {
         let client = config.client_with(tls.clone()).await?;
         let reporter = config.health.reporter();
         let dialer = Arc::new(config.dialer(tls));
+        let broker = config.broker_commit_interval.map(|every| {
+            BrokerCommits::new(
+                Arc::new(BrokerGroup::new(
+                    Arc::clone(&dialer),
+                    config.consumer_group.clone(),
+                )),
+                every,
+            )
+        });
         let mut partitions = Vec::with_capacity(config.partitions.len());
         for (topic, partition) in &config.partitions {
             let pc = within(
@@ -568,12 +609,26 @@ impl<O: OffsetStore> KafkaConsumer<O> {
                 .await?;
             let next_fetch = match claim.next_offset {
                 Some(o) => o,
-                None => match config.start {
+                None => match &config.start {
                     StartPosition::Earliest => pc.get_offset(OffsetAt::Earliest).await?,
                     StartPosition::Latest => pc.get_offset(OffsetAt::Latest).await?,
                     StartPosition::Timestamp(t) => {
                         let bounds = crate::offsets::bounds(&pc).await?;
-                        crate::offsets::offset_at_time(&pc, t, &config, bounds).await?
+                        crate::offsets::offset_at_time(&pc, *t, &config, bounds).await?
+                    }
+                    StartPosition::GroupOffsets(group) => {
+                        let key = (topic.clone(), *partition);
+                        let theirs = BrokerGroup::new(Arc::clone(&dialer), group.clone())
+                            .committed(std::slice::from_ref(&key))
+                            .await
+                            .map_err(|e| KafkaError::GroupOffsets {
+                                group: group.clone(),
+                                cause: e.to_string(),
+                            })?;
+                        match theirs.get(&key) {
+                            Some(o) => *o,
+                            None => pc.get_offset(OffsetAt::Earliest).await?,
+                        }
                     }
                 },
             };
@@ -621,6 +676,7 @@ impl<O: OffsetStore> KafkaConsumer<O> {
             fetched: Arc::new(Notify::new()),
             _client: Some(client),
             reporter,
+            broker,
         })
     }
 
@@ -632,7 +688,9 @@ impl<O: OffsetStore> KafkaConsumer<O> {
 
     /// The statistics so far.
     pub fn stats(&self) -> ConsumerStats {
-        self.stats
+        let mut stats = self.stats;
+        stats.broker_commit_failures = self.broker.as_ref().map_or(0, BrokerCommits::failures);
+        stats
     }
 
     /// The partitions this consumer lost to another (it stopped reading them).
@@ -1049,6 +1107,19 @@ impl<O: OffsetStore> Consumer for KafkaConsumer<O> {
         // hanging partition holds back no other. Wait for fetches at most
         // one broker wait and a grace before answering `None`.
         let deadline = Instant::now() + self.config.max_wait + FETCH_GRACE;
+        if let Some(broker) = self.broker.as_mut() {
+            let partitions = &self.partitions;
+            broker.tick(
+                || {
+                    partitions
+                        .iter()
+                        .filter(|p| !p.fenced)
+                        .filter_map(|p| p.stored.map(|o| (p.topic.clone(), p.partition, o)))
+                        .collect()
+                },
+                &self.metrics,
+            );
+        }
         // one fetch started per partition per call: an empty answer ends
         // the wait for that partition (no spinning on a broker that answers
         // at once)
@@ -1383,6 +1454,7 @@ mod tests {
             fetched: Arc::new(Notify::new()),
             _client: None,
             reporter: 0,
+            broker: None,
         }
     }
 

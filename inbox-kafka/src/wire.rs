@@ -79,7 +79,7 @@ fn failed(what: impl std::fmt::Display) -> WireError {
 }
 
 impl Dialer {
-    async fn connect(&self, address: &str) -> Result<Conn, WireError> {
+    pub(crate) async fn connect(&self, address: &str) -> Result<Conn, WireError> {
         let (host, _) = address
             .rsplit_once(':')
             .ok_or_else(|| failed(format!("broker address {address:?} has no port")))?;

@@ -148,7 +148,7 @@ async fn a_new_group_starts_at_a_time() {
     ] {
         let group = format!("g-{want}-{}", matches!(start, StartPosition::Latest));
         let mut kafka = env.kafka_config(&group);
-        kafka.start = start;
+        kafka.start = start.clone();
         let health = kafka.health.clone();
         let consumer = KafkaConsumer::connect(kafka, env.store.clone())
             .await

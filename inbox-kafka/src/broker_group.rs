@@ -1,0 +1,475 @@
+//! The group's offsets at the broker's group coordinator, so Kafka's own
+//! tools see the group (`kafka-consumer-groups --describe`, Burrow, the
+//! managed clusters' lag views), and a group can start where an existing
+//! Kafka consumer group stands ([`StartPosition::GroupOffsets`]).
+//!
+//! PostgreSQL stays the truth: the offsets stored in the inbox's
+//! transactions are copied to the coordinator afterwards, at most every
+//! [`KafkaConfig::broker_commit_interval`], as a standalone consumer
+//! commits (OffsetCommit with generation -1 and no member id: the group is
+//! never joined). A failure there is a warning and a metric, never a stop.
+//!
+//! rskafka 0.6 has none of these requests: they are written here on its
+//! protocol layer (FindCoordinator v0-2, OffsetCommit v2-7, OffsetFetch
+//! v1-5, the versions before the flexible encodings; every broker since
+//! Kafka 2.1 serves them).
+//!
+//! [`StartPosition::GroupOffsets`]: crate::StartPosition::GroupOffsets
+//! [`KafkaConfig::broker_commit_interval`]: crate::KafkaConfig::broker_commit_interval
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::sync::Arc;
+
+use rskafka::protocol::api_key::ApiKey;
+use rskafka::protocol::api_version::{ApiVersion, ApiVersionRange};
+use rskafka::protocol::error::Error as ApiError;
+use rskafka::protocol::messages::{
+    ReadVersionedError, ReadVersionedType, RequestBody, WriteVersionedError, WriteVersionedType,
+};
+use rskafka::protocol::primitives::{Int8, Int16, Int32, Int64, NullableString, String_};
+use rskafka::protocol::traits::{ReadType, WriteType};
+
+use crate::wire::{Conn, Dialer, WireError};
+
+const fn version(v: i16) -> ApiVersion {
+    ApiVersion(Int16(v))
+}
+
+fn len(n: usize) -> Result<Int32, WriteVersionedError> {
+    Ok(Int32(
+        i32::try_from(n).map_err(rskafka::protocol::traits::WriteError::from)?,
+    ))
+}
+
+/// An array's length as read (a null array, -1, is empty).
+fn read_len<R: Read>(reader: &mut R) -> Result<usize, ReadVersionedError> {
+    Ok(usize::try_from(Int32::read(reader)?.0.max(0)).unwrap_or(0))
+}
+
+/// FindCoordinator for a group (key type 0).
+pub(crate) struct FindCoordinator {
+    group: String,
+}
+
+pub(crate) struct Coordinator {
+    error: Option<ApiError>,
+    host: String,
+    port: i32,
+}
+
+impl RequestBody for FindCoordinator {
+    type ResponseBody = Coordinator;
+    const API_KEY: ApiKey = ApiKey::FindCoordinator;
+    const API_VERSION_RANGE: ApiVersionRange = ApiVersionRange::new(version(0), version(2));
+    const FIRST_TAGGED_FIELD_IN_REQUEST_VERSION: ApiVersion = version(3);
+}
+
+impl<W: Write> WriteVersionedType<W> for FindCoordinator {
+    fn write_versioned(&self, w: &mut W, v: ApiVersion) -> Result<(), WriteVersionedError> {
+        String_(self.group.clone()).write(w)?;
+        if v.0.0 >= 1 {
+            Int8(0).write(w)?; // a group
+        }
+        Ok(())
+    }
+}
+
+impl<R: Read> ReadVersionedType<R> for Coordinator {
+    fn read_versioned(r: &mut R, v: ApiVersion) -> Result<Self, ReadVersionedError> {
+        if v.0.0 >= 1 {
+            Int32::read(r)?; // throttle
+        }
+        let error = ApiError::new(Int16::read(r)?.0);
+        if v.0.0 >= 1 {
+            NullableString::read(r)?; // error message
+        }
+        Int32::read(r)?; // node id
+        let host = String_::read(r)?.0;
+        let port = Int32::read(r)?.0;
+        Ok(Self { error, host, port })
+    }
+}
+
+/// OffsetCommit as a standalone consumer sends it.
+pub(crate) struct OffsetCommit {
+    group: String,
+    topics: Vec<(String, Vec<(i32, i64)>)>,
+}
+
+/// Each partition's error (none: committed) in an OffsetCommit answer.
+type PartitionErrors = Vec<(i32, Option<ApiError>)>;
+
+/// Per topic, per partition, the error of an OffsetCommit.
+pub(crate) struct Committed(Vec<(String, PartitionErrors)>);
+
+impl RequestBody for OffsetCommit {
+    type ResponseBody = Committed;
+    const API_KEY: ApiKey = ApiKey::OffsetCommit;
+    const API_VERSION_RANGE: ApiVersionRange = ApiVersionRange::new(version(2), version(7));
+    const FIRST_TAGGED_FIELD_IN_REQUEST_VERSION: ApiVersion = version(8);
+}
+
+impl<W: Write> WriteVersionedType<W> for OffsetCommit {
+    fn write_versioned(&self, w: &mut W, v: ApiVersion) -> Result<(), WriteVersionedError> {
+        let v = v.0.0;
+        String_(self.group.clone()).write(w)?;
+        Int32(-1).write(w)?; // generation: not a member
+        String_(String::new()).write(w)?; // member id
+        if v >= 7 {
+            NullableString(None).write(w)?; // group instance id
+        }
+        if v <= 4 {
+            Int64(-1).write(w)?; // retention: the broker's
+        }
+        len(self.topics.len())?.write(w)?;
+        for (topic, partitions) in &self.topics {
+            String_(topic.clone()).write(w)?;
+            len(partitions.len())?.write(w)?;
+            for (partition, offset) in partitions {
+                Int32(*partition).write(w)?;
+                Int64(*offset).write(w)?;
+                if v >= 6 {
+                    Int32(-1).write(w)?; // leader epoch: unknown
+                }
+                NullableString(None).write(w)?; // metadata
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<R: Read> ReadVersionedType<R> for Committed {
+    fn read_versioned(r: &mut R, v: ApiVersion) -> Result<Self, ReadVersionedError> {
+        if v.0.0 >= 3 {
+            Int32::read(r)?; // throttle
+        }
+        let mut topics = Vec::new();
+        for _ in 0..read_len(r)? {
+            let topic = String_::read(r)?.0;
+            let mut partitions = Vec::new();
+            for _ in 0..read_len(r)? {
+                let partition = Int32::read(r)?.0;
+                let error = ApiError::new(Int16::read(r)?.0);
+                partitions.push((partition, error));
+            }
+            topics.push((topic, partitions));
+        }
+        Ok(Self(topics))
+    }
+}
+
+/// OffsetFetch of some partitions of a group.
+pub(crate) struct OffsetFetch {
+    group: String,
+    topics: Vec<(String, Vec<i32>)>,
+}
+
+/// What OffsetFetch answered: per partition, the committed offset (-1:
+/// none) and its error; the group's error.
+pub(crate) struct Fetched {
+    partitions: Vec<(String, i32, i64, Option<ApiError>)>,
+    error: Option<ApiError>,
+}
+
+impl RequestBody for OffsetFetch {
+    type ResponseBody = Fetched;
+    const API_KEY: ApiKey = ApiKey::OffsetFetch;
+    const API_VERSION_RANGE: ApiVersionRange = ApiVersionRange::new(version(1), version(5));
+    const FIRST_TAGGED_FIELD_IN_REQUEST_VERSION: ApiVersion = version(6);
+}
+
+impl<W: Write> WriteVersionedType<W> for OffsetFetch {
+    fn write_versioned(&self, w: &mut W, _v: ApiVersion) -> Result<(), WriteVersionedError> {
+        String_(self.group.clone()).write(w)?;
+        len(self.topics.len())?.write(w)?;
+        for (topic, partitions) in &self.topics {
+            String_(topic.clone()).write(w)?;
+            len(partitions.len())?.write(w)?;
+            for p in partitions {
+                Int32(*p).write(w)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<R: Read> ReadVersionedType<R> for Fetched {
+    fn read_versioned(r: &mut R, v: ApiVersion) -> Result<Self, ReadVersionedError> {
+        let v = v.0.0;
+        if v >= 3 {
+            Int32::read(r)?; // throttle
+        }
+        let mut partitions = Vec::new();
+        for _ in 0..read_len(r)? {
+            let topic = String_::read(r)?.0;
+            for _ in 0..read_len(r)? {
+                let partition = Int32::read(r)?.0;
+                let offset = Int64::read(r)?.0;
+                if v >= 5 {
+                    Int32::read(r)?; // leader epoch
+                }
+                NullableString::read(r)?; // metadata
+                let error = ApiError::new(Int16::read(r)?.0);
+                partitions.push((topic.clone(), partition, offset, error));
+            }
+        }
+        let error = if v >= 2 {
+            ApiError::new(Int16::read(r)?.0)
+        } else {
+            None
+        };
+        Ok(Self { partitions, error })
+    }
+}
+
+/// `items` grouped by topic, in the order the topics first appear.
+fn by_topic<'a, T>(items: impl Iterator<Item = (&'a String, T)>) -> Vec<(String, Vec<T>)> {
+    let mut topics: Vec<(String, Vec<T>)> = Vec::new();
+    for (topic, item) in items {
+        match topics.iter_mut().find(|(t, _)| t == topic) {
+            Some((_, list)) => list.push(item),
+            None => topics.push((topic.clone(), vec![item])),
+        }
+    }
+    topics
+}
+
+fn failed(what: impl std::fmt::Display) -> WireError {
+    WireError(what.to_string())
+}
+
+/// One group at the brokers' group coordinator: its connection, found
+/// with FindCoordinator on first use and again after an error.
+pub(crate) struct BrokerGroup {
+    dialer: Arc<Dialer>,
+    group: String,
+    conn: tokio::sync::Mutex<Option<Arc<Conn>>>,
+}
+
+impl BrokerGroup {
+    pub(crate) fn new(dialer: Arc<Dialer>, group: impl Into<String>) -> Self {
+        Self {
+            dialer,
+            group: group.into(),
+            conn: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    async fn connection(&self) -> Result<Arc<Conn>, WireError> {
+        let mut held = self.conn.lock().await;
+        if let Some(c) = held.as_ref() {
+            return Ok(Arc::clone(c));
+        }
+        let mut last = failed("no bootstrap broker");
+        for address in &self.dialer.bootstrap {
+            let conn = match self.dialer.connect(address).await {
+                Ok(c) => c,
+                Err(e) => {
+                    last = e;
+                    continue;
+                }
+            };
+            let found = conn
+                .request(FindCoordinator {
+                    group: self.group.clone(),
+                })
+                .await
+                .map_err(|e| failed(format!("FindCoordinator at {address}: {e}")))?;
+            if let Some(e) = found.error {
+                return Err(failed(format!(
+                    "no coordinator for group {:?}: {e}",
+                    self.group
+                )));
+            }
+            let coordinator = format!("{}:{}", found.host, found.port);
+            let c = Arc::new(if &coordinator == address {
+                conn
+            } else {
+                self.dialer.connect(&coordinator).await?
+            });
+            *held = Some(Arc::clone(&c));
+            return Ok(c);
+        }
+        Err(last)
+    }
+
+    async fn forget(&self) {
+        *self.conn.lock().await = None;
+    }
+
+    /// Sends `request` to the coordinator; after an error the coordinator
+    /// is looked up again next time.
+    async fn request<R>(&self, what: &str, request: R) -> Result<R::ResponseBody, WireError>
+    where
+        R: RequestBody + Send + WriteVersionedType<Vec<u8>>,
+        R::ResponseBody: ReadVersionedType<std::io::Cursor<Vec<u8>>>,
+    {
+        let conn = self.connection().await?;
+        match conn.request(request).await {
+            Ok(answer) => Ok(answer),
+            Err(e) => {
+                self.forget().await;
+                Err(failed(format!("{what} of group {:?}: {e}", self.group)))
+            }
+        }
+    }
+
+    /// Commits `offsets` (topic, partition, next offset to read) for the
+    /// group, as a standalone consumer does.
+    pub(crate) async fn commit(&self, offsets: &[(String, i32, i64)]) -> Result<(), WireError> {
+        let topics = by_topic(offsets.iter().map(|(t, p, o)| (t, (*p, *o))));
+        let committed = self
+            .request(
+                "OffsetCommit",
+                OffsetCommit {
+                    group: self.group.clone(),
+                    topics,
+                },
+            )
+            .await?;
+        let refused: Vec<String> = committed
+            .0
+            .iter()
+            .flat_map(|(t, ps)| {
+                ps.iter()
+                    .filter_map(move |(p, e)| e.map(|e| format!("{t}:{p}: {e}")))
+            })
+            .collect();
+        if refused.is_empty() {
+            Ok(())
+        } else {
+            // the coordinator may have moved: find it again next time
+            self.forget().await;
+            Err(failed(format!(
+                "OffsetCommit of group {:?} refused: {}",
+                self.group,
+                refused.join(", ")
+            )))
+        }
+    }
+
+    /// The offsets committed for `partitions` (the next offset to read);
+    /// a partition with none committed is absent.
+    pub(crate) async fn committed(
+        &self,
+        partitions: &[(String, i32)],
+    ) -> Result<HashMap<(String, i32), i64>, WireError> {
+        let topics = by_topic(partitions.iter().map(|(t, p)| (t, *p)));
+        let fetched = self
+            .request(
+                "OffsetFetch",
+                OffsetFetch {
+                    group: self.group.clone(),
+                    topics,
+                },
+            )
+            .await?;
+        if let Some(e) = fetched.error {
+            self.forget().await;
+            return Err(failed(format!(
+                "OffsetFetch of group {:?}: {e}",
+                self.group
+            )));
+        }
+        let mut out = HashMap::new();
+        for (topic, partition, offset, error) in fetched.partitions {
+            if let Some(e) = error {
+                return Err(failed(format!(
+                    "OffsetFetch of group {:?}, {topic}:{partition}: {e}",
+                    self.group
+                )));
+            }
+            if offset >= 0 {
+                out.insert((topic, partition), offset);
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Copies a consumer's stored offsets to its group at the coordinator, at
+/// most every `interval`, in a task of its own (the consumer never waits
+/// for it); a failure is a warning, a count and
+/// [`MetricEvent::BrokerCommitFailed`](inbox_core::MetricEvent::BrokerCommitFailed).
+pub(crate) struct BrokerCommits {
+    group: Arc<BrokerGroup>,
+    interval: std::time::Duration,
+    last: Option<std::time::Instant>,
+    running: Option<tokio::task::JoinHandle<()>>,
+    /// What the coordinator holds, as far as this consumer committed it.
+    committed: Arc<std::sync::Mutex<HashMap<(String, i32), i64>>>,
+    failures: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl BrokerCommits {
+    pub(crate) fn new(group: Arc<BrokerGroup>, interval: std::time::Duration) -> Self {
+        Self {
+            group,
+            interval,
+            last: None,
+            running: None,
+            committed: Arc::default(),
+            failures: Arc::default(),
+        }
+    }
+
+    /// Commits failed so far.
+    pub(crate) fn failures(&self) -> u64 {
+        self.failures.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// When the interval has passed and no commit is running, starts one
+    /// of the offsets `stored` gives (topic, partition, next offset) that
+    /// the coordinator does not hold yet.
+    pub(crate) fn tick(
+        &mut self,
+        stored: impl FnOnce() -> Vec<(String, i32, i64)>,
+        metrics: &Arc<dyn inbox_core::Metrics>,
+    ) {
+        if self.running.as_ref().is_some_and(|t| !t.is_finished())
+            || self.last.is_some_and(|at| at.elapsed() < self.interval)
+        {
+            return;
+        }
+        let offsets: Vec<(String, i32, i64)> = {
+            let committed = self
+                .committed
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            stored()
+                .into_iter()
+                .filter(|(t, p, o)| committed.get(&(t.clone(), *p)) != Some(o))
+                .collect()
+        };
+        if offsets.is_empty() {
+            return;
+        }
+        self.last = Some(std::time::Instant::now());
+        let group = Arc::clone(&self.group);
+        let committed = Arc::clone(&self.committed);
+        let failures = Arc::clone(&self.failures);
+        let metrics = Arc::clone(metrics);
+        self.running = Some(tokio::spawn(async move {
+            match group.commit(&offsets).await {
+                Ok(()) => {
+                    let mut held = committed
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    for (t, p, o) in offsets {
+                        held.insert((t, p), o);
+                    }
+                }
+                Err(e) => {
+                    failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    tracing::warn!(group = %group.group, error = %e,
+                        "committing the stored offsets to the group coordinator failed (PostgreSQL keeps them; Kafka's tools see older ones until the next commit)");
+                    inbox_core::metrics::record_safely(
+                        metrics.as_ref(),
+                        inbox_core::MetricEvent::BrokerCommitFailed,
+                    );
+                }
+            }
+        }));
+    }
+}

@@ -1,0 +1,122 @@
+//! The Kafka tools see the group, on PostgreSQL and tansu, read and written
+//! by librdkafka (the `confluent-kafka` wheel): the offsets the inbox
+//! stores in PostgreSQL are committed to the brokers' group coordinator,
+//! where librdkafka finds them; and a group starts where an existing Kafka
+//! consumer group (committed by librdkafka) stands.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{config, drain, env, librdkafka};
+use inbox_core::{AckStrategy, Runner};
+use inbox_kafka::{KafkaConsumer, StartPosition};
+use inbox_testkit::scenarios::{Act, ScriptedHandler};
+
+/// A runner of `group` (whose handler succeeds) over a consumer of `kafka`.
+async fn runner_of(
+    env: &common::Env,
+    kafka: inbox_kafka::KafkaConfig,
+    group: &str,
+) -> Runner<
+    inbox_postgres::PgStore,
+    KafkaConsumer<inbox_postgres::PgStore>,
+    std::sync::Arc<ScriptedHandler>,
+> {
+    let consumer = KafkaConsumer::connect(kafka, env.store.clone())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    Runner::new(
+        env.store.clone(),
+        consumer,
+        ScriptedHandler::new([], Act::Succeed),
+        config(group, AckStrategy::default()),
+    )
+}
+
+/// What librdkafka reads of `group`'s committed offsets.
+fn committed(env: &common::Env, group: &str) -> serde_json::Value {
+    let partitions = env.partitions.to_string();
+    librdkafka(
+        "librdkafka_group.py",
+        &[
+            "committed",
+            env.broker.address(),
+            group,
+            &env.topic,
+            &partitions,
+        ],
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stored_offsets_reach_the_group_coordinator_where_librdkafka_reads_them() {
+    let env = env("broker-group", 2).await;
+    env.produce_orders(0, &["a-1", "a-2", "a-3", "a-4", "a-5"])
+        .await;
+    env.produce_orders(1, &["b-1", "b-2"]).await;
+    assert_eq!(
+        committed(&env, "billing"),
+        serde_json::json!({"0": null, "1": null}),
+        "nothing committed before"
+    );
+    let mut kafka = env.kafka_config("billing");
+    kafka.broker_commit_interval = Some(Duration::from_millis(100));
+    let mut runner = runner_of(&env, kafka, "billing").await;
+    drain(&mut runner).await;
+    assert_eq!(
+        (
+            env.stored_offset("billing", 0).await,
+            env.stored_offset("billing", 1).await
+        ),
+        (Some(5), Some(2)),
+        "PostgreSQL, the truth"
+    );
+    // the copy goes at the consumer's next polls, at most every 100 ms
+    let want = serde_json::json!({"0": 5, "1": 2});
+    let mut seen = serde_json::Value::Null;
+    for _ in 0..50 {
+        runner.process_one().await.unwrap_or_else(|e| panic!("{e}"));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        seen = committed(&env, "billing");
+        if seen == want {
+            break;
+        }
+    }
+    assert_eq!(seen, want, "what kafka-consumer-groups would show");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_starts_where_an_existing_kafka_consumer_group_stands() {
+    let env = env("adopt-group", 1).await;
+    let ids: Vec<String> = (0..10).map(|i| format!("o-{i}")).collect();
+    let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    env.produce_orders(0, &refs).await;
+    // the service being replaced read (and applied) up to offset 6
+    librdkafka(
+        "librdkafka_group.py",
+        &[
+            "commit",
+            env.broker.address(),
+            "legacy-billing",
+            &env.topic,
+            "0",
+            "6",
+        ],
+    );
+    let mut kafka = env.kafka_config("billing");
+    kafka.start = StartPosition::GroupOffsets("legacy-billing".into());
+    let mut runner = runner_of(&env, kafka, "billing").await;
+    let results = drain(&mut runner).await;
+    assert_eq!(results.len(), 4, "o-6 to o-9 only");
+    for (i, id) in ids.iter().enumerate() {
+        let want = i64::from(i >= 6);
+        assert_eq!(env.invoices(id).await, want, "{id}");
+    }
+    assert_eq!(env.stored_offset("billing", 0).await, Some(10));
+    // a group the brokers never heard of: every partition from the start
+    let mut kafka = env.kafka_config("billing-new");
+    kafka.start = StartPosition::GroupOffsets("never-committed".into());
+    let mut runner = runner_of(&env, kafka, "billing-new").await;
+    assert_eq!(drain(&mut runner).await.len(), 10);
+}

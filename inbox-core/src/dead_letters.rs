@@ -57,6 +57,11 @@ pub struct DeadLetter {
     pub error: String,
     /// When it was recorded.
     pub created_at: DateTime<Utc>,
+    /// When an operator asked for it to be replayed (the `inbox` command)
+    /// and no [`DeadLetterReplayer`] has done it yet.
+    pub replay_requested_at: Option<DateTime<Utc>>,
+    /// Why the last requested replay did not apply it.
+    pub replay_error: Option<String>,
 }
 
 impl DeadLetter {
@@ -198,6 +203,18 @@ pub trait DeadLetterStore: InboxStore {
         older_than: Duration,
         batch: u64,
     ) -> Result<u64, StoreError>;
+
+    /// Asks for dead letter `id` to be replayed by the service's
+    /// [`DeadLetterReplayer`] (which has the handler); whether it exists.
+    async fn request_replay(&self, id: i64) -> Result<bool, StoreError>;
+
+    /// The dead letters whose replay was asked for, oldest request first,
+    /// at most `limit`.
+    async fn replay_requests(&self, limit: u32) -> Result<Vec<i64>, StoreError>;
+
+    /// Ends the request of a replay that did not apply the message, with
+    /// the reason (the dead letter stays).
+    async fn refuse_replay(&self, id: i64, reason: &str) -> Result<(), StoreError>;
 }
 
 /// The steps of a replay inside the store's transaction.
@@ -343,4 +360,103 @@ where
         "dead letter replayed"
     );
     Ok(Replayed::Applied)
+}
+
+/// How a replayer gets a dead letter's message (as recorded, or decoded
+/// again).
+type Redecode = dyn Fn(&DeadLetter) -> Result<Message, ValidationError> + Send + Sync;
+
+/// Carries out the replays operators ask for (`inbox dead-letters replay
+/// ID`, [`DeadLetterStore::request_replay`]): run it beside the consumer, in
+/// the service that has the handler (and the fixed code). Each request is
+/// replayed once with [`replay`]: applied (the dead letter goes), or its
+/// reason kept in `replay_error` and the request ended.
+pub struct DeadLetterReplayer<S, H> {
+    store: S,
+    handler: H,
+    decode: std::sync::Arc<Redecode>,
+    /// Time between two looks for requests. Default 5 s.
+    pub interval: Duration,
+    options: ReplayOptions,
+}
+
+impl<S, H> std::fmt::Debug for DeadLetterReplayer<S, H> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeadLetterReplayer")
+            .field("interval", &self.interval)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, H> DeadLetterReplayer<S, H>
+where
+    S: DeadLetterStore,
+    S::Tx: DeadLetterTransaction,
+    H: Handler<S::Tx>,
+{
+    /// A replayer of `store`'s requested dead letters through `handler`,
+    /// each message as recorded ([`DeadLetter::message`]).
+    pub fn new(store: S, handler: H) -> Self {
+        Self {
+            store,
+            handler,
+            decode: std::sync::Arc::new(DeadLetter::message),
+            interval: Duration::from_secs(5),
+            options: ReplayOptions::default(),
+        }
+    }
+
+    /// The same, with the message `decode` gives (a re-decoding of the raw
+    /// bytes, for poison records: `inbox_kafka::redecode`).
+    #[must_use]
+    pub fn with_decoder(
+        mut self,
+        decode: impl Fn(&DeadLetter) -> Result<Message, ValidationError> + Send + Sync + 'static,
+    ) -> Self {
+        self.decode = std::sync::Arc::new(decode);
+        self
+    }
+
+    /// Replays the requests waiting now; each one's outcome.
+    ///
+    /// # Errors
+    ///
+    /// The first [`StoreError`] (the requests not reached wait for the next
+    /// run).
+    pub async fn run_once(&self) -> Result<Vec<(i64, Replayed)>, StoreError> {
+        let mut done = Vec::new();
+        for id in self.store.replay_requests(100).await? {
+            let outcome =
+                replay(&self.store, id, &self.handler, &*self.decode, self.options).await?;
+            let refused = match &outcome {
+                Replayed::Applied | Replayed::AlreadyApplied | Replayed::NotFound => None,
+                Replayed::Invalid(e) => Some(e.to_string()),
+                Replayed::Failed(e) => Some(e.clone()),
+            };
+            if let Some(reason) = refused {
+                tracing::warn!(dead_letter = id, %reason, "a requested replay did not apply the message; the dead letter stays");
+                self.store.refuse_replay(id, &reason).await?;
+            }
+            done.push((id, outcome));
+        }
+        Ok(done)
+    }
+
+    /// Runs every `interval` until `cancel` fires; a failed run is logged
+    /// and tried again at the next interval. How many requests were
+    /// carried out.
+    pub async fn run(&self, cancel: tokio_util::sync::CancellationToken) -> usize {
+        let mut total = 0;
+        while !cancel.is_cancelled() {
+            match self.run_once().await {
+                Ok(done) => total += done.len(),
+                Err(e) => tracing::warn!(error = %e, "replaying the requested dead letters failed"),
+            }
+            tokio::select! {
+                () = cancel.cancelled() => break,
+                () = tokio::time::sleep(self.interval) => {}
+            }
+        }
+        total
+    }
 }

@@ -14,7 +14,8 @@ use sea_orm::{ConnectionTrait, QueryResult, Value};
 use crate::TableName;
 use crate::store::{PgStore, PgTx, db, get, secs, stmt};
 
-const COLUMNS: &str = "id, consumer_group, message_id, source, topic, partition, record_offset, message, raw, error, created_at";
+const COLUMNS: &str = "id, consumer_group, message_id, source, topic, partition, record_offset, \
+     message, raw, error, created_at, replay_requested_at, replay_error";
 
 fn dead_letter(r: &QueryResult) -> Result<DeadLetter, StoreError> {
     let topic: Option<String> = get(r, "topic")?;
@@ -34,6 +35,8 @@ fn dead_letter(r: &QueryResult) -> Result<DeadLetter, StoreError> {
         raw: get(r, "raw")?,
         error: get(r, "error")?,
         created_at: get(r, "created_at")?,
+        replay_requested_at: get(r, "replay_requested_at")?,
+        replay_error: get(r, "replay_error")?,
     })
 }
 
@@ -125,6 +128,48 @@ impl DeadLetterStore for PgStore {
             .await
             .map_err(db)?;
         Ok(r.rows_affected())
+    }
+
+    async fn request_replay(&self, id: i64) -> Result<bool, StoreError> {
+        let sql = format!(
+            "UPDATE {} SET replay_requested_at = now(), replay_error = NULL WHERE id = $1",
+            self.table.dead_letters()
+        );
+        let r = self
+            .db
+            .execute_raw(stmt(&sql, vec![id.into()]))
+            .await
+            .map_err(db)?;
+        Ok(r.rows_affected() == 1)
+    }
+
+    async fn replay_requests(&self, limit: u32) -> Result<Vec<i64>, StoreError> {
+        let sql = format!(
+            "SELECT id FROM {} WHERE replay_requested_at IS NOT NULL
+              ORDER BY replay_requested_at, id LIMIT $1",
+            self.table.dead_letters()
+        );
+        let rows = self
+            .db
+            .query_all_raw(stmt(&sql, vec![i64::from(limit).into()]))
+            .await
+            .map_err(db)?;
+        rows.iter().map(|r| get(r, "id")).collect()
+    }
+
+    async fn refuse_replay(&self, id: i64, reason: &str) -> Result<(), StoreError> {
+        let sql = format!(
+            "UPDATE {} SET replay_requested_at = NULL, replay_error = $2 WHERE id = $1",
+            self.table.dead_letters()
+        );
+        self.db
+            .execute_raw(stmt(
+                &sql,
+                vec![id.into(), reason.replace('\0', "\u{fffd}").into()],
+            ))
+            .await
+            .map_err(db)?;
+        Ok(())
     }
 }
 

@@ -53,6 +53,7 @@ mod error;
 mod migration;
 mod outbox;
 mod schema;
+mod status;
 mod store;
 
 pub use conn::PgConn;
@@ -64,4 +65,7 @@ pub use schema::{
 };
 pub use sea_orm;
 pub use sea_orm_migration;
+pub use status::{
+    DeadLetterCount, MemberStatus, OutboxEvent, OutboxEvents, OutboxStatus, PartitionStatus, Status,
+};
 pub use store::{Claim, PgStore, PgTx};

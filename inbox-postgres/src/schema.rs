@@ -392,6 +392,35 @@ pub fn schema_steps(t: &TableName) -> Vec<SchemaStep> {
                 format!("DROP TABLE IF EXISTS {}", t.outbox()),
             ],
         ),
+        step(
+            "inbox_dead_letter_replay",
+            // An operator's request to replay a dead letter (the `inbox`
+            // command sets it; the service's `DeadLetterReplayer`, which
+            // has the handler, carries it out).
+            vec![
+                format!(
+                    "ALTER TABLE {} ADD COLUMN IF NOT EXISTS replay_requested_at TIMESTAMPTZ,
+                                   ADD COLUMN IF NOT EXISTS replay_error TEXT",
+                    t.dead_letters()
+                ),
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {} (id) WHERE replay_requested_at IS NOT NULL",
+                    t.index("dead_letter_replay"),
+                    t.dead_letters()
+                ),
+            ],
+            vec![
+                format!(
+                    "DROP INDEX IF EXISTS {}",
+                    t.index_qualified("dead_letter_replay")
+                ),
+                format!(
+                    "ALTER TABLE IF EXISTS {} DROP COLUMN IF EXISTS replay_requested_at,
+                                             DROP COLUMN IF EXISTS replay_error",
+                    t.dead_letters()
+                ),
+            ],
+        ),
     ]
 }
 

@@ -119,6 +119,7 @@ async fn a_database_of_the_first_migration_reaches_the_current_schema() {
             "m20261130_000004_inbox_members_inbox",
             "m20261130_000005_inbox_assignments_inbox",
             "m20261130_000006_outbox_inbox",
+            "m20261130_000007_inbox_dead_letter_replay_inbox",
         ]
     );
 

@@ -1,0 +1,551 @@
+//! `inbox`: the operator's command. Reads and moves a group's offsets,
+//! works with dead letters, the outbox's pending and dead events, and
+//! prints the status of the groups, each with `--json` for scripts.
+//!
+//! ```text
+//! export DATABASE_URL=postgres://...
+//! inbox status
+//! inbox dead-letters list --group billing --error "unknown event"
+//! inbox dead-letters show 42
+//! inbox dead-letters replay 42 --wait 30   # the service's DeadLetterReplayer applies it
+//! inbox dead-letters discard 43
+//! inbox outbox pending | dead | retry 7 | release 7
+//! inbox offsets --brokers b1:9092 --group billing --topic orders show
+//! inbox offsets --brokers b1:9092 --group billing --topic orders --partition 3 move --to 2026-12-01T09:00:00Z
+//! ```
+//!
+//! Moving offsets claims each partition (its reader is fenced; a
+//! `run_group` member claims it back and reads on from the new offset).
+//! The database URL and the SASL password come from the environment,
+//! never the command line, and are never printed.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use inbox::dead_letters::{DeadLetter, DeadLetterQuery, DeadLetterStore};
+use inbox::kafka::{
+    KafkaConfig, OffsetTarget, Sasl, Tls, move_offsets, read_offsets, topic_partitions,
+};
+use inbox::postgres::{OutboxEvents, PgStore, TableName};
+use serde_json::{Value, json};
+
+type Failure = Box<dyn std::error::Error>;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "inbox",
+    version,
+    about = "Operate a transactional inbox and outbox: offsets, dead letters, outbox, status"
+)]
+struct Cli {
+    /// The inbox table (`schema.table` or `table`); the other tables are
+    /// named after it.
+    #[arg(long, global = true, default_value = "inbox")]
+    table: String,
+    /// Print JSON (one document) instead of text.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// A consumer group's offsets: show them, or move them.
+    Offsets(Offsets),
+    /// Dead letters: list, show, replay, discard.
+    #[command(subcommand, name = "dead-letters")]
+    DeadLetters(DeadLetters),
+    /// The outbox: pending and dead events, retry, release.
+    #[command(subcommand)]
+    Outbox(OutboxCommand),
+    /// Members, partitions and their owners, dead letters, outbox backlog.
+    Status,
+}
+
+#[derive(Subcommand, Debug)]
+enum DeadLetters {
+    /// List dead letters, newest first.
+    List {
+        /// Only this consumer group's.
+        #[arg(long)]
+        group: Option<String>,
+        /// Only from this topic.
+        #[arg(long)]
+        topic: Option<String>,
+        /// Only recorded at or after this time (RFC 3339).
+        #[arg(long)]
+        since: Option<chrono::DateTime<chrono::Utc>>,
+        /// Only recorded before this time (RFC 3339).
+        #[arg(long)]
+        until: Option<chrono::DateTime<chrono::Utc>>,
+        /// Only those whose error contains this text (case-insensitive).
+        #[arg(long)]
+        error: Option<String>,
+        /// Only ids below this one (the next page).
+        #[arg(long)]
+        before_id: Option<i64>,
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+    },
+    /// Show one dead letter: the message as recorded, headers in order,
+    /// the raw bytes as they arrived, the error.
+    Show {
+        /// Its id.
+        id: i64,
+    },
+    /// Ask the service to replay a dead letter through its handler (its
+    /// `DeadLetterReplayer` does it, exactly once), and wait for the outcome.
+    Replay {
+        /// Its id.
+        id: i64,
+        /// Seconds to wait for the outcome (0: only ask).
+        #[arg(long, default_value_t = 30)]
+        wait: u64,
+    },
+    /// Remove a dead letter without replaying it.
+    Discard {
+        /// Its id.
+        id: i64,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum OutboxCommand {
+    /// Events waiting to be published, oldest first.
+    Pending {
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+    },
+    /// Events the relay dead-lettered, newest first.
+    Dead {
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+    },
+    /// Publish a dead event again (its key's later events follow it).
+    Retry {
+        /// Its id.
+        id: i64,
+    },
+    /// Let a dead event stop holding its key's later events.
+    Release {
+        /// Its id.
+        id: i64,
+    },
+}
+
+#[derive(Args, Debug)]
+struct Offsets {
+    /// Bootstrap brokers, comma separated.
+    #[arg(long, env = "KAFKA_BROKERS", value_delimiter = ',', required = true)]
+    brokers: Vec<String>,
+    /// The consumer group.
+    #[arg(long)]
+    group: String,
+    /// The topic.
+    #[arg(long)]
+    topic: String,
+    /// Partitions (repeat the flag; default: every partition of the topic).
+    #[arg(long = "partition")]
+    partitions: Vec<i32>,
+    /// TLS, trusting the system's roots (or `--ca-file`).
+    #[arg(long)]
+    tls: bool,
+    /// TLS, trusting only the CA certificates in this PEM file.
+    #[arg(long, value_name = "PEM")]
+    ca_file: Option<PathBuf>,
+    /// Mutual TLS: the client certificate chain (PEM); needs `--client-key`.
+    #[arg(long, value_name = "PEM", requires = "client_key")]
+    client_cert: Option<PathBuf>,
+    /// Mutual TLS: the client certificate's private key (PEM).
+    #[arg(long, value_name = "PEM", requires = "client_cert")]
+    client_key: Option<PathBuf>,
+    /// SASL mechanism; the password is read from `KAFKA_SASL_PASSWORD`.
+    #[arg(long, value_enum, requires = "sasl_user")]
+    sasl_mechanism: Option<Mechanism>,
+    /// SASL user.
+    #[arg(long)]
+    sasl_user: Option<String>,
+    #[command(subcommand)]
+    action: OffsetsAction,
+}
+
+#[derive(Subcommand, Debug)]
+enum OffsetsAction {
+    /// Print each partition's stored offset, owner epoch, log bounds and lag.
+    Show,
+    /// Move the stored offsets, then print them as they are.
+    Move {
+        /// `earliest`, `latest`, an offset, or an RFC 3339 time (the first
+        /// record at or after it).
+        #[arg(long)]
+        to: String,
+    },
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Mechanism {
+    Plain,
+    #[value(name = "scram-sha-256")]
+    ScramSha256,
+    #[value(name = "scram-sha-512")]
+    ScramSha512,
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli).await {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("inbox: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> Result<ExitCode, Failure> {
+    let url = std::env::var("DATABASE_URL")
+        .map_err(|_| "DATABASE_URL is not set (the database that keeps the inbox)")?;
+    let table = match cli.table.split_once('.') {
+        Some((schema, table)) => TableName::new(Some(schema), table)?,
+        None => TableName::new(None, &cli.table)?,
+    };
+    let store = PgStore::connect(&url, table).await?;
+    let out = Out { json: cli.json };
+    match cli.command {
+        Command::Offsets(o) => offsets(o, &store, out).await,
+        Command::DeadLetters(d) => dead_letters(d, &store, out).await,
+        Command::Outbox(o) => outbox(o, &store, out).await,
+        Command::Status => {
+            let status = store.status().await?;
+            if out.json {
+                out.doc(&serde_json::to_value(&status)?);
+                return Ok(ExitCode::SUCCESS);
+            }
+            println!("members");
+            for m in &status.members {
+                println!("  {}\t{}\theartbeat {}", m.group, m.member, m.heartbeat_at);
+            }
+            println!("partitions (group, topic, partition, next offset, epoch, assigned to)");
+            for p in &status.partitions {
+                println!(
+                    "  {}\t{}\t{}\t{}\t{}\t{}",
+                    p.group,
+                    p.topic,
+                    p.partition,
+                    dash(p.next_offset),
+                    p.owner_epoch,
+                    p.assigned_to.as_deref().unwrap_or("-")
+                );
+            }
+            println!("dead letters");
+            for d in &status.dead_letters {
+                println!(
+                    "  {}\t{} ({} replay requested)",
+                    d.group, d.count, d.replay_requested
+                );
+            }
+            let o = &status.outbox;
+            println!(
+                "outbox: {} pending (oldest {} s), {} dead",
+                o.pending,
+                o.oldest_pending_seconds
+                    .map_or_else(|| "-".to_owned(), |s| format!("{s:.1}")),
+                o.dead
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+/// Text or JSON.
+#[derive(Clone, Copy)]
+struct Out {
+    json: bool,
+}
+
+impl Out {
+    fn doc(self, value: &Value) {
+        println!("{value}");
+    }
+
+    /// A yes/no outcome: printed, and the exit code (not found: 1).
+    fn done(self, what: &str, id: i64, ok: bool) -> ExitCode {
+        if self.json {
+            self.doc(&json!({ "id": id, "done": ok }));
+        } else if ok {
+            println!("{what} {id}");
+        } else {
+            println!("no such {id}");
+        }
+        if ok {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn dash<T: std::fmt::Display>(v: Option<T>) -> String {
+    v.map_or_else(|| "-".to_owned(), |v| v.to_string())
+}
+
+fn letter_json(d: &DeadLetter) -> Value {
+    json!({
+        "id": d.id,
+        "consumer_group": d.consumer_group,
+        "message_id": d.message_id,
+        "source": d.source,
+        "position": d.position,
+        "error": d.error,
+        "created_at": d.created_at,
+        "replay_requested_at": d.replay_requested_at,
+        "replay_error": d.replay_error,
+        "message": d.recorded,
+        "raw": d.raw.as_ref().map(|r| String::from_utf8_lossy(r).into_owned()),
+    })
+}
+
+async fn dead_letters(cmd: DeadLetters, store: &PgStore, out: Out) -> Result<ExitCode, Failure> {
+    match cmd {
+        DeadLetters::List {
+            group,
+            topic,
+            since,
+            until,
+            error,
+            before_id,
+            limit,
+        } => {
+            let query = DeadLetterQuery {
+                consumer_group: group,
+                topic,
+                since,
+                until,
+                error_contains: error,
+                before_id,
+                limit,
+            };
+            let letters = store.list_dead_letters(&query).await?;
+            if out.json {
+                out.doc(&Value::Array(letters.iter().map(letter_json).collect()));
+            } else {
+                println!("id\tgroup\tmessage_id\tposition\tcreated_at\terror");
+                for d in &letters {
+                    let error: String = d.error.chars().take(120).collect();
+                    println!(
+                        "{}\t{}\t{}\t{}\t{}\t{error}",
+                        d.id,
+                        d.consumer_group,
+                        d.message_id,
+                        dash(d.position.as_ref()),
+                        d.created_at
+                    );
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        DeadLetters::Show { id } => {
+            let Some(d) = store.dead_letter(id).await? else {
+                return Ok(out.done("shown", id, false));
+            };
+            if out.json {
+                out.doc(&letter_json(&d));
+            } else {
+                println!("id            {}", d.id);
+                println!("group         {}", d.consumer_group);
+                println!("message_id    {}", d.message_id);
+                println!("position      {}", dash(d.position.as_ref()));
+                println!("recorded at   {}", d.created_at);
+                println!("error         {}", d.error);
+                if let Some(e) = &d.replay_error {
+                    println!("replay error  {e}");
+                }
+                if let Ok(m) = d.message() {
+                    for (name, value) in &m.headers {
+                        println!("header        {name}: {value}");
+                    }
+                }
+                println!("message       {}", d.recorded);
+                if let Some(raw) = &d.raw {
+                    println!("raw           {}", String::from_utf8_lossy(raw));
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        DeadLetters::Replay { id, wait } => {
+            if !store.request_replay(id).await? {
+                return Ok(out.done("replay requested for", id, false));
+            }
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(wait);
+            loop {
+                let now = store.dead_letter(id).await?;
+                let outcome = match &now {
+                    None => Some(("replayed", None)),
+                    Some(d) if d.replay_requested_at.is_none() => {
+                        Some(("refused", d.replay_error.clone()))
+                    }
+                    Some(_) => None,
+                };
+                if let Some((outcome, error)) = outcome {
+                    if out.json {
+                        out.doc(&json!({ "id": id, "outcome": outcome, "error": error }));
+                    } else {
+                        println!("{outcome} {id}{}", dash_error(error.as_deref()));
+                    }
+                    return Ok(if outcome == "replayed" {
+                        ExitCode::SUCCESS
+                    } else {
+                        ExitCode::FAILURE
+                    });
+                }
+                if tokio::time::Instant::now() >= deadline {
+                    if out.json {
+                        out.doc(&json!({ "id": id, "outcome": "requested" }));
+                    } else {
+                        println!(
+                            "replay of {id} requested; not done yet (is a DeadLetterReplayer running in the service?)"
+                        );
+                    }
+                    return Ok(if wait == 0 {
+                        ExitCode::SUCCESS
+                    } else {
+                        ExitCode::from(2)
+                    });
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+        DeadLetters::Discard { id } => {
+            let done = store.discard_dead_letter(id).await?;
+            Ok(out.done("discarded", id, done))
+        }
+    }
+}
+
+fn dash_error(error: Option<&str>) -> String {
+    error.map_or_else(String::new, |e| format!(": {e}"))
+}
+
+async fn outbox(cmd: OutboxCommand, store: &PgStore, out: Out) -> Result<ExitCode, Failure> {
+    let (which, limit) = match cmd {
+        OutboxCommand::Retry { id } => {
+            let done = store.retry_outbox_event(id).await?;
+            return Ok(out.done("put back to be published:", id, done));
+        }
+        OutboxCommand::Release { id } => {
+            let done = store.release_outbox_key(id).await?;
+            return Ok(out.done("released its key:", id, done));
+        }
+        OutboxCommand::Pending { limit } => (OutboxEvents::Pending, limit),
+        OutboxCommand::Dead { limit } => (OutboxEvents::Dead, limit),
+    };
+    let events = store.outbox_events(which, limit).await?;
+    if out.json {
+        out.doc(&serde_json::to_value(&events)?);
+    } else {
+        println!("id\tmessage_id\ttopic\tkey\tcreated_at\tholds\terror");
+        for e in &events {
+            println!(
+                "{}\t{}\t{}\t{}\t{}\t{}\t{}",
+                e.id,
+                e.message_id,
+                e.topic,
+                e.key.as_deref().unwrap_or("-"),
+                e.created_at,
+                e.holds,
+                e.error.as_deref().unwrap_or("-")
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn offsets(cli: Offsets, store: &PgStore, out: Out) -> Result<ExitCode, Failure> {
+    let mut kafka = KafkaConfig::new(cli.brokers.clone(), cli.group.clone(), Vec::new());
+    kafka.client_id = "inbox-cli".to_owned();
+    kafka.tls = match (&cli.ca_file, cli.tls) {
+        (Some(ca), _) => Some(Tls::ca_file(ca)),
+        (None, true) => Some(Tls::system_roots()),
+        (None, false) => None,
+    };
+    if let (Some(cert), Some(key)) = (&cli.client_cert, &cli.client_key) {
+        kafka.tls = Some(
+            kafka
+                .tls
+                .take()
+                .unwrap_or_else(Tls::system_roots)
+                .client_cert_files(cert, key),
+        );
+    }
+    if let (Some(mechanism), Some(user)) = (cli.sasl_mechanism, &cli.sasl_user) {
+        let password = std::env::var("KAFKA_SASL_PASSWORD")
+            .map_err(|_| "KAFKA_SASL_PASSWORD is not set (the SASL password)")?;
+        kafka.sasl = Some(match mechanism {
+            Mechanism::Plain => Sasl::plain(user, password),
+            Mechanism::ScramSha256 => Sasl::scram_sha256(user, password),
+            Mechanism::ScramSha512 => Sasl::scram_sha512(user, password),
+        });
+    }
+    kafka.partitions = if cli.partitions.is_empty() {
+        topic_partitions(&kafka, std::slice::from_ref(&cli.topic)).await?
+    } else {
+        cli.partitions
+            .iter()
+            .map(|p| (cli.topic.clone(), *p))
+            .collect()
+    };
+    let mut moved = Vec::new();
+    if let OffsetsAction::Move { to } = &cli.action {
+        let target: OffsetTarget = to.parse()?;
+        for m in move_offsets(&kafka, store, target).await? {
+            if !out.json {
+                println!(
+                    "moved {}:{} from {} to {}",
+                    m.topic,
+                    m.partition,
+                    dash(m.from),
+                    m.to
+                );
+            }
+            moved.push(
+                json!({ "topic": m.topic, "partition": m.partition, "from": m.from, "to": m.to }),
+            );
+        }
+    }
+    let partitions = read_offsets(&kafka, store).await?;
+    if out.json {
+        let list: Vec<Value> = partitions
+            .iter()
+            .map(|p| {
+                json!({
+                    "topic": p.topic, "partition": p.partition, "stored": p.stored,
+                    "owner_epoch": p.owner_epoch, "earliest": p.earliest, "latest": p.latest,
+                    "lag": p.lag(),
+                })
+            })
+            .collect();
+        out.doc(&json!({ "moved": moved, "partitions": list }));
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("topic\tpartition\tstored\tepoch\tearliest\tlatest\tlag");
+    for p in &partitions {
+        println!(
+            "{}\t{}\t{}\t{}\t{}\t{}\t{}",
+            p.topic,
+            p.partition,
+            dash(p.stored),
+            p.owner_epoch,
+            p.earliest,
+            p.latest,
+            dash(p.lag())
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,377 @@
+//! The `inbox` command run as an operator runs it (the built binary),
+//! against the throwaway PostgreSQL and tansu: every subcommand.
+
+#![cfg(feature = "cli")]
+
+use std::process::Command;
+
+use inbox::postgres::{PgStore, TableName};
+use inbox_testkit::kafka::{broker, json_record};
+use inbox_testkit::pg::server;
+
+fn offsets(
+    database_url: &str,
+    brokers: &str,
+    topic: &str,
+    args: &[&str],
+) -> (bool, String, String) {
+    let mut all = vec![
+        "offsets",
+        "--brokers",
+        brokers,
+        "--group",
+        "billing",
+        "--topic",
+        topic,
+    ];
+    all.extend_from_slice(args);
+    inbox(database_url, &all)
+}
+
+/// Runs `inbox args`: whether it succeeded, its output and its errors.
+fn inbox(database_url: &str, args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_inbox"))
+        .env("DATABASE_URL", database_url)
+        .env_remove("KAFKA_BROKERS")
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("running inbox: {e}"));
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A fresh database with the inbox's tables: its URL (for the command)
+/// and a store on it.
+async fn database() -> (String, PgStore) {
+    let url = server()
+        .and_then(|s| s.create_database())
+        .unwrap_or_else(|e| panic!("{e}"));
+    let store = PgStore::connect(&url, TableName::default())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    store
+        .create_tables()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    (url, store)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_command_shows_and_moves_a_groups_offsets() {
+    let (url, _store) = database().await;
+    let broker = broker().unwrap_or_else(|e| panic!("{e}"));
+    let topic = broker
+        .topic("cli", 2)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    for p in 0..2 {
+        let records = (0..6)
+            .map(|i| {
+                let id = format!("p{p}-{i}");
+                json_record(
+                    &serde_json::json!({ "order": id }),
+                    &[("message_id", &id), ("event_type", "order.created")],
+                )
+            })
+            .collect();
+        broker
+            .produce(&topic, p, records, 4)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    let address = broker.address();
+
+    let (ok, out, err) = offsets(&url, address, &topic, &["show"]);
+    assert!(ok, "{err}");
+    // every partition of the topic, none stored yet
+    assert!(out.contains(&format!("{topic}\t0\t-\t0\t0\t6\t-")), "{out}");
+    assert!(out.contains(&format!("{topic}\t1\t-\t0\t0\t6\t-")), "{out}");
+
+    let (ok, out, err) = offsets(
+        &url,
+        address,
+        &topic,
+        &["--partition", "1", "move", "--to", "4"],
+    );
+    assert!(ok, "{err}");
+    assert!(
+        out.contains(&format!("moved {topic}:1 from - to 4")),
+        "{out}"
+    );
+    assert!(out.contains(&format!("{topic}\t1\t4\t1\t0\t6\t2")), "{out}");
+    assert!(
+        !out.contains(&format!("{topic}\t0\t")),
+        "only partition 1: {out}"
+    );
+
+    let (ok, out, err) = offsets(&url, address, &topic, &["move", "--to", "latest"]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains(&format!("moved {topic}:1 from 4 to 6")),
+        "{out}"
+    );
+    assert!(out.contains(&format!("{topic}\t0\t6\t1\t0\t6\t0")), "{out}");
+
+    // mistakes: a clear error, a failing exit, no secret printed
+    let (ok, _, err) = offsets(&url, address, &topic, &["move", "--to", "yesterday"]);
+    assert!(!ok && err.contains("no offset target"), "{err}");
+    let (ok, _, err) = offsets(&url, address, "no-such-topic", &["show"]);
+    assert!(!ok && err.contains("no topic \"no-such-topic\""), "{err}");
+    // a user the server does not know, with a password
+    let at = url.find('@').map_or(0, |i| i + 1);
+    let wrong_url = format!("postgres://nobody:s3cret-pw@{}", &url[at..]);
+    let (ok, out, err) = offsets(&wrong_url, address, &topic, &["show"]);
+    assert!(!ok, "{out}");
+    assert!(
+        !err.contains("s3cret-pw") && !out.contains("s3cret-pw"),
+        "{err}"
+    );
+    assert!(
+        err.contains("nobody") || err.contains("authentication") || err.contains("role"),
+        "{err}"
+    );
+}
+
+/// Invoices `ok-` orders; the others fail until `fixed`, and `bad-` ones
+/// after it too (a bug not fixed yet).
+struct Billing {
+    fixed: bool,
+}
+
+#[inbox::async_trait]
+impl inbox::Handler<inbox::postgres::PgTx> for Billing {
+    type Output = ();
+    async fn handle(
+        &self,
+        m: &inbox::Message,
+        tx: &mut inbox::postgres::PgTx,
+    ) -> Result<(), inbox::HandlerError> {
+        use inbox_testkit::scenarios::WriteInvoice;
+        if !self.fixed && !m.message_id.starts_with("ok-") {
+            return Err(inbox::HandlerError::msg("unknown event version"));
+        }
+        if m.message_id.starts_with("bad-") {
+            return Err(inbox::HandlerError::msg("no route for bad orders"));
+        }
+        tx.write_invoice(&m.message_id).await
+    }
+}
+
+/// `inbox args` run off the async runtime (the test's replayer runs on it
+/// meanwhile); the JSON it printed, with whether it succeeded.
+async fn inbox_json(url: &str, args: &[&str]) -> (bool, serde_json::Value, String) {
+    let url = url.to_owned();
+    let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+    let (ok, out, err) = tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        inbox(&url, &args)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let value = serde_json::from_str(&out).unwrap_or(serde_json::Value::Null);
+    (ok, value, format!("{out}{err}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_command_works_with_dead_letters_the_outbox_and_status() {
+    use inbox::dead_letters::DeadLetterReplayer;
+    use inbox::postgres::sea_orm::{ConnectionTrait, TransactionTrait};
+    use inbox::{Message, Runner, RunnerConfig};
+    use inbox_testkit::MemBroker;
+    use inbox_testkit::scenarios::ScenarioStore;
+
+    let (url, store) = database().await;
+    store
+        .connection()
+        .execute_unprepared(
+            "CREATE TABLE invoices (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL)",
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    // two messages dead-lettered: new-1 (its handler failed before a fix
+    // the replayer now has) and bad-1 (still failing)
+    let broker = MemBroker::new();
+    for id in ["new-1", "bad-1", "ok-1"] {
+        broker.produce(
+            "orders",
+            0,
+            Message::new(
+                id,
+                "orders",
+                "order.created",
+                serde_json::json!({ "order": id }),
+            )
+            .with_header("hop", "gateway")
+            .with_header("hop", "api"),
+        );
+    }
+    let mut runner = Runner::new(
+        store.clone(),
+        broker.consumer("billing"),
+        Billing { fixed: false },
+        RunnerConfig::new("billing", "worker-1")
+            .unwrap_or_else(|e| panic!("{e}"))
+            .failure_budget(1),
+    );
+    for _ in 0..50 {
+        if broker.acked("billing", "orders", 0) == Some(3) {
+            break;
+        }
+        if runner
+            .process_one()
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .is_none()
+        {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    }
+    assert_eq!(broker.acked("billing", "orders", 0), Some(3));
+    // the outbox: one pending event, one dead
+    let tx = store
+        .connection()
+        .begin()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    for id in ["e-1", "e-2"] {
+        store
+            .outbox()
+            .enqueue(
+                &tx,
+                &inbox::outbox::OutboxMessage::new("invoices", "{}")
+                    .key("k")
+                    .message_id(id),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+    store
+        .connection()
+        .execute_unprepared(
+            "UPDATE inbox_outbox SET status = 'dead', holds = true, error = 'too large' WHERE message_id = 'e-1'",
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+
+    // a partition claimed, as a member does
+    inbox::OffsetStore::claim_partition(&store, "billing", "orders", 0)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    // status
+    let (ok, status, text) = inbox_json(&url, &["status", "--json"]).await;
+    assert!(ok, "{text}");
+    assert_eq!(status["dead_letters"][0]["group"], "billing", "{status}");
+    assert_eq!(status["dead_letters"][0]["count"], 2, "{status}");
+    assert_eq!(
+        (&status["outbox"]["pending"], &status["outbox"]["dead"]),
+        (&serde_json::json!(1), &serde_json::json!(1)),
+        "{status}"
+    );
+    assert_eq!(
+        (
+            &status["partitions"][0]["topic"],
+            &status["partitions"][0]["owner_epoch"]
+        ),
+        (&serde_json::json!("orders"), &serde_json::json!(1)),
+        "{status}"
+    );
+    let (ok, text, err) = inbox(&url, &["status"]);
+    assert!(ok && text.contains("outbox: 1 pending"), "{text}{err}");
+
+    // list, filtered; show with the headers in order
+    let (ok, list, text) = inbox_json(
+        &url,
+        &["dead-letters", "list", "--group", "billing", "--json"],
+    )
+    .await;
+    assert!(ok, "{text}");
+    let id_of = |message_id: &str| -> String {
+        list.as_array()
+            .and_then(|l| l.iter().find(|d| d["message_id"] == message_id))
+            .map(|d| d["id"].to_string())
+            .unwrap_or_else(|| panic!("{message_id} in {list}"))
+    };
+    let (new_id, bad_id) = (id_of("new-1"), id_of("bad-1"));
+    let (ok, none, _) = inbox_json(
+        &url,
+        &["dead-letters", "list", "--error", "no such text", "--json"],
+    )
+    .await;
+    assert!(ok && none == serde_json::json!([]), "{none}");
+    let (ok, text, err) = inbox(&url, &["dead-letters", "show", &new_id]);
+    assert!(ok, "{err}");
+    let hops: Vec<&str> = text.lines().filter(|l| l.contains("hop:")).collect();
+    assert_eq!(
+        hops,
+        ["header        hop: gateway", "header        hop: api"],
+        "{text}"
+    );
+    assert!(text.contains("unknown event version"), "{text}");
+
+    // replay through the command; the service's replayer has the fix
+    let cancel = inbox::CancellationToken::new();
+    let mut replayer = DeadLetterReplayer::new(store.clone(), Billing { fixed: true });
+    replayer.interval = std::time::Duration::from_millis(100);
+    let replaying = tokio::spawn({
+        let cancel = cancel.clone();
+        async move { replayer.run(cancel).await }
+    });
+    let (ok, done, text) = inbox_json(
+        &url,
+        &["dead-letters", "replay", &new_id, "--wait", "20", "--json"],
+    )
+    .await;
+    assert!(ok, "{text}");
+    assert_eq!(done["outcome"], "replayed", "{done}");
+    assert_eq!(store.invoices("new-1").await, 1, "applied once");
+    let (ok, done, text) = inbox_json(
+        &url,
+        &["dead-letters", "replay", &bad_id, "--wait", "20", "--json"],
+    )
+    .await;
+    assert!(!ok, "{text}");
+    assert_eq!(done["outcome"], "refused", "{done}");
+    assert!(
+        done["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("no route for bad orders")),
+        "{done}"
+    );
+    cancel.cancel();
+    assert_eq!(replaying.await.unwrap_or_default(), 2);
+    let (ok, text, err) = inbox(&url, &["dead-letters", "discard", &bad_id]);
+    assert!(ok && text.contains("discarded"), "{text}{err}");
+    let (ok, _, _) = inbox(&url, &["dead-letters", "discard", &bad_id]);
+    assert!(!ok, "a second discard finds nothing");
+    let (_, list, _) = inbox_json(&url, &["dead-letters", "list", "--json"]).await;
+    assert_eq!(list, serde_json::json!([]), "none left");
+
+    // the outbox: pending, dead, retry, release
+    let (ok, pending, _) = inbox_json(&url, &["outbox", "pending", "--json"]).await;
+    assert!(ok);
+    assert_eq!(pending[0]["message_id"], "e-2", "{pending}");
+    let (ok, dead, _) = inbox_json(&url, &["outbox", "dead", "--json"]).await;
+    assert!(ok);
+    assert_eq!(
+        (&dead[0]["message_id"], &dead[0]["error"], &dead[0]["holds"]),
+        (
+            &serde_json::json!("e-1"),
+            &serde_json::json!("too large"),
+            &serde_json::json!(true)
+        ),
+        "{dead}"
+    );
+    let dead_id = dead[0]["id"].to_string();
+    let (ok, text, err) = inbox(&url, &["outbox", "release", &dead_id]);
+    assert!(ok, "{text}{err}");
+    let (ok, _, _) = inbox(&url, &["outbox", "release", &dead_id]);
+    assert!(!ok, "it holds nothing any more");
+    let (ok, text, err) = inbox(&url, &["outbox", "retry", &dead_id]);
+    assert!(ok, "{text}{err}");
+    let (_, pending, _) = inbox_json(&url, &["outbox", "pending", "--json"]).await;
+    assert_eq!(pending.as_array().map(Vec::len), Some(2), "{pending}");
+}

@@ -543,4 +543,104 @@ mod facade_tests {
             Some(DebugValue::Histogram(h)) if h.len() == 1
         ));
     }
+
+    /// The Grafana dashboard in `docs/grafana` queries only metrics this
+    /// facade exports: one of every event is recorded, and every `inbox_*`
+    /// name in the dashboard's queries must be among the names seen (a
+    /// histogram's `_bucket`, `_sum` and `_count` series count as it).
+    #[test]
+    fn every_metric_the_dashboard_queries_is_exported() {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let m = FacadeMetrics::new("billing", "orders");
+        let tallies = [
+            Tally::Processed,
+            Tally::Skipped,
+            Tally::Failed,
+            Tally::Duplicate,
+            Tally::Landed,
+            Tally::Deferred,
+            Tally::Terminal,
+            Tally::Poison,
+            Tally::Exhausted,
+        ];
+        ::metrics::with_local_recorder(&recorder, || {
+            for tally in tallies {
+                m.record(MetricEvent::Tally(tally));
+                m.record(MetricEvent::PartitionTally {
+                    partition: 0,
+                    tally,
+                });
+            }
+            for event in [
+                MetricEvent::Consumed,
+                MetricEvent::Acked,
+                MetricEvent::AckFailed,
+                MetricEvent::Rewound,
+                MetricEvent::Dropped,
+                MetricEvent::HandlerDuration(Duration::from_millis(5)),
+                MetricEvent::Lag {
+                    topic: "orders",
+                    partition: 0,
+                    lag: 1,
+                },
+                MetricEvent::OffsetGap {
+                    topic: "orders",
+                    partition: 0,
+                    missing: 1,
+                },
+                MetricEvent::OffsetsSkipped {
+                    topic: "orders",
+                    partition: 0,
+                    count: 1,
+                },
+                MetricEvent::BrokerCommitFailed,
+                MetricEvent::Fenced { partition: 0 },
+                MetricEvent::OffsetMoved { partition: 0 },
+                MetricEvent::OffsetOutOfRange { partition: 0 },
+                MetricEvent::AssignmentChanged { partitions: 1 },
+                MetricEvent::RunnerRestarted,
+                MetricEvent::OutboxPublished { count: 1 },
+                MetricEvent::OutboxDeadLettered,
+            ] {
+                m.record(event);
+            }
+        });
+        let exported: std::collections::BTreeSet<String> = snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .map(|(key, _, _, _)| key.key().name().to_owned())
+            .collect();
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../docs/grafana/inbox-dashboard.json"
+        );
+        let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        let dashboard: serde_json::Value =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"));
+        let mut queried = std::collections::BTreeSet::new();
+        for panel in dashboard["panels"].as_array().into_iter().flatten() {
+            for target in panel["targets"].as_array().into_iter().flatten() {
+                let expr = target["expr"].as_str().unwrap_or_default();
+                for word in expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+                    if word.starts_with("inbox_") {
+                        queried.insert(word.to_owned());
+                    }
+                }
+            }
+        }
+        assert!(queried.len() >= 10, "the dashboard queries {queried:?}");
+        for name in &queried {
+            let base = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| name.strip_suffix(s))
+                .filter(|b| exported.contains(*b))
+                .unwrap_or(name);
+            assert!(
+                exported.contains(base),
+                "the dashboard queries {name}, which no event exports (exported: {exported:?})"
+            );
+        }
+    }
 }

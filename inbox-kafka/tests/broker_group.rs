@@ -34,19 +34,19 @@ async fn runner_of(
     )
 }
 
-/// What librdkafka reads of `group`'s committed offsets.
-fn committed(env: &common::Env, group: &str) -> serde_json::Value {
+/// What librdkafka reads of `group`: its committed offsets (`what`
+/// `committed`), or its lag as `kafka-consumer-groups --describe` shows it
+/// (`lag`: high watermark minus committed).
+fn librdkafka_sees(env: &common::Env, what: &str, group: &str) -> serde_json::Value {
     let partitions = env.partitions.to_string();
     librdkafka(
         "librdkafka_group.py",
-        &[
-            "committed",
-            env.broker.address(),
-            group,
-            &env.topic,
-            &partitions,
-        ],
+        &[what, env.broker.address(), group, &env.topic, &partitions],
     )
+}
+
+fn committed(env: &common::Env, group: &str) -> serde_json::Value {
+    librdkafka_sees(env, "committed", group)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -84,6 +84,28 @@ async fn the_stored_offsets_reach_the_group_coordinator_where_librdkafka_reads_t
         }
     }
     assert_eq!(seen, want, "what kafka-consumer-groups would show");
+    // records the group has not read yet: its lag as Kafka's tools compute
+    // it is the library's own
+    env.produce_orders(0, &["a-6", "a-7", "a-8"]).await;
+    let ours = inbox_kafka::read_offsets(&env.kafka_config("billing"), &env.store)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let ours: serde_json::Map<String, serde_json::Value> = ours
+        .iter()
+        .map(|p| (p.partition.to_string(), serde_json::json!(p.lag())))
+        .collect();
+    assert_eq!(
+        ours,
+        serde_json::Map::from_iter([
+            ("0".to_owned(), serde_json::json!(3)),
+            ("1".to_owned(), serde_json::json!(0))
+        ])
+    );
+    assert_eq!(
+        librdkafka_sees(&env, "lag", "billing"),
+        serde_json::Value::Object(ours),
+        "librdkafka's lag is the library's"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

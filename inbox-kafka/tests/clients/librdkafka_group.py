@@ -6,6 +6,9 @@ partitions, no group join), as an existing service would have.
 Usage:
   librdkafka_group.py committed BROKER GROUP TOPIC PARTITIONS
       prints {"<partition>": <offset or null>} for partitions 0..PARTITIONS
+  librdkafka_group.py lag BROKER GROUP TOPIC PARTITIONS
+      prints {"<partition>": <high watermark - committed, or null>}, the
+      lag kafka-consumer-groups --describe shows
   librdkafka_group.py commit BROKER GROUP TOPIC PARTITION OFFSET
       commits OFFSET (the next offset to read) for the partition
 """
@@ -37,6 +40,16 @@ def main() -> None:
             if tp.error:
                 sys.exit(f"librdkafka: {tp.error}")
             out[str(tp.partition)] = tp.offset if tp.offset >= 0 else None
+        print(json.dumps(out))
+    elif command == "lag":
+        n = int(sys.argv[5])
+        found = c.committed([TopicPartition(topic, p) for p in range(n)], timeout=30)
+        out = {}
+        for tp in found:
+            if tp.error:
+                sys.exit(f"librdkafka: {tp.error}")
+            _, high = c.get_watermark_offsets(tp, timeout=30)
+            out[str(tp.partition)] = high - tp.offset if tp.offset >= 0 else None
         print(json.dumps(out))
     elif command == "commit":
         partition, offset = int(sys.argv[5]), int(sys.argv[6])

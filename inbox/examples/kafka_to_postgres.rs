@@ -1,6 +1,7 @@
 //! Kafka into PostgreSQL, every order invoiced exactly once: a typed
 //! router, batched transactions, a consumer group member (`run_group`),
-//! maintenance, Prometheus metrics and a graceful stop on Ctrl-C. The
+//! maintenance, dead-letter replays asked for with the `inbox` command,
+//! Prometheus metrics and a graceful stop on Ctrl-C. The
 //! handler writes the user's own table through a sea-orm entity, in the
 //! inbox's transaction; the table comes from the user's own migration,
 //! beside the inbox's migrations.
@@ -170,7 +171,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // the typed handler, batched: up to 100 messages per transaction,
     // each with the outcome it would get alone
-    let router = Router::new().on::<OrderCreated, _>("order.created", Billing);
+    let router = Arc::new(Router::new().on::<OrderCreated, _>("order.created", Billing));
     let runner = RunnerConfig::new(GROUP, member.clone())?.batched(BatchConfig::new(100));
     let kafka = KafkaConfig::new(brokers, GROUP, Vec::new());
     let group = GroupConfig::new(member.clone(), vec![topic.clone()]);
@@ -198,6 +199,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         async move { maintenance.run(cancel).await }
     });
 
+    // dead letters an operator asks to replay once the cause is fixed
+    // (`inbox dead-letters replay ID`): replayed here, with this handler
+    let replayer = DeadLetterReplayer::new(store.clone(), router.clone());
+    tokio::spawn({
+        let cancel = cancel.clone();
+        async move { replayer.run(cancel).await }
+    });
+
     // readiness, as a probe would see it
     tokio::spawn({
         let (health, cancel) = (health.clone(), cancel.clone());
@@ -219,7 +228,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         kafka,
         group,
         store,
-        Arc::new(router),
+        router,
         runner,
         Arc::new(FacadeMetrics::new(GROUP, topic)),
         cancel,

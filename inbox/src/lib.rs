@@ -37,6 +37,7 @@ pub use async_trait::async_trait;
 /// adapters' own types.
 pub mod prelude {
     pub use crate::async_trait;
+    pub use inbox_core::dead_letters::DeadLetterReplayer;
     pub use inbox_core::maintenance::{Maintenance, MaintenanceConfig};
     pub use inbox_core::outbox::{OnRefused, OutboxMessage, RelayConfig};
     pub use inbox_core::router::{EventHandler, Router, UnknownEventType};

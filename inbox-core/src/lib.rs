@@ -59,6 +59,8 @@ pub mod maintenance;
 pub mod metrics;
 pub mod model;
 pub mod offsets;
+#[cfg(feature = "otel")]
+pub mod otel;
 pub mod outbox;
 pub mod outcome;
 pub mod processor;

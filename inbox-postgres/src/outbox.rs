@@ -206,14 +206,30 @@ fn checked(event: &OutboxMessage) -> Result<(), StoreError> {
         .map_err(|e| StoreError::new(StoreErrorKind::Data, e.to_string()))
 }
 
+/// The event's headers as stored; with the feature `otel`, the current
+/// span's trace context (`traceparent`, `tracestate`) is added unless the
+/// event carries one already, so the consumer's handler continues the
+/// trace of the transaction that enqueued it.
 fn headers_json(event: &OutboxMessage) -> serde_json::Value {
-    serde_json::Value::Array(
-        event
-            .headers
-            .iter()
-            .map(|(k, v)| serde_json::json!([k, v]))
-            .collect(),
-    )
+    #[cfg_attr(not(feature = "otel"), allow(unused_mut))]
+    let mut headers: Vec<serde_json::Value> = event
+        .headers
+        .iter()
+        .map(|(k, v)| serde_json::json!([k, v]))
+        .collect();
+    #[cfg(feature = "otel")]
+    if !event
+        .headers
+        .iter()
+        .any(|(k, _)| k == inbox_core::otel::TRACEPARENT)
+    {
+        headers.extend(
+            inbox_core::otel::current_context_headers()
+                .into_iter()
+                .map(|(k, v)| serde_json::json!([k, v])),
+        );
+    }
+    serde_json::Value::Array(headers)
 }
 
 /// A pending row as read: id, message id, topic, key, payload, headers

@@ -100,6 +100,9 @@ where
             offset = pos.as_ref().map(|p| p.offset),
             outcome = tracing::field::Empty,
         );
+        // the producer's trace goes on in the handler's span
+        #[cfg(feature = "otel")]
+        crate::otel::adopt_parent(&span, &message.headers);
         let result = self
             .process_message_in_span(message)
             .instrument(span.clone())

@@ -124,6 +124,11 @@ where
             transactions = tracing::field::Empty,
             returned = tracing::field::Empty,
         );
+        // a batch has many parents: each message's trace is linked
+        #[cfg(feature = "otel")]
+        for m in &messages {
+            crate::otel::link(&span, &m.headers);
+        }
         let result = self
             .process_batch_in_span(messages)
             .instrument(span.clone())

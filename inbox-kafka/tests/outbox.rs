@@ -847,6 +847,55 @@ async fn a_handler_that_consumes_and_publishes_is_exactly_once_end_to_end() {
     assert_eq!(keys, 0, "idle key records go too");
 }
 
+/// A relay's health as a probe reads it: ready once it joined (with slots
+/// or not), live while it goes round, what it published; not ready once
+/// stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relays_health_says_ready_live_and_what_it_published() {
+    let env = env("outbox-health", 2).await;
+    let mut config = RelayConfig::new("relay-h").unwrap_or_else(|e| panic!("{e}"));
+    config.heartbeat = Duration::from_millis(100);
+    config.lease = Duration::from_millis(800);
+    config.poll_interval = Duration::from_millis(50);
+    let health = config.health.clone();
+    assert!(!health.ready() && !health.live(Duration::from_secs(60)));
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(run_relay(
+        env.kafka_config("relay"),
+        config,
+        env.store.clone(),
+        Arc::new(NoopMetrics),
+        cancel.clone(),
+    ));
+    for i in 0..5 {
+        enqueue_one(
+            &env.store,
+            &OutboxMessage::new(&env.topic, "{}").key(format!("k{i}")),
+        )
+        .await;
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while health.published() < 5 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(health.published(), 5);
+    assert!(health.ready(), "joined");
+    assert_eq!(health.slots(), SLOTS as usize, "alone, it holds every slot");
+    assert!(health.live(Duration::from_secs(1)), "it goes round");
+    assert_eq!(health.failing_for(), None);
+    assert!(
+        health
+            .since_success()
+            .is_some_and(|d| d < Duration::from_secs(1))
+    );
+    cancel.cancel();
+    task.await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(!health.ready(), "left the group");
+    assert_eq!(health.slots(), 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_relays_share_the_slots_and_a_dead_ones_move_to_the_other() {
     let env = env("outbox-scale", 3).await;

@@ -22,6 +22,7 @@
 //! assert_eq!(partition_for(b"o-1", 12), partition_for(event.key.as_deref().unwrap(), 12));
 //! ```
 
+mod health;
 mod relay;
 
 use std::time::Duration;
@@ -31,6 +32,7 @@ use chrono::{DateTime, Utc};
 
 use crate::error::{StoreError, ValidationError};
 
+pub use health::RelayHealth;
 pub use relay::{OnRefused, Relay, RelayConfig, RelayRound, RelaySummary, SlotClaims};
 
 /// The header that carries an event's [`OutboxMessage::message_id`]: the

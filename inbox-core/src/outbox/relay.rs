@@ -62,6 +62,10 @@ pub struct RelayConfig {
     /// How long a topic's partition count is trusted before it is asked
     /// again (a topic that grew gets its new partitions). Default 60 s.
     pub metadata_ttl: Duration,
+    /// Where the relay reports its health (ready, live, failing, slots):
+    /// take a clone before handing the configuration over (see
+    /// [`RelayHealth`](crate::outbox::RelayHealth)).
+    pub health: super::health::RelayHealth,
 }
 
 impl RelayConfig {
@@ -87,6 +91,7 @@ impl RelayConfig {
             retry: Backoff::new(Duration::from_millis(100), Duration::from_secs(5), 2.0)
                 .with_jitter(0.2),
             metadata_ttl: Duration::from_secs(60),
+            health: super::health::RelayHealth::new(),
         })
     }
 }
@@ -672,6 +677,7 @@ where
                             tracing::warn!(member = %me, error = %e, "claiming outbox slots failed");
                         }
                         let after: Vec<i32> = self.claims.keys().copied().collect();
+                        self.config.health.joined(after.len());
                         if before != after {
                             summary.assignment_changes += 1;
                             tracing::info!(member = %me, ?members, slots = after.len(), "outbox slots changed");
@@ -687,7 +693,13 @@ where
                 }
             }
             let mut wait = self.config.poll_interval;
-            match self.round().await {
+            let round = self.round().await;
+            self.config.health.round(
+                round.is_ok(),
+                round.as_ref().map_or(0, |r| r.published),
+                self.paused.len(),
+            );
+            match round {
                 Ok(r) => {
                     summary.published += r.published;
                     summary.unmarked += r.unmarked;
@@ -731,6 +743,7 @@ where
         }
         beating.cancel();
         beater.join().await;
+        self.config.health.left();
         if let Err(e) = self.store.leave(&group, &me).await {
             tracing::warn!(member = %me, error = %e, "leaving the relay group failed; the lease ends it");
         }

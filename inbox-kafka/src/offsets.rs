@@ -11,6 +11,9 @@
 //! the inbox recognises as duplicates (no effect twice); moving forward
 //! skips records on purpose.
 
+use std::collections::HashMap;
+use std::sync::Arc;
+
 use chrono::{DateTime, Utc};
 use inbox_core::{OffsetStore, Position, StoreErrorKind, TxAck};
 use rskafka::client::partition::{OffsetAt, PartitionClient, UnknownTopicHandling};
@@ -19,7 +22,7 @@ use crate::consumer::within;
 use crate::{KafkaConfig, KafkaError};
 
 /// Where to move a group's offset.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum OffsetTarget {
     /// The earliest record the broker still has.
     Earliest,
@@ -30,17 +33,25 @@ pub enum OffsetTarget {
     /// The first record whose timestamp is at or after this time (the log's
     /// end if there is none).
     Timestamp(DateTime<Utc>),
+    /// Where the Kafka consumer group of this name committed (clamped into
+    /// the log's bounds): adopting an existing consumer's position. A
+    /// partition that group never committed is an error, not moved.
+    GroupOffsets(String),
 }
 
 impl std::str::FromStr for OffsetTarget {
     type Err = KafkaError;
 
-    /// `earliest`, `latest`, an offset (`42`), or an RFC 3339 time
-    /// (`2026-12-01T09:00:00Z`).
+    /// `earliest`, `latest`, an offset (`42`), an RFC 3339 time
+    /// (`2026-12-01T09:00:00Z`), or `group:NAME` (where the Kafka consumer
+    /// group NAME committed).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
             "earliest" => Ok(Self::Earliest),
             "latest" => Ok(Self::Latest),
+            _ if s.starts_with("group:") && s.len() > "group:".len() => {
+                Ok(Self::GroupOffsets(s["group:".len()..].to_owned()))
+            }
             _ => {
                 if let Ok(offset) = s.parse::<i64>() {
                     return Ok(Self::Offset(offset));
@@ -49,7 +60,7 @@ impl std::str::FromStr for OffsetTarget {
                     .map(|t| Self::Timestamp(t.with_timezone(&Utc)))
                     .map_err(|_| {
                         KafkaError::Config(format!(
-                            "{s:?} is no offset target: earliest, latest, an offset, or an RFC 3339 time"
+                            "{s:?} is no offset target: earliest, latest, an offset, an RFC 3339 time, or group:NAME"
                         ))
                     })
             }
@@ -222,17 +233,43 @@ pub async fn move_offsets<O: OffsetStore>(
     store: &O,
     target: OffsetTarget,
 ) -> Result<Vec<MovedOffset>, KafkaError> {
-    let client = config.client().await?;
+    let tls = config
+        .tls
+        .as_ref()
+        .map(crate::Tls::client_config)
+        .transpose()?;
+    let client = config.client_with(tls.clone()).await?;
+    let theirs = match &target {
+        OffsetTarget::GroupOffsets(name) => {
+            let group =
+                crate::broker_group::BrokerGroup::new(Arc::new(config.dialer(tls)), name.clone());
+            group
+                .committed(&config.partitions)
+                .await
+                .map_err(|e| KafkaError::GroupOffsets {
+                    group: name.clone(),
+                    cause: e.to_string(),
+                })?
+        }
+        _ => HashMap::new(),
+    };
     let mut moved = Vec::with_capacity(config.partitions.len());
     for (topic, partition) in &config.partitions {
         let (pc, earliest, latest) = leader_and_bounds(&client, config, topic, *partition).await?;
-        let to = match target {
+        let to = match &target {
             OffsetTarget::Earliest => earliest,
             OffsetTarget::Latest => latest,
-            OffsetTarget::Offset(o) => o.clamp(earliest, latest.max(earliest)),
+            OffsetTarget::Offset(o) => (*o).clamp(earliest, latest.max(earliest)),
             OffsetTarget::Timestamp(t) => {
-                offset_at_time(&pc, t, config, (earliest, latest)).await?
+                offset_at_time(&pc, *t, config, (earliest, latest)).await?
             }
+            OffsetTarget::GroupOffsets(name) => theirs
+                .get(&(topic.clone(), *partition))
+                .map(|o| (*o).clamp(earliest, latest.max(earliest)))
+                .ok_or_else(|| KafkaError::GroupOffsets {
+                    group: name.clone(),
+                    cause: format!("it committed nothing for {topic}:{partition}"),
+                })?,
         };
         let mut attempt = 0;
         let from = loop {

@@ -62,7 +62,7 @@ async fn offsets_are_read_and_moved_to_each_target() {
         "a group that never read"
     );
     let stored = async |target: OffsetTarget| {
-        let moved = move_offsets(&kafka, &env.store, target)
+        let moved = move_offsets(&kafka, &env.store, target.clone())
             .await
             .expect("move");
         let read = read_offsets(&kafka, &env.store).await.expect("read");

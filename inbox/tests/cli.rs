@@ -115,6 +115,41 @@ async fn the_command_shows_and_moves_a_groups_offsets() {
     );
     assert!(out.contains(&format!("{topic}\t0\t6\t1\t0\t6\t0")), "{out}");
 
+    // adopting where an existing Kafka consumer group stands: librdkafka
+    // commits 2 on partition 0 for group "legacy"
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../inbox-kafka/tests/clients/librdkafka_group.py"
+    );
+    let committed = Command::new("python3")
+        .args([script, "commit", address, "legacy", &topic, "0", "2"])
+        .output()
+        .unwrap_or_else(|e| panic!("python3 (cargo xtask test installs what it needs): {e}"));
+    assert!(
+        committed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&committed.stderr)
+    );
+    let (ok, out, err) = offsets(
+        &url,
+        address,
+        &topic,
+        &["--partition", "0", "move", "--to", "group:legacy"],
+    );
+    assert!(ok, "{err}");
+    assert!(
+        out.contains(&format!("moved {topic}:0 from 6 to 2")),
+        "{out}"
+    );
+    // a partition that group never committed: an error, not moved
+    let (ok, _, err) = offsets(
+        &url,
+        address,
+        &topic,
+        &["--partition", "1", "move", "--to", "group:legacy"],
+    );
+    assert!(!ok && err.contains("committed nothing"), "{err}");
+
     // mistakes: a clear error, a failing exit, no secret printed
     let (ok, _, err) = offsets(&url, address, &topic, &["move", "--to", "yesterday"]);
     assert!(!ok && err.contains("no offset target"), "{err}");

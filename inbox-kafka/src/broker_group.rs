@@ -388,6 +388,27 @@ impl BrokerGroup {
     }
 }
 
+/// The offsets the Kafka consumer group `group` committed for
+/// `partitions` (one OffsetFetch; a partition it never committed is
+/// absent): where [`StartPosition::GroupOffsets`] and
+/// [`OffsetTarget::GroupOffsets`] go.
+///
+/// [`StartPosition::GroupOffsets`]: crate::StartPosition::GroupOffsets
+/// [`OffsetTarget::GroupOffsets`]: crate::OffsetTarget::GroupOffsets
+pub(crate) async fn group_offsets(
+    dialer: Arc<Dialer>,
+    group: &str,
+    partitions: &[(String, i32)],
+) -> Result<HashMap<(String, i32), i64>, crate::KafkaError> {
+    BrokerGroup::new(dialer, group)
+        .committed(partitions)
+        .await
+        .map_err(|e| crate::KafkaError::GroupOffsets {
+            group: group.to_owned(),
+            cause: e.to_string(),
+        })
+}
+
 /// Copies a consumer's stored offsets to its group at the coordinator, at
 /// most every `interval`, in a task of its own (the consumer never waits
 /// for it); a failure is a warning, a count and

@@ -15,7 +15,7 @@ use rskafka::client::{Client, ClientBuilder};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use crate::broker_group::{BrokerCommits, BrokerGroup};
+use crate::broker_group::{BrokerCommits, BrokerGroup, group_offsets};
 use crate::committed::CommittedFetch;
 use crate::decode::{Decode, JsonDecoder, RecordView, decode_or_poison};
 use crate::health::HealthHandle;
@@ -38,8 +38,9 @@ pub enum StartPosition {
     /// service moving to this library from another Kafka consumer reads on
     /// where the old one stopped instead of reading the topic again. A
     /// partition that group never committed starts at the earliest record.
-    /// That group's offsets are read once, at the claim; an error reading
-    /// them is an error, never a silent start from the beginning.
+    /// That group's offsets are read once, when the first partition without
+    /// a stored offset is claimed; an error reading them is an error, never
+    /// a silent start from the beginning.
     GroupOffsets(String),
 }
 
@@ -596,6 +597,7 @@ impl<O: OffsetStore> KafkaConsumer<O> {
                 every,
             )
         });
+        let mut adopted = None;
         let mut partitions = Vec::with_capacity(config.partitions.len());
         for (topic, partition) in &config.partitions {
             let pc = within(
@@ -617,15 +619,18 @@ impl<O: OffsetStore> KafkaConsumer<O> {
                         crate::offsets::offset_at_time(&pc, *t, &config, bounds).await?
                     }
                     StartPosition::GroupOffsets(group) => {
-                        let key = (topic.clone(), *partition);
-                        let theirs = BrokerGroup::new(Arc::clone(&dialer), group.clone())
-                            .committed(std::slice::from_ref(&key))
-                            .await
-                            .map_err(|e| KafkaError::GroupOffsets {
-                                group: group.clone(),
-                                cause: e.to_string(),
-                            })?;
-                        match theirs.get(&key) {
+                        // read once, for every partition, when the first
+                        // partition without a stored offset needs them
+                        if adopted.is_none() {
+                            adopted = Some(
+                                group_offsets(Arc::clone(&dialer), group, &config.partitions)
+                                    .await?,
+                            );
+                        }
+                        let theirs = adopted
+                            .as_ref()
+                            .and_then(|a| a.get(&(topic.clone(), *partition)));
+                        match theirs {
                             Some(o) => *o,
                             None => pc.get_offset(OffsetAt::Earliest).await?,
                         }

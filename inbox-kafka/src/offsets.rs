@@ -241,15 +241,12 @@ pub async fn move_offsets<O: OffsetStore>(
     let client = config.client_with(tls.clone()).await?;
     let theirs = match &target {
         OffsetTarget::GroupOffsets(name) => {
-            let group =
-                crate::broker_group::BrokerGroup::new(Arc::new(config.dialer(tls)), name.clone());
-            group
-                .committed(&config.partitions)
-                .await
-                .map_err(|e| KafkaError::GroupOffsets {
-                    group: name.clone(),
-                    cause: e.to_string(),
-                })?
+            crate::broker_group::group_offsets(
+                Arc::new(config.dialer(tls)),
+                name,
+                &config.partitions,
+            )
+            .await?
         }
         _ => HashMap::new(),
     };

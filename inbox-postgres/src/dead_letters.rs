@@ -12,7 +12,7 @@ use inbox_core::{Handler, InboxStatus, Message, Position, RowId, StoreError, Val
 use sea_orm::{ConnectionTrait, QueryResult, Value};
 
 use crate::TableName;
-use crate::store::{PgStore, PgTx, db, get, secs, stmt};
+use crate::store::{PgStore, PgTx, db, get, secs, stmt, storable};
 
 const COLUMNS: &str = "id, consumer_group, message_id, source, topic, partition, record_offset, \
      message, raw, error, created_at, replay_requested_at, replay_error";
@@ -163,10 +163,7 @@ impl DeadLetterStore for PgStore {
             self.table.dead_letters()
         );
         self.db
-            .execute_raw(stmt(
-                &sql,
-                vec![id.into(), reason.replace('\0', "\u{fffd}").into()],
-            ))
+            .execute_raw(stmt(&sql, vec![id.into(), storable(reason).into()]))
             .await
             .map_err(db)?;
         Ok(())

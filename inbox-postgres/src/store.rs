@@ -1028,7 +1028,7 @@ impl PgTx {
 
 /// `text` with U+FFFD in place of each NUL character (which PostgreSQL does
 /// not store in text).
-fn storable(text: &str) -> String {
+pub(crate) fn storable(text: &str) -> String {
     text.replace('\0', "\u{fffd}")
 }
 

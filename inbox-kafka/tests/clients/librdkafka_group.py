@@ -32,24 +32,20 @@ def consumer(broker: str, group: str) -> Consumer:
 def main() -> None:
     command, broker, group, topic = sys.argv[1:5]
     c = consumer(broker, group)
-    if command == "committed":
+    if command in ("committed", "lag"):
         n = int(sys.argv[5])
         found = c.committed([TopicPartition(topic, p) for p in range(n)], timeout=30)
         out = {}
         for tp in found:
             if tp.error:
                 sys.exit(f"librdkafka: {tp.error}")
-            out[str(tp.partition)] = tp.offset if tp.offset >= 0 else None
-        print(json.dumps(out))
-    elif command == "lag":
-        n = int(sys.argv[5])
-        found = c.committed([TopicPartition(topic, p) for p in range(n)], timeout=30)
-        out = {}
-        for tp in found:
-            if tp.error:
-                sys.exit(f"librdkafka: {tp.error}")
-            _, high = c.get_watermark_offsets(tp, timeout=30)
-            out[str(tp.partition)] = high - tp.offset if tp.offset >= 0 else None
+            if tp.offset < 0:
+                out[str(tp.partition)] = None
+            elif command == "lag":
+                _, high = c.get_watermark_offsets(tp, timeout=30)
+                out[str(tp.partition)] = high - tp.offset
+            else:
+                out[str(tp.partition)] = tp.offset
         print(json.dumps(out))
     elif command == "commit":
         partition, offset = int(sys.argv[5]), int(sys.argv[6])

@@ -61,6 +61,17 @@ pub enum MetricEvent {
         /// Records behind.
         lag: i64,
     },
+    /// How far behind a partition's reader is in time: the age of the
+    /// oldest record fetched and not yet handled (zero when it has read
+    /// everything). Reported beside [`MetricEvent::Lag`].
+    LagTime {
+        /// Topic ([`topic_label`]).
+        topic: &'static str,
+        /// Partition.
+        partition: i32,
+        /// How long ago that record was written.
+        behind: Duration,
+    },
     /// The first fetch after the consumer moved to an offset (its claim, a
     /// rewind fetched again, a resync, a reset) returned records starting
     /// after it, and nothing shows the broker answered from the batch that
@@ -121,6 +132,14 @@ pub enum MetricEvent {
     },
     /// An outbox relay dead-lettered an event the broker refused.
     OutboxDeadLettered,
+    /// The outbox's backlog as a relay last read it (every
+    /// `RelayConfig::backlog_interval`).
+    OutboxBacklog {
+        /// Events waiting to be published.
+        pending: u64,
+        /// How long the oldest of them has waited (zero when none).
+        oldest: Duration,
+    },
 }
 
 /// Receives the runner's events. Every method has a no-op default.
@@ -264,6 +283,8 @@ impl Metrics for CountingMetrics {
             MetricEvent::HandlerDuration(_) => 12,
             MetricEvent::Dropped => 13,
             MetricEvent::Lag { .. }
+            | MetricEvent::LagTime { .. }
+            | MetricEvent::OutboxBacklog { .. }
             | MetricEvent::PartitionTally { .. }
             | MetricEvent::OffsetGap { .. }
             | MetricEvent::OffsetsSkipped { .. }
@@ -293,10 +314,13 @@ impl Metrics for CountingMetrics {
 /// | rewinds, dropped failures | counters `inbox_rewinds_total`, `inbox_dropped_total` | `group` |
 /// | handler duration | histogram `inbox_handler_duration_seconds` | `group` |
 /// | lag | gauge `inbox_lag` | `group`, `topic` (the event's), `partition` |
+/// | lag in time (age of the oldest record not handled) | gauge `inbox_lag_seconds` | `group`, `topic` (the event's), `partition` |
 /// | broker gaps (unexpected) and the offsets they passed | counters `inbox_offset_gaps_total`, `inbox_offset_gap_offsets_total` | `group`, `topic` (the event's), `partition` |
 /// | offsets holding no record, skipped (normal: markers, compaction) | counter `inbox_offsets_skipped_total` | `group`, `topic` (the event's), `partition` |
 /// | fencing, offsets out of range | counters `inbox_fenced_total`, `inbox_offset_out_of_range_total` | `group`, `topic`, `partition` |
 /// | offsets not copied to the broker's group coordinator | counter `inbox_broker_commit_failures_total` | `group` |
+/// | outbox events published, dead-lettered | counters `inbox_outbox_published_total`, `inbox_outbox_dead_lettered_total` | `group` |
+/// | outbox backlog, age of its oldest event | gauges `inbox_outbox_pending`, `inbox_outbox_oldest_pending_seconds` | `group` |
 ///
 /// Alert on `exhausted`, `poison` and `dropped` outcomes, gaps, out-of-range
 /// offsets, and a lag that grows (see `docs/operations.md`).
@@ -400,6 +424,14 @@ impl Metrics for FacadeMetrics {
                 let lag = lag as f64;
                 ::metrics::gauge!("inbox_lag", &self.labels_of(topic, partition)).set(lag);
             }
+            MetricEvent::LagTime {
+                topic,
+                partition,
+                behind,
+            } => {
+                ::metrics::gauge!("inbox_lag_seconds", &self.labels_of(topic, partition))
+                    .set(behind.as_secs_f64());
+            }
             MetricEvent::OffsetGap {
                 topic,
                 partition,
@@ -465,6 +497,13 @@ impl Metrics for FacadeMetrics {
                 ::metrics::counter!("inbox_outbox_dead_lettered_total", "group" => group)
                     .increment(1);
             }
+            MetricEvent::OutboxBacklog { pending, oldest } => {
+                #[allow(clippy::cast_precision_loss)]
+                let pending = pending as f64;
+                ::metrics::gauge!("inbox_outbox_pending", "group" => group.clone()).set(pending);
+                ::metrics::gauge!("inbox_outbox_oldest_pending_seconds", "group" => group)
+                    .set(oldest.as_secs_f64());
+            }
         }
     }
 }
@@ -493,6 +532,15 @@ mod facade_tests {
             m.record(MetricEvent::PartitionTally {
                 partition: 1,
                 tally: Tally::Poison,
+            });
+            m.record(MetricEvent::LagTime {
+                topic: "orders",
+                partition: 3,
+                behind: Duration::from_millis(1_500),
+            });
+            m.record(MetricEvent::OutboxBacklog {
+                pending: 7,
+                oldest: Duration::from_secs(12),
             });
         });
         type Found = (String, Vec<(String, String)>, DebugValue);
@@ -533,6 +581,18 @@ mod facade_tests {
         assert_eq!(
             get("inbox_lag", Some(("partition", "3"))),
             Some(&DebugValue::Gauge(42.0.into()))
+        );
+        assert_eq!(
+            get("inbox_lag_seconds", Some(("partition", "3"))),
+            Some(&DebugValue::Gauge(1.5.into()))
+        );
+        assert_eq!(
+            get("inbox_outbox_pending", Some(("group", "billing"))),
+            Some(&DebugValue::Gauge(7.0.into()))
+        );
+        assert_eq!(
+            get("inbox_outbox_oldest_pending_seconds", None),
+            Some(&DebugValue::Gauge(12.0.into()))
         );
         assert_eq!(
             get("inbox_partition_messages_total", Some(("partition", "1"))),
@@ -584,6 +644,11 @@ mod facade_tests {
                     partition: 0,
                     lag: 1,
                 },
+                MetricEvent::LagTime {
+                    topic: "orders",
+                    partition: 0,
+                    behind: Duration::from_secs(3),
+                },
                 MetricEvent::OffsetGap {
                     topic: "orders",
                     partition: 0,
@@ -602,6 +667,10 @@ mod facade_tests {
                 MetricEvent::RunnerRestarted,
                 MetricEvent::OutboxPublished { count: 1 },
                 MetricEvent::OutboxDeadLettered,
+                MetricEvent::OutboxBacklog {
+                    pending: 4,
+                    oldest: Duration::from_secs(2),
+                },
             ] {
                 m.record(event);
             }

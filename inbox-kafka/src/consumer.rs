@@ -894,7 +894,16 @@ impl<O: OffsetStore> KafkaConsumer<O> {
         p.next_fetch = expected;
         let next_offset = p.buffer.front().map_or(p.next_fetch, |r| r.offset);
         let lag = p.high_watermark - next_offset;
-        let oldest = p.buffer.front().map(|r| r.record.timestamp);
+        // behind in time: the age of the oldest record not handled
+        let behind = match p.buffer.front() {
+            _ if lag <= 0 => Some(Duration::ZERO),
+            Some(r) => Some(
+                (chrono::Utc::now() - r.record.timestamp)
+                    .to_std()
+                    .unwrap_or_default(),
+            ),
+            None => None,
+        };
         let high_watermark = p.high_watermark;
         self.config
             .health
@@ -902,16 +911,7 @@ impl<O: OffsetStore> KafkaConsumer<O> {
                 h.next_offset = next_offset;
                 h.high_watermark = high_watermark;
                 h.lag_records = lag.max(0);
-                h.lag_seconds = match oldest {
-                    _ if lag <= 0 => Some(0.0),
-                    Some(t) => Some(
-                        (chrono::Utc::now() - t)
-                            .to_std()
-                            .unwrap_or_default()
-                            .as_secs_f64(),
-                    ),
-                    None => None,
-                };
+                h.lag_seconds = behind.map(|b| b.as_secs_f64());
             });
         inbox_core::record_safely(
             &self.metrics,
@@ -921,6 +921,16 @@ impl<O: OffsetStore> KafkaConsumer<O> {
                 lag,
             },
         );
+        if let Some(behind) = behind {
+            inbox_core::record_safely(
+                &self.metrics,
+                MetricEvent::LagTime {
+                    topic: p.label,
+                    partition: p.partition,
+                    behind,
+                },
+            );
+        }
         Ok(())
     }
 

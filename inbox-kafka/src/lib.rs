@@ -74,7 +74,8 @@ pub use decode::{Decode, JsonDecoder, RecordView, decode_or_poison, redecode};
 pub use group::{AssignmentChange, GroupConfig, GroupSummary, run_group};
 pub use health::{HealthHandle, PartitionHealth};
 pub use offsets::{
-    MovedOffset, OffsetTarget, PartitionOffsets, move_offsets, read_offsets, topic_partitions,
+    MovedOffset, OffsetTarget, PartitionOffsets, log_bounds, move_offsets, read_offsets,
+    topic_partitions,
 };
 pub use relay::{DEFAULT_MAX_RECORD_BYTES, DEFAULT_MAX_REQUEST_BYTES, KafkaPublisher, run_relay};
 pub use rskafka::client::partition::Compression;

@@ -189,6 +189,30 @@ pub async fn topic_partitions(
     Ok(out)
 }
 
+/// The log's bounds, `(earliest, latest)`, of each of `partitions` at the
+/// brokers, in the same order: each one's own error when the brokers do not
+/// have it (a topic deleted since), so one missing topic does not hide the
+/// others.
+///
+/// # Errors
+///
+/// A [`KafkaError`] when the brokers cannot be reached at all.
+pub async fn log_bounds(
+    config: &KafkaConfig,
+    partitions: &[(String, i32)],
+) -> Result<Vec<Result<(i64, i64), KafkaError>>, KafkaError> {
+    let client = config.client().await?;
+    let mut out = Vec::with_capacity(partitions.len());
+    for (topic, partition) in partitions {
+        out.push(
+            leader_and_bounds(&client, config, topic, *partition)
+                .await
+                .map(|(_, earliest, latest)| (earliest, latest)),
+        );
+    }
+    Ok(out)
+}
+
 /// The stored offsets of `config.consumer_group` for `config.partitions`,
 /// beside the log's bounds at the broker.
 ///

@@ -215,11 +215,17 @@ async fn two_consumers_on_one_partition_never_both_commit_an_effect() {
 async fn lag_is_reported_per_partition() {
     use std::sync::{Arc, Mutex};
     #[derive(Default)]
-    struct Lags(Mutex<Vec<(i32, i64)>>);
+    struct Lags(Mutex<Vec<(i32, i64)>>, Mutex<Vec<std::time::Duration>>);
     impl inbox_core::Metrics for Lags {
         fn record(&self, e: inbox_core::MetricEvent) {
-            if let inbox_core::MetricEvent::Lag { partition, lag, .. } = e {
-                self.0.lock().expect("lock").push((partition, lag));
+            match e {
+                inbox_core::MetricEvent::Lag { partition, lag, .. } => {
+                    self.0.lock().expect("lock").push((partition, lag));
+                }
+                inbox_core::MetricEvent::LagTime { behind, .. } => {
+                    self.1.lock().expect("lock").push(behind);
+                }
+                _ => {}
             }
         }
     }
@@ -227,6 +233,8 @@ async fn lag_is_reported_per_partition() {
     let ids: Vec<String> = (0..10).map(|i| format!("l-{i}")).collect();
     let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
     env.produce_orders(0, &refs).await;
+    // the records are over a second old when the consumer first sees them
+    tokio::time::sleep(std::time::Duration::from_millis(1_100)).await;
     let lags = Arc::new(Lags::default());
     let consumer = env.consumer("billing").await.with_metrics(lags.clone());
     let handler = ScriptedHandler::new([], Act::Succeed);
@@ -245,8 +253,20 @@ async fn lag_is_reported_per_partition() {
         Some(&(0, 10)),
         "lag at the first fetch"
     );
+    let first = lags.1.lock().expect("lock").first().copied();
+    assert!(
+        first
+            .is_some_and(|b| b >= std::time::Duration::from_secs(1)
+                && b < std::time::Duration::from_secs(60)),
+        "behind in time at the first fetch: {first:?}"
+    );
     drain(&mut runner).await;
     assert_eq!(runner.consumer_mut().lag(), 0);
+    assert_eq!(
+        lags.1.lock().expect("lock").last().copied(),
+        Some(std::time::Duration::ZERO),
+        "nothing behind once read"
+    );
 }
 
 /// The batched runner on tansu: a batch of 12 records on two partitions with

@@ -150,6 +150,38 @@ async fn the_command_shows_and_moves_a_groups_offsets() {
     );
     assert!(!ok && err.contains("committed nothing"), "{err}");
 
+    // status with the brokers: each partition's log end and lag (6 records
+    // each; stored 2 and 6)
+    let (ok, out, err) = inbox(&url, &["status", "--brokers", address, "--json"]);
+    assert!(ok, "{err}");
+    let status: serde_json::Value =
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let lags: Vec<(i64, i64, i64)> = status["partitions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|p| p["topic"] == topic.as_str())
+        .map(|p| {
+            let n = |k: &str| p[k].as_i64().unwrap_or(-1);
+            (n("partition"), n("log_end"), n("lag"))
+        })
+        .collect();
+    assert_eq!(lags, vec![(0, 6, 4), (1, 6, 0)], "{status}");
+    let (ok, out, err) = inbox(&url, &["status", "--brokers", address]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains(&format!("billing\t{topic}\t0\t2\t6\t4\t")),
+        "{out}"
+    );
+    // without brokers: no lag, and a word on how to get it
+    let (ok, out, err) = inbox(&url, &["status"]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains(&format!("billing\t{topic}\t0\t2\t-\t-\t")),
+        "{out}"
+    );
+    assert!(out.contains("give --brokers"), "{out}");
+
     // mistakes: a clear error, a failing exit, no secret printed
     let (ok, _, err) = offsets(&url, address, &topic, &["move", "--to", "yesterday"]);
     assert!(!ok && err.contains("no offset target"), "{err}");

@@ -6,10 +6,18 @@
 //! invoice per order and, in the same transaction, enqueues
 //! `invoice.created`; a second consumer (the inbox, in this process)
 //! records each announced invoice. One relay and the billing consumer are
-//! killed with SIGKILL once each while it runs, and started again. At the
-//! end SQL checks: every order invoiced exactly once, every invoice
+//! killed with SIGKILL once each while it runs, and started again.
+//!
+//! One order is in Swiss francs, which the first billing process does not
+//! know: its failure budget spent, the order is dead-lettered and its
+//! partition moves on. The billing process started after the kill is the
+//! fixed version (it knows francs, and runs a `DeadLetterReplayer`); at the
+//! end the operator's command, the `inbox` binary, lists the dead letter
+//! and replays it, and the order is invoiced once.
+//!
+//! At the end SQL checks: every order invoiced exactly once, every invoice
 //! announced exactly once, every event published (republished copies
-//! counted from the broker).
+//! counted from the broker), no dead letter left.
 
 use std::collections::BTreeSet;
 use std::process::{Child, Command, Stdio};
@@ -18,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 use async_trait::async_trait;
+use inbox_core::dead_letters::DeadLetterReplayer;
 use inbox_core::outbox::{OutboxMessage, RelayConfig};
 use inbox_core::{AckStrategy, BatchConfig, HandlerError, Message, NoopMetrics, RunnerConfig};
 use inbox_kafka::{GroupConfig, KafkaConfig, run_group, run_relay};
@@ -28,6 +37,13 @@ use serde_json::json;
 use crate::sql::{effects, scalar};
 
 const ORDERS: i64 = 2_000;
+/// The order in francs, placed among the first ones: orders `1..=ORDERS`
+/// and this one.
+const FRANCS_ORDER: i64 = ORDERS + 1;
+const ALL_ORDERS: i64 = ORDERS + 1;
+/// The demo's failure budget (the default is 10 attempts, about half a
+/// minute): a message is dead-lettered after this many failures.
+const FAILURE_BUDGET: u32 = 3;
 const PARTITIONS: i32 = 4;
 const DB_ENV: &str = "PIPELINE_DATABASE_URL";
 const HEARTBEAT: Duration = Duration::from_millis(250);
@@ -52,10 +68,12 @@ fn statement(sql: &str, values: Vec<inbox_postgres::sea_orm::Value>) -> Statemen
 }
 
 /// The billing consumer's handler: one invoice per order, and its
-/// `invoice.created` event, in the inbox's transaction.
+/// `invoice.created` event, in the inbox's transaction. The first version
+/// knows only euros; the fixed one (`fixed`) francs as well.
 struct Billing {
     outbox: Outbox,
     topic: String,
+    fixed: bool,
 }
 
 #[async_trait]
@@ -67,6 +85,16 @@ impl inbox_core::Handler<PgTx> for Billing {
             .get("order_id")
             .and_then(serde_json::Value::as_i64)
             .ok_or_else(|| HandlerError::msg("order_id missing"))?;
+        let currency = m
+            .payload
+            .get("currency")
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or("EUR");
+        if currency != "EUR" && !(self.fixed && currency == "CHF") {
+            return Err(HandlerError::msg(format!(
+                "order {order}: currency {currency} is not supported by this version of billing"
+            )));
+        }
         let row = tx
             .connection()
             .query_one_raw(statement(
@@ -139,29 +167,33 @@ pub(crate) fn relay(args: &[String]) -> Result<()> {
     })
 }
 
-/// The billing consumer process: `pipeline-billing ID ORDERS INVOICES`.
+/// The billing consumer process: `pipeline-billing ID ORDERS INVOICES
+/// VERSION` (`v1`, or `v2`: the fixed one, which also replays the dead
+/// letters an operator asks for).
 pub(crate) fn billing(args: &[String]) -> Result<()> {
-    let [id, orders, invoices] = args else {
-        bail!("pipeline-billing ID ORDERS_TOPIC INVOICES_TOPIC");
+    let [id, orders, invoices, version] = args else {
+        bail!("pipeline-billing ID ORDERS_TOPIC INVOICES_TOPIC v1|v2");
     };
+    let fixed = version == "v2";
     let url = std::env::var(DB_ENV).with_context(|| format!("{DB_ENV} not set"))?;
     let brokers = std::env::var("KAFKA_BROKERS").context("KAFKA_BROKERS not set")?;
     let (rt, cancel) = crate::child_runtime()?;
     rt.block_on(async move {
         let store = PgStore::connect(&url, table()?).await?;
-        consume(
-            &store,
-            &brokers,
-            "billing",
-            id,
-            orders,
-            Arc::new(Billing {
-                outbox: store.outbox(),
-                topic: invoices.clone(),
-            }),
-            cancel,
-        )
-        .await
+        let handler = Arc::new(Billing {
+            outbox: store.outbox(),
+            topic: invoices.clone(),
+            fixed,
+        });
+        if fixed {
+            // the fixed version applies what `inbox dead-letters replay`
+            // asks for, through this handler
+            let mut replayer = DeadLetterReplayer::new(store.clone(), handler.clone());
+            replayer.interval = Duration::from_millis(200);
+            let cancel = cancel.clone();
+            tokio::spawn(async move { replayer.run(cancel).await });
+        }
+        consume(&store, &brokers, "billing", id, orders, handler, cancel).await
     })
 }
 
@@ -177,9 +209,11 @@ async fn consume<H: inbox_core::Handler<PgTx> + 'static>(
     let mut group = GroupConfig::new(id.to_owned(), vec![topic.to_owned()]);
     group.heartbeat = HEARTBEAT;
     group.lease = LEASE;
-    let runner = RunnerConfig::new(group_name, id.to_owned())?
+    let mut runner = RunnerConfig::new(group_name, id.to_owned())?
         .with_strategy(AckStrategy::default())
         .batched(BatchConfig::new(50));
+    runner.failure_budget = Some(FAILURE_BUDGET);
+    runner.redelivery_backoff.initial = Duration::from_millis(50);
     run_group(
         kafka(group_name, brokers),
         group,
@@ -227,11 +261,90 @@ fn stop(mut child: Child) -> Result<()> {
 
 /// `cargo xtask demo`: runs the pipeline with `relays` relay processes.
 pub(crate) fn run(relays: u32) -> Result<()> {
+    // the operator's command, as an operator runs it
+    crate::cargo(
+        &[
+            "build",
+            "-p",
+            "inbox",
+            "--features",
+            "cli",
+            "--bin",
+            "inbox",
+        ],
+        &[],
+    )?;
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map_or_else(|| crate::workspace_root().join("target"), Into::into);
+    let command = Operator(target.join("debug/inbox"));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
-    rt.block_on(pipeline(relays.max(1)))
+    rt.block_on(pipeline(relays.max(1), &command))
+}
+
+/// The `inbox` binary.
+struct Operator(std::path::PathBuf);
+
+impl Operator {
+    /// Runs `inbox --table pipeline ARGS` on the database `url` and the
+    /// brokers `brokers`, prints the command and what it printed; what it
+    /// printed, if it succeeded.
+    async fn run(&self, (url, brokers): (&str, &str), args: &[&str]) -> Result<String> {
+        println!("  $ inbox {}", args.join(" "));
+        let out = tokio::process::Command::new(&self.0)
+            .args(["--table", TABLE])
+            .args(args)
+            .env("DATABASE_URL", url)
+            .env("KAFKA_BROKERS", brokers)
+            .output()
+            .await
+            .with_context(|| format!("starting {}", self.0.display()))?;
+        let printed = String::from_utf8_lossy(&out.stdout).into_owned();
+        for line in printed.lines() {
+            println!("    {line}");
+        }
+        if !out.status.success() {
+            bail!(
+                "inbox {} failed ({}): {}",
+                args.join(" "),
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(printed)
+    }
+}
+
+/// The fix, as an operator carries it out: the dead letters listed with the
+/// command, each one replayed by the fixed billing process.
+async fn replay_dead_letters(command: &Operator, url: (&str, &str)) -> Result<usize> {
+    command.run(url, &["dead-letters", "list"]).await?;
+    let listed = command
+        .run(
+            url,
+            &["--json", "dead-letters", "list", "--group", "billing"],
+        )
+        .await?;
+    let letters: serde_json::Value =
+        serde_json::from_str(listed.trim()).context("the command's JSON")?;
+    let ids: Vec<i64> = letters
+        .as_array()
+        .map(|a| a.iter().filter_map(|d| d["id"].as_i64()).collect())
+        .unwrap_or_default();
+    for id in &ids {
+        command
+            .run(url, &["dead-letters", "show", &id.to_string()])
+            .await?;
+        command
+            .run(
+                url,
+                &["dead-letters", "replay", &id.to_string(), "--wait", "60"],
+            )
+            .await?;
+    }
+    Ok(ids.len())
 }
 
 /// Records on `topic` and how many distinct message ids they carry.
@@ -266,6 +379,18 @@ async fn place_orders(store: &PgStore, topic: &str, from: i64, to: i64) -> Resul
             .key(format!("order-{order}"))
             .header("event_type", "order.created");
         outbox.enqueue(&tx, &event).await?;
+        if order == 100 {
+            tx.execute_raw(statement(
+                "INSERT INTO pipeline_orders (id, total) VALUES ($1, $2)",
+                vec![FRANCS_ORDER.into(), 990_i64.into()],
+            ))
+            .await?;
+            let francs = json!({ "order_id": FRANCS_ORDER, "total": 990, "currency": "CHF" });
+            let event = OutboxMessage::json(topic, &francs)
+                .key(format!("order-{FRANCS_ORDER}"))
+                .header("event_type", "order.created");
+            outbox.enqueue(&tx, &event).await?;
+        }
         tx.commit().await?;
         if order % 50 == 0 {
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -275,7 +400,7 @@ async fn place_orders(store: &PgStore, topic: &str, from: i64, to: i64) -> Resul
 }
 
 #[allow(clippy::too_many_lines)]
-async fn pipeline(relays: u32) -> Result<()> {
+async fn pipeline(relays: u32, command: &Operator) -> Result<()> {
     let url = crate::demo::database().await?;
     let broker = inbox_testkit::kafka::broker().map_err(|e| anyhow!("{e}"))?;
     let brokers = broker.address().to_owned();
@@ -311,10 +436,10 @@ async fn pipeline(relays: u32) -> Result<()> {
     println!(
         "orders service -> outbox -> {relays} relay process(es) -> {orders_topic} -> billing process (inbox; invoice + invoice.created through the outbox) -> {invoices_topic} -> announcements consumer (inbox)"
     );
-    let spawn_billing = |id: &str| {
+    let spawn_billing = |id: &str, version: &str| {
         spawn(
             "pipeline-billing",
-            &[id, &orders_topic, &invoices_topic],
+            &[id, &orders_topic, &invoices_topic, version],
             &url,
             &brokers,
         )
@@ -322,7 +447,7 @@ async fn pipeline(relays: u32) -> Result<()> {
     let mut relay_children: Vec<Child> = (1..=relays)
         .map(|n| spawn("pipeline-relay", &[&format!("relay-{n}")], &url, &brokers))
         .collect::<Result<_>>()?;
-    let mut billing_child = spawn_billing("billing-1")?;
+    let mut billing_child = spawn_billing("billing-1", "v1")?;
     // the announcements consumer, in this process
     let cancel = inbox_core::CancellationToken::new();
     let announcements = {
@@ -362,8 +487,9 @@ async fn pipeline(relays: u32) -> Result<()> {
         .await?;
         let invoices = scalar(&store, "SELECT count(*) FROM pipeline_invoices").await?;
         let announced = scalar(&store, "SELECT count(*) FROM pipeline_announced").await?;
+        let dead = scalar(&store, "SELECT count(*) FROM pipeline_dead_letters").await?;
         println!(
-            "  t={:>5.1} s  orders {orders:>5}  events sent {sent:>5}  invoices {invoices:>5}  announced {announced:>5}",
+            "  t={:>5.1} s  orders {orders:>5}  events sent {sent:>5}  invoices {invoices:>5}  announced {announced:>5}  dead letters {dead}",
             started.elapsed().as_secs_f64()
         );
         if !relay_killed && sent >= ORDERS / 3 {
@@ -373,11 +499,14 @@ async fn pipeline(relays: u32) -> Result<()> {
             relay_children[0] = spawn("pipeline-relay", &["relay-1b"], &url, &brokers)?;
             relay_killed = true;
         }
-        if !billing_killed && invoices >= ORDERS / 2 {
+        // billing-1 is killed once it dead-lettered the order in francs
+        if !billing_killed && invoices >= ORDERS / 2 && dead > 0 {
             billing_child.kill()?;
             billing_child.wait()?;
-            println!("  billing-1 killed (SIGKILL) with {invoices} invoices; starting billing-2");
-            billing_child = spawn_billing("billing-2")?;
+            println!(
+                "  billing-1 killed (SIGKILL) with {invoices} invoices and {dead} dead letter; starting billing-2, the version that knows francs"
+            );
+            billing_child = spawn_billing("billing-2", "v2")?;
             billing_killed = true;
         }
         if relay_killed && billing_killed && announced >= ORDERS && writer.is_finished() {
@@ -390,10 +519,34 @@ async fn pipeline(relays: u32) -> Result<()> {
                 break;
             }
         }
+        if writer.is_finished() && orders < ALL_ORDERS {
+            bail!(
+                "the orders service stopped after {orders} orders: {:?}",
+                writer.await?
+            );
+        }
         if Instant::now() > deadline {
             bail!("the pipeline did not finish within 10 minutes");
         }
     }
+    println!("the operator replays the dead letter now that billing knows francs:");
+    let replayed = replay_dead_letters(command, (&url, &brokers)).await?;
+    loop {
+        let announced = scalar(&store, "SELECT count(*) FROM pipeline_announced").await?;
+        let pending = scalar(
+            &store,
+            "SELECT count(*) FROM pipeline_outbox WHERE status <> 'sent'",
+        )
+        .await?;
+        if announced >= ALL_ORDERS && pending == 0 {
+            break;
+        }
+        if Instant::now() > deadline {
+            bail!("the replayed order was not announced within 10 minutes");
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    command.run((&url, &brokers), &["status"]).await?;
     let elapsed = started.elapsed();
     writer.await??;
     cancel.cancel();
@@ -414,6 +567,12 @@ async fn pipeline(relays: u32) -> Result<()> {
     let (invoices, invoiced, doubled) = effects(&store, "pipeline_invoices", "order_id").await?;
     let (announced, announced_distinct, announced_twice) =
         effects(&store, "pipeline_announced", "invoice_id").await?;
+    let dead_left = scalar(&store, "SELECT count(*) FROM pipeline_dead_letters").await?;
+    let francs_invoiced = scalar(
+        &store,
+        &format!("SELECT count(*) FROM pipeline_invoices WHERE order_id = {FRANCS_ORDER}"),
+    )
+    .await?;
     let announced_unknown = scalar(
         &store,
         "SELECT count(*) FROM pipeline_announced a WHERE NOT EXISTS (SELECT 1 FROM pipeline_invoices i WHERE i.id = a.invoice_id)",
@@ -438,23 +597,29 @@ async fn pipeline(relays: u32) -> Result<()> {
     println!(
         "  announced                       {announced} ({announced_distinct} distinct invoices, {announced_twice} twice, {announced_unknown} unknown)"
     );
-    let ok = orders == ORDERS
-        && i64::try_from(order_ids)? == ORDERS
-        && order_events == ORDERS
-        && invoices == ORDERS
-        && invoiced == ORDERS
+    println!(
+        "  order in francs                 dead-lettered by billing v1, {replayed} replayed with the command, invoiced {francs_invoiced} time(s); {dead_left} dead letters left"
+    );
+    let ok = orders == ALL_ORDERS
+        && i64::try_from(order_ids)? == ALL_ORDERS
+        && order_events == ALL_ORDERS
+        && invoices == ALL_ORDERS
+        && invoiced == ALL_ORDERS
         && doubled == 0
-        && invoice_events == ORDERS
-        && i64::try_from(invoice_ids)? == ORDERS
-        && announced == ORDERS
-        && announced_distinct == ORDERS
+        && invoice_events == ALL_ORDERS
+        && i64::try_from(invoice_ids)? == ALL_ORDERS
+        && announced == ALL_ORDERS
+        && announced_distinct == ALL_ORDERS
         && announced_twice == 0
-        && announced_unknown == 0;
+        && announced_unknown == 0
+        && replayed == 1
+        && francs_invoiced == 1
+        && dead_left == 0;
     if !ok {
         bail!("check FAILED: see the summary above");
     }
     println!(
-        "check passed (SQL and the broker): {ORDERS} orders, each published, invoiced exactly once and its invoice announced exactly once, with a relay and the billing consumer killed once each"
+        "check passed (SQL and the broker): {ALL_ORDERS} orders, each published, invoiced exactly once and its invoice announced exactly once, with a relay and the billing consumer killed once each, and the order billing v1 dead-lettered replayed with `inbox dead-letters replay` after the fix"
     );
     Ok(())
 }

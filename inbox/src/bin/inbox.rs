@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! export DATABASE_URL=postgres://...
-//! inbox status
+//! inbox status                      # with KAFKA_BROKERS set: lag too
 //! inbox dead-letters list --group billing --error "unknown event"
 //! inbox dead-letters show 42
 //! inbox dead-letters replay 42 --wait 30   # the service's DeadLetterReplayer applies it
@@ -26,9 +26,9 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use inbox::dead_letters::{DeadLetter, DeadLetterQuery, DeadLetterStore};
 use inbox::kafka::{
-    KafkaConfig, OffsetTarget, Sasl, Tls, move_offsets, read_offsets, topic_partitions,
+    KafkaConfig, OffsetTarget, Sasl, Tls, log_bounds, move_offsets, read_offsets, topic_partitions,
 };
-use inbox::postgres::{OutboxEvents, PgStore, TableName};
+use inbox::postgres::{OutboxEvents, PartitionStatus, PgStore, TableName};
 use serde_json::{Value, json};
 
 type Failure = Box<dyn std::error::Error>;
@@ -61,8 +61,10 @@ enum Command {
     /// The outbox: pending and dead events, retry, release.
     #[command(subcommand)]
     Outbox(OutboxCommand),
-    /// Members, partitions and their owners, dead letters, outbox backlog.
-    Status,
+    /// Members, partitions and their owners, dead letters, outbox backlog;
+    /// with brokers (`--brokers` or `KAFKA_BROKERS`), each partition's log
+    /// end and lag.
+    Status(Brokers),
 }
 
 #[derive(Subcommand, Debug)]
@@ -141,9 +143,8 @@ enum OutboxCommand {
 
 #[derive(Args, Debug)]
 struct Offsets {
-    /// Bootstrap brokers, comma separated.
-    #[arg(long, env = "KAFKA_BROKERS", value_delimiter = ',', required = true)]
-    brokers: Vec<String>,
+    #[command(flatten)]
+    brokers: Brokers,
     /// The consumer group.
     #[arg(long)]
     group: String,
@@ -153,6 +154,16 @@ struct Offsets {
     /// Partitions (repeat the flag; default: every partition of the topic).
     #[arg(long = "partition")]
     partitions: Vec<i32>,
+    #[command(subcommand)]
+    action: OffsetsAction,
+}
+
+/// Where the brokers are and how to reach them.
+#[derive(Args, Debug)]
+struct Brokers {
+    /// Bootstrap brokers, comma separated.
+    #[arg(long, env = "KAFKA_BROKERS", value_delimiter = ',')]
+    brokers: Vec<String>,
     /// TLS, trusting the system's roots (or `--ca-file`).
     #[arg(long)]
     tls: bool,
@@ -171,8 +182,41 @@ struct Offsets {
     /// SASL user.
     #[arg(long)]
     sasl_user: Option<String>,
-    #[command(subcommand)]
-    action: OffsetsAction,
+}
+
+impl Brokers {
+    /// A client configuration for `group`; `None` when no brokers are given.
+    fn config(&self, group: &str) -> Result<Option<KafkaConfig>, Failure> {
+        if self.brokers.is_empty() {
+            return Ok(None);
+        }
+        let mut kafka = KafkaConfig::new(self.brokers.clone(), group.to_owned(), Vec::new());
+        kafka.client_id = "inbox-cli".to_owned();
+        kafka.tls = match (&self.ca_file, self.tls) {
+            (Some(ca), _) => Some(Tls::ca_file(ca)),
+            (None, true) => Some(Tls::system_roots()),
+            (None, false) => None,
+        };
+        if let (Some(cert), Some(key)) = (&self.client_cert, &self.client_key) {
+            kafka.tls = Some(
+                kafka
+                    .tls
+                    .take()
+                    .unwrap_or_else(Tls::system_roots)
+                    .client_cert_files(cert, key),
+            );
+        }
+        if let (Some(mechanism), Some(user)) = (self.sasl_mechanism, &self.sasl_user) {
+            let password = std::env::var("KAFKA_SASL_PASSWORD")
+                .map_err(|_| "KAFKA_SASL_PASSWORD is not set (the SASL password)")?;
+            kafka.sasl = Some(match mechanism {
+                Mechanism::Plain => Sasl::plain(user, password),
+                Mechanism::ScramSha256 => Sasl::scram_sha256(user, password),
+                Mechanism::ScramSha512 => Sasl::scram_sha512(user, password),
+            });
+        }
+        Ok(Some(kafka))
+    }
 }
 
 #[derive(Subcommand, Debug)]
@@ -222,46 +266,95 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
         Command::Offsets(o) => offsets(o, &store, out).await,
         Command::DeadLetters(d) => dead_letters(d, &store, out).await,
         Command::Outbox(o) => outbox(o, &store, out).await,
-        Command::Status => {
-            let status = store.status().await?;
-            if out.json {
-                out.doc(&serde_json::to_value(&status)?);
-                return Ok(ExitCode::SUCCESS);
+        Command::Status(brokers) => status(&brokers, &store, out).await,
+    }
+}
+
+/// The topic under which relays keep their slots (not a Kafka topic).
+const RELAY_SLOTS: &str = "__outbox_slots";
+
+async fn status(brokers: &Brokers, store: &PgStore, out: Out) -> Result<ExitCode, Failure> {
+    let status = store.status().await?;
+    // the log's end of each partition, when brokers are given
+    let topics: Vec<(String, i32)> = status
+        .partitions
+        .iter()
+        .filter(|p| p.topic != RELAY_SLOTS)
+        .map(|p| (p.topic.clone(), p.partition))
+        .collect();
+    let mut ends = std::collections::BTreeMap::new();
+    if let Some(kafka) = brokers.config("inbox-cli")? {
+        for (at, bounds) in topics.iter().zip(log_bounds(&kafka, &topics).await?) {
+            match bounds {
+                Ok((_, latest)) => {
+                    ends.insert(at.clone(), latest);
+                }
+                Err(e) => eprintln!("inbox: {}:{}: {e}", at.0, at.1),
             }
-            println!("members");
-            for m in &status.members {
-                println!("  {}\t{}\theartbeat {}", m.group, m.member, m.heartbeat_at);
-            }
-            println!("partitions (group, topic, partition, next offset, epoch, assigned to)");
-            for p in &status.partitions {
-                println!(
-                    "  {}\t{}\t{}\t{}\t{}\t{}",
-                    p.group,
-                    p.topic,
-                    p.partition,
-                    dash(p.next_offset),
-                    p.owner_epoch,
-                    p.assigned_to.as_deref().unwrap_or("-")
-                );
-            }
-            println!("dead letters");
-            for d in &status.dead_letters {
-                println!(
-                    "  {}\t{} ({} replay requested)",
-                    d.group, d.count, d.replay_requested
-                );
-            }
-            let o = &status.outbox;
-            println!(
-                "outbox: {} pending (oldest {} s), {} dead",
-                o.pending,
-                o.oldest_pending_seconds
-                    .map_or_else(|| "-".to_owned(), |s| format!("{s:.1}")),
-                o.dead
-            );
-            Ok(ExitCode::SUCCESS)
         }
     }
+    let end_of = |p: &PartitionStatus| ends.get(&(p.topic.clone(), p.partition)).copied();
+    let lag_of = |p: &PartitionStatus| Some((end_of(p)? - p.next_offset?).max(0));
+    if out.json {
+        let mut doc = serde_json::to_value(&status)?;
+        if let Some(list) = doc["partitions"].as_array_mut() {
+            for (value, p) in list.iter_mut().zip(&status.partitions) {
+                value["log_end"] = json!(end_of(p));
+                value["lag"] = json!(lag_of(p));
+            }
+        }
+        out.doc(&doc);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("members");
+    for m in &status.members {
+        println!("  {}\t{}\theartbeat {}", m.group, m.member, m.heartbeat_at);
+    }
+    println!("partitions (group, topic, partition, next offset, log end, lag, epoch, assigned to)");
+    let mut slots: std::collections::BTreeMap<(&str, &str), usize> = Default::default();
+    for p in &status.partitions {
+        if p.topic == RELAY_SLOTS {
+            let owner = p.assigned_to.as_deref().unwrap_or("-");
+            *slots.entry((p.group.as_str(), owner)).or_default() += 1;
+            continue;
+        }
+        println!(
+            "  {}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
+            p.group,
+            p.topic,
+            p.partition,
+            dash(p.next_offset),
+            dash(end_of(p)),
+            dash(lag_of(p)),
+            p.owner_epoch,
+            p.assigned_to.as_deref().unwrap_or("-")
+        );
+    }
+    if ends.is_empty() && !topics.is_empty() {
+        println!("  (log end and lag: give --brokers or set KAFKA_BROKERS)");
+    }
+    if !slots.is_empty() {
+        println!("outbox relay slots (group, relay, slots)");
+        for ((group, owner), n) in &slots {
+            println!("  {group}\t{owner}\t{n}");
+        }
+    }
+    println!("dead letters");
+    for d in &status.dead_letters {
+        println!(
+            "  {}\t{} ({} replay requested)",
+            d.group, d.count, d.replay_requested
+        );
+    }
+    let o = &status.outbox;
+    println!(
+        "outbox: {} pending (oldest {} s), {} dead",
+        o.pending,
+        o.oldest_pending_seconds
+            .map_or_else(|| "-".to_owned(), |s| format!("{s:.1}")),
+        o.dead
+    );
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Text or JSON.
@@ -468,31 +561,10 @@ async fn outbox(cmd: OutboxCommand, store: &PgStore, out: Out) -> Result<ExitCod
 }
 
 async fn offsets(cli: Offsets, store: &PgStore, out: Out) -> Result<ExitCode, Failure> {
-    let mut kafka = KafkaConfig::new(cli.brokers.clone(), cli.group.clone(), Vec::new());
-    kafka.client_id = "inbox-cli".to_owned();
-    kafka.tls = match (&cli.ca_file, cli.tls) {
-        (Some(ca), _) => Some(Tls::ca_file(ca)),
-        (None, true) => Some(Tls::system_roots()),
-        (None, false) => None,
-    };
-    if let (Some(cert), Some(key)) = (&cli.client_cert, &cli.client_key) {
-        kafka.tls = Some(
-            kafka
-                .tls
-                .take()
-                .unwrap_or_else(Tls::system_roots)
-                .client_cert_files(cert, key),
-        );
-    }
-    if let (Some(mechanism), Some(user)) = (cli.sasl_mechanism, &cli.sasl_user) {
-        let password = std::env::var("KAFKA_SASL_PASSWORD")
-            .map_err(|_| "KAFKA_SASL_PASSWORD is not set (the SASL password)")?;
-        kafka.sasl = Some(match mechanism {
-            Mechanism::Plain => Sasl::plain(user, password),
-            Mechanism::ScramSha256 => Sasl::scram_sha256(user, password),
-            Mechanism::ScramSha512 => Sasl::scram_sha512(user, password),
-        });
-    }
+    let mut kafka = cli
+        .brokers
+        .config(&cli.group)?
+        .ok_or("no brokers: give --brokers or set KAFKA_BROKERS")?;
     kafka.partitions = if cli.partitions.is_empty() {
         topic_partitions(&kafka, std::slice::from_ref(&cli.topic)).await?
     } else {

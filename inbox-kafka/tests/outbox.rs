@@ -17,7 +17,7 @@ use inbox_core::outbox::{
 use inbox_core::{CancellationToken, NoopMetrics};
 use inbox_kafka::{KafkaPublisher, run_relay};
 use inbox_postgres::PgStore;
-use inbox_postgres::sea_orm::TransactionTrait;
+use inbox_postgres::sea_orm::{ConnectionTrait, TransactionTrait};
 use inbox_testkit::pg::count;
 
 use common::env;
@@ -894,6 +894,70 @@ async fn a_relays_health_says_ready_live_and_what_it_published() {
         .unwrap_or_else(|e| panic!("{e}"));
     assert!(!health.ready(), "left the group");
     assert_eq!(health.slots(), 0);
+}
+
+/// The relay reports the outbox's backlog for the dashboard: events it
+/// cannot publish yet (their topic does not exist) are counted with the
+/// age of the oldest; once they are gone the backlog reads zero.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_reports_the_outbox_backlog_and_its_age() {
+    use std::sync::Mutex;
+    #[derive(Default)]
+    struct Backlogs(Mutex<Vec<(u64, Duration)>>);
+    impl inbox_core::Metrics for Backlogs {
+        fn record(&self, e: inbox_core::MetricEvent) {
+            if let inbox_core::MetricEvent::OutboxBacklog { pending, oldest } = e {
+                self.0.lock().expect("lock").push((pending, oldest));
+            }
+        }
+    }
+    let env = env("outbox-backlog", 1).await;
+    for i in 0..3 {
+        enqueue_one(
+            &env.store,
+            &OutboxMessage::new("no-such-topic-yet", "{}").key(format!("k{i}")),
+        )
+        .await;
+    }
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    let mut config = RelayConfig::new("relay-b").unwrap_or_else(|e| panic!("{e}"));
+    config.heartbeat = Duration::from_millis(100);
+    config.poll_interval = Duration::from_millis(50);
+    config.backlog_every = Some(Duration::from_millis(100));
+    let seen = Arc::new(Backlogs::default());
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(run_relay(
+        env.kafka_config("relay"),
+        config,
+        env.store.clone(),
+        seen.clone(),
+        cancel.clone(),
+    ));
+    let latest = || seen.0.lock().expect("lock").last().copied();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while latest().is_none() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let first = latest();
+    assert!(
+        first.is_some_and(|(n, age)| n == 3
+            && age >= Duration::from_secs(1)
+            && age < Duration::from_secs(60)),
+        "three pending, the oldest over a second old: {first:?}"
+    );
+    env.store
+        .connection()
+        .execute_unprepared("DELETE FROM inbox_outbox")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    while latest() != Some((0, Duration::ZERO)) && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(latest(), Some((0, Duration::ZERO)), "nothing pending");
+    cancel.cancel();
+    task.await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or_else(|e| panic!("{e}"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

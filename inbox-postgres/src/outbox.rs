@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use inbox_core::outbox::{OutboxMessage, OutboxRow, OutboxStore, SLOT_TOPIC, SlotClaim};
+use inbox_core::outbox::{
+    OutboxBacklog, OutboxMessage, OutboxRow, OutboxStore, SLOT_TOPIC, SlotClaim,
+};
 use inbox_core::{StoreError, StoreErrorKind};
 use sea_orm::{ConnectionTrait, Value};
 use tokio::sync::Notify;
@@ -400,6 +402,31 @@ impl OutboxStore for PgStore {
                 },
             )
             .collect())
+    }
+
+    async fn backlog(&self) -> Result<Option<OutboxBacklog>, StoreError> {
+        let row = self
+            .db
+            .query_one_raw(stmt(
+                &format!(
+                    "SELECT count(*) AS pending,
+                            coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest
+                       FROM {} WHERE status = 'pending'",
+                    self.table.outbox()
+                ),
+                vec![],
+            ))
+            .await
+            .map_err(db)?;
+        let Some(row) = row else {
+            return Ok(Some(OutboxBacklog::default()));
+        };
+        let pending: i64 = get(&row, "pending")?;
+        let oldest: f64 = get(&row, "oldest")?;
+        Ok(Some(OutboxBacklog {
+            pending: u64::try_from(pending).unwrap_or(0),
+            oldest: Duration::try_from_secs_f64(oldest.max(0.0)).unwrap_or_default(),
+        }))
     }
 
     async fn mark_sent(

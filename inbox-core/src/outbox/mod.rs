@@ -300,6 +300,15 @@ pub struct SlotClaim {
     pub epoch: i64,
 }
 
+/// The outbox's backlog ([`OutboxStore::backlog`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct OutboxBacklog {
+    /// Rows waiting to be published (not dead ones).
+    pub pending: u64,
+    /// How long the oldest of them has waited (zero when none).
+    pub oldest: Duration,
+}
+
 /// Where the outbox's rows live: what a relay reads and marks.
 ///
 /// Contract, which the relay's guarantees rest on:
@@ -357,6 +366,16 @@ pub trait OutboxStore: Send + Sync {
     /// for autovacuum. Run by maintenance after deleting.
     async fn reclaim(&self) -> Result<(), StoreError> {
         Ok(())
+    }
+
+    /// The backlog: how many rows wait to be published and how long the
+    /// oldest has waited, for the relay's [`MetricEvent::OutboxBacklog`]
+    /// (read every `RelayConfig::backlog_every`). `None`: the store cannot
+    /// tell cheaply (the default).
+    ///
+    /// [`MetricEvent::OutboxBacklog`]: crate::MetricEvent::OutboxBacklog
+    async fn backlog(&self) -> Result<Option<OutboxBacklog>, StoreError> {
+        Ok(None)
     }
 
     /// Wakes the relay when rows are written, where the store can tell

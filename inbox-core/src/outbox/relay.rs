@@ -62,6 +62,12 @@ pub struct RelayConfig {
     /// How long a topic's partition count is trusted before it is asked
     /// again (a topic that grew gets its new partitions). Default 60 s.
     pub metadata_ttl: Duration,
+    /// How often the relay reads the outbox's backlog and reports it
+    /// ([`MetricEvent::OutboxBacklog`]: gauges `inbox_outbox_pending` and
+    /// `inbox_outbox_oldest_pending_seconds`); each relay of a group reports
+    /// the same figures. `None`: never. Default 15 s (one `count(*)` over
+    /// the pending index).
+    pub backlog_every: Option<Duration>,
     /// Where the relay reports its health (ready, live, failing, slots):
     /// take a clone before handing the configuration over (see
     /// [`RelayHealth`](crate::outbox::RelayHealth)).
@@ -91,6 +97,7 @@ impl RelayConfig {
             retry: Backoff::new(Duration::from_millis(100), Duration::from_secs(5), 2.0)
                 .with_jitter(0.2),
             metadata_ttl: Duration::from_secs(60),
+            backlog_every: Some(Duration::from_secs(15)),
             health: super::health::RelayHealth::new(),
         })
     }
@@ -131,6 +138,10 @@ impl RelayConfig {
         ValidationError::unless(
             !self.heartbeat.is_zero(),
             "relay heartbeat must be above zero",
+        )?;
+        ValidationError::unless(
+            self.backlog_every.is_none_or(|d| !d.is_zero()),
+            "relay backlog_every must be above zero (None: never)",
         )?;
         ValidationError::unless(
             self.lease > self.heartbeat,
@@ -634,18 +645,39 @@ where
         // relay look dead
         let beating = CancellationToken::new();
         let beater = {
-            let (store, group, me, lease, every) = (
+            let (store, group, me, lease, every, metrics) = (
                 self.store.clone(),
                 group.clone(),
                 me.clone(),
                 self.config.lease,
                 self.config.heartbeat,
+                self.metrics.clone(),
             );
+            let backlog_every = self.config.backlog_every;
             let stop = beating.clone();
             AbortOnDrop(tokio::spawn(async move {
+                let mut next_backlog = Instant::now();
                 while !stop.is_cancelled() {
                     if let Err(e) = store.heartbeat(&group, &me, lease).await {
                         tracing::warn!(member = %me, error = %e, "relay heartbeat failed");
+                    }
+                    if let Some(period) = backlog_every
+                        && Instant::now() >= next_backlog
+                    {
+                        next_backlog = Instant::now() + period;
+                        match store.backlog().await {
+                            Ok(Some(b)) => record_safely(
+                                &*metrics,
+                                MetricEvent::OutboxBacklog {
+                                    pending: b.pending,
+                                    oldest: b.oldest,
+                                },
+                            ),
+                            Ok(None) => {}
+                            Err(e) => {
+                                tracing::warn!(member = %me, error = %e, "reading the outbox's backlog failed");
+                            }
+                        }
                     }
                     tokio::select! {
                         () = stop.cancelled() => break,

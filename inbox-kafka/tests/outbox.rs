@@ -240,6 +240,127 @@ async fn a_later_transaction_of_the_same_key_waits_for_the_earlier() {
     assert!(b_id > a_id, "per key, ids follow commit order");
 }
 
+/// `enqueue_many` locks each of its keys as `enqueue` does, and one of more
+/// than `BULK_KEYS` distinct keys the whole outbox: a writer of a key an
+/// open transaction holds waits for its end either way, and ids follow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_events_waits_for_an_open_transaction_of_its_keys() {
+    let env = env("outbox-serial-many", 1).await;
+    for (n, label) in [(3, "a few keys"), (inbox_postgres::BULK_KEYS + 1, "bulk")] {
+        let a = begin(&env.store).await;
+        let a_id = env
+            .store
+            .outbox()
+            .enqueue(&a, &OutboxMessage::new(&env.topic, "1").key("k-0"))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let store = env.store.clone();
+        let events: Vec<OutboxMessage> = (0..n)
+            .map(|i| OutboxMessage::new(&env.topic, "2").key(format!("k-{i}")))
+            .collect();
+        let b = tokio::spawn(async move {
+            let tx = begin(&store).await;
+            let ids = store
+                .outbox()
+                .enqueue_many(&tx, &events)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+            ids
+        });
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(!b.is_finished(), "{label}: waits for the open transaction");
+        a.commit().await.unwrap_or_else(|e| panic!("{e}"));
+        let b_ids = tokio::time::timeout(Duration::from_secs(5), b)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(b_ids.len(), n);
+        assert!(
+            b_ids.iter().all(|b| *b > a_id),
+            "{label}: ids follow commit order"
+        );
+    }
+    // a bulk batch holds back every keyed writer until it ends; keyless
+    // events pass
+    let store = env.store.clone();
+    let bulk = begin(&store).await;
+    let events: Vec<OutboxMessage> = (0..=inbox_postgres::BULK_KEYS)
+        .map(|i| OutboxMessage::new(&env.topic, "3").key(format!("b-{i}")))
+        .collect();
+    store
+        .outbox()
+        .enqueue_many(&bulk, &events)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let keyless = tokio::time::timeout(
+        Duration::from_secs(5),
+        enqueue_one(&env.store, &OutboxMessage::new(&env.topic, "x")),
+    )
+    .await;
+    assert!(keyless.is_ok(), "a keyless event is not held");
+    let (store2, topic) = (env.store.clone(), env.topic.clone());
+    let other = tokio::spawn(async move {
+        enqueue_one(&store2, &OutboxMessage::new(&topic, "y").key("unrelated")).await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !other.is_finished(),
+        "a keyed writer waits for the bulk batch"
+    );
+    bulk.commit().await.unwrap_or_else(|e| panic!("{e}"));
+    tokio::time::timeout(Duration::from_secs(5), other)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// Writers do not notify: an idle relay finds a new event by its probe
+/// (every `probe_every`), long before its poll or heartbeat would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_relay_finds_a_new_event_by_its_probe() {
+    let env = env("outbox-probe", 1).await;
+    assert!(
+        !env.store.outbox().notifies(),
+        "the default enqueue does not notify"
+    );
+    let mut config = RelayConfig::new("relay-p").unwrap_or_else(|e| panic!("{e}"));
+    config.heartbeat = Duration::from_secs(5);
+    config.lease = Duration::from_secs(30);
+    config.poll_interval = Duration::from_secs(10);
+    config.probe_every = Some(Duration::from_millis(25));
+    let health = config.health.clone();
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(run_relay(
+        env.kafka_config("relay"),
+        config,
+        env.store.clone(),
+        Arc::new(NoopMetrics),
+        cancel.clone(),
+    ));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !health.ready() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // idle now: its next heartbeat is seconds away
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let enqueued = tokio::time::Instant::now();
+    enqueue_one(&env.store, &OutboxMessage::new(&env.topic, "{}").key("k")).await;
+    while health.published() < 1 && enqueued.elapsed() < Duration::from_secs(4) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let took = enqueued.elapsed();
+    assert_eq!(health.published(), 1);
+    assert!(
+        took < Duration::from_secs(1),
+        "published {took:?} after its enqueue"
+    );
+    cancel.cancel();
+    task.await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or_else(|e| panic!("{e}"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_whose_slots_were_taken_over_marks_nothing() {
     let env = env("outbox-fence", 2).await;
@@ -828,7 +949,15 @@ async fn a_handler_that_consumes_and_publishes_is_exactly_once_end_to_end() {
         "every order announced once: none from the failed attempts or the duplicates"
     );
 
-    // retention: sent events older than the retention go
+    // retention: sent events older than the retention go, and the key
+    // records an earlier version's enqueue wrote
+    env.store
+        .connection()
+        .execute_unprepared(
+            "INSERT INTO inbox_outbox_keys (topic, msg_key, touched_at) VALUES ('t', 'k', now() - interval '1 hour')",
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     let maintenance = inbox_core::maintenance::Maintenance::new(
         env.store.clone(),
         inbox_core::maintenance::MaintenanceConfig::new(Duration::from_secs(86_400))
@@ -844,7 +973,7 @@ async fn a_handler_that_consumes_and_publishes_is_exactly_once_end_to_end() {
     let keys = count(&env.store, "SELECT count(*) FROM inbox_outbox_keys", vec![])
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(keys, 0, "idle key records go too");
+    assert_eq!(keys, 0, "idle key records (of earlier versions) go too");
 }
 
 /// A relay's health as a probe reads it: ready once it joined (with slots

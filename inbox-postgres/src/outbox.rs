@@ -40,20 +40,49 @@ use crate::store::{PgStore, db, get, secs, stmt};
 pub struct Outbox {
     enqueue: Arc<str>,
     enqueue_many: Arc<str>,
+    enqueue_bulk: Arc<str>,
     notify: bool,
 }
 
+/// An `enqueue_many` of more distinct keys than this locks the whole
+/// outbox for its transaction instead of each key (PostgreSQL's lock table
+/// holds `max_locks_per_transaction` x `max_connections` locks in all,
+/// 6,400 by default).
+pub const BULK_KEYS: usize = 256;
+
+/// A stable 32-bit number for the outbox table (FNV-1a of its qualified
+/// name): the first half of its advisory locks' tag, so the locks of two
+/// outboxes never meet.
+fn lock_class(t: &TableName) -> i32 {
+    let mut h: u32 = 0x811c_9dc5;
+    for b in t.outbox().bytes() {
+        h ^= u32::from(b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    i32::from_ne_bytes(h.to_ne_bytes())
+}
+
 impl Outbox {
-    /// The outbox of inbox table `table`. Each enqueue notifies the
-    /// relays (`pg_notify`, delivered at commit).
+    /// The outbox of inbox table `table`. An enqueue writes the event's row
+    /// and nothing else: relays find new rows by probing (one cheap
+    /// statement every `RelayConfig::probe_every`, 25 ms by default).
     pub fn new(table: &TableName) -> Self {
+        Self::render(table, false)
+    }
+
+    /// The same, and each enqueue also notifies the relays (`pg_notify`,
+    /// delivered at commit), which wakes an idle relay at once. The price:
+    /// PostgreSQL serialises the commits of notifying transactions on one
+    /// lock, which measured about half a busy writer's throughput at 8
+    /// concurrent writers (docs/outbox.md). Worth it only for a low rate
+    /// where a few milliseconds of latency matter.
+    pub fn notifying(table: &TableName) -> Self {
         Self::render(table, true)
     }
 
-    /// The same, without notifying: relays find the events when they poll
-    /// (every `poll_interval`). A notification takes a lock that every
-    /// notifying transaction's commit queues on; without it many writers
-    /// commit in parallel, at the price of latency.
+    /// The same as [`Outbox::new`] (which no longer notifies); kept for
+    /// existing callers.
+    #[deprecated(note = "Outbox::new no longer notifies; use it")]
     pub fn without_notify(table: &TableName) -> Self {
         Self::render(table, false)
     }
@@ -64,7 +93,8 @@ impl Outbox {
     }
 
     fn render(t: &TableName, notify: bool) -> Self {
-        let (o, k) = (t.outbox(), t.outbox_keys());
+        let o = t.outbox();
+        let class = lock_class(t);
         let tail = if notify {
             format!(
                 "SELECT o.id FROM o CROSS JOIN LATERAL (SELECT pg_notify('{}', '')) n",
@@ -73,46 +103,69 @@ impl Outbox {
         } else {
             "SELECT o.id FROM o".to_owned()
         };
-        // The key's row is locked (inserted or updated) before the event
-        // takes its id: a later transaction of the same key waits here
-        // until the earlier one ends, so per key, ids follow commit order.
+        // Per key, ids follow commit order: before the event takes its id,
+        // the transaction takes an advisory lock on the key (a 64-bit hash
+        // of the table, topic and key), held until it ends, so a later
+        // transaction of the same key waits for the earlier one's end.
+        // Every keyed enqueue also holds the outbox's own lock shared, which
+        // a bulk enqueue (more than BULK_KEYS keys) takes exclusively. No
+        // row is written for the lock (the key rows of `_outbox_keys`,
+        // upserted by earlier versions, cost a tuple and its WAL each).
+        let key_lock = |topic: &str, key: &str| {
+            format!(
+                "pg_advisory_xact_lock(hashtextextended('{o}' || chr(1) || {topic} || chr(1) || encode({key}, 'hex'), {class}))"
+            )
+        };
         let enqueue = format!(
-            "WITH k AS (
-               INSERT INTO {k} AS k (topic, msg_key) SELECT $1, $2::bytea WHERE $2::bytea IS NOT NULL
-               ON CONFLICT (topic, msg_key) DO UPDATE SET touched_at = now()
-               RETURNING 1
+            "WITH l AS (
+               SELECT pg_advisory_xact_lock_shared({class}, 0), {lock}
+                WHERE $2::bytea IS NOT NULL
              ), o AS (
                INSERT INTO {o} (message_id, topic, msg_key, payload, headers, slot)
                SELECT $3, $1, $2::bytea, $4, $5, $6
-                WHERE $2::bytea IS NULL OR EXISTS (SELECT 1 FROM k)
+                WHERE $2::bytea IS NULL OR EXISTS (SELECT 1 FROM l)
                RETURNING id
-             ) {tail}"
+             ) {tail}",
+            lock = key_lock("$1", "$2::bytea"),
         );
-        // Many events: the keys locked in one order (so two writers of
-        // the same keys cannot deadlock), then the rows in the given order.
-        let enqueue_many = format!(
-            "WITH e AS (
+        let events = "WITH e AS (
                SELECT ord, message_id, topic, decode(msg_key, 'hex') AS msg_key,
                       decode(payload, 'hex') AS payload, headers, slot
                  FROM ROWS FROM (jsonb_to_recordset($1)
                         AS (message_id text, topic text, msg_key text, payload text, headers jsonb, slot int))
                       WITH ORDINALITY AS x(message_id, topic, msg_key, payload, headers, slot, ord)
-             ), k AS (
-               INSERT INTO {k} AS k (topic, msg_key)
-               SELECT DISTINCT topic, msg_key FROM e WHERE msg_key IS NOT NULL ORDER BY topic, msg_key
-               ON CONFLICT (topic, msg_key) DO UPDATE SET touched_at = now()
-               RETURNING 1
-             ), o AS (
+             )";
+        let insert = format!(
+            "o AS (
                INSERT INTO {o} (message_id, topic, msg_key, payload, headers, slot)
                SELECT message_id, topic, msg_key, payload, headers, slot FROM e
-                WHERE (SELECT count(*) FROM k) >= 0
+                WHERE (SELECT count(*) FROM l) >= 0
                 ORDER BY ord
                RETURNING id
              ) {tail}"
         );
+        // Many events: the keys locked in one order (so two writers of the
+        // same keys cannot deadlock), then the rows in the given order.
+        let enqueue_many = format!(
+            "{events}, s AS (
+               SELECT pg_advisory_xact_lock_shared({class}, 0)
+                WHERE EXISTS (SELECT 1 FROM e WHERE msg_key IS NOT NULL)
+             ), l AS (
+               SELECT {lock} FROM (
+                 SELECT DISTINCT topic, msg_key,
+                        hashtextextended('{o}' || chr(1) || topic || chr(1) || encode(msg_key, 'hex'), {class}) AS h
+                   FROM e WHERE msg_key IS NOT NULL AND (SELECT count(*) FROM s) >= 0
+                  ORDER BY h) k
+             ), {insert}",
+            lock = "pg_advisory_xact_lock(k.h)",
+        );
+        // More keys than the lock table should hold: the whole outbox.
+        let enqueue_bulk =
+            format!("{events}, l AS (SELECT pg_advisory_xact_lock({class}, 0)), {insert}");
         Self {
             enqueue: enqueue.into(),
             enqueue_many: enqueue_many.into(),
+            enqueue_bulk: enqueue_bulk.into(),
             notify,
         }
     }
@@ -124,8 +177,8 @@ impl Outbox {
     ///
     /// # Deadlocks
     ///
-    /// The event's key row is locked until the transaction ends (so a
-    /// key's events leave in commit order). Two transactions that enqueue
+    /// The event's key is locked (an advisory lock) until the transaction
+    /// ends (so a key's events leave in commit order). Two transactions that enqueue
     /// the same keys in different orders can deadlock: PostgreSQL aborts
     /// one of them (SQLSTATE 40P01, [`StoreErrorKind::Serialization`]).
     /// [`enqueue_many`](Self::enqueue_many) orders its own keys so it
@@ -165,7 +218,11 @@ impl Outbox {
     }
 
     /// Writes `events` through `conn` in one statement, in order; returns
-    /// their row ids.
+    /// their row ids. Each distinct key is locked as by
+    /// [`enqueue`](Self::enqueue); more than [`BULK_KEYS`] distinct keys
+    /// lock the whole outbox for the transaction instead (other writers of
+    /// keyed events wait for its end), so a large batch never fills
+    /// PostgreSQL's lock table.
     ///
     /// # Errors
     ///
@@ -190,11 +247,17 @@ impl Outbox {
                 "slot": event.slot(),
             }));
         }
+        let keys: std::collections::HashSet<(&str, &[u8])> = events
+            .iter()
+            .filter_map(|e| e.key.as_deref().map(|k| (e.topic.as_str(), k)))
+            .collect();
+        let sql = if keys.len() > BULK_KEYS {
+            &self.enqueue_bulk
+        } else {
+            &self.enqueue_many
+        };
         let rows = conn
-            .query_all_raw(stmt(
-                &self.enqueue_many,
-                vec![serde_json::Value::Array(list).into()],
-            ))
+            .query_all_raw(stmt(sql, vec![serde_json::Value::Array(list).into()]))
             .await
             .map_err(db)?;
         rows.iter().map(|r| get(r, "id")).collect()
@@ -402,6 +465,28 @@ impl OutboxStore for PgStore {
                 },
             )
             .collect())
+    }
+
+    async fn has_pending(&self, slots: &[i32], except: &[i64]) -> Result<Option<bool>, StoreError> {
+        // one statement, typed arrays, no transaction: the relay's idle probe
+        let pool = self.db.get_postgres_connection_pool();
+        let sql = sea_orm::sqlx::AssertSqlSafe(format!(
+            "SELECT EXISTS (
+               SELECT 1 FROM {o} o
+                WHERE o.status = 'pending' AND o.slot = ANY($1::int[])
+                  AND NOT (o.id = ANY($2::bigint[]))
+                  AND NOT EXISTS (SELECT 1 FROM {o} d
+                                   WHERE d.status = 'dead' AND d.holds
+                                     AND d.topic = o.topic AND d.msg_key = o.msg_key AND d.id < o.id))",
+            o = self.table.outbox()
+        ));
+        let (found,): (bool,) = sea_orm::sqlx::query_as(sql)
+            .bind(slots)
+            .bind(except)
+            .fetch_one(pool)
+            .await
+            .map_err(|e| map_sqlx_err(&e))?;
+        Ok(Some(found))
     }
 
     async fn backlog(&self) -> Result<Option<OutboxBacklog>, StoreError> {

@@ -10,7 +10,7 @@
 //! - `relay-latency`: events enqueued by eight writers in transactions of
 //!   ten at a fixed rate (half the `relay` line's rate of the same run; the
 //!   line's own figure is the rate reached) while a relay runs as
-//!   in production (woken by LISTEN/NOTIFY); notes p50/p99/max from the
+//!   in production (idle, it probes every 25 ms); notes p50/p99/max from the
 //!   event's insert to its mark (after the broker acknowledged it);
 //! - `relay-soak`: events enqueued in transactions of 100 while a relay
 //!   publishes and maintenance deletes sent events every second; notes the

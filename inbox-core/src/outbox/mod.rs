@@ -368,6 +368,16 @@ pub trait OutboxStore: Send + Sync {
         Ok(())
     }
 
+    /// Whether [`pending`](Self::pending) would find a row of `slots`
+    /// now (leaving out `except` and held keys): the relay's probe while
+    /// it idles, every `RelayConfig::probe_every`, so it should cost one
+    /// cheap statement. `None`: the store cannot tell (the default); the
+    /// relay then waits for a notification or `poll_interval`.
+    async fn has_pending(&self, slots: &[i32], except: &[i64]) -> Result<Option<bool>, StoreError> {
+        let _ = (slots, except);
+        Ok(None)
+    }
+
     /// The backlog: how many rows wait to be published and how long the
     /// oldest has waited, for the relay's [`MetricEvent::OutboxBacklog`]
     /// (read every `RelayConfig::backlog_every`). `None`: the store cannot

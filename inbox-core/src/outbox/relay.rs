@@ -44,9 +44,15 @@ pub struct RelayConfig {
     /// Rows read and published per round (held in memory at once: mind
     /// the events' size). Default 5,000.
     pub batch_size: usize,
-    /// How long the relay waits for a notification before it looks again
-    /// (the fallback when none comes). Default 1 s.
+    /// Longest wait between two reads when the outbox seems idle (a full
+    /// read even if the probes saw nothing). Default 1 s.
     pub poll_interval: Duration,
+    /// While idle, how often the relay asks the store whether a row waits
+    /// ([`OutboxStore::has_pending`](super::OutboxStore::has_pending): one
+    /// cheap statement), and reads as soon as one does: new events leave
+    /// within this much without the writers notifying. `None`: no probes
+    /// (notifications and `poll_interval` only). Default 25 ms.
+    pub probe_every: Option<Duration>,
     /// Heartbeat period. Default 1 s.
     pub heartbeat: Duration,
     /// A relay whose last heartbeat is older leaves the group: its slots
@@ -90,6 +96,7 @@ impl RelayConfig {
             member_id,
             batch_size: 5_000,
             poll_interval: Duration::from_secs(1),
+            probe_every: Some(Duration::from_millis(25)),
             heartbeat: Duration::from_secs(1),
             lease: Duration::from_secs(10),
             on_refused: OnRefused::Hold,
@@ -138,6 +145,10 @@ impl RelayConfig {
         ValidationError::unless(
             !self.heartbeat.is_zero(),
             "relay heartbeat must be above zero",
+        )?;
+        ValidationError::unless(
+            self.probe_every.is_none_or(|d| !d.is_zero()),
+            "relay probe_every must be above zero (None: no probes)",
         )?;
         ValidationError::unless(
             self.backlog_every.is_none_or(|d| !d.is_zero()),
@@ -308,6 +319,31 @@ where
             }
         }
         except
+    }
+
+    /// Whether to stop idling and read: the store says a row of the slots
+    /// held waits (leaving out the rows of partitions backing off), or the
+    /// probe failed (the read will say why). A store that cannot tell
+    /// leaves the wait to notifications and the poll.
+    async fn should_read(&self) -> bool {
+        if self.claims.is_empty() {
+            return false;
+        }
+        let slots: Vec<i32> = self.claims.keys().copied().collect();
+        let now = Instant::now();
+        let except: Vec<i64> = self
+            .paused
+            .values()
+            .filter(|h| h.until > now)
+            .flat_map(|h| h.ids.iter().copied())
+            .collect();
+        match self.store.has_pending(&slots, &except).await {
+            Ok(found) => found.unwrap_or(false),
+            Err(e) => {
+                tracing::debug!(error = %e, "outbox probe failed; reading");
+                true
+            }
+        }
     }
 
     /// When the first pause ends, if one is in force.
@@ -762,15 +798,28 @@ where
                 }
             }
             let until = (Instant::now() + wait).min(next_beat);
-            tokio::select! {
-                () = cancel.cancelled() => break,
-                () = tokio::time::sleep_until(until) => {}
-                () = async {
-                    match &wake {
-                        Some(n) if failures == 0 => n.notified().await,
-                        _ => std::future::pending().await,
-                    }
-                } => {}
+            // idle: wait for a notification, the next beat or the poll,
+            // probing every probe_every whether a row waits (not while
+            // rounds fail: those back off)
+            let probe = self.config.probe_every.filter(|_| failures == 0);
+            loop {
+                let step = probe.map_or(until, |p| (Instant::now() + p).min(until));
+                let woken = tokio::select! {
+                    () = cancel.cancelled() => true,
+                    () = tokio::time::sleep_until(step) => false,
+                    () = async {
+                        match &wake {
+                            Some(n) if failures == 0 => n.notified().await,
+                            _ => std::future::pending().await,
+                        }
+                    } => true,
+                };
+                if woken || Instant::now() >= until || self.should_read().await {
+                    break;
+                }
+            }
+            if cancel.is_cancelled() {
+                break;
             }
         }
         beating.cancel();

@@ -523,14 +523,23 @@ impl OutboxStore for PgStore {
         if ids.is_empty() {
             return Ok(0);
         }
+        // a published event's row goes (or, with keep_sent_events, stays
+        // as history), only under the slot's current claim
+        let write = if self.keep_sent {
+            format!(
+                "UPDATE {} SET status = 'sent', sent_at = now()",
+                self.table.outbox()
+            )
+        } else {
+            format!("DELETE FROM {}", self.table.outbox())
+        };
         let sql = format!(
             "WITH c AS ({current})
-             UPDATE {o} SET status = 'sent', sent_at = now()
+             {write}
               WHERE id = ANY($4::bigint[])
                 AND status = 'pending'
                 AND slot = ANY(ARRAY(SELECT slot FROM c))",
             current = current_claims(&self.table),
-            o = self.table.outbox()
         );
         // sqlx, for the id list as a bigint[] parameter (5,000 ids)
         let r = sea_orm::sqlx::query(sea_orm::sqlx::AssertSqlSafe(sql))

@@ -297,13 +297,37 @@ pub struct PgStore {
     pub(crate) db: DatabaseConnection,
     pub(crate) table: TableName,
     sql: Arc<Sql>,
+    pub(crate) keep_sent: bool,
 }
 
 impl PgStore {
     /// A store over an open sea-orm connection, using `table`.
     pub fn new(db: DatabaseConnection, table: TableName) -> Self {
         let sql = Arc::new(Sql::new(&table));
-        Self { db, table, sql }
+        Self {
+            db,
+            table,
+            sql,
+            keep_sent: false,
+        }
+    }
+
+    /// A relay on this store keeps each published event as a `sent` row
+    /// (with `sent_at`) instead of deleting it, a history that
+    /// `Maintenance::with_outbox(retention)` deletes after the retention.
+    /// By default a published event's row is deleted when the relay marks
+    /// it: one write per event instead of an `UPDATE` (a new row version
+    /// and its index entries) and a `DELETE` later.
+    #[must_use]
+    pub fn keep_sent_events(mut self) -> Self {
+        self.keep_sent = true;
+        self
+    }
+
+    /// Whether published events are kept as `sent` rows
+    /// ([`keep_sent_events`](Self::keep_sent_events)).
+    pub fn keeps_sent_events(&self) -> bool {
+        self.keep_sent
     }
 
     /// Connects to `url` (10 s connect and acquire timeouts, statement

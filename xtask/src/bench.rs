@@ -61,9 +61,11 @@ use inbox_postgres::sea_orm::{
 };
 use inbox_postgres::{PgStore, PgTx, TableName};
 use inbox_testkit::MemBroker;
+
+use crate::bench_outbox::{Write, writers as writer};
 use serde_json::json;
 
-const LINES: [&str; 20] = [
+const LINES: [&str; 25] = [
     "omni-box",
     "floor",
     "raw-batch",
@@ -84,6 +86,11 @@ const LINES: [&str; 20] = [
     "relay-2",
     "relay-latency",
     "relay-soak",
+    "writer-plain-1",
+    "writer-enqueue-1",
+    "writer-plain-8",
+    "writer-enqueue-8",
+    "writer-notify-8",
 ];
 const PARTITIONS: i32 = 4;
 const BATCH: usize = 100;
@@ -143,7 +150,12 @@ pub(crate) fn run(mut o: Options) -> Result<()> {
         o.messages = 300;
     }
     let lines = o.lines();
-    let server = inbox_testkit::pg::server().map_err(|e| anyhow::anyhow!("{e}"))?;
+    // fsync and synchronous_commit on (PostgreSQL's defaults): what a
+    // service runs with; the testkit's shared server is fsync-off, for tests
+    let server = inbox_testkit::pg::PgServer::start_dedicated("-c max_connections=300")
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let server = &server;
+    println!("PostgreSQL: a server of the bench's own, fsync and synchronous_commit on");
     let exe = std::env::current_exe().context("locating the xtask binary")?;
     if cfg!(debug_assertions) {
         println!(
@@ -226,6 +238,9 @@ pub(crate) fn run(mut o: Options) -> Result<()> {
         ("relay", "producer"),
         ("relay-2", "producer"),
         ("relay-2", "relay"),
+        ("writer-enqueue-1", "writer-plain-1"),
+        ("writer-enqueue-8", "writer-plain-8"),
+        ("writer-notify-8", "writer-plain-8"),
     ] {
         if let (Some(x), Some(y)) = (rate(a), rate(b)) {
             println!("{a} / {b}: {:.2}", x / y);
@@ -333,6 +348,11 @@ pub(crate) fn line(args: &[String]) -> Result<()> {
                 crate::bench_outbox::latency(pooled(&url).await?, messages, rate).await
             }
             "relay-soak" => crate::bench_outbox::soak(pooled(&url).await?, messages).await,
+            "writer-plain-1" => writer(&url, messages, 1, Write::Plain).await,
+            "writer-enqueue-1" => writer(&url, messages, 1, Write::Enqueue).await,
+            "writer-plain-8" => writer(&url, messages, 8, Write::Plain).await,
+            "writer-enqueue-8" => writer(&url, messages, 8, Write::Enqueue).await,
+            "writer-notify-8" => writer(&url, messages, 8, Write::Notify).await,
             other => bail!("unknown line {other}"),
         }
     })?;

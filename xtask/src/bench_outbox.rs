@@ -11,12 +11,21 @@
 //!   ten at a fixed rate (half the `relay` line's rate of the same run; the
 //!   line's own figure is the rate reached) while a relay runs as
 //!   in production (idle, it probes every 25 ms); notes p50/p99/max from the
-//!   event's insert to its mark (after the broker acknowledged it);
+//!   event's insert to its mark (after the broker acknowledged it; the
+//!   line's store keeps sent events, for their `sent_at`);
 //! - `relay-soak`: events enqueued in transactions of 100 while a relay
 //!   publishes and maintenance deletes sent events every second; notes the
 //!   outbox table's size (`pg_total_relation_size`) along the way.
 //!
-//! Each line notes the outbox table's size at its end.
+//! - `writer-plain-1`, `writer-plain-8`: the business transaction the
+//!   writers feel, with the event as a plain INSERT of its row: BEGIN; an
+//!   order INSERT; the event row's INSERT; COMMIT; by 1 and by 8 concurrent
+//!   writers, each its own connection;
+//! - `writer-enqueue-1`, `writer-enqueue-8`: the same with
+//!   `Outbox::enqueue` (the default: the key's lock, no notification);
+//!   `writer-notify-8` with `Outbox::notifying`.
+//!
+//! Each relay line notes the outbox table's size at its end.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -103,10 +112,12 @@ async fn table_size(store: &PgStore) -> Result<i64> {
     .await
 }
 
-async fn sent(store: &PgStore) -> Result<i64> {
+/// Events not published yet (a published event's row goes, or stays as
+/// `sent` with `keep_sent_events`).
+async fn left(store: &PgStore) -> Result<i64> {
     scalar(
         store,
-        "SELECT count(*) FROM inbox_outbox WHERE status = 'sent'",
+        "SELECT count(*) FROM inbox_outbox WHERE status <> 'sent'",
     )
     .await
 }
@@ -205,9 +216,9 @@ pub(crate) async fn relays(store: PgStore, messages: u64, relays: usize) -> Resu
         r?;
     }
     let elapsed = started.elapsed();
-    let done = sent(&store).await?;
-    if u64::try_from(done)? != messages {
-        bail!("{done} of {messages} events sent");
+    let left = left(&store).await?;
+    if left != 0 {
+        bail!("{left} of {messages} events not sent");
     }
     println!(
         "NOTE outbox table after the run: {} KiB",
@@ -219,6 +230,9 @@ pub(crate) async fn relays(store: PgStore, messages: u64, relays: usize) -> Resu
 /// `relay-latency`: a relay as in production under a steady load of
 /// `rate` events/s.
 pub(crate) async fn latency(store: PgStore, messages: u64, rate: f64) -> Result<Duration> {
+    // the sent rows' sent_at is the measurement (an UPDATE per mark, a
+    // little dearer than the default DELETE)
+    let store = store.keep_sent_events();
     let (broker, topic) = broker().await?;
     let (cancel, relay) =
         spawn_relay(&broker, &store, "bench-latency", Duration::from_millis(500))?;
@@ -266,7 +280,7 @@ pub(crate) async fn latency(store: PgStore, messages: u64, rate: f64) -> Result<
     }
     let elapsed = started.elapsed();
     let deadline = Instant::now() + Duration::from_secs(60);
-    while u64::try_from(sent(&store).await?)? < messages {
+    while left(&store).await? > 0 {
         if Instant::now() > deadline {
             bail!("the relay did not publish every event");
         }
@@ -343,5 +357,99 @@ pub(crate) async fn soak(store: PgStore, messages: u64) -> Result<Duration> {
     println!(
         "NOTE relay-soak: {messages} events through; outbox + keys table size (KiB) after each tenth, then at the end: {sizes:?}; {rows} rows left"
     );
+    Ok(elapsed)
+}
+
+/// How a writer line writes the event.
+#[derive(Clone, Copy)]
+pub(crate) enum Write {
+    /// A plain INSERT of the same row (the baseline).
+    Plain,
+    /// `Outbox::enqueue`, the default.
+    Enqueue,
+    /// `Outbox::notifying`'s enqueue.
+    Notify,
+}
+
+/// `writer-*`: `messages` business transactions (an order INSERT and its
+/// event) by `writers` concurrent writers, each on its own connection.
+pub(crate) async fn writers(
+    url: &str,
+    messages: u64,
+    writers: u64,
+    how: Write,
+) -> Result<Duration> {
+    use inbox_postgres::sea_orm::{
+        ConnectOptions, ConnectionTrait, Database, DbBackend, Statement,
+    };
+    let mut options = ConnectOptions::new(url.to_owned());
+    options
+        .max_connections(u32::try_from(writers)?)
+        .min_connections(u32::try_from(writers)?)
+        .sqlx_logging(false);
+    let db = Database::connect(options).await?;
+    db.execute_unprepared(
+        "CREATE TABLE bench_orders (id BIGINT PRIMARY KEY, total BIGINT NOT NULL)",
+    )
+    .await?;
+    let table = inbox_postgres::TableName::default();
+    let outbox = match how {
+        Write::Notify => inbox_postgres::Outbox::notifying(&table),
+        _ => inbox_postgres::Outbox::new(&table),
+    };
+    let plain = "INSERT INTO inbox_outbox (message_id, topic, msg_key, payload, headers, slot)
+                 VALUES ($1, $2, $3, $4, $5, $6)";
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for w in 0..writers {
+        let (db, outbox) = (db.clone(), outbox.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut i = w;
+            while i < messages {
+                let tx = db.begin().await?;
+                tx.execute_raw(Statement::from_sql_and_values(
+                    DbBackend::Postgres,
+                    "INSERT INTO bench_orders (id, total) VALUES ($1, 10)",
+                    [i64::try_from(i)?.into()],
+                ))
+                .await?;
+                let e = event("orders", i);
+                match how {
+                    Write::Plain => {
+                        let headers = serde_json::Value::Array(
+                            e.headers.iter().map(|(k, v)| json!([k, v])).collect(),
+                        );
+                        tx.execute_raw(Statement::from_sql_and_values(
+                            DbBackend::Postgres,
+                            plain,
+                            [
+                                e.message_id.clone().into(),
+                                e.topic.clone().into(),
+                                inbox_postgres::sea_orm::Value::Bytes(e.key.clone()),
+                                e.payload.clone().into(),
+                                headers.into(),
+                                e.slot().into(),
+                            ],
+                        ))
+                        .await?;
+                    }
+                    Write::Enqueue | Write::Notify => {
+                        outbox.enqueue(&tx, &e).await?;
+                    }
+                }
+                tx.commit().await?;
+                i += writers;
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    let elapsed = started.elapsed();
+    let rows = crate::sql::scalar_on(&db, "SELECT count(*) FROM inbox_outbox").await?;
+    if rows != i64::try_from(messages)? {
+        bail!("{rows} event rows for {messages} transactions");
+    }
     Ok(elapsed)
 }

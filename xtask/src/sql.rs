@@ -6,9 +6,12 @@ use inbox_postgres::sea_orm::{ConnectionTrait, DbBackend, Statement};
 
 /// The one `bigint` a query returns.
 pub(crate) async fn scalar(store: &PgStore, sql: &str) -> Result<i64> {
-    store
-        .connection()
-        .query_one_raw(Statement::from_string(DbBackend::Postgres, sql.to_owned()))
+    scalar_on(store.connection(), sql).await
+}
+
+/// The same, on any connection.
+pub(crate) async fn scalar_on<C: ConnectionTrait>(conn: &C, sql: &str) -> Result<i64> {
+    conn.query_one_raw(Statement::from_string(DbBackend::Postgres, sql.to_owned()))
         .await?
         .context("no row")?
         .try_get_by_index::<i64>(0)

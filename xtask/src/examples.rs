@@ -6,6 +6,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use inbox_postgres::sea_orm::ConnectionTrait;
 use inbox_postgres::{PgStore, TableName};
 use inbox_testkit::kafka::json_record;
 use inbox_testkit::pg::count;
@@ -26,14 +27,28 @@ pub(crate) fn run() -> Result<()> {
         ],
         &[],
     )?;
+    // the operator's command, for the dead letter kafka_to_postgres replays
+    crate::cargo(
+        &[
+            "build",
+            "-p",
+            "inbox",
+            "--features",
+            "cli",
+            "--bin",
+            "inbox",
+        ],
+        &[],
+    )?;
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map_or_else(|| crate::workspace_root().join("target"), Into::into);
     let exe = |name: &str| target.join("debug/examples").join(name);
+    let command = target.join("debug/inbox");
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     rt.block_on(async {
-        kafka_to_postgres(&exe("kafka_to_postgres")).await?;
+        kafka_to_postgres(&exe("kafka_to_postgres"), &command).await?;
         land_and_drain(&exe("land_and_drain")).await
     })?;
     testing_your_handler(&exe("testing_your_handler"))
@@ -193,19 +208,60 @@ fn harness<T>(r: Result<T, inbox_testkit::pg::HarnessError>) -> Result<T> {
     r.map_err(|e| anyhow::anyhow!("{e}"))
 }
 
-async fn kafka_to_postgres(exe: &std::path::Path) -> Result<()> {
+/// Runs the `inbox` command at `command` on `url`: what it printed, if it
+/// succeeded.
+fn operator(command: &std::path::Path, url: &str, args: &[&str]) -> Result<String> {
+    println!("$ inbox {}", args.join(" "));
+    let out = Command::new(command)
+        .args(args)
+        .env("DATABASE_URL", url)
+        .output()
+        .with_context(|| format!("starting {}", command.display()))?;
+    let printed = String::from_utf8_lossy(&out.stdout).into_owned();
+    print!("{printed}");
+    if !out.status.success() {
+        bail!(
+            "inbox {} failed ({}): {}",
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(printed)
+}
+
+async fn kafka_to_postgres(exe: &std::path::Path, command: &std::path::Path) -> Result<()> {
     println!(
         "$ {} (DATABASE_URL, KAFKA_BROKERS, TOPIC set)",
         exe.display()
     );
     let url = harness(inbox_testkit::pg::server().and_then(|s| s.create_database()))?;
+    // the invoices table as a wrong migration left it: a limit on the total
+    // that a large order breaks (the example's own migration creates it only
+    // if it is not there)
+    let store = PgStore::connect(&url, TableName::default()).await?;
+    store
+        .connection()
+        .execute_unprepared(
+            "CREATE TABLE invoices (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL UNIQUE,
+                                    total BIGINT NOT NULL CONSTRAINT invoices_total_limit CHECK (total < 100000))",
+        )
+        .await?;
     let (topic, broker) = orders(ORDERS).await?;
-    // order-3 again (a producer's retry): the inbox recognises it
+    // order-3 again (a producer's retry): the inbox recognises it; and a
+    // large order the wrong limit refuses, last on its partition
     let again = json_record(
         &json!({ "order": "order-3", "total": 30 }),
         &[("message_id", "order-3"), ("event_type", "order.created")],
     );
-    harness(broker.produce(&topic, 1, vec![again], 1).await)?;
+    let large = json_record(
+        &json!({ "order": "order-large", "total": 250_000 }),
+        &[
+            ("message_id", "order-large"),
+            ("event_type", "order.created"),
+        ],
+    );
+    harness(broker.produce(&topic, 1, vec![again, large], 1).await)?;
 
     let metrics_addr = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
     let mut child = Command::new(exe)
@@ -220,7 +276,6 @@ async fn kafka_to_postgres(exe: &std::path::Path) -> Result<()> {
         .spawn()
         .with_context(|| format!("starting {}", exe.display()))?;
 
-    let store = PgStore::connect(&url, TableName::default()).await?;
     let started = Instant::now();
     let invoices = async || {
         count(&store, "SELECT count(*) FROM invoices", vec![])
@@ -247,6 +302,45 @@ async fn kafka_to_postgres(exe: &std::path::Path) -> Result<()> {
         bail!("no inbox metrics at http://{metrics_addr}/metrics: {scraped}");
     }
 
+    // the large order, refused by the limit, is a dead letter once its
+    // failure budget is spent (10 attempts, about half a minute)
+    let dead = async || {
+        count(&store, "SELECT count(*) FROM inbox_dead_letters", vec![])
+            .await
+            .unwrap_or(-1)
+    };
+    while dead().await < 1 {
+        if started.elapsed() > Duration::from_secs(180) {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!(
+                "the large order was not dead-lettered in 180 s; the example's output:\n{}",
+                printed(&mut child)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    // the fix (the limit goes), then the operator's replay: the example's
+    // DeadLetterReplayer applies it through the handler
+    store
+        .connection()
+        .execute_unprepared("ALTER TABLE invoices DROP CONSTRAINT invoices_total_limit")
+        .await?;
+    let listed = operator(command, &url, &["--json", "dead-letters", "list"])?;
+    let letters: serde_json::Value = serde_json::from_str(listed.trim())?;
+    let id = letters[0]["id"]
+        .as_i64()
+        .with_context(|| format!("no dead letter listed: {listed}"))?
+        .to_string();
+    let replayed = operator(
+        command,
+        &url,
+        &["dead-letters", "replay", &id, "--wait", "60"],
+    )?;
+    if !replayed.contains(&format!("replayed {id}")) {
+        bail!("the replay of dead letter {id}: {replayed}");
+    }
+
     // Ctrl-C: the example finishes its batch, leaves the group and exits 0
     let pid = child.id().to_string();
     Command::new("kill").args(["-INT", &pid]).status()?;
@@ -264,16 +358,26 @@ async fn kafka_to_postgres(exe: &std::path::Path) -> Result<()> {
         &store,
         "kafka_to_postgres",
         &[
-            ("invoices", "SELECT count(*) FROM invoices", ORDERS),
+            ("invoices", "SELECT count(*) FROM invoices", ORDERS + 1),
             (
                 "orders invoiced",
                 "SELECT count(DISTINCT order_id) FROM invoices",
-                ORDERS,
+                ORDERS + 1,
+            ),
+            (
+                "the large order, replayed",
+                "SELECT count(*) FROM invoices WHERE order_id = 'order-large'",
+                1,
+            ),
+            (
+                "dead letters left",
+                "SELECT count(*) FROM inbox_dead_letters",
+                0,
             ),
             (
                 "inbox rows completed",
                 "SELECT count(*) FROM inbox WHERE status = 'completed'",
-                ORDERS,
+                ORDERS + 1,
             ),
             (
                 "migrations applied (the user's and every one of the inbox's)",
@@ -285,14 +389,15 @@ async fn kafka_to_postgres(exe: &std::path::Path) -> Result<()> {
             (
                 "offsets at the end of both partitions",
                 "SELECT coalesce(sum(next_offset), 0)::bigint FROM inbox_offsets",
-                ORDERS + 1,
+                ORDERS + 2,
             ),
         ],
         &out,
     )
     .await?;
     println!(
-        "kafka_to_postgres passed: {ORDERS} orders (and one delivered twice) invoiced once each, stopped on SIGINT in {:.1} s, metrics served",
+        "kafka_to_postgres passed: {} orders (and one delivered twice) invoiced once each, the large one dead-lettered by a wrong limit and replayed with `inbox dead-letters replay` after the fix, stopped on SIGINT in {:.1} s, metrics served",
+        ORDERS + 1,
         stopping.elapsed().as_secs_f64()
     );
     Ok(())

@@ -315,31 +315,13 @@ fn parse_headers(text: &str) -> Vec<(String, String)> {
     serde_json::from_str::<Vec<(String, String)>>(text).unwrap_or_default()
 }
 
-/// The relay's statements, rendered per call (they are few per round).
-/// Lists come as JSON arrays, turned into arrays with `ANY(ARRAY(..))`: a
-/// plain `IN (SELECT ..)` over the function let the planner, before the
-/// table has statistics, join the list to every pending row (1,000 ids
-/// against 20,000 rows took 3 s to mark; with the array it is an index
-/// lookup per id).
-fn pending_sql(t: &TableName) -> String {
-    let o = t.outbox();
-    format!(
-        "SELECT o.id, o.message_id::text, o.topic::text, o.msg_key, o.payload, o.headers::text, o.slot, o.created_at
-           FROM {o} o
-          WHERE o.status = 'pending'
-            AND o.slot = ANY(ARRAY(SELECT value::int FROM jsonb_array_elements_text($1::jsonb)))
-            AND NOT EXISTS (SELECT 1 FROM {o} d
-                             WHERE d.status = 'dead' AND d.holds
-                               AND d.topic = o.topic AND d.msg_key = o.msg_key AND d.id < o.id)
-            AND NOT (o.id = ANY($3::bigint[]))
-          ORDER BY o.id
-          LIMIT $2"
-    )
-}
-
 /// The claims still current, locked against a takeover until the
 /// statement's transaction ends (a relay claiming a slot waits for the
-/// marks in flight, then sees them).
+/// marks in flight, then sees them). The claims come as a JSON list, the
+/// slots turned into an array with `ANY(ARRAY(..))`: a plain `IN (SELECT
+/// ..)` let the planner, before the table has statistics, join the list to
+/// every pending row (1,000 ids against 20,000 rows took 3 s to mark; with
+/// the array it is an index lookup per id).
 fn current_claims(t: &TableName) -> String {
     format!(
         "SELECT c.slot FROM {a} a
@@ -419,35 +401,32 @@ impl OutboxStore for PgStore {
         limit: usize,
         except: &[i64],
     ) -> Result<Vec<OutboxRow>, StoreError> {
-        let slots = serde_json::Value::Array(slots.iter().map(|s| serde_json::json!(s)).collect());
-        // Read in id order along the pending index, never by sorting every
-        // pending row: before the table has statistics (a fresh table, a
-        // burst since the last ANALYZE) the planner takes the backlog for a
-        // dozen rows and sorts all of it for each read (80-100 ms a read
-        // with 50,000 pending, against 6 ms along the index). Rows are read
-        // with sqlx's typed decoding (sea-orm's decoding by column name
-        // took about 10 us a row, 50 ms for 5,000).
+        // One statement: the read function (schema step `outbox_read`)
+        // goes along the pending index by id whatever the table's
+        // statistics say (a sort of every pending row took 80-100 ms a
+        // read with 50,000 pending, against 6 ms along the index); rows
+        // decoded by sqlx's typed decoding (sea-orm's by column name took
+        // about 10 us a row, 50 ms for 5,000).
         let pool = self.db.get_postgres_connection_pool();
-        let mut tx = pool.begin().await.map_err(|e| map_sqlx_err(&e))?;
-        for setting in [
-            "SET LOCAL enable_sort = off",
-            "SET LOCAL enable_bitmapscan = off",
-        ] {
-            sea_orm::sqlx::query(setting)
-                .execute(&mut *tx)
-                .await
-                .map_err(|e| map_sqlx_err(&e))?;
-        }
-        // the table name is a checked identifier (TableName::new)
-        let sql = sea_orm::sqlx::AssertSqlSafe(pending_sql(&self.table));
+        let sql = sea_orm::sqlx::AssertSqlSafe(format!(
+            "SELECT * FROM {}($1, $2, $3)",
+            self.table.outbox_read()
+        ));
         let rows: Vec<PendingRow> = sea_orm::sqlx::query_as(sql)
-            .bind(slots.to_string())
+            .bind(slots)
             .bind(i64::try_from(limit).unwrap_or(i64::MAX))
             .bind(except)
-            .fetch_all(&mut *tx)
+            .fetch_all(pool)
             .await
-            .map_err(|e| map_sqlx_err(&e))?;
-        tx.commit().await.map_err(|e| map_sqlx_err(&e))?;
+            .map_err(|e| {
+                let mut err = map_sqlx_err(&e);
+                if err.cause.contains("does not exist") {
+                    err.cause.push_str(
+                        " (the outbox's read function: apply the inbox's migrations, inbox_migrations or PgStore::create_tables)",
+                    );
+                }
+                err
+            })?;
         Ok(rows
             .into_iter()
             .map(

@@ -113,6 +113,11 @@ impl TableName {
         self.with_suffix("_outbox_keys")
     }
 
+    /// The relay's read (`<table>_outbox_pending`, a function), qualified.
+    pub fn outbox_read(&self) -> String {
+        self.with_suffix("_outbox_pending")
+    }
+
     /// The channel the outbox notifies on (`<table>_outbox`, with the
     /// schema when there is one): a text, not an identifier.
     pub fn outbox_channel(&self) -> String {
@@ -420,6 +425,41 @@ pub fn schema_steps(t: &TableName) -> Vec<SchemaStep> {
                     t.dead_letters()
                 ),
             ],
+        ),
+        step(
+            "outbox_read",
+            // The relay's read in one statement: the pending rows of its
+            // slots by id along the pending index, never by sorting every
+            // pending row (the planner, before the table has statistics,
+            // takes the backlog for a dozen rows and sorts all of it), which
+            // the function's own settings rule out; typed arguments.
+            vec![format!(
+                "CREATE OR REPLACE FUNCTION {f}(slots int[], lim bigint, except_ids bigint[])
+                 RETURNS TABLE (id bigint, message_id text, topic text, msg_key bytea,
+                                payload bytea, headers text, slot int, created_at timestamptz)
+                 LANGUAGE sql STABLE
+                 SET enable_sort = off SET enable_bitmapscan = off
+                 AS $read$
+                   SELECT o.id, o.message_id::text, o.topic::text, o.msg_key, o.payload,
+                          o.headers::text, o.slot, o.created_at
+                     FROM {o} o
+                    WHERE o.status = 'pending'
+                      AND o.slot = ANY($1)
+                      AND NOT EXISTS (SELECT 1 FROM {o} d
+                                       WHERE d.status = 'dead' AND d.holds
+                                         AND d.topic = o.topic AND d.msg_key = o.msg_key
+                                         AND d.id < o.id)
+                      AND NOT (o.id = ANY($3))
+                    ORDER BY o.id
+                    LIMIT $2
+                 $read$",
+                f = t.outbox_read(),
+                o = t.outbox(),
+            )],
+            vec![format!(
+                "DROP FUNCTION IF EXISTS {}(int[], bigint, bigint[])",
+                t.outbox_read()
+            )],
         ),
     ]
 }

@@ -120,6 +120,7 @@ async fn a_database_of_the_first_migration_reaches_the_current_schema() {
             "m20261130_000005_inbox_assignments_inbox",
             "m20261130_000006_outbox_inbox",
             "m20261130_000007_inbox_dead_letter_replay_inbox",
+            "m20261130_000008_outbox_read_inbox",
         ]
     );
 
@@ -146,8 +147,13 @@ async fn a_database_of_the_first_migration_reaches_the_current_schema() {
         1
     );
 
+    // the relay's read function, in both databases
+    let functions = "SELECT count(*) FROM pg_proc WHERE proname = 'inbox_outbox_pending'";
+    assert_eq!(count(&old, functions).await, 1);
+
     // and taken back step by step, then applied again
     Current::down(&old, None).await.expect("down");
+    assert_eq!(count(&old, functions).await, 0, "the function goes too");
     assert_eq!(
         count(
             &old,

@@ -3,7 +3,8 @@
 //! - `producer`: rskafka producing the records the relay would (key,
 //!   value, `message_id` and `event_type` headers, murmur2 placement) to
 //!   tansu (in-memory storage), appends of up to 1,000 records per
-//!   partition, the partitions at once: the ceiling for a relay;
+//!   partition, the partitions at once, the records built on the clock as
+//!   the relay builds them from its rows: the ceiling for a relay;
 //! - `relay`: one relay publishing as many events enqueued beforehand
 //!   (read, produce, mark sent; rounds of 1,000);
 //! - `relay-2`: two relays sharing the slots, each its own connections;
@@ -126,22 +127,6 @@ async fn left(store: &PgStore) -> Result<i64> {
 pub(crate) async fn producer(messages: u64) -> Result<Duration> {
     let (broker, topic) = broker().await?;
     let client = broker.client().await.map_err(|e| anyhow!("{e}"))?;
-    let mut per_partition: BTreeMap<i32, Vec<rskafka::record::Record>> = BTreeMap::new();
-    for i in 0..messages {
-        let key = format!("order-{i}");
-        let mut record = inbox_testkit::kafka::json_record(
-            &json!({ "total": 10 }),
-            &[
-                ("message_id", &inbox_core::outbox::new_message_id()),
-                ("event_type", "order.created"),
-            ],
-        );
-        record.key = Some(key.clone().into_bytes());
-        per_partition
-            .entry(partition_for(key.as_bytes(), PARTITIONS))
-            .or_default()
-            .push(record);
-    }
     let mut clients = BTreeMap::new();
     for p in 0..PARTITIONS {
         clients.insert(
@@ -155,7 +140,25 @@ pub(crate) async fn producer(messages: u64) -> Result<Duration> {
                 .await?,
         );
     }
+    // the events' ids exist before the clock (as the relay's rows do); the
+    // records are built on the clock, as the relay builds them from rows
+    let ids: Vec<String> = (0..messages)
+        .map(|_| inbox_core::outbox::new_message_id())
+        .collect();
     let started = Instant::now();
+    let mut per_partition: BTreeMap<i32, Vec<rskafka::record::Record>> = BTreeMap::new();
+    for (i, id) in ids.iter().enumerate() {
+        let key = format!("order-{i}");
+        let mut record = inbox_testkit::kafka::json_record(
+            &json!({ "total": 10 }),
+            &[("message_id", id), ("event_type", "order.created")],
+        );
+        record.key = Some(key.clone().into_bytes());
+        per_partition
+            .entry(partition_for(key.as_bytes(), PARTITIONS))
+            .or_default()
+            .push(record);
+    }
     let mut queues: Vec<(i32, std::vec::IntoIter<rskafka::record::Record>)> = per_partition
         .into_iter()
         .map(|(p, r)| (p, r.into_iter()))

@@ -81,16 +81,16 @@ const LINES: [&str; 25] = [
     "consumer-front",
     "consumer-tls",
     "e2e",
-    "producer",
-    "relay",
-    "relay-2",
-    "relay-latency",
-    "relay-soak",
     "writer-plain-1",
     "writer-enqueue-1",
     "writer-plain-8",
     "writer-enqueue-8",
     "writer-notify-8",
+    "producer",
+    "relay",
+    "relay-2",
+    "relay-latency",
+    "relay-soak",
 ];
 const PARTITIONS: i32 = 4;
 const BATCH: usize = 100;
@@ -185,12 +185,16 @@ pub(crate) fn run(mut o: Options) -> Result<()> {
             println!("round {round} of {}", o.repeat);
         }
         for line in &lines {
-            // the latency line runs at half the relay line's rate
-            let rate = runs
-                .get("relay")
-                .and_then(|r| r.last())
-                .map_or(1_000.0, |r| r.0 / 2.0);
-            let parsed = run_line(&exe, server, line, &o, rate)?;
+            // the latency line runs at half the rate eight writers reached
+            // (one event per transaction), or else half the relay line's
+            // (transactions of ten)
+            let last = |l: &str| runs.get(l).and_then(|r| r.last()).map(|r| r.0 / 2.0);
+            let (rate, per_tx) = match (last("writer-enqueue-8"), last("relay")) {
+                (Some(w), _) => (w, 1),
+                (None, Some(r)) => (r, 10),
+                (None, None) => (1_000.0, 1),
+            };
+            let parsed = run_line(&exe, server, line, &o, (rate, per_tx))?;
             println!("  {line:<12} {:>10.0} msg/s", parsed.0);
             runs.entry(line.clone()).or_default().push(parsed);
         }
@@ -256,7 +260,7 @@ fn run_line(
     server: &inbox_testkit::pg::PgServer,
     line: &str,
     o: &Options,
-    rate: f64,
+    (rate, per_tx): (f64, u64),
 ) -> Result<(f64, u64)> {
     let url = server
         .create_database()
@@ -271,6 +275,7 @@ fn run_line(
         ])
         .env("BENCH_DATABASE_URL", &url)
         .env("BENCH_RATE", format!("{rate:.0}"))
+        .env("BENCH_PER_TX", per_tx.to_string())
         .output()
         .with_context(|| format!("running bench line {line}"))?;
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -345,7 +350,11 @@ pub(crate) fn line(args: &[String]) -> Result<()> {
                     .ok()
                     .and_then(|r| r.parse::<f64>().ok())
                     .unwrap_or(1_000.0);
-                crate::bench_outbox::latency(pooled(&url).await?, messages, rate).await
+                let per_tx = std::env::var("BENCH_PER_TX")
+                    .ok()
+                    .and_then(|r| r.parse::<u64>().ok())
+                    .unwrap_or(1);
+                crate::bench_outbox::latency(pooled(&url).await?, messages, rate, per_tx).await
             }
             "relay-soak" => crate::bench_outbox::soak(pooled(&url).await?, messages).await,
             "writer-plain-1" => writer(&url, messages, 1, Write::Plain).await,

@@ -8,16 +8,18 @@
 //! - `relay`: one relay publishing as many events enqueued beforehand
 //!   (read, produce, mark sent; rounds of 1,000);
 //! - `relay-2`: two relays sharing the slots, each its own connections;
-//! - `relay-latency`: events enqueued by eight writers in transactions of
-//!   ten at a fixed rate (half the `relay` line's rate of the same run; the
-//!   line's own figure is the rate reached) while a relay runs as
-//!   in production (idle, it probes every 25 ms); notes p50/p99/max from the
-//!   event's insert to its mark (after the broker acknowledged it; the
-//!   line's store keeps sent events, for their `sent_at`);
+//! - `relay-latency`: events enqueued by eight writers at a fixed rate
+//!   while a relay runs as in production (idle, it probes every 25 ms):
+//!   half the `writer-enqueue-8` line's rate of the same run, one event per
+//!   transaction, when that line ran before it; otherwise half the `relay`
+//!   line's rate in transactions of ten (one event per transaction cannot
+//!   reach that); the line's own figure is the rate reached. Notes
+//!   p50/p99/max from the event's insert to its mark (after the broker
+//!   acknowledged it; the line's store keeps sent events, for their
+//!   `sent_at`);
 //! - `relay-soak`: events enqueued in transactions of 100 while a relay
 //!   publishes and maintenance deletes sent events every second; notes the
 //!   outbox table's size (`pg_total_relation_size`) along the way.
-//!
 //! - `writer-plain-1`, `writer-plain-8`: the business transaction the
 //!   writers feel, with the event as a plain INSERT of its row: BEGIN; an
 //!   order INSERT; the event row's INSERT; COMMIT; by 1 and by 8 concurrent
@@ -231,8 +233,14 @@ pub(crate) async fn relays(store: PgStore, messages: u64, relays: usize) -> Resu
 }
 
 /// `relay-latency`: a relay as in production under a steady load of
-/// `rate` events/s.
-pub(crate) async fn latency(store: PgStore, messages: u64, rate: f64) -> Result<Duration> {
+/// `rate` events/s, written by eight writers in transactions of `per_tx`
+/// events.
+pub(crate) async fn latency(
+    store: PgStore,
+    messages: u64,
+    rate: f64,
+    per_tx: u64,
+) -> Result<Duration> {
     // the sent rows' sent_at is the measurement (an UPDATE per mark, a
     // little dearer than the default DELETE)
     let store = store.keep_sent_events();
@@ -253,27 +261,27 @@ pub(crate) async fn latency(store: PgStore, messages: u64, rate: f64) -> Result<
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    // eight writers, transactions of ten events, paced together at `rate`
-    // events/s (one event per transaction cannot reach it: a commit each)
+    // eight writers, transactions of `per_tx` events, paced together at
+    // `rate` events/s
     const WRITERS: u64 = 8;
-    const PER_TX: u64 = 10;
+    let per_tx = per_tx.max(1);
     let started = Instant::now();
     let writers = (0..WRITERS).map(|w| {
         let (store, topic) = (store.clone(), topic.clone());
         async move {
             let outbox = store.outbox();
-            let mut i = w * PER_TX;
+            let mut i = w * per_tx;
             while i < messages {
                 #[allow(clippy::cast_precision_loss)]
                 let due = started + Duration::from_secs_f64(i as f64 / rate);
                 tokio::time::sleep_until(due.into()).await;
-                let events: Vec<OutboxMessage> = (i..(i + PER_TX).min(messages))
+                let events: Vec<OutboxMessage> = (i..(i + per_tx).min(messages))
                     .map(|j| event(&topic, j))
                     .collect();
                 let tx = store.connection().begin().await?;
                 outbox.enqueue_many(&tx, &events).await?;
                 tx.commit().await?;
-                i += WRITERS * PER_TX;
+                i += WRITERS * per_tx;
             }
             Ok::<_, anyhow::Error>(())
         }
@@ -302,7 +310,7 @@ pub(crate) async fn latency(store: PgStore, messages: u64, rate: f64) -> Result<
         scalar(&store, &ms(1.0)).await?,
     );
     println!(
-        "NOTE relay-latency, {rate:.0} events/s asked: insert to mark (after the broker's ack) p50 {p50} ms, p99 {p99} ms, max {max} ms"
+        "NOTE relay-latency, {rate:.0} events/s asked ({per_tx} per transaction): insert to mark (after the broker's ack) p50 {p50} ms, p99 {p99} ms, max {max} ms"
     );
     println!(
         "NOTE outbox table after the run: {} KiB",

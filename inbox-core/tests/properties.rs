@@ -134,13 +134,28 @@ fn act() -> impl Strategy<Value = Act> {
 struct World {
     ids: Vec<String>,
     invoices: BTreeMap<String, usize>,
+    /// Message ids of the dead letters.
+    dead: BTreeSet<String>,
     committed_all: bool,
     consumed: u64,
     tallied: u64,
     deliveries: u64,
 }
 
+/// The runner as the design note has it: a failing message is delivered
+/// again for ever (no failure budget).
 fn simulate(strategy: AckStrategy, ids: Vec<(u8, i32)>, acts: Vec<Act>, steps: Vec<Step>) -> World {
+    simulate_with(strategy, ids, acts, steps, None)
+}
+
+/// The same with a failure budget of `budget` attempts.
+fn simulate_with(
+    strategy: AckStrategy,
+    ids: Vec<(u8, i32)>,
+    acts: Vec<Act>,
+    steps: Vec<Step>,
+    budget: Option<u32>,
+) -> World {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .build()
@@ -160,9 +175,10 @@ fn simulate(strategy: AckStrategy, ids: Vec<(u8, i32)>, acts: Vec<Act>, steps: V
         }
         let handler = ScriptedHandler::new(acts, Act::Succeed);
         let metrics = Arc::new(CountingMetrics::new());
-        let config = RunnerConfig::new("billing", "prop-worker")
+        let mut config = RunnerConfig::new("billing", "prop-worker")
             .expect("config")
             .with_strategy(strategy);
+        config.failure_budget = budget;
         let make = |broker: &MemBroker| {
             Runner::new(
                 store.clone(),
@@ -222,6 +238,11 @@ fn simulate(strategy: AckStrategy, ids: Vec<(u8, i32)>, acts: Vec<Act>, steps: V
         World {
             ids: produced,
             invoices,
+            dead: store
+                .dead_letters()
+                .into_iter()
+                .map(|d| d.message.message_id)
+                .collect(),
             committed_all,
             consumed: c.consumed,
             tallied: c.tallied(),
@@ -256,6 +277,40 @@ proptest! {
         prop_assert!(world.committed_all, "everything is committed in the end");
         prop_assert_eq!(world.consumed, world.tallied, "one counter per delivery");
         prop_assert_eq!(world.consumed, world.deliveries);
+    }
+
+    /// With the default failure budget a message whose handler keeps
+    /// failing is given up: each message is applied once or is a dead
+    /// letter with no effect, never both, never neither.
+    #[test]
+    fn with_the_default_budget_each_message_is_applied_once_or_dead_lettered(
+        ids in proptest::collection::vec((0u8..6, 0i32..2), 1..10),
+        fails_first in 0usize..14,
+        acts in proptest::collection::vec(act(), 0..24),
+        steps in proptest::collection::vec(step(), 0..30),
+    ) {
+        // a run of failures first (the first message's handler fails that
+        // many times in a row: past the budget from 10), then random acts
+        let acts: Vec<Act> = std::iter::repeat_n(Act::Fail, fails_first).chain(acts).collect();
+        let strategy = AckStrategy::ExactlyOnceInbox { commit_on_failed: false };
+        let world = simulate_with(
+            strategy,
+            ids,
+            acts,
+            steps,
+            Some(inbox_core::DEFAULT_FAILURE_BUDGET),
+        );
+        let distinct: BTreeSet<&String> = world.ids.iter().collect();
+        for id in distinct {
+            let applied = world.invoices.get(id).copied().unwrap_or(0);
+            let dead = world.dead.contains(id);
+            prop_assert!(
+                (applied == 1 && !dead) || (applied == 0 && dead),
+                "{} applied {} times, dead-lettered: {}", id, applied, dead
+            );
+        }
+        prop_assert!(world.committed_all, "everything is committed in the end");
+        prop_assert_eq!(world.consumed, world.tallied, "one counter per delivery");
     }
 
     #[test]

@@ -23,6 +23,16 @@
 //!   the same number of rows landed `pending` beforehand, with the
 //!   one-INSERT handler; `processor-savepoints`: the same with a savepoint
 //!   per row from the start;
+//! - `processor-noop`: the processors with a handler that writes nothing;
+//! - `graphile` and `graphile-noop`: the job-queue protocol of
+//!   graphile-worker (0.16 and later), as raw SQL on a jobs table shaped
+//!   like its own (a generated `is_available` column and a partial index on
+//!   it): four workers, each on its own connection, claim up to 100 due
+//!   jobs in one statement (`FOR UPDATE SKIP LOCKED`, then an `UPDATE`
+//!   taking the lease and counting the attempt), run each job (the
+//!   one-INSERT handler in a commit of its own, as a graphile task writes
+//!   through its own pool; or nothing), and complete the batch with one
+//!   `DELETE`: the baseline of the processor lines, on the same server;
 //! - `raw-batch` and `raw-savepoints`: the batched protocol as raw SQL
 //!   (BEGIN; one multi-row insert; the handler's INSERT per message;
 //!   COMMIT), without and with a SAVEPOINT / RELEASE around each handler:
@@ -65,7 +75,7 @@ use inbox_testkit::MemBroker;
 use crate::bench_outbox::{Write, writers as writer};
 use serde_json::json;
 
-const LINES: [&str; 25] = [
+const LINES: [&str; 28] = [
     "omni-box",
     "floor",
     "raw-batch",
@@ -76,6 +86,9 @@ const LINES: [&str; 25] = [
     "batch-aware",
     "processor",
     "processor-savepoints",
+    "processor-noop",
+    "graphile",
+    "graphile-noop",
     "consumer",
     "consumer-uncommitted",
     "consumer-front",
@@ -242,6 +255,8 @@ pub(crate) fn run(mut o: Options) -> Result<()> {
         ("relay", "producer"),
         ("relay-2", "producer"),
         ("relay-2", "relay"),
+        ("processor", "graphile"),
+        ("processor-noop", "graphile-noop"),
         ("writer-enqueue-1", "writer-plain-1"),
         ("writer-enqueue-8", "writer-plain-8"),
         ("writer-notify-8", "writer-plain-8"),
@@ -334,6 +349,9 @@ pub(crate) fn line(args: &[String]) -> Result<()> {
             "batch-aware" => runner(store, messages, Mode::BatchAware, fail).await,
             "processor" => processors(&url, store, messages, fail, true).await,
             "processor-savepoints" => processors(&url, store, messages, fail, false).await,
+            "processor-noop" => processors_with(&url, store, messages, Bench::noop()).await,
+            "graphile" => graphile(&url, &db, messages, true).await,
+            "graphile-noop" => graphile(&url, &db, messages, false).await,
             "raw-batch" => raw_batch(&db, messages, false).await,
             "raw-savepoints" => raw_batch(&db, messages, true).await,
             "consumer" => kafka(store, messages, false, Link::Direct).await,
@@ -648,6 +666,8 @@ struct Bench {
     batch_aware: bool,
     fail_percent: u64,
     dice: std::sync::atomic::AtomicU64,
+    /// Writes nothing (the no-op lines).
+    noop: bool,
 }
 
 impl Bench {
@@ -656,6 +676,15 @@ impl Bench {
             batch_aware,
             fail_percent,
             dice: std::sync::atomic::AtomicU64::new(0x9e37_79b9_7f4a_7c15),
+            noop: false,
+        }
+    }
+
+    /// A handler that does nothing and never fails.
+    fn noop() -> Self {
+        Self {
+            noop: true,
+            ..Self::new(false, 0)
         }
     }
 
@@ -691,6 +720,9 @@ enum Mode {
 impl Handler<PgTx> for Bench {
     type Output = ();
     async fn handle(&self, m: &Message, tx: &mut PgTx) -> Result<(), HandlerError> {
+        if self.noop {
+            return Ok(());
+        }
         tx.connection()
             .execute_raw(stmt(
                 "INSERT INTO bench_invoices (order_id, total) VALUES ($1, $2)",
@@ -791,6 +823,46 @@ async fn processors(
     fail_percent: u64,
     optimistic: bool,
 ) -> Result<Duration> {
+    let elapsed = drain_with_processors(
+        url,
+        &store,
+        messages,
+        Bench::new(false, fail_percent),
+        optimistic,
+    )
+    .await?;
+    check_invoices(store.connection(), messages).await?;
+    Ok(elapsed)
+}
+
+/// The processors with `handler`, optimistic (nothing checked after).
+async fn processors_with(
+    url: &str,
+    store: PgStore,
+    messages: u64,
+    handler: Bench,
+) -> Result<Duration> {
+    let elapsed = drain_with_processors(url, &store, messages, handler, true).await?;
+    let left = crate::sql::scalar(
+        &store,
+        "SELECT count(*) FROM inbox WHERE status <> 'completed'",
+    )
+    .await?;
+    if left != 0 {
+        bail!("{left} rows not completed");
+    }
+    Ok(elapsed)
+}
+
+/// Lands `messages` rows `pending` (not timed), then four processors
+/// drain them with `handler`: the time they took.
+async fn drain_with_processors(
+    url: &str,
+    store: &PgStore,
+    messages: u64,
+    handler: Bench,
+    optimistic: bool,
+) -> Result<Duration> {
     use inbox_core::processor::{BatchProcessor, ProcessorConfig};
     use inbox_core::{InboxStatus, InboxStore, InboxTransaction, NewInboxRow};
     for ids in id_batches(messages) {
@@ -810,7 +882,7 @@ async fn processors(
         tx.insert_or_get_many(&rows).await?;
         tx.commit().await?;
     }
-    let handler = Arc::new(Bench::new(false, fail_percent));
+    let handler = Arc::new(handler);
     let mut workers = Vec::new();
     for w in 0..4 {
         let mut config = ProcessorConfig::new(format!("bench-{w}"))?;
@@ -838,8 +910,122 @@ async fn processors(
     for t in tasks {
         t.await??;
     }
+    Ok(started.elapsed())
+}
+
+/// graphile-worker's protocol as raw SQL (see the module's doc): `messages`
+/// jobs added beforehand (not timed), drained by four workers; with
+/// `insert`, each job's handler writes its invoice in a commit of its own.
+async fn graphile(
+    url: &str,
+    db: &DatabaseConnection,
+    messages: u64,
+    insert: bool,
+) -> Result<Duration> {
+    db.execute_unprepared(
+        "CREATE TABLE bench_jobs (
+            id           BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+            task_id      INTEGER NOT NULL,
+            payload      JSON NOT NULL DEFAULT '{}',
+            priority     SMALLINT NOT NULL DEFAULT 0,
+            run_at       TIMESTAMPTZ NOT NULL DEFAULT now(),
+            attempts     SMALLINT NOT NULL DEFAULT 0,
+            max_attempts SMALLINT NOT NULL DEFAULT 25,
+            last_error   TEXT,
+            created_at   TIMESTAMPTZ NOT NULL DEFAULT now(),
+            updated_at   TIMESTAMPTZ NOT NULL DEFAULT now(),
+            key          TEXT,
+            locked_at    TIMESTAMPTZ,
+            locked_by    TEXT,
+            revision     INTEGER NOT NULL DEFAULT 0,
+            flags        JSONB,
+            is_available BOOLEAN NOT NULL
+                GENERATED ALWAYS AS (locked_at IS NULL AND attempts < max_attempts) STORED);
+         CREATE INDEX bench_jobs_main ON bench_jobs (priority, run_at)
+             INCLUDE (id, task_id) WHERE is_available;",
+    )
+    .await?;
+    for ids in id_batches(messages) {
+        let payloads: Vec<String> = ids
+            .iter()
+            .map(|id| json!({ "order": id, "total": 10 }).to_string())
+            .collect();
+        db.execute_raw(Statement::from_sql_and_values(
+            DbBackend::Postgres,
+            "INSERT INTO bench_jobs (task_id, payload)
+             SELECT 1, p::json FROM jsonb_array_elements_text($1::jsonb) AS p",
+            [json!(payloads).into()],
+        ))
+        .await?;
+    }
+    let claim = "WITH j AS (
+                   SELECT id FROM bench_jobs
+                    WHERE is_available AND run_at <= now() AND task_id = ANY($2::int[])
+                    ORDER BY priority, run_at, id
+                    LIMIT $3
+                    FOR UPDATE SKIP LOCKED)
+                 UPDATE bench_jobs AS jobs
+                    SET attempts = jobs.attempts + 1, locked_by = $1, locked_at = now()
+                   FROM j WHERE jobs.id = j.id
+                 RETURNING jobs.id, jobs.payload::text AS payload";
+    let mut workers = Vec::new();
+    for w in 0..4 {
+        workers.push((format!("bench-worker-{w}"), connect(url).await?));
+    }
+    let started = Instant::now();
+    let tasks: Vec<_> = workers
+        .into_iter()
+        .map(|(worker, conn)| {
+            tokio::spawn(async move {
+                loop {
+                    let jobs = conn
+                        .query_all_raw(Statement::from_sql_and_values(
+                            DbBackend::Postgres,
+                            claim,
+                            [worker.clone().into(), vec![1i32].into(), 100i64.into()],
+                        ))
+                        .await?;
+                    if jobs.is_empty() {
+                        return anyhow::Ok(());
+                    }
+                    let mut done = Vec::with_capacity(jobs.len());
+                    for job in &jobs {
+                        let id: i64 = job.try_get("", "id")?;
+                        let payload: String = job.try_get("", "payload")?;
+                        let payload: serde_json::Value = serde_json::from_str(&payload)?;
+                        if insert {
+                            conn.execute_raw(stmt(
+                                "INSERT INTO bench_invoices (order_id, total) VALUES ($1, $2)",
+                                vec![
+                                    payload["order"].as_str().unwrap_or_default().into(),
+                                    payload["total"].as_i64().unwrap_or_default().into(),
+                                ],
+                            ))
+                            .await?;
+                        }
+                        done.push(id);
+                    }
+                    conn.execute_raw(Statement::from_sql_and_values(
+                        DbBackend::Postgres,
+                        "DELETE FROM bench_jobs WHERE id = ANY($1::bigint[]) AND locked_by = $2",
+                        [done.into(), worker.clone().into()],
+                    ))
+                    .await?;
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await??;
+    }
     let elapsed = started.elapsed();
-    check_invoices(store.connection(), messages).await?;
+    let left = crate::sql::scalar_on(db, "SELECT count(*) FROM bench_jobs").await?;
+    if left != 0 {
+        bail!("{left} jobs left");
+    }
+    if insert {
+        check_invoices(db, messages).await?;
+    }
     Ok(elapsed)
 }
 

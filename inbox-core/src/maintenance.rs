@@ -158,10 +158,14 @@ impl<S: InboxStore> Maintenance<S> {
         self
     }
 
-    /// Also deletes the store's outbox events sent more than `retention`
-    /// ago (and the keys' order records idle as long), in the same batches.
-    /// A sent event is not needed again (the broker has it): the retention
-    /// is for looking back, and bounds the table.
+    /// Also keeps the store's outbox small: deletes the events kept as
+    /// sent more than `retention` ago (`PgStore::keep_sent_events`; and the
+    /// keys' order records idle as long), in the same batches, and at each
+    /// run makes the space of deleted rows reusable
+    /// ([`OutboxStore::reclaim`](crate::outbox::OutboxStore::reclaim):
+    /// PostgreSQL's `VACUUM`), including the rows the relay deletes as it
+    /// publishes. A sent event is not needed again (the broker has it): the
+    /// retention is for looking back.
     #[must_use]
     pub fn with_outbox(mut self, retention: Duration) -> Self
     where
@@ -191,9 +195,10 @@ impl<S: InboxStore> Maintenance<S> {
             outbox_deleted = self
                 .in_batches(|| outbox.delete_sent(*retention, batch))
                 .await?;
-            if outbox_deleted > 0 {
-                outbox.reclaim().await?;
-            }
+            // at every run: the relay deletes published rows itself (unless
+            // the store keeps them), so there is space to reclaim even when
+            // the retention deleted nothing
+            outbox.reclaim().await?;
         }
         let mut dead_letters_deleted = 0;
         if let Some((store, retention)) = &self.dead_letters {

@@ -1004,6 +1004,60 @@ async fn a_handler_that_consumes_and_publishes_is_exactly_once_end_to_end() {
     assert_eq!(keys, 0, "idle key records (of earlier versions) go too");
 }
 
+/// The relay deletes what it published; maintenance with the outbox makes
+/// that space reusable at each run, so the table stays the size of one
+/// round's worth of events however many go through (before, it vacuumed
+/// only after deleting sent rows itself, which no longer exist: the table
+/// grew with every event until autovacuum came).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn published_rows_deleted_by_the_relay_leave_reusable_space() {
+    let env = env("outbox-space", 2).await;
+    let maintenance = inbox_core::maintenance::Maintenance::new(
+        env.store.clone(),
+        inbox_core::maintenance::MaintenanceConfig::new(Duration::from_secs(86_400))
+            .unwrap_or_else(|e| panic!("{e}")),
+    )
+    .with_outbox(Duration::ZERO);
+    let mut r = relay(&env, "relay-1").await;
+    let mut sizes = Vec::new();
+    for cycle in 0..4 {
+        for chunk in 0..10 {
+            let events: Vec<OutboxMessage> = (0..200)
+                .map(|i| {
+                    OutboxMessage::new(&env.topic, format!("{{\"pad\": \"{:0>200}\"}}", i))
+                        .key(format!("k-{cycle}-{chunk}-{i}"))
+                })
+                .collect();
+            let tx = begin(&env.store).await;
+            env.store
+                .outbox()
+                .enqueue_many(&tx, &events)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+        }
+        assert_eq!(drain(&mut r).await, 2_000);
+        maintenance
+            .run_once()
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        sizes.push(
+            count(
+                &env.store,
+                "SELECT pg_relation_size('inbox_outbox')::bigint",
+                vec![],
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{e}")),
+        );
+    }
+    assert_eq!(left(&env.store).await, 0);
+    assert!(
+        sizes[3] <= sizes[0] * 3 / 2,
+        "the outbox grew with every cycle of 2,000 events: {sizes:?} bytes"
+    );
+}
+
 /// A relay's health as a probe reads it: ready once it joined (with slots
 /// or not), live while it goes round, what it published; not ready once
 /// stopped.

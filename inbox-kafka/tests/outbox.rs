@@ -224,6 +224,61 @@ async fn an_earlier_id_that_commits_later_is_not_skipped() {
     assert_eq!(ids, ["event-b", "event-a"], "commit order");
 }
 
+/// A relay as in production (`run_relay` on `env`), in a task of its own.
+struct Running {
+    cancel: CancellationToken,
+    task:
+        tokio::task::JoinHandle<Result<inbox_core::outbox::RelaySummary, inbox_kafka::KafkaError>>,
+}
+
+fn start_relay(
+    env: &common::Env,
+    config: RelayConfig,
+    metrics: Arc<dyn inbox_core::Metrics>,
+) -> Running {
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(run_relay(
+        env.kafka_config("relay"),
+        config,
+        env.store.clone(),
+        metrics,
+        cancel.clone(),
+    ));
+    Running { cancel, task }
+}
+
+impl Running {
+    /// Stops the relay (it finishes its round and leaves): its summary.
+    async fn stop(self) -> inbox_core::outbox::RelaySummary {
+        self.cancel.cancel();
+        self.task
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+/// Enqueues `event` in a task of its own: a writer that may have to wait
+/// for a lock.
+fn spawn_enqueue(env: &common::Env, event: OutboxMessage) -> tokio::task::JoinHandle<i64> {
+    let store = env.store.clone();
+    tokio::spawn(async move { enqueue_one(&store, &event).await })
+}
+
+/// Asserts that `writer` is still waiting after `wait`.
+async fn assert_waiting<T>(writer: &tokio::task::JoinHandle<T>, wait: Duration, what: &str) {
+    tokio::time::sleep(wait).await;
+    assert!(!writer.is_finished(), "{what}");
+}
+
+/// What `writer` returns once let go (within 5 s).
+async fn let_go<T>(writer: tokio::task::JoinHandle<T>) -> T {
+    tokio::time::timeout(Duration::from_secs(5), writer)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_later_transaction_of_the_same_key_waits_for_the_earlier() {
     let env = env("outbox-serial", 1).await;
@@ -244,21 +299,15 @@ async fn a_later_transaction_of_the_same_key_waits_for_the_earlier() {
     )
     .await;
     assert!(other.is_ok(), "another key's writer is not held");
-    let store = env.store.clone();
-    let topic = env.topic.clone();
-    let b = tokio::spawn(async move {
-        enqueue_one(&store, &OutboxMessage::new(&topic, "2").key("k")).await
-    });
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(
-        !b.is_finished(),
-        "the same key's writer waits for the open transaction"
-    );
+    let b = spawn_enqueue(&env, OutboxMessage::new(&env.topic, "2").key("k"));
+    assert_waiting(
+        &b,
+        Duration::from_millis(500),
+        "the same key's writer waits for the open transaction",
+    )
+    .await;
     a.commit().await.unwrap_or_else(|e| panic!("{e}"));
-    let b_id = tokio::time::timeout(Duration::from_secs(5), b)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"))
-        .unwrap_or_else(|e| panic!("{e}"));
+    let b_id = let_go(b).await;
     assert!(b_id > a_id, "per key, ids follow commit order");
 }
 
@@ -290,13 +339,14 @@ async fn a_batch_of_events_waits_for_an_open_transaction_of_its_keys() {
             tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
             ids
         });
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        assert!(!b.is_finished(), "{label}: waits for the open transaction");
+        assert_waiting(
+            &b,
+            Duration::from_millis(500),
+            &format!("{label}: waits for the open transaction"),
+        )
+        .await;
         a.commit().await.unwrap_or_else(|e| panic!("{e}"));
-        let b_ids = tokio::time::timeout(Duration::from_secs(5), b)
-            .await
-            .unwrap_or_else(|e| panic!("{e}"))
-            .unwrap_or_else(|e| panic!("{e}"));
+        let b_ids = let_go(b).await;
         assert_eq!(b_ids.len(), n);
         assert!(
             b_ids.iter().all(|b| *b > a_id),
@@ -321,20 +371,15 @@ async fn a_batch_of_events_waits_for_an_open_transaction_of_its_keys() {
     )
     .await;
     assert!(keyless.is_ok(), "a keyless event is not held");
-    let (store2, topic) = (env.store.clone(), env.topic.clone());
-    let other = tokio::spawn(async move {
-        enqueue_one(&store2, &OutboxMessage::new(&topic, "y").key("unrelated")).await
-    });
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(
-        !other.is_finished(),
-        "a keyed writer waits for the bulk batch"
-    );
+    let other = spawn_enqueue(&env, OutboxMessage::new(&env.topic, "y").key("unrelated"));
+    assert_waiting(
+        &other,
+        Duration::from_millis(300),
+        "a keyed writer waits for the bulk batch",
+    )
+    .await;
     bulk.commit().await.unwrap_or_else(|e| panic!("{e}"));
-    tokio::time::timeout(Duration::from_secs(5), other)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"))
-        .unwrap_or_else(|e| panic!("{e}"));
+    let_go(other).await;
 }
 
 /// Writers do not notify: an idle relay finds a new event by its probe
@@ -352,14 +397,7 @@ async fn an_idle_relay_finds_a_new_event_by_its_probe() {
     config.poll_interval = Duration::from_secs(10);
     config.probe_every = Some(Duration::from_millis(25));
     let health = config.health.clone();
-    let cancel = CancellationToken::new();
-    let task = tokio::spawn(run_relay(
-        env.kafka_config("relay"),
-        config,
-        env.store.clone(),
-        Arc::new(NoopMetrics),
-        cancel.clone(),
-    ));
+    let relay = start_relay(&env, config, Arc::new(NoopMetrics));
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while !health.ready() && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -377,10 +415,7 @@ async fn an_idle_relay_finds_a_new_event_by_its_probe() {
         took < Duration::from_secs(1),
         "published {took:?} after its enqueue"
     );
-    cancel.cancel();
-    task.await
-        .unwrap_or_else(|e| panic!("{e}"))
-        .unwrap_or_else(|e| panic!("{e}"));
+    relay.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -854,16 +889,9 @@ async fn a_relay_killed_between_produce_and_mark_publishes_again_with_the_same_i
     assert_eq!(left(&env.store).await, 30, "and marked none");
 
     // a relay started afterwards publishes them again, ids unchanged
-    let cancel = CancellationToken::new();
     let mut config = RelayConfig::new("relay-2").unwrap_or_else(|e| panic!("{e}"));
     config.heartbeat = Duration::from_millis(100);
-    let task = tokio::spawn(run_relay(
-        env.kafka_config("relay"),
-        config,
-        env.store.clone(),
-        Arc::new(NoopMetrics),
-        cancel.clone(),
-    ));
+    let relay = start_relay(&env, config, Arc::new(NoopMetrics));
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     while left(&env.store).await > 0 {
         assert!(
@@ -872,11 +900,7 @@ async fn a_relay_killed_between_produce_and_mark_publishes_again_with_the_same_i
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    cancel.cancel();
-    let summary = task
-        .await
-        .unwrap_or_else(|e| panic!("{e}"))
-        .unwrap_or_else(|e| panic!("{e}"));
+    let summary = relay.stop().await;
     assert_eq!(summary.published, 30);
     let after: Vec<String> = published(&env).await.into_iter().map(|r| r.2).collect();
     assert_eq!(after.len(), 60);
@@ -1070,14 +1094,7 @@ async fn a_relays_health_says_ready_live_and_what_it_published() {
     config.poll_interval = Duration::from_millis(50);
     let health = config.health.clone();
     assert!(!health.ready() && !health.live(Duration::from_secs(60)));
-    let cancel = CancellationToken::new();
-    let task = tokio::spawn(run_relay(
-        env.kafka_config("relay"),
-        config,
-        env.store.clone(),
-        Arc::new(NoopMetrics),
-        cancel.clone(),
-    ));
+    let relay = start_relay(&env, config, Arc::new(NoopMetrics));
     for i in 0..5 {
         enqueue_one(
             &env.store,
@@ -1099,10 +1116,7 @@ async fn a_relays_health_says_ready_live_and_what_it_published() {
             .since_success()
             .is_some_and(|d| d < Duration::from_secs(1))
     );
-    cancel.cancel();
-    task.await
-        .unwrap_or_else(|e| panic!("{e}"))
-        .unwrap_or_else(|e| panic!("{e}"));
+    relay.stop().await;
     assert!(!health.ready(), "left the group");
     assert_eq!(health.slots(), 0);
 }
@@ -1136,14 +1150,7 @@ async fn a_relay_reports_the_outbox_backlog_and_its_age() {
     config.poll_interval = Duration::from_millis(50);
     config.backlog_every = Some(Duration::from_millis(100));
     let seen = Arc::new(Backlogs::default());
-    let cancel = CancellationToken::new();
-    let task = tokio::spawn(run_relay(
-        env.kafka_config("relay"),
-        config,
-        env.store.clone(),
-        seen.clone(),
-        cancel.clone(),
-    ));
+    let relay = start_relay(&env, config, seen.clone());
     let latest = || seen.0.lock().expect("lock").last().copied();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     while latest().is_none() && tokio::time::Instant::now() < deadline {
@@ -1165,10 +1172,7 @@ async fn a_relay_reports_the_outbox_backlog_and_its_age() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(latest(), Some((0, Duration::ZERO)), "nothing pending");
-    cancel.cancel();
-    task.await
-        .unwrap_or_else(|e| panic!("{e}"))
-        .unwrap_or_else(|e| panic!("{e}"));
+    relay.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,6 +7,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use inbox_postgres::sea_orm::ConnectionTrait;
+
+use crate::operator::Operator;
 use inbox_postgres::{PgStore, TableName};
 use inbox_testkit::kafka::json_record;
 use inbox_testkit::pg::count;
@@ -28,22 +30,9 @@ pub(crate) fn run() -> Result<()> {
         &[],
     )?;
     // the operator's command, for the dead letter kafka_to_postgres replays
-    crate::cargo(
-        &[
-            "build",
-            "-p",
-            "inbox",
-            "--features",
-            "cli",
-            "--bin",
-            "inbox",
-        ],
-        &[],
-    )?;
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map_or_else(|| crate::workspace_root().join("target"), Into::into);
+    let command = Operator::build("inbox")?;
+    let target = crate::operator::target_dir();
     let exe = |name: &str| target.join("debug/examples").join(name);
-    let command = target.join("debug/inbox");
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -208,29 +197,7 @@ fn harness<T>(r: Result<T, inbox_testkit::pg::HarnessError>) -> Result<T> {
     r.map_err(|e| anyhow::anyhow!("{e}"))
 }
 
-/// Runs the `inbox` command at `command` on `url`: what it printed, if it
-/// succeeded.
-fn operator(command: &std::path::Path, url: &str, args: &[&str]) -> Result<String> {
-    println!("$ inbox {}", args.join(" "));
-    let out = Command::new(command)
-        .args(args)
-        .env("DATABASE_URL", url)
-        .output()
-        .with_context(|| format!("starting {}", command.display()))?;
-    let printed = String::from_utf8_lossy(&out.stdout).into_owned();
-    print!("{printed}");
-    if !out.status.success() {
-        bail!(
-            "inbox {} failed ({}): {}",
-            args.join(" "),
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    Ok(printed)
-}
-
-async fn kafka_to_postgres(exe: &std::path::Path, command: &std::path::Path) -> Result<()> {
+async fn kafka_to_postgres(exe: &std::path::Path, command: &Operator) -> Result<()> {
     println!(
         "$ {} (DATABASE_URL, KAFKA_BROKERS, TOPIC set)",
         exe.display()
@@ -326,17 +293,17 @@ async fn kafka_to_postgres(exe: &std::path::Path, command: &std::path::Path) -> 
         .connection()
         .execute_unprepared("ALTER TABLE invoices DROP CONSTRAINT invoices_total_limit")
         .await?;
-    let listed = operator(command, &url, &["--json", "dead-letters", "list"])?;
+    let listed = command
+        .run(&url, None, &["--json", "dead-letters", "list"])
+        .await?;
     let letters: serde_json::Value = serde_json::from_str(listed.trim())?;
     let id = letters[0]["id"]
         .as_i64()
         .with_context(|| format!("no dead letter listed: {listed}"))?
         .to_string();
-    let replayed = operator(
-        command,
-        &url,
-        &["dead-letters", "replay", &id, "--wait", "60"],
-    )?;
+    let replayed = command
+        .run(&url, None, &["dead-letters", "replay", &id, "--wait", "60"])
+        .await?;
     if !replayed.contains(&format!("replayed {id}")) {
         bail!("the replay of dead letter {id}: {replayed}");
     }

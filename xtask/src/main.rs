@@ -17,6 +17,7 @@ mod bench;
 mod bench_outbox;
 mod demo;
 mod examples;
+mod operator;
 mod pipeline;
 mod scale;
 mod setup;

@@ -34,6 +34,7 @@ use inbox_postgres::sea_orm::{ConnectionTrait, DbBackend, Statement, Transaction
 use inbox_postgres::{Outbox, PgStore, PgTx, TableName};
 use serde_json::json;
 
+use crate::operator::Operator;
 use crate::sql::{effects, scalar};
 
 const ORDERS: i64 = 2_000;
@@ -262,21 +263,7 @@ fn stop(mut child: Child) -> Result<()> {
 /// `cargo xtask demo`: runs the pipeline with `relays` relay processes.
 pub(crate) fn run(relays: u32) -> Result<()> {
     // the operator's command, as an operator runs it
-    crate::cargo(
-        &[
-            "build",
-            "-p",
-            "inbox",
-            "--features",
-            "cli",
-            "--bin",
-            "inbox",
-        ],
-        &[],
-    )?;
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map_or_else(|| crate::workspace_root().join("target"), Into::into);
-    let command = Operator(target.join("debug/inbox"));
+    let command = Operator::build(TABLE)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -284,46 +271,16 @@ pub(crate) fn run(relays: u32) -> Result<()> {
     rt.block_on(pipeline(relays.max(1), &command))
 }
 
-/// The `inbox` binary.
-struct Operator(std::path::PathBuf);
-
-impl Operator {
-    /// Runs `inbox --table pipeline ARGS` on the database `url` and the
-    /// brokers `brokers`, prints the command and what it printed; what it
-    /// printed, if it succeeded.
-    async fn run(&self, (url, brokers): (&str, &str), args: &[&str]) -> Result<String> {
-        println!("  $ inbox {}", args.join(" "));
-        let out = tokio::process::Command::new(&self.0)
-            .args(["--table", TABLE])
-            .args(args)
-            .env("DATABASE_URL", url)
-            .env("KAFKA_BROKERS", brokers)
-            .output()
-            .await
-            .with_context(|| format!("starting {}", self.0.display()))?;
-        let printed = String::from_utf8_lossy(&out.stdout).into_owned();
-        for line in printed.lines() {
-            println!("    {line}");
-        }
-        if !out.status.success() {
-            bail!(
-                "inbox {} failed ({}): {}",
-                args.join(" "),
-                out.status,
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        Ok(printed)
-    }
-}
-
 /// The fix, as an operator carries it out: the dead letters listed with the
 /// command, each one replayed by the fixed billing process.
-async fn replay_dead_letters(command: &Operator, url: (&str, &str)) -> Result<usize> {
-    command.run(url, &["dead-letters", "list"]).await?;
+async fn replay_dead_letters(command: &Operator, (url, brokers): (&str, &str)) -> Result<usize> {
+    command
+        .run(url, Some(brokers), &["dead-letters", "list"])
+        .await?;
     let listed = command
         .run(
             url,
+            Some(brokers),
             &["--json", "dead-letters", "list", "--group", "billing"],
         )
         .await?;
@@ -335,11 +292,16 @@ async fn replay_dead_letters(command: &Operator, url: (&str, &str)) -> Result<us
         .unwrap_or_default();
     for id in &ids {
         command
-            .run(url, &["dead-letters", "show", &id.to_string()])
+            .run(
+                url,
+                Some(brokers),
+                &["dead-letters", "show", &id.to_string()],
+            )
             .await?;
         command
             .run(
                 url,
+                Some(brokers),
                 &["dead-letters", "replay", &id.to_string(), "--wait", "60"],
             )
             .await?;
@@ -549,7 +511,7 @@ async fn pipeline(relays: u32, command: &Operator) -> Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
-    command.run((&url, &brokers), &["status"]).await?;
+    command.run(&url, Some(&brokers), &["status"]).await?;
     let elapsed = started.elapsed();
     writer.await??;
     cancel.cancel();

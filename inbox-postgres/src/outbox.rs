@@ -447,17 +447,13 @@ impl OutboxStore for PgStore {
     }
 
     async fn has_pending(&self, slots: &[i32], except: &[i64]) -> Result<Option<bool>, StoreError> {
-        // one statement, typed arrays, no transaction: the relay's idle probe
+        // one statement, typed arrays, no transaction: the relay's idle
+        // probe, through the read function (one row at most), so that the
+        // probe and the read cannot disagree on what waits
         let pool = self.db.get_postgres_connection_pool();
         let sql = sea_orm::sqlx::AssertSqlSafe(format!(
-            "SELECT EXISTS (
-               SELECT 1 FROM {o} o
-                WHERE o.status = 'pending' AND o.slot = ANY($1::int[])
-                  AND NOT (o.id = ANY($2::bigint[]))
-                  AND NOT EXISTS (SELECT 1 FROM {o} d
-                                   WHERE d.status = 'dead' AND d.holds
-                                     AND d.topic = o.topic AND d.msg_key = o.msg_key AND d.id < o.id))",
-            o = self.table.outbox()
+            "SELECT EXISTS (SELECT 1 FROM {}($1, 1, $2))",
+            self.table.outbox_read()
         ));
         let (found,): (bool,) = sea_orm::sqlx::query_as(sql)
             .bind(slots)

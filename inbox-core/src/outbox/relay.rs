@@ -309,16 +309,22 @@ where
     /// The ids to leave out of the next read; the pauses that ran out give
     /// their rows back (read again, oldest first).
     fn resume_paused(&mut self, now: Instant) -> Vec<i64> {
-        let mut except = Vec::new();
         for h in self.paused.values_mut() {
             if h.until <= now {
                 self.parked_ids = self.parked_ids.saturating_sub(h.ids.len());
                 h.ids.clear();
-            } else {
-                except.extend_from_slice(&h.ids);
             }
         }
-        except
+        self.parked(now)
+    }
+
+    /// The ids of the rows parked by pauses still in force at `now`.
+    fn parked(&self, now: Instant) -> Vec<i64> {
+        self.paused
+            .values()
+            .filter(|h| h.until > now)
+            .flat_map(|h| h.ids.iter().copied())
+            .collect()
     }
 
     /// Whether to stop idling and read: the store says a row of the slots
@@ -330,13 +336,7 @@ where
             return false;
         }
         let slots: Vec<i32> = self.claims.keys().copied().collect();
-        let now = Instant::now();
-        let except: Vec<i64> = self
-            .paused
-            .values()
-            .filter(|h| h.until > now)
-            .flat_map(|h| h.ids.iter().copied())
-            .collect();
+        let except = self.parked(Instant::now());
         match self.store.has_pending(&slots, &except).await {
             Ok(found) => found.unwrap_or(false),
             Err(e) => {

@@ -458,6 +458,136 @@ async fn a_relay_whose_slots_were_taken_over_marks_nothing() {
     );
 }
 
+/// A relay holding every slot that reads `batch` rows a round.
+async fn relay_batched(
+    env: &common::Env,
+    member: &str,
+    batch: usize,
+) -> Relay<PgStore, KafkaPublisher> {
+    let publisher = KafkaPublisher::connect(&env.kafka_config("relay"))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut config = RelayConfig::new(member).unwrap_or_else(|e| panic!("{e}"));
+    config.batch_size = batch;
+    let mut r = Relay::new(env.store.clone(), publisher, config);
+    r.hold(&all_slots()).await.unwrap_or_else(|e| panic!("{e}"));
+    r
+}
+
+/// Events `e0..e{n}` on keys `k0..k9` in turn, one transaction each.
+async fn enqueue_on_ten_keys(env: &common::Env, n: usize) {
+    for i in 0..n {
+        enqueue_one(
+            &env.store,
+            &OutboxMessage::new(&env.topic, "{}")
+                .key(format!("k{}", i % 10))
+                .message_id(format!("e{i}")),
+        )
+        .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipelined_rounds_mark_each_round_with_the_next_read_and_publish_each_event_once() {
+    let env = env("outbox-pipelined", 2).await;
+    enqueue_on_ten_keys(&env, 30).await;
+    let mut relay = relay_batched(&env, "relay-pipelined", 10).await;
+    let mut figures = Vec::new();
+    for _ in 0..4 {
+        let round = relay
+            .round_pipelined()
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        figures.push((
+            round.fetched,
+            round.published,
+            status_count(&env.store, "pending").await,
+            published(&env).await.len(),
+        ));
+    }
+    assert_eq!(
+        figures,
+        [
+            // read 10, published them, their marks in flight
+            (10, 0, 30, 10),
+            // the next 10 (not the 10 in flight), the first 10 marked
+            (10, 10, 20, 20),
+            (10, 10, 10, 30),
+            // nothing left to read; the last 10 marked with the read
+            (0, 10, 0, 30),
+        ],
+        "(fetched, marked, pending, on the broker) per round"
+    );
+    assert_eq!(
+        relay
+            .flush()
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .published,
+        0
+    );
+    let records = published(&env).await;
+    let ids: BTreeSet<&str> = records.iter().map(|r| r.2.as_str()).collect();
+    assert_eq!((records.len(), ids.len()), (30, 30), "each event once");
+    // each key's events in their order (a key's partition holds them in id order)
+    for k in 0..10 {
+        let key = format!("k{k}");
+        let of_key: Vec<&str> = records
+            .iter()
+            .filter(|r| r.1.as_deref() == Some(key.as_str()))
+            .map(|r| r.2.as_str())
+            .collect();
+        let expected: Vec<String> = (0..3).map(|j| format!("e{}", k + 10 * j)).collect();
+        assert_eq!(of_key, expected, "key {key}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_while_marks_are_in_flight_refuses_them_and_stops_the_old_relay() {
+    let env = env("outbox-pipelined-fence", 2).await;
+    enqueue_on_ten_keys(&env, 20).await;
+    let mut old = relay_batched(&env, "relay-old", 10).await;
+    let first = old
+        .round_pipelined()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!((first.fetched, first.published), (10, 0));
+    let mut new = relay(&env, "relay-new").await; // claims every slot again
+    let zombie = old
+        .round_pipelined()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        (zombie.fetched, zombie.published, zombie.unmarked),
+        (0, 0, 10),
+        "the marks in flight refused; the rows read with them not published"
+    );
+    assert!(old.claims().is_empty(), "the stale claims are dropped");
+    assert_eq!(
+        published(&env).await.len(),
+        10,
+        "the old relay published one round"
+    );
+    assert_eq!(status_count(&env.store, "pending").await, 20);
+    assert_eq!(drain(&mut new).await, 20);
+    let records = published(&env).await;
+    let mut per_id: BTreeMap<String, usize> = BTreeMap::new();
+    for r in &records {
+        *per_id.entry(r.2.clone()).or_default() += 1;
+    }
+    assert_eq!(per_id.len(), 20);
+    let twice: Vec<&String> = per_id
+        .iter()
+        .filter(|(_, n)| **n == 2)
+        .map(|(id, _)| id)
+        .collect();
+    assert_eq!(
+        twice.len(),
+        10,
+        "the zombie's round again, with the same ids: {per_id:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_event_holds_its_key_and_the_rest_moves_on() {
     for policy in [OnRefused::Hold, OnRefused::Skip] {

@@ -433,35 +433,86 @@ pub fn schema_steps(t: &TableName) -> Vec<SchemaStep> {
             // pending row (the planner, before the table has statistics,
             // takes the backlog for a dozen rows and sorts all of it), which
             // the function's own settings rule out; typed arguments.
-            vec![format!(
-                "CREATE OR REPLACE FUNCTION {f}(slots int[], lim bigint, except_ids bigint[])
-                 RETURNS TABLE (id bigint, message_id text, topic text, msg_key bytea,
-                                payload bytea, headers text, slot int, created_at timestamptz)
-                 LANGUAGE sql STABLE
-                 SET enable_sort = off SET enable_bitmapscan = off
-                 AS $read$
-                   SELECT o.id, o.message_id::text, o.topic::text, o.msg_key, o.payload,
-                          o.headers::text, o.slot, o.created_at
-                     FROM {o} o
-                    WHERE o.status = 'pending'
-                      AND o.slot = ANY($1)
-                      AND NOT EXISTS (SELECT 1 FROM {o} d
-                                       WHERE d.status = 'dead' AND d.holds
-                                         AND d.topic = o.topic AND d.msg_key = o.msg_key
-                                         AND d.id < o.id)
-                      AND NOT (o.id = ANY($3))
-                    ORDER BY o.id
-                    LIMIT $2
-                 $read$",
-                f = t.outbox_read(),
-                o = t.outbox(),
-            )],
-            vec![format!(
-                "DROP FUNCTION IF EXISTS {}(int[], bigint, bigint[])",
-                t.outbox_read()
-            )],
+            vec![read_function_sql(t)],
+            vec![drop_read_function(t)],
+        ),
+        step(
+            "outbox_read_planned",
+            // The same read planned at each call with its arguments'
+            // values (PL/pgSQL's EXECUTE ... USING): the ids left out
+            // become a hashed set instead of a list scanned for every row.
+            // A pipelined relay leaves out the rows of its previous round,
+            // whose marks are in flight: 5,000 ids against 20,000 pending
+            // rows took 126 ms a read with the list, 5-8 ms hashed.
+            vec![read_function_plpgsql(t)],
+            vec![read_function_sql(t)],
         ),
     ]
+}
+
+/// The relay's read: pending rows of the slots `$1`, not behind a dead
+/// row that holds their key, but for the ids `$3`, by id, at most `$2`.
+fn read_query(t: &TableName, except: &str) -> String {
+    format!(
+        "SELECT o.id, o.message_id::text, o.topic::text, o.msg_key, o.payload,
+                o.headers::text, o.slot, o.created_at
+           FROM {o} o
+          WHERE o.status = 'pending'
+            AND o.slot = ANY($1)
+            AND NOT EXISTS (SELECT 1 FROM {o} d
+                             WHERE d.status = 'dead' AND d.holds
+                               AND d.topic = o.topic AND d.msg_key = o.msg_key
+                               AND d.id < o.id)
+            AND {except}
+          ORDER BY o.id
+          LIMIT $2",
+        o = t.outbox(),
+    )
+}
+
+/// The head of the read function, up to its body.
+fn read_function_head(t: &TableName, language: &str) -> String {
+    format!(
+        "CREATE OR REPLACE FUNCTION {f}(slots int[], lim bigint, except_ids bigint[])
+         RETURNS TABLE (id bigint, message_id text, topic text, msg_key bytea,
+                        payload bytea, headers text, slot int, created_at timestamptz)
+         LANGUAGE {language} STABLE
+         SET enable_sort = off SET enable_bitmapscan = off",
+        f = t.outbox_read(),
+    )
+}
+
+/// The read function of step `outbox_read`: SQL, planned once for any
+/// arguments.
+fn read_function_sql(t: &TableName) -> String {
+    format!(
+        "{head}
+         AS $read$ {query} $read$",
+        head = read_function_head(t, "sql"),
+        query = read_query(t, "NOT (o.id = ANY($3))"),
+    )
+}
+
+/// The read function of step `outbox_read_planned`: planned at each call
+/// with the arguments' values.
+fn read_function_plpgsql(t: &TableName) -> String {
+    format!(
+        "{head}
+         AS $read$
+         BEGIN
+           RETURN QUERY EXECUTE $query$ {query} $query$ USING slots, lim, except_ids;
+         END
+         $read$",
+        head = read_function_head(t, "plpgsql"),
+        query = read_query(t, "o.id <> ALL ($3)"),
+    )
+}
+
+fn drop_read_function(t: &TableName) -> String {
+    format!(
+        "DROP FUNCTION IF EXISTS {}(int[], bigint, bigint[])",
+        t.outbox_read()
+    )
 }
 
 /// The statements that create the current schema: the inbox table, its

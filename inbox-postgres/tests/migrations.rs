@@ -70,6 +70,17 @@ async fn schema(db: &DatabaseConnection) -> BTreeSet<String> {
         )
         .await,
     );
+    // functions with their language (the read function is PL/pgSQL
+    // since step 9, planned with its arguments)
+    all.extend(
+        rows(
+            db,
+            "SELECT p.proname || ' ' || l.lanname || ' ' || pg_get_function_arguments(p.oid) \
+             FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang \
+             WHERE p.pronamespace = 'public'::regnamespace",
+        )
+        .await,
+    );
     all.retain(|s| !s.contains("seaql_migrations"));
     all
 }
@@ -121,6 +132,7 @@ async fn a_database_of_the_first_migration_reaches_the_current_schema() {
             "m20261130_000006_outbox_inbox",
             "m20261130_000007_inbox_dead_letter_replay_inbox",
             "m20261130_000008_outbox_read_inbox",
+            "m20261130_000009_outbox_read_planned_inbox",
         ]
     );
 
@@ -139,6 +151,12 @@ async fn a_database_of_the_first_migration_reaches_the_current_schema() {
         "upgraded vs created"
     );
     assert!(upgraded.len() > 50, "{upgraded:?}");
+    assert!(
+        upgraded
+            .iter()
+            .any(|s| s.starts_with("inbox_outbox_pending plpgsql")),
+        "the read function is planned with its arguments: {upgraded:?}"
+    );
 
     // data kept; the duplicate dead letter collapsed under the new key
     assert_eq!(count(&old, "SELECT count(*) FROM inbox").await, 1);

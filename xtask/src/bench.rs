@@ -75,7 +75,7 @@ use inbox_testkit::MemBroker;
 use crate::bench_outbox::{Write, writers as writer};
 use serde_json::json;
 
-const LINES: [&str; 28] = [
+const LINES: [&str; 29] = [
     "omni-box",
     "floor",
     "raw-batch",
@@ -101,6 +101,7 @@ const LINES: [&str; 28] = [
     "writer-notify-8",
     "producer",
     "relay",
+    "relay-serial",
     "relay-2",
     "relay-latency",
     "relay-soak",
@@ -253,6 +254,7 @@ pub(crate) fn run(mut o: Options) -> Result<()> {
         ("consumer-tls", "consumer-front"),
         ("consumer-tls", "consumer"),
         ("relay", "producer"),
+        ("relay", "relay-serial"),
         ("relay-2", "producer"),
         ("relay-2", "relay"),
         ("processor", "graphile"),
@@ -361,8 +363,11 @@ pub(crate) fn line(args: &[String]) -> Result<()> {
             "e2e" => kafka(store, messages, true, Link::Direct).await,
             "producer" => crate::bench_outbox::producer(messages).await,
             // the relays hold their own connections (and a listener)
-            "relay" => crate::bench_outbox::relays(pooled(&url).await?, messages, 1).await,
-            "relay-2" => crate::bench_outbox::relays(pooled(&url).await?, messages, 2).await,
+            "relay" => crate::bench_outbox::relays(pooled(&url).await?, messages, 1, true).await,
+            "relay-serial" => {
+                crate::bench_outbox::relays(pooled(&url).await?, messages, 1, false).await
+            }
+            "relay-2" => crate::bench_outbox::relays(pooled(&url).await?, messages, 2, true).await,
             "relay-latency" => {
                 let rate = std::env::var("BENCH_RATE")
                     .ok()

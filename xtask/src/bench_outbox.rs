@@ -6,7 +6,10 @@
 //!   partition, the partitions at once, the records built on the clock as
 //!   the relay builds them from its rows: the ceiling for a relay;
 //! - `relay`: one relay publishing as many events enqueued beforehand
-//!   (read, produce, mark sent; rounds of 1,000);
+//!   (read, produce, mark sent; rounds of 5,000, pipelined as `run` makes
+//!   them: each round's marks written with the next round's read);
+//! - `relay-serial`: the same with rounds one after the other (read,
+//!   produce, mark; `Relay::round`): what the pipelining gains;
 //! - `relay-2`: two relays sharing the slots, each its own connections;
 //! - `relay-latency`: events enqueued by eight writers at a fixed rate
 //!   while a relay runs as in production (idle, it probes every 25 ms):
@@ -186,9 +189,14 @@ pub(crate) async fn producer(messages: u64) -> Result<Duration> {
     Ok(started.elapsed())
 }
 
-/// `relay` and `relay-2`: `relays` relays publishing events enqueued
-/// beforehand.
-pub(crate) async fn relays(store: PgStore, messages: u64, relays: usize) -> Result<Duration> {
+/// `relay`, `relay-serial` and `relay-2`: `relays` relays publishing
+/// events enqueued beforehand, in pipelined rounds or one after the other.
+pub(crate) async fn relays(
+    store: PgStore,
+    messages: u64,
+    relays: usize,
+    pipelined: bool,
+) -> Result<Duration> {
     let (broker, topic) = broker().await?;
     enqueue_all(&store, &topic, 0, messages, ENQUEUE_CHUNK).await?;
     let mut ready = Vec::new();
@@ -206,13 +214,20 @@ pub(crate) async fn relays(store: PgStore, messages: u64, relays: usize) -> Resu
         ready.push(relay);
     }
     let started = Instant::now();
+    // rounds as `run` makes them while a backlog waits: each one's marks
+    // written with the next one's read
     let tasks = ready.into_iter().map(|mut relay| async move {
         loop {
-            let round = relay.round().await?;
+            let round = if pipelined {
+                relay.round_pipelined().await?
+            } else {
+                relay.round().await?
+            };
             if let Some(f) = round.failed {
                 bail!("a round failed: {f}");
             }
             if round.fetched == 0 {
+                relay.flush().await?;
                 return Ok::<_, anyhow::Error>(());
             }
         }

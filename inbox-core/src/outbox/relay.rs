@@ -243,6 +243,19 @@ pub struct Relay<S, P> {
     paused: HashMap<(String, i32), Paused>,
     /// How many ids `paused` keeps in all.
     parked_ids: usize,
+    /// A pipelined round's acknowledged rows, marked with the next read.
+    in_flight: Option<InFlight>,
+    /// Marks counted by a pipelined round whose read then failed: given to
+    /// the next round's figures.
+    carried: RelayRound,
+}
+
+/// Rows the broker acknowledged whose mark is not written yet, with the
+/// claims they were published under.
+#[derive(Debug)]
+struct InFlight {
+    claims: Vec<SlotClaim>,
+    ids: Vec<i64>,
 }
 
 impl<S, P> std::fmt::Debug for Relay<S, P> {
@@ -271,6 +284,8 @@ where
             unknown_since: HashMap::new(),
             paused: HashMap::new(),
             parked_ids: 0,
+            in_flight: None,
+            carried: RelayRound::default(),
         }
     }
 
@@ -391,23 +406,102 @@ where
     /// One round: reads up to `batch_size` pending rows of the held slots,
     /// publishes them (one append per partition, the partitions at once),
     /// marks what the broker acknowledged, dead-letters what it refused.
+    /// The marks of an earlier [`round_pipelined`](Self::round_pipelined)
+    /// are written first, with the read.
     ///
     /// # Errors
     ///
     /// The store's, when reading or marking fails (what was published and
     /// not marked is published again later, with the same id).
     pub async fn round(&mut self) -> Result<RelayRound, StoreError> {
-        let mut round = RelayRound::default();
-        if self.claims.is_empty() {
-            return Ok(round);
+        self.step(false).await
+    }
+
+    /// A round whose marks are left in flight: they are written by the
+    /// next round at the same time as its read (that read leaves the rows
+    /// in flight out), or by [`flush`](Self::flush). The round's database
+    /// work runs beside itself instead of one after the other: what
+    /// [`run`](Self::run) does while the outbox has a backlog. The
+    /// figures of the marks written (`published`, `unmarked`) are the
+    /// previous round's.
+    ///
+    /// Nothing is given up: the marks are written under the claims the
+    /// rows were published under, so a relay whose slots were taken over
+    /// in between marks nothing (and publishes none of those slots' rows
+    /// read with the marks); a relay that dies with marks in flight leaves
+    /// the rows pending, published again with the same ids, as when it
+    /// dies between publishing and marking.
+    ///
+    /// # Errors
+    ///
+    /// As [`round`](Self::round).
+    pub async fn round_pipelined(&mut self) -> Result<RelayRound, StoreError> {
+        self.step(true).await
+    }
+
+    /// Writes the marks a [`round_pipelined`](Self::round_pipelined) left
+    /// in flight, if any.
+    ///
+    /// # Errors
+    ///
+    /// The store's (the rows stay pending and are published again, with
+    /// the same ids).
+    pub async fn flush(&mut self) -> Result<RelayRound, StoreError> {
+        let mut round = std::mem::take(&mut self.carried);
+        if let Some(f) = self.in_flight.take() {
+            self.mark(&f.claims, &f.ids, &mut round).await?;
+            if round.unmarked > 0 {
+                self.drop_stale_claims().await?;
+            }
         }
+        Ok(round)
+    }
+
+    /// The rows a round publishes: reads up to `batch_size` pending rows
+    /// of the held slots, writing the marks in flight meanwhile (leaving
+    /// their rows out of the read); a takeover those marks met drops the
+    /// slots and their rows.
+    async fn read(
+        &mut self,
+        now: Instant,
+        round: &mut RelayRound,
+    ) -> Result<Vec<OutboxRow>, StoreError> {
         let slots: Vec<i32> = self.claims.keys().copied().collect();
+        let mut except = self.resume_paused(now);
+        let Some(previous) = self.in_flight.take() else {
+            return self
+                .store
+                .pending(&slots, self.config.batch_size, &except)
+                .await;
+        };
+        except.extend_from_slice(&previous.ids);
+        let (read, marked) = tokio::join!(
+            self.store.pending(&slots, self.config.batch_size, &except),
+            self.store
+                .mark_sent(&self.config.group, &previous.claims, &previous.ids)
+        );
+        self.count_marks(previous.ids.len(), marked?, round);
+        let mut rows = match read {
+            Ok(rows) => rows,
+            Err(e) => {
+                self.carried = std::mem::take(round);
+                return Err(e);
+            }
+        };
+        if round.unmarked > 0 {
+            self.drop_stale_claims().await?;
+            rows.retain(|r| self.claims.contains_key(&r.slot));
+        }
+        Ok(rows)
+    }
+
+    async fn step(&mut self, pipelined: bool) -> Result<RelayRound, StoreError> {
+        if self.claims.is_empty() {
+            return self.flush().await;
+        }
+        let mut round = std::mem::take(&mut self.carried);
         let now = Instant::now();
-        let except = self.resume_paused(now);
-        let rows = self
-            .store
-            .pending(&slots, self.config.batch_size, &except)
-            .await?;
+        let rows = self.read(now, &mut round).await?;
         round.fetched = rows.len();
         let mut dead: Vec<(&OutboxRow, String)> = Vec::new();
         // (topic, partition) -> rows in id order; the order groups were met
@@ -481,6 +575,8 @@ where
         let mut done: Vec<usize> = Vec::new();
         let mut refused: Vec<usize> = Vec::new();
         let mut failed: Vec<(usize, PublishError)> = Vec::new();
+        // acknowledged rows whose mark waits for the next round's read
+        let mut deferred: Vec<i64> = Vec::new();
         while let Some(first) = appends.next().await {
             let mut ready = vec![first];
             while let Some(Some(more)) = appends.next().now_or_never() {
@@ -497,7 +593,11 @@ where
                     Err(e) => failed.push((i, e)),
                 }
             }
-            self.mark(&claims, &sent, &mut round).await?;
+            if pipelined {
+                deferred.extend(sent);
+            } else {
+                self.mark(&claims, &sent, &mut round).await?;
+            }
         }
         drop(appends);
         let mut sent: Vec<i64> = Vec::new();
@@ -510,7 +610,11 @@ where
                 round.failed.get_or_insert(f.to_string());
             }
         }
-        self.mark(&claims, &sent, &mut round).await?;
+        if pipelined {
+            deferred.extend(sent);
+        } else {
+            self.mark(&claims, &sent, &mut round).await?;
+        }
         for i in done {
             self.paused.remove(&groups[i].0);
         }
@@ -528,6 +632,12 @@ where
         }
         if round.unmarked > 0 {
             self.drop_stale_claims().await?;
+        }
+        if !deferred.is_empty() {
+            self.in_flight = Some(InFlight {
+                claims,
+                ids: deferred,
+            });
         }
         for (row, error) in dead {
             let Some(&epoch) = self.claims.get(&row.slot) else {
@@ -575,15 +685,21 @@ where
             .store
             .mark_sent(&self.config.group, claims, ids)
             .await?;
+        self.count_marks(ids.len(), marked, round);
+        Ok(())
+    }
+
+    /// Adds to `round` that `marked` of `sent` rows were marked (the rest
+    /// refused by a takeover).
+    fn count_marks(&self, sent: usize, marked: u64, round: &mut RelayRound) {
         round.published += marked;
-        round.unmarked += (ids.len() as u64).saturating_sub(marked);
+        round.unmarked += (sent as u64).saturating_sub(marked);
         if marked > 0 {
             record_safely(
                 &*self.metrics,
                 MetricEvent::OutboxPublished { count: marked },
             );
         }
-        Ok(())
     }
 
     /// The rows of a refused batch one at a time: which were taken, which
@@ -761,7 +877,37 @@ where
                 }
             }
             let mut wait = self.config.poll_interval;
-            let round = self.round().await;
+            // while rounds come full, each one's marks are written with
+            // the next one's read; before idling, at once
+            let mut round = self.round_pipelined().await;
+            let busy = round.as_ref().is_ok_and(|r| {
+                r.fetched >= self.config.batch_size
+                    && (self.in_flight.is_some() || r.published + r.unmarked + r.dead_lettered > 0)
+            });
+            if !busy && self.in_flight.is_some() {
+                round = match (round, self.flush().await) {
+                    (Ok(mut r), Ok(f)) => {
+                        r.published += f.published;
+                        r.unmarked += f.unmarked;
+                        Ok(r)
+                    }
+                    (Err(e), Ok(f)) => {
+                        // counted with the next round
+                        self.carried = f;
+                        Err(e)
+                    }
+                    (r, Err(e)) => {
+                        if let Ok(r) = r {
+                            self.carried = RelayRound {
+                                fetched: 0,
+                                failed: None,
+                                ..r
+                            };
+                        }
+                        Err(e)
+                    }
+                };
+            }
             self.config.health.round(
                 round.is_ok(),
                 round.as_ref().map_or(0, |r| r.published),
@@ -779,8 +925,7 @@ where
                     if let Some(f) = &r.failed {
                         tracing::warn!(member = %me, error = %f, "outbox round left events pending; their partition backs off");
                     }
-                    let progress = r.published + r.unmarked + r.dead_lettered > 0;
-                    if progress && r.fetched >= self.config.batch_size {
+                    if busy {
                         continue;
                     }
                     if let Some(at) = self.next_resume() {
@@ -820,6 +965,16 @@ where
             }
             if cancel.is_cancelled() {
                 break;
+            }
+        }
+        // the marks of the last round, if it was stopped while busy
+        match self.flush().await {
+            Ok(f) => {
+                summary.published += f.published;
+                summary.unmarked += f.unmarked;
+            }
+            Err(e) => {
+                tracing::warn!(member = %me, error = %e, "marking the last round failed; its events are published again, with the same ids");
             }
         }
         beating.cancel();

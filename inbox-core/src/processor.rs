@@ -22,6 +22,9 @@
 //!    them; otherwise commit;
 //! 4. the dead-letter hook sees each row on its last counted failure.
 //!
+//! With [`ClaimMode::RowLock`] steps 1-3 are one transaction: the rows are
+//! locked instead of leased, and nothing is written to claim them.
+//!
 //! ```
 //! # async fn demo<S, H>(store: S, handler: H) -> Result<(), inbox_core::ValidationError>
 //! # where S: inbox_core::InboxStore, H: inbox_core::Handler<S::Tx> {
@@ -58,6 +61,24 @@ use crate::store::{DueFilter, InboxStore, InboxTransaction};
 /// Whether [`ProcessorConfig::optimistic`] is on by default.
 const OPTIMISTIC_BY_DEFAULT: bool = true;
 
+/// How a [`BatchProcessor`] takes its batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ClaimMode {
+    /// The claim is written and committed first (`locked_by`,
+    /// `locked_at`), then the batch is worked in a transaction of its own:
+    /// a row's lease outlives the worker's connection until maintenance
+    /// releases it as stale ([`InboxStore::release_stale_locks`]).
+    #[default]
+    Lease,
+    /// The batch is taken by locking its rows in the transaction that
+    /// works it ([`InboxTransaction::lock_due`]): nothing is written to
+    /// claim them, one commit a batch instead of two, and a crashed worker's
+    /// rows are due again as soon as its transaction ends (no stale lease
+    /// to wait for). A store that cannot lock falls back to
+    /// [`ClaimMode::Lease`].
+    RowLock,
+}
+
 /// How a [`BatchProcessor`] works.
 #[derive(Debug, Clone)]
 pub struct ProcessorConfig {
@@ -90,6 +111,8 @@ pub struct ProcessorConfig {
     /// each after `store_backoff`, before they count all the same. Default
     /// 100.
     pub transient_retries: u32,
+    /// How the batch is taken. Default [`ClaimMode::Lease`].
+    pub claim: ClaimMode,
 }
 
 impl ProcessorConfig {
@@ -109,6 +132,7 @@ impl ProcessorConfig {
             store_backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(30), 2.0),
             optimistic: OPTIMISTIC_BY_DEFAULT,
             transient_retries: 100,
+            claim: ClaimMode::Lease,
         })
     }
 }
@@ -410,6 +434,11 @@ where
 
     async fn claim_and_work(&mut self) -> Result<ProcessorBatch, ProcessorError> {
         let worker = self.config.worker_id.clone();
+        if self.config.claim == ClaimMode::RowLock
+            && let Some(batch) = self.work_locked(&worker).await?
+        {
+            return Ok(batch);
+        }
         let rows = self
             .store
             .claim_due(&worker, self.config.batch_size.max(1), &self.config.filter)
@@ -445,52 +474,23 @@ where
         let (mut tx, results) = loop {
             batch.transactions += 1;
             let mut tx = self.store.begin().await?;
-            let mut results = Vec::with_capacity(rows.len());
-            let mut replay = false;
-            for row in rows {
-                if let Some(result) = known.get(&row.id) {
-                    results.push(result.clone());
-                    continue;
+            match self
+                .run_handlers(&mut tx, rows, savepoints, &mut known)
+                .await
+            {
+                Ok(Some(results)) => break (tx, results),
+                Ok(None) => {
+                    abandon(tx).await;
+                    savepoints = true;
                 }
-                let result = match self.handle_row(&mut tx, row, savepoints).await {
-                    Ok(result) => result,
-                    Err(e) => {
-                        abandon(tx).await;
-                        return Err(e.into());
-                    }
-                };
-                if !savepoints && is_failure(&result) {
-                    known.insert(row.id, result);
-                    replay = true;
-                    break;
+                Err(e) => {
+                    abandon(tx).await;
+                    return Err(e.into());
                 }
-                results.push(result);
             }
-            if replay {
-                abandon(tx).await;
-                savepoints = true;
-                continue;
-            }
-            break (tx, results);
         };
         self.last_failed = results.iter().any(is_failure);
-        let mut updates: Vec<(RowId, RowUpdate)> = Vec::with_capacity(rows.len());
-        for (row, result) in rows.iter().zip(results) {
-            let sample = self.sample();
-            let (update, refused) = row_update(
-                &result,
-                row.attempts_made,
-                row.max_attempts,
-                sample,
-                &self.config.rules,
-            );
-            if let Some(e) = refused {
-                tracing::warn!(message_id = %row.message_id, error = %e, "handler result refused");
-                batch.refused.push((row.id, e));
-            }
-            batch.count(&update);
-            updates.push((row.id, update));
-        }
+        let updates = self.updates(rows, results, &mut batch);
         let written = match tx.write_outcomes(worker, &updates).await {
             Ok(n) => n,
             Err(e) if refused(&e) => {
@@ -498,7 +498,9 @@ where
                 // of the whole batch: row by row, so only that row is charged
                 abandon(tx).await;
                 tracing::warn!(error = %e, "the batch's outcomes were refused; handling its rows one at a time");
-                return self.work_row_by_row(worker, rows, batch.transactions).await;
+                return self
+                    .work_row_by_row(worker, rows, batch.transactions, ClaimMode::Lease)
+                    .await;
             }
             Err(e) => {
                 abandon(tx).await;
@@ -517,6 +519,187 @@ where
         self.call_hook(rows.iter().zip(updates.iter().map(|(_, u)| u)), &mut batch)
             .await;
         Ok(batch)
+    }
+
+    /// The handlers of `rows` in `tx` (a savepoint before each when
+    /// `savepoints`), the results in `known` reused: every row's result, or
+    /// `None` when a handler failed without savepoints (its result kept in
+    /// `known`): the caller undoes the transaction's work and runs them
+    /// again with savepoints.
+    async fn run_handlers(
+        &mut self,
+        tx: &mut S::Tx,
+        rows: &[InboxRow],
+        savepoints: bool,
+        known: &mut HashMap<RowId, Result<HandlerResult, Failure>>,
+    ) -> Result<Option<Vec<Result<HandlerResult, Failure>>>, StoreError> {
+        let mut results = Vec::with_capacity(rows.len());
+        for row in rows {
+            if let Some(result) = known.get(&row.id) {
+                results.push(result.clone());
+                continue;
+            }
+            let result = self.handle_row(tx, row, savepoints).await?;
+            if !savepoints && is_failure(&result) {
+                known.insert(row.id, result);
+                return Ok(None);
+            }
+            results.push(result);
+        }
+        Ok(Some(results))
+    }
+
+    /// Each row's update from its handler's result, counted in `batch`.
+    fn updates(
+        &mut self,
+        rows: &[InboxRow],
+        results: Vec<Result<HandlerResult, Failure>>,
+        batch: &mut ProcessorBatch,
+    ) -> Vec<(RowId, RowUpdate)> {
+        let mut updates: Vec<(RowId, RowUpdate)> = Vec::with_capacity(rows.len());
+        for (row, result) in rows.iter().zip(results) {
+            let sample = self.sample();
+            let (update, refused) = row_update(
+                &result,
+                row.attempts_made,
+                row.max_attempts,
+                sample,
+                &self.config.rules,
+            );
+            if let Some(e) = refused {
+                tracing::warn!(message_id = %row.message_id, error = %e, "handler result refused");
+                batch.refused.push((row.id, e));
+            }
+            batch.count(&update);
+            updates.push((row.id, update));
+        }
+        updates
+    }
+
+    /// A batch taken by locking its rows in the transaction that works it
+    /// ([`ClaimMode::RowLock`]); `None` when the store cannot lock (the
+    /// caller claims by lease). Optimistic as [`work`](Self::work), the
+    /// replay going back to a savepoint taken after the lock instead of
+    /// beginning again (a new transaction would let the rows go).
+    async fn work_locked(
+        &mut self,
+        worker: &WorkerId,
+    ) -> Result<Option<ProcessorBatch>, ProcessorError> {
+        let mut tx = self.store.begin().await?;
+        let rows = match tx
+            .lock_due(self.config.batch_size.max(1), &self.config.filter, &[])
+            .await
+        {
+            Ok(rows) => rows,
+            Err(e) if e.kind == StoreErrorKind::Unsupported => {
+                abandon(tx).await;
+                return Ok(None);
+            }
+            Err(e) => {
+                abandon(tx).await;
+                return Err(e.into());
+            }
+        };
+        if rows.is_empty() {
+            abandon(tx).await;
+            return Ok(Some(ProcessorBatch::default()));
+        }
+        let mut batch = ProcessorBatch {
+            claimed: rows.len(),
+            transactions: 1,
+            ..ProcessorBatch::default()
+        };
+        let mut known: HashMap<RowId, Result<HandlerResult, Failure>> = HashMap::new();
+        let mut savepoints = !self.config.optimistic || self.last_failed;
+        if !savepoints && let Err(e) = tx.savepoint().await {
+            abandon(tx).await;
+            return Err(e.into());
+        }
+        let results = loop {
+            let step = match self
+                .run_handlers(&mut tx, &rows, savepoints, &mut known)
+                .await
+            {
+                // a replay goes back to just after the lock: the rows stay
+                // this transaction's, the handlers' writes go
+                Ok(None) => tx.rollback_to_savepoint().await.map(|()| None),
+                other => other,
+            };
+            match step {
+                Ok(Some(results)) => break results,
+                Ok(None) => savepoints = true,
+                Err(e) => {
+                    abandon(tx).await;
+                    return Err(e.into());
+                }
+            }
+        };
+        self.last_failed = results.iter().any(is_failure);
+        let updates = self.updates(&rows, results, &mut batch);
+        let written = match tx.write_locked_outcomes(&updates).await {
+            Ok(n) => n,
+            Err(e) if refused(&e) => {
+                abandon(tx).await;
+                tracing::warn!(error = %e, "the batch's outcomes were refused; handling its rows one at a time");
+                return self
+                    .work_row_by_row(worker, &rows, batch.transactions, ClaimMode::RowLock)
+                    .await
+                    .map(Some);
+            }
+            Err(e) => {
+                abandon(tx).await;
+                return Err(e.into());
+            }
+        };
+        if usize::try_from(written).unwrap_or(0) != updates.len() {
+            // rows this transaction locked cannot change under it: a store
+            // that says otherwise is not trusted with a commit
+            abandon(tx).await;
+            return Err(ProcessorError::LeaseLost {
+                claimed: updates.len(),
+                lost: updates
+                    .len()
+                    .saturating_sub(usize::try_from(written).unwrap_or(0)),
+            });
+        }
+        tx.commit().await?;
+        self.call_hook(rows.iter().zip(updates.iter().map(|(_, u)| u)), &mut batch)
+            .await;
+        Ok(Some(batch))
+    }
+
+    /// A transaction for row `id`'s outcome: by lease, any; by row lock,
+    /// one with the row locked again (`None`: it is no longer due, another
+    /// worker took it after the batch let it go).
+    async fn begin_for(&self, claim: ClaimMode, id: RowId) -> Result<Option<S::Tx>, StoreError> {
+        let mut tx = self.store.begin().await?;
+        if claim == ClaimMode::RowLock {
+            match tx.lock_due(1, &self.config.filter, &[id]).await {
+                Ok(rows) if rows.is_empty() => {
+                    abandon(tx).await;
+                    return Ok(None);
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    abandon(tx).await;
+                    return Err(e);
+                }
+            }
+        }
+        Ok(Some(tx))
+    }
+
+    /// Writes `updates` on rows held by `claim`.
+    async fn write(
+        tx: &mut S::Tx,
+        claim: ClaimMode,
+        worker: &WorkerId,
+        updates: &[(RowId, RowUpdate)],
+    ) -> Result<u64, StoreError> {
+        match claim {
+            ClaimMode::Lease => tx.write_outcomes(worker, updates).await,
+            ClaimMode::RowLock => tx.write_locked_outcomes(updates).await,
+        }
     }
 
     /// The dead-letter hook on each row's last counted failure.
@@ -548,6 +731,7 @@ where
         worker: &WorkerId,
         rows: &[InboxRow],
         transactions: usize,
+        claim: ClaimMode,
     ) -> Result<ProcessorBatch, ProcessorError> {
         let mut batch = ProcessorBatch {
             claimed: rows.len(),
@@ -557,7 +741,9 @@ where
         let mut outcomes: Vec<(&InboxRow, RowUpdate)> = Vec::with_capacity(rows.len());
         for row in rows {
             batch.transactions += 1;
-            let mut tx = self.store.begin().await?;
+            let Some(mut tx) = self.begin_for(claim, row.id).await? else {
+                continue;
+            };
             let result = match self.handle_row(&mut tx, row, true).await {
                 Ok(result) => result,
                 Err(e) => {
@@ -576,7 +762,7 @@ where
             if let Some(e) = broken {
                 batch.refused.push((row.id, e));
             }
-            match tx.write_outcomes(worker, &[(row.id, update.clone())]).await {
+            match Self::write(&mut tx, claim, worker, &[(row.id, update.clone())]).await {
                 Ok(1) => tx.commit().await?,
                 Ok(_) => {
                     abandon(tx).await;
@@ -599,11 +785,10 @@ where
                         &self.config.rules,
                     );
                     batch.transactions += 1;
-                    let mut tx = self.store.begin().await?;
-                    if tx
-                        .write_outcomes(worker, &[(row.id, update.clone())])
-                        .await?
-                        != 1
+                    let Some(mut tx) = self.begin_for(claim, row.id).await? else {
+                        continue;
+                    };
+                    if Self::write(&mut tx, claim, worker, &[(row.id, update.clone())]).await? != 1
                     {
                         abandon(tx).await;
                         return Err(ProcessorError::LeaseLost {

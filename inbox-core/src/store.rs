@@ -271,6 +271,43 @@ pub trait InboxTransaction: Send + Sized {
         ))
     }
 
+    /// Takes up to `limit` due rows (as [`InboxStore::claim_due`] chooses
+    /// them, and only the rows of `only` unless it is empty) by locking
+    /// them in this transaction (`FOR UPDATE SKIP LOCKED`), writing
+    /// nothing: no other processor takes them while the transaction is
+    /// open, and they are due again as soon as it ends without writing
+    /// their outcomes (a crash, a rollback). Leased rows are left alone.
+    /// The default refuses
+    /// ([`StoreErrorKind::Unsupported`](crate::StoreErrorKind::Unsupported)):
+    /// the processor then claims by lease.
+    async fn lock_due(
+        &mut self,
+        limit: usize,
+        filter: &DueFilter,
+        only: &[RowId],
+    ) -> Result<Vec<InboxRow>, StoreError> {
+        let _ = (limit, filter, only);
+        Err(StoreError::new(
+            crate::StoreErrorKind::Unsupported,
+            "this store cannot lock due rows in a transaction",
+        ))
+    }
+
+    /// Writes the processor's outcomes on rows this transaction locked with
+    /// [`lock_due`](Self::lock_due), in one statement, as
+    /// [`write_outcomes`](Self::write_outcomes) does for leased rows;
+    /// returns how many rows were written. The default refuses.
+    async fn write_locked_outcomes(
+        &mut self,
+        updates: &[(RowId, crate::attempts::RowUpdate)],
+    ) -> Result<u64, StoreError> {
+        let _ = updates;
+        Err(StoreError::new(
+            crate::StoreErrorKind::Unsupported,
+            "this store cannot lock due rows in a transaction",
+        ))
+    }
+
     /// Marks a savepoint: what this transaction does after it can be undone
     /// with [`rollback_to_savepoint`](Self::rollback_to_savepoint) while
     /// what it did before stays (PostgreSQL: `SAVEPOINT`). One savepoint is

@@ -117,6 +117,13 @@ async fn processor_drains_landed_rows() {
     scenarios::processor_drains_landed_rows(MemStore::new()).await;
 }
 
+/// A store that cannot lock rows in a transaction: the processor falls
+/// back to leases, the same rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn processor_by_row_lock_falls_back_to_leases() {
+    scenarios::processor_by_row_lock_drains_landed_rows(MemStore::new()).await;
+}
+
 #[tokio::test]
 async fn processor_never_completes_a_row_it_no_longer_holds() {
     scenarios::processor_never_completes_a_row_it_no_longer_holds(MemStore::new()).await;

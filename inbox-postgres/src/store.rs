@@ -35,6 +35,8 @@ struct Sql {
     claim_due: String,
     release_claims: String,
     write_outcomes: String,
+    write_locked_outcomes: String,
+    lock_due: String,
     find: String,
     release: String,
     delete_completed: String,
@@ -51,6 +53,24 @@ struct Sql {
     publish_lock: String,
     /// The table the statements use.
     table: TableName,
+}
+
+/// The statement writing a batch's outcomes (given as the JSON array
+/// parameter `rows`) on the rows of `q` that meet `held`.
+fn outcomes_sql(q: &str, rows: &str, held: &str) -> String {
+    format!(
+        "UPDATE {q} AS t
+            SET status = u.status, attempts_made = u.attempts,
+                last_error = COALESCE(u.err, t.last_error),
+                scheduled_at = CASE WHEN u.after IS NOT NULL THEN now() + make_interval(secs => u.after)
+                                    ELSE COALESCE(u.due, t.scheduled_at) END,
+                completed_at = CASE WHEN u.status = 'completed' THEN now() END,
+                locked_by = NULL, locked_at = NULL, updated_at = now()
+           FROM (SELECT (e->>'id')::bigint AS id, e->>'s' AS status, (e->>'a')::int AS attempts,
+                        e->>'e' AS err, (e->>'d')::timestamptz AS due, (e->>'w')::float8 AS after
+                   FROM jsonb_array_elements({rows}::text::jsonb) AS e) AS u
+          WHERE t.id = u.id AND {held}"
+    )
 }
 
 impl Sql {
@@ -161,18 +181,26 @@ impl Sql {
             ),
             // Every outcome of a batch in one statement, each only on a row
             // the worker still holds.
-            write_outcomes: format!(
-                "UPDATE {q} AS t
-                    SET status = u.status, attempts_made = u.attempts,
-                        last_error = COALESCE(u.err, t.last_error),
-                        scheduled_at = CASE WHEN u.after IS NOT NULL THEN now() + make_interval(secs => u.after)
-                                            ELSE COALESCE(u.due, t.scheduled_at) END,
-                        completed_at = CASE WHEN u.status = 'completed' THEN now() END,
-                        locked_by = NULL, locked_at = NULL, updated_at = now()
-                   FROM (SELECT (e->>'id')::bigint AS id, e->>'s' AS status, (e->>'a')::int AS attempts,
-                                e->>'e' AS err, (e->>'d')::timestamptz AS due, (e->>'w')::float8 AS after
-                           FROM jsonb_array_elements($2::text::jsonb) AS e) AS u
-                  WHERE t.id = u.id AND t.locked_by = $1"
+            write_outcomes: outcomes_sql(&q, "$2", "t.locked_by = $1"),
+            // The same on rows the transaction locked (no lease written).
+            write_locked_outcomes: outcomes_sql(&q, "$1", "t.locked_by IS NULL AND t.status = 'pending'"),
+            // The processor's batch taken by row locks in its transaction:
+            // the claim's rows, nothing written; `$5`: only these ids
+            // (a JSON array, empty: any).
+            lock_due: format!(
+                "SELECT id, message_id, consumer_group, source, event_type, payload, status,
+                        attempts_made, max_attempts, last_error, scheduled_at, completed_at,
+                        locked_at, locked_by, created_at, updated_at
+                   FROM {q}
+                  WHERE status = 'pending' AND locked_by IS NULL
+                    AND attempts_made < max_attempts AND scheduled_at <= now()
+                    AND ($2::text IS NULL OR consumer_group = $2)
+                    AND ($3::text = '[]' OR source IN (SELECT jsonb_array_elements_text($3::text::jsonb)))
+                    AND ($4::text = '[]' OR event_type IN (SELECT jsonb_array_elements_text($4::text::jsonb)))
+                    AND ($5::text = '[]' OR id IN (SELECT (jsonb_array_elements_text($5::text::jsonb))::bigint))
+                  ORDER BY scheduled_at, id
+                  LIMIT $1
+                  FOR UPDATE SKIP LOCKED"
             ),
             find: format!(
                 "SELECT id, message_id, consumer_group, source, event_type, payload, status,
@@ -501,6 +529,53 @@ fn claimed_row(r: ClaimedRow) -> Result<InboxRow, StoreError> {
     })
 }
 
+impl PgTx {
+    /// Runs an outcome statement `sql` with `lead` and then the outcomes
+    /// (as JSON) for parameters: how many rows it wrote.
+    async fn write_with(
+        &self,
+        sql: &str,
+        mut lead: Vec<sea_orm::Value>,
+        updates: &[(RowId, RowUpdate)],
+    ) -> Result<u64, StoreError> {
+        if updates.is_empty() {
+            return Ok(0);
+        }
+        lead.push(outcomes_json(updates).into());
+        let r = self
+            .conn
+            .inner()
+            .execute_raw(stmt(sql, lead))
+            .await
+            .map_err(db)?;
+        Ok(r.rows_affected())
+    }
+}
+
+/// A batch's outcomes as the JSON array the outcome statements read.
+fn outcomes_json(updates: &[(RowId, RowUpdate)]) -> String {
+    let rows: Vec<serde_json::Value> = updates
+        .iter()
+        .map(|(id, u)| {
+            serde_json::json!({
+                "id": id,
+                "s": u.status.as_str(),
+                "a": u.attempts_made,
+                "e": u.last_error.as_deref().map(storable),
+                "d": match u.due {
+                    Some(Due::At(t)) => Some(t.to_rfc3339()),
+                    _ => None,
+                },
+                "w": match u.due {
+                    Some(Due::After(d)) => Some(d.as_secs_f64()),
+                    _ => None,
+                },
+            })
+        })
+        .collect();
+    serde_json::Value::Array(rows).to_string()
+}
+
 pub(crate) fn db(e: DbErr) -> StoreError {
     map_db_err(&e)
 }
@@ -805,41 +880,45 @@ impl InboxTransaction for PgTx {
         worker: &WorkerId,
         updates: &[(RowId, RowUpdate)],
     ) -> Result<u64, StoreError> {
-        if updates.is_empty() {
-            return Ok(0);
-        }
-        let rows: Vec<serde_json::Value> = updates
-            .iter()
-            .map(|(id, u)| {
-                serde_json::json!({
-                    "id": id,
-                    "s": u.status.as_str(),
-                    "a": u.attempts_made,
-                    "e": u.last_error.as_deref().map(storable),
-                    "d": match u.due {
-                        Some(Due::At(t)) => Some(t.to_rfc3339()),
-                        _ => None,
-                    },
-                    "w": match u.due {
-                        Some(Due::After(d)) => Some(d.as_secs_f64()),
-                        _ => None,
-                    },
-                })
-            })
-            .collect();
-        let r = self
+        self.write_with(
+            &self.sql.write_outcomes,
+            vec![worker.as_str().into()],
+            updates,
+        )
+        .await
+    }
+
+    async fn lock_due(
+        &mut self,
+        limit: usize,
+        filter: &DueFilter,
+        only: &[RowId],
+    ) -> Result<Vec<InboxRow>, StoreError> {
+        let list = |v: &[String]| serde_json::Value::from(v.to_vec()).to_string();
+        let rows = self
             .conn
             .inner()
-            .execute_raw(stmt(
-                &self.sql.write_outcomes,
+            .query_all_raw(stmt(
+                &self.sql.lock_due,
                 vec![
-                    worker.as_str().into(),
-                    serde_json::Value::Array(rows).to_string().into(),
+                    i64::try_from(limit).unwrap_or(i64::MAX).into(),
+                    filter.consumer_group.clone().into(),
+                    list(&filter.sources).into(),
+                    list(&filter.event_types).into(),
+                    serde_json::Value::from(only.to_vec()).to_string().into(),
                 ],
             ))
             .await
             .map_err(db)?;
-        Ok(r.rows_affected())
+        rows.iter().map(inbox_row).collect()
+    }
+
+    async fn write_locked_outcomes(
+        &mut self,
+        updates: &[(RowId, RowUpdate)],
+    ) -> Result<u64, StoreError> {
+        self.write_with(&self.sql.write_locked_outcomes, Vec::new(), updates)
+            .await
     }
 
     async fn savepoint(&mut self) -> Result<(), StoreError> {

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use inbox_core::processor::{BatchProcessor, ProcessorConfig};
+use inbox_core::processor::{BatchProcessor, ClaimMode, ProcessorConfig};
 use inbox_core::{
     Backoff, CancellationToken, Handler, HandlerError, InboxStatus, InboxStore, InboxTransaction,
     Message, NewInboxRow,
@@ -141,6 +141,16 @@ async fn drained(store: &PgStore) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_processors_drain_every_row_once() {
+    four_processors_drain(ClaimMode::Lease).await;
+}
+
+/// The same with the batches taken by row locks in their transactions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_processors_by_row_lock_drain_every_row_once() {
+    four_processors_drain(ClaimMode::RowLock).await;
+}
+
+async fn four_processors_drain(claim: ClaimMode) {
     let rows: usize = std::env::var("PROCESSOR_ROWS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -156,6 +166,7 @@ async fn four_processors_drain_every_row_once() {
         config.rules.backoff =
             Backoff::new(std::time::Duration::ZERO, std::time::Duration::ZERO, 1.0);
         config.idle_poll = std::time::Duration::from_millis(20);
+        config.claim = claim;
         let mut p = BatchProcessor::new(s, handler.clone(), config);
         let cancel = cancel.clone();
         tasks.push(tokio::spawn(async move { p.run(cancel).await }));
@@ -330,6 +341,17 @@ impl Handler<PgTx> for Leaky {
 /// again for ever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_outcome_the_store_refuses_charges_only_its_row() {
+    an_outcome_refused(ClaimMode::Lease).await;
+}
+
+/// The same with the batch taken by row locks: the rows are locked again,
+/// one transaction each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn by_row_lock_an_outcome_the_store_refuses_charges_only_its_row() {
+    an_outcome_refused(ClaimMode::RowLock).await;
+}
+
+async fn an_outcome_refused(claim: ClaimMode) {
     use inbox_testkit::scenarios::ScenarioStore;
     let store = inbox_testkit::pg::fresh_store()
         .await
@@ -355,7 +377,8 @@ async fn an_outcome_the_store_refuses_charges_only_its_row() {
             ))
             .await;
     }
-    let config = ProcessorConfig::new("refused-outcome").expect("config");
+    let mut config = ProcessorConfig::new("refused-outcome").expect("config");
+    config.claim = claim;
     let mut processor = BatchProcessor::new(store.clone(), Leaky, config);
     let batch = processor
         .process_batch()

@@ -121,6 +121,21 @@ async fn processor_drains_landed_rows() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn processor_by_row_lock_drains_landed_rows() {
+    scenarios::processor_by_row_lock_drains_landed_rows(store().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn processor_by_row_lock_frees_a_dead_workers_rows_at_once() {
+    scenarios::processor_by_row_lock_frees_a_dead_workers_rows_at_once(store().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn processor_by_row_lock_is_not_disturbed_by_lease_release() {
+    scenarios::processor_by_row_lock_is_not_disturbed_by_lease_release(store().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn processor_never_completes_a_row_it_no_longer_holds() {
     scenarios::processor_never_completes_a_row_it_no_longer_holds(store().await).await;
 }

@@ -22,6 +22,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use inbox_core::processor::ClaimMode;
 use inbox_core::{
     AckPolicy, AckStrategy, CountingMetrics, Handler, HandlerError, HandlerResult, InboxRow,
     InboxStatus, InboxStore, InboxTransaction, Message, NewInboxRow, ProcessResult, Runner,
@@ -1858,21 +1859,39 @@ where
     S::Tx: WriteInvoice,
 {
     for optimistic in [true, false] {
-        processor_drains_landed_rows_with(store.clone(), optimistic).await;
+        processor_drains_landed_rows_with(store.clone(), optimistic, ClaimMode::Lease).await;
     }
 }
 
-async fn processor_drains_landed_rows_with<S>(store: S, optimistic: bool)
+/// [`processor_drains_landed_rows`] with the batches taken by row locks in
+/// their transactions ([`ClaimMode::RowLock`]): the same rows, in both
+/// isolation modes (the optimistic replay goes back to a savepoint taken
+/// after the lock).
+pub async fn processor_by_row_lock_drains_landed_rows<S>(store: S)
+where
+    S: ScenarioStore,
+    S::Tx: WriteInvoice,
+{
+    for optimistic in [true, false] {
+        processor_drains_landed_rows_with(store.clone(), optimistic, ClaimMode::RowLock).await;
+    }
+}
+
+async fn processor_drains_landed_rows_with<S>(store: S, optimistic: bool, claim: ClaimMode)
 where
     S: ScenarioStore,
     S::Tx: WriteInvoice,
 {
     use inbox_core::processor::{BatchProcessor, ProcessorConfig};
-    let group = if optimistic {
-        "processor-drain-optimistic"
-    } else {
-        "processor-drain-savepoints"
-    };
+    let group = format!(
+        "processor-drain-{}-{claim:?}",
+        if optimistic {
+            "optimistic"
+        } else {
+            "savepoints"
+        }
+    );
+    let group = group.as_str();
     let id = |m: &str| format!("{group}-{m}");
     for m in ["ok-1", "flaky", "ok-2", "bad", "ok-3"] {
         store.land(&landed(&id(m), group, 3)).await;
@@ -1885,6 +1904,7 @@ where
     config.batch_size = 4;
     config.rules = immediate_retries();
     config.optimistic = optimistic;
+    config.claim = claim;
     config.filter.consumer_group = Some(group.to_owned());
     let mut processor =
         BatchProcessor::new(store.clone(), handler, config).with_dead_letter_hook(hook.clone());
@@ -2095,18 +2115,22 @@ where
         }
     }
 }
-/// A processor whose leases are released while it works (maintenance with
-/// a lease shorter than the batch): writing the outcomes finds the rows no
-/// longer its own, so nothing of the batch commits (`LeaseLost`) and the
-/// rows are pending and unlocked; the next batch completes them, each
-/// effect once.
-pub async fn processor_never_completes_a_row_it_no_longer_holds<S>(store: S)
+/// Lands three rows of `group`: their ids, and a processor of the group
+/// taking them by `claim` whose handler releases every lease as stale
+/// while it runs (once).
+async fn releasing_leases<S>(
+    store: &S,
+    group: &str,
+    claim: ClaimMode,
+) -> (
+    Vec<String>,
+    inbox_core::processor::BatchProcessor<S, ReleasesLeases<S>>,
+)
 where
     S: ScenarioStore,
     S::Tx: WriteInvoice + 'static,
 {
-    use inbox_core::processor::{BatchProcessor, ProcessorConfig, ProcessorError};
-    let group = "processor-lease";
+    use inbox_core::processor::{BatchProcessor, ProcessorConfig};
     let ids: Vec<String> = (0..3).map(|i| format!("{group}-{i}")).collect();
     for m in &ids {
         store.land(&landed(m, group, 3)).await;
@@ -2117,7 +2141,23 @@ where
     };
     let mut config = ProcessorConfig::new("processor-lease").unwrap_or_else(|e| panic!("{e}"));
     config.filter.consumer_group = Some(group.to_owned());
-    let mut processor = BatchProcessor::new(store.clone(), handler, config);
+    config.claim = claim;
+    (ids, BatchProcessor::new(store.clone(), handler, config))
+}
+
+/// A processor whose leases are released while it works (maintenance with
+/// a lease shorter than the batch): writing the outcomes finds the rows no
+/// longer its own, so nothing of the batch commits (`LeaseLost`) and the
+/// rows are pending and unlocked; the next batch completes them, each
+/// effect once.
+pub async fn processor_never_completes_a_row_it_no_longer_holds<S>(store: S)
+where
+    S: ScenarioStore,
+    S::Tx: WriteInvoice + 'static,
+{
+    use inbox_core::processor::ProcessorError;
+    let group = "processor-lease";
+    let (ids, mut processor) = releasing_leases(&store, group, ClaimMode::Lease).await;
     let first = processor.process_batch().await;
     assert!(
         matches!(
@@ -2153,28 +2193,13 @@ where
     S: ScenarioStore,
     S::Tx: WriteInvoice + 'static,
 {
-    use inbox_core::processor::{BatchProcessor, ProcessorConfig};
+    use inbox_core::processor::BatchProcessor;
     let group = "processor-dies";
-    let ids: Vec<String> = (0..3).map(|i| format!("{group}-{i}")).collect();
-    for m in &ids {
-        store.land(&landed(m, group, 3)).await;
-    }
-    let mut config = ProcessorConfig::new("doomed").unwrap_or_else(|e| panic!("{e}"));
-    config.filter.consumer_group = Some(group.to_owned());
-    config.handler_timeout = Duration::from_secs(600);
-    let hangs = ScriptedHandler::new([Act::Succeed, Act::Hang], Act::Succeed);
-    let mut doomed = BatchProcessor::new(store.clone(), hangs, config.clone());
-    let died = tokio::time::timeout(Duration::from_millis(300), doomed.process_batch()).await;
-    assert!(
-        died.is_err(),
-        "the doomed processor hung in its second handler"
-    );
-    drop(doomed);
+    let (ids, config) = a_worker_dies_holding_its_batch(&store, group, ClaimMode::Lease).await;
     for m in &ids {
         let r = row(&store, m, group).await.unwrap_or_else(|| panic!("{m}"));
         assert_eq!(r.locked_by.as_deref(), Some("doomed"), "{m}: still leased");
     }
-    config.worker_id = WorkerId::new("survivor").unwrap_or_else(|e| panic!("{e}"));
     let handler = ScriptedHandler::new([], Act::Succeed);
     let mut survivor = BatchProcessor::new(store.clone(), handler, config);
     let before = survivor
@@ -2199,6 +2224,107 @@ where
         assert_eq!(store.invoices(m).await, 1, "{m}: once");
         let r = row(&store, m, group).await.unwrap_or_else(|| panic!("{m}"));
         assert_eq!((r.status, r.locked_by), (InboxStatus::Completed, None));
+    }
+}
+
+/// Lands three rows of `group`; a processor `doomed` taking them by
+/// `claim` hangs in its second handler and is dropped (dies) holding them.
+/// Their ids, and the configuration for a processor `survivor` of the same
+/// group.
+async fn a_worker_dies_holding_its_batch<S>(
+    store: &S,
+    group: &str,
+    claim: ClaimMode,
+) -> (Vec<String>, inbox_core::processor::ProcessorConfig)
+where
+    S: ScenarioStore,
+    S::Tx: WriteInvoice + 'static,
+{
+    use inbox_core::processor::{BatchProcessor, ProcessorConfig};
+    let ids: Vec<String> = (0..3).map(|i| format!("{group}-{i}")).collect();
+    for m in &ids {
+        store.land(&landed(m, group, 3)).await;
+    }
+    let mut config = ProcessorConfig::new("doomed").unwrap_or_else(|e| panic!("{e}"));
+    config.filter.consumer_group = Some(group.to_owned());
+    config.handler_timeout = Duration::from_secs(600);
+    config.claim = claim;
+    let hangs = ScriptedHandler::new([Act::Succeed, Act::Hang], Act::Succeed);
+    let mut doomed = BatchProcessor::new(store.clone(), hangs, config.clone());
+    let died = tokio::time::timeout(Duration::from_millis(300), doomed.process_batch()).await;
+    assert!(
+        died.is_err(),
+        "the doomed processor hung in its second handler"
+    );
+    drop(doomed);
+    config.worker_id = WorkerId::new("survivor").unwrap_or_else(|e| panic!("{e}"));
+    (ids, config)
+}
+
+/// By row lock ([`ClaimMode::RowLock`]), a processor that dies while it
+/// holds a batch (dropped while its handler hangs) leaves nothing behind:
+/// no lease is written, its transaction's end lets the rows go, and another
+/// processor finishes them without maintenance, each effect once. A store
+/// that cannot lock rows in a transaction falls back to leases, so this is
+/// for those that can.
+pub async fn processor_by_row_lock_frees_a_dead_workers_rows_at_once<S>(store: S)
+where
+    S: ScenarioStore,
+    S::Tx: WriteInvoice + 'static,
+{
+    use inbox_core::processor::BatchProcessor;
+    let group = "processor-lock-dies";
+    let (ids, config) = a_worker_dies_holding_its_batch(&store, group, ClaimMode::RowLock).await;
+    for m in &ids {
+        let r = row(&store, m, group).await.unwrap_or_else(|| panic!("{m}"));
+        assert_eq!(r.locked_by, None, "{m}: no lease written");
+    }
+    let handler = ScriptedHandler::new([], Act::Succeed);
+    let mut survivor = BatchProcessor::new(store.clone(), handler, config);
+    // the dead transaction's rollback reaches the server when its
+    // connection goes back to the pool: moments, not a lease
+    let started = std::time::Instant::now();
+    let mut completed = 0;
+    while completed < 3 {
+        let b = survivor
+            .process_batch()
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        completed += b.completed;
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the dead worker's rows did not come back ({completed} of 3)"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(completed, 3);
+    for m in &ids {
+        assert_eq!(store.invoices(m).await, 1, "{m}: once");
+        let r = row(&store, m, group).await.unwrap_or_else(|| panic!("{m}"));
+        assert_eq!((r.status, r.locked_by), (InboxStatus::Completed, None));
+    }
+}
+
+/// By row lock, maintenance releasing stale leases while a batch is worked
+/// (the handler asks for it) finds nothing of the batch to release: the
+/// batch completes, each effect once.
+pub async fn processor_by_row_lock_is_not_disturbed_by_lease_release<S>(store: S)
+where
+    S: ScenarioStore,
+    S::Tx: WriteInvoice + 'static,
+{
+    let group = "processor-lock-release";
+    let (ids, mut processor) = releasing_leases(&store, group, ClaimMode::RowLock).await;
+    let batch = processor
+        .process_batch()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        (batch.claimed, batch.completed, batch.transactions),
+        (3, 3, 1)
+    );
+    for m in &ids {
+        assert_eq!(store.invoices(m).await, 1, "{m}: once");
     }
 }
 

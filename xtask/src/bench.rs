@@ -24,6 +24,9 @@
 //!   one-INSERT handler; `processor-savepoints`: the same with a savepoint
 //!   per row from the start;
 //! - `processor-noop`: the processors with a handler that writes nothing;
+//! - `processor-rowlock`, `processor-noop-rowlock`: the same two with the
+//!   batches taken by row locks in the transaction that works them
+//!   (`ClaimMode::RowLock`: no lease written, one commit a batch);
 //! - `graphile` and `graphile-noop`: the job-queue protocol of
 //!   graphile-worker (0.16 and later), as raw SQL on a jobs table shaped
 //!   like its own (a generated `is_available` column and a partial index on
@@ -64,6 +67,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use async_trait::async_trait;
+use inbox_core::processor::ClaimMode;
 use inbox_core::{BatchConfig, Handler, HandlerError, Message, Runner, RunnerConfig};
 use inbox_postgres::sea_orm::{
     ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, Statement,
@@ -75,7 +79,7 @@ use inbox_testkit::MemBroker;
 use crate::bench_outbox::{Write, writers as writer};
 use serde_json::json;
 
-const LINES: [&str; 29] = [
+const LINES: [&str; 31] = [
     "omni-box",
     "floor",
     "raw-batch",
@@ -85,8 +89,10 @@ const LINES: [&str; 29] = [
     "batched-savepoints",
     "batch-aware",
     "processor",
+    "processor-rowlock",
     "processor-savepoints",
     "processor-noop",
+    "processor-noop-rowlock",
     "graphile",
     "graphile-noop",
     "consumer",
@@ -258,7 +264,10 @@ pub(crate) fn run(mut o: Options) -> Result<()> {
         ("relay-2", "producer"),
         ("relay-2", "relay"),
         ("processor", "graphile"),
+        ("processor-rowlock", "graphile"),
+        ("processor-rowlock", "processor"),
         ("processor-noop", "graphile-noop"),
+        ("processor-noop-rowlock", "graphile-noop"),
         ("writer-enqueue-1", "writer-plain-1"),
         ("writer-enqueue-8", "writer-plain-8"),
         ("writer-notify-8", "writer-plain-8"),
@@ -349,9 +358,19 @@ pub(crate) fn line(args: &[String]) -> Result<()> {
             "batched" => runner(store, messages, Mode::Batched, fail).await,
             "batched-savepoints" => runner(store, messages, Mode::Savepoints, fail).await,
             "batch-aware" => runner(store, messages, Mode::BatchAware, fail).await,
-            "processor" => processors(&url, store, messages, fail, true).await,
-            "processor-savepoints" => processors(&url, store, messages, fail, false).await,
-            "processor-noop" => processors_with(&url, store, messages, Bench::noop()).await,
+            "processor" => processors(&url, store, messages, fail, true, ClaimMode::Lease).await,
+            "processor-rowlock" => {
+                processors(&url, store, messages, fail, true, ClaimMode::RowLock).await
+            }
+            "processor-savepoints" => {
+                processors(&url, store, messages, fail, false, ClaimMode::Lease).await
+            }
+            "processor-noop" => {
+                processors_with(&url, store, messages, Bench::noop(), ClaimMode::Lease).await
+            }
+            "processor-noop-rowlock" => {
+                processors_with(&url, store, messages, Bench::noop(), ClaimMode::RowLock).await
+            }
             "graphile" => graphile(&url, &db, messages, true).await,
             "graphile-noop" => graphile(&url, &db, messages, false).await,
             "raw-batch" => raw_batch(&db, messages, false).await,
@@ -827,6 +846,7 @@ async fn processors(
     messages: u64,
     fail_percent: u64,
     optimistic: bool,
+    claim: ClaimMode,
 ) -> Result<Duration> {
     let elapsed = drain_with_processors(
         url,
@@ -834,6 +854,7 @@ async fn processors(
         messages,
         Bench::new(false, fail_percent),
         optimistic,
+        claim,
     )
     .await?;
     check_invoices(store.connection(), messages).await?;
@@ -846,8 +867,9 @@ async fn processors_with(
     store: PgStore,
     messages: u64,
     handler: Bench,
+    claim: ClaimMode,
 ) -> Result<Duration> {
-    let elapsed = drain_with_processors(url, &store, messages, handler, true).await?;
+    let elapsed = drain_with_processors(url, &store, messages, handler, true, claim).await?;
     let left = crate::sql::scalar(
         &store,
         "SELECT count(*) FROM inbox WHERE status <> 'completed'",
@@ -867,6 +889,7 @@ async fn drain_with_processors(
     messages: u64,
     handler: Bench,
     optimistic: bool,
+    claim: ClaimMode,
 ) -> Result<Duration> {
     use inbox_core::processor::{BatchProcessor, ProcessorConfig};
     use inbox_core::{InboxStatus, InboxStore, InboxTransaction, NewInboxRow};
@@ -894,6 +917,7 @@ async fn drain_with_processors(
         config.rules.backoff.initial = Duration::ZERO;
         config.rules.backoff.max = Duration::ZERO;
         config.optimistic = optimistic;
+        config.claim = claim;
         let store = PgStore::new(connect(url).await?, TableName::default());
         workers.push(BatchProcessor::new(store, handler.clone(), config));
     }

@@ -424,6 +424,38 @@ impl PgTx {
         &self.conn
     }
 
+    /// Runs one statement with `$1, $2, ...` parameters in the inbox's
+    /// transaction, as [`connection`](Self::connection) would: its writes
+    /// commit with the inbox row or not at all. How many rows it changed.
+    ///
+    /// ```no_run
+    /// # async fn bill(tx: &inbox_postgres::PgTx) -> Result<(), sea_orm::DbErr> {
+    /// tx.execute(
+    ///     "INSERT INTO invoices (order_id, total) VALUES ($1, $2)",
+    ///     ["o-1".into(), 10_i64.into()],
+    /// )
+    /// .await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// The database's.
+    pub async fn execute(
+        &self,
+        sql: &str,
+        values: impl IntoIterator<Item = sea_orm::Value>,
+    ) -> Result<u64, DbErr> {
+        self.conn
+            .execute_raw(Statement::from_sql_and_values(
+                DbBackend::Postgres,
+                sql,
+                values,
+            ))
+            .await
+            .map(|r| r.rows_affected())
+    }
+
     /// The inbox's table names.
     pub(crate) fn table(&self) -> &TableName {
         &self.sql.table

@@ -43,14 +43,17 @@ pub mod prelude {
     pub use inbox_core::router::{EventHandler, Router, UnknownEventType};
     pub use inbox_core::{
         AckStrategy, Backoff, BatchConfig, CancellationToken, Handler, HandlerError, HandlerResult,
-        Headers, Message, Metrics, Runner, RunnerConfig,
+        Headers, InboxStore, Message, Metrics, NoopMetrics, Runner, RunnerConfig,
     };
 
     #[cfg(feature = "postgres")]
-    pub use inbox_postgres::{Outbox, PgStore, PgTx, TableName};
+    pub use inbox_postgres::{Outbox, PgStore, PgTx, TableName, inbox_migrations};
 
     #[cfg(feature = "kafka")]
-    pub use inbox_kafka::{GroupConfig, KafkaConfig, run_group, run_partitioned, run_relay};
+    pub use inbox_kafka::{
+        GroupConfig, HealthHandle, InboxConsumer, JsonDecoder, KafkaConfig, Sasl, StartPosition,
+        Tls, run_group, run_partitioned, run_relay, shutdown_signal,
+    };
 }
 
 /// The PostgreSQL adapter (feature `postgres`).

@@ -10,7 +10,7 @@ use inbox_postgres::sea_orm::ConnectionTrait;
 
 use crate::operator::Operator;
 use inbox_postgres::{PgStore, TableName};
-use inbox_testkit::kafka::json_record;
+use inbox_testkit::kafka::{Scram, json_record};
 use inbox_testkit::pg::count;
 use serde_json::json;
 
@@ -38,6 +38,7 @@ pub(crate) fn run() -> Result<()> {
         .build()?;
     rt.block_on(async {
         kafka_to_postgres(&exe("kafka_to_postgres"), &command).await?;
+        managed_cluster(&exe("managed_cluster")).await?;
         land_and_drain(&exe("land_and_drain")).await
     })?;
     testing_your_handler(&exe("testing_your_handler"))
@@ -100,6 +101,11 @@ async fn finish(
 /// partitions of a new topic.
 async fn orders(n: i64) -> Result<(String, &'static inbox_testkit::kafka::Broker)> {
     let broker = harness(inbox_testkit::kafka::broker())?;
+    Ok((orders_on(broker, n).await?, broker))
+}
+
+/// [`orders`] on `broker`: the topic.
+async fn orders_on(broker: &inbox_testkit::kafka::Broker, n: i64) -> Result<String> {
     let topic = harness(broker.topic("example-orders", 2).await)?;
     for p in 0..2 {
         let records = (0..n)
@@ -114,7 +120,154 @@ async fn orders(n: i64) -> Result<(String, &'static inbox_testkit::kafka::Broker
             .collect();
         harness(broker.produce(&topic, p, records, 4).await)?;
     }
-    Ok((topic, broker))
+    Ok(topic)
+}
+
+/// Waits until `sql` counts `want` or more, while the example `child`
+/// runs: past `limit`, or if the child ends first, an error saying `what`
+/// with the child's output.
+async fn wait_for_count(
+    store: &PgStore,
+    child: &mut std::process::Child,
+    sql: &str,
+    want: i64,
+    limit: Duration,
+    what: &str,
+) -> Result<()> {
+    let started = Instant::now();
+    loop {
+        let n = count(store, sql, vec![]).await.unwrap_or(-1);
+        if n >= want {
+            return Ok(());
+        }
+        if let Some(status) = child.try_wait()? {
+            bail!(
+                "{what}: the example ended ({status}) at {n} of {want}:\n{}",
+                printed(child)
+            );
+        }
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!(
+                "{what}: {n} of {want} in {limit:?}; the example's output:\n{}",
+                printed(child)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Sends `signal` (`-INT`, `-TERM`) to the example `child`, which must
+/// finish its work, exit 0 and say "stopped cleanly" within 30 s: its
+/// output.
+async fn stop_with(child: &mut std::process::Child, signal: &str, what: &str) -> Result<String> {
+    let pid = child.id().to_string();
+    Command::new("kill").args([signal, &pid]).status()?;
+    let (status, out) = finish(
+        child,
+        Duration::from_secs(30),
+        &format!("{what} did not stop after {signal}"),
+    )
+    .await?;
+    if !status.success() || !out.contains("stopped cleanly") {
+        bail!("{what}'s stop after {signal}: {status}\n{out}");
+    }
+    Ok(out)
+}
+
+/// Most lines of wiring `managed_cluster` may take (issue 26's goal).
+const MANAGED_CLUSTER_WIRING: usize = 15;
+
+/// `managed_cluster` against a broker that serves TLS only and signs in
+/// with SCRAM-SHA-512: its wiring within [`MANAGED_CLUSTER_WIRING`] lines,
+/// every order invoiced once, a clean stop on SIGTERM.
+async fn managed_cluster(exe: &std::path::Path) -> Result<()> {
+    let source = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../inbox/examples/managed_cluster.rs"),
+    )?;
+    let wiring = source
+        .lines()
+        .skip_while(|l| !l.contains("// the wiring"))
+        .skip(1)
+        .take_while(|l| !l.contains("// the wiring ends"))
+        .count();
+    if wiring == 0 || wiring > MANAGED_CLUSTER_WIRING {
+        bail!("managed_cluster's wiring takes {wiring} lines (at most {MANAGED_CLUSTER_WIRING})");
+    }
+    println!(
+        "$ {} (TLS and SCRAM; {wiring} lines of wiring)",
+        exe.display()
+    );
+    let (user, password) = ("billing", "example-password");
+    let broker = harness(inbox_testkit::kafka::Broker::start_secured(
+        inbox_testkit::kafka::Security {
+            tls: true,
+            users: vec![(user.to_owned(), password.to_owned(), Scram::Sha512)],
+            ..Default::default()
+        },
+    ))?;
+    let ca = broker
+        .certificates()
+        .context("the secured broker has no certificates")?;
+    let ca_file = std::env::temp_dir().join(format!("inbox-example-ca-{}.pem", std::process::id()));
+    std::fs::write(&ca_file, &ca.ca_pem)?;
+    let topic = orders_on(&broker, ORDERS).await?;
+    let url = harness(inbox_testkit::pg::server().and_then(|s| s.create_database()))?;
+    let store = PgStore::connect(&url, TableName::default()).await?;
+    store
+        .connection()
+        .execute_unprepared(
+            "CREATE TABLE invoices (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL UNIQUE, total BIGINT NOT NULL)",
+        )
+        .await?;
+    let mut child = Command::new(exe)
+        .env("DATABASE_URL", &url)
+        .env("KAFKA_BROKERS", broker.address())
+        .env("TOPIC", &topic)
+        .env("MEMBER", "billing-1")
+        .env("KAFKA_CA_FILE", &ca_file)
+        .env("KAFKA_USER", user)
+        .env("KAFKA_PASSWORD", password)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .with_context(|| format!("starting {}", exe.display()))?;
+    let started = Instant::now();
+    let invoices = "SELECT count(*) FROM invoices";
+    wait_for_count(
+        &store,
+        &mut child,
+        invoices,
+        ORDERS,
+        Duration::from_secs(120),
+        "managed_cluster invoicing every order",
+    )
+    .await?;
+    let out = stop_with(&mut child, "-TERM", "managed_cluster").await;
+    let _ = std::fs::remove_file(&ca_file);
+    let out = out?;
+    expect(
+        &store,
+        "managed_cluster",
+        &[
+            ("invoices", "SELECT count(*) FROM invoices", ORDERS),
+            (
+                "orders invoiced",
+                "SELECT count(DISTINCT order_id) FROM invoices",
+                ORDERS,
+            ),
+        ],
+        &out,
+    )
+    .await?;
+    println!(
+        "managed_cluster passed: {ORDERS} orders invoiced once each over TLS with SCRAM-SHA-512, {wiring} lines of wiring, stopped on SIGTERM ({:.1} s)",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 async fn land_and_drain(exe: &std::path::Path) -> Result<()> {
@@ -243,27 +396,16 @@ async fn kafka_to_postgres(exe: &std::path::Path, command: &Operator) -> Result<
         .spawn()
         .with_context(|| format!("starting {}", exe.display()))?;
 
-    let started = Instant::now();
-    let invoices = async || {
-        count(&store, "SELECT count(*) FROM invoices", vec![])
-            .await
-            .unwrap_or(-1)
-    };
-    while invoices().await < ORDERS {
-        if let Some(status) = child.try_wait()? {
-            bail!("the example ended before invoicing every order ({status})");
-        }
-        if started.elapsed() > Duration::from_secs(120) {
-            let _ = child.kill();
-            let _ = child.wait();
-            let out = printed(&mut child);
-            bail!(
-                "the example invoiced {} of {ORDERS} orders in 120 s; its output:\n{out}",
-                invoices().await
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let invoices = "SELECT count(*) FROM invoices";
+    wait_for_count(
+        &store,
+        &mut child,
+        invoices,
+        ORDERS,
+        Duration::from_secs(120),
+        "the example invoicing every order",
+    )
+    .await?;
     let scraped = crate::demo::scrape(metrics_addr).await?;
     if !scraped.contains("inbox_messages_total") {
         bail!("no inbox metrics at http://{metrics_addr}/metrics: {scraped}");
@@ -271,22 +413,16 @@ async fn kafka_to_postgres(exe: &std::path::Path, command: &Operator) -> Result<
 
     // the large order, refused by the limit, is a dead letter once its
     // failure budget is spent (10 attempts, about half a minute)
-    let dead = async || {
-        count(&store, "SELECT count(*) FROM inbox_dead_letters", vec![])
-            .await
-            .unwrap_or(-1)
-    };
-    while dead().await < 1 {
-        if started.elapsed() > Duration::from_secs(180) {
-            let _ = child.kill();
-            let _ = child.wait();
-            bail!(
-                "the large order was not dead-lettered in 180 s; the example's output:\n{}",
-                printed(&mut child)
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    let dead = "SELECT count(*) FROM inbox_dead_letters";
+    wait_for_count(
+        &store,
+        &mut child,
+        dead,
+        1,
+        Duration::from_secs(180),
+        "the large order dead-lettered",
+    )
+    .await?;
     // the fix (the limit goes), then the operator's replay: the example's
     // DeadLetterReplayer applies it through the handler
     store
@@ -309,18 +445,8 @@ async fn kafka_to_postgres(exe: &std::path::Path, command: &Operator) -> Result<
     }
 
     // Ctrl-C: the example finishes its batch, leaves the group and exits 0
-    let pid = child.id().to_string();
-    Command::new("kill").args(["-INT", &pid]).status()?;
     let stopping = Instant::now();
-    let (status, out) = finish(
-        &mut child,
-        Duration::from_secs(30),
-        "the example did not stop after SIGINT",
-    )
-    .await?;
-    if !status.success() || !out.contains("stopped cleanly") {
-        bail!("the example's stop: {status}\n{out}");
-    }
+    let out = stop_with(&mut child, "-INT", "the example").await?;
     expect(
         &store,
         "kafka_to_postgres",

@@ -1,0 +1,266 @@
+//! One entry point for a consumer: [`InboxConsumer`] names the brokers,
+//! the group, the member, the topics and the security once, runs the
+//! group member ([`run_group`]) with maintenance beside it, and stops
+//! gracefully when a shutdown future ends ([`shutdown_signal`]).
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use inbox_core::maintenance::{Maintenance, MaintenanceConfig};
+use inbox_core::{
+    BatchConfig, CancellationToken, Handler, InboxStore, MembershipStore, Metrics, NoopMetrics,
+    OffsetStore, RunnerConfig,
+};
+
+use crate::decode::Decode;
+use crate::group::{GroupConfig, GroupSummary, run_group};
+use crate::security::{Sasl, Tls};
+use crate::{KafkaConfig, KafkaError};
+
+/// Waits for Ctrl-C (SIGINT) or, on Unix, SIGTERM (what an orchestrator
+/// sends to stop a container): the shutdown future to hand to
+/// [`InboxConsumer::run`]. A signal that cannot be listened for is logged
+/// and that wait never ends (the other still stops the process).
+pub async fn shutdown_signal() {
+    let interrupt = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::warn!(error = %e, "cannot listen for Ctrl-C");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = interrupt => {}
+        () = terminate => {}
+    }
+    tracing::info!("shutdown asked: finishing the work in hand");
+}
+
+/// A member of a consumer group that reads topics into the inbox: the one
+/// way to run a consumer. Everything is named once; the lower-level parts
+/// ([`KafkaConfig`], [`GroupConfig`], [`RunnerConfig`], [`run_group`]) stay
+/// public and reachable with [`configure`](Self::configure).
+///
+/// ```no_run
+/// use inbox_core::{Handler, HandlerError, Message};
+/// use inbox_kafka::{InboxConsumer, Sasl, Tls, shutdown_signal};
+/// use inbox_postgres::{PgStore, PgTx, TableName};
+///
+/// struct Billing;
+///
+/// #[async_trait::async_trait]
+/// impl Handler<PgTx> for Billing {
+///     type Output = ();
+///     async fn handle(&self, m: &Message, tx: &mut PgTx) -> Result<(), HandlerError> {
+///         Ok(()) // write through tx.connection()
+///     }
+/// }
+///
+/// # async fn main_() -> Result<(), Box<dyn std::error::Error>> {
+/// let store = PgStore::connect("postgres://app@localhost/app", TableName::default()).await?;
+/// InboxConsumer::new("broker-1:9093,broker-2:9093", "billing", ["orders"])?
+///     .tls(Tls::system_roots())
+///     .sasl(Sasl::scram_sha512("billing", "secret"))
+///     .batched(100)
+///     .run(store, Billing, shutdown_signal())
+///     .await?;
+/// # Ok(()) }
+/// ```
+pub struct InboxConsumer {
+    kafka: KafkaConfig,
+    group: GroupConfig,
+    runner: RunnerConfig,
+    metrics: Option<Arc<dyn Metrics>>,
+    maintenance: Option<MaintenanceConfig>,
+}
+
+impl std::fmt::Debug for InboxConsumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InboxConsumer")
+            .field("kafka", &self.kafka)
+            .field("member", &self.group.member_id)
+            .field("topics", &self.group.topics)
+            .field("maintenance", &self.maintenance.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl InboxConsumer {
+    /// A member of consumer group `group` reading `topics` from `brokers`
+    /// (`host:port`, several separated by commas), with the defaults: member
+    /// id `<group>-<pid>` (set a stable one with [`member`](Self::member)),
+    /// one message per transaction, plaintext, JSON payloads, maintenance
+    /// keeping completed rows 7 days, no metrics.
+    ///
+    /// # Errors
+    ///
+    /// [`KafkaError::Config`] for no broker, no topic, or a group name the
+    /// inbox refuses (empty, too long).
+    pub fn new<T: Into<String>>(
+        brokers: &str,
+        group: &str,
+        topics: impl IntoIterator<Item = T>,
+    ) -> Result<Self, KafkaError> {
+        let brokers: Vec<String> = brokers
+            .split(',')
+            .map(str::trim)
+            .filter(|b| !b.is_empty())
+            .map(str::to_owned)
+            .collect();
+        if brokers.is_empty() {
+            return Err(KafkaError::Config("no broker given".to_owned()));
+        }
+        let topics: Vec<String> = topics.into_iter().map(Into::into).collect();
+        if topics.is_empty() {
+            return Err(KafkaError::Config("no topic given".to_owned()));
+        }
+        let member = format!("{group}-{}", std::process::id());
+        let runner = RunnerConfig::new(group, member.clone())
+            .map_err(|e| KafkaError::Config(e.to_string()))?;
+        let maintenance = MaintenanceConfig::new(Duration::from_secs(7 * 24 * 3_600))
+            .map_err(|e| KafkaError::Config(e.to_string()))?;
+        Ok(Self {
+            kafka: KafkaConfig::new(brokers, group, Vec::new()),
+            group: GroupConfig::new(member, topics),
+            runner,
+            metrics: None,
+            maintenance: Some(maintenance),
+        })
+    }
+
+    /// This process's member id, unique in the group and stable across
+    /// restarts (a pod name): its partitions come back to it.
+    ///
+    /// # Errors
+    ///
+    /// [`KafkaError::Config`] for an id the inbox refuses.
+    pub fn member(mut self, id: &str) -> Result<Self, KafkaError> {
+        self.runner.worker_id =
+            inbox_core::WorkerId::new(id).map_err(|e| KafkaError::Config(e.to_string()))?;
+        id.clone_into(&mut self.group.member_id);
+        Ok(self)
+    }
+
+    /// TLS to the brokers.
+    #[must_use]
+    pub fn tls(mut self, tls: Tls) -> Self {
+        self.kafka.tls = Some(tls);
+        self
+    }
+
+    /// SASL authentication.
+    #[must_use]
+    pub fn sasl(mut self, sasl: Sasl) -> Self {
+        self.kafka.sasl = Some(sasl);
+        self
+    }
+
+    /// Up to `max_messages` messages per database transaction, each with
+    /// the outcome it would get alone (see `docs/batch.md`).
+    #[must_use]
+    pub fn batched(mut self, max_messages: usize) -> Self {
+        self.runner = self.runner.batched(BatchConfig::new(max_messages));
+        self
+    }
+
+    /// How records become messages (default: JSON).
+    #[must_use]
+    pub fn decoder(mut self, decoder: impl Decode + 'static) -> Self {
+        self.kafka.decoder = Arc::new(decoder);
+        self
+    }
+
+    /// Where the inbox's events are reported (default: nowhere).
+    #[must_use]
+    pub fn metrics(mut self, metrics: Arc<dyn Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
+    }
+
+    /// The maintenance run beside the consumer (retention of completed
+    /// rows, stale leases, dead letters); `None`: none (run it elsewhere).
+    #[must_use]
+    pub fn maintenance(mut self, config: Option<MaintenanceConfig>) -> Self {
+        self.maintenance = config;
+        self
+    }
+
+    /// Any other setting, on the lower-level configurations.
+    #[must_use]
+    pub fn configure(
+        mut self,
+        f: impl FnOnce(&mut KafkaConfig, &mut GroupConfig, &mut RunnerConfig),
+    ) -> Self {
+        f(&mut self.kafka, &mut self.group, &mut self.runner);
+        self
+    }
+
+    /// The consumer's health (owned partitions, lag, stalls), for a probe:
+    /// take it before [`run`](Self::run).
+    pub fn health(&self) -> crate::HealthHandle {
+        self.kafka.health.clone()
+    }
+
+    /// Runs the member until `shutdown` ends, then finishes the message or
+    /// batch in hand, leaves the group and stops the maintenance.
+    ///
+    /// # Errors
+    ///
+    /// As [`run_group`]: a [`KafkaError`] when the brokers cannot be reached
+    /// at the start, a topic is unknown or a setting is out of range.
+    pub async fn run<S, H>(
+        self,
+        store: S,
+        handler: H,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<GroupSummary, KafkaError>
+    where
+        S: InboxStore + OffsetStore + MembershipStore + Clone + 'static,
+        H: Handler<S::Tx> + 'static,
+    {
+        let cancel = CancellationToken::new();
+        let stopper = tokio::spawn({
+            let cancel = cancel.clone();
+            async move {
+                shutdown.await;
+                cancel.cancel();
+            }
+        });
+        let maintaining = self.maintenance.map(|config| {
+            let maintenance = Maintenance::new(store.clone(), config);
+            let cancel = cancel.clone();
+            tokio::spawn(async move { maintenance.run(cancel).await })
+        });
+        let metrics = self.metrics.unwrap_or_else(|| Arc::new(NoopMetrics));
+        let result = run_group(
+            self.kafka,
+            self.group,
+            store,
+            Arc::new(handler),
+            self.runner,
+            metrics,
+            cancel.clone(),
+        )
+        .await;
+        cancel.cancel();
+        stopper.abort();
+        if let Some(task) = maintaining {
+            let _ = task.await;
+        }
+        result
+    }
+}

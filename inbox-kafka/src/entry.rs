@@ -1,7 +1,9 @@
-//! One entry point for a consumer: [`InboxConsumer`] names the brokers,
-//! the group, the member, the topics and the security once, runs the
-//! group member ([`run_group`]) with maintenance beside it, and stops
-//! gracefully when a shutdown future ends ([`shutdown_signal`]).
+//! One entry point each for a consumer and a relay: [`InboxConsumer`]
+//! names the brokers, the group, the member, the topics and the security
+//! once, runs the group member ([`run_group`]) with maintenance beside it;
+//! [`OutboxRelay`] names the brokers, the security, the member and the
+//! producer settings once and runs the relay. Both stop gracefully when a
+//! shutdown future ends ([`shutdown_signal`]).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -115,15 +117,7 @@ impl InboxConsumer {
         group: &str,
         topics: impl IntoIterator<Item = T>,
     ) -> Result<Self, KafkaError> {
-        let brokers: Vec<String> = brokers
-            .split(',')
-            .map(str::trim)
-            .filter(|b| !b.is_empty())
-            .map(str::to_owned)
-            .collect();
-        if brokers.is_empty() {
-            return Err(KafkaError::Config("no broker given".to_owned()));
-        }
+        let brokers = broker_list(brokers)?;
         let topics: Vec<String> = topics.into_iter().map(Into::into).collect();
         if topics.is_empty() {
             return Err(KafkaError::Config("no topic given".to_owned()));
@@ -263,4 +257,168 @@ impl InboxConsumer {
         }
         result
     }
+}
+
+/// A relay that publishes the outbox to Kafka: the one way to run one.
+/// Brokers, security, member id and producer settings are named once;
+/// several relays (processes) share the outbox's slots.
+///
+/// ```no_run
+/// use inbox_kafka::{OutboxRelay, shutdown_signal};
+/// use inbox_postgres::{PgStore, TableName};
+///
+/// # async fn main_() -> Result<(), Box<dyn std::error::Error>> {
+/// let store = PgStore::connect("postgres://app@localhost/app", TableName::default()).await?;
+/// OutboxRelay::new("broker-1:9092", "relay-1")?
+///     .run(store, shutdown_signal())
+///     .await?;
+/// # Ok(()) }
+/// ```
+pub struct OutboxRelay {
+    kafka: KafkaConfig,
+    relay: inbox_core::outbox::RelayConfig,
+    metrics: Option<Arc<dyn Metrics>>,
+    compression: crate::Compression,
+    max_request_bytes: Option<usize>,
+    max_record_bytes: Option<usize>,
+}
+
+impl std::fmt::Debug for OutboxRelay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OutboxRelay")
+            .field("brokers", &self.kafka.brokers)
+            .field("relay", &self.relay)
+            .field("compression", &self.compression)
+            .finish_non_exhaustive()
+    }
+}
+
+impl OutboxRelay {
+    /// A relay publishing to `brokers` (`host:port`, several separated by
+    /// commas) as member `member` of the relays' group (unique among the
+    /// relays, stable across restarts), with the defaults of
+    /// [`RelayConfig`](inbox_core::outbox::RelayConfig), plaintext, no
+    /// compression.
+    ///
+    /// # Errors
+    ///
+    /// [`KafkaError::Config`] for no broker or an empty member id.
+    pub fn new(brokers: &str, member: &str) -> Result<Self, KafkaError> {
+        let brokers = broker_list(brokers)?;
+        let relay = inbox_core::outbox::RelayConfig::new(member)
+            .map_err(|e| KafkaError::Config(e.to_string()))?;
+        Ok(Self {
+            kafka: KafkaConfig::new(brokers, relay.group.clone(), Vec::new()),
+            relay,
+            metrics: None,
+            compression: crate::Compression::NoCompression,
+            max_request_bytes: None,
+            max_record_bytes: None,
+        })
+    }
+
+    /// TLS to the brokers.
+    #[must_use]
+    pub fn tls(mut self, tls: Tls) -> Self {
+        self.kafka.tls = Some(tls);
+        self
+    }
+
+    /// SASL authentication.
+    #[must_use]
+    pub fn sasl(mut self, sasl: Sasl) -> Self {
+        self.kafka.sasl = Some(sasl);
+        self
+    }
+
+    /// Compresses the batches it produces.
+    #[must_use]
+    pub fn compression(mut self, compression: crate::Compression) -> Self {
+        self.compression = compression;
+        self
+    }
+
+    /// The largest produce request (Java's `max.request.size`; default
+    /// [`DEFAULT_MAX_REQUEST_BYTES`](crate::DEFAULT_MAX_REQUEST_BYTES)) and
+    /// the largest event the topics take (`max.message.bytes`; default
+    /// [`DEFAULT_MAX_RECORD_BYTES`](crate::DEFAULT_MAX_RECORD_BYTES)).
+    #[must_use]
+    pub fn max_bytes(mut self, request: usize, record: usize) -> Self {
+        self.max_request_bytes = Some(request);
+        self.max_record_bytes = Some(record);
+        self
+    }
+
+    /// Where the relay's events are reported (default: nowhere).
+    #[must_use]
+    pub fn metrics(mut self, metrics: Arc<dyn Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
+    }
+
+    /// Any other setting of the relay (batch size, probe interval, what a
+    /// refused event does, its health handle, ...).
+    #[must_use]
+    pub fn configure(mut self, f: impl FnOnce(&mut inbox_core::outbox::RelayConfig)) -> Self {
+        f(&mut self.relay);
+        self
+    }
+
+    /// Publishes until `shutdown` ends, then finishes the round in hand,
+    /// writes its marks and leaves the relays' group.
+    ///
+    /// # Errors
+    ///
+    /// [`KafkaError::Config`] for settings out of range, before connecting;
+    /// a [`KafkaError`] when the brokers cannot be reached at the start.
+    pub async fn run<S>(
+        self,
+        store: S,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<inbox_core::outbox::RelaySummary, KafkaError>
+    where
+        S: inbox_core::outbox::OutboxStore + OffsetStore + MembershipStore + Clone + 'static,
+    {
+        self.relay
+            .validate()
+            .map_err(|e| KafkaError::Config(e.to_string()))?;
+        let mut publisher = crate::KafkaPublisher::connect(&self.kafka)
+            .await?
+            .with_compression(self.compression);
+        if let Some(bytes) = self.max_request_bytes {
+            publisher = publisher.with_max_request_bytes(bytes);
+        }
+        if let Some(bytes) = self.max_record_bytes {
+            publisher = publisher.with_max_record_bytes(bytes);
+        }
+        let cancel = CancellationToken::new();
+        let stopper = tokio::spawn({
+            let cancel = cancel.clone();
+            async move {
+                shutdown.await;
+                cancel.cancel();
+            }
+        });
+        let metrics = self.metrics.unwrap_or_else(|| Arc::new(NoopMetrics));
+        let summary = inbox_core::outbox::Relay::new(store, publisher, self.relay)
+            .with_metrics(metrics)
+            .run(cancel)
+            .await;
+        stopper.abort();
+        summary.map_err(|e| KafkaError::Config(e.to_string()))
+    }
+}
+
+/// `host:port` entries of a comma-separated list.
+fn broker_list(brokers: &str) -> Result<Vec<String>, KafkaError> {
+    let list: Vec<String> = brokers
+        .split(',')
+        .map(str::trim)
+        .filter(|b| !b.is_empty())
+        .map(str::to_owned)
+        .collect();
+    if list.is_empty() {
+        return Err(KafkaError::Config("no broker given".to_owned()));
+    }
+    Ok(list)
 }

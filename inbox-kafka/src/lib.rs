@@ -72,7 +72,7 @@ pub use consumer::{
     ConsumerStats, KafkaConfig, KafkaConsumer, KafkaError, OutOfRange, StartPosition,
 };
 pub use decode::{Decode, JsonDecoder, RecordView, decode_or_poison, redecode};
-pub use entry::{InboxConsumer, shutdown_signal};
+pub use entry::{InboxConsumer, OutboxRelay, shutdown_signal};
 pub use group::{AssignmentChange, GroupConfig, GroupSummary, run_group};
 pub use health::{HealthHandle, PartitionHealth};
 pub use offsets::{

@@ -90,3 +90,73 @@ fn an_inbox_consumer_refuses_what_it_cannot_run_before_connecting() {
         "an empty member id"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outbox_relay_publishes_the_outbox_and_stops_when_its_shutdown_future_ends() {
+    use inbox_core::InboxStore as _;
+    use inbox_core::InboxTransaction as _;
+    use inbox_core::outbox::OutboxMessage;
+    use inbox_kafka::OutboxRelay;
+    let env = env("entry-relay", 2).await;
+    for i in 0..10 {
+        let tx = env.store.begin().await.unwrap_or_else(|e| panic!("{e}"));
+        let event = OutboxMessage::new(&env.topic, "{}")
+            .key(format!("k{i}"))
+            .message_id(format!("e{i}"));
+        env.store
+            .outbox()
+            .enqueue(tx.connection(), &event)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+    }
+    let relay = OutboxRelay::new(env.broker.address(), "relay-1")
+        .unwrap_or_else(|e| panic!("{e}"))
+        .configure(|r| r.heartbeat = Duration::from_millis(100));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(relay.run(env.store.clone(), async move {
+        let _ = stopped.await;
+    }));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut on_broker = 0;
+        for p in 0..env.partitions {
+            on_broker += env
+                .broker
+                .read_all(&env.topic, p)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"))
+                .len();
+        }
+        if on_broker >= 10 {
+            assert_eq!(on_broker, 10, "each event once");
+            break;
+        }
+        assert!(Instant::now() < deadline, "{on_broker} of 10 published");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = stop.send(());
+    let summary = tokio::time::timeout(Duration::from_secs(15), running)
+        .await
+        .unwrap_or_else(|_| panic!("the relay did not stop on its shutdown future"))
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(summary.published, 10, "{summary:?}: every event marked");
+    let left = inbox_testkit::pg::count(&env.store, "SELECT count(*) FROM inbox_outbox", vec![])
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(left, 0, "the published rows are gone");
+}
+
+#[test]
+fn an_outbox_relay_refuses_what_it_cannot_run_before_connecting() {
+    use inbox_kafka::OutboxRelay;
+    assert!(matches!(
+        OutboxRelay::new(" ", "relay-1"),
+        Err(KafkaError::Config(_))
+    ));
+    assert!(matches!(
+        OutboxRelay::new("b:9092", " "),
+        Err(KafkaError::Config(_))
+    ));
+}

@@ -43,7 +43,7 @@ pub mod prelude {
     pub use inbox_core::router::{EventHandler, Router, UnknownEventType};
     pub use inbox_core::{
         AckStrategy, Backoff, BatchConfig, CancellationToken, Handler, HandlerError, HandlerResult,
-        Headers, InboxStore, Message, Metrics, NoopMetrics, Runner, RunnerConfig,
+        Headers, InboxStore, InboxTransaction, Message, Metrics, NoopMetrics, Runner, RunnerConfig,
     };
 
     #[cfg(feature = "postgres")]
@@ -51,8 +51,8 @@ pub mod prelude {
 
     #[cfg(feature = "kafka")]
     pub use inbox_kafka::{
-        GroupConfig, HealthHandle, InboxConsumer, JsonDecoder, KafkaConfig, Sasl, StartPosition,
-        Tls, run_group, run_partitioned, run_relay, shutdown_signal,
+        GroupConfig, HealthHandle, InboxConsumer, JsonDecoder, KafkaConfig, OutboxRelay, Sasl,
+        StartPosition, Tls, run_group, run_partitioned, run_relay, shutdown_signal,
     };
 }
 

@@ -39,6 +39,7 @@ pub(crate) fn run() -> Result<()> {
     rt.block_on(async {
         kafka_to_postgres(&exe("kafka_to_postgres"), &command).await?;
         managed_cluster(&exe("managed_cluster")).await?;
+        outbox_service(&exe("outbox_service")).await?;
         land_and_drain(&exe("land_and_drain")).await
     })?;
     testing_your_handler(&exe("testing_your_handler"))
@@ -123,6 +124,21 @@ async fn orders_on(broker: &inbox_testkit::kafka::Broker, n: i64) -> Result<Stri
     Ok(topic)
 }
 
+/// Starts the example `exe` with `envs`, its output piped (read with
+/// [`printed`]), its errors on this process's.
+fn spawn_example(
+    exe: &std::path::Path,
+    envs: &[(&str, &std::ffi::OsStr)],
+) -> Result<std::process::Child> {
+    Command::new(exe)
+        .envs(envs.iter().copied())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .with_context(|| format!("starting {}", exe.display()))
+}
+
 /// Waits until `sql` counts `want` or more, while the example `child`
 /// runs: past `limit`, or if the child ends first, an error saying `what`
 /// with the child's output.
@@ -176,6 +192,92 @@ async fn stop_with(child: &mut std::process::Child, signal: &str, what: &str) ->
     Ok(out)
 }
 
+/// The lines between `// the wiring` and `// the wiring ends` in
+/// `inbox/examples/<example>.rs`: an error when there are none or more
+/// than `most`.
+fn wiring_lines(example: &str, most: usize) -> Result<usize> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join(format!("../inbox/examples/{example}.rs"));
+    let source =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let wiring = source
+        .lines()
+        .skip_while(|l| !l.contains("// the wiring"))
+        .skip(1)
+        .take_while(|l| !l.contains("// the wiring ends"))
+        .count();
+    if wiring == 0 || wiring > most {
+        bail!("{example}'s wiring takes {wiring} lines (at most {most})");
+    }
+    Ok(wiring)
+}
+
+/// Most lines of wiring `outbox_service` may take, its business
+/// transaction's three calls included (issue 26's goal).
+const OUTBOX_SERVICE_WIRING: usize = 10;
+
+/// `outbox_service`: orders written with their events, relayed in the same
+/// process; the topic read back: each order's event once, on its key's
+/// partition, after a clean stop on SIGTERM.
+async fn outbox_service(exe: &std::path::Path) -> Result<()> {
+    // the business transaction's begin, enqueue and commit count too
+    let wiring = wiring_lines("outbox_service", OUTBOX_SERVICE_WIRING - 3)? + 3;
+    println!("$ {} ({wiring} lines of wiring)", exe.display());
+    let url = harness(inbox_testkit::pg::server().and_then(|s| s.create_database()))?;
+    let store = PgStore::connect(&url, TableName::default()).await?;
+    store
+        .connection()
+        .execute_unprepared("CREATE TABLE orders (id BIGINT PRIMARY KEY)")
+        .await?;
+    let broker = harness(inbox_testkit::kafka::broker())?;
+    let partitions = 2;
+    let topic = harness(broker.topic("outbox-orders", partitions).await)?;
+    let mut child = spawn_example(
+        exe,
+        &[
+            ("DATABASE_URL", url.as_ref()),
+            ("KAFKA_BROKERS", broker.address().as_ref()),
+            ("TOPIC", topic.as_ref()),
+            ("MEMBER", "relay-1".as_ref()),
+            ("ORDERS", ORDERS.to_string().as_ref()),
+        ],
+    )?;
+    let started = Instant::now();
+    // every order written and its event gone from the outbox (published)
+    wait_for_count(
+        &store,
+        &mut child,
+        "SELECT (SELECT count(*) FROM orders) - (SELECT count(*) FROM inbox_outbox)",
+        ORDERS,
+        Duration::from_secs(120),
+        "outbox_service publishing every order's event",
+    )
+    .await?;
+    let out = stop_with(&mut child, "-TERM", "outbox_service").await?;
+    let mut keys = Vec::new();
+    for p in 0..partitions {
+        for (_, record) in harness(broker.read_all(&topic, p).await)? {
+            let key =
+                String::from_utf8_lossy(record.key.as_deref().unwrap_or_default()).into_owned();
+            if inbox_core::outbox::partition_for(key.as_bytes(), partitions) != p {
+                bail!("outbox_service: {key} on partition {p}, not its key's\n{out}");
+            }
+            keys.push(key);
+        }
+    }
+    keys.sort();
+    let mut want: Vec<String> = (0..ORDERS).map(|i| format!("order-{i}")).collect();
+    want.sort();
+    if keys != want {
+        bail!("outbox_service: the topic holds {keys:?}, expected each of {want:?} once\n{out}");
+    }
+    println!(
+        "outbox_service passed: {ORDERS} orders written with their events, each published once on its key's partition, {wiring} lines of wiring, stopped on SIGTERM ({:.1} s)",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
 /// Most lines of wiring `managed_cluster` may take (issue 26's goal).
 const MANAGED_CLUSTER_WIRING: usize = 15;
 
@@ -183,19 +285,7 @@ const MANAGED_CLUSTER_WIRING: usize = 15;
 /// with SCRAM-SHA-512: its wiring within [`MANAGED_CLUSTER_WIRING`] lines,
 /// every order invoiced once, a clean stop on SIGTERM.
 async fn managed_cluster(exe: &std::path::Path) -> Result<()> {
-    let source = std::fs::read_to_string(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../inbox/examples/managed_cluster.rs"),
-    )?;
-    let wiring = source
-        .lines()
-        .skip_while(|l| !l.contains("// the wiring"))
-        .skip(1)
-        .take_while(|l| !l.contains("// the wiring ends"))
-        .count();
-    if wiring == 0 || wiring > MANAGED_CLUSTER_WIRING {
-        bail!("managed_cluster's wiring takes {wiring} lines (at most {MANAGED_CLUSTER_WIRING})");
-    }
+    let wiring = wiring_lines("managed_cluster", MANAGED_CLUSTER_WIRING)?;
     println!(
         "$ {} (TLS and SCRAM; {wiring} lines of wiring)",
         exe.display()
@@ -222,19 +312,18 @@ async fn managed_cluster(exe: &std::path::Path) -> Result<()> {
             "CREATE TABLE invoices (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL UNIQUE, total BIGINT NOT NULL)",
         )
         .await?;
-    let mut child = Command::new(exe)
-        .env("DATABASE_URL", &url)
-        .env("KAFKA_BROKERS", broker.address())
-        .env("TOPIC", &topic)
-        .env("MEMBER", "billing-1")
-        .env("KAFKA_CA_FILE", &ca_file)
-        .env("KAFKA_USER", user)
-        .env("KAFKA_PASSWORD", password)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .with_context(|| format!("starting {}", exe.display()))?;
+    let mut child = spawn_example(
+        exe,
+        &[
+            ("DATABASE_URL", url.as_ref()),
+            ("KAFKA_BROKERS", broker.address().as_ref()),
+            ("TOPIC", topic.as_ref()),
+            ("MEMBER", "billing-1".as_ref()),
+            ("KAFKA_CA_FILE", ca_file.as_ref()),
+            ("KAFKA_USER", user.as_ref()),
+            ("KAFKA_PASSWORD", password.as_ref()),
+        ],
+    )?;
     let started = Instant::now();
     let invoices = "SELECT count(*) FROM invoices";
     wait_for_count(
@@ -277,15 +366,14 @@ async fn land_and_drain(exe: &std::path::Path) -> Result<()> {
     );
     let url = harness(inbox_testkit::pg::server().and_then(|s| s.create_database()))?;
     let (topic, broker) = orders(10).await?;
-    let mut child = Command::new(exe)
-        .env("DATABASE_URL", &url)
-        .env("KAFKA_BROKERS", broker.address())
-        .env("TOPIC", &topic)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .with_context(|| format!("starting {}", exe.display()))?;
+    let mut child = spawn_example(
+        exe,
+        &[
+            ("DATABASE_URL", url.as_ref()),
+            ("KAFKA_BROKERS", broker.address().as_ref()),
+            ("TOPIC", topic.as_ref()),
+        ],
+    )?;
     let started = Instant::now();
     let (status, out) = finish(
         &mut child,
@@ -384,17 +472,16 @@ async fn kafka_to_postgres(exe: &std::path::Path, command: &Operator) -> Result<
     harness(broker.produce(&topic, 1, vec![again, large], 1).await)?;
 
     let metrics_addr = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
-    let mut child = Command::new(exe)
-        .env("DATABASE_URL", &url)
-        .env("KAFKA_BROKERS", broker.address())
-        .env("TOPIC", &topic)
-        .env("MEMBER", "example-1")
-        .env("METRICS_ADDR", metrics_addr.to_string())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .with_context(|| format!("starting {}", exe.display()))?;
+    let mut child = spawn_example(
+        exe,
+        &[
+            ("DATABASE_URL", url.as_ref()),
+            ("KAFKA_BROKERS", broker.address().as_ref()),
+            ("TOPIC", topic.as_ref()),
+            ("MEMBER", "example-1".as_ref()),
+            ("METRICS_ADDR", metrics_addr.to_string().as_ref()),
+        ],
+    )?;
 
     let invoices = "SELECT count(*) FROM invoices";
     wait_for_count(

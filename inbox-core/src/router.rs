@@ -30,7 +30,7 @@
 //!     }
 //! }
 //!
-//! let router: Router<()> = Router::new().on::<OrderCreated, _>("order.created", Billing);
+//! let router: Router<()> = Router::new().on("order.created", Billing);
 //! assert!(router.routes("order.created", None));
 //! ```
 
@@ -255,7 +255,10 @@ impl<Tx: Send + 'static> Router<Tx> {
     }
 
     /// Routes `event_type` (any schema version without a route of its own)
-    /// to `handler`, with the payload deserialized into `T`.
+    /// to `handler`, with the payload deserialized into `T`. `T` is
+    /// inferred from the handler when it handles one type
+    /// (`.on("order.created", Billing)`); name it (`.on::<OrderCreated,
+    /// _>(..)`) for a handler of several.
     pub fn on<T, H>(self, event_type: &str, handler: H) -> Self
     where
         T: DeserializeOwned + Send + 'static,

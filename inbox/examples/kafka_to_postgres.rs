@@ -171,7 +171,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // the typed handler, batched: up to 100 messages per transaction,
     // each with the outcome it would get alone
-    let router = Arc::new(Router::new().on::<OrderCreated, _>("order.created", Billing));
+    let router = Arc::new(Router::new().on("order.created", Billing));
     let runner = RunnerConfig::new(GROUP, member.clone())?.batched(BatchConfig::new(100));
     let kafka = KafkaConfig::new(brokers, GROUP, Vec::new());
     let group = GroupConfig::new(member.clone(), vec![topic.clone()]);

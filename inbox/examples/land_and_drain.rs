@@ -114,7 +114,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let payments = Arc::new(Payments {
         down_for_order_7: AtomicBool::new(true),
     });
-    let router = Router::new().on::<OrderCreated, _>("order.created", Arc::clone(&payments));
+    let router = Router::new().on("order.created", Arc::clone(&payments));
     let mut config = ProcessorConfig::new("drainer-1")?;
     config.rules = AttemptRules {
         backoff: Backoff::new(Duration::from_millis(10), Duration::from_millis(10), 1.0),

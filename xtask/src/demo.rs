@@ -302,7 +302,7 @@ async fn billing(per_message: bool, prometheus: Option<std::net::SocketAddr>) ->
     });
     // the handler is a typed router: order.created payloads arrive as
     // OrderCreated values
-    let handler = Arc::new(Router::new().on::<OrderCreated, _>("order.created", billing.clone()));
+    let handler = Arc::new(Router::new().on("order.created", billing.clone()));
     let metrics = Arc::new(DemoMetrics {
         facade: prometheus.map(|_| FacadeMetrics::new(GROUP, topic.clone())),
         ..DemoMetrics::default()

@@ -347,6 +347,34 @@ impl HandlerError {
         }
     }
 
+    /// An error from any boxed error, `anyhow::Error` and `eyre::Report`
+    /// included (they convert into a box but are not `std::error::Error`
+    /// themselves, so `?` cannot take them): `.map_err(HandlerError::from_boxed)?`.
+    /// Its message is the error's display with its causes (`{:#}`).
+    ///
+    /// ```
+    /// use inbox_core::HandlerError;
+    /// let boxed: Box<dyn std::error::Error + Send + Sync> = "payment provider down".into();
+    /// let e = HandlerError::from_boxed(boxed);
+    /// assert_eq!(e.to_string(), "payment provider down");
+    /// ```
+    pub fn from_boxed(
+        error: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    ) -> Self {
+        let error = error.into();
+        let mut message = error.to_string();
+        let mut cause = error.source();
+        while let Some(c) = cause {
+            message.push_str(": ");
+            message.push_str(&c.to_string());
+            cause = c.source();
+        }
+        Self {
+            message,
+            source: Some(error),
+        }
+    }
+
     /// The underlying error, when there is one.
     pub fn source(&self) -> Option<&(dyn std::error::Error + Send + Sync + 'static)> {
         self.source.as_deref()
@@ -392,4 +420,26 @@ pub enum Error {
     /// The consumer failed.
     #[error(transparent)]
     Consumer(#[from] ConsumerError),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::HandlerError;
+
+    #[test]
+    fn an_anyhow_error_becomes_a_handler_error_with_its_causes() {
+        fn bill() -> Result<(), anyhow::Error> {
+            Err(anyhow::anyhow!("payment provider down"))
+                .map_err(|e| e.context("billing order o-1"))
+        }
+        let handle = || -> Result<(), HandlerError> {
+            bill().map_err(HandlerError::from_boxed)?;
+            Ok(())
+        };
+        let e = handle()
+            .err()
+            .unwrap_or_else(|| HandlerError::msg("no error"));
+        assert_eq!(e.to_string(), "billing order o-1: payment provider down");
+        assert!(e.source().is_some(), "the error is kept as the source");
+    }
 }

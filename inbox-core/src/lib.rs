@@ -63,6 +63,7 @@ pub mod offsets;
 pub mod otel;
 pub mod outbox;
 pub mod outcome;
+mod panics;
 pub mod processor;
 pub mod router;
 pub mod runner;

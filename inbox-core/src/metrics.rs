@@ -158,7 +158,7 @@ pub fn record_safely<M: Metrics + ?Sized>(metrics: &M, event: MetricEvent) {
     if let Err(panic) = recorded {
         tracing::error!(
             ?event,
-            panic = %crate::runner::panic_message(&*panic).unwrap_or_default(),
+            panic = %crate::panics::panic_message(&*panic).unwrap_or_default(),
             "a Metrics implementation panicked; the event is dropped"
         );
     }

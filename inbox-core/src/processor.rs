@@ -328,7 +328,7 @@ where
         .catch_unwind();
         let result = match tokio::time::timeout(self.config.handler_timeout, call).await {
             Err(_) => Err(Failure::Timeout),
-            Ok(Err(panic)) => Err(Failure::Panic(crate::runner::panic_text(&*panic))),
+            Ok(Err(panic)) => Err(Failure::Panic(crate::panics::panic_text(&*panic))),
             Ok(Ok(Err(e))) => Err(Failure::Error(e.to_string())),
             Ok(Ok(Ok(result))) => Ok(result),
         };

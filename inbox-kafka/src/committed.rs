@@ -29,7 +29,7 @@ use rskafka::protocol::record::{
     ControlBatchOrRecords, ControlBatchRecord, RecordBatch, RecordBatchTimestampType,
 };
 
-use crate::consumer::{Fetch, FetchError, Page};
+use crate::fetch::{Fetch, FetchError, Page};
 use crate::wire::{Dialer, Fetched, Leader, Record};
 
 fn failed(what: impl std::fmt::Display) -> FetchError {

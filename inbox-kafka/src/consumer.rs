@@ -18,6 +18,9 @@ use tokio::time::Instant;
 use crate::broker_group::{BrokerCommits, BrokerGroup, group_offsets};
 use crate::committed::CommittedFetch;
 use crate::decode::{Decode, JsonDecoder, RecordView, decode_or_poison};
+pub use crate::error::KafkaError;
+pub(crate) use crate::error::within;
+pub(crate) use crate::fetch::{Fetch, FetchError, Page};
 use crate::health::HealthHandle;
 use crate::security::{Sasl, Tls};
 use crate::wire::{Dialer, Fetched};
@@ -247,82 +250,10 @@ impl KafkaConfig {
     }
 }
 
-/// `call`, unless it takes longer than `limit`: then a
-/// [`KafkaError::ConnectTimeout`] naming `what`.
-pub(crate) async fn within<T>(
-    what: &str,
-    limit: Duration,
-    call: impl std::future::Future<Output = Result<T, rskafka::client::error::Error>>,
-) -> Result<T, KafkaError> {
-    match tokio::time::timeout(limit, call).await {
-        Ok(result) => result.map_err(KafkaError::from),
-        Err(_) => Err(KafkaError::ConnectTimeout {
-            what: what.to_owned(),
-            after: limit,
-        }),
-    }
-}
-
-/// Errors of the Kafka adapter.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum KafkaError {
-    /// The broker could not be reached or refused a request.
-    #[error("kafka: {0}")]
-    Broker(#[from] rskafka::client::error::Error),
-    /// The offsets could not be read or claimed.
-    #[error("offsets: {0}")]
-    Offsets(#[from] inbox_core::StoreError),
-    /// The configuration is unusable.
-    #[error("invalid configuration: {0}")]
-    Config(String),
-    /// A runner task died (a panic outside the handler's guard).
-    #[error("a runner task died: {0}")]
-    RunnerDied(String),
-    /// The TLS configuration is unusable (a file that cannot be read, no
-    /// certificate or key in it).
-    #[error("tls: {0}")]
-    Tls(String),
-    /// Connecting took longer than `KafkaConfig::connect_timeout`: a wrong
-    /// address, a refused handshake, bad credentials or an unknown topic.
-    #[error(
-        "{what}: no answer within {after:?} (wrong address, refused handshake, bad credentials or unknown topic?)"
-    )]
-    ConnectTimeout {
-        /// What was being connected.
-        what: String,
-        /// The timeout.
-        after: Duration,
-    },
-    /// The offsets of the Kafka consumer group to start from
-    /// ([`StartPosition::GroupOffsets`]) could not be read.
-    #[error("reading the offsets of Kafka consumer group {group:?}: {cause}")]
-    GroupOffsets {
-        /// The group.
-        group: String,
-        /// Why.
-        cause: String,
-    },
-}
-
 /// Most delivered, unacknowledged records kept per partition for rewinds in
 /// memory (a runner acknowledges or rewinds every batch, so it needs about a
 /// batch; a rewind further back fetches again).
 const MAX_KEPT_RECORDS: usize = 1024;
-
-/// Why a fetch or an offset lookup of a partition failed.
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum FetchError {
-    /// The broker says the offset is outside the log.
-    #[error("offset out of range")]
-    OutOfRange,
-    /// The client's error.
-    #[error(transparent)]
-    Kafka(#[from] rskafka::client::error::Error),
-    /// Anything else, said.
-    #[error("{0}")]
-    Other(String),
-}
 
 /// Counts offsets `from..to` of `p` as holding nothing to deliver
 /// (transaction markers, aborted or compacted records): normal, not a gap.
@@ -350,39 +281,6 @@ fn skipped(
             count: missing,
         },
     );
-}
-
-/// What one fetch of a partition gave.
-#[derive(Debug, Default)]
-pub(crate) struct Page {
-    /// The records to deliver, from the requested offset.
-    pub(crate) records: Vec<Fetched>,
-    /// The partition's high watermark.
-    pub(crate) high_watermark: i64,
-    /// The base offset of the first batch the broker returned, when the
-    /// fetch path sees batches (it may lie before the requested offset: a
-    /// broker answers with the batch that holds it).
-    pub(crate) first_batch: Option<i64>,
-    /// The offset after the last complete batch examined, delivered or not
-    /// (aborted records, transaction markers), when the fetch path sees
-    /// batches: the next fetch starts there, as Kafka's own consumer does,
-    /// so a fetch filled with what is not delivered still moves on.
-    pub(crate) examined_end: Option<i64>,
-}
-
-/// What the consumer asks of a partition at the broker (the
-/// transaction-aware [`CommittedFetch`](crate::committed::CommittedFetch),
-/// or rskafka's [`PartitionClient`]; a fake in the unit tests).
-#[async_trait]
-pub(crate) trait Fetch: Send + Sync {
-    async fn fetch(
-        &self,
-        offset: i64,
-        bytes: std::ops::Range<i32>,
-        max_wait_ms: i32,
-    ) -> Result<Page, FetchError>;
-
-    async fn offset_at(&self, at: OffsetAt) -> Result<i64, FetchError>;
 }
 
 /// How long `next()` waits for running fetches beyond the broker's

@@ -61,6 +61,8 @@ mod committed;
 mod consumer;
 mod decode;
 mod entry;
+mod error;
+mod fetch;
 mod group;
 mod health;
 mod offsets;

@@ -18,7 +18,7 @@ use chrono::{DateTime, Utc};
 use inbox_core::{OffsetStore, Position, StoreErrorKind, TxAck};
 use rskafka::client::partition::{OffsetAt, PartitionClient, UnknownTopicHandling};
 
-use crate::consumer::within;
+use crate::error::within;
 use crate::{KafkaConfig, KafkaError};
 
 /// Where to move a group's offset.

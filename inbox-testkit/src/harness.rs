@@ -29,7 +29,7 @@ use async_trait::async_trait;
 use inbox_core::{Consumer, ConsumerError, Message, Position, TxAck};
 
 use crate::broker::FaultPoints;
-use crate::scenarios::{ScenarioStore, WriteInvoice};
+use crate::subject::{ScenarioStore, WriteInvoice};
 use crate::{BrokerFault, CommitRecord, MemBroker, MemConsumer};
 
 /// A store and a broker the scenarios run on.

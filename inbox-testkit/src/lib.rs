@@ -40,6 +40,7 @@ pub mod pg;
 pub mod scenarios;
 pub mod service;
 mod store;
+mod subject;
 #[cfg(feature = "kafka")]
 pub mod tls;
 

@@ -11,7 +11,6 @@
 //! A test that needs PostgreSQL and cannot get one fails with the reason:
 //! it is never skipped.
 
-use std::fmt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -20,17 +19,7 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-/// Why a test service (PostgreSQL, the broker) could not be had.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HarnessError(pub String);
-
-impl fmt::Display for HarnessError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "test service unavailable: {}", self.0)
-    }
-}
-
-impl std::error::Error for HarnessError {}
+pub use crate::service::HarnessError;
 
 /// A PostgreSQL server for the tests.
 #[derive(Debug)]

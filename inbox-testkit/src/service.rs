@@ -6,7 +6,17 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::pg::HarnessError;
+/// Why a test service (PostgreSQL, the broker) could not be had.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HarnessError(pub String);
+
+impl std::fmt::Display for HarnessError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "test service unavailable: {}", self.0)
+    }
+}
+
+impl std::error::Error for HarnessError {}
 
 /// Whether this process runs as root.
 pub fn is_root() -> bool {

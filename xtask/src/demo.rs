@@ -179,18 +179,6 @@ pub(crate) async fn scrape(addr: std::net::SocketAddr) -> Result<String> {
     Ok(body)
 }
 
-pub(crate) async fn database() -> Result<String> {
-    if let Ok(url) = std::env::var("DATABASE_URL")
-        && !url.is_empty()
-    {
-        println!("PostgreSQL: using DATABASE_URL");
-        return Ok(url);
-    }
-    let server = inbox_testkit::pg::server().map_err(|e| anyhow::anyhow!("{e}"))?;
-    println!("PostgreSQL: started a throwaway server (DATABASE_URL not set)");
-    server.create_database().map_err(|e| anyhow::anyhow!("{e}"))
-}
-
 /// Produces the orders; returns (valid order ids, messages produced,
 /// poison records produced).
 async fn produce(broker: &inbox_testkit::kafka::Broker, topic: &str) -> Result<(u64, u64, u64)> {
@@ -263,7 +251,7 @@ async fn billing(per_message: bool, prometheus: Option<std::net::SocketAddr>) ->
             .context("starting the Prometheus endpoint")?;
         println!("metrics: http://{addr}/metrics");
     }
-    let url = database().await?;
+    let url = crate::setup::database().await?;
     let broker = inbox_testkit::kafka::broker().map_err(|e| anyhow::anyhow!("{e}"))?;
     println!(
         "broker: {} (tansu unless KAFKA_BROKERS is set)",

@@ -117,3 +117,17 @@ pub(crate) fn librdkafka() -> Result<()> {
     }
     Ok(())
 }
+
+/// The database the demo and the pipeline use: `DATABASE_URL` when set,
+/// else a new database on the throwaway server.
+pub(crate) async fn database() -> Result<String> {
+    if let Ok(url) = std::env::var("DATABASE_URL")
+        && !url.is_empty()
+    {
+        println!("PostgreSQL: using DATABASE_URL");
+        return Ok(url);
+    }
+    let server = inbox_testkit::pg::server().map_err(|e| anyhow::anyhow!("{e}"))?;
+    println!("PostgreSQL: started a throwaway server (DATABASE_URL not set)");
+    server.create_database().map_err(|e| anyhow::anyhow!("{e}"))
+}

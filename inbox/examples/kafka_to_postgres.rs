@@ -1,5 +1,5 @@
 //! Kafka into PostgreSQL, every order invoiced exactly once: a typed
-//! router, batched transactions, a consumer group member (`run_group`),
+//! router, batched transactions, a consumer group member (`InboxConsumer`),
 //! maintenance, dead-letter replays asked for with the `inbox` command,
 //! Prometheus metrics and a graceful stop on Ctrl-C. The
 //! handler writes the user's own table through a sea-orm entity, in the
@@ -146,11 +146,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .with_writer(std::io::stderr)
         .init();
     let url = std::env::var("DATABASE_URL").map_err(|_| "set DATABASE_URL")?;
-    let brokers: Vec<String> = std::env::var("KAFKA_BROKERS")
-        .unwrap_or_else(|_| "localhost:9092".into())
-        .split(',')
-        .map(str::to_owned)
-        .collect();
+    let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "localhost:9092".into());
     let topic = std::env::var("TOPIC").unwrap_or_else(|_| "orders".into());
     let member =
         std::env::var("MEMBER").unwrap_or_else(|_| format!("billing-{}", std::process::id()));
@@ -169,49 +165,31 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     migration::Migrator::up(&db, None).await?;
     let store = PgStore::new(db, TableName::default());
 
-    // the typed handler, batched: up to 100 messages per transaction,
-    // each with the outcome it would get alone
+    // the typed handler, shared by the consumer and the dead-letter replays
     let router = Arc::new(Router::new().on("order.created", Billing));
-    let runner = RunnerConfig::new(GROUP, member.clone())?.batched(BatchConfig::new(100));
-    let kafka = KafkaConfig::new(brokers, GROUP, Vec::new());
-    let group = GroupConfig::new(member.clone(), vec![topic.clone()]);
-    let health = kafka.health.clone();
-
-    // Ctrl-C (or SIGINT): finish the batch in hand, leave the group, stop
-    let cancel = CancellationToken::new();
-    tokio::spawn({
-        let cancel = cancel.clone();
-        async move {
-            if tokio::signal::ctrl_c().await.is_ok() {
-                println!("stopping: finishing the batch in hand");
-            }
-            cancel.cancel();
-        }
-    });
-
-    // maintenance: completed rows kept a week, stale leases released
-    let maintenance = Maintenance::new(
-        store.clone(),
-        MaintenanceConfig::new(Duration::from_secs(7 * 24 * 3_600))?,
-    );
-    let maintaining = tokio::spawn({
-        let cancel = cancel.clone();
-        async move { maintenance.run(cancel).await }
-    });
+    let consumer = InboxConsumer::new(&brokers, GROUP, [topic.clone()])?
+        .member(&member)?
+        .batched(100)
+        .metrics(Arc::new(FacadeMetrics::new(GROUP, topic.clone())))
+        .maintenance(Some(MaintenanceConfig::new(Duration::from_secs(
+            7 * 24 * 3_600,
+        ))?));
+    let health = consumer.health();
 
     // dead letters an operator asks to replay once the cause is fixed
     // (`inbox dead-letters replay ID`): replayed here, with this handler
+    let stop = CancellationToken::new();
     let replayer = DeadLetterReplayer::new(store.clone(), router.clone());
     tokio::spawn({
-        let cancel = cancel.clone();
-        async move { replayer.run(cancel).await }
+        let stop = stop.clone();
+        async move { replayer.run(stop).await }
     });
 
     // readiness, as a probe would see it
     tokio::spawn({
-        let (health, cancel) = (health.clone(), cancel.clone());
+        let (health, stop) = (health.clone(), stop.clone());
         async move {
-            while !cancel.is_cancelled() {
+            while !stop.is_cancelled() {
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 let stalled = health.stalled(Duration::from_secs(60)).len();
                 println!(
@@ -224,17 +202,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     });
 
     println!("member {member} of {GROUP} consuming {topic}; Ctrl-C stops it");
-    let summary = run_group(
-        kafka,
-        group,
-        store,
-        router,
-        runner,
-        Arc::new(FacadeMetrics::new(GROUP, topic)),
-        cancel,
-    )
-    .await?;
-    let _ = maintaining.await;
+    let summary = consumer
+        .run(store, router, async {
+            shutdown_signal().await;
+            println!("stopping: finishing the batch in hand");
+        })
+        .await;
+    stop.cancel();
+    let summary = summary?;
     println!(
         "stopped cleanly: {} messages handled, {} assignment changes",
         summary.messages,

@@ -133,7 +133,7 @@ fn runner_with_budget(
     }
     if let Some(n) = batch {
         let mut b = BatchConfig::new(n);
-        b.max_wait = std::time::Duration::ZERO;
+        b.linger = std::time::Duration::ZERO;
         config = config.batched(b);
     }
     let r = Runner::new(
@@ -161,7 +161,7 @@ async fn drain_one_by_one(runner: &mut TestRunner) {
 async fn drain_batched(runner: &mut TestRunner, broker: &MemBroker, n: usize) -> Vec<BatchResult> {
     let mut all = Vec::new();
     let mut b = BatchConfig::new(n);
-    b.max_wait = std::time::Duration::ZERO;
+    b.linger = std::time::Duration::ZERO;
     for _ in 0..10_000 {
         let batch = runner.next_batch(b).await.expect("fetch");
         if batch.is_empty() {
@@ -274,7 +274,7 @@ async fn a_failure_holds_its_partition_and_not_the_others() {
     });
     let (mut r, _) = runner(&store, &broker, &handler, AckStrategy::default(), Some(100));
     let mut b = BatchConfig::new(100);
-    b.max_wait = std::time::Duration::ZERO;
+    b.linger = std::time::Duration::ZERO;
     let batch = r.next_batch(b).await.expect("fetch");
     assert_eq!(batch.len(), 7);
     let first = r.process_batch(batch).await;
@@ -341,7 +341,7 @@ async fn several_failures_in_one_batch_cost_two_transactions_with_savepoints() {
         });
         let metrics = Arc::new(CountingMetrics::new());
         let mut b = BatchConfig::new(100);
-        b.max_wait = std::time::Duration::ZERO;
+        b.linger = std::time::Duration::ZERO;
         b.savepoints_after_failure = savepoints;
         let config = RunnerConfig::new("billing", "w-1")
             .expect("config")
@@ -443,7 +443,7 @@ async fn a_failing_commit_rewinds_every_partition_and_loses_nothing() {
     let (mut r, _) = runner(&store, &broker, &handler, AckStrategy::default(), Some(100));
     store.fail_next(StoreFault::Commit, 1);
     let mut b = BatchConfig::new(100);
-    b.max_wait = std::time::Duration::ZERO;
+    b.linger = std::time::Duration::ZERO;
     let batch = r.next_batch(b).await.expect("fetch");
     let first = r.process_batch(batch).await;
     assert_eq!(
@@ -603,7 +603,7 @@ proptest! {
             let s = AckStrategy::default();
             let (mut r, _) = runner_with_budget(&store, &broker, &handler, s, Some(n), budget);
             let mut b = BatchConfig::new(n);
-            b.max_wait = std::time::Duration::ZERO;
+            b.linger = std::time::Duration::ZERO;
             let mut faults = faults.into_iter();
             let mut idle = 0;
             for _ in 0..2_000 {

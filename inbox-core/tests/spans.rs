@@ -113,7 +113,7 @@ async fn a_span_per_message_and_per_batch() {
         Message::new("o-2", "orders", "order.created", json!({ "n": 2 })),
     );
     let mut b = BatchConfig::new(10);
-    b.max_wait = std::time::Duration::ZERO;
+    b.linger = std::time::Duration::ZERO;
     let mut batched = Runner::new(
         store,
         broker.consumer("billing"),

@@ -294,7 +294,7 @@ async fn batched_runner_holds_only_the_failing_partition() {
         Act::Succeed,
     );
     let mut batch = inbox_core::BatchConfig::new(100);
-    batch.max_wait = Duration::from_millis(50);
+    batch.linger = Duration::from_millis(50);
     let g = "billing";
     let mut runner = Runner::new(
         env.store.clone(),
@@ -467,7 +467,7 @@ async fn lost_commits_are_made_again() {
         env.produce_orders(0, &refs).await;
         let handler = ScriptedHandler::new([], Act::Succeed);
         let mut batch = inbox_core::BatchConfig::new(2);
-        batch.max_wait = Duration::ZERO;
+        batch.linger = Duration::ZERO;
         let mut cfg = config("billing", AckStrategy::default());
         if batched {
             cfg = cfg.batched(batch);
@@ -583,7 +583,7 @@ async fn a_fenced_member_commits_no_bookkeeping() {
     env.produce_orders(0, &["y-1", "y-2"]).await;
     let handler = FlakyById::new([("y-2", 1_000)]);
     let mut batch = inbox_core::BatchConfig::new(1);
-    batch.max_wait = Duration::ZERO;
+    batch.linger = Duration::ZERO;
     let cfg = config("billing", AckStrategy::default())
         .failure_budget(1)
         .batched(batch);
@@ -624,7 +624,7 @@ async fn a_failed_batch_acknowledgement_reports_nothing_acknowledged() {
     env.produce_orders(0, &["a", "b", "c", "d"]).await;
     let faulty = FaultyStore::new(env.store.clone());
     let mut batch = inbox_core::BatchConfig::new(2);
-    batch.max_wait = Duration::ZERO;
+    batch.linger = Duration::ZERO;
     let cfg = config("billing", AckStrategy::default())
         .failure_budget(1)
         .batched(batch);

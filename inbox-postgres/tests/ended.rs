@@ -250,7 +250,7 @@ async fn batched_an_ending_charges_only_its_message() {
             broker.produce("orders", p, order(id));
         }
         let mut batch = BatchConfig::new(10);
-        batch.max_wait = Duration::ZERO;
+        batch.linger = Duration::ZERO;
         batch.adaptive = false;
         let mut runner = Runner::new(
             store.clone(),
@@ -299,7 +299,7 @@ async fn batched_with_savepoints_an_ending_charges_only_its_message() {
         broker.produce("orders", p, order(id));
     }
     let mut batch = BatchConfig::new(10);
-    batch.max_wait = Duration::ZERO;
+    batch.linger = Duration::ZERO;
     batch.adaptive = false;
     batch.savepoints_after_failure = true;
     let mut runner = Runner::new(

@@ -511,7 +511,7 @@ async fn a_refused_completion_charges_only_its_message() {
     }
     let handler = ScriptedHandler::new([], Act::Succeed);
     let mut batch = BatchConfig::new(10);
-    batch.max_wait = Duration::ZERO;
+    batch.linger = Duration::ZERO;
     batch.adaptive = false;
     let mut runner = Runner::new(
         store.clone(),

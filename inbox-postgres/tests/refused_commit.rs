@@ -113,7 +113,7 @@ async fn batched_a_refusal_at_commit_is_found_apart_and_parked() {
         broker.produce("orders", 0, order(id));
     }
     let mut batch = BatchConfig::new(10);
-    batch.max_wait = Duration::ZERO;
+    batch.linger = Duration::ZERO;
     // the batch does not shrink by itself: the refused one is found apart
     batch.adaptive = false;
     let mut runner = Runner::new(

@@ -801,7 +801,7 @@ async fn runner(store: PgStore, messages: u64, mode: Mode, fail_percent: u64) ->
     }
     let mut config = RunnerConfig::new("bench", "bench-1")?;
     let batch_config = BatchConfig {
-        max_wait: Duration::ZERO,
+        linger: Duration::ZERO,
         savepoints_after_failure: mode == Mode::Savepoints,
         ..BatchConfig::new(BATCH)
     };

@@ -71,7 +71,7 @@ pub struct RunnerConfig {
 
 /// How a batched runner gathers a batch: up to `max_messages` messages the
 /// consumer has ready, stopping early at `max_bytes` of payload or when
-/// `max_wait` has passed since the first one.
+/// `linger` has passed since the first one.
 ///
 /// ```
 /// use inbox_core::{BatchConfig, RunnerConfig};
@@ -85,8 +85,10 @@ pub struct BatchConfig {
     /// Most payload bytes in one transaction (a single larger message is
     /// still taken alone).
     pub max_bytes: usize,
-    /// Longest wait for more messages once the first one is in hand.
-    pub max_wait: Duration,
+    /// Longest wait for more messages once the first one is in hand (as
+    /// a Kafka producer's `linger.ms`; named apart from
+    /// `KafkaConfig::max_wait`, the broker's wait in a fetch). Default 5 ms.
+    pub linger: Duration,
     /// After a handler failure, replay the rest of the batch in one
     /// transaction with a savepoint before each handler, so that a batch
     /// with several failures costs two transactions; `false` (the default):
@@ -108,7 +110,7 @@ impl BatchConfig {
         Self {
             max_messages: max_messages.max(1),
             max_bytes: 4 * 1024 * 1024,
-            max_wait: Duration::from_millis(5),
+            linger: Duration::from_millis(5),
             savepoints_after_failure: false,
             adaptive: true,
         }

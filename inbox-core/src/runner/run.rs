@@ -101,7 +101,7 @@ where
 
     /// Up to [`batch_limit`](Self::batch_limit) messages the consumer has
     /// ready (at most `batch.max_messages`), stopping
-    /// at `batch.max_bytes` of payload or once `batch.max_wait` has passed
+    /// at `batch.max_bytes` of payload or once `batch.linger` has passed
     /// since the first one. Empty when nothing is ready now.
     ///
     /// # Errors
@@ -122,7 +122,7 @@ where
                 }
                 Ok(None) => {
                     let Some(at) = started else { break };
-                    let left = batch.max_wait.saturating_sub(at.elapsed());
+                    let left = batch.linger.saturating_sub(at.elapsed());
                     if left.is_zero() {
                         break;
                     }

@@ -81,7 +81,7 @@ pub async fn batched_matches_one_by_one<H: Harness>(h: &H) {
         let mut cfg = config(group, AckStrategy::default());
         if let Some(n) = batch {
             let mut b = inbox_core::BatchConfig::new(n);
-            b.max_wait = Duration::ZERO;
+            b.linger = Duration::ZERO;
             cfg = cfg.batched(b);
         }
         let mut runner = Runner::new(store.clone(), topic.consumer(group).await, handler, cfg)
@@ -97,7 +97,7 @@ pub async fn batched_matches_one_by_one<H: Harness>(h: &H) {
                 }
                 Some(n) => {
                     let mut b = inbox_core::BatchConfig::new(n);
-                    b.max_wait = Duration::ZERO;
+                    b.linger = Duration::ZERO;
                     let messages = poll_batch(&mut runner, b).await.unwrap_or_default();
                     if messages.is_empty() {
                         break;
@@ -233,7 +233,7 @@ pub async fn random_batches_match_one_by_one<H: Harness>(h: &H, seed: u64) -> us
         );
         let metrics = Arc::new(CountingMetrics::new());
         let mut b = inbox_core::BatchConfig::new(batch);
-        b.max_wait = Duration::ZERO;
+        b.linger = Duration::ZERO;
         b.savepoints_after_failure = savepoints;
         let mut cfg = config(&group, AckStrategy::default());
         if batched {
@@ -325,7 +325,7 @@ pub async fn batched_exactly_once_under_faults<H: Harness>(h: &H, seed: u64) {
     let handler = FlakyById::new(budgets.iter().map(|(m, n)| (m.as_str(), *n)));
     let faulty = FaultyStore::new(store.clone());
     let mut b = inbox_core::BatchConfig::new(usize::try_from(1 + roll(12)).unwrap_or(1));
-    b.max_wait = Duration::ZERO;
+    b.linger = Duration::ZERO;
     b.savepoints_after_failure = roll(2) == 0;
     let make = async || {
         Runner::new(

@@ -41,7 +41,7 @@ pub async fn failure_budget_bounds_a_failing_message<H: Harness>(h: &H) {
                 [(swallows.as_str(), 2)],
             );
             let mut b = inbox_core::BatchConfig::new(2);
-            b.max_wait = Duration::ZERO;
+            b.linger = Duration::ZERO;
             let mut cfg = config(&group, strategy).failure_budget(3);
             if batched {
                 cfg = cfg.batched(b);
@@ -126,7 +126,7 @@ pub async fn uncounted_retries_spend_no_budget<H: Harness>(h: &H) {
                 ScriptedHandler::new([], Act::RetryUncounted)
             };
             let mut b = inbox_core::BatchConfig::new(4);
-            b.max_wait = Duration::ZERO;
+            b.linger = Duration::ZERO;
             let mut cfg = config(&group, AckStrategy::default()).failure_budget(2);
             cfg.uncounted_retries = cap;
             if batched {
@@ -199,7 +199,7 @@ pub async fn failure_budget_governs_a_landed_row<H: Harness>(h: &H) {
         topic.produce(0, order(&id("after"))).await;
         let handler = FlakyById::new([(id("landed").as_str(), 1_000)]);
         let mut b = inbox_core::BatchConfig::new(4);
-        b.max_wait = Duration::ZERO;
+        b.linger = Duration::ZERO;
         let mut cfg = config(&group, AckStrategy::default()).failure_budget(3);
         if batched {
             cfg = cfg.batched(b);
@@ -250,7 +250,7 @@ pub async fn failure_budget_bounds_a_crashing_handler<H: Harness>(h: &H) {
         // the first three calls hang (each a crash), then success
         let handler = ScriptedHandler::new([Act::Hang, Act::Hang, Act::Hang], Act::Succeed);
         let mut b = inbox_core::BatchConfig::new(10);
-        b.max_wait = Duration::ZERO;
+        b.linger = Duration::ZERO;
         let mut crashes = 0;
         for _restart in 0..12 {
             let mut cfg = config(&group, AckStrategy::default()).failure_budget(3);

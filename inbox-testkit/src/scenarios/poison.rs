@@ -57,7 +57,7 @@ pub async fn refused_data_becomes_poison<H: Harness>(h: &H) {
         let handler = ScriptedHandler::new([], Act::Succeed);
         let mut cfg = config(group, AckStrategy::default());
         let mut b = inbox_core::BatchConfig::new(10);
-        b.max_wait = Duration::ZERO;
+        b.linger = Duration::ZERO;
         if batched {
             cfg = cfg.batched(b);
         }
@@ -150,7 +150,7 @@ pub async fn one_refused_row_charges_only_itself<H: Harness>(h: &H) {
         let before = id(1, 2);
         let handler = FlakyById::new([(before.as_str(), 1)]);
         let mut b = inbox_core::BatchConfig::new(12);
-        b.max_wait = Duration::ZERO;
+        b.linger = Duration::ZERO;
         b.adaptive = adaptive;
         let cfg = config(&group, AckStrategy::default()).batched(b);
         let mut runner = Runner::new(store.clone(), topic.consumer(&group).await, handler, cfg);

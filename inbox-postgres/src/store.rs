@@ -329,7 +329,11 @@ pub struct PgStore {
 }
 
 impl PgStore {
-    /// A store over an open sea-orm connection, using `table`.
+    /// A store over an open sea-orm connection, using `table`. Prefer
+    /// [`connect`](Self::connect), the one way the guides use: a
+    /// connection made with sea-orm's defaults logs every statement at
+    /// INFO and has no acquire timeout. This is for a pool configured
+    /// otherwise.
     pub fn new(db: DatabaseConnection, table: TableName) -> Self {
         let sql = Arc::new(Sql::new(&table));
         Self {

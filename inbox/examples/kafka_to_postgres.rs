@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inbox::metrics::FacadeMetrics;
-use inbox::postgres::sea_orm::{ActiveModelTrait, ActiveValue::Set, Database};
+use inbox::postgres::sea_orm::{ActiveModelTrait, ActiveValue::Set};
 use inbox::postgres::sea_orm_migration::MigratorTrait;
 use inbox::prelude::*;
 use serde::Deserialize;
@@ -160,10 +160,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .with_http_listener(metrics_addr)
         .install()?;
 
-    // the schema: the user's migration and the inbox's, one migrator
-    let db = Database::connect(&url).await?;
-    migration::Migrator::up(&db, None).await?;
-    let store = PgStore::new(db, TableName::default());
+    // the schema: the user's migration and the inbox's, one migrator, on
+    // the store's connection pool (the handler's writes share it)
+    let store = PgStore::connect(&url, TableName::default()).await?;
+    migration::Migrator::up(store.connection(), None).await?;
 
     // the typed handler, shared by the consumer and the dead-letter replays
     let router = Arc::new(Router::new().on("order.created", Billing));

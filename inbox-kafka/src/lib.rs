@@ -1,7 +1,8 @@
 //! # inbox-kafka
 //!
-//! The Kafka adapter of the inbox, on `rskafka`: a [`KafkaConsumer`] for one
-//! consumer group over a configured set of `(topic, partition)` pairs.
+//! The Kafka adapter of the inbox, on `rskafka`: [`InboxConsumer`], a member
+//! of a consumer group reading topics into the inbox, and [`OutboxRelay`],
+//! which publishes the outbox.
 //!
 //! `rskafka` has no consumer groups and no offset commits by design. That
 //! suits an inbox: each partition's next offset lives in the inbox's own
@@ -13,10 +14,9 @@
 //! and `rskafka` only.
 //!
 //! ```no_run
-//! use std::sync::Arc;
 //! use async_trait::async_trait;
-//! use inbox_core::{CancellationToken, Handler, HandlerError, Message, RunnerConfig};
-//! use inbox_kafka::{KafkaConfig, run_partitioned};
+//! use inbox_core::{Handler, HandlerError, Message};
+//! use inbox_kafka::{InboxConsumer, shutdown_signal};
 //! use inbox_postgres::{PgStore, PgTx, TableName};
 //!
 //! struct Billing;
@@ -25,7 +25,9 @@
 //! impl Handler<PgTx> for Billing {
 //!     type Output = ();
 //!     async fn handle(&self, m: &Message, tx: &mut PgTx) -> Result<(), HandlerError> {
-//!         // write through tx.connection(): commits or rolls back with the inbox row
+//!         // write through tx: commits or rolls back with the inbox row
+//!         tx.execute("INSERT INTO invoices (order_id) VALUES ($1)", [m.message_id.clone().into()])
+//!             .await?;
 //!         Ok(())
 //!     }
 //! }
@@ -33,17 +35,20 @@
 //! # async fn main_() -> Result<(), Box<dyn std::error::Error>> {
 //! let store = PgStore::connect("postgres://app@localhost/app", TableName::default()).await?;
 //! store.create_tables().await?;
-//! let kafka = KafkaConfig::new(
-//!     vec!["localhost:9092".into()],
-//!     "billing",
-//!     (0..4).map(|p| ("orders".to_owned(), p)).collect(),
-//! );
-//! let runner = RunnerConfig::new("billing", "billing-1")?;
-//! // four partitions, two workers: each worker reads its partitions in order
-//! let cancel = CancellationToken::new();
-//! run_partitioned(kafka, store, Arc::new(Billing), runner, 2, cancel).await?;
+//! // a member of group "billing": the group's members share the partitions;
+//! // Ctrl-C or SIGTERM finishes the batch in hand and leaves the group
+//! InboxConsumer::new("localhost:9092", "billing", ["orders"])?
+//!     .member("billing-1")?
+//!     .batched(100)
+//!     .run(store, Billing, shutdown_signal())
+//!     .await?;
 //! # Ok(()) }
 //! ```
+//!
+//! [`InboxConsumer`] and [`OutboxRelay`] are the ways to run a consumer and a
+//! relay; the parts they are made of stay public: [`run_group`],
+//! [`run_partitioned`] (fixed partitions, no group), [`KafkaConsumer`] with a
+//! runner, [`run_relay`].
 //!
 //! - Decoding: [`JsonDecoder`] by default, or any [`Decode`] / closure.
 //! - Poison records (not JSON, not an object, empty, oversized, a required

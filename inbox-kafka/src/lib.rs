@@ -63,6 +63,7 @@
 
 mod broker_group;
 mod committed;
+mod config;
 mod consumer;
 mod decode;
 mod entry;

@@ -1,7 +1,7 @@
 //! Typed routing: each event type (and optionally schema version) to a
 //! handler that receives its payload deserialized into its own type.
 //!
-//! A [`Router`] is a [`Handler`], so it serves the runner (per message and
+//! An [`EventRouter`] is a [`Handler`], so it serves the runner (per message and
 //! batched) and the batch processor alike. A payload that does not
 //! deserialize is a failure whose error ([`RouteError::Payload`]) names the
 //! type and the field; an event type no route takes is skipped or a
@@ -9,7 +9,7 @@
 //! ([`UnknownEventType`]).
 //!
 //! ```
-//! use inbox_core::router::{EventHandler, Router};
+//! use inbox_core::router::{EventHandler, EventRouter};
 //! use inbox_core::{HandlerError, HandlerResult, Message};
 //! use serde::Deserialize;
 //!
@@ -30,7 +30,7 @@
 //!     }
 //! }
 //!
-//! let router: Router<()> = Router::new().on("order.created", Billing);
+//! let router: EventRouter<()> = EventRouter::new().on("order.created", Billing);
 //! assert!(router.routes("order.created", None));
 //! ```
 
@@ -65,7 +65,7 @@ pub trait EventHandler<T, Tx>: Send + Sync {
     }
 
     /// Handles several events of this route at once (the batched runner's
-    /// path, through [`Router`]'s [`Handler::handle_batch`]): write all
+    /// path, through [`EventRouter`]'s [`Handler::handle_batch`]): write all
     /// their rows with as few statements as possible, one result per event,
     /// in order. `None` (the default): no batch form, [`handle`](Self::handle)
     /// per event. An error, or a result that is not a success or a skip,
@@ -222,30 +222,35 @@ fn decode<T: DeserializeOwned>(message: &Message) -> Result<T, RouteError> {
     })
 }
 
+/// The former name of [`EventRouter`] (it clashed with `axum::Router` in a
+/// glob import of the prelude).
+#[deprecated(since = "0.1.0", note = "renamed EventRouter")]
+pub type Router<Tx> = EventRouter<Tx>;
+
 /// Routes messages by event type (and schema version) to typed handlers.
-pub struct Router<Tx> {
+pub struct EventRouter<Tx> {
     routes: HashMap<(String, Option<String>), Arc<dyn Route<Tx>>>,
     unknown: UnknownEventType,
 }
 
-impl<Tx> std::fmt::Debug for Router<Tx> {
+impl<Tx> std::fmt::Debug for EventRouter<Tx> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let mut keys: Vec<_> = self.routes.keys().collect();
         keys.sort();
-        f.debug_struct("Router")
+        f.debug_struct("EventRouter")
             .field("routes", &keys)
             .field("unknown", &self.unknown)
             .finish()
     }
 }
 
-impl<Tx: Send + 'static> Default for Router<Tx> {
+impl<Tx: Send + 'static> Default for EventRouter<Tx> {
     fn default() -> Self {
         Self::new()
     }
 }
 
-impl<Tx: Send + 'static> Router<Tx> {
+impl<Tx: Send + 'static> EventRouter<Tx> {
     /// A router with no routes that fails unknown event types.
     pub fn new() -> Self {
         Self {
@@ -312,7 +317,7 @@ impl<Tx: Send + 'static> Router<Tx> {
 }
 
 #[async_trait]
-impl<Tx: Send + 'static> Handler<Tx> for Router<Tx> {
+impl<Tx: Send + 'static> Handler<Tx> for EventRouter<Tx> {
     type Output = HandlerResult;
 
     async fn handle(&self, message: &Message, tx: &mut Tx) -> Result<HandlerResult, HandlerError> {
@@ -426,8 +431,8 @@ mod tests {
         }
     }
 
-    fn router() -> Router<Vec<String>> {
-        Router::new()
+    fn router() -> EventRouter<Vec<String>> {
+        EventRouter::new()
             .on::<OrderCreated, _>("order.created", Record("v1"))
             .on_version::<OrderCreatedV2, _>("order.created", "2", Record("v2"))
     }

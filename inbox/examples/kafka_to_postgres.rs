@@ -166,7 +166,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     migration::Migrator::up(store.connection(), None).await?;
 
     // the typed handler, shared by the consumer and the dead-letter replays
-    let router = Arc::new(Router::new().on("order.created", Billing));
+    let router = Arc::new(EventRouter::new().on("order.created", Billing));
     let consumer = InboxConsumer::new(&brokers, GROUP, [topic.clone()])?
         .member(&member)?
         .batched(100)

@@ -114,13 +114,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let payments = Arc::new(Payments {
         down_for_order_7: AtomicBool::new(true),
     });
-    let router = Router::new().on("order.created", Arc::clone(&payments));
+    let router = EventRouter::new().on("order.created", Arc::clone(&payments));
     let mut config = ProcessorConfig::new("drainer-1")?;
     config.rules = AttemptRules {
         backoff: Backoff::new(Duration::from_millis(10), Duration::from_millis(10), 1.0),
     };
     let mut processor = BatchProcessor::new(store.clone(), router, config);
-    let drain = async |processor: &mut BatchProcessor<PgStore, Router<PgTx>>| {
+    let drain = async |processor: &mut BatchProcessor<PgStore, EventRouter<PgTx>>| {
         let mut quiet = 0;
         while quiet < 5 {
             let batch = processor.process_batch().await?;

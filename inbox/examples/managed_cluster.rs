@@ -47,7 +47,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // the wiring
     let store = PgStore::connect(&env("DATABASE_URL")?, TableName::default()).await?;
     store.create_tables().await?;
-    let router = Router::new().on("order.created", Billing);
+    let router = EventRouter::new().on("order.created", Billing);
     let summary = InboxConsumer::new(&env("KAFKA_BROKERS")?, "billing", [env("TOPIC")?])?
         .member(&env("MEMBER")?)?
         .tls(Tls::ca_file(env("KAFKA_CA_FILE")?))

@@ -40,7 +40,7 @@ pub mod prelude {
     pub use inbox_core::dead_letters::DeadLetterReplayer;
     pub use inbox_core::maintenance::{Maintenance, MaintenanceConfig};
     pub use inbox_core::outbox::{OnRefused, OutboxMessage, RelayConfig};
-    pub use inbox_core::router::{EventHandler, Router, UnknownEventType};
+    pub use inbox_core::router::{EventHandler, EventRouter, UnknownEventType};
     pub use inbox_core::{
         AckStrategy, Backoff, BatchConfig, CancellationToken, Handler, HandlerError, HandlerResult,
         Headers, InboxStore, InboxTransaction, Message, Metrics, NoopMetrics, Runner, RunnerConfig,

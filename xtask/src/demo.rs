@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use async_trait::async_trait;
 use inbox_core::metrics::FacadeMetrics;
-use inbox_core::router::{EventHandler, Router};
+use inbox_core::router::{EventHandler, EventRouter};
 use inbox_core::{
     BatchConfig, CancellationToken, CountingMetrics, HandlerError, HandlerResult, Message,
     MetricEvent, Metrics, RunnerConfig,
@@ -290,7 +290,7 @@ async fn billing(per_message: bool, prometheus: Option<std::net::SocketAddr>) ->
     });
     // the handler is a typed router: order.created payloads arrive as
     // OrderCreated values
-    let handler = Arc::new(Router::new().on("order.created", billing.clone()));
+    let handler = Arc::new(EventRouter::new().on("order.created", billing.clone()));
     let metrics = Arc::new(DemoMetrics {
         facade: prometheus.map(|_| FacadeMetrics::new(GROUP, topic.clone())),
         ..DemoMetrics::default()

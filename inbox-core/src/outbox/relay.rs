@@ -417,13 +417,15 @@ where
         self.step(false).await
     }
 
-    /// A round whose marks are left in flight: they are written by the
-    /// next round at the same time as its read (that read leaves the rows
-    /// in flight out), or by [`flush`](Self::flush). The round's database
+    /// A round that, when it comes full (`batch_size` rows read: a backlog
+    /// waits), leaves its marks in flight: they are written by the next
+    /// round at the same time as its read (that read leaves the rows in
+    /// flight out), or by [`flush`](Self::flush). The round's database
     /// work runs beside itself instead of one after the other: what
-    /// [`run`](Self::run) does while the outbox has a backlog. The
-    /// figures of the marks written (`published`, `unmarked`) are the
-    /// previous round's.
+    /// [`run`](Self::run) does. A round that reads fewer rows marks them at
+    /// once, as [`round`](Self::round) does, so nothing waits in flight
+    /// while the relay idles. The figures of the marks written with the
+    /// read (`published`, `unmarked`) are the previous round's.
     ///
     /// Nothing is given up: the marks are written under the claims the
     /// rows were published under, so a relay whose slots were taken over
@@ -503,6 +505,8 @@ where
         let now = Instant::now();
         let rows = self.read(now, &mut round).await?;
         round.fetched = rows.len();
+        // a full round leaves its marks to the next round's read
+        let defer = pipelined && rows.len() >= self.config.batch_size;
         let mut dead: Vec<(&OutboxRow, String)> = Vec::new();
         // (topic, partition) -> rows in id order; the order groups were met
         let mut groups: Vec<((String, i32), Vec<&OutboxRow>)> = Vec::new();
@@ -593,11 +597,8 @@ where
                     Err(e) => failed.push((i, e)),
                 }
             }
-            if pipelined {
-                deferred.extend(sent);
-            } else {
-                self.mark(&claims, &sent, &mut round).await?;
-            }
+            self.settle(defer, &claims, sent, &mut deferred, &mut round)
+                .await?;
         }
         drop(appends);
         let mut sent: Vec<i64> = Vec::new();
@@ -610,11 +611,8 @@ where
                 round.failed.get_or_insert(f.to_string());
             }
         }
-        if pipelined {
-            deferred.extend(sent);
-        } else {
-            self.mark(&claims, &sent, &mut round).await?;
-        }
+        self.settle(defer, &claims, sent, &mut deferred, &mut round)
+            .await?;
         for i in done {
             self.paused.remove(&groups[i].0);
         }
@@ -687,6 +685,24 @@ where
             .await?;
         self.count_marks(ids.len(), marked, round);
         Ok(())
+    }
+
+    /// The rows `sent` acknowledged: marked now, or when `defer`, kept in
+    /// `deferred` for the next round's read.
+    async fn settle(
+        &self,
+        defer: bool,
+        claims: &[SlotClaim],
+        sent: Vec<i64>,
+        deferred: &mut Vec<i64>,
+        round: &mut RelayRound,
+    ) -> Result<(), StoreError> {
+        if defer {
+            deferred.extend(sent);
+            Ok(())
+        } else {
+            self.mark(claims, &sent, round).await
+        }
     }
 
     /// Adds to `round` that `marked` of `sent` rows were marked (the rest
@@ -878,36 +894,12 @@ where
             }
             let mut wait = self.config.poll_interval;
             // while rounds come full, each one's marks are written with
-            // the next one's read; before idling, at once
-            let mut round = self.round_pipelined().await;
+            // the next one's read; a round that is not full marks at once
+            let round = self.round_pipelined().await;
             let busy = round.as_ref().is_ok_and(|r| {
                 r.fetched >= self.config.batch_size
                     && (self.in_flight.is_some() || r.published + r.unmarked + r.dead_lettered > 0)
             });
-            if !busy && self.in_flight.is_some() {
-                round = match (round, self.flush().await) {
-                    (Ok(mut r), Ok(f)) => {
-                        r.published += f.published;
-                        r.unmarked += f.unmarked;
-                        Ok(r)
-                    }
-                    (Err(e), Ok(f)) => {
-                        // counted with the next round
-                        self.carried = f;
-                        Err(e)
-                    }
-                    (r, Err(e)) => {
-                        if let Ok(r) = r {
-                            self.carried = RelayRound {
-                                fetched: 0,
-                                failed: None,
-                                ..r
-                            };
-                        }
-                        Err(e)
-                    }
-                };
-            }
             self.config.health.round(
                 round.is_ok(),
                 round.as_ref().map_or(0, |r| r.published),

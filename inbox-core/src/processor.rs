@@ -471,7 +471,7 @@ where
         // and it is replayed with savepoints, the failed row's outcome kept.
         let mut known: HashMap<RowId, Result<HandlerResult, Failure>> = HashMap::new();
         let mut savepoints = !self.config.optimistic || self.last_failed;
-        let (mut tx, results) = loop {
+        let (tx, results) = loop {
             batch.transactions += 1;
             let mut tx = self.store.begin().await?;
             match self
@@ -489,17 +489,34 @@ where
                 }
             }
         };
+        self.finish(tx, worker, rows, results, batch, ClaimMode::Lease)
+            .await
+    }
+
+    /// Writes the batch's outcomes on rows held by `claim` and commits, then
+    /// the dead-letter hook; a statement the store refuses sends the batch
+    /// row by row; fewer rows written than held (a lease lost) commits
+    /// nothing.
+    async fn finish(
+        &mut self,
+        mut tx: S::Tx,
+        worker: &WorkerId,
+        rows: &[InboxRow],
+        results: Vec<Result<HandlerResult, Failure>>,
+        mut batch: ProcessorBatch,
+        claim: ClaimMode,
+    ) -> Result<ProcessorBatch, ProcessorError> {
         self.last_failed = results.iter().any(is_failure);
         let updates = self.updates(rows, results, &mut batch);
-        let written = match tx.write_outcomes(worker, &updates).await {
-            Ok(n) => n,
+        let written = match Self::write(&mut tx, claim, worker, &updates).await {
+            Ok(n) => usize::try_from(n).unwrap_or(0),
             Err(e) if refused(&e) => {
                 // one row's outcome the store refuses fails the statement
                 // of the whole batch: row by row, so only that row is charged
                 abandon(tx).await;
                 tracing::warn!(error = %e, "the batch's outcomes were refused; handling its rows one at a time");
                 return self
-                    .work_row_by_row(worker, rows, batch.transactions, ClaimMode::Lease)
+                    .work_row_by_row(worker, rows, batch.transactions, claim)
                     .await;
             }
             Err(e) => {
@@ -507,8 +524,10 @@ where
                 return Err(e.into());
             }
         };
-        let written = usize::try_from(written).unwrap_or(0);
         if written != updates.len() {
+            // by lease: a lease was lost; by row lock: rows this transaction
+            // locked cannot change under it, so a store that says otherwise
+            // is not trusted with a commit
             abandon(tx).await;
             return Err(ProcessorError::LeaseLost {
                 claimed: updates.len(),
@@ -604,7 +623,7 @@ where
             abandon(tx).await;
             return Ok(Some(ProcessorBatch::default()));
         }
-        let mut batch = ProcessorBatch {
+        let batch = ProcessorBatch {
             claimed: rows.len(),
             transactions: 1,
             ..ProcessorBatch::default()
@@ -634,38 +653,9 @@ where
                 }
             }
         };
-        self.last_failed = results.iter().any(is_failure);
-        let updates = self.updates(&rows, results, &mut batch);
-        let written = match tx.write_locked_outcomes(&updates).await {
-            Ok(n) => n,
-            Err(e) if refused(&e) => {
-                abandon(tx).await;
-                tracing::warn!(error = %e, "the batch's outcomes were refused; handling its rows one at a time");
-                return self
-                    .work_row_by_row(worker, &rows, batch.transactions, ClaimMode::RowLock)
-                    .await
-                    .map(Some);
-            }
-            Err(e) => {
-                abandon(tx).await;
-                return Err(e.into());
-            }
-        };
-        if usize::try_from(written).unwrap_or(0) != updates.len() {
-            // rows this transaction locked cannot change under it: a store
-            // that says otherwise is not trusted with a commit
-            abandon(tx).await;
-            return Err(ProcessorError::LeaseLost {
-                claimed: updates.len(),
-                lost: updates
-                    .len()
-                    .saturating_sub(usize::try_from(written).unwrap_or(0)),
-            });
-        }
-        tx.commit().await?;
-        self.call_hook(rows.iter().zip(updates.iter().map(|(_, u)| u)), &mut batch)
-            .await;
-        Ok(Some(batch))
+        self.finish(tx, worker, &rows, results, batch, ClaimMode::RowLock)
+            .await
+            .map(Some)
     }
 
     /// A transaction for row `id`'s outcome: by lease, any; by row lock,

@@ -80,7 +80,9 @@ pub use headers::Headers;
 pub use metrics::{
     CountingMetrics, Counts, MetricEvent, Metrics, NoopMetrics, record_safely, topic_label,
 };
-pub use model::{InboxRow, InboxStatus, Message, NewInboxRow, Position, RowId, WorkerId};
+pub use model::{
+    InboxRow, InboxStatus, Message, NewInboxRow, PayloadFormat, Position, RowId, WorkerId,
+};
 pub use offsets::{MembershipStore, OffsetStore, PartitionClaim};
 pub use outcome::{Failure, HandlerResult, Outcome, OutcomeClass};
 pub use runner::{

@@ -88,6 +88,22 @@ impl fmt::Display for Position {
     }
 }
 
+/// How a message's payload is carried: a JSON object (the default), or
+/// bytes of another format (Protobuf, Avro, ...) that a route decodes
+/// (`EventRouter::on_protobuf`, `EventRouter::on_avro`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PayloadFormat {
+    /// A non-empty JSON object in [`Message::payload`].
+    #[default]
+    Json,
+    /// Bytes in [`Message::raw`] (non-empty, at most
+    /// [`MAX_PAYLOAD_BYTES`]); [`Message::payload`] is `Value::Null`. The
+    /// inbox row keeps them (its `body` column), so the batch processor and
+    /// a replayed dead letter hand them to the handler as they arrived.
+    Binary,
+}
+
 /// One message consumed from the broker.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Message {
@@ -98,8 +114,14 @@ pub struct Message {
     pub source: String,
     /// What happened, e.g. `order.created`.
     pub event_type: String,
-    /// The JSON payload; must be a non-empty object.
+    /// The JSON payload; must be a non-empty object. `Value::Null` when
+    /// the payload is [`PayloadFormat::Binary`] (its bytes are
+    /// [`raw`](Self::raw)).
     pub payload: Value,
+    /// How the payload is carried (JSON unless the decoder was told the
+    /// topic's format is binary).
+    #[serde(default)]
+    pub format: PayloadFormat,
     /// Headers, UTF-8 names and values, in the record's order (a name may
     /// repeat).
     pub headers: Headers,
@@ -121,7 +143,8 @@ pub struct Message {
     #[serde(default)]
     pub timestamp: Option<chrono::DateTime<chrono::Utc>>,
     /// The record's raw value bytes as the broker delivered them, kept by
-    /// adapters so a poison message's dead letter holds what arrived.
+    /// adapters so a poison message's dead letter holds what arrived; the
+    /// payload itself of a [`PayloadFormat::Binary`] message.
     #[serde(skip)]
     pub raw: Option<Vec<u8>>,
     /// Why the adapter could not decode the record, when it could not: the
@@ -160,6 +183,7 @@ impl Message {
             source: source.into(),
             event_type: event_type.into(),
             payload,
+            format: PayloadFormat::Json,
             headers: Headers::new(),
             trace_id: None,
             correlation_id: None,
@@ -171,6 +195,33 @@ impl Message {
             raw: None,
             decode_error: None,
         }
+    }
+
+    /// A message whose payload is bytes of a format other than JSON
+    /// (Protobuf, Avro, ...), decoded by its route.
+    ///
+    /// ```
+    /// use inbox_core::{Message, PayloadFormat};
+    /// let m = Message::binary("order-1", "orders", "order.created", vec![8, 1]);
+    /// assert_eq!((m.format, m.bytes()), (PayloadFormat::Binary, &[8u8, 1][..]));
+    /// assert_eq!(m.validate("billing"), Ok(()));
+    /// ```
+    pub fn binary(
+        message_id: impl Into<String>,
+        source: impl Into<String>,
+        event_type: impl Into<String>,
+        bytes: impl Into<Vec<u8>>,
+    ) -> Self {
+        let mut message = Self::new(message_id, source, event_type, Value::Null);
+        message.format = PayloadFormat::Binary;
+        message.raw = Some(bytes.into());
+        message
+    }
+
+    /// The record's value bytes (a binary payload's bytes); empty when
+    /// the adapter kept none.
+    pub fn bytes(&self) -> &[u8] {
+        self.raw.as_deref().unwrap_or_default()
     }
 
     /// The same message at a broker position.
@@ -200,7 +251,10 @@ impl Message {
         check_id("source", &self.source)?;
         check_id("consumer_group", consumer_group)?;
         validate_event_type(&self.event_type)?;
-        validate_payload(&self.payload)?;
+        match self.format {
+            PayloadFormat::Json => validate_payload(&self.payload)?,
+            PayloadFormat::Binary => validate_bytes(self.bytes())?,
+        }
         validate_headers(&self.headers)
     }
 }
@@ -274,6 +328,24 @@ pub fn validate_payload(payload: &Value) -> Result<(), ValidationError> {
         return Err(ValidationError::PayloadTooLarge {
             max: MAX_PAYLOAD_BYTES,
             actual: bytes,
+        });
+    }
+    Ok(())
+}
+
+/// Checks a binary payload: non-empty, at most 1,000,000 bytes.
+///
+/// # Errors
+///
+/// [`ValidationError::PayloadEmpty`] or [`ValidationError::PayloadTooLarge`].
+pub fn validate_bytes(bytes: &[u8]) -> Result<(), ValidationError> {
+    if bytes.is_empty() {
+        return Err(ValidationError::PayloadEmpty);
+    }
+    if bytes.len() > MAX_PAYLOAD_BYTES {
+        return Err(ValidationError::PayloadTooLarge {
+            max: MAX_PAYLOAD_BYTES,
+            actual: bytes.len(),
         });
     }
     Ok(())
@@ -494,8 +566,12 @@ pub struct InboxRow {
     pub source: String,
     /// Event type of the message.
     pub event_type: String,
-    /// Payload of the message.
+    /// Payload of the message (JSON null for a binary one).
     pub payload: Value,
+    /// The bytes of a binary payload ([`PayloadFormat::Binary`]); `None`
+    /// for a JSON one.
+    #[serde(default)]
+    pub body: Option<Vec<u8>>,
     /// Status.
     pub status: InboxStatus,
     /// Counted failures so far (batch processor only).
@@ -519,6 +595,26 @@ pub struct InboxRow {
 }
 
 impl InboxRow {
+    /// The message the row stands for (what the batch processor hands its
+    /// handler): ids, event type and payload, binary when the row keeps
+    /// bytes.
+    pub fn message(&self) -> Message {
+        match &self.body {
+            Some(bytes) => Message::binary(
+                self.message_id.clone(),
+                self.source.clone(),
+                self.event_type.clone(),
+                bytes.clone(),
+            ),
+            None => Message::new(
+                self.message_id.clone(),
+                self.source.clone(),
+                self.event_type.clone(),
+                self.payload.clone(),
+            ),
+        }
+    }
+
     /// Whether the row is locked by a worker.
     pub fn is_locked(&self) -> bool {
         self.locked_by.is_some()
@@ -536,8 +632,10 @@ pub struct NewInboxRow {
     pub source: String,
     /// Event type (trimmed).
     pub event_type: String,
-    /// Payload.
+    /// Payload (JSON null for a binary one).
     pub payload: Value,
+    /// The bytes of a binary payload; `None` for a JSON one.
+    pub body: Option<Vec<u8>>,
     /// Attempt budget for the batch processor.
     pub max_attempts: i32,
     /// The status to insert it with (see
@@ -556,6 +654,10 @@ impl NewInboxRow {
             source: message.source.clone(),
             event_type: message.event_type.trim().to_owned(),
             payload: message.payload.clone(),
+            body: match message.format {
+                PayloadFormat::Json => None,
+                PayloadFormat::Binary => Some(message.bytes().to_vec()),
+            },
             max_attempts,
             status: InboxStatus::Pending,
         }
@@ -699,6 +801,49 @@ mod tests {
                 actual: 101
             })
         );
+    }
+
+    #[test]
+    fn a_binary_payload_is_checked_as_bytes_and_only_when_said_binary() {
+        let m = Message::binary("m-1", "orders", "order.created", vec![0x0a, 0x00, 0xff]);
+        assert_eq!(m.validate("billing"), Ok(()), "any bytes, NUL included");
+        let empty = Message::binary("m-1", "orders", "order.created", Vec::new());
+        assert_eq!(
+            empty.validate("billing"),
+            Err(ValidationError::PayloadEmpty)
+        );
+        let big = Message::binary("m-1", "orders", "x", vec![1; MAX_PAYLOAD_BYTES + 1]);
+        assert!(matches!(
+            big.validate("billing"),
+            Err(ValidationError::PayloadTooLarge { .. })
+        ));
+        // a JSON message whose payload is null is still refused: binary
+        // is said, never guessed
+        let mut null = ok();
+        null.payload = Value::Null;
+        null.raw = Some(b"null".to_vec());
+        assert_eq!(
+            null.validate("billing"),
+            Err(ValidationError::PayloadNotObject { found: "null" })
+        );
+        // the row keeps the bytes and gives the message back
+        let row = NewInboxRow::for_message(&m, "billing", 3);
+        assert_eq!(
+            (row.payload.clone(), row.body.as_deref()),
+            (Value::Null, Some(&[0x0a, 0x00, 0xff][..]))
+        );
+        assert_eq!(NewInboxRow::for_message(&ok(), "billing", 3).body, None);
+        // the format survives the recorded JSON (a dead letter's)
+        let recorded = serde_json::to_value(&m).expect("serializes");
+        let back: Message = serde_json::from_value(recorded).expect("deserializes");
+        assert_eq!(back.format, PayloadFormat::Binary);
+        let old: Message = serde_json::from_value(json!({
+            "message_id": "m", "source": "s", "event_type": "t", "payload": {"a": 1},
+            "headers": [], "trace_id": null, "correlation_id": null, "causation_id": null,
+            "schema_version": null, "position": null
+        }))
+        .expect("a message recorded before formats existed");
+        assert_eq!(old.format, PayloadFormat::Json);
     }
 
     #[test]

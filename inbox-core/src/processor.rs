@@ -260,12 +260,7 @@ impl<S, H> std::fmt::Debug for BatchProcessor<S, H> {
 
 /// The message a row stands for (the handler's input).
 fn message_of(row: &InboxRow) -> Message {
-    Message::new(
-        row.message_id.clone(),
-        row.source.clone(),
-        row.event_type.clone(),
-        row.payload.clone(),
-    )
+    row.message()
 }
 
 impl<S, H> BatchProcessor<S, H>

@@ -447,6 +447,14 @@ pub fn schema_steps(t: &TableName) -> Vec<SchemaStep> {
             vec![read_function_plpgsql(t)],
             vec![read_function_sql(t)],
         ),
+        step(
+            "inbox_binary_body",
+            // The bytes of a binary payload (Protobuf, Avro, ...): NULL for
+            // a JSON payload, whose `payload` column holds it; `payload` is
+            // JSON null when `body` is set.
+            vec![format!("ALTER TABLE {q} ADD COLUMN IF NOT EXISTS body BYTEA")],
+            vec![format!("ALTER TABLE IF EXISTS {q} DROP COLUMN IF EXISTS body")],
+        ),
     ]
 }
 

@@ -4,6 +4,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD as BASE64;
 use chrono::{DateTime, Utc};
 use inbox_core::attempts::{Due, RowUpdate};
 use inbox_core::{
@@ -99,9 +101,9 @@ impl Sql {
             // nothing; `get` then reads it with a fresh snapshot.
             insert_or_get: format!(
                 "WITH ins AS (
-                    INSERT INTO {q} (message_id, consumer_group, source, event_type, payload, max_attempts,
-                                     status, completed_at)
-                    VALUES ($1, $2, $3, $4, $5, $6, $7, CASE WHEN $7 = 'completed' THEN now() END)
+                    INSERT INTO {q} (message_id, consumer_group, source, event_type, payload, body,
+                                     max_attempts, status, completed_at)
+                    VALUES ($1, $2, $3, $4, $5, $8, $6, $7, CASE WHEN $7 = 'completed' THEN now() END)
                     ON CONFLICT (message_id, consumer_group) DO NOTHING
                     RETURNING id, status)
                  SELECT id, status, TRUE AS inserted FROM ins
@@ -120,12 +122,13 @@ impl Sql {
             insert_or_get_many: format!(
                 "WITH input AS (
                     SELECT e.ord, e.v->>'m' AS message_id, e.v->>'s' AS source, e.v->>'e' AS event_type,
-                           e.v->'p' AS payload, (e.v->>'a')::int AS max_attempts, e.v->>'t' AS status
+                           e.v->'p' AS payload, decode(e.v->>'b', 'base64') AS body,
+                           (e.v->>'a')::int AS max_attempts, e.v->>'t' AS status
                       FROM jsonb_array_elements($1::text::jsonb) WITH ORDINALITY AS e(v, ord)),
                  ins AS (
-                    INSERT INTO {q} (message_id, consumer_group, source, event_type, payload, max_attempts,
-                                     status, completed_at)
-                    SELECT message_id, $2, source, event_type, payload, max_attempts, status,
+                    INSERT INTO {q} (message_id, consumer_group, source, event_type, payload, body,
+                                     max_attempts, status, completed_at)
+                    SELECT message_id, $2, source, event_type, payload, body, max_attempts, status,
                            CASE WHEN status = 'completed' THEN now() END
                       FROM input ORDER BY ord
                     ON CONFLICT (message_id, consumer_group) DO NOTHING
@@ -182,7 +185,7 @@ impl Sql {
                      ORDER BY scheduled_at, id
                      LIMIT $2
                      FOR UPDATE SKIP LOCKED)
-                  RETURNING id, message_id, consumer_group, source, event_type, payload, status,
+                  RETURNING id, message_id, consumer_group, source, event_type, payload, body, status,
                             attempts_made, max_attempts, last_error, scheduled_at, completed_at,
                             locked_at, locked_by, created_at, updated_at",
                 due = due_rows("$3", "$4", "$5"),
@@ -200,7 +203,7 @@ impl Sql {
             // the claim's rows, nothing written; `$5`: only these ids
             // (a JSON array, empty: any).
             lock_due: format!(
-                "SELECT id, message_id, consumer_group, source, event_type, payload, status,
+                "SELECT id, message_id, consumer_group, source, event_type, payload, body, status,
                         attempts_made, max_attempts, last_error, scheduled_at, completed_at,
                         locked_at, locked_by, created_at, updated_at
                    FROM {q}
@@ -212,7 +215,7 @@ impl Sql {
                 due = due_rows("$2", "$3", "$4"),
             ),
             find: format!(
-                "SELECT id, message_id, consumer_group, source, event_type, payload, status,
+                "SELECT id, message_id, consumer_group, source, event_type, payload, body, status,
                         attempts_made, max_attempts, last_error, scheduled_at, completed_at,
                         locked_at, locked_by, created_at, updated_at
                    FROM {q} WHERE message_id = $1 AND consumer_group = $2"
@@ -502,6 +505,7 @@ fn inbox_row(r: &QueryResult) -> Result<InboxRow, StoreError> {
         source: get(r, "source")?,
         event_type: get(r, "event_type")?,
         payload: get(r, "payload")?,
+        body: get(r, "body")?,
         status: status(&get::<String>(r, "status")?)?,
         attempts_made: get(r, "attempts_made")?,
         max_attempts: get(r, "max_attempts")?,
@@ -515,62 +519,32 @@ fn inbox_row(r: &QueryResult) -> Result<InboxRow, StoreError> {
     })
 }
 
-/// A row as `claim_due` returns it, in its column order.
-type ClaimedRow = (
-    i64,
-    String,
-    String,
-    String,
-    String,
-    sea_orm::sqlx::types::Json<serde_json::Value>,
-    String,
-    i32,
-    i32,
-    Option<String>,
-    DateTime<Utc>,
-    Option<DateTime<Utc>>,
-    Option<DateTime<Utc>>,
-    Option<String>,
-    DateTime<Utc>,
-    DateTime<Utc>,
-);
-
-fn claimed_row(r: ClaimedRow) -> Result<InboxRow, StoreError> {
-    let (
-        id,
-        message_id,
-        consumer_group,
-        source,
-        event_type,
-        payload,
-        state,
-        attempts_made,
-        max_attempts,
-        last_error,
-        scheduled_at,
-        completed_at,
-        locked_at,
-        locked_by,
-        created_at,
-        updated_at,
-    ) = r;
+/// A row as `claim_due` returns it, decoded by column position (the
+/// order of its `RETURNING` list).
+fn claimed_row(r: &sea_orm::sqlx::postgres::PgRow) -> Result<InboxRow, StoreError> {
+    use sea_orm::sqlx::Row;
+    let e = |e: sea_orm::sqlx::Error| crate::error::map_sqlx_err(&e);
     Ok(InboxRow {
-        id,
-        message_id,
-        consumer_group,
-        source,
-        event_type,
-        payload: payload.0,
-        status: status(&state)?,
-        attempts_made,
-        max_attempts,
-        last_error,
-        scheduled_at,
-        completed_at,
-        locked_at,
-        locked_by,
-        created_at,
-        updated_at,
+        id: r.try_get(0).map_err(e)?,
+        message_id: r.try_get(1).map_err(e)?,
+        consumer_group: r.try_get(2).map_err(e)?,
+        source: r.try_get(3).map_err(e)?,
+        event_type: r.try_get(4).map_err(e)?,
+        payload: r
+            .try_get::<sea_orm::sqlx::types::Json<serde_json::Value>, _>(5)
+            .map_err(e)?
+            .0,
+        body: r.try_get(6).map_err(e)?,
+        status: status(r.try_get(7).map_err(e)?)?,
+        attempts_made: r.try_get(8).map_err(e)?,
+        max_attempts: r.try_get(9).map_err(e)?,
+        last_error: r.try_get(10).map_err(e)?,
+        scheduled_at: r.try_get(11).map_err(e)?,
+        completed_at: r.try_get(12).map_err(e)?,
+        locked_at: r.try_get(13).map_err(e)?,
+        locked_by: r.try_get(14).map_err(e)?,
+        created_at: r.try_get(15).map_err(e)?,
+        updated_at: r.try_get(16).map_err(e)?,
     })
 }
 
@@ -691,7 +665,7 @@ impl InboxStore for PgStore {
         // sqlx's typed decoding, by position (sea-orm's by column name cost
         // about 10 us a row: a millisecond a batch of 100)
         let sql = sea_orm::sqlx::AssertSqlSafe(self.sql.claim_due.clone());
-        let rows: Vec<ClaimedRow> = sea_orm::sqlx::query_as(sql)
+        let rows = sea_orm::sqlx::query(sql)
             .bind(worker.as_str())
             .bind(i64::try_from(limit).unwrap_or(i64::MAX))
             .bind(filter.consumer_group.as_deref())
@@ -701,7 +675,7 @@ impl InboxStore for PgStore {
             .await
             .map_err(|e| crate::error::map_sqlx_err(&e))?;
         let mut claimed = rows
-            .into_iter()
+            .iter()
             .map(claimed_row)
             .collect::<Result<Vec<_>, _>>()?;
         claimed.sort_by_key(|r| (r.scheduled_at, r.id));
@@ -760,6 +734,7 @@ impl InboxTransaction for PgTx {
                     row.payload.clone().into(),
                     row.max_attempts.into(),
                     row.status.as_str().into(),
+                    row.body.clone().into(),
                 ],
             ))
             .await
@@ -794,6 +769,9 @@ impl InboxTransaction for PgTx {
             s: &'a str,
             e: &'a str,
             p: &'a serde_json::Value,
+            // a binary payload's bytes, base64 (decoded by the statement)
+            #[serde(skip_serializing_if = "Option::is_none")]
+            b: Option<String>,
             a: i32,
             t: &'a str,
         }
@@ -804,6 +782,7 @@ impl InboxTransaction for PgTx {
                 s: &r.source,
                 e: &r.event_type,
                 p: &r.payload,
+                b: r.body.as_deref().map(|b| BASE64.encode(b)),
                 a: r.max_attempts,
                 t: r.status.as_str(),
             })

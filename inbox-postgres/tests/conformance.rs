@@ -9,5 +9,5 @@ async fn pg_store_passes_conformance() {
     let passed = run_conformance(&store, &PgFixture::new(&store))
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(passed.len(), 15, "every check ran: {passed:?}");
+    assert_eq!(passed.len(), 16, "every check ran: {passed:?}");
 }

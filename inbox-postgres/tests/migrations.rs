@@ -133,6 +133,7 @@ async fn a_database_of_the_first_migration_reaches_the_current_schema() {
             "m20261130_000007_inbox_dead_letter_replay_inbox",
             "m20261130_000008_outbox_read_inbox",
             "m20261130_000009_outbox_read_planned_inbox",
+            "m20261130_000010_inbox_binary_body_inbox",
         ]
     );
 

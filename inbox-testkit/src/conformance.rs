@@ -11,9 +11,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use inbox_core::{
-    AttemptRecord, Found, InboxStatus, InboxStore, InboxTransaction, LockResult, MembershipStore,
-    Message, NewInboxRow, OffsetStore, PartitionClaim, Position, StoreError, StoreErrorKind, TxAck,
-    ValidationError, WorkerId,
+    AttemptRecord, DueFilter, Found, InboxStatus, InboxStore, InboxTransaction, LockResult,
+    MembershipStore, Message, NewInboxRow, OffsetStore, PartitionClaim, PayloadFormat, Position,
+    StoreError, StoreErrorKind, TxAck, ValidationError, WorkerId,
 };
 use serde_json::json;
 
@@ -96,6 +96,7 @@ where
             source: "conformance".to_owned(),
             event_type: "conformance.checked".to_owned(),
             payload: json!({ "check": name }),
+            body: None,
             max_attempts: 3,
             status: InboxStatus::Pending,
         }
@@ -483,6 +484,81 @@ where
             found[1].id == existing_id && found[0].id != found[2].id,
             || format!("the existing row's id and two new ids: {found:?}, existing {existing_id}"),
         )
+    }
+
+    /// A binary payload's bytes (every byte value, NUL included) come back
+    /// as they went in, by one insert and by a multi-row insert, from
+    /// `find` and from the processor's claim; its JSON payload is null.
+    async fn binary_payloads_keep_their_bytes(&self) -> Result<(), ConformanceError> {
+        const C: &str = "binary_payloads_keep_their_bytes";
+        let e = store_err(C);
+        let bytes: Vec<u8> = (0..=255).collect();
+        let binary = |name: &str| {
+            let m = Message::binary(
+                format!("{}-{name}", self.prefix),
+                "conformance",
+                "conformance.bytes",
+                bytes.clone(),
+            );
+            NewInboxRow::for_message(&m, &self.group, 3)
+        };
+        let (one, many) = (binary("bytes-one"), binary("bytes-many"));
+        let mut tx = self.store.begin().await.map_err(&e)?;
+        tx.insert_or_get(&one).await.map_err(&e)?;
+        tx.insert_or_get_many(std::slice::from_ref(&many))
+            .await
+            .map_err(&e)?;
+        tx.commit().await.map_err(&e)?;
+        for row in [&one, &many] {
+            let found = self
+                .store
+                .find(&row.message_id, &self.group)
+                .await
+                .map_err(&e)?;
+            ensure(
+                C,
+                found
+                    .as_ref()
+                    .is_some_and(|r| r.body.as_deref() == Some(&bytes[..]) && r.payload.is_null()),
+                || {
+                    format!(
+                        "{} kept with its 256 bytes and a null payload: {found:?}",
+                        row.message_id
+                    )
+                },
+            )?;
+            let message = found.map(|r| r.message());
+            ensure(
+                C,
+                message
+                    .as_ref()
+                    .is_some_and(|m| m.format == PayloadFormat::Binary && m.bytes() == &bytes[..]),
+                || format!("the row's message is binary with its bytes: {message:?}"),
+            )?;
+        }
+        let filter = DueFilter {
+            consumer_group: Some(self.group.clone()),
+            ..DueFilter::default()
+        };
+        let worker = WorkerId::new("conformance-bytes").map_err(|v| fail(C, v.to_string()))?;
+        match self.store.claim_due(&worker, 100, &filter).await {
+            Ok(claimed) => {
+                let ours: Vec<_> = claimed
+                    .iter()
+                    .filter(|r| r.event_type == "conformance.bytes")
+                    .collect();
+                ensure(
+                    C,
+                    ours.len() == 2 && ours.iter().all(|r| r.body.as_deref() == Some(&bytes[..])),
+                    || format!("both binary rows claimed with their bytes: {ours:?}"),
+                )?;
+                let ids: Vec<_> = claimed.iter().map(|r| r.id).collect();
+                self.store.release_claims(&worker, &ids).await.map_err(&e)?;
+                Ok(())
+            }
+            Err(err) if err.kind == StoreErrorKind::Unsupported => Ok(()),
+            Err(err) => Err(e(err)),
+        }
     }
 
     async fn savepoint_undoes_only_what_follows_it(&self) -> Result<(), ConformanceError> {
@@ -949,6 +1025,8 @@ where
     passed.push("dead_letter_is_accepted");
     ctx.insert_many_matches_one_by_one().await?;
     passed.push("insert_many_matches_one_by_one");
+    ctx.binary_payloads_keep_their_bytes().await?;
+    passed.push("binary_payloads_keep_their_bytes");
     ctx.savepoint_undoes_only_what_follows_it().await?;
     passed.push("savepoint_undoes_only_what_follows_it");
     ctx.attempts_are_recorded_and_requeued().await?;

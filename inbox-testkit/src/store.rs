@@ -349,6 +349,7 @@ fn new_row(id: RowId, row: &NewInboxRow, now: DateTime<Utc>) -> InboxRow {
         source: row.source.clone(),
         event_type: row.event_type.clone(),
         payload: row.payload.clone(),
+        body: row.body.clone(),
         status: row.status,
         attempts_made: 0,
         max_attempts: row.max_attempts,

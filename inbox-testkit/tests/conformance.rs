@@ -8,7 +8,7 @@ async fn mem_store_passes_conformance() {
     let passed = run_conformance(&store, &MemFixture::new(&store))
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(passed.len(), 15, "every check ran: {passed:?}");
+    assert_eq!(passed.len(), 16, "every check ran: {passed:?}");
 }
 
 /// A member that stops heartbeating drops out once its last heartbeat is

@@ -53,6 +53,7 @@ pub mod consumer;
 pub mod dead_letters;
 pub mod decision;
 pub mod error;
+pub mod formats;
 pub mod handler;
 pub mod headers;
 pub mod maintenance;

@@ -41,6 +41,7 @@ use async_trait::async_trait;
 use serde::de::DeserializeOwned;
 
 use crate::error::HandlerError;
+use crate::formats::{Json, PayloadDecoder};
 use crate::handler::Handler;
 use crate::model::Message;
 use crate::outcome::HandlerResult;
@@ -144,6 +145,19 @@ pub enum RouteError {
         /// What serde said.
         reason: String,
     },
+    /// The payload could not be read in the route's format (Protobuf,
+    /// Avro, ...: see [`formats`](crate::formats)).
+    #[error("payload of {event_type} is not {format} of {type_name}: {reason}")]
+    Encoding {
+        /// The message's event type.
+        event_type: String,
+        /// The route's format (`protobuf`, `avro`, ...).
+        format: &'static str,
+        /// The type the route decodes into.
+        type_name: &'static str,
+        /// Why.
+        reason: String,
+    },
     /// No route takes this event type (and schema version).
     #[error("no route for event type {event_type:?} (schema version {schema_version:?})")]
     UnknownEventType {
@@ -170,20 +184,22 @@ trait Route<Tx>: Send + Sync {
     ) -> Option<Result<Vec<HandlerResult>, HandlerError>>;
 }
 
-struct Typed<T, H> {
+struct Typed<T, H, D> {
     handler: H,
+    decoder: D,
     _type: std::marker::PhantomData<fn() -> T>,
 }
 
 #[async_trait]
-impl<T, H, Tx> Route<Tx> for Typed<T, H>
+impl<T, H, D, Tx> Route<Tx> for Typed<T, H, D>
 where
-    T: DeserializeOwned + Send + 'static,
+    T: Send + 'static,
     H: EventHandler<T, Tx>,
+    D: PayloadDecoder<T>,
     Tx: Send,
 {
     async fn call(&self, message: &Message, tx: &mut Tx) -> Result<HandlerResult, HandlerError> {
-        let event = decode::<T>(message)?;
+        let event = self.decoder.decode(message).await?;
         self.handler.handle(event, message, tx).await
     }
 
@@ -198,7 +214,7 @@ where
     ) -> Option<Result<Vec<HandlerResult>, HandlerError>> {
         let mut events = Vec::with_capacity(messages.len());
         for m in messages {
-            match decode::<T>(m) {
+            match self.decoder.decode(m).await {
                 Ok(event) => events.push((event, *m)),
                 // one payload that does not fit: the runner handles the
                 // batch one message at a time, and that one fails alone
@@ -207,19 +223,6 @@ where
         }
         self.handler.handle_batch(events, tx).await
     }
-}
-
-/// `message`'s payload as a `T`, or the field that does not fit.
-fn decode<T: DeserializeOwned>(message: &Message) -> Result<T, RouteError> {
-    serde_path_to_error::deserialize(&message.payload).map_err(|e| {
-        let path = e.path().to_string();
-        RouteError::Payload {
-            event_type: message.event_type.clone(),
-            type_name: std::any::type_name::<T>(),
-            path,
-            reason: e.into_inner().to_string(),
-        }
-    })
 }
 
 /// The former name of [`EventRouter`] (it clashed with `axum::Router` in a
@@ -269,7 +272,72 @@ impl<Tx: Send + 'static> EventRouter<Tx> {
         T: DeserializeOwned + Send + 'static,
         H: EventHandler<T, Tx> + 'static,
     {
-        self.add::<T, H>(event_type, None, handler)
+        self.add(event_type, None, Json, handler)
+    }
+
+    /// Routes `event_type` to `handler`, its payload read by `decoder`
+    /// (a format of [`formats`](crate::formats), or your own
+    /// [`PayloadDecoder`]).
+    pub fn on_format<T, D, H>(self, event_type: &str, decoder: D, handler: H) -> Self
+    where
+        T: Send + 'static,
+        D: PayloadDecoder<T> + 'static,
+        H: EventHandler<T, Tx> + 'static,
+    {
+        self.add(event_type, None, decoder, handler)
+    }
+
+    /// Routes `event_type` to `handler`, its payload Protobuf decoded by
+    /// prost into `T` (plain, or in the Confluent wire format).
+    ///
+    /// ```
+    /// use inbox_core::router::{EventHandler, EventRouter};
+    /// use inbox_core::{HandlerError, HandlerResult, Message};
+    ///
+    /// #[derive(Clone, PartialEq, prost::Message)]
+    /// struct OrderCreated {
+    ///     #[prost(string, tag = "1")]
+    ///     order_id: String,
+    /// }
+    ///
+    /// struct Billing;
+    ///
+    /// #[async_trait::async_trait]
+    /// impl EventHandler<OrderCreated, ()> for Billing {
+    ///     async fn handle(&self, order: OrderCreated, _m: &Message, _tx: &mut ()) -> Result<HandlerResult, HandlerError> {
+    ///         assert_eq!(order.order_id, "o-1");
+    ///         Ok(HandlerResult::completed())
+    ///     }
+    /// }
+    ///
+    /// let router: EventRouter<()> = EventRouter::new().on_protobuf("order.created", Billing);
+    /// assert!(router.routes("order.created", None));
+    /// ```
+    #[cfg(feature = "protobuf")]
+    pub fn on_protobuf<T, H>(self, event_type: &str, handler: H) -> Self
+    where
+        T: prost::Message + Default + Send + 'static,
+        H: EventHandler<T, Tx> + 'static,
+    {
+        self.add(event_type, None, crate::formats::Protobuf, handler)
+    }
+
+    /// Routes `event_type` to `handler`, its payload Avro in the Confluent
+    /// wire format, read with the writer's schema from `schemas` and
+    /// deserialized into `T` by serde.
+    #[cfg(feature = "avro")]
+    pub fn on_avro<T, S, H>(self, event_type: &str, schemas: S, handler: H) -> Self
+    where
+        T: DeserializeOwned + Send + 'static,
+        S: crate::formats::SchemaSource + 'static,
+        H: EventHandler<T, Tx> + 'static,
+    {
+        self.add(
+            event_type,
+            None,
+            crate::formats::Avro::new(schemas),
+            handler,
+        )
     }
 
     /// Routes `event_type` at `schema_version` to `handler` (preferred over
@@ -279,16 +347,24 @@ impl<Tx: Send + 'static> EventRouter<Tx> {
         T: DeserializeOwned + Send + 'static,
         H: EventHandler<T, Tx> + 'static,
     {
-        self.add::<T, H>(event_type, Some(schema_version.to_owned()), handler)
+        self.add(event_type, Some(schema_version.to_owned()), Json, handler)
     }
 
-    fn add<T, H>(mut self, event_type: &str, version: Option<String>, handler: H) -> Self
+    fn add<T, D, H>(
+        mut self,
+        event_type: &str,
+        version: Option<String>,
+        decoder: D,
+        handler: H,
+    ) -> Self
     where
-        T: DeserializeOwned + Send + 'static,
+        T: Send + 'static,
+        D: PayloadDecoder<T> + 'static,
         H: EventHandler<T, Tx> + 'static,
     {
-        let route: Arc<dyn Route<Tx>> = Arc::new(Typed::<T, H> {
+        let route: Arc<dyn Route<Tx>> = Arc::new(Typed::<T, H, D> {
             handler,
+            decoder,
             _type: std::marker::PhantomData,
         });
         self.routes.insert((event_type.to_owned(), version), route);

@@ -97,6 +97,7 @@ pub fn confluent_frame(bytes: &[u8]) -> Option<(u32, &[u8])> {
 
 /// The error of a route of `format` into `T` that could not read
 /// `message`'s payload.
+#[cfg(any(feature = "protobuf", feature = "avro"))]
 fn encoding<T>(message: &Message, format: &'static str, reason: impl Into<String>) -> RouteError {
     RouteError::Encoding {
         event_type: message.event_type.clone(),
@@ -108,6 +109,7 @@ fn encoding<T>(message: &Message, format: &'static str, reason: impl Into<String
 
 /// The bytes of a binary message, or the error a route of a binary
 /// `format` gives a JSON one.
+#[cfg(any(feature = "protobuf", feature = "avro"))]
 fn binary<'m, T>(message: &'m Message, format: &'static str) -> Result<&'m [u8], RouteError> {
     match message.format {
         PayloadFormat::Binary => Ok(message.bytes()),

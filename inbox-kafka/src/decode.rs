@@ -1,7 +1,9 @@
 //! Turning a Kafka record into the core's [`Message`].
 //!
 //! [`JsonDecoder`] is the default: the payload is the record value as a JSON
-//! object; `message_id` comes from the first present of a list of headers
+//! object, or, for the topics whose format is said to be
+//! [`PayloadFormat::Binary`] (Protobuf, Avro, ...), the record's bytes as
+//! they are, for the route to decode; `message_id` comes from the first present of a list of headers
 //! (default `message_id`, then `event_id`) or falls back to
 //! `topic:partition:offset`; `event_type` from a header or a payload field;
 //! `source` is the topic; trace / correlation / causation ids and
@@ -16,7 +18,7 @@ use std::collections::BTreeMap;
 
 use inbox_core::dead_letters::DeadLetter;
 use inbox_core::model::{MAX_PAYLOAD_BYTES, decode_header};
-use inbox_core::{Headers, Message, Position, ValidationError};
+use inbox_core::{Headers, Message, PayloadFormat, Position, ValidationError};
 use serde_json::Value;
 
 /// A borrowed view of one fetched record.
@@ -96,6 +98,11 @@ pub struct JsonDecoder {
     /// not in `event_types_by_topic`. Default `None`: such a record is
     /// poison (`NoEventType`, whose message names both settings).
     pub default_event_type: Option<String>,
+    /// The payload format of records from these topics; any other topic's
+    /// is JSON. A binary record's bytes are kept as they are (non-empty, at
+    /// most 1 MB) and its event type comes from the header, then
+    /// `event_types_by_topic`, then `default_event_type`.
+    pub formats_by_topic: BTreeMap<String, PayloadFormat>,
 }
 
 impl Default for JsonDecoder {
@@ -107,6 +114,7 @@ impl Default for JsonDecoder {
             event_type_field: "event_type".into(),
             event_types_by_topic: BTreeMap::new(),
             default_event_type: None,
+            formats_by_topic: BTreeMap::new(),
         }
     }
 }
@@ -121,6 +129,56 @@ fn headers(record: &RecordView<'_>) -> Result<Headers, ValidationError> {
 }
 
 impl JsonDecoder {
+    /// The same decoder reading records of `topic` as `format` (e.g. a
+    /// topic of Protobuf records as [`PayloadFormat::Binary`]).
+    ///
+    /// ```
+    /// use inbox_kafka::JsonDecoder;
+    /// use inbox_core::PayloadFormat;
+    /// let decoder = JsonDecoder::default()
+    ///     .with_format("orders-proto", PayloadFormat::Binary)
+    ///     .with_event_type("orders-proto", "order.created");
+    /// assert_eq!(decoder.formats_by_topic["orders-proto"], PayloadFormat::Binary);
+    /// ```
+    pub fn with_format(mut self, topic: &str, format: PayloadFormat) -> Self {
+        self.formats_by_topic.insert(topic.to_owned(), format);
+        self
+    }
+
+    /// The same decoder giving records of `topic` that carry no event type
+    /// the type `event_type` (a topic of one type).
+    pub fn with_event_type(mut self, topic: &str, event_type: &str) -> Self {
+        self.event_types_by_topic
+            .insert(topic.to_owned(), event_type.to_owned());
+        self
+    }
+
+    /// The event type of a record: its header, then (JSON only) the
+    /// payload's field, then the topic's, then the default.
+    fn event_type(
+        &self,
+        record: &RecordView<'_>,
+        headers: &Headers,
+        payload: Option<&Value>,
+    ) -> Result<String, ValidationError> {
+        headers
+            .get(&self.event_type_header)
+            .map(str::to_owned)
+            .or_else(|| {
+                payload
+                    .and_then(|p| p.get(&self.event_type_field))
+                    .and_then(Value::as_str)
+                    .map(str::to_owned)
+            })
+            .or_else(|| self.event_types_by_topic.get(record.topic).cloned())
+            .or_else(|| self.default_event_type.clone())
+            .ok_or_else(|| ValidationError::NoEventType {
+                topic: record.topic.to_owned(),
+                header: self.event_type_header.clone(),
+                field: self.event_type_field.clone(),
+            })
+    }
+
     fn message_id(
         &self,
         record: &RecordView<'_>,
@@ -146,9 +204,17 @@ impl Decode for JsonDecoder {
         let headers = headers(record)?;
         let message_id = self.message_id(record, &headers)?;
         let bytes = record.value.unwrap_or_default();
+        let format = self
+            .formats_by_topic
+            .get(record.topic)
+            .copied()
+            .unwrap_or_default();
         if bytes.is_empty() {
-            return Err(ValidationError::PayloadNotJson {
-                reason: "the record has no value".into(),
+            return Err(match format {
+                PayloadFormat::Json => ValidationError::PayloadNotJson {
+                    reason: "the record has no value".into(),
+                },
+                PayloadFormat::Binary => ValidationError::PayloadEmpty,
             });
         }
         if bytes.len() > MAX_PAYLOAD_BYTES {
@@ -157,27 +223,20 @@ impl Decode for JsonDecoder {
                 actual: bytes.len(),
             });
         }
-        let payload: Value =
-            serde_json::from_slice(bytes).map_err(|e| ValidationError::PayloadNotJson {
-                reason: e.to_string(),
-            })?;
-        let event_type = headers
-            .get(&self.event_type_header)
-            .map(str::to_owned)
-            .or_else(|| {
-                payload
-                    .get(&self.event_type_field)
-                    .and_then(Value::as_str)
-                    .map(str::to_owned)
-            })
-            .or_else(|| self.event_types_by_topic.get(record.topic).cloned())
-            .or_else(|| self.default_event_type.clone())
-            .ok_or_else(|| ValidationError::NoEventType {
-                topic: record.topic.to_owned(),
-                header: self.event_type_header.clone(),
-                field: self.event_type_field.clone(),
-            })?;
-        let mut message = Message::new(message_id, record.topic, event_type, payload);
+        let mut message = match format {
+            PayloadFormat::Json => {
+                let payload: Value =
+                    serde_json::from_slice(bytes).map_err(|e| ValidationError::PayloadNotJson {
+                        reason: e.to_string(),
+                    })?;
+                let event_type = self.event_type(record, &headers, Some(&payload))?;
+                Message::new(message_id, record.topic, event_type, payload)
+            }
+            PayloadFormat::Binary => {
+                let event_type = self.event_type(record, &headers, None)?;
+                Message::binary(message_id, record.topic, event_type, bytes)
+            }
+        };
         message.trace_id = headers.get("trace_id").map(str::to_owned);
         message.correlation_id = headers.get("correlation_id").map(str::to_owned);
         message.causation_id = headers.get("causation_id").map(str::to_owned);
@@ -422,6 +481,46 @@ mod tests {
         assert!(m.decode_error.is_some());
         assert!(m.validate("g").is_err());
         assert_eq!(m.position, Some(Position::new("orders", 2, 41)));
+    }
+
+    #[test]
+    fn a_binary_topic_keeps_the_bytes_and_takes_its_type_from_header_or_topic() {
+        let d = JsonDecoder::default()
+            .with_format("orders", PayloadFormat::Binary)
+            .with_event_type("orders", "order.created");
+        let protobuf = [0x0a, 0x03, b'o', b'-', b'1', 0x10, 0x00];
+        let m = d
+            .decode(&view(Some(&protobuf), &h(&[("message_id", b"m-1")])))
+            .expect("decodes");
+        assert_eq!(
+            (
+                m.format,
+                m.bytes(),
+                m.payload.clone(),
+                m.event_type.as_str()
+            ),
+            (
+                PayloadFormat::Binary,
+                &protobuf[..],
+                Value::Null,
+                "order.created"
+            )
+        );
+        assert_eq!(m.validate("billing"), Ok(()));
+        let typed = d
+            .decode(&view(Some(&protobuf), &h(&[("event_type", b"order.paid")])))
+            .expect("decodes");
+        assert_eq!(typed.event_type, "order.paid", "the header first");
+        assert_eq!(
+            d.decode(&view(Some(b""), &[])).err(),
+            Some(ValidationError::PayloadEmpty)
+        );
+        // bytes that are not JSON are poison only on a JSON topic
+        let json = JsonDecoder::default().with_event_type("orders", "order.created");
+        assert!(matches!(
+            json.decode(&view(Some(&protobuf), &[])),
+            Err(ValidationError::PayloadNotJson { .. })
+        ));
     }
 
     #[test]

@@ -31,7 +31,7 @@ use crate::store::{PgStore, db, get, secs, stmt};
 /// let outbox = Outbox::new(&TableName::default());
 /// let tx = db.begin().await?;
 /// // ... the order itself, through `tx` ...
-/// let event = OutboxMessage::json("orders", &json!({"order": "o-1"})).key("o-1");
+/// let event = OutboxMessage::json("orders", &json!({"order": "o-1"}))?.key("o-1");
 /// outbox.enqueue(&tx, &event).await?;
 /// tx.commit().await?; // the event exists if and only if this commits
 /// # Ok(()) }

@@ -52,7 +52,7 @@ const PARTITIONS: i32 = 4;
 const ENQUEUE_CHUNK: u64 = 1_000;
 
 fn event(topic: &str, i: u64) -> OutboxMessage {
-    OutboxMessage::json(topic, &json!({ "total": 10 }))
+    OutboxMessage::new(topic, json!({ "total": 10 }).to_string())
         .key(format!("order-{i}"))
         .header("event_type", "order.created")
 }

@@ -108,7 +108,7 @@ impl inbox_core::Handler<PgTx> for Billing {
         let event = OutboxMessage::json(
             &self.topic,
             &json!({ "invoice_id": invoice, "order_id": order }),
-        )
+        )?
         .key(format!("order-{order}"))
         .header("event_type", "invoice.created");
         self.outbox.enqueue(tx.connection(), &event).await?;
@@ -337,7 +337,7 @@ async fn place_orders(store: &PgStore, topic: &str, from: i64, to: i64) -> Resul
             vec![order.into(), (order * 10).into()],
         ))
         .await?;
-        let event = OutboxMessage::json(topic, &json!({ "order_id": order, "total": order * 10 }))
+        let event = OutboxMessage::json(topic, &json!({ "order_id": order, "total": order * 10 }))?
             .key(format!("order-{order}"))
             .header("event_type", "order.created");
         outbox.enqueue(&tx, &event).await?;
@@ -348,7 +348,7 @@ async fn place_orders(store: &PgStore, topic: &str, from: i64, to: i64) -> Resul
             ))
             .await?;
             let francs = json!({ "order_id": FRANCS_ORDER, "total": 990, "currency": "CHF" });
-            let event = OutboxMessage::json(topic, &francs)
+            let event = OutboxMessage::json(topic, &francs)?
                 .key(format!("order-{FRANCS_ORDER}"))
                 .header("event_type", "order.created");
             outbox.enqueue(&tx, &event).await?;

@@ -14,12 +14,13 @@
 //! use inbox_core::outbox::{OutboxMessage, partition_for};
 //! use serde_json::json;
 //!
-//! let event = OutboxMessage::json("invoices", &json!({"order": "o-1", "total": 10}))
+//! let event = OutboxMessage::json("invoices", &json!({"order": "o-1", "total": 10}))?
 //!     .key("o-1")
 //!     .header("event_type", "invoice.created");
 //! assert!(event.validate().is_ok());
 //! // the partition a Java or librdkafka (murmur2) producer picks for the key
 //! assert_eq!(partition_for(b"o-1", 12), partition_for(event.key.as_deref().unwrap(), 12));
+//! # Ok::<(), serde_json::Error>(())
 //! ```
 
 mod health;
@@ -93,9 +94,19 @@ impl OutboxMessage {
         }
     }
 
-    /// An event whose payload is `value` as JSON.
-    pub fn json(topic: impl Into<String>, value: &serde_json::Value) -> Self {
-        Self::new(topic, value.to_string())
+    /// An event whose payload is `value` (any `Serialize`) as JSON. For any
+    /// other format (Protobuf, Avro, ...) give the bytes to
+    /// [`new`](Self::new).
+    ///
+    /// # Errors
+    ///
+    /// serde_json's, when `value` cannot be written as JSON (a map whose
+    /// keys are not strings, a `Serialize` that fails).
+    pub fn json<T: serde::Serialize + ?Sized>(
+        topic: impl Into<String>,
+        value: &T,
+    ) -> Result<Self, serde_json::Error> {
+        Ok(Self::new(topic, serde_json::to_vec(value)?))
     }
 
     /// Sets the key.
@@ -449,6 +460,31 @@ pub trait Publisher: Send + Sync {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn json_takes_any_serialize_and_refuses_what_json_cannot_hold() {
+        #[derive(serde::Serialize)]
+        struct Invoice<'a> {
+            order: &'a str,
+            total: i64,
+        }
+        let event = OutboxMessage::json(
+            "invoices",
+            &Invoice {
+                order: "o-1",
+                total: 10,
+            },
+        )
+        .expect("serializes");
+        assert_eq!(event.payload, br#"{"order":"o-1","total":10}"#);
+        let keyed = std::collections::HashMap::from([((1, 2), "x")]);
+        assert!(
+            OutboxMessage::json("invoices", &keyed).is_err(),
+            "tuple keys"
+        );
+        let bytes = OutboxMessage::new("invoices", vec![0x0a, 0x00]);
+        assert_eq!(bytes.payload, [0x0a, 0x00], "any other format as bytes");
+    }
 
     #[test]
     fn murmur2_matches_kafka() {

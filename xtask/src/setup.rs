@@ -89,11 +89,13 @@ pub(crate) fn tansu() -> Result<()> {
 
 /// Makes sure the independent Kafka client the tests produce with is there:
 /// librdkafka through the `confluent-kafka` wheel for `python3`
-/// (`inbox-kafka/tests/independent.rs`), installed with pip when missing.
+/// (`inbox-kafka/tests/independent.rs`), with the `protobuf` and `fastavro`
+/// encoders (`inbox-kafka/tests/formats.rs`), installed with pip when
+/// missing.
 pub(crate) fn librdkafka() -> Result<()> {
     let has = |py: &str| {
         Command::new(py)
-            .args(["-c", "import confluent_kafka"])
+            .args(["-c", "import confluent_kafka, google.protobuf, fastavro"])
             .output()
             .is_ok_and(|o| o.status.success())
     };
@@ -101,19 +103,21 @@ pub(crate) fn librdkafka() -> Result<()> {
         return Ok(());
     }
     if Command::new("python3").arg("--version").output().is_err() {
-        bail!("python3 is missing: the test against librdkafka (confluent-kafka) needs it");
+        bail!("python3 is missing: the tests against librdkafka (confluent-kafka) need it");
     }
     println!(
-        "setup: installing the confluent-kafka wheel (librdkafka) with pip, for the test against an independent producer"
+        "setup: installing the confluent-kafka wheel (librdkafka), protobuf and fastavro with pip, for the tests against an independent producer"
     );
-    let wheel = "'confluent-kafka>=2.3,<3'";
-    if sh(&format!("python3 -m pip install --quiet {wheel}")).is_err() {
+    let wheels = "'confluent-kafka>=2.3,<3' 'protobuf>=4.21,<8' 'fastavro>=1.7,<2'";
+    if sh(&format!("python3 -m pip install --quiet {wheels}")).is_err() {
         sh(&format!(
-            "python3 -m pip install --quiet --break-system-packages {wheel}"
+            "python3 -m pip install --quiet --break-system-packages {wheels}"
         ))?;
     }
     if !has("python3") {
-        bail!("confluent-kafka was installed but python3 cannot import it");
+        bail!(
+            "confluent-kafka, protobuf and fastavro were installed but python3 cannot import them"
+        );
     }
     Ok(())
 }

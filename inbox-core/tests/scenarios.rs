@@ -158,3 +158,8 @@ async fn processor_clamps_retry_times_a_store_cannot_hold() {
 async fn uncounted_retries_spend_no_budget() {
     scenarios::uncounted_retries_spend_no_budget(&MemHarness::new(MemStore::new())).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn processor_hands_binary_payloads_over_as_landed() {
+    scenarios::processor_hands_binary_payloads_over_as_landed(MemStore::new()).await;
+}

@@ -549,3 +549,82 @@ where
         .unwrap_or_else(|| panic!("waiting"));
     assert_eq!(waiting.status, InboxStatus::Pending, "pending rows stay");
 }
+
+/// Records what each message the processor hands over carries.
+struct NotingFormats {
+    seen: Mutex<Vec<(String, PayloadFormat, Vec<u8>, serde_json::Value)>>,
+}
+
+#[async_trait]
+impl<Tx: WriteInvoice + Send + 'static> Handler<Tx> for NotingFormats {
+    type Output = ();
+    async fn handle(&self, m: &Message, tx: &mut Tx) -> Result<(), HandlerError> {
+        tx.write_invoice(&m.message_id).await?;
+        self.seen
+            .lock()
+            .map_err(|_| HandlerError::msg("lock"))?
+            .push((
+                m.message_id.clone(),
+                m.format,
+                m.bytes().to_vec(),
+                m.payload.clone(),
+            ));
+        Ok(())
+    }
+}
+
+/// A binary payload (Protobuf, Avro, ...) landed for the batch processor
+/// comes to its handler as it arrived: format binary, every byte (NUL and
+/// 0xff included) and a null JSON payload; a JSON row beside it stays JSON.
+/// By lease and by row lock.
+pub async fn processor_hands_binary_payloads_over_as_landed<S>(store: S)
+where
+    S: ScenarioStore,
+    S::Tx: WriteInvoice,
+{
+    use inbox_core::processor::{BatchProcessor, ProcessorConfig};
+    for claim in [ClaimMode::Lease, ClaimMode::RowLock] {
+        let group = format!("processor-binary-{claim:?}");
+        let id = |m: &str| format!("{group}-{m}");
+        let bodies: Vec<Vec<u8>> = vec![vec![0x0a, 0x00, 0xff], (0..=255).collect(), vec![0]];
+        for (i, body) in bodies.iter().enumerate() {
+            let m = Message::binary(
+                id(&format!("bin-{i}")),
+                "orders",
+                "order.created",
+                body.clone(),
+            );
+            store.land(&NewInboxRow::for_message(&m, &group, 3)).await;
+        }
+        store.land(&landed(&id("json"), &group, 3)).await;
+        let handler = Arc::new(NotingFormats {
+            seen: Mutex::new(Vec::new()),
+        });
+        let mut config = ProcessorConfig::new("processor-1").unwrap_or_else(|e| panic!("{e}"));
+        config.claim = claim;
+        config.filter.consumer_group = Some(group.clone());
+        let mut processor = BatchProcessor::new(store.clone(), handler.clone(), config);
+        let b = processor
+            .process_batch()
+            .await
+            .unwrap_or_else(|e| panic!("batch failed: {e}"));
+        assert_eq!((b.claimed, b.completed), (4, 4), "{claim:?}");
+        let mut seen = handler.seen.lock().map(|s| s.clone()).unwrap_or_default();
+        seen.sort_by(|a, b| a.0.cmp(&b.0));
+        for (i, body) in bodies.iter().enumerate() {
+            let got = seen.iter().find(|s| s.0 == id(&format!("bin-{i}")));
+            assert_eq!(
+                got.map(|s| (s.1, s.2.as_slice(), s.3.is_null())),
+                Some((PayloadFormat::Binary, body.as_slice(), true)),
+                "{claim:?} bin-{i}"
+            );
+            assert_eq!(store.invoices(&id(&format!("bin-{i}"))).await, 1);
+        }
+        let json = seen.iter().find(|s| s.0 == id("json"));
+        assert_eq!(
+            json.map(|s| (s.1, s.3.clone())),
+            Some((PayloadFormat::Json, json!({ "order": id("json") }))),
+            "{claim:?}"
+        );
+    }
+}

@@ -550,9 +550,12 @@ where
     assert_eq!(waiting.status, InboxStatus::Pending, "pending rows stay");
 }
 
+/// A handed message's id, format, bytes and JSON payload.
+type Carried = (String, PayloadFormat, Vec<u8>, serde_json::Value);
+
 /// Records what each message the processor hands over carries.
 struct NotingFormats {
-    seen: Mutex<Vec<(String, PayloadFormat, Vec<u8>, serde_json::Value)>>,
+    seen: Mutex<Vec<Carried>>,
 }
 
 #[async_trait]

@@ -87,3 +87,13 @@ mod postgres_md {}
 #[cfg(all(doctest, feature = "postgres", feature = "kafka"))]
 #[doc = include_str!("../../docs/outbox.md")]
 mod outbox_md {}
+
+#[cfg(all(
+    doctest,
+    feature = "postgres",
+    feature = "kafka",
+    feature = "protobuf",
+    feature = "avro"
+))]
+#[doc = include_str!("../../docs/formats.md")]
+mod formats_md {}

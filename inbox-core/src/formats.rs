@@ -12,7 +12,7 @@
 //!   Confluent wire format (magic byte 0, schema id, message indexes).
 //! - `Avro` (feature `avro`, apache-avro): the Confluent wire format (magic
 //!   byte 0, a 4-byte schema id, the Avro datum), the writer's schema looked
-//!   up by its id through a [`SchemaSource`](avro::SchemaSource), the datum
+//!   up by its id through a `SchemaSource`, the datum
 //!   read into any serde type.
 //!
 //! A payload a route cannot read is a failure naming the event type, the

@@ -56,6 +56,7 @@ pub mod error;
 pub mod formats;
 pub mod handler;
 pub mod headers;
+pub mod isolation;
 pub mod maintenance;
 pub mod metrics;
 pub mod model;
@@ -78,6 +79,7 @@ pub use error::{
 };
 pub use handler::{Handler, NoHandler};
 pub use headers::Headers;
+pub use isolation::Isolation;
 pub use metrics::{
     CountingMetrics, Counts, MetricEvent, Metrics, NoopMetrics, record_safely, topic_label,
 };

@@ -54,12 +54,10 @@ use crate::attempts::{AttemptError, AttemptRules, RowUpdate, row_update};
 use crate::backoff::Backoff;
 use crate::error::{HandlerError, StoreError, StoreErrorKind, ValidationError};
 use crate::handler::Handler;
+use crate::isolation::Isolation;
 use crate::model::{InboxRow, InboxStatus, Message, RowId, WorkerId};
 use crate::outcome::{Failure, HandlerResult, OutcomeClass};
 use crate::store::{DueFilter, InboxStore, InboxTransaction};
-
-/// Whether [`ProcessorConfig::optimistic`] is on by default.
-const OPTIMISTIC_BY_DEFAULT: bool = true;
 
 /// How a [`BatchProcessor`] takes its batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -97,14 +95,17 @@ pub struct ProcessorConfig {
     pub rules: AttemptRules,
     /// Backoff after a batch failed for storage reasons.
     pub store_backoff: Backoff,
-    /// Run the batch's handlers without savepoints first; after a failure,
-    /// roll back and replay the batch with a savepoint per row, the failed
-    /// row's outcome kept (its handler is not run again); and after a batch
-    /// that had a failure, start the next one with savepoints (failures
-    /// come in runs), going back to optimistic after a clean one. `false`:
-    /// a savepoint per row always. Default `true` (measured faster with no
-    /// failures and level with 3% failing, see `docs/batch.md`).
-    pub optimistic: bool,
+    /// What a handler failure costs ([`Isolation`]): with
+    /// [`Isolation::Optimistic`] (the default) the batch's handlers run
+    /// without savepoints first; after a failure the batch is rolled back
+    /// and replayed with a savepoint per row, the failed row's outcome kept
+    /// (its handler is not run again), and after a batch that had a failure
+    /// the next one starts with savepoints (failures come in runs), going
+    /// back to optimistic after a clean one. [`Isolation::Savepoints`]: a
+    /// savepoint per row always. Optimistic was measured faster with no
+    /// failures and level with 3% failing (`docs/batch.md`). (Formerly
+    /// `optimistic: bool`, `true` being `Isolation::Optimistic`.)
+    pub isolation: Isolation,
     /// How many transient database failures in a row (a serialization
     /// failure, a deadlock, a lost connection met by the handler's
     /// statements) one row may have retried without spending an attempt,
@@ -130,7 +131,7 @@ impl ProcessorConfig {
             filter: DueFilter::default(),
             rules: AttemptRules::default(),
             store_backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(30), 2.0),
-            optimistic: OPTIMISTIC_BY_DEFAULT,
+            isolation: Isolation::Optimistic,
             transient_retries: 100,
             claim: ClaimMode::Lease,
         })
@@ -465,7 +466,7 @@ where
         // Optimistic first (if configured): a failure rolls the batch back
         // and it is replayed with savepoints, the failed row's outcome kept.
         let mut known: HashMap<RowId, Result<HandlerResult, Failure>> = HashMap::new();
-        let mut savepoints = !self.config.optimistic || self.last_failed;
+        let mut savepoints = self.config.isolation == Isolation::Savepoints || self.last_failed;
         let (tx, results) = loop {
             batch.transactions += 1;
             let mut tx = self.store.begin().await?;
@@ -624,7 +625,7 @@ where
             ..ProcessorBatch::default()
         };
         let mut known: HashMap<RowId, Result<HandlerResult, Failure>> = HashMap::new();
-        let mut savepoints = !self.config.optimistic || self.last_failed;
+        let mut savepoints = self.config.isolation == Isolation::Savepoints || self.last_failed;
         if !savepoints && let Err(e) = tx.savepoint().await {
             abandon(tx).await;
             return Err(e.into());

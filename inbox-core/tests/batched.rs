@@ -342,7 +342,11 @@ async fn several_failures_in_one_batch_cost_two_transactions_with_savepoints() {
         let metrics = Arc::new(CountingMetrics::new());
         let mut b = BatchConfig::new(100);
         b.linger = std::time::Duration::ZERO;
-        b.savepoints_after_failure = savepoints;
+        b.isolation = if savepoints {
+            inbox_core::Isolation::Savepoints
+        } else {
+            inbox_core::Isolation::Optimistic
+        };
         let config = RunnerConfig::new("billing", "w-1")
             .expect("config")
             .no_failure_budget()

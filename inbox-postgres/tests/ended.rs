@@ -301,7 +301,7 @@ async fn batched_with_savepoints_an_ending_charges_only_its_message() {
     let mut batch = BatchConfig::new(10);
     batch.linger = Duration::ZERO;
     batch.adaptive = false;
-    batch.savepoints_after_failure = true;
+    batch.isolation = inbox_core::Isolation::Savepoints;
     let mut runner = Runner::new(
         store.clone(),
         broker.consumer("billing"),

@@ -15,7 +15,7 @@
 //! - `batched`: the batched runner (batch 100; after a handler failure the
 //!   batch is rolled back and replayed without the failed message);
 //! - `batched-savepoints`: the same, replaying once with a savepoint before
-//!   each handler instead (`BatchConfig::savepoints_after_failure`);
+//!   each handler instead (`BatchConfig::isolation`: `Isolation::Savepoints`);
 //! - `batch-aware`: the batched runner with a handler that writes the
 //!   batch's business rows in one statement;
 //! - `processor`: four batch processors (each its own connection, batches
@@ -802,7 +802,11 @@ async fn runner(store: PgStore, messages: u64, mode: Mode, fail_percent: u64) ->
     let mut config = RunnerConfig::new("bench", "bench-1")?;
     let batch_config = BatchConfig {
         linger: Duration::ZERO,
-        savepoints_after_failure: mode == Mode::Savepoints,
+        isolation: if mode == Mode::Savepoints {
+            inbox_core::Isolation::Savepoints
+        } else {
+            inbox_core::Isolation::Optimistic
+        },
         ..BatchConfig::new(BATCH)
     };
     let batch = mode != Mode::PerMessage;
@@ -916,7 +920,11 @@ async fn drain_with_processors(
         let mut config = ProcessorConfig::new(format!("bench-{w}"))?;
         config.rules.backoff.initial = Duration::ZERO;
         config.rules.backoff.max = Duration::ZERO;
-        config.optimistic = optimistic;
+        config.isolation = if optimistic {
+            inbox_core::Isolation::Optimistic
+        } else {
+            inbox_core::Isolation::Savepoints
+        };
         config.claim = claim;
         let store = PgStore::new(connect(url).await?, TableName::default());
         workers.push(BatchProcessor::new(store, handler.clone(), config));

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 pub use crate::backoff::Backoff;
 use crate::error::ValidationError;
+use crate::isolation::Isolation;
 use crate::model::{DEFAULT_MAX_ATTEMPTS, WorkerId};
 use crate::strategy::AckStrategy;
 
@@ -89,14 +90,16 @@ pub struct BatchConfig {
     /// a Kafka producer's `linger.ms`; named apart from
     /// `KafkaConfig::max_wait`, the broker's wait in a fetch). Default 5 ms.
     pub linger: Duration,
-    /// After a handler failure, replay the rest of the batch in one
-    /// transaction with a savepoint before each handler, so that a batch
-    /// with several failures costs two transactions; `false` (the default):
-    /// replay optimistically, one more transaction per failure. Measured
-    /// with the adaptive batch size (`docs/performance.md`), the optimistic
-    /// replay is as fast with no failures and faster with 3% of handler
-    /// calls failing; savepoints only draw level around 10%.
-    pub savepoints_after_failure: bool,
+    /// What a handler failure costs ([`Isolation`]): with
+    /// [`Isolation::Optimistic`] (the default) the rest of the batch is
+    /// replayed without savepoints, one more transaction per failure; with
+    /// [`Isolation::Savepoints`] the replay takes a savepoint before each
+    /// handler, so a batch with several failures costs two transactions.
+    /// Measured with the adaptive batch size (`docs/performance.md`), the
+    /// optimistic replay is as fast with no failures and faster with 3% of
+    /// handler calls failing; savepoints only draw level around 10%.
+    /// (Formerly `savepoints_after_failure: bool`.)
+    pub isolation: Isolation,
     /// Halve the batch after a batch that needed a replay (a handler
     /// failure) and grow it back by a sixteenth of `max_messages` after each
     /// clean one (the default), so that a handler that fails often costs
@@ -111,7 +114,7 @@ impl BatchConfig {
             max_messages: max_messages.max(1),
             max_bytes: 4 * 1024 * 1024,
             linger: Duration::from_millis(5),
-            savepoints_after_failure: false,
+            isolation: Isolation::Optimistic,
             adaptive: true,
         }
     }

@@ -234,7 +234,7 @@ pub async fn random_batches_match_one_by_one<H: Harness>(h: &H, seed: u64) -> us
         let metrics = Arc::new(CountingMetrics::new());
         let mut b = inbox_core::BatchConfig::new(batch);
         b.linger = Duration::ZERO;
-        b.savepoints_after_failure = savepoints;
+        b.isolation = isolation(savepoints);
         let mut cfg = config(&group, AckStrategy::default());
         if batched {
             cfg = cfg.batched(b);
@@ -326,7 +326,7 @@ pub async fn batched_exactly_once_under_faults<H: Harness>(h: &H, seed: u64) {
     let faulty = FaultyStore::new(store.clone());
     let mut b = inbox_core::BatchConfig::new(usize::try_from(1 + roll(12)).unwrap_or(1));
     b.linger = Duration::ZERO;
-    b.savepoints_after_failure = roll(2) == 0;
+    b.isolation = isolation(roll(2) == 0);
     let make = async || {
         Runner::new(
             faulty.clone(),

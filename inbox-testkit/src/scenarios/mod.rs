@@ -368,6 +368,15 @@ fn immediate_retries() -> inbox_core::attempts::AttemptRules {
     }
 }
 
+/// Savepoints when `savepoints`, else optimistic.
+fn isolation(savepoints: bool) -> inbox_core::Isolation {
+    if savepoints {
+        inbox_core::Isolation::Savepoints
+    } else {
+        inbox_core::Isolation::Optimistic
+    }
+}
+
 /// A landed row of `group` for `id`, with a budget of `max_attempts`.
 fn landed(id: &str, group: &str, max_attempts: i32) -> NewInboxRow {
     NewInboxRow::for_message(&order(id), group, max_attempts).with_status(InboxStatus::Pending)

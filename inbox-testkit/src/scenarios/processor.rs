@@ -62,7 +62,7 @@ where
     let mut config = ProcessorConfig::new("processor-1").unwrap_or_else(|e| panic!("{e}"));
     config.batch_size = 4;
     config.rules = immediate_retries();
-    config.optimistic = optimistic;
+    config.isolation = isolation(!optimistic);
     config.claim = claim;
     config.filter.consumer_group = Some(group.to_owned());
     let mut processor =
@@ -243,7 +243,7 @@ where
         let mut config =
             ProcessorConfig::new("processor-aborted").unwrap_or_else(|e| panic!("{e}"));
         config.filter.consumer_group = Some(group.clone());
-        config.optimistic = optimistic;
+        config.isolation = isolation(!optimistic);
         let mut processor = BatchProcessor::new(store.clone(), handler, config);
         let batch = processor
             .process_batch()

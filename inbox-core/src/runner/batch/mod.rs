@@ -12,7 +12,7 @@
 //! without the later messages of its partition when it holds the partition:
 //! those are handed back to the broker undecided, exactly as if the
 //! per-message driver had rewound before reading them. A replay costs one
-//! more transaction. With `BatchConfig::savepoints_after_failure` the replay
+//! more transaction. With `BatchConfig::isolation` set to `Isolation::Savepoints` the replay
 //! instead takes a savepoint before each handler, so further failures in
 //! the batch cost no further transaction; measured, that is no faster
 //! unless about a tenth of the handler calls fail, so it is off by default.
@@ -36,6 +36,7 @@ use crate::consumer::Consumer;
 use crate::decision::{self, AckPoint, Policy};
 use crate::error::{PersistStage, StoreError, StoreErrorKind, ValidationError};
 use crate::handler::Handler;
+use crate::isolation::Isolation;
 use crate::metrics::{MetricEvent, Metrics};
 use crate::model::{Message, NewInboxRow, RowId};
 use crate::store::{Found, InboxStore, InboxTransaction};
@@ -198,7 +199,7 @@ where
             && self
                 .config
                 .batch
-                .is_some_and(|b| b.savepoints_after_failure);
+                .is_some_and(|b| b.isolation == Isolation::Savepoints);
         let mut transactions = 0;
         loop {
             let attempt = match mode {

@@ -109,9 +109,9 @@ pub enum ValidationError {
         /// The payload field looked for.
         field: String,
     },
-    /// A worker id holds a character outside `[A-Za-z0-9.\-/:]`.
-    #[error("worker_id may only contain A-Z a-z 0-9 . - / :, found {character:?}")]
-    WorkerIdCharacter {
+    /// A member id holds a character outside `[A-Za-z0-9.\-/:]`.
+    #[error("member_id may only contain A-Z a-z 0-9 . - / :, found {character:?}")]
+    MemberIdCharacter {
         /// The first offending character.
         character: char,
     },

@@ -83,8 +83,10 @@ pub use isolation::Isolation;
 pub use metrics::{
     CountingMetrics, Counts, MetricEvent, Metrics, NoopMetrics, record_safely, topic_label,
 };
+#[allow(deprecated)]
+pub use model::WorkerId;
 pub use model::{
-    InboxRow, InboxStatus, Message, NewInboxRow, PayloadFormat, Position, RowId, WorkerId,
+    InboxRow, InboxStatus, MemberId, Message, NewInboxRow, PayloadFormat, Position, RowId,
 };
 pub use offsets::{MembershipStore, OffsetStore, PartitionClaim};
 pub use outcome::{Failure, HandlerResult, Outcome, OutcomeClass};

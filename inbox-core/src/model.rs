@@ -27,8 +27,11 @@ pub const MAX_HEADERS: usize = 100;
 pub const MAX_HEADER_KEY_CHARS: usize = 64;
 /// Longest header value, in characters.
 pub const MAX_HEADER_VALUE_CHARS: usize = 512;
-/// Longest worker id, in characters.
-pub const MAX_WORKER_ID_CHARS: usize = 255;
+/// Longest member id, in characters.
+pub const MAX_MEMBER_ID_CHARS: usize = 255;
+/// The former name of [`MAX_MEMBER_ID_CHARS`].
+#[deprecated(since = "0.1.0", note = "renamed MAX_MEMBER_ID_CHARS")]
+pub const MAX_WORKER_ID_CHARS: usize = MAX_MEMBER_ID_CHARS;
 /// Default attempt budget of an inbox row (used by the batch processor only).
 pub const DEFAULT_MAX_ATTEMPTS: i32 = 5;
 /// Longest `last_error` kept on a row, in characters.
@@ -457,31 +460,36 @@ pub fn decode_header(key: &[u8], value: &[u8]) -> Result<(String, String), Valid
 /// The identity of a worker, written to `locked_by`: `[A-Za-z0-9.\-/:]`, at
 /// most 255 characters, checked when it is configured.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct WorkerId(String);
+pub struct MemberId(String);
 
-impl WorkerId {
-    /// Validates and wraps a worker id.
+/// The former name of [`MemberId`] (one word for the identity of a runner,
+/// a processor, a group member and a relay).
+#[deprecated(since = "0.1.0", note = "renamed MemberId")]
+pub type WorkerId = MemberId;
+
+impl MemberId {
+    /// Validates and wraps a member id.
     ///
     /// ```
-    /// use inbox_core::WorkerId;
-    /// assert!(WorkerId::new("billing-1.eu/pod:7").is_ok());
-    /// assert!(WorkerId::new("has space").is_err());
+    /// use inbox_core::MemberId;
+    /// assert!(MemberId::new("billing-1.eu/pod:7").is_ok());
+    /// assert!(MemberId::new("has space").is_err());
     /// ```
     ///
     /// # Errors
     ///
     /// [`ValidationError::Empty`], [`ValidationError::TooLong`] or
-    /// [`ValidationError::WorkerIdCharacter`].
+    /// [`ValidationError::MemberIdCharacter`].
     pub fn new(id: impl Into<String>) -> Result<Self, ValidationError> {
         let id = id.into();
         if id.is_empty() {
-            return Err(ValidationError::Empty { field: "worker_id" });
+            return Err(ValidationError::Empty { field: "member_id" });
         }
         let chars = id.chars().count();
-        if chars > MAX_WORKER_ID_CHARS {
+        if chars > MAX_MEMBER_ID_CHARS {
             return Err(ValidationError::TooLong {
-                field: "worker_id",
-                max: MAX_WORKER_ID_CHARS,
+                field: "member_id",
+                max: MAX_MEMBER_ID_CHARS,
                 actual: chars,
             });
         }
@@ -489,7 +497,7 @@ impl WorkerId {
             .chars()
             .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '/' | ':')))
         {
-            return Err(ValidationError::WorkerIdCharacter { character: bad });
+            return Err(ValidationError::MemberIdCharacter { character: bad });
         }
         Ok(Self(id))
     }
@@ -500,7 +508,7 @@ impl WorkerId {
     }
 }
 
-impl fmt::Display for WorkerId {
+impl fmt::Display for MemberId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)
     }
@@ -914,24 +922,24 @@ mod tests {
 
     #[test]
     fn worker_id_rules() {
-        assert!(WorkerId::new("a.b-c/d:1").is_ok());
+        assert!(MemberId::new("a.b-c/d:1").is_ok());
         assert_eq!(
-            WorkerId::new(""),
-            Err(ValidationError::Empty { field: "worker_id" })
+            MemberId::new(""),
+            Err(ValidationError::Empty { field: "member_id" })
         );
         assert_eq!(
-            WorkerId::new("a b"),
-            Err(ValidationError::WorkerIdCharacter { character: ' ' })
+            MemberId::new("a b"),
+            Err(ValidationError::MemberIdCharacter { character: ' ' })
         );
         assert_eq!(
-            WorkerId::new("a_b"),
-            Err(ValidationError::WorkerIdCharacter { character: '_' })
+            MemberId::new("a_b"),
+            Err(ValidationError::MemberIdCharacter { character: '_' })
         );
         assert!(matches!(
-            WorkerId::new("w".repeat(256)),
+            MemberId::new("w".repeat(256)),
             Err(ValidationError::TooLong { max: 255, .. })
         ));
-        assert!(WorkerId::new("w".repeat(255)).is_ok());
+        assert!(MemberId::new("w".repeat(255)).is_ok());
     }
 
     #[test]

@@ -55,7 +55,7 @@ use crate::backoff::Backoff;
 use crate::error::{HandlerError, StoreError, StoreErrorKind, ValidationError};
 use crate::handler::Handler;
 use crate::isolation::Isolation;
-use crate::model::{InboxRow, InboxStatus, Message, RowId, WorkerId};
+use crate::model::{InboxRow, InboxStatus, MemberId, Message, RowId};
 use crate::outcome::{Failure, HandlerResult, OutcomeClass};
 use crate::store::{DueFilter, InboxStore, InboxTransaction};
 
@@ -81,7 +81,7 @@ pub enum ClaimMode {
 #[derive(Debug, Clone)]
 pub struct ProcessorConfig {
     /// Who this processor is: written to `locked_by` of the rows it claims.
-    pub worker_id: WorkerId,
+    pub member_id: MemberId,
     /// Most rows per batch. Default 100.
     pub batch_size: usize,
     /// The longest one handler call may run before it counts as a
@@ -117,14 +117,14 @@ pub struct ProcessorConfig {
 }
 
 impl ProcessorConfig {
-    /// Defaults for `worker_id`, after validating it.
+    /// Defaults for `member_id`, after validating it.
     ///
     /// # Errors
     ///
-    /// A [`ValidationError`] for a bad worker id.
-    pub fn new(worker_id: impl Into<String>) -> Result<Self, ValidationError> {
+    /// A [`ValidationError`] for a bad member id.
+    pub fn new(member_id: impl Into<String>) -> Result<Self, ValidationError> {
         Ok(Self {
-            worker_id: WorkerId::new(worker_id)?,
+            member_id: MemberId::new(member_id)?,
             batch_size: 100,
             handler_timeout: Duration::from_secs(30),
             idle_poll: Duration::from_millis(500),
@@ -243,7 +243,7 @@ pub struct BatchProcessor<S, H> {
     /// savepoints).
     last_failed: bool,
     hook: Option<Arc<dyn DeadLetterHook>>,
-    /// The jitter's random state (xorshift; seeded from the worker id).
+    /// The jitter's random state (xorshift; seeded from the member id).
     seed: u64,
     /// Per row, transient database failures in a row (retried uncounted up
     /// to [`ProcessorConfig::transient_retries`]).
@@ -272,7 +272,7 @@ where
     /// A processor calling `handler` for each claimed row.
     pub fn new(store: S, handler: H, config: ProcessorConfig) -> Self {
         let seed = config
-            .worker_id
+            .member_id
             .as_str()
             .bytes()
             .fold(0x9E37_79B9_7F4A_7C15_u64, |h, b| {
@@ -414,7 +414,7 @@ where
         self.config.validate()?;
         let span = tracing::info_span!(
             "inbox.processor.batch",
-            worker = self.config.worker_id.as_str(),
+            worker = self.config.member_id.as_str(),
             claimed = tracing::field::Empty,
             completed = tracing::field::Empty,
             failed = tracing::field::Empty,
@@ -429,7 +429,7 @@ where
     }
 
     async fn claim_and_work(&mut self) -> Result<ProcessorBatch, ProcessorError> {
-        let worker = self.config.worker_id.clone();
+        let worker = self.config.member_id.clone();
         if self.config.claim == ClaimMode::RowLock
             && let Some(batch) = self.work_locked(&worker).await?
         {
@@ -456,7 +456,7 @@ where
 
     async fn work(
         &mut self,
-        worker: &WorkerId,
+        worker: &MemberId,
         rows: &[InboxRow],
     ) -> Result<ProcessorBatch, ProcessorError> {
         let mut batch = ProcessorBatch {
@@ -496,7 +496,7 @@ where
     async fn finish(
         &mut self,
         mut tx: S::Tx,
-        worker: &WorkerId,
+        worker: &MemberId,
         rows: &[InboxRow],
         results: Vec<Result<HandlerResult, Failure>>,
         mut batch: ProcessorBatch,
@@ -598,7 +598,7 @@ where
     /// beginning again (a new transaction would let the rows go).
     async fn work_locked(
         &mut self,
-        worker: &WorkerId,
+        worker: &MemberId,
     ) -> Result<Option<ProcessorBatch>, ProcessorError> {
         let mut tx = self.store.begin().await?;
         let rows = match tx
@@ -679,7 +679,7 @@ where
     async fn write(
         tx: &mut S::Tx,
         claim: ClaimMode,
-        worker: &WorkerId,
+        worker: &MemberId,
         updates: &[(RowId, RowUpdate)],
     ) -> Result<u64, StoreError> {
         match claim {
@@ -714,7 +714,7 @@ where
     /// so it alone is charged and the rest of the batch moves on.
     async fn work_row_by_row(
         &mut self,
-        worker: &WorkerId,
+        worker: &MemberId,
         rows: &[InboxRow],
         transactions: usize,
         claim: ClaimMode,

@@ -25,7 +25,7 @@ use async_trait::async_trait;
 
 use crate::consumer::TxAck;
 use crate::error::{StoreError, ValidationError};
-use crate::model::{InboxRow, InboxStatus, Message, NewInboxRow, RowId, WorkerId};
+use crate::model::{InboxRow, InboxStatus, MemberId, Message, NewInboxRow, RowId};
 
 /// What `insert_or_get` found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -116,7 +116,7 @@ pub trait InboxStore: Send + Sync {
     /// ([`StoreErrorKind::Unsupported`](crate::StoreErrorKind::Unsupported)).
     async fn claim_due(
         &self,
-        worker: &WorkerId,
+        worker: &MemberId,
         limit: usize,
         filter: &DueFilter,
     ) -> Result<Vec<InboxRow>, StoreError> {
@@ -130,7 +130,7 @@ pub trait InboxStore: Send + Sync {
     /// Unlocks the rows of `ids` that `worker` still holds, unchanged
     /// otherwise (a processor giving back a batch it could not finish);
     /// returns how many.
-    async fn release_claims(&self, worker: &WorkerId, ids: &[RowId]) -> Result<u64, StoreError> {
+    async fn release_claims(&self, worker: &MemberId, ids: &[RowId]) -> Result<u64, StoreError> {
         let _ = (worker, ids);
         Err(StoreError::new(
             crate::StoreErrorKind::Unsupported,
@@ -175,7 +175,7 @@ pub trait InboxTransaction: Send + Sized {
     }
 
     /// Locks an existing `pending` row for this transaction.
-    async fn lock(&mut self, id: RowId, worker: &WorkerId) -> Result<LockResult, StoreError>;
+    async fn lock(&mut self, id: RowId, worker: &MemberId) -> Result<LockResult, StoreError>;
 
     /// Marks the row `completed` (and unlocked).
     async fn complete(&mut self, id: RowId) -> Result<(), StoreError>;
@@ -261,7 +261,7 @@ pub trait InboxTransaction: Send + Sized {
     /// ([`StoreErrorKind::Unsupported`](crate::StoreErrorKind::Unsupported)).
     async fn write_outcomes(
         &mut self,
-        worker: &WorkerId,
+        worker: &MemberId,
         updates: &[(RowId, crate::attempts::RowUpdate)],
     ) -> Result<u64, StoreError> {
         let _ = (worker, updates);

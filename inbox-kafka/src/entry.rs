@@ -143,8 +143,8 @@ impl InboxConsumer {
     ///
     /// [`KafkaError::Config`] for an id the inbox refuses.
     pub fn member(mut self, id: &str) -> Result<Self, KafkaError> {
-        self.runner.worker_id =
-            inbox_core::WorkerId::new(id).map_err(|e| KafkaError::Config(e.to_string()))?;
+        self.runner.member_id =
+            inbox_core::MemberId::new(id).map_err(|e| KafkaError::Config(e.to_string()))?;
         id.clone_into(&mut self.group.member_id);
         Ok(self)
     }

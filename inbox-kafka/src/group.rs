@@ -29,8 +29,8 @@ use std::time::Duration;
 
 use inbox_core::assignment::{PartitionKey, owned_by};
 use inbox_core::{
-    CancellationToken, Handler, InboxStore, MembershipStore, MetricEvent, Metrics, OffsetStore,
-    Runner, RunnerConfig, ValidationError, WorkerId,
+    CancellationToken, Handler, InboxStore, MemberId, MembershipStore, MetricEvent, Metrics,
+    OffsetStore, Runner, RunnerConfig, ValidationError,
 };
 use tokio::task::JoinHandle;
 
@@ -86,7 +86,7 @@ impl GroupConfig {
     /// [`KafkaError::Config`] naming the value out of range.
     pub fn validate(&self) -> Result<(), KafkaError> {
         let check = || -> Result<(), ValidationError> {
-            WorkerId::new(self.member_id.clone())?;
+            MemberId::new(self.member_id.clone())?;
             ValidationError::unless(!self.topics.is_empty(), "group topics must not be empty")?;
             ValidationError::unless(
                 !self.heartbeat.is_zero(),

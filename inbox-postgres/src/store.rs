@@ -10,8 +10,8 @@ use chrono::{DateTime, Utc};
 use inbox_core::attempts::{Due, RowUpdate};
 use inbox_core::{
     AttemptRecord, DueFilter, Found, InboxRow, InboxStatus, InboxStore, InboxTransaction,
-    LockResult, MembershipStore, Message, NewInboxRow, OffsetStore, PartitionClaim, RowId, RowRef,
-    StoreError, StoreErrorKind, TxAck, ValidationError, WorkerId,
+    LockResult, MemberId, MembershipStore, Message, NewInboxRow, OffsetStore, PartitionClaim,
+    RowId, RowRef, StoreError, StoreErrorKind, TxAck, ValidationError,
 };
 use sea_orm::{
     ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, DbErr, QueryResult,
@@ -658,7 +658,7 @@ impl InboxStore for PgStore {
 
     async fn claim_due(
         &self,
-        worker: &WorkerId,
+        worker: &MemberId,
         limit: usize,
         filter: &DueFilter,
     ) -> Result<Vec<InboxRow>, StoreError> {
@@ -682,7 +682,7 @@ impl InboxStore for PgStore {
         Ok(claimed)
     }
 
-    async fn release_claims(&self, worker: &WorkerId, ids: &[RowId]) -> Result<u64, StoreError> {
+    async fn release_claims(&self, worker: &MemberId, ids: &[RowId]) -> Result<u64, StoreError> {
         let ids = serde_json::Value::from(ids.to_vec()).to_string();
         let r = self
             .db
@@ -852,7 +852,7 @@ impl InboxTransaction for PgTx {
         Ok(refs)
     }
 
-    async fn lock(&mut self, id: RowId, _worker: &WorkerId) -> Result<LockResult, StoreError> {
+    async fn lock(&mut self, id: RowId, _worker: &MemberId) -> Result<LockResult, StoreError> {
         let row = self
             .conn
             .inner()
@@ -905,7 +905,7 @@ impl InboxTransaction for PgTx {
 
     async fn write_outcomes(
         &mut self,
-        worker: &WorkerId,
+        worker: &MemberId,
         updates: &[(RowId, RowUpdate)],
     ) -> Result<u64, StoreError> {
         self.write_with(

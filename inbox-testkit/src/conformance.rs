@@ -12,8 +12,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use async_trait::async_trait;
 use inbox_core::{
     AttemptRecord, DueFilter, Found, InboxStatus, InboxStore, InboxTransaction, LockResult,
-    MembershipStore, Message, NewInboxRow, OffsetStore, PartitionClaim, PayloadFormat, Position,
-    StoreError, StoreErrorKind, TxAck, ValidationError, WorkerId,
+    MemberId, MembershipStore, Message, NewInboxRow, OffsetStore, PartitionClaim, PayloadFormat,
+    Position, StoreError, StoreErrorKind, TxAck, ValidationError,
 };
 use serde_json::json;
 
@@ -332,7 +332,7 @@ where
         const C: &str = "lock_is_exclusive";
         let e = store_err(C);
         let row = self.row("lock");
-        let worker = WorkerId::new("conformance-1").map_err(|v| fail(C, v.to_string()))?;
+        let worker = MemberId::new("conformance-1").map_err(|v| fail(C, v.to_string()))?;
         let mut tx = self.store.begin().await.map_err(&e)?;
         let r = tx.insert_or_get(&row).await.map_err(&e)?;
         tx.commit().await.map_err(&e)?;
@@ -540,7 +540,7 @@ where
             consumer_group: Some(self.group.clone()),
             ..DueFilter::default()
         };
-        let worker = WorkerId::new("conformance-bytes").map_err(|v| fail(C, v.to_string()))?;
+        let worker = MemberId::new("conformance-bytes").map_err(|v| fail(C, v.to_string()))?;
         match self.store.claim_due(&worker, 100, &filter).await {
             Ok(claimed) => {
                 let ours: Vec<_> = claimed

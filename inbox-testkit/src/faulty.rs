@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use inbox_core::{
-    AttemptRecord, HandlerError, InboxRow, InboxStore, InboxTransaction, LockResult, Message,
-    NewInboxRow, RowId, RowRef, StoreError, TxAck, ValidationError, WorkerId,
+    AttemptRecord, HandlerError, InboxRow, InboxStore, InboxTransaction, LockResult, MemberId,
+    Message, NewInboxRow, RowId, RowRef, StoreError, TxAck, ValidationError,
 };
 
 use crate::StoreFault;
@@ -109,14 +109,14 @@ impl<S: InboxStore> InboxStore for FaultyStore<S> {
 
     async fn claim_due(
         &self,
-        worker: &WorkerId,
+        worker: &MemberId,
         limit: usize,
         filter: &inbox_core::DueFilter,
     ) -> Result<Vec<InboxRow>, StoreError> {
         self.inner.claim_due(worker, limit, filter).await
     }
 
-    async fn release_claims(&self, worker: &WorkerId, ids: &[RowId]) -> Result<u64, StoreError> {
+    async fn release_claims(&self, worker: &MemberId, ids: &[RowId]) -> Result<u64, StoreError> {
         self.inner.release_claims(worker, ids).await
     }
 
@@ -160,7 +160,7 @@ impl<T: InboxTransaction> InboxTransaction for FaultyTx<T> {
 
     async fn write_outcomes(
         &mut self,
-        worker: &WorkerId,
+        worker: &MemberId,
         updates: &[(RowId, inbox_core::attempts::RowUpdate)],
     ) -> Result<u64, StoreError> {
         take(&self.faults, StoreFault::Complete)?;
@@ -176,7 +176,7 @@ impl<T: InboxTransaction> InboxTransaction for FaultyTx<T> {
         self.inner.record_attempt(id, record).await
     }
 
-    async fn lock(&mut self, id: RowId, worker: &WorkerId) -> Result<LockResult, StoreError> {
+    async fn lock(&mut self, id: RowId, worker: &MemberId) -> Result<LockResult, StoreError> {
         take(&self.faults, StoreFault::Lock)?;
         self.inner.lock(id, worker).await
     }

@@ -312,7 +312,7 @@ pub use with_store::*;
 #[cfg(feature = "postgres")]
 mod with_store {
     use async_trait::async_trait;
-    use inbox_core::{HandlerError, StoreError, WorkerId};
+    use inbox_core::{HandlerError, MemberId, StoreError};
     use inbox_postgres::sea_orm::{ConnectionTrait, DbBackend, QueryResult, Statement, Value};
     use inbox_postgres::{PgStore, PgTx, TableName, map_db_err};
 
@@ -437,7 +437,7 @@ mod with_store {
             usize::try_from(n).unwrap_or(usize::MAX)
         }
 
-        async fn hold_lock(&self, message_id: &str, consumer_group: &str, worker: &WorkerId) {
+        async fn hold_lock(&self, message_id: &str, consumer_group: &str, worker: &MemberId) {
             let sql = format!(
                 "UPDATE {} SET locked_by = $3, locked_at = now() WHERE message_id = $1 AND consumer_group = $2",
                 self.table().qualified()

@@ -15,8 +15,8 @@ use chrono::{DateTime, TimeZone, Utc};
 use inbox_core::attempts::{Due, RowUpdate};
 use inbox_core::{
     AttemptRecord, DueFilter, Found, InboxRow, InboxStatus, InboxStore, InboxTransaction,
-    LockResult, MembershipStore, Message, NewInboxRow, OffsetStore, PartitionClaim, RowId, RowRef,
-    StoreError, StoreErrorKind, TxAck, ValidationError, WorkerId,
+    LockResult, MemberId, MembershipStore, Message, NewInboxRow, OffsetStore, PartitionClaim,
+    RowId, RowRef, StoreError, StoreErrorKind, TxAck, ValidationError,
 };
 
 /// A named point where the store can be made to fail.
@@ -296,7 +296,7 @@ impl MemStore {
 
     /// Sets a committed lease on a row, as a batch processor holding it
     /// would. Returns false when there is no such row.
-    pub fn hold_lock(&self, message_id: &str, consumer_group: &str, worker: &WorkerId) -> bool {
+    pub fn hold_lock(&self, message_id: &str, consumer_group: &str, worker: &MemberId) -> bool {
         self.update_row(message_id, consumer_group, |row, now| {
             row.locked_by = Some(worker.as_str().to_owned());
             row.locked_at = Some(now);
@@ -629,7 +629,7 @@ impl InboxStore for MemStore {
 
     async fn claim_due(
         &self,
-        worker: &WorkerId,
+        worker: &MemberId,
         limit: usize,
         filter: &DueFilter,
     ) -> Result<Vec<InboxRow>, StoreError> {
@@ -668,7 +668,7 @@ impl InboxStore for MemStore {
         Ok(claimed)
     }
 
-    async fn release_claims(&self, worker: &WorkerId, ids: &[RowId]) -> Result<u64, StoreError> {
+    async fn release_claims(&self, worker: &MemberId, ids: &[RowId]) -> Result<u64, StoreError> {
         let mut s = self.state();
         let now = s.now;
         let mut released = 0;
@@ -773,7 +773,7 @@ impl InboxTransaction for MemTx {
         })
     }
 
-    async fn lock(&mut self, id: RowId, _worker: &WorkerId) -> Result<LockResult, StoreError> {
+    async fn lock(&mut self, id: RowId, _worker: &MemberId) -> Result<LockResult, StoreError> {
         self.usable()?;
         let mut s = self.store.state();
         s.take_fault(StoreFault::Lock)?;
@@ -902,7 +902,7 @@ impl InboxTransaction for MemTx {
 
     async fn write_outcomes(
         &mut self,
-        worker: &WorkerId,
+        worker: &MemberId,
         updates: &[(RowId, RowUpdate)],
     ) -> Result<u64, StoreError> {
         self.usable()?;

@@ -4,7 +4,7 @@
 //! and the scenarios, which both use it, need not import each other.
 
 use async_trait::async_trait;
-use inbox_core::{HandlerError, InboxStore, InboxTransaction, NewInboxRow, WorkerId};
+use inbox_core::{HandlerError, InboxStore, InboxTransaction, MemberId, NewInboxRow};
 
 /// A transaction a test handler can write an invoice through.
 #[async_trait]
@@ -54,7 +54,7 @@ pub trait ScenarioStore: InboxStore + Clone + 'static {
         tx.commit().await.unwrap_or_else(|e| panic!("land: {e}"));
     }
     /// Puts a committed lease on a row (a batch processor holds it).
-    async fn hold_lock(&self, message_id: &str, consumer_group: &str, worker: &WorkerId);
+    async fn hold_lock(&self, message_id: &str, consumer_group: &str, worker: &MemberId);
     /// Marks a row `failed` (the batch processor spent its budget).
     async fn mark_failed(&self, message_id: &str, consumer_group: &str);
     /// Dead letters recorded for `message_id` in `consumer_group`.
@@ -72,7 +72,7 @@ impl ScenarioStore for crate::MemStore {
             .filter(|k| k.as_str() == order)
             .count()
     }
-    async fn hold_lock(&self, message_id: &str, consumer_group: &str, worker: &WorkerId) {
+    async fn hold_lock(&self, message_id: &str, consumer_group: &str, worker: &MemberId) {
         assert!(crate::MemStore::hold_lock(
             self,
             message_id,

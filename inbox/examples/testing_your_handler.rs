@@ -23,8 +23,8 @@ use inbox::prelude::*;
 
 use inbox::testkit::{MemBroker, MemFixture, MemStore, MemTx, StoreFault, run_conformance};
 use inbox::{
-    DueFilter, InboxRow, InboxStore, MembershipStore, OffsetStore, PartitionClaim, RowId,
-    StoreError, TxAck, WorkerId,
+    DueFilter, InboxRow, InboxStore, MemberId, MembershipStore, OffsetStore, PartitionClaim, RowId,
+    StoreError, TxAck,
 };
 use serde_json::json;
 
@@ -86,13 +86,13 @@ impl InboxStore for AuditedStore {
     }
     async fn claim_due(
         &self,
-        worker: &WorkerId,
+        worker: &MemberId,
         limit: usize,
         filter: &DueFilter,
     ) -> Result<Vec<InboxRow>, StoreError> {
         self.inner.claim_due(worker, limit, filter).await
     }
-    async fn release_claims(&self, worker: &WorkerId, ids: &[RowId]) -> Result<u64, StoreError> {
+    async fn release_claims(&self, worker: &MemberId, ids: &[RowId]) -> Result<u64, StoreError> {
         self.inner.release_claims(worker, ids).await
     }
     async fn requeue_failed(&self, id: RowId) -> Result<bool, StoreError> {

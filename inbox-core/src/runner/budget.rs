@@ -207,7 +207,7 @@ where
         match found.found {
             Found::Inserted => Ok(Held::Row(found.id)),
             Found::Existing(InboxStatus::Pending) => {
-                match tx.lock(found.id, &self.config.worker_id).await {
+                match tx.lock(found.id, &self.config.member_id).await {
                     Ok(LockResult::Acquired) => Ok(Held::Row(found.id)),
                     Ok(LockResult::Busy) => Ok(Held::Busy(found.id)),
                     Err(e) => Err((PersistStage::Lock, e)),

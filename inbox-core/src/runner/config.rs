@@ -5,7 +5,7 @@ use std::time::Duration;
 pub use crate::backoff::Backoff;
 use crate::error::ValidationError;
 use crate::isolation::Isolation;
-use crate::model::{DEFAULT_MAX_ATTEMPTS, WorkerId};
+use crate::model::{DEFAULT_MAX_ATTEMPTS, MemberId};
 use crate::strategy::AckStrategy;
 
 /// The failure budget a runner has unless told otherwise: 10 handler
@@ -26,13 +26,13 @@ use crate::strategy::AckStrategy;
 pub const DEFAULT_FAILURE_BUDGET: u32 = 10;
 
 /// How the runner behaves. [`RunnerConfig::new`] validates the consumer group
-/// and the worker id and sets sensible defaults.
+/// and the member id and sets sensible defaults.
 #[derive(Debug, Clone)]
 pub struct RunnerConfig {
     /// Consumer group: part of the deduplication key.
     pub consumer_group: String,
     /// Who this runner is (written to `locked_by` when it locks a row).
-    pub worker_id: WorkerId,
+    pub member_id: MemberId,
     /// When messages are committed.
     pub strategy: AckStrategy,
     /// The longest a handler may run before it counts as failed. Default 30 s.
@@ -171,14 +171,14 @@ impl RunnerConfig {
     }
 
     /// A configuration with defaults, after validating the consumer group and
-    /// the worker id.
+    /// the member id.
     ///
     /// # Errors
     ///
-    /// A [`ValidationError`] for an empty or over-long group, or a bad worker id.
+    /// A [`ValidationError`] for an empty or over-long group, or a bad member id.
     pub fn new(
         consumer_group: impl Into<String>,
-        worker_id: impl Into<String>,
+        member_id: impl Into<String>,
     ) -> Result<Self, ValidationError> {
         let consumer_group = consumer_group.into();
         if consumer_group.is_empty() {
@@ -196,7 +196,7 @@ impl RunnerConfig {
         }
         Ok(Self {
             consumer_group,
-            worker_id: WorkerId::new(worker_id)?,
+            member_id: MemberId::new(member_id)?,
             strategy: AckStrategy::default(),
             handler_timeout: Duration::from_secs(30),
             max_attempts: i32::try_from(DEFAULT_FAILURE_BUDGET).unwrap_or(DEFAULT_MAX_ATTEMPTS),
@@ -303,7 +303,7 @@ mod tests {
         );
         assert!(matches!(
             RunnerConfig::new("g", "bad id"),
-            Err(ValidationError::WorkerIdCharacter { character: ' ' })
+            Err(ValidationError::MemberIdCharacter { character: ' ' })
         ));
         let c = RunnerConfig::new("g", "w").expect("valid");
         assert_eq!(c.strategy, AckStrategy::default());

@@ -244,7 +244,7 @@ where
         };
         let mut step = decision::after_insert(policy, row.found);
         if step == Step::Lock {
-            step = match tx.lock(row.id, &self.config.worker_id).await {
+            step = match tx.lock(row.id, &self.config.member_id).await {
                 Ok(lock) => decision::after_lock(policy, lock),
                 Err(e) => {
                     abandon(tx).await;

@@ -67,7 +67,7 @@ pub async fn batched_matches_one_by_one<H: Harness>(h: &H) {
         store
             .land(&NewInboxRow::for_message(&order(&id("held")), group, 5))
             .await;
-        let worker = WorkerId::new("batch-processor-1").unwrap_or_else(|e| panic!("{e}"));
+        let worker = MemberId::new("batch-processor-1").unwrap_or_else(|e| panic!("{e}"));
         store.hold_lock(&id("held"), group, &worker).await;
 
         let handler = FlakyById::swallowing(

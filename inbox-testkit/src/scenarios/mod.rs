@@ -25,8 +25,8 @@ use async_trait::async_trait;
 use inbox_core::processor::ClaimMode;
 use inbox_core::{
     AckPolicy, AckStrategy, CountingMetrics, Handler, HandlerError, HandlerResult, InboxRow,
-    InboxStatus, InboxStore, Message, NewInboxRow, PayloadFormat, ProcessResult, Runner,
-    RunnerConfig, WorkerId,
+    InboxStatus, InboxStore, MemberId, Message, NewInboxRow, PayloadFormat, ProcessResult, Runner,
+    RunnerConfig,
 };
 use serde_json::json;
 

@@ -330,7 +330,7 @@ pub async fn pending_row_is_handled<H: Harness>(h: &H) {
 /// OnSuccess until the lock is released, then handled.
 pub async fn locked_elsewhere_is_deferred<H: Harness>(h: &H) {
     let store = h.store();
-    let other = WorkerId::new("batch-processor-1").unwrap_or_else(|e| panic!("{e}"));
+    let other = MemberId::new("batch-processor-1").unwrap_or_else(|e| panic!("{e}"));
     let cases = [
         (AckStrategy::default(), "locked-eoi", false),
         (

@@ -416,7 +416,7 @@ where
         "the doomed processor hung in its second handler"
     );
     drop(doomed);
-    config.worker_id = WorkerId::new("survivor").unwrap_or_else(|e| panic!("{e}"));
+    config.member_id = MemberId::new("survivor").unwrap_or_else(|e| panic!("{e}"));
     (ids, config)
 }
 

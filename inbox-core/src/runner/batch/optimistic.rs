@@ -72,7 +72,7 @@ where
             };
             let mut step = decision::after_insert(policy, found);
             if step == Step::Lock {
-                step = match tx.lock(row_id, &self.config.worker_id).await {
+                step = match tx.lock(row_id, &self.config.member_id).await {
                     Ok(lock) => decision::after_lock(policy, lock),
                     Err(e) => {
                         abandon(tx).await;

@@ -128,7 +128,7 @@ where
         let mut step = decision::after_insert(policy, found);
         if step == Step::Lock {
             let lock = tx
-                .lock(row_id, &self.config.worker_id)
+                .lock(row_id, &self.config.member_id)
                 .await
                 .map_err(|e| (PersistStage::Lock, e))?;
             step = decision::after_lock(policy, lock);

@@ -77,7 +77,7 @@ fn the_relay_configuration_is_checked() {
     let mut poll = ok.clone();
     poll.poll_interval = Duration::ZERO;
     let mut lease = ok.clone();
-    lease.lease = lease.heartbeat;
+    lease.session_timeout = lease.heartbeat;
     let mut group = ok;
     group.group = " ".into();
     for bad in [zero, poll, lease, group] {

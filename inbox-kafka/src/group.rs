@@ -5,7 +5,7 @@
 //! Each member, every `heartbeat`:
 //!
 //! 1. heartbeats and reads the live members (those heard from within the
-//!    `lease`);
+//!    `session_timeout`);
 //! 2. reads the topics' partitions from the broker (partitions added later
 //!    are picked up);
 //! 3. computes [`assign`] over the live members from the published
@@ -18,7 +18,7 @@
 //!    fenced and can acknowledge nothing).
 //!
 //! A member that stops heartbeating (killed, partitioned away) loses its
-//! partitions after the lease; one that leaves ([`CancellationToken`])
+//! partitions after the session timeout; one that leaves ([`CancellationToken`])
 //! finishes what it has in hand, then leaves the group, and the others take
 //! its partitions at their next heartbeat.
 
@@ -47,9 +47,10 @@ pub struct GroupConfig {
     /// Time between two heartbeats (and assignment checks). Default 1 s.
     pub heartbeat: Duration,
     /// A member not heard from for this long is dropped, and its partitions
-    /// move. Default 5 s. Longer than a few heartbeats, shorter than what
+    /// move (as a Kafka consumer's `session.timeout.ms`; formerly `lease`,
+    /// a word now kept for the batch processor's claim). Default 5 s. Longer than a few heartbeats, shorter than what
     /// you accept as failover time.
-    pub lease: Duration,
+    pub session_timeout: Duration,
     /// Wait for topics the brokers do not know yet (their partitions are
     /// shared once they are created) instead of refusing them at start.
     /// Default `false`: a misspelled topic is an error, not a member that
@@ -64,7 +65,7 @@ impl GroupConfig {
             member_id: member_id.into(),
             topics,
             heartbeat: Duration::from_secs(1),
-            lease: Duration::from_secs(5),
+            session_timeout: Duration::from_secs(5),
             wait_for_topics: false,
         }
     }
@@ -77,7 +78,7 @@ impl GroupConfig {
     /// use inbox_kafka::GroupConfig;
     /// let mut group = GroupConfig::new("member-1", vec!["orders".into()]);
     /// assert!(group.validate().is_ok());
-    /// group.lease = group.heartbeat;
+    /// group.session_timeout = group.heartbeat;
     /// assert!(group.validate().is_err());
     /// ```
     ///
@@ -93,8 +94,8 @@ impl GroupConfig {
                 "group heartbeat must be above zero",
             )?;
             ValidationError::unless(
-                self.lease > self.heartbeat,
-                "group lease must be longer than its heartbeat",
+                self.session_timeout > self.heartbeat,
+                "group session_timeout must be longer than its heartbeat",
             )
         };
         check().map_err(|e| KafkaError::Config(format!("member {:?}: {e}", self.member_id)))
@@ -259,7 +260,7 @@ where
             store.clone(),
             consumer_group.clone(),
             me.clone(),
-            group.lease,
+            group.session_timeout,
             group.heartbeat,
         );
         let stop = beating.clone();
@@ -356,14 +357,14 @@ where
     beating.cancel();
     let _ = beater.join().await;
     if let Err(e) = store.leave(&consumer_group, &me).await {
-        tracing::warn!(member = %me, error = %e, "leaving the group failed; the lease ends it");
+        tracing::warn!(member = %me, error = %e, "leaving the group failed; the session timeout ends it");
     }
     Ok(summary)
 }
 
 /// Ticks every `period` from now (the first one a period away), at a fixed
 /// rate: the time a heartbeat's own work takes does not stretch the
-/// period, so a dead member is noticed within the lease plus one period.
+/// period, so a dead member is noticed within the session timeout plus one period.
 fn every_tick(period: Duration) -> tokio::time::Interval {
     let period = period.max(Duration::from_millis(1));
     let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
@@ -393,7 +394,7 @@ async fn next_assignment<S: MembershipStore>(
         store,
         consumer_group,
         &group.member_id,
-        group.lease,
+        group.session_timeout,
         &partitions,
     )
     .await?)

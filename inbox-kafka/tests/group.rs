@@ -38,7 +38,7 @@ fn member_of(
 ) {
     let mut group = GroupConfig::new(id, topics);
     group.heartbeat = Duration::from_millis(100);
-    group.lease = Duration::from_millis(800);
+    group.session_timeout = Duration::from_millis(800);
     // partitions_that_appear_while_members_run_are_shared names a topic
     // that is created while the members run
     group.wait_for_topics = true;
@@ -142,10 +142,12 @@ async fn members_share_hand_over_and_fail_over() {
         owners(&env).await == ["member-a"]
     })
     .await;
-    println!("failover after the member died: {failover:?} (lease 800 ms, heartbeat 100 ms)");
+    println!(
+        "failover after the member died: {failover:?} (session timeout 800 ms, heartbeat 100 ms)"
+    );
     assert!(
         failover <= Duration::from_millis(800 + 100 + 500),
-        "failover took {:?} (lease 800 ms, heartbeat 100 ms)",
+        "failover took {:?} (session timeout 800 ms, heartbeat 100 ms)",
         died.elapsed()
     );
     for (p, _) in ids.iter().enumerate() {
@@ -303,7 +305,7 @@ async fn an_offset_reset_while_two_members_run_doubles_and_loses_nothing() {
     let start = |id: &str| {
         let mut group = GroupConfig::new(id, vec![env.topic.clone()]);
         group.heartbeat = Duration::from_millis(100);
-        group.lease = Duration::from_millis(800);
+        group.session_timeout = Duration::from_millis(800);
         let cancel = CancellationToken::new();
         let task = tokio::spawn(run_group(
             kafka.clone(),
@@ -462,7 +464,7 @@ async fn an_idle_member_is_ready() {
         let health = kafka.health.clone();
         let mut group = GroupConfig::new(id, vec![env.topic.clone()]);
         group.heartbeat = Duration::from_millis(100);
-        group.lease = Duration::from_millis(800);
+        group.session_timeout = Duration::from_millis(800);
         let cancel = CancellationToken::new();
         let task = tokio::spawn(run_group(
             kafka,

@@ -393,7 +393,7 @@ async fn an_idle_relay_finds_a_new_event_by_its_probe() {
     );
     let mut config = RelayConfig::new("relay-p").unwrap_or_else(|e| panic!("{e}"));
     config.heartbeat = Duration::from_secs(5);
-    config.lease = Duration::from_secs(30);
+    config.session_timeout = Duration::from_secs(30);
     config.poll_interval = Duration::from_secs(10);
     config.probe_every = Some(Duration::from_millis(25));
     let health = config.health.clone();
@@ -1220,7 +1220,7 @@ async fn a_relays_health_says_ready_live_and_what_it_published() {
     let env = env("outbox-health", 2).await;
     let mut config = RelayConfig::new("relay-h").unwrap_or_else(|e| panic!("{e}"));
     config.heartbeat = Duration::from_millis(100);
-    config.lease = Duration::from_millis(800);
+    config.session_timeout = Duration::from_millis(800);
     config.poll_interval = Duration::from_millis(50);
     let health = config.health.clone();
     assert!(!health.ready() && !health.live(Duration::from_secs(60)));
@@ -1311,7 +1311,7 @@ async fn two_relays_share_the_slots_and_a_dead_ones_move_to_the_other() {
     let start = |member: &str| {
         let mut config = RelayConfig::new(member).unwrap_or_else(|e| panic!("{e}"));
         config.heartbeat = Duration::from_millis(100);
-        config.lease = Duration::from_millis(800);
+        config.session_timeout = Duration::from_millis(800);
         config.poll_interval = Duration::from_millis(50);
         let cancel = CancellationToken::new();
         let task = tokio::spawn(run_relay(
@@ -1355,7 +1355,7 @@ async fn two_relays_share_the_slots_and_a_dead_ones_move_to_the_other() {
     // relay a dies without leaving: its task is dropped mid-flight
     a.abort();
     let died = tokio::time::Instant::now();
-    // the slots move to b within the lease and a heartbeat (0.9 s; seen
+    // the slots move to b within the session timeout and a heartbeat (0.9 s; seen
     // here 0.72-0.91 s), plus 2 s for this shared machine's scheduling
     let b_owns_all = || async {
         count(
@@ -1370,7 +1370,7 @@ async fn two_relays_share_the_slots_and_a_dead_ones_move_to_the_other() {
     while !b_owns_all().await {
         assert!(
             died.elapsed() < Duration::from_millis(800 + 100 + 2_000),
-            "a's slots did not move within lease + heartbeat"
+            "a's slots did not move within session timeout + heartbeat"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -1396,7 +1396,7 @@ async fn two_relays_share_the_slots_and_a_dead_ones_move_to_the_other() {
     );
     assert!(
         moved_in < Duration::from_secs(10),
-        "within lease + heartbeat and the rounds: {moved_in:?}"
+        "within session timeout + heartbeat and the rounds: {moved_in:?}"
     );
     // per key: the first time each event appears follows the enqueue order
     let records = published(&env).await;
@@ -1463,7 +1463,7 @@ async fn the_relay_rides_out_a_postgres_crash_and_a_broker_kill() {
     kafka.connect_timeout = Duration::from_secs(2);
     let mut config = RelayConfig::new("relay-1").unwrap_or_else(|e| panic!("{e}"));
     config.heartbeat = Duration::from_millis(100);
-    config.lease = Duration::from_secs(3);
+    config.session_timeout = Duration::from_secs(3);
     config.poll_interval = Duration::from_millis(100);
     config.retry = inbox_core::backoff::Backoff::new(
         Duration::from_millis(50),

@@ -103,7 +103,7 @@ async fn a_group_member_starts_its_runner_again() {
     env.produce_orders(0, &["r-2", "r-3"]).await;
     let mut group = GroupConfig::new("member-a", vec![env.topic.clone()]);
     group.heartbeat = Duration::from_millis(100);
-    group.lease = Duration::from_millis(800);
+    group.session_timeout = Duration::from_millis(800);
     let cancel = CancellationToken::new();
     let metrics = Arc::new(Restarts::default());
     let member = tokio::spawn(run_group(

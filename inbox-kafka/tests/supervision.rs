@@ -57,7 +57,7 @@ async fn a_panicking_decoder_or_metrics_never_stops_a_member() {
     kafka.decoder = Arc::new(decoder);
     let mut group = GroupConfig::new("member-a", vec![env.topic.clone()]);
     group.heartbeat = Duration::from_millis(100);
-    group.lease = Duration::from_millis(800);
+    group.session_timeout = Duration::from_millis(800);
     let cancel = CancellationToken::new();
     let handler = ScriptedHandler::new([], Act::Succeed);
     let member = tokio::spawn(run_group(
@@ -110,7 +110,7 @@ async fn out_of_range_settings_are_refused_before_connecting() {
     .await;
     assert!(matches!(relayed, Err(KafkaError::Config(_))), "{relayed:?}");
     let mut group = GroupConfig::new("member-1", vec!["orders".into()]);
-    group.lease = group.heartbeat;
+    group.session_timeout = group.heartbeat;
     let handler = ScriptedHandler::new([], Act::Succeed);
     let runner =
         inbox_core::RunnerConfig::new("billing", "member-1").unwrap_or_else(|e| panic!("{e}"));

@@ -150,7 +150,7 @@ pub(crate) fn relay(args: &[String]) -> Result<()> {
         let store = PgStore::connect(&url, table()?).await?;
         let mut config = RelayConfig::new(id.clone())?;
         config.heartbeat = HEARTBEAT;
-        config.lease = LEASE;
+        config.session_timeout = LEASE;
         config.poll_interval = Duration::from_millis(200);
         let summary = run_relay(
             kafka("relay", &brokers),
@@ -209,7 +209,7 @@ async fn consume<H: inbox_core::Handler<PgTx> + 'static>(
 ) -> Result<()> {
     let mut group = GroupConfig::new(id.to_owned(), vec![topic.to_owned()]);
     group.heartbeat = HEARTBEAT;
-    group.lease = LEASE;
+    group.session_timeout = LEASE;
     let mut runner = RunnerConfig::new(group_name, id.to_owned())?
         .with_strategy(AckStrategy::default())
         .batched(BatchConfig::new(50));

@@ -71,7 +71,7 @@ pub(crate) fn member(args: &[String]) -> Result<()> {
         kafka.max_wait = inbox_testkit::kafka::TANSU_MAX_WAIT;
         let mut group = GroupConfig::new(id.clone(), vec![topic.clone()]);
         group.heartbeat = HEARTBEAT;
-        group.lease = LEASE;
+        group.session_timeout = LEASE;
         let runner = RunnerConfig::new(GROUP, id.clone())?
             .with_strategy(AckStrategy::default())
             .batched(BatchConfig::new(100));

@@ -56,8 +56,9 @@ pub struct RelayConfig {
     /// Heartbeat period. Default 1 s.
     pub heartbeat: Duration,
     /// A relay whose last heartbeat is older leaves the group: its slots
-    /// move within `lease + heartbeat`. Default 10 s.
-    pub lease: Duration,
+    /// move within `session_timeout + heartbeat` (as a Kafka consumer's
+    /// `session.timeout.ms`; formerly `lease`). Default 10 s.
+    pub session_timeout: Duration,
     /// What a refused event does to its key. Default [`OnRefused::Hold`].
     pub on_refused: OnRefused,
     /// How long events for a topic the broker does not know are retried
@@ -98,7 +99,7 @@ impl RelayConfig {
             poll_interval: Duration::from_secs(1),
             probe_every: Some(Duration::from_millis(25)),
             heartbeat: Duration::from_secs(1),
-            lease: Duration::from_secs(10),
+            session_timeout: Duration::from_secs(10),
             on_refused: OnRefused::Hold,
             unknown_topic_timeout: Duration::from_secs(60),
             retry: Backoff::new(Duration::from_millis(100), Duration::from_secs(5), 2.0)
@@ -155,8 +156,8 @@ impl RelayConfig {
             "relay backlog_every must be above zero (None: never)",
         )?;
         ValidationError::unless(
-            self.lease > self.heartbeat,
-            "relay lease must be longer than its heartbeat",
+            self.session_timeout > self.heartbeat,
+            "relay session_timeout must be longer than its heartbeat",
         )
     }
 }
@@ -817,7 +818,7 @@ where
                 self.store.clone(),
                 group.clone(),
                 me.clone(),
-                self.config.lease,
+                self.config.session_timeout,
                 self.config.heartbeat,
                 self.metrics.clone(),
             );
@@ -866,7 +867,9 @@ where
         while !cancel.is_cancelled() {
             if Instant::now() >= next_beat {
                 next_beat = Instant::now() + self.config.heartbeat;
-                match next_assignment(&self.store, &group, &me, self.config.lease, &all).await {
+                match next_assignment(&self.store, &group, &me, self.config.session_timeout, &all)
+                    .await
+                {
                     Ok((members, assignment)) => {
                         let owned: Vec<i32> = owned_by(&assignment, &me)
                             .into_iter()
@@ -973,7 +976,7 @@ where
         beater.join().await;
         self.config.health.left();
         if let Err(e) = self.store.leave(&group, &me).await {
-            tracing::warn!(member = %me, error = %e, "leaving the relay group failed; the lease ends it");
+            tracing::warn!(member = %me, error = %e, "leaving the relay group failed; the session timeout ends it");
         }
         Ok(summary)
     }

@@ -34,7 +34,7 @@
 //!
 //! # async fn main_() -> Result<(), Box<dyn std::error::Error>> {
 //! let store = PgStore::connect("postgres://app@localhost/app", TableName::default()).await?;
-//! store.create_tables().await?;
+//! store.migrate().await?;
 //! // a member of group "billing": the group's members share the partitions;
 //! // Ctrl-C or SIGTERM finishes the batch in hand and leaves the group
 //! InboxConsumer::new("localhost:9092", "billing", ["orders"])?

@@ -980,10 +980,7 @@ async fn a_relay_killed_between_produce_and_mark_publishes_again_with_the_same_i
     let store = PgStore::connect(&url, inbox_postgres::TableName::default())
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    store
-        .create_tables()
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
     let broker = inbox_testkit::kafka::broker().unwrap_or_else(|e| panic!("{e}"));
     let env = common::Env {
         topic: broker
@@ -1448,10 +1445,7 @@ async fn the_relay_rides_out_a_postgres_crash_and_a_broker_kill() {
     let store = PgStore::connect(&url, inbox_postgres::TableName::default())
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    store
-        .create_tables()
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
     let mut broker = inbox_testkit::kafka::Broker::start_with_storage("sqlite://tansu.db")
         .unwrap_or_else(|e| panic!("{e}"));
     let topic = broker

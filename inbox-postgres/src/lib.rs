@@ -32,7 +32,7 @@
 //!
 //! # async fn run(consumer: impl inbox_core::Consumer) -> Result<(), Box<dyn std::error::Error>> {
 //! let store = PgStore::connect("postgres://app@localhost/app", TableName::default()).await?;
-//! store.create_tables().await?; // or add inbox_migrations(..) to your migrator
+//! store.migrate().await?; // or add inbox_migrations(..) to your migrator
 //! let config = RunnerConfig::new("billing", "billing-1")?;
 //! let mut runner = Runner::new(store, consumer, Billing, config);
 //! runner.run(inbox_core::CancellationToken::new()).await;

@@ -9,7 +9,7 @@ use crate::schema::{SchemaStep, TableName, schema_steps};
 /// Every schema migration of the inbox on `table`, in order: add them to
 /// your migrator after your own (their names sort after
 /// `m20261130_000000`). Each is idempotent, so a database made by
-/// `PgStore::create_tables` takes them too.
+/// `PgStore::migrate` takes them too.
 ///
 /// ```no_run
 /// use inbox_postgres::{TableName, inbox_migrations};

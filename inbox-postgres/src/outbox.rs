@@ -422,7 +422,7 @@ impl OutboxStore for PgStore {
                 let mut err = map_sqlx_err(&e);
                 if err.cause.contains("does not exist") {
                     err.cause.push_str(
-                        " (the outbox's read function: apply the inbox's migrations, inbox_migrations or PgStore::create_tables)",
+                        " (the outbox's read function: apply the inbox's migrations, inbox_migrations or PgStore::migrate)",
                     );
                 }
                 err

@@ -20,7 +20,7 @@ use sea_orm::{
 
 use crate::conn::PgConn;
 use crate::error::map_db_err;
-use crate::schema::{TableName, create_statements};
+use crate::schema::TableName;
 
 /// The SQL of every statement, rendered once for a table.
 #[derive(Debug)]
@@ -393,20 +393,34 @@ impl PgStore {
         Ok(Self::new(db, table))
     }
 
-    /// Creates the inbox and dead-letter tables and their indexes if they do
-    /// not exist (what [`crate::inbox_migrations`] do in a migrator).
+    /// Applies the inbox's migrations ([`crate::inbox_migrations`]: every
+    /// schema step in order, each idempotent) without a migrator of your
+    /// own: the one way the schema is made, whether your migrator applies
+    /// the migrations or this does. A migrator adopted later applies them
+    /// again harmlessly.
     ///
     /// # Errors
     ///
     /// A [`StoreError`] when a statement fails.
-    pub async fn create_tables(&self) -> Result<(), StoreError> {
-        for sql in create_statements(&self.table) {
-            self.db
-                .execute_unprepared(&sql)
-                .await
-                .map_err(|e| map_db_err(&e))?;
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        let manager = sea_orm_migration::SchemaManager::new(&self.db);
+        for migration in crate::inbox_migrations(self.table.clone()) {
+            migration.up(&manager).await.map_err(|e| map_db_err(&e))?;
         }
         Ok(())
+    }
+
+    /// The former name of [`migrate`](Self::migrate).
+    ///
+    /// # Errors
+    ///
+    /// As [`migrate`](Self::migrate).
+    #[deprecated(
+        since = "0.1.0",
+        note = "renamed migrate: it applies the inbox migrations"
+    )]
+    pub async fn create_tables(&self) -> Result<(), StoreError> {
+        self.migrate().await
     }
 
     /// The connection pool, for the application's own queries.

@@ -341,7 +341,7 @@ async fn a_configured_schema_and_table_are_used() {
         .expect("schema");
     let table = TableName::new(Some("billing"), "my_inbox").expect("valid");
     let store = PgStore::connect(&url, table).await.expect("connect");
-    store.create_tables().await.expect("tables");
+    store.migrate().await.expect("tables");
     let broker = MemBroker::new();
     broker.produce("orders", 0, order("s-1"));
     let mut runner = Runner::land_only(store.clone(), broker.consumer("billing"), config());
@@ -359,7 +359,7 @@ async fn a_configured_schema_and_table_are_used() {
 }
 
 /// A dead-letter table written before the position key existed, holding the
-/// same record twice, gets the key on the next `create_tables`: the copy is
+/// same record twice, gets the key on the next `migrate`: the copy is
 /// removed (the oldest kept) and the index created.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dead_letter_key_is_added_to_an_existing_table() {
@@ -380,7 +380,7 @@ async fn the_dead_letter_key_is_added_to_an_existing_table() {
         .await
         .expect("insert a copy");
     }
-    store.create_tables().await.expect("create_tables again");
+    store.migrate().await.expect("migrate again");
     let n = count(&store, "SELECT count(*) FROM inbox_dead_letters", vec![])
         .await
         .expect("count");

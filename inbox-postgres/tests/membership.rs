@@ -16,7 +16,7 @@ async fn concurrent_publications_from_one_view_have_one_winner() {
     let a = PgStore::connect(&url, TableName::default())
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    a.create_tables().await.unwrap_or_else(|e| panic!("{e}"));
+    a.migrate().await.unwrap_or_else(|e| panic!("{e}"));
     let b = PgStore::connect(&url, TableName::default())
         .await
         .unwrap_or_else(|e| panic!("{e}"));

@@ -1,6 +1,6 @@
 //! Schema upgrades through a user's own migrator: a database made by the
 //! first migration (the schema as it first shipped) takes the later ones
-//! and ends with the schema `create_tables` makes, data kept.
+//! and ends with the schema `PgStore::migrate` makes on an empty database, data kept.
 
 use std::collections::BTreeSet;
 
@@ -137,14 +137,14 @@ async fn a_database_of_the_first_migration_reaches_the_current_schema() {
         ]
     );
 
-    // the same schema as a database made at once by create_tables
+    // the same schema as a database made at once by migrate
     let (url, fresh) = empty_database().await;
     PgStore::connect(&url, TableName::default())
         .await
         .expect("store")
-        .create_tables()
+        .migrate()
         .await
-        .expect("create_tables");
+        .expect("migrate");
     let (upgraded, made) = (schema(&old).await, schema(&fresh).await);
     assert_eq!(
         upgraded.symmetric_difference(&made).collect::<Vec<_>>(),

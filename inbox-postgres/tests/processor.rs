@@ -78,10 +78,7 @@ async fn landed(rows: usize, pools: usize) -> Vec<PgStore> {
         );
     }
     let store = stores[0].clone();
-    store
-        .create_tables()
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
     store
         .connection()
         .execute_unprepared("CREATE TABLE processor_effects (message_id TEXT PRIMARY KEY)")

@@ -57,7 +57,7 @@ async fn round_trips_per_message() {
         .sqlx_logging(false);
     let db = Database::connect(options).await.expect("connect");
     let store = PgStore::new(db, TableName::default());
-    store.create_tables().await.expect("tables");
+    store.migrate().await.expect("tables");
     inbox_postgres::sea_orm::ConnectionTrait::execute_unprepared(
         store.connection(),
         "CREATE TABLE invoices (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL)",

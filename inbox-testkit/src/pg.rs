@@ -345,7 +345,7 @@ mod with_store {
             .await
             .map_err(|e| HarnessError(e.to_string()))?;
         store
-            .create_tables()
+            .migrate()
             .await
             .map_err(|e| HarnessError(e.to_string()))?;
         for sql in [

@@ -81,7 +81,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let topic = std::env::var("TOPIC").unwrap_or_else(|_| "orders".into());
 
     let store = PgStore::connect(&url, TableName::default()).await?;
-    store.create_tables().await?;
+    store.migrate().await?;
     store
         .connection()
         .execute_unprepared(

@@ -46,7 +46,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let env = |name: &str| std::env::var(name).map_err(|_| format!("set {name}"));
     // the wiring
     let store = PgStore::connect(&env("DATABASE_URL")?, TableName::default()).await?;
-    store.create_tables().await?;
+    store.migrate().await?;
     let router = EventRouter::new().on("order.created", Billing);
     let summary = InboxConsumer::new(&env("KAFKA_BROKERS")?, "billing", [env("TOPIC")?])?
         .member(&env("MEMBER")?)?

@@ -39,7 +39,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (topic, orders): (String, u32) = (env("TOPIC")?, env("ORDERS")?.parse()?);
     // the wiring
     let store = PgStore::connect(&env("DATABASE_URL")?, TableName::default()).await?;
-    store.create_tables().await?;
+    store.migrate().await?;
     let relay = OutboxRelay::new(&env("KAFKA_BROKERS")?, &env("MEMBER")?)?;
     let relaying = tokio::spawn(relay.run(store.clone(), shutdown_signal()));
     // the wiring ends

@@ -52,10 +52,7 @@ async fn database() -> (String, PgStore) {
     let store = PgStore::connect(&url, TableName::default())
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    store
-        .create_tables()
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
     (url, store)
 }
 

@@ -346,7 +346,7 @@ pub(crate) fn line(args: &[String]) -> Result<()> {
     let elapsed = rt.block_on(async {
         let db = connect(&url).await?;
         let store = PgStore::new(db.clone(), TableName::default());
-        store.create_tables().await?;
+        store.migrate().await?;
         db.execute_unprepared(BUSINESS).await?;
         if rows > 0 {
             preload(&db, rows).await?;

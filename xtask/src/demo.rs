@@ -260,7 +260,7 @@ async fn billing(per_message: bool, prometheus: Option<std::net::SocketAddr>) ->
     let store = PgStore::connect(&url, TableName::new(None, "inbox_demo")?)
         .await
         .context("connecting to PostgreSQL")?;
-    store.create_tables().await?;
+    store.migrate().await?;
     store
         .connection()
         .execute_unprepared(&format!(

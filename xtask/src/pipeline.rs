@@ -370,7 +370,7 @@ async fn pipeline(relays: u32, command: &Operator) -> Result<()> {
     let store = PgStore::connect(&url, table()?)
         .await
         .context("connecting to PostgreSQL")?;
-    store.create_tables().await?;
+    store.migrate().await?;
     store
         .connection()
         .execute_unprepared(

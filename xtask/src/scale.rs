@@ -133,7 +133,7 @@ async fn scale() -> Result<()> {
     let url = server.create_database().map_err(|e| anyhow!("{e}"))?;
     let broker = Broker::start_with_storage("sqlite://tansu.db").map_err(|e| anyhow!("{e}"))?;
     let store = PgStore::connect(&url, TableName::default()).await?;
-    store.create_tables().await?;
+    store.migrate().await?;
     store
         .connection()
         .execute_unprepared(&format!(

@@ -424,7 +424,7 @@ async fn soak(o: Options) -> Result<()> {
     let store = PgStore::connect(&url, TableName::new(None, TABLE)?)
         .await
         .context("connecting to PostgreSQL")?;
-    store.create_tables().await?;
+    store.migrate().await?;
     store
         .connection()
         .execute_unprepared(&format!(

@@ -20,14 +20,9 @@ pub use crate::config::{KafkaConfig, OutOfRange, StartPosition};
 use crate::decode::{RecordView, decode_or_poison};
 pub use crate::error::KafkaError;
 pub(crate) use crate::error::within;
-pub(crate) use crate::fetch::{Fetch, FetchError, Page};
+pub(crate) use crate::fetch::{FetchError, Page};
+use crate::partition::{FetchResult, Inflight, MAX_KEPT_RECORDS, Partition};
 use crate::security::Tls;
-use crate::wire::Fetched;
-
-/// Most delivered, unacknowledged records kept per partition for rewinds in
-/// memory (a runner acknowledges or rewinds every batch, so it needs about a
-/// batch; a rewind further back fetches again).
-const MAX_KEPT_RECORDS: usize = 1024;
 
 /// Counts offsets `from..to` of `p` as holding nothing to deliver
 /// (transaction markers, aborted or compacted records): normal, not a gap.
@@ -61,109 +56,6 @@ fn skipped(
 /// `max_wait` before it answers `None` (the fetches go on, and a later call
 /// takes their records).
 const FETCH_GRACE: Duration = Duration::from_millis(250);
-
-/// What a fetch task gives back: the records and the high watermark, a
-/// broker error, or no answer within `fetch_timeout`.
-type FetchResult = Result<Result<Page, FetchError>, tokio::time::error::Elapsed>;
-
-/// A fetch of one partition running in a task of its own, so that a slow or
-/// hanging partition holds back nobody else. Dropping it aborts the task.
-struct Inflight {
-    /// The offset it fetches from (a rewind or a fence makes it stale).
-    offset: i64,
-    task: tokio::task::JoinHandle<()>,
-    /// Where the task puts its result, before it wakes the consumer.
-    result: tokio::sync::oneshot::Receiver<FetchResult>,
-}
-
-impl Drop for Inflight {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-struct Partition {
-    client: Arc<dyn Fetch>,
-    topic: String,
-    partition: i32,
-    epoch: i64,
-    /// Next offset to fetch.
-    next_fetch: i64,
-    buffer: VecDeque<Fetched>,
-    buffered_bytes: usize,
-    /// Records delivered and not yet acknowledged, oldest first (bounded by
-    /// `fetch_max_bytes` and [`MAX_KEPT_RECORDS`]): a rewind to one of them
-    /// puts them back in `buffer` instead of fetching them again.
-    delivered: VecDeque<Fetched>,
-    delivered_bytes: usize,
-    high_watermark: i64,
-    fenced: bool,
-    /// Stopped by [`OutOfRange::Stop`].
-    stopped: bool,
-    /// Not read before then: held by the runner ([`Consumer::hold`]), or
-    /// backing off after fetch errors.
-    held_until: Option<Instant>,
-    /// Consecutive fetch errors of this partition.
-    fetch_errors: u32,
-    /// The fetch running for it, if any.
-    inflight: Option<Inflight>,
-    /// The next offset this consumer last saw stored (its claim, then its
-    /// acknowledgements): each acknowledgement expects it
-    /// ([`TxAck::expected_next`]).
-    stored: Option<i64>,
-    /// The store said the stored offset moved: read it again before the
-    /// next fetch.
-    resync: bool,
-    /// Where reading began at the claim when nothing was stored: where a
-    /// resync goes back to if the stored offset is gone.
-    start: i64,
-    /// Where the last fetch that returned records ended: a fetch from there
-    /// continues it (reading on), any other fetch follows a move.
-    read_on: Option<i64>,
-    /// The topic for metric events ([`inbox_core::topic_label`]).
-    label: &'static str,
-}
-
-impl Partition {
-    /// Forgets delivered records at or before `offset` (acknowledged, so
-    /// the stored next offset is `offset + 1`).
-    fn acknowledged(&mut self, offset: i64) {
-        self.stored = Some(offset + 1);
-        while let Some(r) = self.delivered.front() {
-            if r.offset > offset {
-                break;
-            }
-            self.delivered_bytes = self
-                .delivered_bytes
-                .saturating_sub(r.record.approximate_size());
-            self.delivered.pop_front();
-        }
-    }
-
-    /// Puts the delivered records from `offset` on back at the front of
-    /// the buffer; `false` when `offset` is not among them (it must be
-    /// fetched again).
-    fn rewind_in_memory(&mut self, offset: i64) -> bool {
-        let Some(at) = self.delivered.iter().position(|r| r.offset == offset) else {
-            return false;
-        };
-        for record in self.delivered.drain(at..).rev() {
-            let size = record.record.approximate_size();
-            self.delivered_bytes = self.delivered_bytes.saturating_sub(size);
-            self.buffered_bytes += size;
-            self.buffer.push_front(record);
-        }
-        true
-    }
-
-    fn forget(&mut self) {
-        self.inflight = None;
-        self.buffer.clear();
-        self.buffered_bytes = 0;
-        self.delivered.clear();
-        self.delivered_bytes = 0;
-    }
-}
 
 /// Statistics of a [`KafkaConsumer`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -976,7 +868,8 @@ impl<O: OffsetStore> Consumer for KafkaConsumer<O> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::wire::Record;
+    use crate::fetch::Fetch;
+    use crate::wire::{Fetched, Record};
 
     /// A partition at a fake broker: its records, or an error on every fetch.
     struct Fake {

@@ -72,6 +72,7 @@ mod fetch;
 mod group;
 mod health;
 mod offsets;
+mod partition;
 mod relay;
 mod security;
 mod wire;

@@ -164,7 +164,8 @@ impl InboxConsumer {
     }
 
     /// Up to `max_messages` messages per database transaction, each with
-    /// the outcome it would get alone (see `docs/batch.md`).
+    /// the outcome it would get alone (see `docs/semantics.md`, "Batched
+    /// mode").
     #[must_use]
     pub fn batched(mut self, max_messages: usize) -> Self {
         self.runner = self.runner.batched(BatchConfig::new(max_messages));

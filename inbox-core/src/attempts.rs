@@ -1,5 +1,5 @@
 //! The batch processor's rules: a handled row's outcome → the row's update
-//! (`docs/batch.md`). Pure: the jitter's random sample comes in
+//! (`docs/land-and-drain.md`). Pure: the jitter's random sample comes in
 //! as an argument, a plain [`RowUpdate`] comes out; a retry is due after a
 //! delay counted by the store's clock ([`Due::After`]), or at the time the
 //! handler gave ([`Due::At`]).

@@ -1,6 +1,6 @@
 //! The batch processor: drains rows landed `pending` (by a runner without a
 //! handler, or brought back by `requeue_failed`); see
-//! `docs/batch.md`.
+//! `docs/land-and-drain.md`.
 //!
 //! One batch:
 //!
@@ -103,7 +103,7 @@ pub struct ProcessorConfig {
     /// the next one starts with savepoints (failures come in runs), going
     /// back to optimistic after a clean one. [`Isolation::Savepoints`]: a
     /// savepoint per row always. Optimistic was measured faster with no
-    /// failures and level with 3% failing (`docs/batch.md`). (Formerly
+    /// failures and level with 3% failing (`docs/land-and-drain.md`). (Formerly
     /// `optimistic: bool`, `true` being `Isolation::Optimistic`.)
     pub isolation: Isolation,
     /// How many transient database failures in a row (a serialization

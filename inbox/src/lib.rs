@@ -73,8 +73,8 @@ pub use inbox_testkit as testkit;
 // getting-started guide quotes an example that `cargo xtask examples`
 // runs; a test in xtask keeps the quotes verbatim).
 #[cfg(all(doctest, feature = "postgres", feature = "kafka"))]
-#[doc = include_str!("../../docs/batch.md")]
-mod batch_md {}
+#[doc = include_str!("../../docs/land-and-drain.md")]
+mod land_and_drain_md {}
 
 #[cfg(all(doctest, feature = "postgres", feature = "kafka"))]
 #[doc = include_str!("../../docs/kafka.md")]

@@ -57,6 +57,14 @@ pub trait Handler<Tx: Send>: Send + Sync {
         let _ = (messages, tx);
         None
     }
+
+    /// Whether this is the absent handler ([`NoHandler`]): a runner (or a
+    /// consumer group member) given it lands each message as a `pending`
+    /// row for a batch processor instead of handling it. Only `NoHandler`
+    /// says `true`.
+    fn lands_only(&self) -> bool {
+        false
+    }
 }
 
 /// The absent handler: a runner built with it lands rows `pending` for a
@@ -69,6 +77,10 @@ impl<Tx: Send + 'static> Handler<Tx> for NoHandler {
     type Output = ();
     async fn handle(&self, _message: &Message, _tx: &mut Tx) -> Result<(), HandlerError> {
         Err(HandlerError::msg("no handler"))
+    }
+
+    fn lands_only(&self) -> bool {
+        true
     }
 }
 
@@ -85,5 +97,9 @@ impl<Tx: Send, H: Handler<Tx> + ?Sized> Handler<Tx> for std::sync::Arc<H> {
         tx: &mut Tx,
     ) -> Option<Result<Vec<Self::Output>, HandlerError>> {
         (**self).handle_batch(messages, tx).await
+    }
+
+    fn lands_only(&self) -> bool {
+        (**self).lands_only()
     }
 }

@@ -99,9 +99,11 @@ where
     C: Consumer,
     H: Handler<S::Tx>,
 {
-    /// A runner that calls `handler` for each message.
+    /// A runner that calls `handler` for each message; given
+    /// [`NoHandler`], one that lands them (as [`Runner::land_only`]).
     pub fn new(store: S, consumer: C, handler: H, config: RunnerConfig) -> Self {
-        Self::build(store, consumer, Some(handler), config)
+        let handler = (!handler.lands_only()).then_some(handler);
+        Self::build(store, consumer, handler, config)
     }
 }
 

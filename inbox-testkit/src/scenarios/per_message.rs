@@ -268,39 +268,45 @@ pub async fn cumulative_commit_trap<H: Harness>(h: &H) {
 }
 
 /// No handler: the row lands `pending`, unlocked; committed; not processed.
-/// A second delivery is a duplicate.
+/// A second delivery is a duplicate. The same whether the runner is made by
+/// `Runner::land_only` or by `Runner::new` with [`NoHandler`](inbox_core::NoHandler)
+/// (what a consumer group member given `NoHandler` does).
 pub async fn no_handler_lands<H: Harness>(h: &H) {
     let store = h.store();
-    let group = "landing";
     let topic = h.topic("orders", 1).await;
     topic.produce(0, order("order-4")).await;
     topic.produce(0, order("order-4")).await;
-    for strategy in AckStrategy::ALL {
-        let group = format!(
-            "{group}-{}",
-            AckStrategy::ALL
-                .iter()
-                .position(|s| *s == strategy)
-                .unwrap_or(0)
-        );
-        let metrics = Arc::new(CountingMetrics::new());
-        let mut runner = Runner::land_only(
-            store.clone(),
-            topic.consumer(&group).await,
-            config(&group, strategy),
-        )
-        .with_metrics(metrics.clone());
-        let d1 = next_delivery(&mut runner).await;
-        assert!(d1.acked && !d1.processed && !d1.duplicate, "{strategy:?}");
-        let r = row(&store, "order-4", &group)
-            .await
-            .unwrap_or_else(|| panic!("not landed"));
-        assert_eq!(r.status, InboxStatus::Pending);
-        assert!(r.locked_by.is_none());
-        let d2 = next_delivery(&mut runner).await;
-        assert!(d2.acked && d2.duplicate, "{strategy:?}");
-        let c = metrics.snapshot();
-        assert_eq!((c.landed, c.duplicate, c.acked), (1, 1, 2));
+    for by_new in [false, true] {
+        for (i, strategy) in AckStrategy::ALL.into_iter().enumerate() {
+            let group = format!("landing-{by_new}-{i}");
+            let metrics = Arc::new(CountingMetrics::new());
+            let consumer = topic.consumer(&group).await;
+            let runner = if by_new {
+                Runner::new(
+                    store.clone(),
+                    consumer,
+                    inbox_core::NoHandler,
+                    config(&group, strategy),
+                )
+            } else {
+                Runner::land_only(store.clone(), consumer, config(&group, strategy))
+            };
+            let mut runner = runner.with_metrics(metrics.clone());
+            let d1 = next_delivery(&mut runner).await;
+            assert!(
+                d1.acked && !d1.processed && !d1.duplicate,
+                "{strategy:?} {by_new}"
+            );
+            let r = row(&store, "order-4", &group)
+                .await
+                .unwrap_or_else(|| panic!("not landed"));
+            assert_eq!(r.status, InboxStatus::Pending);
+            assert!(r.locked_by.is_none());
+            let d2 = next_delivery(&mut runner).await;
+            assert!(d2.acked && d2.duplicate, "{strategy:?} {by_new}");
+            let c = metrics.snapshot();
+            assert_eq!((c.landed, c.duplicate, c.acked), (1, 1, 2));
+        }
     }
 }
 

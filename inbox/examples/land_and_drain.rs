@@ -1,6 +1,6 @@
-//! Land and drain: the consumer only lands each message as a `pending` row
-//! (one INSERT, then the offset moves on), and a batch processor drains the
-//! rows later with its own retries. One order's payment provider is down:
+//! Land and drain: the consumer (given `NoHandler`) only lands each message
+//! as a `pending` row (one INSERT, then the offset moves on), and a batch
+//! processor drains the rows later with its own retries. One order's payment provider is down:
 //! its row spends its attempts and ends `failed`; once the provider is back
 //! an operator requeues it and the next batch completes it.
 //!
@@ -18,7 +18,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use inbox::attempts::AttemptRules;
-use inbox::kafka::KafkaConsumer;
 use inbox::postgres::sea_orm::{ConnectionTrait, DbBackend, Statement};
 use inbox::prelude::*;
 use inbox::processor::{BatchProcessor, ProcessorConfig};
@@ -61,6 +60,20 @@ impl EventHandler<OrderCreated, PgTx> for Payments {
 
 const GROUP: &str = "payments";
 
+/// The rows landed for the group so far.
+async fn landed_rows(store: &PgStore) -> Result<i64, Box<dyn std::error::Error>> {
+    let row = store
+        .connection()
+        .query_one_raw(Statement::from_sql_and_values(
+            DbBackend::Postgres,
+            "SELECT count(*) FROM inbox WHERE consumer_group = $1",
+            [GROUP.into()],
+        ))
+        .await?
+        .ok_or("no count")?;
+    Ok(row.try_get_by_index(0)?)
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // the library's warnings (a failing handler, a poison record, a broker
@@ -73,11 +86,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .with_writer(std::io::stderr)
         .init();
     let url = std::env::var("DATABASE_URL").map_err(|_| "set DATABASE_URL")?;
-    let brokers: Vec<String> = std::env::var("KAFKA_BROKERS")
-        .unwrap_or_else(|_| "localhost:9092".into())
-        .split(',')
-        .map(str::to_owned)
-        .collect();
+    let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "localhost:9092".into());
     let topic = std::env::var("TOPIC").unwrap_or_else(|_| "orders".into());
 
     let store = PgStore::connect(&url, TableName::default()).await?;
@@ -89,23 +98,32 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
         .await?;
 
-    // 1. land: every message becomes a pending row with a budget of three
-    //    attempts; the offset moves on in the same transaction
-    let mut kafka = KafkaConfig::new(brokers.clone(), GROUP, Vec::new());
-    kafka.partitions = inbox::kafka::topic_partitions(&kafka, std::slice::from_ref(&topic)).await?;
-    let consumer = KafkaConsumer::connect(kafka, store.clone()).await?;
-    let config = RunnerConfig::new(GROUP, "lander-1")?.failure_budget(3);
-    let mut lander = Runner::land_only(store.clone(), consumer, config);
-    let (mut landed, mut idle) = (0, 0);
-    while idle < 10 {
-        match lander.process_one().await? {
-            Some(_) => {
-                landed += 1;
-                idle = 0;
-            }
-            None => idle += 1,
+    // 1. land: a consumer with no handler makes every message a pending row
+    //    with a budget of three attempts; the offset moves on in the same
+    //    transaction. It stops here once it has read the topic to its end
+    //    (a service would run it until shutdown_signal()).
+    let lander = InboxConsumer::new(&brokers, GROUP, [topic.as_str()])?
+        .member("lander-1")?
+        .maintenance(None)
+        .configure(|_, _, runner| runner.max_attempts = 3);
+    let health = lander.health();
+    let caught_up = CancellationToken::new();
+    let landing = tokio::spawn(lander.run(
+        store.clone(),
+        NoHandler,
+        caught_up.clone().cancelled_owned(),
+    ));
+    let mut landed = 0;
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let now = landed_rows(&store).await?;
+        if health.ready() && health.lag_records() == 0 && now > 0 && now == landed {
+            break;
         }
+        landed = now;
     }
+    caught_up.cancel();
+    landing.await??;
     println!("landed {landed} messages as pending rows");
 
     // 2. drain: a processor claims due rows in batches (FOR UPDATE SKIP

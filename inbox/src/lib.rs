@@ -43,8 +43,8 @@ pub mod prelude {
     pub use inbox_core::router::{EventHandler, EventRouter, UnknownEventType};
     pub use inbox_core::{
         AckStrategy, Backoff, BatchConfig, CancellationToken, Handler, HandlerError, HandlerResult,
-        Headers, InboxStore, InboxTransaction, Message, Metrics, NoopMetrics, PayloadFormat,
-        Runner, RunnerConfig,
+        Headers, InboxStore, InboxTransaction, Isolation, Message, Metrics, NoHandler, NoopMetrics,
+        PayloadFormat, Runner, RunnerConfig,
     };
 
     #[cfg(feature = "postgres")]

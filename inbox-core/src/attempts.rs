@@ -1,4 +1,4 @@
-//! The batch processor's rules: a handled row's outcome → the row's update
+//! The processor's rules: a handled row's outcome → the row's update
 //! (`docs/land-and-drain.md`). Pure: the jitter's random sample comes in
 //! as an argument, a plain [`RowUpdate`] comes out; a retry is due after a
 //! delay counted by the store's clock ([`Due::After`]), or at the time the
@@ -87,7 +87,7 @@ impl RowUpdate {
 }
 
 /// Whether `attempts` counted attempts spend a budget of `max_attempts`:
-/// the one rule for both retry sources (the batch processor's
+/// the one rule for both retry sources (the processor's
 /// `max_attempts`, the runner's failure budget).
 pub fn budget_spent(attempts: i64, max_attempts: i64) -> bool {
     attempts >= max_attempts

@@ -1,5 +1,5 @@
 //! The one backoff of the library: the runner's after storage and fetch
-//! failures and before a redelivery, the batch processor's retry of a row
+//! failures and before a redelivery, the processor's retry of a row
 //! (with jitter), the Kafka consumer's pause after a partition's fetch
 //! errors, a group member's pause before restarting a dead runner.
 

@@ -96,7 +96,7 @@ pub enum RowState {
     /// A `pending` row existed (landed without a handler) and this
     /// transaction took its lock.
     PendingLockedHere,
-    /// A `pending` row existed and someone else (a batch processor) holds it.
+    /// A `pending` row existed and someone else (a processor) holds it.
     PendingLockedElsewhere,
     /// A `completed` row existed: a duplicate.
     Completed,

@@ -60,7 +60,7 @@ pub trait Handler<Tx: Send>: Send + Sync {
 
     /// Whether this is the absent handler ([`NoHandler`]): a runner (or a
     /// consumer group member) given it lands each message as a `pending`
-    /// row for a batch processor instead of handling it. Only `NoHandler`
+    /// row for a processor instead of handling it. Only `NoHandler`
     /// says `true`.
     fn lands_only(&self) -> bool {
         false
@@ -68,7 +68,7 @@ pub trait Handler<Tx: Send>: Send + Sync {
 }
 
 /// The absent handler: a runner built with it lands rows `pending` for a
-/// batch processor (see [`Runner::land_only`](crate::Runner::land_only)).
+/// processor (see [`Runner::land_only`](crate::Runner::land_only)).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct NoHandler;
 

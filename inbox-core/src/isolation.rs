@@ -1,7 +1,7 @@
 //! How handlers sharing one transaction are kept from each other's
 //! failures: the one setting of the batched runner
 //! ([`BatchConfig::isolation`](crate::BatchConfig::isolation)) and of the
-//! batch processor
+//! processor
 //! ([`ProcessorConfig::isolation`](crate::processor::ProcessorConfig::isolation)).
 
 /// How handlers sharing one transaction are isolated from each other's
@@ -20,7 +20,7 @@ pub enum Isolation {
     /// faster with no failures and level or faster with 3% failing):
     /// - batched runner: the batch is rolled back and the rest replayed,
     ///   again without savepoints: one more transaction per failure;
-    /// - batch processor: the batch is rolled back and replayed with a
+    /// - processor: the batch is rolled back and replayed with a
     ///   savepoint per row (the failed row's outcome kept, its handler not
     ///   run again), and the next batch starts with savepoints, going back
     ///   to none after a clean one.
@@ -30,6 +30,6 @@ pub enum Isolation {
     /// - batched runner: after a failure, the replay takes a savepoint
     ///   before each handler, so further failures cost no further replay
     ///   (a batch with several failures costs two transactions);
-    /// - batch processor: a savepoint before every row's handler, always.
+    /// - processor: a savepoint before every row's handler, always.
     Savepoints,
 }

@@ -32,7 +32,7 @@ pub const MAX_MEMBER_ID_CHARS: usize = 255;
 /// The former name of [`MAX_MEMBER_ID_CHARS`].
 #[deprecated(since = "0.1.0", note = "renamed MAX_MEMBER_ID_CHARS")]
 pub const MAX_WORKER_ID_CHARS: usize = MAX_MEMBER_ID_CHARS;
-/// Default attempt budget of an inbox row (used by the batch processor only).
+/// Default attempt budget of an inbox row (used by the processor only).
 pub const DEFAULT_MAX_ATTEMPTS: i32 = 5;
 /// Longest `last_error` kept on a row, in characters.
 pub const MAX_ERROR_CHARS: usize = 2_000;
@@ -102,7 +102,7 @@ pub enum PayloadFormat {
     Json,
     /// Bytes in [`Message::raw`] (non-empty, at most
     /// [`MAX_PAYLOAD_BYTES`]); [`Message::payload`] is `Value::Null`. The
-    /// inbox row keeps them (its `body` column), so the batch processor and
+    /// inbox row keeps them (its `body` column), so the processor and
     /// a replayed dead letter hand them to the handler as they arrived.
     Binary,
 }
@@ -517,11 +517,11 @@ impl fmt::Display for MemberId {
 /// Status of an inbox row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum InboxStatus {
-    /// Landed, not yet handled (or handled with a retry by the batch processor).
+    /// Landed, not yet handled (or handled with a retry by the processor).
     Pending,
     /// Handled (successfully, or skipped by decision). Redeliveries are duplicates.
     Completed,
-    /// The batch processor spent the attempt budget. Terminal until requeued.
+    /// The processor spent the attempt budget. Terminal until requeued.
     Failed,
 }
 
@@ -582,13 +582,13 @@ pub struct InboxRow {
     pub body: Option<Vec<u8>>,
     /// Status.
     pub status: InboxStatus,
-    /// Counted failures so far (batch processor only).
+    /// Counted failures so far (processor only).
     pub attempts_made: i32,
-    /// Attempt budget (batch processor only).
+    /// Attempt budget (processor only).
     pub max_attempts: i32,
-    /// Last error recorded by the batch processor.
+    /// Last error recorded by the processor.
     pub last_error: Option<String>,
-    /// When the row is next due (batch processor only).
+    /// When the row is next due (processor only).
     pub scheduled_at: DateTime<Utc>,
     /// When the row was completed; set exactly when `status` is completed.
     pub completed_at: Option<DateTime<Utc>>,
@@ -603,7 +603,7 @@ pub struct InboxRow {
 }
 
 impl InboxRow {
-    /// The message the row stands for (what the batch processor hands its
+    /// The message the row stands for (what the processor hands its
     /// handler): ids, event type and payload, binary when the row keeps
     /// bytes.
     pub fn message(&self) -> Message {
@@ -644,7 +644,7 @@ pub struct NewInboxRow {
     pub payload: Value,
     /// The bytes of a binary payload; `None` for a JSON one.
     pub body: Option<Vec<u8>>,
-    /// Attempt budget for the batch processor.
+    /// Attempt budget for the processor.
     pub max_attempts: i32,
     /// The status to insert it with (see
     /// [`decision::insert_status`](crate::decision::insert_status)):

@@ -70,13 +70,14 @@ pub trait OffsetStore: Send + Sync {
 pub trait MembershipStore: Send + Sync {
     /// Records a heartbeat of `member` in `consumer_group` (registering it
     /// on its first one) and returns the group's live members, sorted:
-    /// those whose last heartbeat is at most `lease` old, by the store's
-    /// clock. A member that stops heartbeating drops out after the lease.
+    /// those whose last heartbeat is at most `session_timeout` old, by the
+    /// store's clock. A member that stops heartbeating drops out after the
+    /// session timeout.
     async fn heartbeat(
         &self,
         consumer_group: &str,
         member: &str,
-        lease: std::time::Duration,
+        session_timeout: std::time::Duration,
     ) -> Result<Vec<String>, StoreError>;
 
     /// Removes `member` from `consumer_group` at once (a graceful leave).
@@ -117,10 +118,10 @@ pub async fn next_assignment<S: MembershipStore + ?Sized>(
     store: &S,
     group: &str,
     member: &str,
-    lease: std::time::Duration,
+    session_timeout: std::time::Duration,
     partitions: &[PartitionKey],
 ) -> Result<(Vec<String>, BTreeMap<PartitionKey, String>), StoreError> {
-    let members = store.heartbeat(group, member, lease).await?;
+    let members = store.heartbeat(group, member, session_timeout).await?;
     let previous = store.published_assignment(group).await?;
     let next = assign(partitions, &members, &previous);
     if next == previous || store.publish_assignment(group, &previous, &next).await? {

@@ -21,9 +21,9 @@ pub struct HandlerResult {
     pub status: Option<String>,
     /// A message, e.g. the reason of a retry.
     pub message: Option<String>,
-    /// Whether a retry counts against the attempt budget (batch processor only).
+    /// Whether a retry counts against the attempt budget (processor only).
     pub count_as_attempt: bool,
-    /// When to retry (batch processor only).
+    /// When to retry (processor only).
     pub next_retry_at: Option<DateTime<Utc>>,
 }
 
@@ -60,7 +60,7 @@ impl HandlerResult {
 
     /// Failure that asks for a retry. In the runner this rolls back and the
     /// broker redelivers; `count_as_attempt` and `next_retry_at` drive the
-    /// batch processor only.
+    /// processor only.
     pub fn retry(message: impl Into<String>) -> Self {
         Self {
             success: false,
@@ -73,7 +73,7 @@ impl HandlerResult {
     }
 
     /// A retry that does not count against the budget; `next_retry_at` is then
-    /// required by the batch processor.
+    /// required by the processor.
     pub fn retry_uncounted(message: impl Into<String>, next_retry_at: DateTime<Utc>) -> Self {
         Self {
             count_as_attempt: false,

@@ -1,4 +1,4 @@
-//! The batch processor: drains rows landed `pending` (by a runner without a
+//! The processor: drains rows landed `pending` (by a runner without a
 //! handler, or brought back by `requeue_failed`); see
 //! `docs/land-and-drain.md`.
 //!
@@ -13,7 +13,7 @@
 //!    handler fails the transaction is rolled back and the batch replayed
 //!    with a savepoint per row, the failed row's outcome kept; so a failing
 //!    row's writes go without its neighbours' (see
-//!    [`ProcessorConfig::optimistic`]);
+//!    [`ProcessorConfig::isolation`]);
 //! 3. **write back** every row's outcome ([`crate::attempts`]) in one
 //!    statement that checks each row is still this worker's; if a lease was
 //!    lost (released as stale, maybe claimed by another worker) the
@@ -28,11 +28,11 @@
 //! ```
 //! # async fn demo<S, H>(store: S, handler: H) -> Result<(), inbox_core::ValidationError>
 //! # where S: inbox_core::InboxStore, H: inbox_core::Handler<S::Tx> {
-//! use inbox_core::processor::{BatchProcessor, ProcessorConfig};
+//! use inbox_core::processor::{Processor, ProcessorConfig};
 //! use inbox_core::CancellationToken;
 //!
 //! let config = ProcessorConfig::new("processor-1")?;
-//! let mut processor = BatchProcessor::new(store, handler, config);
+//! let mut processor = Processor::new(store, handler, config);
 //! let cancel = CancellationToken::new();
 //! let summary = processor.run(cancel).await; // until cancelled
 //! # let _ = summary;
@@ -59,7 +59,7 @@ use crate::model::{InboxRow, InboxStatus, MemberId, Message, RowId};
 use crate::outcome::{Failure, HandlerResult, OutcomeClass};
 use crate::store::{DueFilter, InboxStore, InboxTransaction};
 
-/// How a [`BatchProcessor`] takes its batch.
+/// How a [`Processor`] takes its batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ClaimMode {
     /// The claim is written and committed first (`locked_by`,
@@ -77,7 +77,7 @@ pub enum ClaimMode {
     RowLock,
 }
 
-/// How a [`BatchProcessor`] works.
+/// How a [`Processor`] works.
 #[derive(Debug, Clone)]
 pub struct ProcessorConfig {
     /// Who this processor is: written to `locked_by` of the rows it claims.
@@ -140,8 +140,8 @@ impl ProcessorConfig {
 
 impl ProcessorConfig {
     /// Checks the ranges: `batch_size` at least 1, a handler timeout and
-    /// an idle poll above zero. [`BatchProcessor::run`] and
-    /// [`BatchProcessor::process_batch`] check it first.
+    /// an idle poll above zero. [`Processor::run`] and
+    /// [`Processor::process_batch`] check it first.
     ///
     /// # Errors
     ///
@@ -208,7 +208,7 @@ pub struct ProcessorBatch {
     pub transactions: usize,
 }
 
-/// What [`BatchProcessor::run`] did.
+/// What [`Processor::run`] did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ProcessorSummary {
     /// Batches committed.
@@ -234,8 +234,15 @@ impl ProcessorBatch {
     }
 }
 
-/// The batch processor, generic over the store and the handler.
-pub struct BatchProcessor<S, H> {
+/// The former name of [`Processor`] ("batch" now means one thing: messages
+/// handled in one transaction, by the batched runner or by this).
+#[deprecated(since = "0.1.0", note = "renamed Processor")]
+pub type BatchProcessor<S, H> = Processor<S, H>;
+
+/// The processor (land and drain: the SPEC's batch processor), generic over
+/// the store and the handler: it claims due landed rows in batches and runs
+/// the handler on each.
+pub struct Processor<S, H> {
     store: S,
     handler: H,
     config: ProcessorConfig,
@@ -250,9 +257,9 @@ pub struct BatchProcessor<S, H> {
     transient: std::sync::Mutex<HashMap<RowId, u32>>,
 }
 
-impl<S, H> std::fmt::Debug for BatchProcessor<S, H> {
+impl<S, H> std::fmt::Debug for Processor<S, H> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("BatchProcessor")
+        f.debug_struct("Processor")
             .field("config", &self.config)
             .field("hook", &self.hook.is_some())
             .finish_non_exhaustive()
@@ -264,7 +271,7 @@ fn message_of(row: &InboxRow) -> Message {
     row.message()
 }
 
-impl<S, H> BatchProcessor<S, H>
+impl<S, H> Processor<S, H>
 where
     S: InboxStore,
     H: Handler<S::Tx>,

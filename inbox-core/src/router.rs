@@ -2,7 +2,7 @@
 //! handler that receives its payload deserialized into its own type.
 //!
 //! An [`EventRouter`] is a [`Handler`], so it serves the runner (per message and
-//! batched) and the batch processor alike. A payload that does not
+//! batched) and the processor alike. A payload that does not
 //! deserialize is a failure whose error ([`RouteError::Payload`]) names the
 //! type and the field; an event type no route takes is skipped or a
 //! failure ([`RouteError::UnknownEventType`]), as configured

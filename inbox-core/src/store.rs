@@ -69,7 +69,7 @@ pub struct AttemptRecord<'a> {
     pub error: Option<&'a str>,
 }
 
-/// Which due rows a batch processor claims: all of them, or only those of
+/// Which due rows a processor claims: all of them, or only those of
 /// a consumer group, of some sources, of some event types (empty: any).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DueFilter {
@@ -123,7 +123,7 @@ pub trait InboxStore: Send + Sync {
         let _ = (worker, limit, filter);
         Err(StoreError::new(
             crate::StoreErrorKind::Unsupported,
-            "this store has no batch processor support",
+            "this store has no processor support",
         ))
     }
 
@@ -134,13 +134,13 @@ pub trait InboxStore: Send + Sync {
         let _ = (worker, ids);
         Err(StoreError::new(
             crate::StoreErrorKind::Unsupported,
-            "this store has no batch processor support",
+            "this store has no processor support",
         ))
     }
 
     /// Brings a `failed` row back: `pending`, no attempts made, due now
     /// (`last_error` is kept). `Ok(false)` when no `failed` row has this id.
-    /// The batch processor handles it next; a runner handles it when its
+    /// The processor handles it next; a runner handles it when its
     /// message is delivered again. The default refuses
     /// ([`StoreErrorKind::Unsupported`](crate::StoreErrorKind::Unsupported)).
     async fn requeue_failed(&self, id: RowId) -> Result<bool, StoreError> {
@@ -193,7 +193,7 @@ pub trait InboxTransaction: Send + Sized {
     /// Why this transaction can no longer commit, when it cannot: a
     /// statement in it failed (typically the handler's, its error swallowed)
     /// and the server aborted the transaction; `None` while it can commit.
-    /// The runner and the batch processor ask after every handler run, so
+    /// The runner and the processor ask after every handler run, so
     /// that the handler that left the transaction aborted is the one whose
     /// run fails ([`Failure::Aborted`](crate::Failure::Aborted)), never the
     /// next message's. A rollback to a savepoint taken before the failed
@@ -209,7 +209,7 @@ pub trait InboxTransaction: Send + Sized {
     /// Why the transaction is aborted, when a transient database error
     /// aborted it: a serialization failure, a deadlock, a lost connection,
     /// met by the handler's statements. The handler did nothing wrong: the
-    /// runner and the batch processor retry such a failure without
+    /// runner and the processor retry such a failure without
     /// spending the failure budget, up to a cap (see
     /// [`decision::after_transient`](crate::decision::after_transient)).
     /// Asked after a failed handler run, before any rollback. The default
@@ -267,7 +267,7 @@ pub trait InboxTransaction: Send + Sized {
         let _ = (worker, updates);
         Err(StoreError::new(
             crate::StoreErrorKind::Unsupported,
-            "this store has no batch processor support",
+            "this store has no processor support",
         ))
     }
 

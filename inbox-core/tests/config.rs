@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use inbox_core::processor::{BatchProcessor, ProcessorConfig, ProcessorError};
+use inbox_core::processor::{Processor, ProcessorConfig, ProcessorError};
 use inbox_core::{BatchConfig, CancellationToken, Runner, RunnerConfig, ValidationError};
 use inbox_testkit::scenarios::{Act, ScriptedHandler};
 use inbox_testkit::{MemBroker, MemStore};
@@ -49,7 +49,7 @@ async fn a_runner_refuses_an_out_of_range_configuration_at_start() {
 async fn a_processor_refuses_a_batch_size_of_zero() {
     let mut config = ProcessorConfig::new("processor-1").expect("config");
     config.batch_size = 0;
-    let mut processor = BatchProcessor::new(
+    let mut processor = Processor::new(
         MemStore::new(),
         ScriptedHandler::new([], Act::Succeed),
         config,

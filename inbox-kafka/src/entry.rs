@@ -213,7 +213,7 @@ impl InboxConsumer {
     /// Runs the member until `shutdown` ends, then finishes the message or
     /// batch in hand, leaves the group and stops the maintenance. Given
     /// [`NoHandler`](inbox_core::NoHandler) as `handler` it lands each
-    /// message as a `pending` row for a batch processor (land and drain).
+    /// message as a `pending` row for a processor (land and drain).
     ///
     /// # Errors
     ///

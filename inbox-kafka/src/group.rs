@@ -48,7 +48,7 @@ pub struct GroupConfig {
     pub heartbeat: Duration,
     /// A member not heard from for this long is dropped, and its partitions
     /// move (as a Kafka consumer's `session.timeout.ms`; formerly `lease`,
-    /// a word now kept for the batch processor's claim). Default 5 s. Longer than a few heartbeats, shorter than what
+    /// a word now kept for the processor's claim). Default 5 s. Longer than a few heartbeats, shorter than what
     /// you accept as failover time.
     pub session_timeout: Duration,
     /// Wait for topics the brokers do not know yet (their partitions are

@@ -205,7 +205,7 @@ pub fn schema_steps(t: &TableName) -> Vec<SchemaStep> {
                     "CREATE UNIQUE INDEX IF NOT EXISTS {} ON {q} (message_id, consumer_group)",
                     t.index("message_group_key")
                 ),
-                // The batch processor's fetch: due, unlocked, pending rows.
+                // The processor's fetch: due, unlocked, pending rows.
                 format!(
                     "CREATE INDEX IF NOT EXISTS {} ON {q} (scheduled_at) WHERE status = 'pending' AND locked_by IS NULL",
                     t.index("due_pending")

@@ -57,7 +57,7 @@ struct Sql {
     table: TableName,
 }
 
-/// What makes a row due for the batch processor: `pending`, unleased,
+/// What makes a row due for the processor: `pending`, unleased,
 /// attempts left, its time come, of the consumer group `group` (a nullable
 /// text parameter) and of the sources and event types listed in `sources`
 /// and `types` (JSON arrays; empty: any). The claim by lease and the claim
@@ -1354,13 +1354,13 @@ impl MembershipStore for PgStore {
         &self,
         consumer_group: &str,
         member: &str,
-        lease: Duration,
+        session_timeout: Duration,
     ) -> Result<Vec<String>, StoreError> {
         let rows = self
             .db
             .query_all_raw(stmt(
                 &self.sql.heartbeat,
-                vec![consumer_group.into(), member.into(), secs(lease)],
+                vec![consumer_group.into(), member.into(), secs(session_timeout)],
             ))
             .await
             .map_err(db)?;

@@ -2,7 +2,7 @@
 //! `END`, `ABORT`, `PREPARE TRANSACTION`, `... AND CHAIN`) is caught: its
 //! run fails, nothing of the inbox is written outside the transaction, and
 //! the message is not acknowledged with no effect. Per message, batched, and
-//! in the batch processor, on a real PostgreSQL.
+//! in the processor, on a real PostgreSQL.
 
 mod common;
 
@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use common::{Calls, dead_letters, order, process_until_acked};
-use inbox_core::processor::{BatchProcessor, ProcessorConfig};
+use inbox_core::processor::{Processor, ProcessorConfig};
 use inbox_core::{
     BatchConfig, Handler, HandlerError, InboxStore, InboxTransaction, Message, NewInboxRow, Runner,
     RunnerConfig, StoreErrorKind,
@@ -329,7 +329,7 @@ async fn batched_with_savepoints_an_ending_charges_only_its_message() {
     }
 }
 
-/// The batch processor: a landed row whose handler ends the transaction
+/// The processor: a landed row whose handler ends the transaction
 /// is not completed by a write outside the transaction; its neighbours
 /// complete and it is retried.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -343,7 +343,7 @@ async fn the_processor_does_not_complete_a_row_whose_handler_ended_the_transacti
     let handler = Ender::new("ROLLBACK", 1);
     let mut config = ProcessorConfig::new("processor-1").unwrap_or_else(|e| panic!("{e}"));
     config.rules.backoff = inbox_core::Backoff::new(Duration::ZERO, Duration::ZERO, 1.0);
-    let mut processor = BatchProcessor::new(store.clone(), handler, config);
+    let mut processor = Processor::new(store.clone(), handler, config);
     let batch = processor
         .process_batch()
         .await

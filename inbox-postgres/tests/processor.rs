@@ -1,4 +1,4 @@
-//! Four batch processors, each on its own connection pool, drain 10,000
+//! Four processors, each on its own connection pool, drain 10,000
 //! landed rows on a real PostgreSQL: 5% of the handlers fail once, 1% always
 //! fail. Every row ends `completed` with exactly one effect, or `failed`
 //! after exactly `max_attempts` attempts with none; no row is handled by two
@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use inbox_core::processor::{BatchProcessor, ClaimMode, ProcessorConfig};
+use inbox_core::processor::{ClaimMode, Processor, ProcessorConfig};
 use inbox_core::{
     Backoff, CancellationToken, Handler, HandlerError, InboxStatus, InboxStore, InboxTransaction,
     Message, NewInboxRow,
@@ -102,16 +102,12 @@ async fn landed(rows: usize, pools: usize) -> Vec<PgStore> {
 }
 
 /// A processor on `store` that retries at once.
-fn processor(
-    store: PgStore,
-    w: usize,
-    handler: Arc<Effects>,
-) -> BatchProcessor<PgStore, Arc<Effects>> {
+fn processor(store: PgStore, w: usize, handler: Arc<Effects>) -> Processor<PgStore, Arc<Effects>> {
     let mut config =
         ProcessorConfig::new(format!("processor-{w}")).unwrap_or_else(|e| panic!("{e}"));
     config.rules.backoff = Backoff::new(std::time::Duration::ZERO, std::time::Duration::ZERO, 1.0);
     config.idle_poll = std::time::Duration::from_millis(20);
-    BatchProcessor::new(store, handler, config)
+    Processor::new(store, handler, config)
 }
 
 /// Waits until no row is pending (at most 300 s).
@@ -164,7 +160,7 @@ async fn four_processors_drain(claim: ClaimMode) {
             Backoff::new(std::time::Duration::ZERO, std::time::Duration::ZERO, 1.0);
         config.idle_poll = std::time::Duration::from_millis(20);
         config.claim = claim;
-        let mut p = BatchProcessor::new(s, handler.clone(), config);
+        let mut p = Processor::new(s, handler.clone(), config);
         let cancel = cancel.clone();
         tasks.push(tokio::spawn(async move { p.run(cancel).await }));
     }
@@ -376,7 +372,7 @@ async fn an_outcome_refused(claim: ClaimMode) {
     }
     let mut config = ProcessorConfig::new("refused-outcome").expect("config");
     config.claim = claim;
-    let mut processor = BatchProcessor::new(store.clone(), Leaky, config);
+    let mut processor = Processor::new(store.clone(), Leaky, config);
     let batch = processor
         .process_batch()
         .await

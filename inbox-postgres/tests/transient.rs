@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use common::{Calls, dead_letters, order, process_until_acked};
-use inbox_core::processor::{BatchProcessor, ProcessorConfig};
+use inbox_core::processor::{Processor, ProcessorConfig};
 use inbox_core::{Handler, HandlerError, Message, NewInboxRow, Runner, RunnerConfig};
 use inbox_postgres::PgTx;
 use inbox_postgres::sea_orm::ConnectionTrait;
@@ -93,7 +93,7 @@ async fn the_runner_retries_transient_errors_without_spending_the_budget() {
     }
 }
 
-/// The batch processor: a landed row with two attempts whose handler meets
+/// The processor: a landed row with two attempts whose handler meets
 /// three deadlocks before it gets through is completed, no attempt spent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_processor_retries_transient_errors_without_spending_attempts() {
@@ -104,7 +104,7 @@ async fn the_processor_retries_transient_errors_without_spending_attempts() {
     let mut config = ProcessorConfig::new("processor-1").unwrap_or_else(|e| panic!("{e}"));
     config.store_backoff =
         inbox_core::Backoff::new(Duration::from_millis(1), Duration::from_millis(1), 1.0);
-    let mut processor = BatchProcessor::new(store.clone(), Contended::new("40P01", 3), config);
+    let mut processor = Processor::new(store.clone(), Contended::new("40P01", 3), config);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     let mut completed = 0;
     while completed == 0 && tokio::time::Instant::now() < deadline {

@@ -294,7 +294,7 @@ impl MemStore {
             .copied()
     }
 
-    /// Sets a committed lease on a row, as a batch processor holding it
+    /// Sets a committed lease on a row, as a processor holding it
     /// would. Returns false when there is no such row.
     pub fn hold_lock(&self, message_id: &str, consumer_group: &str, worker: &MemberId) -> bool {
         self.update_row(message_id, consumer_group, |row, now| {
@@ -496,13 +496,14 @@ impl MembershipStore for MemStore {
         &self,
         consumer_group: &str,
         member: &str,
-        lease: Duration,
+        session_timeout: Duration,
     ) -> Result<Vec<String>, StoreError> {
         let mut s = self.state();
         let now = s.now;
         s.members
             .insert((consumer_group.to_owned(), member.to_owned()), now);
-        let oldest = now - chrono::Duration::from_std(lease).unwrap_or(chrono::Duration::MAX);
+        let oldest =
+            now - chrono::Duration::from_std(session_timeout).unwrap_or(chrono::Duration::MAX);
         Ok(s.members
             .iter()
             .filter(|((g, _), at)| g == consumer_group && **at >= oldest)

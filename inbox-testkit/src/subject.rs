@@ -29,7 +29,7 @@ impl WriteInvoice for crate::MemTx {
 }
 
 /// What a store offers the scenarios beyond [`InboxStore`]: counting
-/// invoices and setting up rows as a batch processor would leave them.
+/// invoices and setting up rows as a processor would leave them.
 #[async_trait]
 pub trait ScenarioStore: InboxStore + Clone + 'static {
     /// Committed invoices for `order` (read as another connection would).
@@ -53,9 +53,9 @@ pub trait ScenarioStore: InboxStore + Clone + 'static {
         );
         tx.commit().await.unwrap_or_else(|e| panic!("land: {e}"));
     }
-    /// Puts a committed lease on a row (a batch processor holds it).
+    /// Puts a committed lease on a row (a processor holds it).
     async fn hold_lock(&self, message_id: &str, consumer_group: &str, worker: &MemberId);
-    /// Marks a row `failed` (the batch processor spent its budget).
+    /// Marks a row `failed` (the processor spent its budget).
     async fn mark_failed(&self, message_id: &str, consumer_group: &str);
     /// Dead letters recorded for `message_id` in `consumer_group`.
     async fn dead_letters(&self, message_id: &str, consumer_group: &str) -> usize;

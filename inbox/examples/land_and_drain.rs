@@ -20,7 +20,7 @@ use std::time::Duration;
 use inbox::attempts::AttemptRules;
 use inbox::postgres::sea_orm::{ConnectionTrait, DbBackend, Statement};
 use inbox::prelude::*;
-use inbox::processor::{BatchProcessor, ProcessorConfig};
+use inbox::processor::{Processor, ProcessorConfig};
 use inbox::{InboxStatus, InboxStore};
 use serde::Deserialize;
 
@@ -137,8 +137,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     config.rules = AttemptRules {
         backoff: Backoff::new(Duration::from_millis(10), Duration::from_millis(10), 1.0),
     };
-    let mut processor = BatchProcessor::new(store.clone(), router, config);
-    let drain = async |processor: &mut BatchProcessor<PgStore, EventRouter<PgTx>>| {
+    let mut processor = Processor::new(store.clone(), router, config);
+    let drain = async |processor: &mut Processor<PgStore, EventRouter<PgTx>>| {
         let mut quiet = 0;
         while quiet < 5 {
             let batch = processor.process_batch().await?;

@@ -129,9 +129,9 @@ impl MembershipStore for AuditedStore {
         &self,
         group: &str,
         member: &str,
-        lease: Duration,
+        session_timeout: Duration,
     ) -> Result<Vec<String>, StoreError> {
-        self.inner.heartbeat(group, member, lease).await
+        self.inner.heartbeat(group, member, session_timeout).await
     }
     async fn leave(&self, group: &str, member: &str) -> Result<(), StoreError> {
         self.inner.leave(group, member).await

@@ -18,7 +18,7 @@
 //!   each handler instead (`BatchConfig::isolation`: `Isolation::Savepoints`);
 //! - `batch-aware`: the batched runner with a handler that writes the
 //!   batch's business rows in one statement;
-//! - `processor`: four batch processors (each its own connection, batches
+//! - `processor`: four processors (each its own connection, batches
 //!   of 100, optimistic: a replay with savepoints after a failure) draining
 //!   the same number of rows landed `pending` beforehand, with the
 //!   one-INSERT handler; `processor-savepoints`: the same with a savepoint
@@ -841,7 +841,7 @@ async fn runner(store: PgStore, messages: u64, mode: Mode, fail_percent: u64) ->
     Ok(elapsed)
 }
 
-/// Four batch processors (each its own connection, batches of 100) drain
+/// Four processors (each its own connection, batches of 100) drain
 /// `messages` rows landed `pending` beforehand (not timed), with the
 /// one-INSERT handler; retries are due at once.
 async fn processors(
@@ -895,7 +895,7 @@ async fn drain_with_processors(
     optimistic: bool,
     claim: ClaimMode,
 ) -> Result<Duration> {
-    use inbox_core::processor::{BatchProcessor, ProcessorConfig};
+    use inbox_core::processor::{Processor, ProcessorConfig};
     use inbox_core::{InboxStatus, InboxStore, InboxTransaction, NewInboxRow};
     for ids in id_batches(messages) {
         let rows: Vec<NewInboxRow> = ids
@@ -927,7 +927,7 @@ async fn drain_with_processors(
         };
         config.claim = claim;
         let store = PgStore::new(connect(url).await?, TableName::default());
-        workers.push(BatchProcessor::new(store, handler.clone(), config));
+        workers.push(Processor::new(store, handler.clone(), config));
     }
     let started = Instant::now();
     let tasks: Vec<_> = workers

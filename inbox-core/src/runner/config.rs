@@ -37,7 +37,7 @@ pub struct RunnerConfig {
     pub strategy: AckStrategy,
     /// The longest a handler may run before it counts as failed. Default 30 s.
     pub handler_timeout: Duration,
-    /// Attempt budget written to new rows (batch processor only). Default 5.
+    /// Attempt budget written to new rows (processor only). Default 5.
     pub max_attempts: i32,
     /// Backoff after consecutive storage or fetch failures.
     pub store_backoff: Backoff,

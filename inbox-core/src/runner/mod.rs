@@ -113,7 +113,7 @@ where
     C: Consumer,
 {
     /// A runner without a handler: it lands each message as a `pending` row
-    /// for a batch processor and acknowledges it.
+    /// for a processor and acknowledges it.
     pub fn land_only(store: S, consumer: C, config: RunnerConfig) -> Self {
         Self::build(store, consumer, None, config)
     }

@@ -8,7 +8,7 @@
 //! Each function takes a harness whose store is fresh (or whose other data
 //! does not share the scenario's consumer groups); it makes its own topics.
 //! It panics with a message on the first assertion that fails: these are
-//! test helpers. The batch processor's scenarios need no broker and take a
+//! test helpers. The processor's scenarios need no broker and take a
 //! store.
 //!
 //! # Panics

@@ -372,7 +372,7 @@ pub async fn locked_elsewhere_is_deferred<H: Harness>(h: &H) {
             let again = next_delivery(&mut runner).await;
             assert_eq!(again.position, d.position, "delivered again");
             assert_eq!(handler.calls(), 0);
-            // The batch processor's lease goes stale and is released.
+            // The processor's lease goes stale and is released.
             let released = store
                 .release_stale_locks(Duration::ZERO)
                 .await

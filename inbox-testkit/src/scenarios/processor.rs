@@ -1,9 +1,9 @@
-//! The batch processor (no broker: a store): draining, retry times, a row
+//! The processor (no broker: a store): draining, retry times, a row
 //! that aborted, leases lost and expired, row locks, retention.
 
 use super::*;
 
-/// The batch processor drains landed rows (batches of 4): a row whose
+/// The processor drains landed rows (batches of 4): a row whose
 /// handler succeeds completes once; one that fails once completes on its
 /// second attempt with the failed attempt's writes rolled back and its
 /// neighbours' kept; one that always fails ends `failed` after exactly
@@ -41,7 +41,7 @@ where
     S: ScenarioStore,
     S::Tx: WriteInvoice,
 {
-    use inbox_core::processor::{BatchProcessor, ProcessorConfig};
+    use inbox_core::processor::{Processor, ProcessorConfig};
     let group = format!(
         "processor-drain-{}-{claim:?}",
         if optimistic {
@@ -66,7 +66,7 @@ where
     config.claim = claim;
     config.filter.consumer_group = Some(group.to_owned());
     let mut processor =
-        BatchProcessor::new(store.clone(), handler, config).with_dead_letter_hook(hook.clone());
+        Processor::new(store.clone(), handler, config).with_dead_letter_hook(hook.clone());
     let mut batches = 0;
     loop {
         let b = processor
@@ -178,7 +178,7 @@ impl<Tx: WriteInvoice + 'static> Handler<Tx> for RetryAt {
     }
 }
 
-/// The batch processor with handlers that ask for a retry at a time no
+/// The processor with handlers that ask for a retry at a time no
 /// store holds (the earliest and the latest time chrono has): the times are
 /// clamped into 1970..9999 and reported, the batch's outcomes are written
 /// (before, PostgreSQL refused the whole statement, and the batch was
@@ -190,7 +190,7 @@ where
 {
     use chrono::{DateTime, Utc};
     use inbox_core::attempts::{EARLIEST_DUE, LATEST_DUE};
-    use inbox_core::processor::{BatchProcessor, ProcessorConfig};
+    use inbox_core::processor::{Processor, ProcessorConfig};
     let group = "processor-times";
     let ids: Vec<String> = (0..3).map(|i| format!("{group}-{i}")).collect();
     for m in &ids {
@@ -202,7 +202,7 @@ where
     ]);
     let mut config = ProcessorConfig::new("processor-times").unwrap_or_else(|e| panic!("{e}"));
     config.filter.consumer_group = Some(group.to_owned());
-    let mut processor = BatchProcessor::new(store.clone(), handler, config);
+    let mut processor = Processor::new(store.clone(), handler, config);
     let batch = processor
         .process_batch()
         .await
@@ -222,7 +222,7 @@ where
     assert_eq!(store.invoices(&ids[2]).await, 1);
 }
 
-/// The batch processor with a handler that swallows a database error on
+/// The processor with a handler that swallows a database error on
 /// one row (returns `Ok` over an aborted transaction), in both the
 /// optimistic and the savepoint mode: that row alone gets a counted failure
 /// (pending, one attempt, the statement's error kept), its invoice rolled
@@ -232,7 +232,7 @@ where
     S: ScenarioStore,
     S::Tx: WriteInvoice + 'static,
 {
-    use inbox_core::processor::{BatchProcessor, ProcessorConfig};
+    use inbox_core::processor::{Processor, ProcessorConfig};
     for optimistic in [true, false] {
         let group = format!("processor-aborted-{optimistic}");
         let ids: Vec<String> = (0..3).map(|i| format!("{group}-{i}")).collect();
@@ -244,7 +244,7 @@ where
             ProcessorConfig::new("processor-aborted").unwrap_or_else(|e| panic!("{e}"));
         config.filter.consumer_group = Some(group.clone());
         config.isolation = isolation(!optimistic);
-        let mut processor = BatchProcessor::new(store.clone(), handler, config);
+        let mut processor = Processor::new(store.clone(), handler, config);
         let batch = processor
             .process_batch()
             .await
@@ -283,13 +283,13 @@ async fn releasing_leases<S>(
     claim: ClaimMode,
 ) -> (
     Vec<String>,
-    inbox_core::processor::BatchProcessor<S, ReleasesLeases<S>>,
+    inbox_core::processor::Processor<S, ReleasesLeases<S>>,
 )
 where
     S: ScenarioStore,
     S::Tx: WriteInvoice + 'static,
 {
-    use inbox_core::processor::{BatchProcessor, ProcessorConfig};
+    use inbox_core::processor::{Processor, ProcessorConfig};
     let ids: Vec<String> = (0..3).map(|i| format!("{group}-{i}")).collect();
     for m in &ids {
         store.land(&landed(m, group, 3)).await;
@@ -301,7 +301,7 @@ where
     let mut config = ProcessorConfig::new("processor-lease").unwrap_or_else(|e| panic!("{e}"));
     config.filter.consumer_group = Some(group.to_owned());
     config.claim = claim;
-    (ids, BatchProcessor::new(store.clone(), handler, config))
+    (ids, Processor::new(store.clone(), handler, config))
 }
 
 /// A processor whose leases are released while it works (maintenance with
@@ -352,7 +352,7 @@ where
     S: ScenarioStore,
     S::Tx: WriteInvoice + 'static,
 {
-    use inbox_core::processor::BatchProcessor;
+    use inbox_core::processor::Processor;
     let group = "processor-dies";
     let (ids, config) = a_worker_dies_holding_its_batch(&store, group, ClaimMode::Lease).await;
     for m in &ids {
@@ -360,7 +360,7 @@ where
         assert_eq!(r.locked_by.as_deref(), Some("doomed"), "{m}: still leased");
     }
     let handler = ScriptedHandler::new([], Act::Succeed);
-    let mut survivor = BatchProcessor::new(store.clone(), handler, config);
+    let mut survivor = Processor::new(store.clone(), handler, config);
     let before = survivor
         .process_batch()
         .await
@@ -399,7 +399,7 @@ where
     S: ScenarioStore,
     S::Tx: WriteInvoice + 'static,
 {
-    use inbox_core::processor::{BatchProcessor, ProcessorConfig};
+    use inbox_core::processor::{Processor, ProcessorConfig};
     let ids: Vec<String> = (0..3).map(|i| format!("{group}-{i}")).collect();
     for m in &ids {
         store.land(&landed(m, group, 3)).await;
@@ -409,7 +409,7 @@ where
     config.handler_timeout = Duration::from_secs(600);
     config.claim = claim;
     let hangs = ScriptedHandler::new([Act::Succeed, Act::Hang], Act::Succeed);
-    let mut doomed = BatchProcessor::new(store.clone(), hangs, config.clone());
+    let mut doomed = Processor::new(store.clone(), hangs, config.clone());
     let died = tokio::time::timeout(Duration::from_millis(300), doomed.process_batch()).await;
     assert!(
         died.is_err(),
@@ -431,7 +431,7 @@ where
     S: ScenarioStore,
     S::Tx: WriteInvoice + 'static,
 {
-    use inbox_core::processor::BatchProcessor;
+    use inbox_core::processor::Processor;
     let group = "processor-lock-dies";
     let (ids, config) = a_worker_dies_holding_its_batch(&store, group, ClaimMode::RowLock).await;
     for m in &ids {
@@ -439,7 +439,7 @@ where
         assert_eq!(r.locked_by, None, "{m}: no lease written");
     }
     let handler = ScriptedHandler::new([], Act::Succeed);
-    let mut survivor = BatchProcessor::new(store.clone(), handler, config);
+    let mut survivor = Processor::new(store.clone(), handler, config);
     // the dead transaction's rollback reaches the server when its
     // connection goes back to the pool: moments, not a lease
     let started = std::time::Instant::now();
@@ -497,7 +497,7 @@ where
     S::Tx: WriteInvoice + 'static,
 {
     use inbox_core::maintenance::{Maintenance, MaintenanceConfig};
-    use inbox_core::processor::{BatchProcessor, ProcessorConfig};
+    use inbox_core::processor::{Processor, ProcessorConfig};
     let group = "retention";
     let id = |m: &str| format!("{group}-{m}");
     for m in ["done-1", "done-2", "done-3", "bad"] {
@@ -506,7 +506,7 @@ where
     let bad = id("bad");
     let mut config = ProcessorConfig::new("retention-worker").unwrap_or_else(|e| panic!("{e}"));
     config.filter.consumer_group = Some(group.to_owned());
-    let mut processor = BatchProcessor::new(
+    let mut processor = Processor::new(
         store.clone(),
         FlakyById::new([(bad.as_str(), 1_000)]),
         config,
@@ -576,7 +576,7 @@ impl<Tx: WriteInvoice + Send + 'static> Handler<Tx> for NotingFormats {
     }
 }
 
-/// A binary payload (Protobuf, Avro, ...) landed for the batch processor
+/// A binary payload (Protobuf, Avro, ...) landed for the processor
 /// comes to its handler as it arrived: format binary, every byte (NUL and
 /// 0xff included) and a null JSON payload; a JSON row beside it stays JSON.
 /// By lease and by row lock.
@@ -585,7 +585,7 @@ where
     S: ScenarioStore,
     S::Tx: WriteInvoice,
 {
-    use inbox_core::processor::{BatchProcessor, ProcessorConfig};
+    use inbox_core::processor::{Processor, ProcessorConfig};
     for claim in [ClaimMode::Lease, ClaimMode::RowLock] {
         let group = format!("processor-binary-{claim:?}");
         let id = |m: &str| format!("{group}-{m}");
@@ -606,7 +606,7 @@ where
         let mut config = ProcessorConfig::new("processor-1").unwrap_or_else(|e| panic!("{e}"));
         config.claim = claim;
         config.filter.consumer_group = Some(group.clone());
-        let mut processor = BatchProcessor::new(store.clone(), handler.clone(), config);
+        let mut processor = Processor::new(store.clone(), handler.clone(), config);
         let b = processor
             .process_batch()
             .await

@@ -95,19 +95,20 @@ pub use security::{Sasl, Tls};
 use std::sync::Arc;
 
 use inbox_core::{
-    CancellationToken, Handler, InboxStore, Metrics, NoopMetrics, OffsetStore, RunSummary, Runner,
-    RunnerConfig,
+    CancellationToken, Handler, InboxStore, Metrics, OffsetStore, RunSummary, Runner, RunnerConfig,
 };
 
 /// Runs up to `workers` runners concurrently, the configured partitions
 /// dealt out among them round-robin; each runner reads its partitions
-/// strictly in order. Returns when `cancel` fires and every runner has
-/// finished its message in flight.
+/// strictly in order, reporting to `metrics` (`Arc::new(NoopMetrics)`:
+/// nowhere). Returns when `cancel` fires and every runner has finished its
+/// message in flight.
 ///
 /// # Errors
 ///
 /// A [`KafkaError`] when a consumer cannot connect;
-/// [`KafkaError::RunnerDied`] as soon as a runner task dies (a panic
+/// [`KafkaError::Config`] when `runner` names another consumer group than
+/// `config`; [`KafkaError::RunnerDied`] as soon as a runner task dies (a panic
 /// outside the handler's guard), after the others finished their message
 /// in flight: nobody reads its partitions any more, so the caller must
 /// know (restart, or exit and let the process supervisor restart it).
@@ -117,39 +118,8 @@ pub async fn run_partitioned<S, H>(
     handler: Arc<H>,
     runner: RunnerConfig,
     workers: usize,
-    cancel: CancellationToken,
-) -> Result<Vec<RunSummary>, KafkaError>
-where
-    S: InboxStore + OffsetStore + Clone + 'static,
-    H: Handler<S::Tx> + 'static,
-{
-    run_partitioned_with_metrics(
-        config,
-        store,
-        handler,
-        runner,
-        workers,
-        cancel,
-        Arc::new(NoopMetrics),
-    )
-    .await
-}
-
-/// [`run_partitioned`] reporting to `metrics`.
-///
-/// # Errors
-///
-/// A [`KafkaError`] when a consumer cannot connect;
-/// [`KafkaError::Config`] when `runner` names another consumer group than
-/// `config`.
-pub async fn run_partitioned_with_metrics<S, H>(
-    config: KafkaConfig,
-    store: S,
-    handler: Arc<H>,
-    runner: RunnerConfig,
-    workers: usize,
-    cancel: CancellationToken,
     metrics: Arc<dyn Metrics>,
+    cancel: CancellationToken,
 ) -> Result<Vec<RunSummary>, KafkaError>
 where
     S: InboxStore + OffsetStore + Clone + 'static,
@@ -208,4 +178,27 @@ where
         Some(e) => Err(KafkaError::RunnerDied(e)),
         None => Ok(summaries.into_iter().flatten().collect()),
     }
+}
+
+/// The former form of [`run_partitioned`] with `metrics` (which
+/// [`run_partitioned`] now takes, as `run_group` does).
+///
+/// # Errors
+///
+/// As [`run_partitioned`].
+#[deprecated(since = "0.1.0", note = "run_partitioned takes the metrics")]
+pub async fn run_partitioned_with_metrics<S, H>(
+    config: KafkaConfig,
+    store: S,
+    handler: Arc<H>,
+    runner: RunnerConfig,
+    workers: usize,
+    cancel: CancellationToken,
+    metrics: Arc<dyn Metrics>,
+) -> Result<Vec<RunSummary>, KafkaError>
+where
+    S: InboxStore + OffsetStore + Clone + 'static,
+    H: Handler<S::Tx> + 'static,
+{
+    run_partitioned(config, store, handler, runner, workers, metrics, cancel).await
 }

@@ -440,9 +440,16 @@ async fn a_runner_of_another_group_is_refused() {
         }
         other => panic!("{other:?}"),
     }
-    let refused =
-        inbox_kafka::run_partitioned(kafka, store, handler, other, 1, CancellationToken::new())
-            .await;
+    let refused = inbox_kafka::run_partitioned(
+        kafka,
+        store,
+        handler,
+        other,
+        1,
+        std::sync::Arc::new(inbox_core::NoopMetrics),
+        CancellationToken::new(),
+    )
+    .await;
     assert!(matches!(refused, Err(KafkaError::Config(_))), "{refused:?}");
     assert!(
         started.elapsed() < Duration::from_secs(2),

@@ -259,6 +259,7 @@ async fn partitions_run_concurrently_each_in_order() {
         recorder.clone(),
         config("billing", AckStrategy::default()),
         2,
+        std::sync::Arc::new(inbox_core::NoopMetrics),
         cancel,
     )
     .await

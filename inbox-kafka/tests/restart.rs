@@ -156,6 +156,7 @@ async fn run_partitioned_reports_a_dead_worker_at_once() {
         ScriptedHandler::new([], Act::Succeed),
         config("billing", AckStrategy::default()),
         2,
+        std::sync::Arc::new(inbox_core::NoopMetrics),
         cancel.clone(),
     );
     let result = tokio::time::timeout(Duration::from_secs(20), run).await;

@@ -23,7 +23,7 @@ use inbox_core::{
     BatchConfig, CancellationToken, CountingMetrics, HandlerError, HandlerResult, Message,
     MetricEvent, Metrics, RunnerConfig,
 };
-use inbox_kafka::{KafkaConfig, run_partitioned_with_metrics};
+use inbox_kafka::{KafkaConfig, run_partitioned};
 use inbox_postgres::sea_orm::{ConnectionTrait, DbBackend, Statement};
 use inbox_postgres::{PgStore, PgTx, TableName};
 use inbox_testkit::kafka::{json_record, raw_record};
@@ -317,14 +317,14 @@ async fn billing(per_message: bool, prometheus: Option<std::net::SocketAddr>) ->
     );
     let cancel = CancellationToken::new();
     let started = Instant::now();
-    let run = tokio::spawn(run_partitioned_with_metrics(
+    let run = tokio::spawn(run_partitioned(
         kafka,
         store.clone(),
         handler.clone(),
         runner,
         WORKERS,
-        cancel.clone(),
         metrics.clone(),
+        cancel.clone(),
     ));
     let deadline = started + Duration::from_secs(600);
     loop {

@@ -34,7 +34,7 @@ use inbox_core::{
     BatchConfig, CountingMetrics, Handler, HandlerError, Message, MetricEvent, Metrics,
     RunnerConfig,
 };
-use inbox_kafka::{KafkaConfig, run_partitioned_with_metrics};
+use inbox_kafka::{KafkaConfig, run_partitioned};
 use inbox_postgres::sea_orm::{ConnectionTrait, DbBackend, Statement};
 use inbox_postgres::{PgStore, PgTx, TableName};
 use inbox_testkit::kafka::{Broker, json_record, raw_record};
@@ -214,14 +214,14 @@ pub(crate) fn consumer(args: &[String]) -> Result<()> {
         }
         // connecting fails while a server is down: try again
         while !cancel.is_cancelled() {
-            match run_partitioned_with_metrics(
+            match run_partitioned(
                 kafka.clone(),
                 store.clone(),
                 handler.clone(),
                 runner.clone(),
                 2,
-                cancel.clone(),
                 metrics.clone(),
+                cancel.clone(),
             )
             .await
             {

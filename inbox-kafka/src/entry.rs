@@ -179,7 +179,10 @@ impl InboxConsumer {
         self
     }
 
-    /// Where the inbox's events are reported (default: nowhere).
+    /// Where the inbox's events are reported. Default: with the feature
+    /// `metrics`, through the `metrics` crate (`FacadeMetrics` for this
+    /// group, per-partition figures labelled with the first topic unless
+    /// the event names its own); without it, nowhere.
     #[must_use]
     pub fn metrics(mut self, metrics: Arc<dyn Metrics>) -> Self {
         self.metrics = Some(metrics);
@@ -242,7 +245,9 @@ impl InboxConsumer {
             let cancel = cancel.clone();
             tokio::spawn(async move { maintenance.run(cancel).await })
         });
-        let metrics = self.metrics.unwrap_or_else(|| Arc::new(NoopMetrics));
+        let metrics = self
+            .metrics
+            .unwrap_or_else(|| default_metrics(&self.kafka.consumer_group, &self.group.topics));
         let result = run_group(
             self.kafka,
             self.group,
@@ -260,6 +265,21 @@ impl InboxConsumer {
         }
         result
     }
+}
+
+/// The consumer's metrics when none are given: the `metrics` crate with
+/// the feature `metrics`, else nowhere.
+#[cfg(feature = "metrics")]
+fn default_metrics(group: &str, topics: &[String]) -> Arc<dyn Metrics> {
+    let topic = topics.first().cloned().unwrap_or_default();
+    Arc::new(inbox_core::metrics::FacadeMetrics::new(group, topic))
+}
+
+/// The consumer's metrics when none are given: the `metrics` crate with
+/// the feature `metrics`, else nowhere.
+#[cfg(not(feature = "metrics"))]
+fn default_metrics(_group: &str, _topics: &[String]) -> Arc<dyn Metrics> {
+    Arc::new(NoopMetrics)
 }
 
 /// A relay that publishes the outbox to Kafka: the one way to run one.

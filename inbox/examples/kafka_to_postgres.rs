@@ -21,7 +21,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use inbox::metrics::FacadeMetrics;
 use inbox::postgres::sea_orm::{ActiveModelTrait, ActiveValue::Set};
 use inbox::postgres::sea_orm_migration::MigratorTrait;
 use inbox::prelude::*;
@@ -170,7 +169,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let consumer = InboxConsumer::new(&brokers, GROUP, [topic.clone()])?
         .member(&member)?
         .batched(100)
-        .metrics(Arc::new(FacadeMetrics::new(GROUP, topic.clone())))
         .maintenance(Some(MaintenanceConfig::new(Duration::from_secs(
             7 * 24 * 3_600,
         ))?));

@@ -36,8 +36,8 @@ struct Sql {
     requeue_failed: String,
     claim_due: String,
     release_claims: String,
-    write_outcomes: String,
-    write_locked_outcomes: String,
+    write_outcomes: Outcomes,
+    write_locked_outcomes: Outcomes,
     lock_due: String,
     find: String,
     release: String,
@@ -74,6 +74,30 @@ fn due_rows(group: &str, sources: &str, types: &str) -> String {
 
 /// The statement writing a batch's outcomes (given as the JSON array
 /// parameter `rows`) on the rows of `q` that meet `held`.
+/// The two statements that write a batch's outcomes on the rows `held`
+/// says the worker still holds: any outcomes, sent as one JSON array in
+/// parameter `rows`, and the common case of a batch whose every row
+/// completed, sent as two array literals (ids, attempts) that PostgreSQL
+/// reads without a JSON parse per row.
+#[derive(Debug, Clone)]
+struct Outcomes {
+    any: String,
+    completed: String,
+}
+
+fn outcomes(q: &str, rows: &str, attempts: &str, held: &str) -> Outcomes {
+    Outcomes {
+        any: outcomes_sql(q, rows, held),
+        completed: format!(
+            "UPDATE {q} AS t
+                SET status = 'completed', attempts_made = u.attempts, completed_at = now(),
+                    locked_by = NULL, locked_at = NULL, updated_at = now()
+               FROM unnest({rows}::text::bigint[], {attempts}::text::int[]) AS u(id, attempts)
+              WHERE t.id = u.id AND {held}"
+        ),
+    }
+}
+
 fn outcomes_sql(q: &str, rows: &str, held: &str) -> String {
     format!(
         "UPDATE {q} AS t
@@ -196,9 +220,9 @@ impl Sql {
             ),
             // Every outcome of a batch in one statement, each only on a row
             // the worker still holds.
-            write_outcomes: outcomes_sql(&q, "$2", "t.locked_by = $1"),
+            write_outcomes: outcomes(&q, "$2", "$3", "t.locked_by = $1"),
             // The same on rows the transaction locked (no lease written).
-            write_locked_outcomes: outcomes_sql(&q, "$1", "t.locked_by IS NULL AND t.status = 'pending'"),
+            write_locked_outcomes: outcomes(&q, "$1", "$2", "t.locked_by IS NULL AND t.status = 'pending'"),
             // The processor's batch taken by row locks in its transaction:
             // the claim's rows, nothing written; `$5`: only these ids
             // (a JSON array, empty: any).
@@ -567,14 +591,33 @@ impl PgTx {
     /// (as JSON) for parameters: how many rows it wrote.
     async fn write_with(
         &self,
-        sql: &str,
+        sql: &Outcomes,
         mut lead: Vec<sea_orm::Value>,
         updates: &[(RowId, RowUpdate)],
     ) -> Result<u64, StoreError> {
         if updates.is_empty() {
             return Ok(0);
         }
-        lead.push(outcomes_json(updates).into());
+        let all_completed = updates.iter().all(|(_, u)| {
+            u.status == InboxStatus::Completed && u.last_error.is_none() && u.due.is_none()
+        });
+        let sql = if all_completed {
+            let list = |items: Vec<String>| format!("{{{}}}", items.join(","));
+            lead.push(list(updates.iter().map(|(id, _)| id.to_string()).collect()).into());
+            lead.push(
+                list(
+                    updates
+                        .iter()
+                        .map(|(_, u)| u.attempts_made.to_string())
+                        .collect(),
+                )
+                .into(),
+            );
+            &sql.completed
+        } else {
+            lead.push(outcomes_json(updates).into());
+            &sql.any
+        };
         let r = self
             .conn
             .inner()

@@ -146,7 +146,14 @@ mod protobuf {
             prost::encoding::decode_varint(rest).map_err(|e| format!("message indexes: {e}"))
         };
         let count = zigzag(next(&mut rest)?);
-        // [0] alone is written as the single count 0
+        // [0] alone is written as the single count 0; each index takes a
+        // byte at least
+        if count > rest.len() as u64 {
+            return Err(format!(
+                "message indexes: {count} announced, {} bytes left",
+                rest.len()
+            ));
+        }
         for _ in 0..count {
             next(&mut rest)?;
         }
@@ -340,6 +347,16 @@ pub mod avro {
                 .map_err(read)?
                 .read_value(&mut datum)
                 .map_err(read)?;
+            // a datum cut short reads as null fields (apache-avro 0.22):
+            // what was read must fit the schema it was read with
+            let read_with = self.reader.as_deref().unwrap_or(&writer);
+            if !value.validate(read_with) {
+                return Err(encoding::<T>(
+                    message,
+                    "avro",
+                    format!("schema {id}: the datum does not fit the schema (cut short?)"),
+                ));
+            }
             if !datum.is_empty() {
                 return Err(encoding::<T>(
                     message,
@@ -437,6 +454,13 @@ mod tests {
         let got: OrderPb =
             run(Protobuf.decode(&Message::binary("m", "s", "order", nested))).expect("nested");
         assert_eq!(got.id, "o-1");
+        // a negative index count (zigzag 1) announces more than is left
+        let e = run(<Protobuf as PayloadDecoder<OrderPb>>::decode(
+            &Protobuf,
+            &Message::binary("m", "s", "order", vec![0, 0, 0, 0, 42, 1, 0x0a]),
+        ))
+        .expect_err("a bad index count");
+        assert!(e.to_string().contains("announced"), "{e}");
         let e = run(<Protobuf as PayloadDecoder<OrderPb>>::decode(
             &Protobuf,
             &Message::binary("m", "s", "order", vec![0x0a, 0x05, b'a']),
@@ -524,6 +548,35 @@ mod tests {
         ))
         .expect_err("a byte after the datum");
         assert!(e.to_string().contains("after the datum"), "{e}");
+        // a string announced longer than the bytes left: apache-avro reads
+        // it as null, which the schema refuses
+        #[derive(Debug, serde::Deserialize)]
+        struct Named {
+            #[allow(dead_code)]
+            name: Option<String>,
+        }
+        let named = Avro::new(
+            Schemas::new()
+                .with(
+                    9,
+                    r#"{"type": "record", "name": "Named", "fields": [{"name": "name", "type": "string"}]}"#,
+                )
+                .expect("schema"),
+        );
+        let mut cut = vec![0, 0, 0, 0, 9];
+        let mut n: u64 = 400_000_000 << 1; // zigzag of a 400 MB length
+        while n >= 0x80 {
+            cut.push(u8::try_from(n & 0x7f).unwrap_or(0) | 0x80);
+            n >>= 7;
+        }
+        cut.push(u8::try_from(n).unwrap_or(0));
+        cut.extend_from_slice(b"abc");
+        let e = run(<Avro<Schemas> as PayloadDecoder<Named>>::decode(
+            &named,
+            &Message::binary("m", "s", "named", cut),
+        ))
+        .expect_err("cut short, not a missing name");
+        assert!(e.to_string().contains("does not fit the schema"), "{e}");
         assert!(matches!(
             Schemas::new().with(1, "{nope"),
             Err(SchemaError::Invalid { id: 1, .. })

@@ -582,4 +582,22 @@ mod tests {
             Err(SchemaError::Invalid { id: 1, .. })
         ));
     }
+
+    #[cfg(all(feature = "protobuf", feature = "avro"))]
+    proptest::proptest! {
+        /// Whatever bytes arrive, the binary formats answer with a value or
+        /// a typed error: no panic, no hang, no runaway allocation.
+        #[test]
+        fn any_bytes_decode_or_fail_cleanly(tail in proptest::collection::vec(proptest::num::u8::ANY, 0..64), framed in proptest::bool::ANY) {
+            let mut bytes = if framed { vec![0, 0, 0, 0, 7] } else { Vec::new() };
+            bytes.extend_from_slice(&tail);
+            let m = Message::binary("m", "s", "order", bytes);
+            let _ = run(<Protobuf as PayloadDecoder<OrderPb>>::decode(&Protobuf, &m));
+            let avro = Avro::new(Schemas::new().with(7, ORDER_V1).expect("schema"));
+            let decoded = run(<Avro<Schemas> as PayloadDecoder<Order>>::decode(&avro, &m));
+            if !framed || tail.is_empty() {
+                proptest::prop_assert!(decoded.is_err());
+            }
+        }
+    }
 }

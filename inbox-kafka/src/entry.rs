@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use inbox_core::maintenance::{Maintenance, MaintenanceConfig};
 use inbox_core::{
-    BatchConfig, CancellationToken, Handler, InboxStore, MembershipStore, Metrics, NoopMetrics,
-    OffsetStore, RunnerConfig,
+    BatchConfig, CancellationToken, Handler, InboxStore, MembershipStore, Metrics, OffsetStore,
+    RunnerConfig,
 };
 
 use crate::decode::Decode;
@@ -267,19 +267,19 @@ impl InboxConsumer {
     }
 }
 
-/// The consumer's metrics when none are given: the `metrics` crate with
-/// the feature `metrics`, else nowhere.
+/// The metrics of a consumer or a relay given none: the `metrics` crate
+/// with the feature `metrics`, else nowhere.
 #[cfg(feature = "metrics")]
 fn default_metrics(group: &str, topics: &[String]) -> Arc<dyn Metrics> {
     let topic = topics.first().cloned().unwrap_or_default();
     Arc::new(inbox_core::metrics::FacadeMetrics::new(group, topic))
 }
 
-/// The consumer's metrics when none are given: the `metrics` crate with
-/// the feature `metrics`, else nowhere.
+/// The metrics of a consumer or a relay given none: the `metrics` crate
+/// with the feature `metrics`, else nowhere.
 #[cfg(not(feature = "metrics"))]
 fn default_metrics(_group: &str, _topics: &[String]) -> Arc<dyn Metrics> {
-    Arc::new(NoopMetrics)
+    Arc::new(inbox_core::NoopMetrics)
 }
 
 /// A relay that publishes the outbox to Kafka: the one way to run one.
@@ -372,7 +372,9 @@ impl OutboxRelay {
         self
     }
 
-    /// Where the relay's events are reported (default: nowhere).
+    /// Where the relay's events are reported. Default: with the feature
+    /// `metrics`, through the `metrics` crate (`FacadeMetrics` for the
+    /// relays' group); without it, nowhere.
     #[must_use]
     pub fn metrics(mut self, metrics: Arc<dyn Metrics>) -> Self {
         self.metrics = Some(metrics);
@@ -422,7 +424,9 @@ impl OutboxRelay {
                 cancel.cancel();
             }
         });
-        let metrics = self.metrics.unwrap_or_else(|| Arc::new(NoopMetrics));
+        let metrics = self
+            .metrics
+            .unwrap_or_else(|| default_metrics(&self.relay.group, &[]));
         let summary = inbox_core::outbox::Relay::new(store, publisher, self.relay)
             .with_metrics(metrics)
             .run(cancel)

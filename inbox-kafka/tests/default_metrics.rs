@@ -1,7 +1,8 @@
-//! With the feature `metrics`, an `InboxConsumer` given no metrics reports
-//! through the `metrics` crate (a recorder installed as the global one sees
-//! every message counted under the consumer's group), so a program names
-//! its group once and an exporter sees the inbox. Against tansu and
+//! With the feature `metrics`, an `InboxConsumer` and an `OutboxRelay`
+//! given no metrics report through the `metrics` crate (a recorder
+//! installed as the global one sees every message counted under the
+//! consumer's group, every event published under the relays' group), so a
+//! program names its group once and an exporter sees the inbox. Against tansu and
 //! PostgreSQL. Its own test binary: it installs the process's recorder.
 
 #![cfg(feature = "metrics")]
@@ -10,14 +11,16 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use inbox_kafka::InboxConsumer;
+use inbox_core::outbox::OutboxMessage;
+use inbox_core::{InboxStore as _, InboxTransaction as _};
+use inbox_kafka::{InboxConsumer, OutboxRelay};
 use inbox_testkit::scenarios::{Act, ScriptedHandler};
-use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 
 use common::env;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_inbox_consumer_reports_through_the_metrics_crate_by_default() {
+async fn a_consumer_and_a_relay_report_through_the_metrics_crate_by_default() {
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     recorder
@@ -49,21 +52,61 @@ async fn an_inbox_consumer_reports_through_the_metrics_crate_by_default() {
     }
     let _ = stop.send(());
     let _ = tokio::time::timeout(Duration::from_secs(15), running).await;
-    let processed: u64 = snapshotter
+    let processed = counted(&snapshotter, "inbox_messages_total", "metered");
+    assert_eq!(processed, 6, "each message counted once under its group");
+
+    // the relay: 4 events enqueued, published, counted under its group
+    for i in 0..4 {
+        let tx = env.store.begin().await.unwrap_or_else(|e| panic!("{e}"));
+        let event = OutboxMessage::new(&env.topic, "{}").message_id(format!("metered-e{i}"));
+        env.store
+            .outbox()
+            .enqueue(tx.connection(), &event)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+    }
+    let relay = OutboxRelay::new(env.broker.address(), "relay-1")
+        .unwrap_or_else(|e| panic!("{e}"))
+        .configure(|r| r.heartbeat = Duration::from_millis(100));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(relay.run(env.store.clone(), async move {
+        let _ = stopped.await;
+    }));
+    // a snapshot takes the counts since the last one: add them up
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut published = 0;
+    while published < 4 {
+        assert!(Instant::now() < deadline, "the relay's events not counted");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        published += counted(&snapshotter, "inbox_outbox_published_total", "outbox-relay");
+    }
+    let _ = stop.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(15), running).await;
+    published += counted(&snapshotter, "inbox_outbox_published_total", "outbox-relay");
+    assert_eq!(
+        published, 4,
+        "each event counted once under the relays' group"
+    );
+}
+
+/// The counter `name` summed over its series labelled with `group`, since
+/// the last snapshot.
+fn counted(snapshotter: &Snapshotter, name: &str, group: &str) -> u64 {
+    snapshotter
         .snapshot()
         .into_vec()
         .into_iter()
         .filter_map(|(key, _, _, value)| {
             let key = key.key();
-            let ours = key.name() == "inbox_messages_total"
+            let ours = key.name() == name
                 && key
                     .labels()
-                    .any(|l| l.key() == "group" && l.value() == "metered");
+                    .any(|l| l.key() == "group" && l.value() == group);
             match (ours, value) {
                 (true, DebugValue::Counter(n)) => Some(n),
                 _ => None,
             }
         })
-        .sum();
-    assert_eq!(processed, 6, "each message counted once under its group");
+        .sum()
 }

@@ -256,20 +256,26 @@ async fn the_command_works_with_dead_letters_the_outbox_and_status() {
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     // two messages dead-lettered: new-1 (its handler failed before a fix
-    // the replayer now has) and bad-1 (still failing)
+    // the replayer now has; a binary payload, as a Protobuf record's) and
+    // bad-1 (still failing)
     let broker = MemBroker::new();
     for id in ["new-1", "bad-1", "ok-1"] {
-        broker.produce(
-            "orders",
-            0,
+        let message = if id == "new-1" {
+            Message::binary(id, "orders", "order.created", vec![0x0a, 0x00, 0xff])
+        } else {
             Message::new(
                 id,
                 "orders",
                 "order.created",
                 serde_json::json!({ "order": id }),
             )
-            .with_header("hop", "gateway")
-            .with_header("hop", "api"),
+        };
+        broker.produce(
+            "orders",
+            0,
+            message
+                .with_header("hop", "gateway")
+                .with_header("hop", "api"),
         );
     }
     let mut runner = Runner::new(
@@ -375,6 +381,18 @@ async fn the_command_works_with_dead_letters_the_outbox_and_status() {
         "{text}"
     );
     assert!(text.contains("unknown event version"), "{text}");
+    // a binary payload shown whole, as base64 (0a 00 ff)
+    assert!(text.contains("raw (base64)  CgD/"), "{text}");
+    let listed = list
+        .as_array()
+        .and_then(|l| l.iter().find(|d| d["message_id"] == "new-1"))
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(
+        (&listed["raw_base64"], &listed["message"]["format"]),
+        (&serde_json::json!("CgD/"), &serde_json::json!("binary")),
+        "{listed}"
+    );
 
     // replay through the command; the service's replayer has the fix
     let cancel = inbox::CancellationToken::new();

@@ -23,6 +23,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD as BASE64;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use inbox::dead_letters::{DeadLetter, DeadLetterQuery, DeadLetterStore};
 use inbox::kafka::{
@@ -402,6 +404,8 @@ fn letter_json(d: &DeadLetter) -> Value {
         "replay_error": d.replay_error,
         "message": d.recorded,
         "raw": d.raw.as_ref().map(|r| String::from_utf8_lossy(r).into_owned()),
+        // every byte, for a binary payload (Protobuf, Avro) that text loses
+        "raw_base64": d.raw.as_ref().map(|r| BASE64.encode(r)),
     })
 }
 
@@ -466,8 +470,13 @@ async fn dead_letters(cmd: DeadLetters, store: &PgStore, out: Out) -> Result<Exi
                     }
                 }
                 println!("message       {}", d.recorded);
-                if let Some(raw) = &d.raw {
-                    println!("raw           {}", String::from_utf8_lossy(raw));
+                match d.raw.as_deref().map(std::str::from_utf8) {
+                    Some(Ok(text)) => println!("raw           {text}"),
+                    Some(Err(_)) => {
+                        let bytes = d.raw.as_deref().unwrap_or_default();
+                        println!("raw (base64)  {}", BASE64.encode(bytes));
+                    }
+                    None => {}
                 }
             }
             Ok(ExitCode::SUCCESS)

@@ -287,6 +287,30 @@ impl<Tx: Send + 'static> EventRouter<Tx> {
         self.add(event_type, None, decoder, handler)
     }
 
+    /// Routes `event_type` at `schema_version` to `handler`, its payload
+    /// read by `decoder` (preferred over the route without a version): a
+    /// topic whose records name their schema version in a header, each
+    /// version a type of its own, in any format.
+    pub fn on_format_version<T, D, H>(
+        self,
+        event_type: &str,
+        schema_version: &str,
+        decoder: D,
+        handler: H,
+    ) -> Self
+    where
+        T: Send + 'static,
+        D: PayloadDecoder<T> + 'static,
+        H: EventHandler<T, Tx> + 'static,
+    {
+        self.add(
+            event_type,
+            Some(schema_version.to_owned()),
+            decoder,
+            handler,
+        )
+    }
+
     /// Routes `event_type` to `handler`, its payload Protobuf decoded by
     /// prost into `T` (plain, or in the Confluent wire format).
     ///
@@ -522,6 +546,49 @@ mod tests {
             .and_then(|s| s.downcast_ref::<RouteError>())
             .cloned()
             .expect("a RouteError")
+    }
+
+    #[cfg(feature = "protobuf")]
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct OrderPbV2 {
+        #[prost(string, tag = "1")]
+        id: String,
+    }
+
+    /// A binary topic's versions routed by format: v2 Protobuf, the rest
+    /// JSON bytes.
+    #[cfg(feature = "protobuf")]
+    #[tokio::test]
+    async fn a_version_picks_its_own_format() {
+        use prost::Message as _;
+        let r: EventRouter<Vec<String>> = EventRouter::new()
+            .on_format::<OrderCreatedV2, _, _>(
+                "order.created",
+                crate::formats::Json,
+                Record("json"),
+            )
+            .on_format_version::<OrderPbV2, _, _>(
+                "order.created",
+                "2",
+                crate::formats::Protobuf,
+                Record("pb"),
+            );
+        let mut tx = Vec::new();
+        let mut v2 = Message::binary(
+            "m-2",
+            "orders",
+            "order.created",
+            OrderPbV2 { id: "x".into() }.encode_to_vec(),
+        );
+        v2.schema_version = Some("2".into());
+        r.handle(&v2, &mut tx).await.expect("protobuf v2");
+        let v1 = Message::binary("m-1", "orders", "order.created", br#"{"id": "y"}"#.to_vec());
+        r.handle(&v1, &mut tx).await.expect("json bytes");
+        assert!(tx[0].starts_with("pb OrderPbV2 { id: \"x\""), "{tx:?}");
+        assert!(
+            tx[1].starts_with("json OrderCreatedV2 { id: \"y\""),
+            "{tx:?}"
+        );
     }
 
     #[tokio::test]

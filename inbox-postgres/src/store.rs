@@ -201,14 +201,21 @@ impl Sql {
             // The processor's claim: due, unlocked, pending rows with
             // attempts left, oldest due first, skipping rows another
             // transaction holds; filters come as JSON arrays (empty: any).
+            // Committed without waiting for its WAL to reach the disk
+            // (`synchronous_commit` off for this statement's transaction
+            // alone): a claim lost in a crash leaves its rows pending and
+            // unleased, to be claimed again, and the work transaction that
+            // follows commits synchronously, flushing the claim before it.
             claim_due: format!(
-                "UPDATE {q} SET locked_by = $1, locked_at = now(), updated_at = now()
+                "WITH async AS (SELECT set_config('synchronous_commit', 'off', true))
+                 UPDATE {q} SET locked_by = $1, locked_at = now(), updated_at = now()
                   WHERE id IN (
                     SELECT id FROM {q}
                      WHERE {due}
                      ORDER BY scheduled_at, id
                      LIMIT $2
                      FOR UPDATE SKIP LOCKED)
+                    AND EXISTS (SELECT 1 FROM async)
                   RETURNING id, message_id, consumer_group, source, event_type, payload, body, status,
                             attempts_made, max_attempts, last_error, scheduled_at, completed_at,
                             locked_at, locked_by, created_at, updated_at",

@@ -393,3 +393,70 @@ async fn an_outcome_refused(claim: ClaimMode) {
     assert!(error.contains("refused this row's outcome"), "{error}");
     assert_eq!(store.invoices("r-1").await, 0, "its writes rolled back");
 }
+
+/// The claim commits without waiting for its WAL (a lost claim only
+/// leaves its rows to be claimed again), and that setting is its own
+/// transaction's alone: every pooled connection still commits
+/// synchronously afterwards, so no handler's effect is ever committed
+/// asynchronously.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_claims_asynchronous_commit_stays_with_the_claim() {
+    use inbox_core::store::DueFilter;
+    // the test server commits asynchronously by default: this database
+    // commits synchronously unless a transaction says otherwise
+    let url = server()
+        .and_then(|s| s.create_database())
+        .unwrap_or_else(|e| panic!("{e}"));
+    let setup = PgStore::connect(&url, TableName::default())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    setup
+        .connection()
+        .execute_unprepared(
+            "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET synchronous_commit = on', current_database()); END $$",
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let store = PgStore::connect(&url, TableName::default())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    let rows: Vec<NewInboxRow> = (0..50)
+        .map(|i| {
+            let m = Message::new(id(i), "orders", "order.created", json!({ "n": i }));
+            NewInboxRow::for_message(&m, GROUP, MAX_ATTEMPTS)
+        })
+        .collect();
+    let mut tx = store.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    tx.insert_or_get_many(&rows)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+    let worker = inbox_core::MemberId::new("claimer").unwrap_or_else(|e| panic!("{e}"));
+    let filter = DueFilter {
+        consumer_group: Some(GROUP.to_owned()),
+        ..DueFilter::default()
+    };
+    let mut claimed = 0;
+    for _ in 0..5 {
+        claimed += store
+            .claim_due(&worker, 10, &filter)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .len();
+    }
+    assert_eq!(claimed, 50, "every row claimed once");
+    for _ in 0..20 {
+        let row = store
+            .connection()
+            .query_one_raw(Statement::from_string(
+                DbBackend::Postgres,
+                "SELECT current_setting('synchronous_commit')",
+            ))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .unwrap_or_else(|| panic!("a row"));
+        let setting: String = row.try_get_by_index(0).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(setting, "on", "the pool's connections commit synchronously");
+    }
+}

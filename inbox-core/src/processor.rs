@@ -55,7 +55,7 @@ use crate::backoff::Backoff;
 use crate::error::{HandlerError, StoreError, StoreErrorKind, ValidationError};
 use crate::handler::Handler;
 use crate::isolation::Isolation;
-use crate::model::{InboxRow, InboxStatus, MemberId, Message, RowId};
+use crate::model::{InboxRow, InboxStatus, MemberId, RowId};
 use crate::outcome::{Failure, HandlerResult, OutcomeClass};
 use crate::store::{DueFilter, InboxStore, InboxTransaction};
 
@@ -266,11 +266,6 @@ impl<S, H> std::fmt::Debug for Processor<S, H> {
     }
 }
 
-/// The message a row stands for (the handler's input).
-fn message_of(row: &InboxRow) -> Message {
-    row.message()
-}
-
 impl<S, H> Processor<S, H>
 where
     S: InboxStore,
@@ -322,7 +317,7 @@ where
         if savepoint {
             tx.savepoint().await?;
         }
-        let message = message_of(row);
+        let message = row.message();
         // the output is converted under the guard (user code too)
         let call = AssertUnwindSafe(async {
             let output = self.handler.handle(&message, &mut *tx).await;

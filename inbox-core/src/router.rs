@@ -371,7 +371,7 @@ impl<Tx: Send + 'static> EventRouter<Tx> {
         T: DeserializeOwned + Send + 'static,
         H: EventHandler<T, Tx> + 'static,
     {
-        self.add(event_type, Some(schema_version.to_owned()), Json, handler)
+        self.on_format_version(event_type, schema_version, Json, handler)
     }
 
     fn add<T, D, H>(

@@ -11,8 +11,6 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use inbox_core::outbox::OutboxMessage;
-use inbox_core::{InboxStore as _, InboxTransaction as _};
 use inbox_kafka::{InboxConsumer, OutboxRelay};
 use inbox_testkit::scenarios::{Act, ScriptedHandler};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
@@ -56,16 +54,7 @@ async fn a_consumer_and_a_relay_report_through_the_metrics_crate_by_default() {
     assert_eq!(processed, 6, "each message counted once under its group");
 
     // the relay: 4 events enqueued, published, counted under its group
-    for i in 0..4 {
-        let tx = env.store.begin().await.unwrap_or_else(|e| panic!("{e}"));
-        let event = OutboxMessage::new(&env.topic, "{}").message_id(format!("metered-e{i}"));
-        env.store
-            .outbox()
-            .enqueue(tx.connection(), &event)
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
-        tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
-    }
+    env.enqueue_events("metered-e", 4).await;
     let relay = OutboxRelay::new(env.broker.address(), "relay-1")
         .unwrap_or_else(|e| panic!("{e}"))
         .configure(|r| r.heartbeat = Duration::from_millis(100));

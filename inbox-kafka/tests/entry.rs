@@ -93,23 +93,9 @@ fn an_inbox_consumer_refuses_what_it_cannot_run_before_connecting() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_outbox_relay_publishes_the_outbox_and_stops_when_its_shutdown_future_ends() {
-    use inbox_core::InboxStore as _;
-    use inbox_core::InboxTransaction as _;
-    use inbox_core::outbox::OutboxMessage;
     use inbox_kafka::OutboxRelay;
     let env = env("entry-relay", 2).await;
-    for i in 0..10 {
-        let tx = env.store.begin().await.unwrap_or_else(|e| panic!("{e}"));
-        let event = OutboxMessage::new(&env.topic, "{}")
-            .key(format!("k{i}"))
-            .message_id(format!("e{i}"));
-        env.store
-            .outbox()
-            .enqueue(tx.connection(), &event)
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
-        tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
-    }
+    env.enqueue_events("e", 10).await;
     let relay = OutboxRelay::new(env.broker.address(), "relay-1")
         .unwrap_or_else(|e| panic!("{e}"))
         .configure(|r| r.heartbeat = Duration::from_millis(100));

@@ -70,6 +70,24 @@ impl Env {
             .unwrap_or_else(|e| panic!("{e}"))
     }
 
+    /// Enqueues `n` outbox events for the topic, each committed on its own:
+    /// ids `<prefix><i>`, keys `k<i>`.
+    pub async fn enqueue_events(&self, prefix: &str, n: usize) {
+        use inbox_core::{InboxStore as _, InboxTransaction as _};
+        for i in 0..n {
+            let tx = self.store.begin().await.unwrap_or_else(|e| panic!("{e}"));
+            let event = inbox_core::outbox::OutboxMessage::new(&self.topic, "{}")
+                .key(format!("k{i}"))
+                .message_id(format!("{prefix}{i}"));
+            self.store
+                .outbox()
+                .enqueue(tx.connection(), &event)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+        }
+    }
+
     pub async fn invoices(&self, order: &str) -> i64 {
         count(
             &self.store,

@@ -205,7 +205,8 @@ pub fn schema_steps(t: &TableName) -> Vec<SchemaStep> {
                     "CREATE UNIQUE INDEX IF NOT EXISTS {} ON {q} (message_id, consumer_group)",
                     t.index("message_group_key")
                 ),
-                // The processor's fetch: due, unlocked, pending rows.
+                // The processor's fetch: due, unlocked, pending rows
+                // (replaced by `due_order`, step `inbox_due_order`).
                 format!(
                     "CREATE INDEX IF NOT EXISTS {} ON {q} (scheduled_at) WHERE status = 'pending' AND locked_by IS NULL",
                     t.index("due_pending")
@@ -454,6 +455,29 @@ pub fn schema_steps(t: &TableName) -> Vec<SchemaStep> {
             // JSON null when `body` is set.
             vec![format!("ALTER TABLE {q} ADD COLUMN IF NOT EXISTS body BYTEA")],
             vec![format!("ALTER TABLE IF EXISTS {q} DROP COLUMN IF EXISTS body")],
+        ),
+        step(
+            "inbox_due_order",
+            // The processor's claim in its own order (`scheduled_at, id`)
+            // along one index: with `scheduled_at` alone, rows landed in
+            // one transaction share a key and the claim read and sorted
+            // every due row to take a hundred (6.7 of its 8.2 ms over
+            // 20,000 due rows, `EXPLAIN ANALYZE`); with `id` in the key it
+            // reads the hundred it takes.
+            vec![
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {q} (scheduled_at, id) WHERE status = 'pending' AND locked_by IS NULL",
+                    t.index("due_order")
+                ),
+                format!("DROP INDEX IF EXISTS {}", t.index_qualified("due_pending")),
+            ],
+            vec![
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {q} (scheduled_at) WHERE status = 'pending' AND locked_by IS NULL",
+                    t.index("due_pending")
+                ),
+                format!("DROP INDEX IF EXISTS {}", t.index_qualified("due_order")),
+            ],
         ),
     ]
 }

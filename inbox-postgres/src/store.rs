@@ -1506,3 +1506,111 @@ impl OffsetStore for PgStore {
         read_partition(&self.db, &self.sql, consumer_group, topic, partition).await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use inbox_core::{InboxStatus, Message};
+    use sea_orm::TransactionTrait;
+
+    /// Every plan node of an `EXPLAIN (FORMAT JSON)` output, depth first.
+    fn nodes(plan: &serde_json::Value, out: &mut Vec<serde_json::Value>) {
+        out.push(plan.clone());
+        for child in plan["Plans"].as_array().into_iter().flatten() {
+            nodes(child, out);
+        }
+    }
+
+    /// The plan nodes of `statement` run (and rolled back) with `args`.
+    async fn executed_plan(
+        db: &DatabaseConnection,
+        prepare: &str,
+        args: &str,
+    ) -> Vec<serde_json::Value> {
+        let tx = db.begin().await.expect("begin");
+        tx.execute_unprepared(prepare).await.expect("prepare");
+        let row = tx
+            .query_one_raw(Statement::from_string(
+                DbBackend::Postgres,
+                format!("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE s({args})"),
+            ))
+            .await
+            .expect("explain")
+            .expect("a plan");
+        let plan: serde_json::Value = row.try_get_by_index(0).expect("json");
+        tx.rollback().await.expect("rollback");
+        let mut out = Vec::new();
+        nodes(&plan[0]["Plan"], &mut out);
+        out
+    }
+
+    /// The processor's claims (by lease and by row lock) take a hundred
+    /// of 3,000 rows landed in one transaction (one `scheduled_at`) along
+    /// the due index, in its order: no sort, about a hundred index
+    /// entries read. Over an index of `scheduled_at` alone they read and
+    /// sorted all 3,000.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_claims_read_only_the_rows_they_take() {
+        let url = inbox_testkit::pg::server()
+            .expect("server")
+            .create_database()
+            .expect("database");
+        let store = PgStore::connect(&url, TableName::default())
+            .await
+            .expect("connect");
+        store.migrate().await.expect("migrate");
+        let rows: Vec<NewInboxRow> = (0..3_000)
+            .map(|i| {
+                let m = Message::new(
+                    format!("m-{i}"),
+                    "orders",
+                    "order.created",
+                    serde_json::json!({ "n": i }),
+                );
+                NewInboxRow::for_message(&m, "g", 5).with_status(InboxStatus::Pending)
+            })
+            .collect();
+        let mut tx = store.begin().await.expect("begin");
+        tx.insert_or_get_many(&rows).await.expect("land");
+        tx.commit().await.expect("commit");
+        store
+            .db
+            .execute_unprepared("ANALYZE inbox")
+            .await
+            .expect("analyze");
+        let claims = [
+            (
+                format!(
+                    "PREPARE s(text, bigint, text, text, text) AS {}",
+                    store.sql.claim_due
+                ),
+                "'w', 100, 'g', '[]', '[]'",
+            ),
+            (
+                format!(
+                    "PREPARE s(bigint, text, text, text, text) AS {}",
+                    store.sql.lock_due
+                ),
+                "100, 'g', '[]', '[]', '[]'",
+            ),
+        ];
+        for (prepare, args) in claims {
+            let plan = executed_plan(&store.db, &prepare, args).await;
+            let types: Vec<&str> = plan
+                .iter()
+                .filter_map(|n| n["Node Type"].as_str())
+                .collect();
+            assert!(!types.contains(&"Sort"), "{types:?} in {prepare}");
+            let read: u64 = plan
+                .iter()
+                .filter(|n| n["Node Type"].as_str().is_some_and(|t| t.contains("Index")))
+                .filter(|n| n["Index Name"] != "inbox_pkey")
+                .filter_map(|n| n["Actual Rows"].as_u64())
+                .sum();
+            assert!(
+                read > 0 && read <= 200,
+                "{read} index entries read: {types:?}"
+            );
+        }
+    }
+}

@@ -22,10 +22,8 @@
 //!    them; otherwise commit;
 //! 4. the dead-letter hook sees each row on its last counted failure.
 //!
-//! That is [`ClaimMode::Lease`]. By default ([`ClaimMode::RowLock`]) steps
-//! 1-3 are one transaction: the rows are locked instead of leased, and
-//! nothing is written to claim them (a store that cannot lock rows falls
-//! back to leases).
+//! With [`ClaimMode::RowLock`] steps 1-3 are one transaction: the rows are
+//! locked instead of leased, and nothing is written to claim them.
 //!
 //! ```
 //! # async fn demo<S, H>(store: S, handler: H) -> Result<(), inbox_core::ValidationError>
@@ -68,15 +66,14 @@ pub enum ClaimMode {
     /// `locked_at`), then the batch is worked in a transaction of its own:
     /// a row's lease outlives the worker's connection until maintenance
     /// releases it as stale ([`InboxStore::release_stale_locks`]).
-    Lease,
-    /// The default: the batch is taken by locking its rows in the
-    /// transaction that works it ([`InboxTransaction::lock_due`]): nothing
-    /// is written to claim them, one commit a batch instead of two, and a
-    /// crashed worker's rows are due again as soon as its transaction ends
-    /// (no stale lease to wait for). Measured 1.28x the lease with a
-    /// one-INSERT handler and 1.44x on no-op jobs (docs/land-and-drain.md).
-    /// A store that cannot lock falls back to [`ClaimMode::Lease`].
     #[default]
+    Lease,
+    /// The batch is taken by locking its rows in the transaction that
+    /// works it ([`InboxTransaction::lock_due`]): nothing is written to
+    /// claim them, one commit a batch instead of two, and a crashed worker's
+    /// rows are due again as soon as its transaction ends (no stale lease
+    /// to wait for). A store that cannot lock falls back to
+    /// [`ClaimMode::Lease`].
     RowLock,
 }
 
@@ -115,7 +112,7 @@ pub struct ProcessorConfig {
     /// each after `store_backoff`, before they count all the same. Default
     /// 100.
     pub transient_retries: u32,
-    /// How the batch is taken. Default [`ClaimMode::RowLock`].
+    /// How the batch is taken. Default [`ClaimMode::Lease`].
     pub claim: ClaimMode,
 }
 

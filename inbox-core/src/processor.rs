@@ -603,7 +603,7 @@ where
         worker: &MemberId,
     ) -> Result<Option<ProcessorBatch>, ProcessorError> {
         let mut tx = self.store.begin().await?;
-        let rows = match tx
+        let mut rows = match tx
             .lock_due(self.config.batch_size.max(1), &self.config.filter, &[])
             .await
         {
@@ -621,7 +621,7 @@ where
             abandon(tx).await;
             return Ok(Some(ProcessorBatch::default()));
         }
-        let batch = ProcessorBatch {
+        let mut batch = ProcessorBatch {
             claimed: rows.len(),
             transactions: 1,
             ..ProcessorBatch::default()
@@ -645,6 +645,28 @@ where
             match step {
                 Ok(Some(results)) => break results,
                 Ok(None) => savepoints = true,
+                Err(e) if e.kind == StoreErrorKind::Aborted && !known.is_empty() => {
+                    // a handler ended the transaction (its locks went with
+                    // it): the replay locks the rows again in a new one,
+                    // those another worker took meanwhile left to it, the
+                    // failed row's outcome kept
+                    abandon(tx).await;
+                    let ids: Vec<RowId> = rows.iter().map(|r| r.id).collect();
+                    tx = self.store.begin().await?;
+                    batch.transactions += 1;
+                    rows = match tx.lock_due(ids.len(), &self.config.filter, &ids).await {
+                        Ok(again) if again.is_empty() => {
+                            abandon(tx).await;
+                            return Ok(Some(batch));
+                        }
+                        Ok(again) => again,
+                        Err(e) => {
+                            abandon(tx).await;
+                            return Err(e.into());
+                        }
+                    };
+                    savepoints = true;
+                }
                 Err(e) => {
                     abandon(tx).await;
                     return Err(e.into());

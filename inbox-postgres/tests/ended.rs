@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use common::{Calls, dead_letters, order, process_until_acked};
-use inbox_core::processor::{Processor, ProcessorConfig};
+use inbox_core::processor::{ClaimMode, Processor, ProcessorConfig};
 use inbox_core::{
     BatchConfig, Handler, HandlerError, InboxStore, InboxTransaction, Message, NewInboxRow, Runner,
     RunnerConfig, StoreErrorKind,
@@ -329,35 +329,42 @@ async fn batched_with_savepoints_an_ending_charges_only_its_message() {
     }
 }
 
-/// The processor: a landed row whose handler ends the transaction
-/// is not completed by a write outside the transaction; its neighbours
-/// complete and it is retried.
+/// The processor, by lease and by row lock: a landed row whose handler
+/// ends the transaction is not completed by a write outside the
+/// transaction; its neighbours complete and it is retried.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_processor_does_not_complete_a_row_whose_handler_ended_the_transaction() {
-    let store = store().await;
-    for id in ["ok-1", "bad-2", "ok-3"] {
-        store
-            .land(&NewInboxRow::for_message(&order(id), "billing", 3))
-            .await;
-    }
-    let handler = Ender::new("ROLLBACK", 1);
-    let mut config = ProcessorConfig::new("processor-1").unwrap_or_else(|e| panic!("{e}"));
-    config.rules.backoff = inbox_core::Backoff::new(Duration::ZERO, Duration::ZERO, 1.0);
-    let mut processor = Processor::new(store.clone(), handler, config);
-    let batch = processor
-        .process_batch()
+    for claim in [ClaimMode::Lease, ClaimMode::RowLock] {
+        let store = store().await;
+        for id in ["ok-1", "bad-2", "ok-3"] {
+            store
+                .land(&NewInboxRow::for_message(&order(id), "billing", 3))
+                .await;
+        }
+        let handler = Ender::new("ROLLBACK", 1);
+        let mut config = ProcessorConfig::new("processor-1").unwrap_or_else(|e| panic!("{e}"));
+        config.rules.backoff = inbox_core::Backoff::new(Duration::ZERO, Duration::ZERO, 1.0);
+        config.claim = claim;
+        let mut processor = Processor::new(store.clone(), handler, config);
+        let batch = processor
+            .process_batch()
+            .await
+            .unwrap_or_else(|e| panic!("{claim:?}: {e}"));
+        assert_eq!(
+            (batch.completed, batch.retried),
+            (2, 1),
+            "{claim:?}: {batch:?}"
+        );
+        assert_eq!(store.invoices("ok-1").await, 1, "{claim:?}");
+        assert_eq!(store.invoices("ok-3").await, 1, "{claim:?}");
+        assert_eq!(store.invoices("bad-2").await, 0, "{claim:?}");
+        let status = count(
+            &store,
+            "SELECT count(*) FROM inbox WHERE message_id = 'bad-2' AND status = 'pending' AND attempts_made = 1",
+            vec![],
+        )
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!((batch.completed, batch.retried), (2, 1), "{batch:?}");
-    assert_eq!(store.invoices("ok-1").await, 1);
-    assert_eq!(store.invoices("ok-3").await, 1);
-    assert_eq!(store.invoices("bad-2").await, 0);
-    let status = count(
-        &store,
-        "SELECT count(*) FROM inbox WHERE message_id = 'bad-2' AND status = 'pending' AND attempts_made = 1",
-        vec![],
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(status, 1, "retried, one attempt counted");
+        assert_eq!(status, 1, "{claim:?}: retried, one attempt counted");
+    }
 }

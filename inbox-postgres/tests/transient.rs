@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use common::{Calls, dead_letters, order, process_until_acked};
-use inbox_core::processor::{Processor, ProcessorConfig};
+use inbox_core::processor::{ClaimMode, Processor, ProcessorConfig};
 use inbox_core::{Handler, HandlerError, Message, NewInboxRow, Runner, RunnerConfig};
 use inbox_postgres::PgTx;
 use inbox_postgres::sea_orm::ConnectionTrait;
@@ -93,37 +93,41 @@ async fn the_runner_retries_transient_errors_without_spending_the_budget() {
     }
 }
 
-/// The processor: a landed row with two attempts whose handler meets
-/// three deadlocks before it gets through is completed, no attempt spent.
+/// The processor, by lease and by row lock: a landed row with two
+/// attempts whose handler meets three deadlocks before it gets through is
+/// completed, no attempt spent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_processor_retries_transient_errors_without_spending_attempts() {
-    let store = fresh_store().await.unwrap_or_else(|e| panic!("{e}"));
-    store
-        .land(&NewInboxRow::for_message(&order("o-1"), "billing", 2))
-        .await;
-    let mut config = ProcessorConfig::new("processor-1").unwrap_or_else(|e| panic!("{e}"));
-    config.store_backoff =
-        inbox_core::Backoff::new(Duration::from_millis(1), Duration::from_millis(1), 1.0);
-    let mut processor = Processor::new(store.clone(), Contended::new("40P01", 3), config);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    let mut completed = 0;
-    while completed == 0 && tokio::time::Instant::now() < deadline {
-        let batch = processor
-            .process_batch()
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
-        completed += batch.completed;
-        assert_eq!(batch.failed, 0, "{batch:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    for claim in [ClaimMode::Lease, ClaimMode::RowLock] {
+        let store = fresh_store().await.unwrap_or_else(|e| panic!("{e}"));
+        store
+            .land(&NewInboxRow::for_message(&order("o-1"), "billing", 2))
+            .await;
+        let mut config = ProcessorConfig::new("processor-1").unwrap_or_else(|e| panic!("{e}"));
+        config.store_backoff =
+            inbox_core::Backoff::new(Duration::from_millis(1), Duration::from_millis(1), 1.0);
+        config.claim = claim;
+        let mut processor = Processor::new(store.clone(), Contended::new("40P01", 3), config);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        let mut completed = 0;
+        while completed == 0 && tokio::time::Instant::now() < deadline {
+            let batch = processor
+                .process_batch()
+                .await
+                .unwrap_or_else(|e| panic!("{claim:?}: {e}"));
+            completed += batch.completed;
+            assert_eq!(batch.failed, 0, "{claim:?}: {batch:?}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(completed, 1, "{claim:?}");
+        assert_eq!(store.invoices("o-1").await, 1, "{claim:?}");
+        let attempts = count(
+            &store,
+            "SELECT attempts_made::bigint FROM inbox WHERE message_id = 'o-1' AND status = 'completed'",
+            vec![],
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(attempts, 0, "{claim:?}: no attempt spent");
     }
-    assert_eq!(completed, 1);
-    assert_eq!(store.invoices("o-1").await, 1);
-    let attempts = count(
-        &store,
-        "SELECT attempts_made::bigint FROM inbox WHERE message_id = 'o-1' AND status = 'completed'",
-        vec![],
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(attempts, 0, "no attempt spent");
 }

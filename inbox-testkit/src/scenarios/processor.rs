@@ -180,8 +180,8 @@ impl<Tx: WriteInvoice + 'static> Handler<Tx> for RetryAt {
 
 /// The processor with handlers that ask for a retry at a time no
 /// store holds (the earliest and the latest time chrono has): the times are
-/// clamped into 1970..9999 and reported, the batch's outcomes are written
-/// (before, PostgreSQL refused the whole statement, and the batch was
+/// clamped into 1970..9999 and reported, the batch's outcomes are written,
+/// by lease and by row lock (before, PostgreSQL refused the whole statement, and the batch was
 /// claimed and released again for ever), the other row is completed.
 pub async fn processor_clamps_retry_times_a_store_cannot_hold<S>(store: S)
 where
@@ -191,41 +191,46 @@ where
     use chrono::{DateTime, Utc};
     use inbox_core::attempts::{EARLIEST_DUE, LATEST_DUE};
     use inbox_core::processor::{Processor, ProcessorConfig};
-    let group = "processor-times";
-    let ids: Vec<String> = (0..3).map(|i| format!("{group}-{i}")).collect();
-    for m in &ids {
-        store.land(&landed(m, group, 3)).await;
+    for claim in [ClaimMode::Lease, ClaimMode::RowLock] {
+        let group = format!("processor-times-{claim:?}");
+        let ids: Vec<String> = (0..3).map(|i| format!("{group}-{i}")).collect();
+        for m in &ids {
+            store.land(&landed(m, &group, 3)).await;
+        }
+        let handler = RetryAt::new([
+            (ids[0].as_str(), DateTime::<Utc>::MIN_UTC),
+            (ids[1].as_str(), DateTime::<Utc>::MAX_UTC),
+        ]);
+        let mut config = ProcessorConfig::new("processor-times").unwrap_or_else(|e| panic!("{e}"));
+        config.filter.consumer_group = Some(group.clone());
+        config.claim = claim;
+        let mut processor = Processor::new(store.clone(), handler, config);
+        let batch = processor
+            .process_batch()
+            .await
+            .unwrap_or_else(|e| panic!("{claim:?}: the outcomes were refused: {e}"));
+        assert_eq!((batch.completed, batch.retried), (1, 2), "{batch:?}");
+        assert_eq!(batch.refused.len(), 2, "{batch:?}");
+        for (m, due) in [(&ids[0], EARLIEST_DUE), (&ids[1], LATEST_DUE)] {
+            let r = row(&store, m, &group)
+                .await
+                .unwrap_or_else(|| panic!("{m}"));
+            assert_eq!(
+                (r.status, r.attempts_made),
+                (InboxStatus::Pending, 0),
+                "{m}"
+            );
+            assert_eq!(r.scheduled_at, due, "{m}");
+            assert_eq!(store.invoices(m).await, 0, "{m}: its writes rolled back");
+        }
+        assert_eq!(store.invoices(&ids[2]).await, 1, "{claim:?}");
     }
-    let handler = RetryAt::new([
-        (ids[0].as_str(), DateTime::<Utc>::MIN_UTC),
-        (ids[1].as_str(), DateTime::<Utc>::MAX_UTC),
-    ]);
-    let mut config = ProcessorConfig::new("processor-times").unwrap_or_else(|e| panic!("{e}"));
-    config.filter.consumer_group = Some(group.to_owned());
-    let mut processor = Processor::new(store.clone(), handler, config);
-    let batch = processor
-        .process_batch()
-        .await
-        .unwrap_or_else(|e| panic!("the outcomes were refused: {e}"));
-    assert_eq!((batch.completed, batch.retried), (1, 2), "{batch:?}");
-    assert_eq!(batch.refused.len(), 2, "{batch:?}");
-    for (m, due) in [(&ids[0], EARLIEST_DUE), (&ids[1], LATEST_DUE)] {
-        let r = row(&store, m, group).await.unwrap_or_else(|| panic!("{m}"));
-        assert_eq!(
-            (r.status, r.attempts_made),
-            (InboxStatus::Pending, 0),
-            "{m}"
-        );
-        assert_eq!(r.scheduled_at, due, "{m}");
-        assert_eq!(store.invoices(m).await, 0, "{m}: its writes rolled back");
-    }
-    assert_eq!(store.invoices(&ids[2]).await, 1);
 }
 
 /// The processor with a handler that swallows a database error on
 /// one row (returns `Ok` over an aborted transaction), in both the
-/// optimistic and the savepoint mode: that row alone gets a counted failure
-/// (pending, one attempt, the statement's error kept), its invoice rolled
+/// optimistic and the savepoint mode, by lease and by row lock: that row
+/// alone gets a counted failure (pending, one attempt, the statement's error kept), its invoice rolled
 /// back; the rows before and after it are completed once, never charged.
 pub async fn processor_charges_the_row_that_aborted<S>(store: S)
 where
@@ -233,8 +238,11 @@ where
     S::Tx: WriteInvoice + 'static,
 {
     use inbox_core::processor::{Processor, ProcessorConfig};
-    for optimistic in [true, false] {
-        let group = format!("processor-aborted-{optimistic}");
+    for (optimistic, claim) in [true, false]
+        .into_iter()
+        .flat_map(|o| [(o, ClaimMode::Lease), (o, ClaimMode::RowLock)])
+    {
+        let group = format!("processor-aborted-{optimistic}-{claim:?}");
         let ids: Vec<String> = (0..3).map(|i| format!("{group}-{i}")).collect();
         for m in &ids {
             store.land(&landed(m, &group, 3)).await;
@@ -244,11 +252,12 @@ where
             ProcessorConfig::new("processor-aborted").unwrap_or_else(|e| panic!("{e}"));
         config.filter.consumer_group = Some(group.clone());
         config.isolation = isolation(!optimistic);
+        config.claim = claim;
         let mut processor = Processor::new(store.clone(), handler, config);
         let batch = processor
             .process_batch()
             .await
-            .unwrap_or_else(|e| panic!("optimistic {optimistic}: {e}"));
+            .unwrap_or_else(|e| panic!("optimistic {optimistic}, {claim:?}: {e}"));
         assert_eq!((batch.claimed, batch.completed), (3, 2), "{batch:?}");
         for (n, m) in ids.iter().enumerate() {
             let r = row(&store, m, &group)

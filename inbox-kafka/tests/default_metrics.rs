@@ -11,7 +11,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use inbox_kafka::{InboxConsumer, OutboxRelay};
+use inbox_kafka::InboxConsumer;
 use inbox_testkit::scenarios::{Act, ScriptedHandler};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 
@@ -55,13 +55,7 @@ async fn a_consumer_and_a_relay_report_through_the_metrics_crate_by_default() {
 
     // the relay: 4 events enqueued, published, counted under its group
     env.enqueue_events("metered-e", 4).await;
-    let relay = OutboxRelay::new(env.broker.address(), "relay-1")
-        .unwrap_or_else(|e| panic!("{e}"))
-        .configure(|r| r.heartbeat = Duration::from_millis(100));
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(relay.run(env.store.clone(), async move {
-        let _ = stopped.await;
-    }));
+    let (stop, running) = env.spawn_relay();
     // a snapshot takes the counts since the last one: add them up
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut published = 0;

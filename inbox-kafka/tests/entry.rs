@@ -93,16 +93,9 @@ fn an_inbox_consumer_refuses_what_it_cannot_run_before_connecting() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_outbox_relay_publishes_the_outbox_and_stops_when_its_shutdown_future_ends() {
-    use inbox_kafka::OutboxRelay;
     let env = env("entry-relay", 2).await;
     env.enqueue_events("e", 10).await;
-    let relay = OutboxRelay::new(env.broker.address(), "relay-1")
-        .unwrap_or_else(|e| panic!("{e}"))
-        .configure(|r| r.heartbeat = Duration::from_millis(100));
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(relay.run(env.store.clone(), async move {
-        let _ = stopped.await;
-    }));
+    let (stop, running) = env.spawn_relay();
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let mut on_broker = 0;

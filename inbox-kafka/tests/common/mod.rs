@@ -88,6 +88,24 @@ impl Env {
         }
     }
 
+    /// An `OutboxRelay` `relay-1` on this broker and store (100 ms
+    /// heartbeats), running until the returned sender is used or dropped.
+    pub fn spawn_relay(
+        &self,
+    ) -> (
+        tokio::sync::oneshot::Sender<()>,
+        tokio::task::JoinHandle<Result<inbox_core::outbox::RelaySummary, inbox_kafka::KafkaError>>,
+    ) {
+        let relay = inbox_kafka::OutboxRelay::new(self.broker.address(), "relay-1")
+            .unwrap_or_else(|e| panic!("{e}"))
+            .configure(|r| r.heartbeat = Duration::from_millis(100));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let running = tokio::spawn(relay.run(self.store.clone(), async move {
+            let _ = stopped.await;
+        }));
+        (stop, running)
+    }
+
     pub async fn invoices(&self, order: &str) -> i64 {
         count(
             &self.store,

@@ -1566,7 +1566,8 @@ mod tests {
         }
     }
 
-    /// The plan nodes of `statement` run (and rolled back) with `args`.
+    /// The plan nodes of `prepare`'s statement `s` run with `args` (and
+    /// rolled back): planned for the values, then generic.
     async fn executed_plans(
         db: &DatabaseConnection,
         prepare: &str,

@@ -307,13 +307,16 @@ where
     }
 
     /// Runs the handler on one row inside `tx` (after a savepoint when
-    /// `savepoint`, rolled back to when the handler failed).
+    /// `savepoint`, rolled back to when the handler failed). A handler that
+    /// ended the transaction leaves no savepoint to return to: its result
+    /// comes back [`Run::Ended`], for the caller to go on in a new
+    /// transaction.
     async fn handle_row(
         &self,
         tx: &mut S::Tx,
         row: &InboxRow,
         savepoint: bool,
-    ) -> Result<Result<HandlerResult, Failure>, StoreError> {
+    ) -> Result<Run, StoreError> {
         if savepoint {
             tx.savepoint().await?;
         }
@@ -373,9 +376,13 @@ where
             self.forget_transient(row.id);
         }
         if savepoint && is_failure(&result) {
-            tx.rollback_to_savepoint().await?;
+            match tx.rollback_to_savepoint().await {
+                Ok(()) => {}
+                Err(e) if e.kind == StoreErrorKind::Aborted => return Ok(Run::Ended(result)),
+                Err(e) => return Err(e),
+            }
         }
-        Ok(result)
+        Ok(Run::Kept(result))
     }
 
     /// Transient failures in a row of row `id`.
@@ -476,8 +483,9 @@ where
                 .run_handlers(&mut tx, rows, savepoints, &mut known)
                 .await
             {
-                Ok(Some(results)) => break (tx, results),
-                Ok(None) => {
+                Ok(Handled::All(results)) => break (tx, results),
+                // undone (or ended by a handler): a new transaction
+                Ok(Handled::Replay | Handled::Ended) => {
                     abandon(tx).await;
                     savepoints = true;
                 }
@@ -539,31 +547,37 @@ where
     }
 
     /// The handlers of `rows` in `tx` (a savepoint before each when
-    /// `savepoints`), the results in `known` reused: every row's result, or
-    /// `None` when a handler failed without savepoints (its result kept in
-    /// `known`): the caller undoes the transaction's work and runs them
-    /// again with savepoints.
+    /// `savepoints`), the results in `known` reused. A handler that failed
+    /// without savepoints ([`Handled::Replay`]: the caller undoes the
+    /// transaction's work and runs them again with savepoints) or ended the
+    /// transaction ([`Handled::Ended`]: the caller goes on in a new one)
+    /// leaves its result in `known`, so it is not run again.
     async fn run_handlers(
         &mut self,
         tx: &mut S::Tx,
         rows: &[InboxRow],
         savepoints: bool,
         known: &mut HashMap<RowId, Result<HandlerResult, Failure>>,
-    ) -> Result<Option<Vec<Result<HandlerResult, Failure>>>, StoreError> {
+    ) -> Result<Handled, StoreError> {
         let mut results = Vec::with_capacity(rows.len());
         for row in rows {
             if let Some(result) = known.get(&row.id) {
                 results.push(result.clone());
                 continue;
             }
-            let result = self.handle_row(tx, row, savepoints).await?;
-            if !savepoints && is_failure(&result) {
-                known.insert(row.id, result);
-                return Ok(None);
+            match self.handle_row(tx, row, savepoints).await? {
+                Run::Ended(result) => {
+                    known.insert(row.id, result);
+                    return Ok(Handled::Ended);
+                }
+                Run::Kept(result) if !savepoints && is_failure(&result) => {
+                    known.insert(row.id, result);
+                    return Ok(Handled::Replay);
+                }
+                Run::Kept(result) => results.push(result),
             }
-            results.push(result);
         }
-        Ok(Some(results))
+        Ok(Handled::All(results))
     }
 
     /// Each row's update from its handler's result, counted in `batch`.
@@ -638,14 +652,19 @@ where
                 .await
             {
                 // a replay goes back to just after the lock: the rows stay
-                // this transaction's, the handlers' writes go
-                Ok(None) => tx.rollback_to_savepoint().await.map(|()| None),
+                // this transaction's, the handlers' writes go (unless the
+                // handler ended the transaction: no savepoint is left)
+                Ok(Handled::Replay) => match tx.rollback_to_savepoint().await {
+                    Ok(()) => Ok(Handled::Replay),
+                    Err(e) if e.kind == StoreErrorKind::Aborted => Ok(Handled::Ended),
+                    Err(e) => Err(e),
+                },
                 other => other,
             };
             match step {
-                Ok(Some(results)) => break results,
-                Ok(None) => savepoints = true,
-                Err(e) if e.kind == StoreErrorKind::Aborted && !known.is_empty() => {
+                Ok(Handled::All(results)) => break results,
+                Ok(Handled::Replay) => savepoints = true,
+                Ok(Handled::Ended) => {
                     // a handler ended the transaction (its locks went with
                     // it): the replay locks the rows again in a new one,
                     // those another worker took meanwhile left to it, the
@@ -755,7 +774,18 @@ where
                 continue;
             };
             let result = match self.handle_row(&mut tx, row, true).await {
-                Ok(result) => result,
+                Ok(Run::Kept(result)) => result,
+                Ok(Run::Ended(result)) => {
+                    // the handler ended the transaction: its outcome is
+                    // written in a new one
+                    abandon(tx).await;
+                    batch.transactions += 1;
+                    let Some(again) = self.begin_for(claim, row.id).await? else {
+                        continue;
+                    };
+                    tx = again;
+                    result
+                }
                 Err(e) => {
                     abandon(tx).await;
                     return Err(e.into());
@@ -867,6 +897,25 @@ where
         }
         Ok(summary)
     }
+}
+
+/// One handler run ([`Processor::handle_row`]).
+enum Run {
+    /// The row's result; the transaction goes on.
+    Kept(Result<HandlerResult, Failure>),
+    /// The row's result (a failure); the handler ended the transaction.
+    Ended(Result<HandlerResult, Failure>),
+}
+
+/// The handlers of a batch ([`Processor::run_handlers`]).
+enum Handled {
+    /// Every row's result, in order.
+    All(Vec<Result<HandlerResult, Failure>>),
+    /// A handler failed without a savepoint: the transaction's work is to
+    /// be undone and the rest run again with savepoints.
+    Replay,
+    /// A handler ended the transaction: the rest is run in a new one.
+    Ended,
 }
 
 /// Whether the store refused a statement for its data (a data exception or

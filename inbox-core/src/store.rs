@@ -104,6 +104,18 @@ pub trait InboxStore: Send + Sync {
     /// `older_than` ago; returns how many.
     async fn delete_completed(&self, older_than: Duration, batch: u64) -> Result<u64, StoreError>;
 
+    /// Deletes the rows `ids`, outside any transaction; ids with no row are
+    /// left alone. The runner calls it with the rows a batch's transaction
+    /// inserted for messages whose handlers had not run yet when a handler
+    /// ended that transaction (`ROLLBACK`, `COMMIT`, ... of its own): had it
+    /// committed, they would stay as handled with no effect, and their
+    /// redeliveries would be skipped as duplicates. The default does
+    /// nothing: a store whose transactions a handler cannot end.
+    async fn discard_orphans(&self, ids: &[RowId]) -> Result<(), StoreError> {
+        let _ = ids;
+        Ok(())
+    }
+
     /// Claims up to `limit` due rows for `worker` and commits the claim (the
     /// lease): `pending`, unlocked, `attempts_made < max_attempts`,
     /// `scheduled_at <= now`, matching `filter`, oldest due first, skipping

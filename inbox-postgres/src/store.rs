@@ -825,6 +825,20 @@ impl InboxStore for PgStore {
             .map_err(db)?;
         Ok(r.rows_affected())
     }
+
+    async fn discard_orphans(&self, ids: &[RowId]) -> Result<(), StoreError> {
+        self.db
+            .execute_raw(discard(&self.sql, ids))
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+}
+
+/// The statement deleting the rows `ids`.
+fn discard(sql: &Sql, ids: &[RowId]) -> Statement {
+    let ids: Vec<serde_json::Value> = ids.iter().map(|id| (*id).into()).collect();
+    stmt(&sql.discard, vec![serde_json::Value::Array(ids).into()])
 }
 
 #[async_trait]
@@ -1102,13 +1116,9 @@ impl InboxTransaction for PgTx {
     }
 
     async fn discard_rows(&mut self, ids: &[RowId]) -> Result<(), StoreError> {
-        let ids: Vec<serde_json::Value> = ids.iter().map(|id| (*id).into()).collect();
         self.conn
             .inner()
-            .execute_raw(stmt(
-                &self.sql.discard,
-                vec![serde_json::Value::Array(ids).into()],
-            ))
+            .execute_raw(discard(&self.sql, ids))
             .await
             .map_err(db)?;
         Ok(())

@@ -19,9 +19,9 @@ use inbox_core::{
 };
 use inbox_postgres::sea_orm::ConnectionTrait;
 use inbox_postgres::{PgStore, PgTx};
-use inbox_testkit::MemBroker;
 use inbox_testkit::pg::{count, fresh_store};
 use inbox_testkit::scenarios::{ScenarioStore, WriteInvoice};
+use inbox_testkit::{MemBroker, MemConsumer};
 
 /// Every way a statement can end the transaction block it runs in.
 const ENDINGS: [&str; 8] = [
@@ -242,32 +242,53 @@ async fn an_ending_spends_the_failure_budget() {
     assert_eq!(dead, 1, "the spent message is dead-lettered");
 }
 
+/// A batched runner over `placed` (partition, message id) produced on
+/// `broker`, each `bad-*` handler sending `ending` on its first call, and
+/// what its first batch (all of them) gave.
+async fn first_batch(
+    store: &PgStore,
+    broker: &MemBroker,
+    placed: &[(i32, &str)],
+    ending: &'static str,
+    isolation: Isolation,
+) -> (
+    Runner<PgStore, MemConsumer, Arc<Ender>>,
+    BatchConfig,
+    inbox_core::BatchResult,
+) {
+    for (p, id) in placed {
+        broker.produce("orders", *p, order(id));
+    }
+    let mut batch = BatchConfig::new(10);
+    batch.linger = Duration::ZERO;
+    batch.adaptive = false;
+    batch.isolation = isolation;
+    let mut runner = Runner::new(
+        store.clone(),
+        broker.consumer("billing"),
+        Ender::new(ending, 1),
+        config().batched(batch),
+    );
+    let messages = runner
+        .next_batch(batch)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(messages.len(), placed.len());
+    let result = runner.process_batch(messages).await;
+    (runner, batch, result)
+}
+
 /// Batched: the message whose handler ended the transaction is charged
 /// alone; the messages before it are handled, nothing at or past it on its
 /// partition is acknowledged, the other partition goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batched_an_ending_charges_only_its_message() {
-    for ending in ["ROLLBACK", "COMMIT AND CHAIN"] {
+    for ending in ["ROLLBACK", "COMMIT AND CHAIN", "COMMIT"] {
         let store = store().await;
         let broker = MemBroker::new();
-        for (p, id) in [(0, "ok-1"), (0, "bad-2"), (0, "ok-3"), (1, "ok-4")] {
-            broker.produce("orders", p, order(id));
-        }
-        let mut batch = BatchConfig::new(10);
-        batch.linger = Duration::ZERO;
-        batch.adaptive = false;
-        let mut runner = Runner::new(
-            store.clone(),
-            broker.consumer("billing"),
-            Ender::new(ending, 1),
-            config().batched(batch),
-        );
-        let messages = runner
-            .next_batch(batch)
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(messages.len(), 4);
-        let result = runner.process_batch(messages).await;
+        let placed = [(0, "ok-1"), (0, "bad-2"), (0, "ok-3"), (1, "ok-4")];
+        let (mut runner, batch, result) =
+            first_batch(&store, &broker, &placed, ending, Isolation::Optimistic).await;
         for id in ["ok-1", "ok-4"] {
             assert_eq!(store.invoices(id).await, 1, "{ending} {id}");
         }
@@ -288,48 +309,87 @@ async fn batched_an_ending_charges_only_its_message() {
             .map(|r| r.message_id.as_str())
             .collect();
         assert_eq!(charged, ["bad-2"], "{ending}: {result:?}");
+        // the redelivery of the held partition: every message handled once
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let again = runner
+            .next_batch(batch)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let redelivered: Vec<&str> = again.iter().map(|m| m.message_id.as_str()).collect();
+        assert_eq!(redelivered, ["bad-2", "ok-3"], "{ending}");
+        let result = runner.process_batch(again).await;
+        assert_eq!(
+            broker.acked("billing", "orders", 0),
+            Some(3),
+            "{ending}: {result:?}"
+        );
+        for id in ["ok-1", "bad-2", "ok-3", "ok-4"] {
+            assert_eq!(store.invoices(id).await, 1, "{ending} {id}: {result:?}");
+        }
     }
 }
 
 /// Batched with a savepoint per handler after a failure: a second message
 /// whose handler ends the transaction in the savepoint attempt (no
 /// savepoint left to return to) is charged alone; the message handled
-/// before it in that attempt is not charged a storage failure.
+/// before it in that attempt is not charged a storage failure. With a
+/// `COMMIT` the rows inserted for the messages not handled yet became
+/// durable as completed: they are deleted before the replay, so the
+/// redelivery handles every message once (before, `ok-4` was found done
+/// and never handled).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batched_with_savepoints_an_ending_charges_only_its_message() {
-    let store = store().await;
-    let broker = MemBroker::new();
-    for (p, id) in [(0, "ok-1"), (0, "bad-2"), (1, "bad-3"), (1, "ok-4")] {
-        broker.produce("orders", p, order(id));
-    }
-    let mut batch = BatchConfig::new(10);
-    batch.linger = Duration::ZERO;
-    batch.adaptive = false;
-    batch.isolation = inbox_core::Isolation::Savepoints;
-    let mut runner = Runner::new(
-        store.clone(),
-        broker.consumer("billing"),
-        Ender::new("ROLLBACK", 1),
-        config().batched(batch),
-    );
-    let messages = runner
-        .next_batch(batch)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(messages.len(), 4);
-    let result = runner.process_batch(messages).await;
-    let stored: Vec<&str> = result
-        .results
-        .iter()
-        .filter(|r| matches!(r.error, Some(inbox_core::ProcessError::Persist(_))))
-        .map(|r| r.message_id.as_str())
-        .collect();
-    assert!(stored.is_empty(), "no storage failure charged: {result:?}");
-    assert_eq!(store.invoices("ok-1").await, 1, "{result:?}");
-    assert_eq!(broker.acked("billing", "orders", 0), Some(1), "up to bad-2");
-    assert_eq!(broker.acked("billing", "orders", 1), None, "bad-3 first");
-    for bad in ["bad-2", "bad-3"] {
-        assert_eq!(store.invoices(bad).await, 0, "{bad}");
+    for ending in ["ROLLBACK", "COMMIT"] {
+        let store = store().await;
+        let broker = MemBroker::new();
+        let placed = [(0, "ok-1"), (0, "bad-2"), (1, "bad-3"), (1, "ok-4")];
+        let (mut runner, batch, result) =
+            first_batch(&store, &broker, &placed, ending, Isolation::Savepoints).await;
+        let stored: Vec<&str> = result
+            .results
+            .iter()
+            .filter(|r| matches!(r.error, Some(inbox_core::ProcessError::Persist(_))))
+            .map(|r| r.message_id.as_str())
+            .collect();
+        assert!(
+            stored.is_empty(),
+            "{ending}: no storage failure charged: {result:?}"
+        );
+        assert_eq!(store.invoices("ok-1").await, 1, "{ending}: {result:?}");
+        assert_eq!(
+            broker.acked("billing", "orders", 0),
+            Some(1),
+            "{ending}: up to bad-2"
+        );
+        assert_eq!(
+            broker.acked("billing", "orders", 1),
+            None,
+            "{ending}: bad-3 first"
+        );
+        if !keeps_writes(ending) {
+            for bad in ["bad-2", "bad-3"] {
+                assert_eq!(store.invoices(bad).await, 0, "{bad}");
+            }
+        }
+        // the redeliveries: every message handled once
+        for _ in 0..20 {
+            if broker.acked("billing", "orders", 0) == Some(2)
+                && broker.acked("billing", "orders", 1) == Some(2)
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            let again = runner
+                .next_batch(batch)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            runner.process_batch(again).await;
+        }
+        assert_eq!(broker.acked("billing", "orders", 0), Some(2), "{ending}");
+        assert_eq!(broker.acked("billing", "orders", 1), Some(2), "{ending}");
+        for id in ["ok-1", "bad-2", "bad-3", "ok-4"] {
+            assert_eq!(store.invoices(id).await, 1, "{ending} {id}");
+        }
     }
 }
 

@@ -99,6 +99,10 @@ impl<S: InboxStore> InboxStore for FaultyStore<S> {
         self.inner.find(message_id, consumer_group).await
     }
 
+    async fn discard_orphans(&self, ids: &[RowId]) -> Result<(), StoreError> {
+        self.inner.discard_orphans(ids).await
+    }
+
     async fn release_stale_locks(&self, older_than: Duration) -> Result<u64, StoreError> {
         self.inner.release_stale_locks(older_than).await
     }

@@ -222,7 +222,7 @@ where
     pub(super) async fn count_before(&mut self, policy: Policy, message: &Message) -> Precount {
         let group = self.config.consumer_group.clone();
         let fail = |stage, e| Precount::Done(Work::storage_failure(false, stage, e, None, None));
-        let mut tx = match self.store.begin().await {
+        let mut tx = match self.begin().await {
             Ok(tx) => tx,
             Err(e) => return fail(PersistStage::Begin, e),
         };
@@ -298,7 +298,7 @@ where
     ) -> Work {
         let group = self.config.consumer_group.clone();
         let fail = |stage, e, outcome| Work::storage_failure(false, stage, e, None, Some(outcome));
-        let mut tx = match self.store.begin().await {
+        let mut tx = match self.begin().await {
             Ok(tx) => tx,
             Err(e) => return fail(PersistStage::Begin, e, outcome),
         };

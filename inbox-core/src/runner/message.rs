@@ -157,7 +157,7 @@ where
     ) -> Work {
         // Poison is acknowledged only after its dead letter: a storage
         // failure here finds it unacknowledged, so it is rewound.
-        match self.store.begin().await {
+        match self.begin().await {
             Err(e) => Work::storage_failure(false, PersistStage::Begin, e, None, None),
             Ok(mut tx) => match tx
                 .dead_letter(message, &self.config.consumer_group, invalid)
@@ -223,7 +223,7 @@ where
             }
         }
         self.note_seen(message);
-        let mut tx = match self.store.begin().await {
+        let mut tx = match self.begin().await {
             Ok(tx) => tx,
             Err(e) => {
                 return Work::storage_failure(acked_before, PersistStage::Begin, e, None, None);

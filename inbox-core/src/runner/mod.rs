@@ -34,6 +34,7 @@ pub use result::{BatchResult, ProcessError, ProcessResult, RunSummary};
 
 use crate::consumer::Consumer;
 use crate::decision::Policy;
+use crate::error::StoreError;
 use crate::handler::{Handler, NoHandler};
 use crate::metrics::{MetricEvent, Metrics, NoopMetrics};
 use crate::model::Message;
@@ -70,6 +71,12 @@ pub struct Runner<S, C, H, M = NoopMetrics> {
     /// refused: its messages come again one at a time, so that the one
     /// whose writes were refused is charged alone.
     apart: HashMap<(String, i32), i64>,
+    /// Rows a batch's transaction inserted for messages whose handlers had
+    /// not run when a handler ended that transaction: a `COMMIT` of the
+    /// handler's own made them durable (`completed`, with no effect), so
+    /// they are deleted before anything else is handled, or the redelivery
+    /// would find those messages done.
+    orphans: Vec<crate::model::RowId>,
 }
 
 impl<S, C, H> Runner<S, C, H, NoopMetrics> {
@@ -89,6 +96,7 @@ impl<S, C, H> Runner<S, C, H, NoopMetrics> {
             first_seen: HashMap::new(),
             uncounted: HashMap::new(),
             apart: HashMap::new(),
+            orphans: Vec::new(),
         }
     }
 }
@@ -141,6 +149,7 @@ where
             refused: self.refused,
             uncounted: self.uncounted,
             apart: self.apart,
+            orphans: self.orphans,
             first_seen: self.first_seen,
         }
     }
@@ -148,6 +157,31 @@ where
     /// The configuration.
     pub fn config(&self) -> &RunnerConfig {
         &self.config
+    }
+
+    /// Begins a transaction, after deleting the [orphans](Self::orphans)
+    /// ([`InboxStore::discard_orphans`]): until they are gone nothing is
+    /// handled (their messages would be found done). Failing that, the
+    /// error is the beginning's (the message is rewound, the orphans kept
+    /// for the next try).
+    async fn begin(&mut self) -> Result<S::Tx, StoreError> {
+        if !self.orphans.is_empty() {
+            self.store.discard_orphans(&self.orphans).await?;
+            tracing::debug!(
+                rows = self.orphans.len(),
+                "deleted the rows a transaction a handler ended had inserted for messages it had not handled"
+            );
+            self.orphans.clear();
+        }
+        self.store.begin().await
+    }
+
+    /// Notes as [orphans](Self::orphans) the rows `ids` that a transaction
+    /// a handler may have ended had inserted for messages not handled in it
+    /// (deleting a row that is not there, because the transaction rolled
+    /// back, does nothing).
+    fn orphaned(&mut self, ids: impl IntoIterator<Item = crate::model::RowId>) {
+        self.orphans.extend(ids);
     }
 
     /// The store.

@@ -402,7 +402,7 @@ where
             return None;
         }
         *transactions += 1;
-        let mut tx = match self.store.begin().await {
+        let mut tx = match self.begin().await {
             Ok(tx) => tx,
             Err(e) => {
                 fail_all(slots, PersistStage::Begin, e);
@@ -439,7 +439,7 @@ where
         refused: StoreError,
     ) -> Option<Opened<S::Tx>> {
         *transactions += 1;
-        let mut tx = match self.store.begin().await {
+        let mut tx = match self.begin().await {
             Ok(tx) => tx,
             Err(e) => {
                 fail_all(slots, PersistStage::Begin, e);

@@ -132,7 +132,8 @@ where
 
         // Phase C: the decisions, in delivery order.
         let mut decided: Vec<(usize, Work)> = Vec::with_capacity(plans.len());
-        for (i, plan) in plans {
+        let mut plans = plans.into_iter();
+        while let Some((i, plan)) = plans.next() {
             let policy = slots[i].policy;
             let work = match plan {
                 Planned::Poison => Work::new(decision::on_poison(policy), None, None),
@@ -157,6 +158,14 @@ where
                     let d = decision::after_handler(policy, row, outcome.class());
                     if d.transaction == TxAction::Rollback || d.holds_partition() {
                         abandon(tx).await;
+                        if ended(&outcome) {
+                            // the rows inserted for the handlers not run yet
+                            // are durable if the handler committed
+                            self.orphaned(plans.filter_map(|(_, p)| match p {
+                                Planned::Run(RowState::New, id) => Some(id),
+                                _ => None,
+                            }));
+                        }
                         let work = if decision::counts_failures(policy)
                             && outcome.class() == OutcomeClass::Failure
                         {
@@ -268,6 +277,16 @@ pub(super) fn refused_alone_or_all(
     }
     fail_all(slots, stage, e);
     Attempt::Done
+}
+
+/// Whether `outcome` may come from a handler that ended its transaction
+/// (such a run is a [`Failure::Aborted`](crate::outcome::Failure::Aborted),
+/// as is a swallowed failed statement: either may be meant).
+pub(super) fn ended(outcome: &Outcome) -> bool {
+    matches!(
+        outcome,
+        Outcome::Failed(crate::outcome::Failure::Aborted(_))
+    )
 }
 
 /// What the batch form of the handler did.

@@ -67,7 +67,18 @@ where
                         && matches!(slots[i].fate, Fate::Decided(_))
                     {
                         // decided apart (its handler ended the transaction):
-                        // the others are replayed
+                        // the others are replayed; the rows inserted for the
+                        // handlers not run are durable if it committed (its
+                        // own row, with what it wrote, stays)
+                        let own = &slots[i].message.message_id;
+                        self.orphaned(
+                            state
+                                .iter()
+                                .filter(|(key, (_, found))| {
+                                    *found == Found::Inserted && *key != own
+                                })
+                                .map(|(_, (id, _))| *id),
+                        );
                         return Attempt::Replay;
                     }
                     return super::optimistic::refused_alone_or_all(slots, i, stage, e, None);

@@ -551,7 +551,8 @@ where
     /// without savepoints ([`Handled::Replay`]: the caller undoes the
     /// transaction's work and runs them again with savepoints) or ended the
     /// transaction ([`Handled::Ended`]: the caller goes on in a new one)
-    /// leaves its result in `known`, so it is not run again.
+    /// leaves its result in `known`, so it is not run again; when it
+    /// committed the transaction on its own, so do the rows before it.
     async fn run_handlers(
         &mut self,
         tx: &mut S::Tx,
@@ -565,17 +566,23 @@ where
                 results.push(result.clone());
                 continue;
             }
-            match self.handle_row(tx, row, savepoints).await? {
-                Run::Ended(result) => {
-                    known.insert(row.id, result);
-                    return Ok(Handled::Ended);
-                }
+            let handled = match self.handle_row(tx, row, savepoints).await? {
+                Run::Ended(result) => (result, Handled::Ended),
                 Run::Kept(result) if !savepoints && is_failure(&result) => {
-                    known.insert(row.id, result);
-                    return Ok(Handled::Replay);
+                    (result, Handled::Replay)
                 }
-                Run::Kept(result) => results.push(result),
+                Run::Kept(result) => {
+                    results.push(result);
+                    continue;
+                }
+            };
+            if tx.committed_by_handler().await {
+                // its own COMMIT made the work of the handlers before it
+                // durable: they are not run again
+                known.extend(rows.iter().map(|r| r.id).zip(results));
             }
+            known.insert(row.id, handled.0);
+            return Ok(handled.1);
         }
         Ok(Handled::All(results))
     }

@@ -218,6 +218,18 @@ pub trait InboxTransaction: Send + Sized {
         None
     }
 
+    /// Whether a statement of the handler's own (a `COMMIT`, `END`,
+    /// `COMMIT AND CHAIN`) committed this transaction: it is over (see
+    /// [`aborted`](Self::aborted)), and what it had written before that
+    /// statement, the work of the handlers run in it before, is durable.
+    /// Asked after a handler failed, so that the processor does not run
+    /// those handlers again. Adapters answer without a round trip when no
+    /// handler ended the transaction. The default answers `false`: a store
+    /// whose transactions a handler cannot end.
+    async fn committed_by_handler(&mut self) -> bool {
+        false
+    }
+
     /// Why the transaction is aborted, when a transient database error
     /// aborted it: a serialization failure, a deadlock, a lost connection,
     /// met by the handler's statements. The handler did nothing wrong: the

@@ -258,6 +258,36 @@ impl PgConn {
         result
     }
 
+    /// Whether the handler's own statement committed the transaction: it
+    /// was found ended, and the server says the transaction whose id was
+    /// taken before that statement committed. Nothing is asked when no
+    /// statement ended it; an answer that cannot be had is `false`.
+    pub(crate) async fn committed_on_its_own(&self) -> bool {
+        let xid = {
+            let control = self.control();
+            match (&control.ended, control.xid) {
+                (Some(_), Some(xid)) => xid,
+                _ => return false,
+            }
+        };
+        let status = self
+            .tx
+            .query_one_raw(Statement::from_sql_and_values(
+                DbBackend::Postgres,
+                "SELECT txid_status($1) AS status",
+                [xid.into()],
+            ))
+            .await;
+        matches!(
+            status
+                .ok()
+                .flatten()
+                .and_then(|r| r.try_get::<Option<String>>("", "status").ok().flatten())
+                .as_deref(),
+            Some("committed")
+        )
+    }
+
     /// The error that left the transaction aborted, if a statement did.
     pub(crate) fn aborted_by(&self) -> Option<String> {
         self.failed().as_ref().map(|(cause, _)| cause.clone())

@@ -1163,6 +1163,10 @@ impl InboxTransaction for PgTx {
         self.conn.aborted_transiently()
     }
 
+    async fn committed_by_handler(&mut self) -> bool {
+        self.conn.committed_on_its_own().await
+    }
+
     async fn dead_letter(
         &mut self,
         message: &Message,

@@ -404,24 +404,30 @@ async fn batched_with_savepoints_an_ending_charges_only_its_message() {
 async fn the_processor_does_not_complete_a_row_whose_handler_ended_the_transaction() {
     for claim in [ClaimMode::Lease, ClaimMode::RowLock] {
         for isolation in [Isolation::Optimistic, Isolation::Savepoints] {
-            let case = format!("{claim:?}, {isolation:?}");
-            let store = store().await;
-            let batch = one_batch(&store, &["ok-1", "bad-2", "ok-3"], 1, claim, isolation)
-                .await
-                .unwrap_or_else(|e| panic!("{case}: {e}"));
-            assert_eq!(
-                (batch.completed, batch.retried),
-                (2, 1),
-                "{case}: {batch:?}"
-            );
-            assert_eq!(store.invoices("ok-1").await, 1, "{case}");
-            assert_eq!(store.invoices("ok-3").await, 1, "{case}");
-            assert_eq!(store.invoices("bad-2").await, 0, "{case}");
-            assert_eq!(
-                attempts(&store, "bad-2", "pending").await,
-                1,
-                "{case}: retried, one attempt counted"
-            );
+            for ending in ["ROLLBACK", "COMMIT", "COMMIT AND CHAIN"] {
+                let case = format!("{claim:?}, {isolation:?}, {ending}");
+                let store = store().await;
+                let ids = ["ok-1", "bad-2", "ok-3"];
+                let batch = one_batch(&store, &ids, ending, 1, claim, isolation)
+                    .await
+                    .unwrap_or_else(|e| panic!("{case}: {e}"));
+                assert_eq!(
+                    (batch.completed, batch.retried),
+                    (2, 1),
+                    "{case}: {batch:?}"
+                );
+                // once: not run again after its effect was committed
+                assert_eq!(store.invoices("ok-1").await, 1, "{case}");
+                assert_eq!(store.invoices("ok-3").await, 1, "{case}");
+                if !keeps_writes(ending) {
+                    assert_eq!(store.invoices("bad-2").await, 0, "{case}");
+                }
+                assert_eq!(
+                    attempts(&store, "bad-2", "pending").await,
+                    1,
+                    "{case}: retried, one attempt counted"
+                );
+            }
         }
     }
 }
@@ -443,7 +449,7 @@ async fn row_by_row_a_handler_that_ends_the_transaction_is_charged_alone() {
             .await
             .unwrap_or_else(|e| panic!("{e}"));
         let ids = ["ok-1", "leak-2", "bad-3", "ok-4"];
-        let batch = one_batch(&store, &ids, 2, claim, Isolation::Savepoints)
+        let batch = one_batch(&store, &ids, "ROLLBACK", 2, claim, Isolation::Savepoints)
             .await
             .unwrap_or_else(|e| panic!("{claim:?}: {e}"));
         assert_eq!(
@@ -466,10 +472,11 @@ async fn row_by_row_a_handler_that_ends_the_transaction_is_charged_alone() {
 }
 
 /// Lands `ids` and runs one processor batch over them, each `bad-*`
-/// handler sending `ROLLBACK` on its first `misbehave` calls.
+/// handler sending `ending` on its first `misbehave` calls.
 async fn one_batch(
     store: &PgStore,
     ids: &[&str],
+    ending: &'static str,
     misbehave: usize,
     claim: ClaimMode,
     isolation: Isolation,
@@ -483,7 +490,7 @@ async fn one_batch(
     config.rules.backoff = inbox_core::Backoff::new(Duration::ZERO, Duration::ZERO, 1.0);
     config.claim = claim;
     config.isolation = isolation;
-    let handler = Ender::new("ROLLBACK", misbehave);
+    let handler = Ender::new(ending, misbehave);
     Processor::new(store.clone(), handler, config)
         .process_batch()
         .await

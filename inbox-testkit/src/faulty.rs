@@ -213,6 +213,10 @@ impl<T: InboxTransaction> InboxTransaction for FaultyTx<T> {
         self.inner.transient().await
     }
 
+    async fn committed_by_handler(&mut self) -> bool {
+        self.inner.committed_by_handler().await
+    }
+
     async fn dead_letter(
         &mut self,
         message: &Message,

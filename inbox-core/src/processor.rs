@@ -2,7 +2,7 @@
 //! handler, or brought back by `requeue_failed`); see
 //! `docs/land-and-drain.md`.
 //!
-//! One batch:
+//! One batch, by lease ([`ClaimMode::Lease`]):
 //!
 //! 1. **claim** ([`InboxStore::claim_due`]): due, unlocked `pending` rows
 //!    with attempts left, `FOR UPDATE SKIP LOCKED`, are leased to this
@@ -22,8 +22,10 @@
 //!    them; otherwise commit;
 //! 4. the dead-letter hook sees each row on its last counted failure.
 //!
-//! With [`ClaimMode::RowLock`] steps 1-3 are one transaction: the rows are
-//! locked instead of leased, and nothing is written to claim them.
+//! By row lock ([`ClaimMode::RowLock`], the default) steps 1-3 are one
+//! transaction: the rows are locked instead of leased, and nothing is
+//! written to claim them (a failed optimistic batch is replayed in a new
+//! transaction that locks the same rows again).
 //!
 //! ```
 //! # async fn demo<S, H>(store: S, handler: H) -> Result<(), inbox_core::ValidationError>
@@ -65,15 +67,19 @@ pub enum ClaimMode {
     /// The claim is written and committed first (`locked_by`,
     /// `locked_at`), then the batch is worked in a transaction of its own:
     /// a row's lease outlives the worker's connection until maintenance
-    /// releases it as stale ([`InboxStore::release_stale_locks`]).
-    #[default]
+    /// releases it as stale ([`InboxStore::release_stale_locks`]). An
+    /// operator sees the rows in hand (`locked_by`, `locked_at`).
     Lease,
-    /// The batch is taken by locking its rows in the transaction that
-    /// works it ([`InboxTransaction::lock_due`]): nothing is written to
-    /// claim them, one commit a batch instead of two, and a crashed worker's
-    /// rows are due again as soon as its transaction ends (no stale lease
-    /// to wait for). A store that cannot lock falls back to
-    /// [`ClaimMode::Lease`].
+    /// The default: the batch is taken by locking its rows in the
+    /// transaction that works it ([`InboxTransaction::lock_due`]): nothing
+    /// is written to claim them, one commit a batch instead of two, and a
+    /// crashed worker's rows are due again as soon as its transaction ends
+    /// (no stale lease to wait for). Faster than the lease (about 1.6x on
+    /// no-op jobs, 1.3x with a one-INSERT handler: `docs/land-and-drain.md`).
+    /// The rows in hand are not marked (`locked_by` stays empty; the
+    /// server's `pg_locks` shows them). A store that cannot lock falls back
+    /// to [`ClaimMode::Lease`].
+    #[default]
     RowLock,
 }
 
@@ -112,7 +118,8 @@ pub struct ProcessorConfig {
     /// each after `store_backoff`, before they count all the same. Default
     /// 100.
     pub transient_retries: u32,
-    /// How the batch is taken. Default [`ClaimMode::Lease`].
+    /// How the batch is taken. Default [`ClaimMode::RowLock`] (formerly
+    /// [`ClaimMode::Lease`]).
     pub claim: ClaimMode,
 }
 
@@ -133,7 +140,7 @@ impl ProcessorConfig {
             store_backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(30), 2.0),
             isolation: Isolation::Optimistic,
             transient_retries: 100,
-            claim: ClaimMode::Lease,
+            claim: ClaimMode::default(),
         })
     }
 }

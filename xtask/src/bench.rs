@@ -18,15 +18,17 @@
 //!   each handler instead (`BatchConfig::isolation`: `Isolation::Savepoints`);
 //! - `batch-aware`: the batched runner with a handler that writes the
 //!   batch's business rows in one statement;
-//! - `processor`: four processors (each its own connection, batches
-//!   of 100, optimistic: a replay with savepoints after a failure) draining
+//! - `processor`: four processors by lease (`ClaimMode::Lease`; each its
+//!   own connection, batches of 100, optimistic: a replay with savepoints
+//!   after a failure) draining
 //!   the same number of rows landed `pending` beforehand, with the
 //!   one-INSERT handler; `processor-savepoints`: the same with a savepoint
 //!   per row from the start;
 //! - `processor-noop`: the processors with a handler that writes nothing;
 //! - `processor-rowlock`, `processor-noop-rowlock`: the same two with the
 //!   batches taken by row locks in the transaction that works them
-//!   (`ClaimMode::RowLock`: no lease written, one commit a batch);
+//!   (`ClaimMode::RowLock`, the default: no lease written, one commit a
+//!   batch);
 //! - `graphile` and `graphile-noop`: the job-queue protocol of
 //!   graphile-worker (0.16 and later), as raw SQL on a jobs table shaped
 //!   like its own (a generated `is_available` column and a partial index on

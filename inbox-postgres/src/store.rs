@@ -1803,4 +1803,47 @@ mod tests {
             }
         }
     }
+
+    /// The relay's read of 5,000 pending events, nothing held (no dead
+    /// event holding its key), probes the holding index at most once a
+    /// read, in the plan for the values and the generic one; before, once
+    /// for each row read (a nested-loop anti-join, half the read's time).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_relay_read_asks_once_whether_a_key_is_held() {
+        let store = landed(0).await;
+        let t = TableName::default();
+        store
+            .db
+            .execute_unprepared(&format!(
+                "INSERT INTO {} (message_id, topic, msg_key, payload, slot)
+                 SELECT 'e-' || i, 'orders', convert_to('k-' || i, 'UTF8'),
+                        convert_to('{{}}', 'UTF8'), i % 64
+                   FROM generate_series(1, 6000) i",
+                t.outbox()
+            ))
+            .await
+            .expect("events");
+        let prepare = format!(
+            "PREPARE s(int[], bigint, bigint[]) AS {}",
+            crate::schema::current_read_query(&t)
+        );
+        let slots: Vec<String> = (0..inbox_core::outbox::SLOTS)
+            .map(|s| s.to_string())
+            .collect();
+        let args = format!("'{{{}}}', 5000, '{{1,2,3}}'", slots.join(","));
+        for plan in executed_plans(&store.db, &prepare, &args).await {
+            assert_eq!(plan[0]["Actual Rows"], 5000, "{plan:?}");
+            let probes: Vec<u64> = plan
+                .iter()
+                .filter(|n| {
+                    n["Index Name"]
+                        .as_str()
+                        .is_some_and(|i| i.ends_with("outbox_holding"))
+                })
+                .map(|n| n["Actual Loops"].as_u64().unwrap_or(u64::MAX))
+                .collect();
+            assert!(!probes.is_empty(), "{plan:?}");
+            assert!(probes.iter().sum::<u64>() <= 1, "probes {probes:?}");
+        }
+    }
 }

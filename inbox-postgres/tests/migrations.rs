@@ -135,6 +135,7 @@ async fn a_database_of_the_first_migration_reaches_the_current_schema() {
             "m20261130_000009_outbox_read_planned_inbox",
             "m20261130_000010_inbox_binary_body_inbox",
             "m20261130_000011_inbox_due_order_inbox",
+            "m20261130_000012_outbox_read_held_once_inbox",
         ]
     );
 

@@ -508,20 +508,33 @@ impl OutboxStore for PgStore {
         } else {
             format!("DELETE FROM {}", self.table.outbox())
         };
+        // The ids' range along the index, each row then looked up in the
+        // list hashed (`id + 0` keeps the list out of the index scan):
+        // PostgreSQL 15 descends the index once for each id of an
+        // `id = ANY(list)` index condition. Planned with the values at
+        // each run (an unnamed statement): a generic plan could not hash
+        // the list.
         let sql = format!(
             "WITH c AS ({current})
              {write}
-              WHERE id = ANY($4::bigint[])
+              WHERE id BETWEEN $5 AND $6
+                AND (id + 0) = ANY($4::bigint[])
                 AND status = 'pending'
                 AND slot = ANY(ARRAY(SELECT slot FROM c))",
             current = current_claims(&self.table),
         );
+        let (low, high) = ids
+            .iter()
+            .fold((i64::MAX, i64::MIN), |(l, h), &id| (l.min(id), h.max(id)));
         // sqlx, for the id list as a bigint[] parameter (5,000 ids)
         let r = sea_orm::sqlx::query(sea_orm::sqlx::AssertSqlSafe(sql))
             .bind(group)
             .bind(SLOT_TOPIC)
             .bind(claims_json(claims).to_string())
             .bind(ids)
+            .bind(low)
+            .bind(high)
+            .persistent(false)
             .execute(self.db.get_postgres_connection_pool())
             .await
             .map_err(|e| map_sqlx_err(&e))?;

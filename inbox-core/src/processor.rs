@@ -24,8 +24,8 @@
 //!
 //! By row lock ([`ClaimMode::RowLock`], the default) steps 1-3 are one
 //! transaction: the rows are locked instead of leased, and nothing is
-//! written to claim them (a failed optimistic batch is replayed in a new
-//! transaction that locks the same rows again).
+//! written to claim them (a failed optimistic batch goes back to a
+//! savepoint taken after the lock, so its rows stay locked).
 //!
 //! ```
 //! # async fn demo<S, H>(store: S, handler: H) -> Result<(), inbox_core::ValidationError>
@@ -623,9 +623,9 @@ where
 
     /// A batch taken by locking its rows in the transaction that works it
     /// ([`ClaimMode::RowLock`]); `None` when the store cannot lock (the
-    /// caller claims by lease). Optimistic as [`work`](Self::work): the
-    /// replay begins again and locks the same rows again (those another
-    /// worker took in between are left to it).
+    /// caller claims by lease). Optimistic as [`work`](Self::work), the
+    /// replay going back to a savepoint taken after the lock instead of
+    /// beginning again (a new transaction would let the rows go).
     async fn work_locked(
         &mut self,
         worker: &MemberId,
@@ -656,20 +656,33 @@ where
         };
         let mut known: HashMap<RowId, Result<HandlerResult, Failure>> = HashMap::new();
         let mut savepoints = self.config.isolation == Isolation::Savepoints || self.last_failed;
+        if !savepoints && let Err(e) = tx.savepoint().await {
+            abandon(tx).await;
+            return Err(e.into());
+        }
         let results = loop {
-            match self
+            let step = match self
                 .run_handlers(&mut tx, &rows, savepoints, &mut known)
                 .await
             {
+                // a replay goes back to just after the lock: the rows stay
+                // this transaction's, the handlers' writes go (unless the
+                // handler ended the transaction: no savepoint is left)
+                Ok(Handled::Replay) => match tx.rollback_to_savepoint().await {
+                    Ok(()) => Ok(Handled::Replay),
+                    Err(e) if e.kind == StoreErrorKind::Aborted => Ok(Handled::Ended),
+                    Err(e) => Err(e),
+                },
+                other => other,
+            };
+            match step {
                 Ok(Handled::All(results)) => break results,
-                Ok(Handled::Replay | Handled::Ended) => {
-                    // the transaction is undone (or a handler ended it):
-                    // its locks go with it, so the replay locks the rows
-                    // again in a new one (those another worker took
-                    // meanwhile left to it) and runs them with savepoints,
-                    // the failed row's outcome kept. No savepoint is taken
-                    // after the lock to go back to instead: that would cost
-                    // every batch a round trip to spare a failing one two.
+                Ok(Handled::Replay) => savepoints = true,
+                Ok(Handled::Ended) => {
+                    // a handler ended the transaction (its locks went with
+                    // it): the replay locks the rows again in a new one,
+                    // those another worker took meanwhile left to it, the
+                    // failed row's outcome kept
                     abandon(tx).await;
                     let ids: Vec<RowId> = rows.iter().map(|r| r.id).collect();
                     tx = self.store.begin().await?;

@@ -24,8 +24,8 @@ where
 
 /// [`processor_drains_landed_rows`] with the batches taken by row locks in
 /// their transactions ([`ClaimMode::RowLock`]): the same rows, in both
-/// isolation modes (the optimistic replay locks the rows again in a new
-/// transaction).
+/// isolation modes (the optimistic replay goes back to a savepoint taken
+/// after the lock).
 pub async fn processor_by_row_lock_drains_landed_rows<S>(store: S)
 where
     S: ScenarioStore,

@@ -74,8 +74,8 @@ pub enum ClaimMode {
     /// transaction that works it ([`InboxTransaction::lock_due`]): nothing
     /// is written to claim them, one commit a batch instead of two, and a
     /// crashed worker's rows are due again as soon as its transaction ends
-    /// (no stale lease to wait for). Faster than the lease (about 1.6x on
-    /// no-op jobs, 1.3x with a one-INSERT handler: `docs/land-and-drain.md`).
+    /// (no stale lease to wait for). Faster than the lease (about 1.4x on
+    /// no-op jobs, 1.25x with a one-INSERT handler: `docs/land-and-drain.md`).
     /// The rows in hand are not marked (`locked_by` stays empty; the
     /// server's `pg_locks` shows them). A store that cannot lock falls back
     /// to [`ClaimMode::Lease`].

@@ -685,19 +685,11 @@ where
                     // failed row's outcome kept
                     abandon(tx).await;
                     let ids: Vec<RowId> = rows.iter().map(|r| r.id).collect();
-                    tx = self.store.begin().await?;
                     batch.transactions += 1;
-                    rows = match tx.lock_due(ids.len(), &self.config.filter, &ids).await {
-                        Ok(again) if again.is_empty() => {
-                            abandon(tx).await;
-                            return Ok(Some(batch));
-                        }
-                        Ok(again) => again,
-                        Err(e) => {
-                            abandon(tx).await;
-                            return Err(e.into());
-                        }
+                    let Some(again) = self.lock_again(&ids).await? else {
+                        return Ok(Some(batch));
                     };
+                    (tx, rows) = again;
                     savepoints = true;
                 }
                 Err(e) => {
@@ -715,21 +707,31 @@ where
     /// one with the row locked again (`None`: it is no longer due, another
     /// worker took it after the batch let it go).
     async fn begin_for(&self, claim: ClaimMode, id: RowId) -> Result<Option<S::Tx>, StoreError> {
+        match claim {
+            ClaimMode::Lease => self.store.begin().await.map(Some),
+            ClaimMode::RowLock => Ok(self.lock_again(&[id]).await?.map(|(tx, _)| tx)),
+        }
+    }
+
+    /// A new transaction holding the rows of `ids` still due, locked again
+    /// (those another worker took after a transaction let them go are left
+    /// to it); `None` when none is.
+    async fn lock_again(
+        &self,
+        ids: &[RowId],
+    ) -> Result<Option<(S::Tx, Vec<InboxRow>)>, StoreError> {
         let mut tx = self.store.begin().await?;
-        if claim == ClaimMode::RowLock {
-            match tx.lock_due(1, &self.config.filter, &[id]).await {
-                Ok(rows) if rows.is_empty() => {
-                    abandon(tx).await;
-                    return Ok(None);
-                }
-                Ok(_) => {}
-                Err(e) => {
-                    abandon(tx).await;
-                    return Err(e);
-                }
+        match tx.lock_due(ids.len(), &self.config.filter, ids).await {
+            Ok(rows) if rows.is_empty() => {
+                abandon(tx).await;
+                Ok(None)
+            }
+            Ok(rows) => Ok(Some((tx, rows))),
+            Err(e) => {
+                abandon(tx).await;
+                Err(e)
             }
         }
-        Ok(Some(tx))
     }
 
     /// Writes `updates` on rows held by `claim`.

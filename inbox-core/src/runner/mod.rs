@@ -75,7 +75,8 @@ pub struct Runner<S, C, H, M = NoopMetrics> {
     /// not run when a handler ended that transaction: a `COMMIT` of the
     /// handler's own made them durable (`completed`, with no effect), so
     /// they are deleted before anything else is handled, or the redelivery
-    /// would find those messages done.
+    /// would find those messages done (deleting a row that is not there,
+    /// because the transaction rolled back, does nothing).
     orphans: Vec<crate::model::RowId>,
 }
 
@@ -174,14 +175,6 @@ where
             self.orphans.clear();
         }
         self.store.begin().await
-    }
-
-    /// Notes as [orphans](Self::orphans) the rows `ids` that a transaction
-    /// a handler may have ended had inserted for messages not handled in it
-    /// (deleting a row that is not there, because the transaction rolled
-    /// back, does nothing).
-    fn orphaned(&mut self, ids: impl IntoIterator<Item = crate::model::RowId>) {
-        self.orphans.extend(ids);
     }
 
     /// The store.

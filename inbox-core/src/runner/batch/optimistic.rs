@@ -161,7 +161,7 @@ where
                         if ended(&outcome) {
                             // the rows inserted for the handlers not run yet
                             // are durable if the handler committed
-                            self.orphaned(plans.filter_map(|(_, p)| match p {
+                            self.orphans.extend(plans.filter_map(|(_, p)| match p {
                                 Planned::Run(RowState::New, id) => Some(id),
                                 _ => None,
                             }));
@@ -282,7 +282,7 @@ pub(super) fn refused_alone_or_all(
 /// Whether `outcome` may come from a handler that ended its transaction
 /// (such a run is a [`Failure::Aborted`](crate::outcome::Failure::Aborted),
 /// as is a swallowed failed statement: either may be meant).
-pub(super) fn ended(outcome: &Outcome) -> bool {
+fn ended(outcome: &Outcome) -> bool {
     matches!(
         outcome,
         Outcome::Failed(crate::outcome::Failure::Aborted(_))

@@ -70,14 +70,11 @@ where
                         // the others are replayed; the rows inserted for the
                         // handlers not run are durable if it committed (its
                         // own row, with what it wrote, stays)
-                        let own = &slots[i].message.message_id;
-                        self.orphaned(
-                            state
-                                .iter()
-                                .filter(|(key, (_, found))| {
-                                    *found == Found::Inserted && *key != own
-                                })
-                                .map(|(_, (id, _))| *id),
+                        let own = slots[i].message.message_id.as_str();
+                        self.orphans.extend(
+                            inserted(&state)
+                                .filter(|(key, _)| *key != own)
+                                .map(|(_, id)| id),
                         );
                         return Attempt::Replay;
                     }
@@ -86,11 +83,7 @@ where
             }
         }
         // Rows inserted for messages that were handed back, never used.
-        let unused: Vec<RowId> = state
-            .values()
-            .filter(|(_, found)| *found == Found::Inserted)
-            .map(|(id, _)| *id)
-            .collect();
+        let unused: Vec<RowId> = inserted(&state).map(|(_, id)| id).collect();
         if !unused.is_empty()
             && let Err(e) = tx.discard_rows(&unused).await
         {
@@ -207,4 +200,12 @@ where
         state.insert(key, (row_id, Found::Existing(InboxStatus::Completed)));
         Ok(Some(work))
     }
+}
+
+/// The rows `state` says this transaction inserted, by key.
+fn inserted(state: &HashMap<String, (RowId, Found)>) -> impl Iterator<Item = (&str, RowId)> {
+    state
+        .iter()
+        .filter(|(_, (_, found))| *found == Found::Inserted)
+        .map(|(key, (id, _))| (key.as_str(), *id))
 }

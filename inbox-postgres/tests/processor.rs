@@ -5,6 +5,8 @@
 //! workers at once (the effect table's primary key would refuse the second
 //! write, and it never did); the failing attempts' writes are absent.
 
+mod common;
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -349,13 +351,7 @@ async fn an_outcome_refused(claim: ClaimMode) {
     let store = inbox_testkit::pg::fresh_store()
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    store
-        .connection()
-        .execute_unprepared(
-            "ALTER TABLE inbox ADD CONSTRAINT quiet CHECK (last_error IS NULL OR last_error NOT LIKE '%''secret''%')",
-        )
-        .await
-        .expect("constraint");
+    common::refuse_secret_errors(&store).await;
     for i in 0..3 {
         store
             .land(&NewInboxRow::for_message(

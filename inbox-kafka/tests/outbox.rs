@@ -17,7 +17,7 @@ use inbox_core::outbox::{
 use inbox_core::{CancellationToken, NoopMetrics};
 use inbox_kafka::{KafkaPublisher, run_relay};
 use inbox_postgres::PgStore;
-use inbox_postgres::sea_orm::{ConnectionTrait, TransactionTrait};
+use inbox_postgres::sea_orm::{ConnectionTrait, DbBackend, Statement, TransactionTrait};
 use inbox_testkit::pg::count;
 
 use common::env;
@@ -1623,6 +1623,90 @@ async fn headers_leave_in_their_order_with_repeated_names_as_librdkafka_reads_th
     ]);
     assert_eq!(headers, want, "{read}");
     assert_eq!(read[0]["value"], r#"{"n":1}"#);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn headers_with_quotes_backslashes_and_braces_leave_as_written_also_from_older_rows() {
+    let env = env("outbox-header-pairs", 1).await;
+    let awkward = [
+        ("quote\"d", "say \"hi\""),
+        ("back\\slash", "C:\\dir\\"),
+        ("{braces}", "{a,b}"),
+        ("comma,name", ""),
+        ("NULL", "null"),
+        ("ünïcode", "日本"),
+    ];
+    let mut one = OutboxMessage::new(&env.topic, "1")
+        .key("k")
+        .message_id("p-1");
+    for (k, v) in awkward {
+        one = one.header(k, v);
+    }
+    enqueue_one(&env.store, &one).await;
+    // several at once go through the JSON recordset, not the literal
+    let many: Vec<OutboxMessage> = (2..4)
+        .map(|i| {
+            let mut e = OutboxMessage::new(&env.topic, "1")
+                .key("k")
+                .message_id(format!("p-{i}"));
+            for (k, v) in awkward {
+                e = e.header(k, v);
+            }
+            e
+        })
+        .collect();
+    let tx = begin(&env.store).await;
+    env.store
+        .outbox()
+        .enqueue_many(&tx, &many)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+    // a row as the enqueue wrote it before header_pairs: jsonb headers
+    let older = OutboxMessage::new(&env.topic, "1")
+        .key("k")
+        .message_id("p-4");
+    env.store
+        .connection()
+        .execute_raw(Statement::from_sql_and_values(
+            DbBackend::Postgres,
+            "INSERT INTO inbox_outbox (message_id, topic, msg_key, payload, headers, slot)
+             VALUES ($1, $2, $3, $4, $5::jsonb, $6)",
+            [
+                "p-4".into(),
+                env.topic.clone().into(),
+                inbox_postgres::sea_orm::Value::Bytes(older.key.clone()),
+                older.payload.clone().into(),
+                r#"[["older", "jsonb \"headers\""], ["older", "twice"]]"#.into(),
+                older.slot().into(),
+            ],
+        ))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut r = relay(&env, "relay-1").await;
+    assert_eq!(drain(&mut r).await, 4);
+    let read = common::librdkafka(
+        "librdkafka_consume.py",
+        &[env.broker.address(), &env.topic, "4"],
+    );
+    for (i, record) in read.as_array().into_iter().flatten().enumerate() {
+        let headers: Vec<(String, String)> =
+            serde_json::from_value(record["headers"].clone()).unwrap_or_else(|e| panic!("{e}"));
+        let id = format!("p-{}", i + 1);
+        let mut want = vec![("message_id".to_owned(), id.clone())];
+        if i < 3 {
+            want.extend(
+                awkward
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
+            );
+        } else {
+            want.push(("older".into(), "jsonb \"headers\"".into()));
+            want.push(("older".into(), "twice".into()));
+        }
+        assert_eq!(headers, want, "{id}: {read}");
+    }
+    assert_eq!(read.as_array().map(Vec::len), Some(4), "{read}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

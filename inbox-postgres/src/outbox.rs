@@ -121,8 +121,8 @@ impl Outbox {
                SELECT pg_advisory_xact_lock_shared({class}, 0), {lock}
                 WHERE $2::bytea IS NOT NULL
              ), o AS (
-               INSERT INTO {o} (message_id, topic, msg_key, payload, headers, slot)
-               SELECT $3, $1, $2::bytea, $4, $5, $6
+               INSERT INTO {o} (message_id, topic, msg_key, payload, header_pairs, slot)
+               SELECT $3, $1, $2::bytea, $4, $5::text[], $6
                 WHERE $2::bytea IS NULL OR EXISTS (SELECT 1 FROM l)
                RETURNING id
              ) {tail}",
@@ -130,15 +130,15 @@ impl Outbox {
         );
         let events = "WITH e AS (
                SELECT ord, message_id, topic, decode(msg_key, 'hex') AS msg_key,
-                      decode(payload, 'hex') AS payload, headers, slot
+                      decode(payload, 'hex') AS payload, header_pairs, slot
                  FROM ROWS FROM (jsonb_to_recordset($1)
-                        AS (message_id text, topic text, msg_key text, payload text, headers jsonb, slot int))
-                      WITH ORDINALITY AS x(message_id, topic, msg_key, payload, headers, slot, ord)
+                        AS (message_id text, topic text, msg_key text, payload text, header_pairs text[], slot int))
+                      WITH ORDINALITY AS x(message_id, topic, msg_key, payload, header_pairs, slot, ord)
              )";
         let insert = format!(
             "o AS (
-               INSERT INTO {o} (message_id, topic, msg_key, payload, headers, slot)
-               SELECT message_id, topic, msg_key, payload, headers, slot FROM e
+               INSERT INTO {o} (message_id, topic, msg_key, payload, header_pairs, slot)
+               SELECT message_id, topic, msg_key, payload, header_pairs, slot FROM e
                 WHERE (SELECT count(*) FROM l) >= 0
                 ORDER BY ord
                RETURNING id
@@ -207,7 +207,7 @@ impl Outbox {
                     Value::Bytes(event.key.clone()),
                     event.message_id.clone().into(),
                     event.payload.clone().into(),
-                    headers_json(event).into(),
+                    header_pairs_literal(&event_headers(event)).into(),
                     event.slot().into(),
                 ],
             ))
@@ -243,7 +243,10 @@ impl Outbox {
                 "topic": event.topic,
                 "msg_key": event.key.as_ref().map(hex::encode),
                 "payload": hex::encode(&event.payload),
-                "headers": headers_json(event),
+                "header_pairs": event_headers(event)
+                    .into_iter()
+                    .flat_map(|(k, v)| [k, v])
+                    .collect::<Vec<String>>(),
                 "slot": event.slot(),
             }));
         }
@@ -275,44 +278,72 @@ fn checked(event: &OutboxMessage) -> Result<(), StoreError> {
 /// span's trace context (`traceparent`, `tracestate`) is added unless the
 /// event carries one already, so the consumer's handler continues the
 /// trace of the transaction that enqueued it.
-fn headers_json(event: &OutboxMessage) -> serde_json::Value {
+fn event_headers(event: &OutboxMessage) -> Vec<(String, String)> {
     #[cfg_attr(not(feature = "otel"), allow(unused_mut))]
-    let mut headers: Vec<serde_json::Value> = event
-        .headers
-        .iter()
-        .map(|(k, v)| serde_json::json!([k, v]))
-        .collect();
+    let mut headers = event.headers.clone();
     #[cfg(feature = "otel")]
     if !event
         .headers
         .iter()
         .any(|(k, _)| k == inbox_core::otel::TRACEPARENT)
     {
-        headers.extend(
-            inbox_core::otel::current_context_headers()
-                .into_iter()
-                .map(|(k, v)| serde_json::json!([k, v])),
-        );
+        headers.extend(inbox_core::otel::current_context_headers());
     }
-    serde_json::Value::Array(headers)
+    headers
 }
 
 /// A pending row as read: id, message id, topic, key, payload, headers
-/// (JSON text), slot, created at.
+/// (JSON text, for rows written before `header_pairs`), header pairs,
+/// slot, created at.
 type PendingRow = (
     i64,
     String,
     String,
     Option<Vec<u8>>,
     Vec<u8>,
-    String,
+    Option<String>,
+    Option<Vec<String>>,
     i32,
     DateTime<Utc>,
 );
 
-/// Headers as stored: `[[name, value], ...]`.
-fn parse_headers(text: &str) -> Vec<(String, String)> {
-    serde_json::from_str::<Vec<(String, String)>>(text).unwrap_or_default()
+/// Headers as read: names and values in turn (`header_pairs`), or, for a
+/// row written before that column, the jsonb list `[[name, value], ...]`.
+fn read_headers(json: Option<&str>, pairs: Option<Vec<String>>) -> Vec<(String, String)> {
+    match pairs {
+        Some(pairs) => {
+            let mut items = pairs.into_iter();
+            let mut headers = Vec::with_capacity(items.len() / 2);
+            while let (Some(name), Some(value)) = (items.next(), items.next()) {
+                headers.push((name, value));
+            }
+            headers
+        }
+        None => json
+            .and_then(|text| serde_json::from_str::<Vec<(String, String)>>(text).ok())
+            .unwrap_or_default(),
+    }
+}
+
+/// The event's headers as a PostgreSQL `text[]` literal of names and values
+/// in turn (each element quoted, `"` and `\` escaped).
+fn header_pairs_literal(headers: &[(String, String)]) -> String {
+    let mut out = String::from("{");
+    for (i, item) in headers.iter().flat_map(|(k, v)| [k, v]).enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        out.push('"');
+        for c in item.chars() {
+            if c == '"' || c == '\\' {
+                out.push('\\');
+            }
+            out.push(c);
+        }
+        out.push('"');
+    }
+    out.push('}');
+    out
 }
 
 /// The claims still current, locked against a takeover until the
@@ -430,17 +461,19 @@ impl OutboxStore for PgStore {
         Ok(rows
             .into_iter()
             .map(
-                |(id, message_id, topic, key, payload, headers, slot, created_at)| OutboxRow {
-                    id,
-                    slot,
-                    created_at,
-                    message: OutboxMessage {
-                        topic,
-                        key,
-                        payload,
-                        headers: parse_headers(&headers),
-                        message_id,
-                    },
+                |(id, message_id, topic, key, payload, headers, pairs, slot, created_at)| {
+                    OutboxRow {
+                        id,
+                        slot,
+                        created_at,
+                        message: OutboxMessage {
+                            topic,
+                            key,
+                            payload,
+                            headers: read_headers(headers.as_deref(), pairs),
+                            message_id,
+                        },
+                    }
                 },
             )
             .collect())

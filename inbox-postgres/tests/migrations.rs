@@ -136,6 +136,7 @@ async fn a_database_of_the_first_migration_reaches_the_current_schema() {
             "m20261130_000010_inbox_binary_body_inbox",
             "m20261130_000011_inbox_due_order_inbox",
             "m20261130_000012_outbox_read_held_once_inbox",
+            "m20261130_000013_outbox_header_pairs_inbox",
         ]
     );
 
@@ -171,6 +172,29 @@ async fn a_database_of_the_first_migration_reaches_the_current_schema() {
     // the relay's read function, in both databases
     let functions = "SELECT count(*) FROM pg_proc WHERE proname = 'inbox_outbox_pending'";
     assert_eq!(count(&old, functions).await, 1);
+
+    // the header pairs' step taken back: an event written with them keeps
+    // its headers, as the jsonb list the earlier read returns
+    old.execute_unprepared(
+        r#"INSERT INTO inbox_outbox (message_id, topic, payload, header_pairs, slot)
+           VALUES ('o-1', 't', '\x00', ARRAY['a', 'x"y', 'a', ''], 0)"#,
+    )
+    .await
+    .expect("an event with header pairs");
+    Current::down(&old, Some(1)).await.expect("one step down");
+    assert_eq!(
+        count(
+            &old,
+            r#"SELECT count(*) FROM inbox_outbox WHERE headers = '[["a", "x\"y"], ["a", ""]]'::jsonb"#
+        )
+        .await,
+        1,
+        "the pairs became the jsonb list"
+    );
+    Current::up(&old, None).await.expect("the step again");
+    old.execute_unprepared("DELETE FROM inbox_outbox")
+        .await
+        .expect("delete the event");
 
     // and taken back step by step, then applied again
     Current::down(&old, None).await.expect("down");

@@ -441,7 +441,7 @@ impl OutboxStore for PgStore {
         let pool = self.db.get_postgres_connection_pool();
         let sql = sea_orm::sqlx::AssertSqlSafe(format!(
             "SELECT * FROM {}($1, $2, $3)",
-            self.table.outbox_read()
+            self.table.outbox_read_pairs()
         ));
         let rows: Vec<PendingRow> = sea_orm::sqlx::query_as(sql)
             .bind(slots)
@@ -486,7 +486,7 @@ impl OutboxStore for PgStore {
         let pool = self.db.get_postgres_connection_pool();
         let sql = sea_orm::sqlx::AssertSqlSafe(format!(
             "SELECT EXISTS (SELECT 1 FROM {}($1, 1, $2))",
-            self.table.outbox_read()
+            self.table.outbox_read_pairs()
         ));
         let (found,): (bool,) = sea_orm::sqlx::query_as(sql)
             .bind(slots)

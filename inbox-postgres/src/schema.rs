@@ -113,9 +113,16 @@ impl TableName {
         self.with_suffix("_outbox_keys")
     }
 
-    /// The relay's read (`<table>_outbox_pending`, a function), qualified.
+    /// The relay's read of earlier versions (`<table>_outbox_pending`, a
+    /// function, headers as JSON text), qualified.
     pub fn outbox_read(&self) -> String {
         self.with_suffix("_outbox_pending")
+    }
+
+    /// The relay's read (`<table>_outbox_pending_pairs`, a function,
+    /// headers as a text array of names and values in turn), qualified.
+    pub fn outbox_read_pairs(&self) -> String {
+        self.with_suffix("_outbox_pending_pairs")
     }
 
     /// The channel the outbox notifies on (`<table>_outbox`, with the
@@ -434,9 +441,7 @@ pub fn schema_steps(t: &TableName) -> Vec<SchemaStep> {
             // pending row (the planner, before the table has statistics,
             // takes the backlog for a dozen rows and sorts all of it), which
             // the function's own settings rule out; typed arguments.
-            // (dropped first: a later step's function returns other
-            // columns, and `migrate` runs every step again)
-            vec![drop_read_function(t), read_function_sql(t)],
+            vec![read_function_sql(t)],
             vec![drop_read_function(t)],
         ),
         step(
@@ -447,10 +452,7 @@ pub fn schema_steps(t: &TableName) -> Vec<SchemaStep> {
             // A pipelined relay leaves out the rows of its previous round,
             // whose marks are in flight: 5,000 ids against 20,000 pending
             // rows took 126 ms a read with the list, 5-8 ms hashed.
-            vec![
-                drop_read_function(t),
-                read_function_plpgsql(t, Held::PerRow, Headers::Json),
-            ],
+            vec![read_function_plpgsql(t, Held::PerRow, Headers::Json)],
             vec![read_function_sql(t)],
         ),
         step(
@@ -491,38 +493,39 @@ pub fn schema_steps(t: &TableName) -> Vec<SchemaStep> {
             // probe of the holding index per row was half the read (3-6 of
             // 6-10 ms for 5,000 rows, `EXPLAIN ANALYZE`) when, as almost
             // always, nothing is held.
-            vec![
-                drop_read_function(t),
-                read_function_plpgsql(t, Held::CheckedOnce, Headers::Json),
-            ],
+            vec![read_function_plpgsql(t, Held::CheckedOnce, Headers::Json)],
             vec![read_function_plpgsql(t, Held::PerRow, Headers::Json)],
         ),
         step(
             "outbox_header_pairs",
             // An event's headers as a text array of names and values in
-            // turn, written by the enqueue and read as they are: the cast
-            // of the jsonb headers to text in the read and their parsing as
-            // JSON in the relay took about an eighth of the relay's time.
-            // Rows written before keep their jsonb headers (read as before,
-            // `header_pairs` NULL).
+            // turn, written by the enqueue and read as they are by a read
+            // function of their own (`<table>_outbox_pending_pairs`): the
+            // cast of the jsonb headers to text in the read and their
+            // parsing as JSON in the relay took about an eighth of the
+            // relay's time. Rows written before keep their jsonb headers
+            // (`header_pairs` NULL). The earlier function keeps its
+            // columns (`migrate` runs every step again, and a relay of the
+            // earlier version may still call it) and returns the pairs as
+            // its jsonb list.
             vec![
                 format!(
                     "ALTER TABLE {o} ADD COLUMN IF NOT EXISTS header_pairs TEXT[]",
                     o = t.outbox()
                 ),
-                drop_read_function(t),
                 read_function_plpgsql(t, Held::CheckedOnce, Headers::Pairs),
+                read_function_plpgsql(t, Held::CheckedOnce, Headers::JsonOfBoth),
             ],
             vec![
                 format!(
-                    "UPDATE {o} SET headers = COALESCE(
-                        (SELECT jsonb_agg(jsonb_build_array(header_pairs[i], header_pairs[i + 1]) ORDER BY i)
-                           FROM generate_subscripts(header_pairs, 1) AS i
-                          WHERE i % 2 = 1), '[]'::jsonb)
-                      WHERE header_pairs IS NOT NULL",
-                    o = t.outbox()
+                    "UPDATE {o} SET headers = {json} WHERE header_pairs IS NOT NULL",
+                    o = t.outbox(),
+                    json = pairs_as_jsonb("header_pairs"),
                 ),
-                drop_read_function(t),
+                format!(
+                    "DROP FUNCTION IF EXISTS {}(int[], bigint, bigint[])",
+                    t.outbox_read_pairs()
+                ),
                 read_function_plpgsql(t, Held::CheckedOnce, Headers::Json),
                 format!(
                     "ALTER TABLE {o} DROP COLUMN IF EXISTS header_pairs",
@@ -533,23 +536,44 @@ pub fn schema_steps(t: &TableName) -> Vec<SchemaStep> {
     ]
 }
 
-/// How the relay's read returns an event's headers.
+/// The text array `pairs` (names and values in turn) as the jsonb list
+/// `[[name, value], ...]` the outbox stored before `header_pairs`.
+fn pairs_as_jsonb(pairs: &str) -> String {
+    format!(
+        "COALESCE((SELECT jsonb_agg(jsonb_build_array({pairs}[i], {pairs}[i + 1]) ORDER BY i)
+                     FROM generate_subscripts({pairs}, 1) AS i
+                    WHERE i % 2 = 1), '[]'::jsonb)"
+    )
+}
+
+/// How a relay's read function returns an event's headers, and which
+/// function it is.
 #[derive(Debug, Clone, Copy)]
 enum Headers {
-    /// The jsonb list of `[name, value]` pairs, as text.
+    /// `<table>_outbox_pending`: the jsonb list of `[name, value]` pairs,
+    /// as text.
     Json,
-    /// `header_pairs` (names and values in turn) as stored, and the jsonb
-    /// list as text only for the rows written without them.
+    /// `<table>_outbox_pending`, once `header_pairs` exists: the same
+    /// list, made from the pairs for the rows written with them.
+    JsonOfBoth,
+    /// `<table>_outbox_pending_pairs`: `header_pairs` (names and values in
+    /// turn) as stored, and the jsonb list as text only for the rows
+    /// written without them.
     Pairs,
 }
 
 impl Headers {
     /// The read's select list for the headers.
-    fn select(self) -> &'static str {
+    fn select(self) -> String {
         match self {
-            Self::Json => "o.headers::text",
+            Self::Json => "o.headers::text".to_owned(),
+            Self::JsonOfBoth => format!(
+                "CASE WHEN o.header_pairs IS NULL THEN o.headers ELSE {} END::text",
+                pairs_as_jsonb("o.header_pairs")
+            ),
             Self::Pairs => {
                 "CASE WHEN o.header_pairs IS NULL THEN o.headers::text END, o.header_pairs"
+                    .to_owned()
             }
         }
     }
@@ -557,8 +581,16 @@ impl Headers {
     /// The read function's result columns for the headers.
     fn columns(self) -> &'static str {
         match self {
-            Self::Json => "headers text",
+            Self::Json | Self::JsonOfBoth => "headers text",
             Self::Pairs => "headers text, header_pairs text[]",
+        }
+    }
+
+    /// The read function's name, qualified.
+    fn function(self, t: &TableName) -> String {
+        match self {
+            Self::Json | Self::JsonOfBoth => t.outbox_read(),
+            Self::Pairs => t.outbox_read_pairs(),
         }
     }
 }
@@ -623,7 +655,7 @@ fn read_function_head(t: &TableName, language: &str, headers: Headers) -> String
                         payload bytea, {headers}, slot int, created_at timestamptz)
          LANGUAGE {language} STABLE
          SET enable_sort = off SET enable_bitmapscan = off",
-        f = t.outbox_read(),
+        f = headers.function(t),
         headers = headers.columns(),
     )
 }

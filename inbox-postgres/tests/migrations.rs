@@ -181,6 +181,18 @@ async fn a_database_of_the_first_migration_reaches_the_current_schema() {
     )
     .await
     .expect("an event with header pairs");
+    // a relay of the earlier version reads them through the earlier
+    // function, as the jsonb list
+    assert_eq!(
+        count(
+            &old,
+            r#"SELECT count(*) FROM inbox_outbox_pending(ARRAY[0], 10, '{}')
+                WHERE headers::jsonb = '[["a", "x\"y"], ["a", ""]]'::jsonb"#
+        )
+        .await,
+        1,
+        "the earlier read function gives the pairs as jsonb"
+    );
     Current::down(&old, Some(1)).await.expect("one step down");
     assert_eq!(
         count(

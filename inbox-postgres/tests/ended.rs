@@ -309,6 +309,16 @@ async fn batched_an_ending_charges_only_its_message() {
             .map(|r| r.message_id.as_str())
             .collect();
         assert_eq!(charged, ["bad-2"], "{ending}: {result:?}");
+        // no row left for ok-3, not handled: a runner stopped here would
+        // leave its redelivery to find it done
+        assert!(
+            store
+                .find("ok-3", "billing")
+                .await
+                .unwrap_or_else(|e| panic!("{e}"))
+                .is_none(),
+            "{ending}: a row for ok-3 after the batch"
+        );
         // the redelivery of the held partition: every message handled once
         tokio::time::sleep(Duration::from_millis(150)).await;
         let again = runner
@@ -327,6 +337,39 @@ async fn batched_an_ending_charges_only_its_message() {
             assert_eq!(store.invoices(id).await, 1, "{ending} {id}: {result:?}");
         }
     }
+}
+
+/// Batched, the first message's handler commits on its own and nothing
+/// else in the batch begins a transaction (its partition is held, no
+/// failure is counted): the row inserted for the message after it is
+/// deleted before the batch returns, so a runner stopped there leaves the
+/// redelivery to handle it. Before, it was deleted only when the runner
+/// next began a transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_an_ending_leaves_no_row_for_a_message_not_handled() {
+    let store = store().await;
+    let broker = MemBroker::new();
+    let placed = [(0, "bad-1"), (0, "ok-2")];
+    let (_runner, _, result) =
+        first_batch(&store, &broker, &placed, "COMMIT", Isolation::Optimistic).await;
+    assert_eq!(broker.acked("billing", "orders", 0), None, "{result:?}");
+    assert_eq!(rows(&store, "ok-2").await, 0, "{result:?}");
+    // a new runner (the process restarted) handles ok-2
+    let mut batch = BatchConfig::new(10);
+    batch.linger = Duration::ZERO;
+    let mut runner = Runner::new(
+        store.clone(),
+        broker.consumer("billing"),
+        Ender::new("COMMIT", 1),
+        config().batched(batch),
+    );
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let again = runner
+        .next_batch(batch)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let result = runner.process_batch(again).await;
+    assert_eq!(store.invoices("ok-2").await, 1, "{result:?}");
 }
 
 /// Batched with a savepoint per handler after a failure: a second message

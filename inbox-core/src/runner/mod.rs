@@ -76,7 +76,9 @@ pub struct Runner<S, C, H, M = NoopMetrics> {
     /// handler's own made them durable (`completed`, with no effect), so
     /// they are deleted before anything else is handled, or the redelivery
     /// would find those messages done (deleting a row that is not there,
-    /// because the transaction rolled back, does nothing).
+    /// because the transaction rolled back, does nothing): at the end of
+    /// the batch, and again before any transaction begins while a delete
+    /// failed.
     orphans: Vec<crate::model::RowId>,
 }
 
@@ -160,12 +162,10 @@ where
         &self.config
     }
 
-    /// Begins a transaction, after deleting the [orphans](Self::orphans)
-    /// ([`InboxStore::discard_orphans`]): until they are gone nothing is
-    /// handled (their messages would be found done). Failing that, the
-    /// error is the beginning's (the message is rewound, the orphans kept
-    /// for the next try).
-    async fn begin(&mut self) -> Result<S::Tx, StoreError> {
+    /// Deletes the [orphans](Self::orphans), if any
+    /// ([`InboxStore::discard_orphans`]); failing that, they are kept for
+    /// the next try.
+    async fn discard_orphans(&mut self) -> Result<(), StoreError> {
         if !self.orphans.is_empty() {
             self.store.discard_orphans(&self.orphans).await?;
             tracing::debug!(
@@ -174,6 +174,15 @@ where
             );
             self.orphans.clear();
         }
+        Ok(())
+    }
+
+    /// Begins a transaction, after deleting the [orphans](Self::orphans):
+    /// until they are gone nothing is handled (their messages would be
+    /// found done). Failing that, the error is the beginning's (the
+    /// message is rewound, the orphans kept for the next try).
+    async fn begin(&mut self) -> Result<S::Tx, StoreError> {
+        self.discard_orphans().await?;
         self.store.begin().await
     }
 

@@ -134,6 +134,11 @@ where
             .process_batch_in_span(messages)
             .instrument(span.clone())
             .await;
+        // at once, not at the next transaction: a runner stopped after
+        // this batch would leave its redeliveries to find them done
+        if let Err(e) = self.discard_orphans().await {
+            tracing::warn!(error = %e, "deleting the rows inserted for messages not handled failed; tried again before the next transaction");
+        }
         span.record("transactions", result.transactions);
         span.record("returned", result.returned);
         result

@@ -521,6 +521,11 @@ where
     ) -> Result<ProcessorBatch, ProcessorError> {
         self.last_failed = results.iter().any(is_failure);
         let updates = self.updates(rows, results, &mut batch);
+        // nothing rolls back to a savepoint from here: released, one the
+        // store has not sent yet (no handler wrote after it) is never sent.
+        // An error it reports (none open, the transaction aborted) is the
+        // transaction's, and the write-back reports it again.
+        let _ = tx.release_savepoint().await;
         let written = match Self::write(&mut tx, claim, worker, &updates).await {
             Ok(n) => usize::try_from(n).unwrap_or(0),
             Err(e) if refused(&e) => {

@@ -338,7 +338,10 @@ pub trait InboxTransaction: Send + Sized {
     /// open at a time: taking one releases the one open before (in the same
     /// round trip). The batched runner takes one before each handler when a
     /// batch has to be replayed after a handler failure, so a second failure
-    /// does not cost another replay. The default refuses
+    /// does not cost another replay. A store may send it with the
+    /// transaction's next statement instead of at once (the same point in
+    /// the transaction: nothing ran in between), so a savepoint nothing
+    /// follows costs nothing (`PgTx` does). The default refuses
     /// ([`StoreErrorKind::Unsupported`](crate::StoreErrorKind::Unsupported)):
     /// the runner then replays optimistically instead.
     async fn savepoint(&mut self) -> Result<(), StoreError> {
@@ -357,7 +360,9 @@ pub trait InboxTransaction: Send + Sized {
         ))
     }
 
-    /// Keeps everything since the savepoint and closes it.
+    /// Keeps everything since the savepoint and closes it: it can no
+    /// longer be rolled back to. A store may close it later, with the next
+    /// savepoint's statement or the commit (`PgTx` does, sending nothing).
     async fn release_savepoint(&mut self) -> Result<(), StoreError> {
         Err(StoreError::new(
             crate::StoreErrorKind::Unsupported,

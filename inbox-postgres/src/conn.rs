@@ -56,7 +56,30 @@ pub struct PgConn {
     failed: Mutex<Option<(String, StoreErrorKind)>>,
     /// What the handler may have done to the transaction itself.
     control: Mutex<Control>,
+    /// The inbox's savepoint (see [`Savepoint`]).
+    savepoint: Mutex<Savepoint>,
 }
+
+/// The inbox's own savepoint (`inbox_message`), sent lazily: asked for, it
+/// is sent just before the transaction's next statement (a handler's or
+/// the store's), which is the same point in the transaction since nothing
+/// ran in between, and released without a statement of its own. A batch
+/// whose handlers send nothing so costs no savepoint round trip, and a
+/// released one is closed by the next savepoint's statement (one open at a
+/// time) or by the commit.
+#[derive(Debug, Default)]
+struct Savepoint {
+    /// Asked for and not sent yet.
+    asked: bool,
+    /// One is open at the server (sent and not released there).
+    sent: bool,
+    /// The caller's savepoint exists (asked for or sent, not released):
+    /// it can be rolled back to.
+    live: bool,
+}
+
+const SAVEPOINT: &str = "SAVEPOINT inbox_message";
+const RELEASE_AND_SAVEPOINT: &str = "RELEASE SAVEPOINT inbox_message; SAVEPOINT inbox_message";
 
 /// The watch on statements that can end the transaction.
 #[derive(Debug, Default)]
@@ -130,7 +153,92 @@ impl PgConn {
             tx,
             failed: Mutex::new(None),
             control: Mutex::new(Control::default()),
+            savepoint: Mutex::new(Savepoint::default()),
         }
+    }
+
+    fn savepoint_state(&self) -> std::sync::MutexGuard<'_, Savepoint> {
+        self.savepoint
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Asks for the inbox's savepoint (releasing the one open before):
+    /// sent with the next statement, or now when the transaction is
+    /// already aborted (so the failure is reported here, as a `SAVEPOINT`
+    /// sent at once would report it).
+    pub(crate) async fn savepoint(&self) -> Result<(), DbErr> {
+        {
+            let mut state = self.savepoint_state();
+            state.asked = true;
+            state.live = true;
+        }
+        if self.failed().is_some() {
+            let sent = self.flush().await;
+            if sent.is_err() {
+                self.savepoint_state().live = false;
+            }
+            return sent;
+        }
+        Ok(())
+    }
+
+    /// Sends the savepoint asked for, if any: before every statement.
+    async fn flush(&self) -> Result<(), DbErr> {
+        let sql = {
+            let mut state = self.savepoint_state();
+            if !state.asked {
+                return Ok(());
+            }
+            state.asked = false;
+            if state.sent {
+                RELEASE_AND_SAVEPOINT
+            } else {
+                SAVEPOINT
+            }
+        };
+        self.watch(self.tx.execute_unprepared(sql).await)?;
+        self.savepoint_state().sent = true;
+        Ok(())
+    }
+
+    /// Undoes everything since the savepoint (nothing when it was not sent
+    /// yet: no statement ran since it was asked for); it stays.
+    pub(crate) async fn rollback_to_savepoint(&self) -> Result<(), DbErr> {
+        {
+            let state = self.savepoint_state();
+            if !state.live {
+                return Err(DbErr::Custom(
+                    "no savepoint to roll back to: none was taken, or it was released".to_owned(),
+                ));
+            }
+            if state.asked {
+                return Ok(());
+            }
+        }
+        self.tx
+            .execute_unprepared("ROLLBACK TO SAVEPOINT inbox_message")
+            .await?;
+        self.recovered();
+        Ok(())
+    }
+
+    /// Keeps everything since the savepoint and closes it, without a
+    /// statement: one asked for is not sent, one sent stays open at the
+    /// server until the next savepoint's statement releases it or the
+    /// transaction ends (its work commits with the transaction).
+    pub(crate) fn release_savepoint(&self) {
+        let mut state = self.savepoint_state();
+        state.asked = false;
+        state.live = false;
+    }
+
+    /// The transaction after the savepoint asked for was sent: for the
+    /// store's own statements (not watched: their errors reach the runner
+    /// as errors).
+    pub(crate) async fn ready(&self) -> Result<&DatabaseTransaction, DbErr> {
+        self.flush().await?;
+        Ok(&self.tx)
     }
 
     fn control(&self) -> std::sync::MutexGuard<'_, Control> {
@@ -232,12 +340,6 @@ impl PgConn {
         why
     }
 
-    /// The transaction, for the store's own statements (not watched: their
-    /// errors reach the runner as errors).
-    pub(crate) fn inner(&self) -> &DatabaseTransaction {
-        &self.tx
-    }
-
     pub(crate) fn into_inner(self) -> DatabaseTransaction {
         self.tx
     }
@@ -320,6 +422,7 @@ impl ConnectionTrait for PgConn {
     }
 
     async fn execute_raw(&self, stmt: Statement) -> Result<ExecResult, DbErr> {
+        self.flush().await?;
         if may_end_transaction(&stmt.sql) {
             self.before_control().await;
         }
@@ -327,6 +430,7 @@ impl ConnectionTrait for PgConn {
     }
 
     async fn execute_unprepared(&self, sql: &str) -> Result<ExecResult, DbErr> {
+        self.flush().await?;
         if may_end_transaction(sql) {
             self.before_control().await;
         }
@@ -334,6 +438,7 @@ impl ConnectionTrait for PgConn {
     }
 
     async fn query_one_raw(&self, stmt: Statement) -> Result<Option<QueryResult>, DbErr> {
+        self.flush().await?;
         if may_end_transaction(&stmt.sql) {
             self.before_control().await;
         }
@@ -341,6 +446,7 @@ impl ConnectionTrait for PgConn {
     }
 
     async fn query_all_raw(&self, stmt: Statement) -> Result<Vec<QueryResult>, DbErr> {
+        self.flush().await?;
         if may_end_transaction(&stmt.sql) {
             self.before_control().await;
         }
@@ -357,6 +463,7 @@ impl TransactionTrait for PgConn {
     type Transaction = DatabaseTransaction;
 
     async fn begin(&self) -> Result<DatabaseTransaction, DbErr> {
+        self.flush().await?;
         self.before_control().await;
         self.watch(self.tx.begin().await)
     }
@@ -366,6 +473,7 @@ impl TransactionTrait for PgConn {
         isolation_level: Option<IsolationLevel>,
         access_mode: Option<AccessMode>,
     ) -> Result<DatabaseTransaction, DbErr> {
+        self.flush().await?;
         self.before_control().await;
         self.watch(
             self.tx
@@ -378,6 +486,7 @@ impl TransactionTrait for PgConn {
         &self,
         options: TransactionOptions,
     ) -> Result<DatabaseTransaction, DbErr> {
+        self.flush().await?;
         self.before_control().await;
         self.watch(self.tx.begin_with_options(options).await)
     }
@@ -391,6 +500,7 @@ impl TransactionTrait for PgConn {
         T: Send,
         E: std::fmt::Display + std::fmt::Debug + Send,
     {
+        self.flush().await.map_err(TransactionError::Connection)?;
         self.before_control().await;
         self.tx.transaction(callback).await
     }
@@ -409,6 +519,7 @@ impl TransactionTrait for PgConn {
         T: Send,
         E: std::fmt::Display + std::fmt::Debug + Send,
     {
+        self.flush().await.map_err(TransactionError::Connection)?;
         self.before_control().await;
         self.tx
             .transaction_with_config(callback, isolation_level, access_mode)

@@ -174,7 +174,9 @@ impl DeadLetterStore for PgStore {
 impl DeadLetterTransaction for PgTx {
     async fn take_dead_letter(&mut self, id: i64) -> Result<Option<DeadLetter>, StoreError> {
         self.connection()
-            .inner()
+            .ready()
+            .await
+            .map_err(db)?
             .query_one_raw(stmt(&by_id(self.table(), "FOR UPDATE"), vec![id.into()]))
             .await
             .map_err(db)?
@@ -194,7 +196,9 @@ impl DeadLetterTransaction for PgTx {
         );
         let found = self
             .connection()
-            .inner()
+            .ready()
+            .await
+            .map_err(db)?
             .query_one_raw(stmt(
                 &sql,
                 vec![message_id.into(), Value::from(consumer_group)],
@@ -213,7 +217,9 @@ impl DeadLetterTransaction for PgTx {
     async fn remove_dead_letter(&mut self, id: i64) -> Result<(), StoreError> {
         let sql = format!("DELETE FROM {} WHERE id = $1", self.table().dead_letters());
         self.connection()
-            .inner()
+            .ready()
+            .await
+            .map_err(db)?
             .execute_raw(stmt(&sql, vec![id.into()]))
             .await
             .map_err(db)?;

@@ -510,7 +510,6 @@ impl PgStore {
 pub struct PgTx {
     conn: PgConn,
     sql: Arc<Sql>,
-    savepoint_open: bool,
 }
 
 impl PgTx {
@@ -662,7 +661,9 @@ impl PgTx {
         };
         let r = self
             .conn
-            .inner()
+            .ready()
+            .await
+            .map_err(db)?
             .execute_raw(stmt(sql, lead))
             .await
             .map_err(db)?;
@@ -712,7 +713,6 @@ impl InboxStore for PgStore {
         Ok(PgTx {
             conn: PgConn::new(tx),
             sql: self.sql.clone(),
-            savepoint_open: false,
         })
     }
 
@@ -836,7 +836,9 @@ impl InboxTransaction for PgTx {
     async fn insert_or_get(&mut self, row: &NewInboxRow) -> Result<RowRef, StoreError> {
         let found = self
             .conn
-            .inner()
+            .ready()
+            .await
+            .map_err(db)?
             .query_one_raw(stmt(
                 &self.sql.insert_or_get,
                 vec![
@@ -904,7 +906,9 @@ impl InboxTransaction for PgTx {
             .map_err(|e| StoreError::new(StoreErrorKind::Other, e.to_string()))?;
         let found = self
             .conn
-            .inner()
+            .ready()
+            .await
+            .map_err(db)?
             .query_all_raw(stmt(
                 &self.sql.insert_or_get_many,
                 vec![input.into(), first.consumer_group.clone().into()],
@@ -936,7 +940,9 @@ impl InboxTransaction for PgTx {
                 .map_err(|e| StoreError::new(StoreErrorKind::Other, e.to_string()))?;
             let existing = self
                 .conn
-                .inner()
+                .ready()
+                .await
+                .map_err(db)?
                 .query_all_raw(stmt(
                     &self.sql.get_many,
                     vec![keys.into(), first.consumer_group.clone().into()],
@@ -968,7 +974,9 @@ impl InboxTransaction for PgTx {
     async fn lock(&mut self, id: RowId, _worker: &MemberId) -> Result<LockResult, StoreError> {
         let row = self
             .conn
-            .inner()
+            .ready()
+            .await
+            .map_err(db)?
             .query_one_raw(stmt(&self.sql.lock, vec![id.into()]))
             .await
             .map_err(db)?;
@@ -986,7 +994,9 @@ impl InboxTransaction for PgTx {
 
     async fn complete(&mut self, id: RowId) -> Result<(), StoreError> {
         self.conn
-            .inner()
+            .ready()
+            .await
+            .map_err(db)?
             .execute_raw(stmt(&self.sql.complete, vec![id.into()]))
             .await
             .map_err(db)?;
@@ -1000,7 +1010,9 @@ impl InboxTransaction for PgTx {
     ) -> Result<i32, StoreError> {
         let row = self
             .conn
-            .inner()
+            .ready()
+            .await
+            .map_err(db)?
             .query_one_raw(stmt(
                 &self.sql.record_attempt,
                 vec![
@@ -1037,7 +1049,9 @@ impl InboxTransaction for PgTx {
     ) -> Result<Vec<InboxRow>, StoreError> {
         let rows = self
             .conn
-            .inner()
+            .ready()
+            .await
+            .map_err(db)?
             .query_all_raw(stmt(
                 &self.sql.lock_due,
                 vec![
@@ -1062,21 +1076,11 @@ impl InboxTransaction for PgTx {
     }
 
     async fn savepoint(&mut self) -> Result<(), StoreError> {
-        // One savepoint open at a time (nesting hundreds of them would
-        // overflow PostgreSQL's subtransaction cache): release the open one
-        // in the same round trip.
-        let sql = if self.savepoint_open {
-            "RELEASE SAVEPOINT inbox_message; SAVEPOINT inbox_message"
-        } else {
-            "SAVEPOINT inbox_message"
-        };
-        self.conn
-            .inner()
-            .execute_unprepared(sql)
-            .await
-            .map_err(db)?;
-        self.savepoint_open = true;
-        Ok(())
+        // sent with the transaction's next statement (see `PgConn`); one
+        // savepoint open at a time (nesting hundreds of them would overflow
+        // PostgreSQL's subtransaction cache): the one open before is
+        // released in the same round trip
+        self.conn.savepoint().await.map_err(db)
     }
 
     async fn rollback_to_savepoint(&mut self) -> Result<(), StoreError> {
@@ -1086,28 +1090,19 @@ impl InboxTransaction for PgTx {
             return Err(StoreError::new(StoreErrorKind::Aborted, ended));
         }
         // ROLLBACK TO keeps the savepoint open.
-        self.conn
-            .inner()
-            .execute_unprepared("ROLLBACK TO SAVEPOINT inbox_message")
-            .await
-            .map_err(db)?;
-        self.conn.recovered();
-        Ok(())
+        self.conn.rollback_to_savepoint().await.map_err(db)
     }
 
     async fn release_savepoint(&mut self) -> Result<(), StoreError> {
-        self.conn
-            .inner()
-            .execute_unprepared("RELEASE SAVEPOINT inbox_message")
-            .await
-            .map_err(db)?;
-        self.savepoint_open = false;
+        self.conn.release_savepoint();
         Ok(())
     }
 
     async fn discard_rows(&mut self, ids: &[RowId]) -> Result<(), StoreError> {
         self.conn
-            .inner()
+            .ready()
+            .await
+            .map_err(db)?
             .execute_raw(discard(&self.sql, ids))
             .await
             .map_err(db)?;
@@ -1202,7 +1197,9 @@ impl InboxTransaction for PgTx {
         let last = tries.len() - 1;
         for (n, (as_json, raw, error_text)) in tries.into_iter().enumerate() {
             self.conn
-                .inner()
+                .ready()
+                .await
+                .map_err(db)?
                 .execute_unprepared("SAVEPOINT inbox_dead_letter")
                 .await
                 .map_err(db)?;
@@ -1212,7 +1209,9 @@ impl InboxTransaction for PgTx {
             match inserted {
                 Ok(()) => {
                     self.conn
-                        .inner()
+                        .ready()
+                        .await
+                        .map_err(db)?
                         .execute_unprepared("RELEASE SAVEPOINT inbox_dead_letter")
                         .await
                         .map_err(db)?;
@@ -1224,7 +1223,9 @@ impl InboxTransaction for PgTx {
                 {
                     tracing::warn!(message_id = %storable(&message.message_id), error = %e, "the dead letter was refused; recording less of it");
                     self.conn
-                        .inner()
+                        .ready()
+                        .await
+                        .map_err(db)?
                         .execute_unprepared("ROLLBACK TO SAVEPOINT inbox_dead_letter")
                         .await
                         .map_err(db)?;
@@ -1239,7 +1240,7 @@ impl InboxTransaction for PgTx {
     }
 
     async fn store_ack(&mut self, ack: &TxAck) -> Result<(), StoreError> {
-        write_ack(self.conn.inner(), &self.sql, ack).await
+        write_ack(self.conn.ready().await.map_err(db)?, &self.sql, ack).await
     }
 
     async fn check_owner(&mut self, ack: &TxAck) -> Result<(), StoreError> {
@@ -1250,7 +1251,9 @@ impl InboxTransaction for PgTx {
         );
         let row = self
             .conn
-            .inner()
+            .ready()
+            .await
+            .map_err(db)?
             .query_one_raw(stmt(
                 &self.sql.owner_check,
                 vec![group.into(), topic.into(), partition.into()],
@@ -1284,7 +1287,9 @@ impl PgTx {
     ) -> Result<(), StoreError> {
         let position = message.position.as_ref();
         self.conn
-            .inner()
+            .ready()
+            .await
+            .map_err(db)?
             .execute_raw(stmt(
                 &self.sql.dead_letter,
                 vec![
@@ -1309,7 +1314,9 @@ impl PgTx {
     async fn get_again(&self, row: &NewInboxRow) -> Result<RowRef, StoreError> {
         let again = self
             .conn
-            .inner()
+            .ready()
+            .await
+            .map_err(db)?
             .query_one_raw(stmt(
                 &self.sql.get,
                 vec![

@@ -165,4 +165,25 @@ mod tests {
         assert_eq!(h.get("b"), Some("2"));
         assert!(serde_json::from_str::<Headers>("3").is_err());
     }
+
+    #[test]
+    fn the_list_is_given_back_as_it_was_kept() {
+        let mut h = Headers::new();
+        assert!(h.is_empty());
+        assert_eq!(h.len(), 0);
+        h.push("hop", "gateway");
+        h.push("hop", "");
+        assert!(!h.is_empty());
+        assert_eq!(h.len(), 2);
+        let pairs = h.clone().into_vec();
+        assert_eq!(
+            pairs,
+            [
+                ("hop".to_owned(), "gateway".to_owned()),
+                ("hop".to_owned(), String::new())
+            ]
+        );
+        assert_eq!(Headers::from(pairs), h);
+        assert_eq!((&h).into_iter().count(), 2);
+    }
 }

@@ -128,3 +128,69 @@ async fn a_handler_that_recovers_by_itself_commits() {
     tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(invoices(&store, "own-savepoint").await, 1);
 }
+
+/// The inbox's savepoint marks the point it was asked for, though `PgTx`
+/// sends it only with the transaction's next statement: rolled back to
+/// with nothing between, nothing is undone; a statement after it is undone
+/// while what came before stays; released, it can no longer be rolled back
+/// to and what followed it commits; asked for in an aborted transaction,
+/// it fails at once, as a `SAVEPOINT` sent then would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_savepoint_marks_the_point_it_was_asked_for() {
+    let store = store().await;
+    let insert = async |tx: &PgTx, order: &str| {
+        tx.connection()
+            .execute_unprepared(&format!(
+                "INSERT INTO invoices (order_id) VALUES ('{order}')"
+            ))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+    };
+    let mut tx = store.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    insert(&tx, "sp-before").await;
+    tx.savepoint().await.unwrap_or_else(|e| panic!("{e}"));
+    tx.rollback_to_savepoint()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    insert(&tx, "sp-undone").await;
+    tx.rollback_to_savepoint()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    insert(&tx, "sp-released").await;
+    tx.release_savepoint()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        tx.rollback_to_savepoint().await.is_err(),
+        "a released savepoint was rolled back to"
+    );
+    insert(&tx, "sp-after-release").await;
+    tx.savepoint().await.unwrap_or_else(|e| panic!("{e}"));
+    insert(&tx, "sp-undone-again").await;
+    tx.rollback_to_savepoint()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+    for (order, n) in [
+        ("sp-before", 1),
+        ("sp-undone", 0),
+        ("sp-released", 1),
+        ("sp-after-release", 1),
+        ("sp-undone-again", 0),
+    ] {
+        assert_eq!(invoices(&store, order).await, n, "{order}");
+    }
+
+    let mut tx = store.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        tx.connection()
+            .execute_unprepared("SELECT 1/0")
+            .await
+            .is_err()
+    );
+    assert!(
+        tx.savepoint().await.is_err(),
+        "a savepoint in an aborted transaction"
+    );
+    tx.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+}

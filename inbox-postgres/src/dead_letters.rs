@@ -173,13 +173,8 @@ impl DeadLetterStore for PgStore {
 #[async_trait]
 impl DeadLetterTransaction for PgTx {
     async fn take_dead_letter(&mut self, id: i64) -> Result<Option<DeadLetter>, StoreError> {
-        self.connection()
-            .ready()
-            .await
-            .map_err(db)?
-            .query_one_raw(stmt(&by_id(self.table(), "FOR UPDATE"), vec![id.into()]))
-            .await
-            .map_err(db)?
+        self.query_one(stmt(&by_id(self.table(), "FOR UPDATE"), vec![id.into()]))
+            .await?
             .as_ref()
             .map(dead_letter)
             .transpose()
@@ -195,16 +190,11 @@ impl DeadLetterTransaction for PgTx {
             self.table().qualified()
         );
         let found = self
-            .connection()
-            .ready()
-            .await
-            .map_err(db)?
-            .query_one_raw(stmt(
+            .query_one(stmt(
                 &sql,
                 vec![message_id.into(), Value::from(consumer_group)],
             ))
-            .await
-            .map_err(db)?;
+            .await?;
         let Some(row) = found else {
             return Ok(None);
         };
@@ -216,13 +206,7 @@ impl DeadLetterTransaction for PgTx {
 
     async fn remove_dead_letter(&mut self, id: i64) -> Result<(), StoreError> {
         let sql = format!("DELETE FROM {} WHERE id = $1", self.table().dead_letters());
-        self.connection()
-            .ready()
-            .await
-            .map_err(db)?
-            .execute_raw(stmt(&sql, vec![id.into()]))
-            .await
-            .map_err(db)?;
+        self.exec(stmt(&sql, vec![id.into()])).await?;
         Ok(())
     }
 }

@@ -558,6 +558,54 @@ impl PgTx {
     pub(crate) fn table(&self) -> &TableName {
         &self.sql.table
     }
+
+    /// The store's own statements, sent after the savepoint asked for (if
+    /// any), not watched: their errors reach the caller as errors.
+    pub(crate) async fn query_one(&self, s: Statement) -> Result<Option<QueryResult>, StoreError> {
+        self.conn
+            .ready()
+            .await
+            .map_err(db)?
+            .query_one_raw(s)
+            .await
+            .map_err(db)
+    }
+
+    /// See [`query_one`](Self::query_one).
+    pub(crate) async fn query_all(&self, s: Statement) -> Result<Vec<QueryResult>, StoreError> {
+        self.conn
+            .ready()
+            .await
+            .map_err(db)?
+            .query_all_raw(s)
+            .await
+            .map_err(db)
+    }
+
+    /// See [`query_one`](Self::query_one).
+    pub(crate) async fn exec(&self, s: Statement) -> Result<sea_orm::ExecResult, StoreError> {
+        self.conn
+            .ready()
+            .await
+            .map_err(db)?
+            .execute_raw(s)
+            .await
+            .map_err(db)
+    }
+
+    /// See [`query_one`](Self::query_one).
+    pub(crate) async fn exec_unprepared(
+        &self,
+        sql: &str,
+    ) -> Result<sea_orm::ExecResult, StoreError> {
+        self.conn
+            .ready()
+            .await
+            .map_err(db)?
+            .execute_unprepared(sql)
+            .await
+            .map_err(db)
+    }
 }
 
 pub(crate) fn get<T: sea_orm::TryGetable>(row: &QueryResult, col: &str) -> Result<T, StoreError> {
@@ -659,14 +707,7 @@ impl PgTx {
             lead.push(outcomes_json(updates).into());
             &sql.any
         };
-        let r = self
-            .conn
-            .ready()
-            .await
-            .map_err(db)?
-            .execute_raw(stmt(sql, lead))
-            .await
-            .map_err(db)?;
+        let r = self.exec(stmt(sql, lead)).await?;
         Ok(r.rows_affected())
     }
 }
@@ -835,11 +876,7 @@ fn discard(sql: &Sql, ids: &[RowId]) -> Statement {
 impl InboxTransaction for PgTx {
     async fn insert_or_get(&mut self, row: &NewInboxRow) -> Result<RowRef, StoreError> {
         let found = self
-            .conn
-            .ready()
-            .await
-            .map_err(db)?
-            .query_one_raw(stmt(
+            .query_one(stmt(
                 &self.sql.insert_or_get,
                 vec![
                     row.message_id.clone().into(),
@@ -852,8 +889,7 @@ impl InboxTransaction for PgTx {
                     row.body.clone().into(),
                 ],
             ))
-            .await
-            .map_err(db)?;
+            .await?;
         if let Some(found) = found {
             return row_ref(&found);
         }
@@ -905,16 +941,11 @@ impl InboxTransaction for PgTx {
         let input = serde_json::to_string(&input)
             .map_err(|e| StoreError::new(StoreErrorKind::Other, e.to_string()))?;
         let found = self
-            .conn
-            .ready()
-            .await
-            .map_err(db)?
-            .query_all_raw(stmt(
+            .query_all(stmt(
                 &self.sql.insert_or_get_many,
                 vec![input.into(), first.consumer_group.clone().into()],
             ))
-            .await
-            .map_err(db)?;
+            .await?;
         if found.len() != rows.len() {
             return Err(StoreError::new(
                 StoreErrorKind::Other,
@@ -939,16 +970,11 @@ impl InboxTransaction for PgTx {
             let keys = serde_json::to_string(&missing)
                 .map_err(|e| StoreError::new(StoreErrorKind::Other, e.to_string()))?;
             let existing = self
-                .conn
-                .ready()
-                .await
-                .map_err(db)?
-                .query_all_raw(stmt(
+                .query_all(stmt(
                     &self.sql.get_many,
                     vec![keys.into(), first.consumer_group.clone().into()],
                 ))
-                .await
-                .map_err(db)?;
+                .await?;
             let mut by_key = std::collections::HashMap::new();
             for r in &existing {
                 by_key.insert(get::<String>(r, "message_id")?, row_ref(r)?);
@@ -973,13 +999,8 @@ impl InboxTransaction for PgTx {
 
     async fn lock(&mut self, id: RowId, _worker: &MemberId) -> Result<LockResult, StoreError> {
         let row = self
-            .conn
-            .ready()
-            .await
-            .map_err(db)?
-            .query_one_raw(stmt(&self.sql.lock, vec![id.into()]))
-            .await
-            .map_err(db)?;
+            .query_one(stmt(&self.sql.lock, vec![id.into()]))
+            .await?;
         let Some(row) = row else {
             return Ok(LockResult::Busy);
         };
@@ -993,13 +1014,7 @@ impl InboxTransaction for PgTx {
     }
 
     async fn complete(&mut self, id: RowId) -> Result<(), StoreError> {
-        self.conn
-            .ready()
-            .await
-            .map_err(db)?
-            .execute_raw(stmt(&self.sql.complete, vec![id.into()]))
-            .await
-            .map_err(db)?;
+        self.exec(stmt(&self.sql.complete, vec![id.into()])).await?;
         Ok(())
     }
 
@@ -1009,11 +1024,7 @@ impl InboxTransaction for PgTx {
         record: &AttemptRecord<'_>,
     ) -> Result<i32, StoreError> {
         let row = self
-            .conn
-            .ready()
-            .await
-            .map_err(db)?
-            .query_one_raw(stmt(
+            .query_one(stmt(
                 &self.sql.record_attempt,
                 vec![
                     id.into(),
@@ -1022,8 +1033,7 @@ impl InboxTransaction for PgTx {
                     record.error.map(storable).into(),
                 ],
             ))
-            .await
-            .map_err(db)?
+            .await?
             .ok_or_else(|| StoreError::new(StoreErrorKind::Other, format!("no inbox row {id}")))?;
         get(&row, "attempts_made")
     }
@@ -1048,11 +1058,7 @@ impl InboxTransaction for PgTx {
         only: &[RowId],
     ) -> Result<Vec<InboxRow>, StoreError> {
         let rows = self
-            .conn
-            .ready()
-            .await
-            .map_err(db)?
-            .query_all_raw(stmt(
+            .query_all(stmt(
                 &self.sql.lock_due,
                 vec![
                     i64::try_from(limit).unwrap_or(i64::MAX).into(),
@@ -1062,8 +1068,7 @@ impl InboxTransaction for PgTx {
                     serde_json::Value::from(only.to_vec()).to_string().into(),
                 ],
             ))
-            .await
-            .map_err(db)?;
+            .await?;
         rows.iter().map(inbox_row).collect()
     }
 
@@ -1099,13 +1104,7 @@ impl InboxTransaction for PgTx {
     }
 
     async fn discard_rows(&mut self, ids: &[RowId]) -> Result<(), StoreError> {
-        self.conn
-            .ready()
-            .await
-            .map_err(db)?
-            .execute_raw(discard(&self.sql, ids))
-            .await
-            .map_err(db)?;
+        self.exec(discard(&self.sql, ids)).await?;
         Ok(())
     }
 
@@ -1196,25 +1195,14 @@ impl InboxTransaction for PgTx {
         ];
         let last = tries.len() - 1;
         for (n, (as_json, raw, error_text)) in tries.into_iter().enumerate() {
-            self.conn
-                .ready()
-                .await
-                .map_err(db)?
-                .execute_unprepared("SAVEPOINT inbox_dead_letter")
-                .await
-                .map_err(db)?;
+            self.exec_unprepared("SAVEPOINT inbox_dead_letter").await?;
             let inserted = self
                 .insert_dead_letter(message, consumer_group, as_json, raw, error_text)
                 .await;
             match inserted {
                 Ok(()) => {
-                    self.conn
-                        .ready()
-                        .await
-                        .map_err(db)?
-                        .execute_unprepared("RELEASE SAVEPOINT inbox_dead_letter")
-                        .await
-                        .map_err(db)?;
+                    self.exec_unprepared("RELEASE SAVEPOINT inbox_dead_letter")
+                        .await?;
                     return Ok(());
                 }
                 Err(e)
@@ -1222,13 +1210,8 @@ impl InboxTransaction for PgTx {
                         && matches!(e.kind, StoreErrorKind::Data | StoreErrorKind::Integrity) =>
                 {
                     tracing::warn!(message_id = %storable(&message.message_id), error = %e, "the dead letter was refused; recording less of it");
-                    self.conn
-                        .ready()
-                        .await
-                        .map_err(db)?
-                        .execute_unprepared("ROLLBACK TO SAVEPOINT inbox_dead_letter")
-                        .await
-                        .map_err(db)?;
+                    self.exec_unprepared("ROLLBACK TO SAVEPOINT inbox_dead_letter")
+                        .await?;
                 }
                 Err(e) => return Err(e),
             }
@@ -1250,16 +1233,11 @@ impl InboxTransaction for PgTx {
             &ack.consumer_group,
         );
         let row = self
-            .conn
-            .ready()
-            .await
-            .map_err(db)?
-            .query_one_raw(stmt(
+            .query_one(stmt(
                 &self.sql.owner_check,
                 vec![group.into(), topic.into(), partition.into()],
             ))
-            .await
-            .map_err(db)?;
+            .await?;
         let epoch: Option<i64> = row.as_ref().map(|r| get(r, "owner_epoch")).transpose()?;
         if epoch == Some(ack.owner_epoch) {
             return Ok(());
@@ -1286,26 +1264,21 @@ impl PgTx {
         error: String,
     ) -> Result<(), StoreError> {
         let position = message.position.as_ref();
-        self.conn
-            .ready()
-            .await
-            .map_err(db)?
-            .execute_raw(stmt(
-                &self.sql.dead_letter,
-                vec![
-                    consumer_group.into(),
-                    storable(&message.message_id).into(),
-                    storable(&message.source).into(),
-                    position.map(|p| storable(&p.topic)).into(),
-                    position.map(|p| p.partition).into(),
-                    position.map(|p| p.offset).into(),
-                    as_json.into(),
-                    error.into(),
-                    raw.into(),
-                ],
-            ))
-            .await
-            .map_err(db)?;
+        self.exec(stmt(
+            &self.sql.dead_letter,
+            vec![
+                consumer_group.into(),
+                storable(&message.message_id).into(),
+                storable(&message.source).into(),
+                position.map(|p| storable(&p.topic)).into(),
+                position.map(|p| p.partition).into(),
+                position.map(|p| p.offset).into(),
+                as_json.into(),
+                error.into(),
+                raw.into(),
+            ],
+        ))
+        .await?;
         Ok(())
     }
 
@@ -1313,19 +1286,14 @@ impl PgTx {
     /// transaction committed it while this one waited on its key).
     async fn get_again(&self, row: &NewInboxRow) -> Result<RowRef, StoreError> {
         let again = self
-            .conn
-            .ready()
-            .await
-            .map_err(db)?
-            .query_one_raw(stmt(
+            .query_one(stmt(
                 &self.sql.get,
                 vec![
                     row.message_id.clone().into(),
                     row.consumer_group.clone().into(),
                 ],
             ))
-            .await
-            .map_err(db)?
+            .await?
             .ok_or_else(|| {
                 StoreError::new(
                     StoreErrorKind::Serialization,

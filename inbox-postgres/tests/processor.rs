@@ -25,7 +25,8 @@ const GROUP: &str = "processors";
 const MAX_ATTEMPTS: i32 = 3;
 
 /// Writes the effect, then fails as the message id says: `always-*` every
-/// time, `once-*` on its first call.
+/// time, `once-*` on its first call; `quiet-*` fails every time before
+/// writing anything.
 #[derive(Default)]
 struct Effects {
     calls: Mutex<HashMap<String, u32>>,
@@ -35,6 +36,9 @@ struct Effects {
 impl Handler<PgTx> for Effects {
     type Output = ();
     async fn handle(&self, m: &Message, tx: &mut PgTx) -> Result<(), HandlerError> {
+        if m.message_id.starts_with("quiet-") {
+            return Err(HandlerError::msg("refused before any write"));
+        }
         tx.connection()
             .execute_raw(Statement::from_sql_and_values(
                 DbBackend::Postgres,
@@ -454,5 +458,70 @@ async fn the_claims_asynchronous_commit_stays_with_the_claim() {
             .unwrap_or_else(|| panic!("a row"));
         let setting: String = row.try_get_by_index(0).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(setting, "on", "the pool's connections commit synchronously");
+    }
+}
+
+/// Handlers that fail before sending anything (the batch's savepoint, sent
+/// only before a handler's first statement, was never sent when the batch
+/// goes back to it) beside handlers that write and fail and handlers that
+/// write and succeed, in one batch, by row lock and by lease: each failing
+/// row spends exactly its attempts (`attempts_made` counts the failed runs)
+/// and leaves no effect, each other row has exactly one effect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failures_before_and_after_a_write_in_one_batch() {
+    for claim in [ClaimMode::RowLock, ClaimMode::Lease] {
+        let store = landed(0, 1).await.remove(0);
+        let ids = [
+            "quiet-0", "ok-1", "always-2", "ok-3", "quiet-4", "once-5", "ok-6", "quiet-7",
+        ];
+        let rows: Vec<NewInboxRow> = ids
+            .iter()
+            .map(|id| {
+                let m = Message::new(*id, "orders", "order.created", json!({}));
+                NewInboxRow::for_message(&m, GROUP, MAX_ATTEMPTS).with_status(InboxStatus::Pending)
+            })
+            .collect();
+        let mut tx = store.begin().await.unwrap_or_else(|e| panic!("{e}"));
+        tx.insert_or_get_many(&rows)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+        let handler = Arc::new(Effects::default());
+        let mut config = ProcessorConfig::new("processor-0").unwrap_or_else(|e| panic!("{e}"));
+        config.rules.backoff =
+            Backoff::new(std::time::Duration::ZERO, std::time::Duration::ZERO, 1.0);
+        config.claim = claim;
+        let mut p = Processor::new(store.clone(), handler.clone(), config);
+        for _ in 0..20 {
+            let batch = p.process_batch().await.unwrap_or_else(|e| panic!("{e}"));
+            if batch.claimed == 0 {
+                break;
+            }
+        }
+        for id in ids {
+            let row = store
+                .find(id, GROUP)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"))
+                .unwrap_or_else(|| panic!("{id}: no row"));
+            let effects = count(
+                &store,
+                "SELECT count(*) FROM processor_effects WHERE message_id = $1",
+                vec![id.into()],
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+            let fails = id.starts_with("quiet-") || id.starts_with("always-");
+            let (status, attempts, effect) = if fails {
+                (InboxStatus::Failed, MAX_ATTEMPTS, 0)
+            } else if id.starts_with("once-") {
+                (InboxStatus::Completed, 1, 1)
+            } else {
+                (InboxStatus::Completed, 0, 1)
+            };
+            assert_eq!(row.status, status, "{claim:?} {id}");
+            assert_eq!(row.attempts_made, attempts, "{claim:?} {id}");
+            assert_eq!(effects, effect, "{claim:?} {id}: effects");
+        }
     }
 }

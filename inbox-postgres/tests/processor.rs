@@ -90,21 +90,27 @@ async fn landed(rows: usize, pools: usize) -> Vec<PgStore> {
         .execute_unprepared("CREATE TABLE processor_effects (message_id TEXT PRIMARY KEY)")
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    for chunk in (0..rows).collect::<Vec<_>>().chunks(500) {
-        let new: Vec<NewInboxRow> = chunk
-            .iter()
-            .map(|&i| {
-                let m = Message::new(id(i), "orders", "order.created", json!({ "n": i }));
-                NewInboxRow::for_message(&m, GROUP, MAX_ATTEMPTS).with_status(InboxStatus::Pending)
-            })
-            .collect();
-        let mut tx = store.begin().await.unwrap_or_else(|e| panic!("{e}"));
-        tx.insert_or_get_many(&new)
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
-        tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+    let ids: Vec<String> = (0..rows).map(id).collect();
+    for chunk in ids.chunks(500) {
+        land(&store, chunk).await;
     }
     stores
+}
+
+/// Rows `pending` for the messages `ids`, in one transaction.
+async fn land(store: &PgStore, ids: &[String]) {
+    let new: Vec<NewInboxRow> = ids
+        .iter()
+        .map(|id| {
+            let m = Message::new(id.clone(), "orders", "order.created", json!({ "id": id }));
+            NewInboxRow::for_message(&m, GROUP, MAX_ATTEMPTS).with_status(InboxStatus::Pending)
+        })
+        .collect();
+    let mut tx = store.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    tx.insert_or_get_many(&new)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
 }
 
 /// A processor on `store` that retries at once.
@@ -474,18 +480,7 @@ async fn failures_before_and_after_a_write_in_one_batch() {
         let ids = [
             "quiet-0", "ok-1", "always-2", "ok-3", "quiet-4", "once-5", "ok-6", "quiet-7",
         ];
-        let rows: Vec<NewInboxRow> = ids
-            .iter()
-            .map(|id| {
-                let m = Message::new(*id, "orders", "order.created", json!({}));
-                NewInboxRow::for_message(&m, GROUP, MAX_ATTEMPTS).with_status(InboxStatus::Pending)
-            })
-            .collect();
-        let mut tx = store.begin().await.unwrap_or_else(|e| panic!("{e}"));
-        tx.insert_or_get_many(&rows)
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
-        tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+        land(&store, &ids.map(str::to_owned)).await;
         let handler = Arc::new(Effects::default());
         let mut config = ProcessorConfig::new("processor-0").unwrap_or_else(|e| panic!("{e}"));
         config.rules.backoff =

@@ -174,7 +174,9 @@ impl PgConn {
             state.live = true;
         }
         if self.failed().is_some() {
-            let sent = self.flush().await;
+            // not watched: the cause of the abort stays the statement's
+            // that failed first (a transient one stays transient)
+            let sent = self.send_savepoint(false).await;
             if sent.is_err() {
                 self.savepoint_state().live = false;
             }
@@ -185,6 +187,12 @@ impl PgConn {
 
     /// Sends the savepoint asked for, if any: before every statement.
     async fn flush(&self) -> Result<(), DbErr> {
+        self.send_savepoint(true).await
+    }
+
+    /// Sends the savepoint asked for, if any; `watched`: its failure is
+    /// noted as the statement that left the transaction aborted.
+    async fn send_savepoint(&self, watched: bool) -> Result<(), DbErr> {
         let sql = {
             let mut state = self.savepoint_state();
             if !state.asked {
@@ -197,7 +205,12 @@ impl PgConn {
                 SAVEPOINT
             }
         };
-        self.watch(self.tx.execute_unprepared(sql).await)?;
+        let sent = self.tx.execute_unprepared(sql).await;
+        if watched {
+            self.watch(sent)?;
+        } else {
+            sent?;
+        }
         self.savepoint_state().sent = true;
         Ok(())
     }

@@ -133,8 +133,7 @@ async fn a_handler_that_recovers_by_itself_commits() {
 /// sends it only with the transaction's next statement: rolled back to
 /// with nothing between, nothing is undone; a statement after it is undone
 /// while what came before stays; released, it can no longer be rolled back
-/// to and what followed it commits; asked for in an aborted transaction,
-/// it fails at once, as a `SAVEPOINT` sent then would.
+/// to and what followed it commits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_savepoint_marks_the_point_it_was_asked_for() {
     let store = store().await;
@@ -180,17 +179,34 @@ async fn the_savepoint_marks_the_point_it_was_asked_for() {
     ] {
         assert_eq!(invoices(&store, order).await, n, "{order}");
     }
+}
 
+/// A savepoint asked for in a transaction a statement aborted fails at
+/// once, and the cause the transaction reports stays that statement's: a
+/// transient one (here a serialization failure) stays transient, so the
+/// failure it causes is retried without spending the budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_savepoint_in_an_aborted_transaction_keeps_the_first_cause() {
+    let store = store().await;
     let mut tx = store.begin().await.unwrap_or_else(|e| panic!("{e}"));
     assert!(
         tx.connection()
-            .execute_unprepared("SELECT 1/0")
+            .execute_unprepared(
+                "DO $$ BEGIN RAISE EXCEPTION 'write conflict' USING ERRCODE = '40001'; END $$"
+            )
             .await
             .is_err()
     );
     assert!(
         tx.savepoint().await.is_err(),
         "a savepoint in an aborted transaction"
+    );
+    let transient = tx.transient().await;
+    assert!(
+        transient
+            .as_deref()
+            .is_some_and(|c| c.contains("write conflict")),
+        "the abort's cause: {transient:?}"
     );
     tx.rollback().await.unwrap_or_else(|e| panic!("{e}"));
 }

@@ -67,6 +67,18 @@ async fn enqueue_one(store: &PgStore, event: &OutboxMessage) -> i64 {
     id
 }
 
+/// `events` enqueued in one transaction, committed; their ids.
+async fn enqueue_many(store: &PgStore, events: &[OutboxMessage]) -> Vec<i64> {
+    let tx = begin(store).await;
+    let ids = store
+        .outbox()
+        .enqueue_many(&tx, events)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+    ids
+}
+
 /// Every record of the topic: (partition, key, message_id), in each
 /// partition's order.
 async fn published(env: &common::Env) -> Vec<(i32, Option<String>, String)> {
@@ -140,14 +152,7 @@ async fn events_reach_kafka_once_on_their_keys_partition_in_commit_order() {
     let many: Vec<OutboxMessage> = (0..20)
         .map(|i| OutboxMessage::new(&env.topic, "{}").key(format!("customer-{}", i % 3)))
         .collect();
-    let tx = begin(&env.store).await;
-    let ids = env
-        .store
-        .outbox()
-        .enqueue_many(&tx, &many)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+    let ids = enqueue_many(&env.store, &many).await;
     assert!(ids.windows(2).all(|w| w[0] < w[1]), "ids in order: {ids:?}");
     for e in &many {
         let key = String::from_utf8_lossy(e.key.as_deref().unwrap_or_default()).into_owned();
@@ -329,16 +334,7 @@ async fn a_batch_of_events_waits_for_an_open_transaction_of_its_keys() {
         let events: Vec<OutboxMessage> = (0..n)
             .map(|i| OutboxMessage::new(&env.topic, "2").key(format!("k-{i}")))
             .collect();
-        let b = tokio::spawn(async move {
-            let tx = begin(&store).await;
-            let ids = store
-                .outbox()
-                .enqueue_many(&tx, &events)
-                .await
-                .unwrap_or_else(|e| panic!("{e}"));
-            tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
-            ids
-        });
+        let b = tokio::spawn(async move { enqueue_many(&store, &events).await });
         assert_waiting(
             &b,
             Duration::from_millis(500),
@@ -1179,13 +1175,7 @@ async fn published_rows_deleted_by_the_relay_leave_reusable_space() {
                         .key(format!("k-{cycle}-{chunk}-{i}"))
                 })
                 .collect();
-            let tx = begin(&env.store).await;
-            env.store
-                .outbox()
-                .enqueue_many(&tx, &events)
-                .await
-                .unwrap_or_else(|e| panic!("{e}"));
-            tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+            enqueue_many(&env.store, &events).await;
         }
         assert_eq!(drain(&mut r).await, 2_000);
         maintenance
@@ -1655,13 +1645,7 @@ async fn headers_with_quotes_backslashes_and_braces_leave_as_written_also_from_o
             e
         })
         .collect();
-    let tx = begin(&env.store).await;
-    env.store
-        .outbox()
-        .enqueue_many(&tx, &many)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+    enqueue_many(&env.store, &many).await;
     // a row as the enqueue wrote it before header_pairs: jsonb headers
     let older = OutboxMessage::new(&env.topic, "1")
         .key("k")

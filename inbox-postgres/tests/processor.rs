@@ -427,17 +427,7 @@ async fn the_claims_asynchronous_commit_stays_with_the_claim() {
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
-    let rows: Vec<NewInboxRow> = (0..50)
-        .map(|i| {
-            let m = Message::new(id(i), "orders", "order.created", json!({ "n": i }));
-            NewInboxRow::for_message(&m, GROUP, MAX_ATTEMPTS)
-        })
-        .collect();
-    let mut tx = store.begin().await.unwrap_or_else(|e| panic!("{e}"));
-    tx.insert_or_get_many(&rows)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+    land(&store, &(0..50).map(id).collect::<Vec<_>>()).await;
     let worker = inbox_core::MemberId::new("claimer").unwrap_or_else(|e| panic!("{e}"));
     let filter = DueFilter {
         consumer_group: Some(GROUP.to_owned()),

@@ -57,6 +57,11 @@
 //!   batch-aware handler, offsets stored in the inbox transaction, the
 //!   exactly-once check and the broker-gap count after it.
 //!
+//! The processor and graphile lines also print the WAL their drain wrote,
+//! per job: bytes in all and, when the server has `pg_walinspect`
+//! (PostgreSQL's contrib), the record types that wrote most: the write
+//! amplification of each protocol, like for like.
+//!
 //! The runner lines take their messages from the in-memory broker,
 //! produced before the clock starts: they measure the inbox and the
 //! database, not a broker. The last two produce to tansu before the clock
@@ -931,6 +936,7 @@ async fn drain_with_processors(
         let store = PgStore::new(connect(url).await?, TableName::default());
         workers.push(Processor::new(store, handler.clone(), config));
     }
+    let wal = WalMark::now(store.connection()).await?;
     let started = Instant::now();
     let tasks: Vec<_> = workers
         .into_iter()
@@ -949,7 +955,9 @@ async fn drain_with_processors(
     for t in tasks {
         t.await??;
     }
-    Ok(started.elapsed())
+    let elapsed = started.elapsed();
+    wal.note(store.connection(), messages).await?;
+    Ok(elapsed)
 }
 
 /// graphile-worker's protocol as raw SQL (see the module's doc): `messages`
@@ -1011,6 +1019,7 @@ async fn graphile(
     for w in 0..4 {
         workers.push((format!("bench-worker-{w}"), connect(url).await?));
     }
+    let wal = WalMark::now(db).await?;
     let started = Instant::now();
     let tasks: Vec<_> = workers
         .into_iter()
@@ -1058,6 +1067,7 @@ async fn graphile(
         t.await??;
     }
     let elapsed = started.elapsed();
+    wal.note(db, messages).await?;
     let left = crate::sql::scalar_on(db, "SELECT count(*) FROM bench_jobs").await?;
     if left != 0 {
         bail!("{left} jobs left");
@@ -1083,6 +1093,81 @@ async fn check_invoices(db: &DatabaseConnection, messages: u64) -> Result<()> {
         bail!("exactly-once check failed: {n} invoices, {d} distinct, {messages} messages");
     }
     Ok(())
+}
+
+/// The WAL a drain writes, measured from where the WAL ended before it:
+/// like for like between the processor lines and graphile-worker's, since
+/// each line has the server to itself (autovacuum and checkpoints included:
+/// they are part of what a protocol costs).
+struct WalMark {
+    start: String,
+    /// Whether `pg_walinspect` could be created (contrib installed): the
+    /// records by type, or the total alone.
+    inspect: bool,
+}
+
+impl WalMark {
+    /// Marks the WAL's end now; creates `pg_walinspect` first (its own WAL
+    /// is before the mark).
+    async fn now(db: &DatabaseConnection) -> Result<Self> {
+        let inspect = db
+            .execute_unprepared("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
+            .await
+            .is_ok();
+        let start = db
+            .query_one_raw(stmt(
+                "SELECT pg_current_wal_insert_lsn()::text AS l",
+                vec![],
+            ))
+            .await?
+            .context("no WAL position")?
+            .try_get::<String>("", "l")?;
+        Ok(Self { start, inspect })
+    }
+
+    /// Prints (a `NOTE`) the WAL written since the mark, per job: bytes in
+    /// all, then the record types that wrote most (records and bytes a
+    /// job).
+    async fn note(&self, db: &DatabaseConnection, jobs: u64) -> Result<()> {
+        let per_job = |n: i64| n as f64 / jobs.max(1) as f64;
+        let total = db
+            .query_one_raw(stmt(
+                "SELECT pg_wal_lsn_diff(pg_current_wal_flush_lsn(), $1::pg_lsn)::bigint AS b",
+                vec![self.start.clone().into()],
+            ))
+            .await?
+            .context("no WAL position")?
+            .try_get::<i64>("", "b")?;
+        let mut note = format!("WAL {:.0} bytes a job", per_job(total));
+        if self.inspect {
+            let rows = db
+                .query_all_raw(stmt(
+                    "SELECT \"resource_manager/record_type\" AS kind, count, combined_size AS size
+                       FROM pg_get_wal_stats($1::pg_lsn, pg_current_wal_flush_lsn(), true)
+                      WHERE count > 0
+                      ORDER BY combined_size DESC
+                      LIMIT 6",
+                    vec![self.start.clone().into()],
+                ))
+                .await?;
+            let kinds = rows
+                .iter()
+                .map(|r| {
+                    Ok(format!(
+                        "{} {:.2} ({:.0} B)",
+                        r.try_get::<String>("", "kind")?,
+                        per_job(r.try_get::<i64>("", "count")?),
+                        per_job(r.try_get::<i64>("", "size")?)
+                    ))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            note.push_str(&format!("; records a job: {}", kinds.join(", ")));
+        } else {
+            note.push_str(" (pg_walinspect not installed: no records by type)");
+        }
+        println!("NOTE {note}");
+        Ok(())
+    }
 }
 
 /// The process's peak resident set (VmHWM), in KiB; 0 when unknown.

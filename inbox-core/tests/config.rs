@@ -78,9 +78,11 @@ fn the_relay_configuration_is_checked() {
     poll.poll_interval = Duration::ZERO;
     let mut lease = ok.clone();
     lease.session_timeout = lease.heartbeat;
+    let mut bytes = ok.clone();
+    bytes.max_round_bytes = 0;
     let mut group = ok;
     group.group = " ".into();
-    for bad in [zero, poll, lease, group] {
+    for bad in [zero, poll, lease, bytes, group] {
         assert!(bad.validate().is_err(), "{bad:?}");
     }
 }

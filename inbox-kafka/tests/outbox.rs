@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use inbox_core::outbox::{
-    OnRefused, OutboxMessage, OutboxRow, PublishError, Publisher, Relay, RelayConfig, SLOTS,
-    partition_for,
+    OnRefused, OutboxMessage, OutboxRow, OutboxStore, PublishError, Publisher, ReadLimit, Relay,
+    RelayConfig, SLOTS, partition_for,
 };
 use inbox_core::{CancellationToken, NoopMetrics};
 use inbox_kafka::{KafkaPublisher, run_relay};
@@ -460,11 +460,16 @@ async fn relay_batched(
     member: &str,
     batch: usize,
 ) -> Relay<PgStore, KafkaPublisher> {
+    let mut config = RelayConfig::new(member).unwrap_or_else(|e| panic!("{e}"));
+    config.batch_size = batch;
+    relay_with(env, config).await
+}
+
+/// A relay with `config`, holding every slot.
+async fn relay_with(env: &common::Env, config: RelayConfig) -> Relay<PgStore, KafkaPublisher> {
     let publisher = KafkaPublisher::connect(&env.kafka_config("relay"))
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    let mut config = RelayConfig::new(member).unwrap_or_else(|e| panic!("{e}"));
-    config.batch_size = batch;
     let mut r = Relay::new(env.store.clone(), publisher, config);
     r.hold(&all_slots()).await.unwrap_or_else(|e| panic!("{e}"));
     r
@@ -522,20 +527,131 @@ async fn pipelined_rounds_mark_each_round_with_the_next_read_and_publish_each_ev
             .published,
         0
     );
-    let records = published(&env).await;
-    let ids: BTreeSet<&str> = records.iter().map(|r| r.2.as_str()).collect();
-    assert_eq!((records.len(), ids.len()), (30, 30), "each event once");
     // each key's events in their order (a key's partition holds them in id order)
-    for k in 0..10 {
+    assert_each_once_in_key_order(&env, 30, 10, "e").await;
+}
+
+/// `sizes[i]` bytes of payload for event `b{i}`, on keys `k0`, `k1` in
+/// turn (two bytes of key each), in one transaction.
+async fn enqueue_sized(env: &common::Env, sizes: &[usize]) {
+    let events: Vec<OutboxMessage> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            OutboxMessage::new(&env.topic, "x".repeat(*n))
+                .key(format!("k{}", i % 2))
+                .message_id(format!("b{i}"))
+        })
+        .collect();
+    enqueue_many(&env.store, &events).await;
+}
+
+/// Events `{prefix}0..{prefix}{n}` on keys `k0..k{keys}` in turn are on
+/// the broker each once, each key's in their order.
+async fn assert_each_once_in_key_order(env: &common::Env, n: usize, keys: usize, prefix: &str) {
+    let records = published(env).await;
+    let ids: BTreeSet<&str> = records.iter().map(|r| r.2.as_str()).collect();
+    assert_eq!((records.len(), ids.len()), (n, n), "each event once");
+    for k in 0..keys {
         let key = format!("k{k}");
         let of_key: Vec<&str> = records
             .iter()
             .filter(|r| r.1.as_deref() == Some(key.as_str()))
             .map(|r| r.2.as_str())
             .collect();
-        let expected: Vec<String> = (0..3).map(|j| format!("e{}", k + 10 * j)).collect();
+        let expected: Vec<String> = (k..n)
+            .step_by(keys)
+            .map(|i| format!("{prefix}{i}"))
+            .collect();
         assert_eq!(of_key, expected, "key {key}");
     }
+}
+
+/// A round holds at most `max_round_bytes` plus one event: it reads no
+/// further event once those it read hold that many bytes (an event larger
+/// than that is read alone), and a round cut so counts as full (its marks
+/// go with the next read, which comes at once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rounds_are_cut_by_size_and_a_larger_event_goes_alone() {
+    let env = env("outbox-sized", 2).await;
+    // 40,002 bytes, then nine of 10,002 (payload and key)
+    let mut sizes = vec![40_000];
+    sizes.extend([10_000; 9]);
+    enqueue_sized(&env, &sizes).await;
+    // the store's read: the rows in id order while those before hold less
+    // than the limit
+    for (rows, bytes, expected) in [
+        (100, 25_000, 1),
+        (100, 50_004, 2),
+        (100, 50_005, 3),
+        (2, usize::MAX, 2),
+        (100, 1, 1),
+    ] {
+        let read = OutboxStore::pending(&env.store, &all_slots(), ReadLimit { rows, bytes }, &[])
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let ids: Vec<String> = read.iter().map(|r| r.message.message_id.clone()).collect();
+        let want: Vec<String> = (0..expected).map(|i| format!("b{i}")).collect();
+        assert_eq!(ids, want, "{rows} rows, {bytes} bytes");
+    }
+    let mut config = RelayConfig::new("relay-sized").unwrap_or_else(|e| panic!("{e}"));
+    config.batch_size = 100;
+    config.max_round_bytes = 25_000;
+    let mut relay = relay_with(&env, config).await;
+    let mut figures = Vec::new();
+    for _ in 0..6 {
+        let round = relay
+            .round_pipelined()
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        figures.push((round.fetched, round.full));
+    }
+    relay.flush().await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        figures,
+        [
+            // the large event alone: the next read asks for one row
+            (1, true),
+            // full by count: twice as many rows next time
+            (1, true),
+            (2, true),
+            // cut by size after three (30,006 bytes)
+            (3, true),
+            (3, true),
+            (0, false),
+        ],
+        "(rows read, full) per round"
+    );
+    assert_each_once_in_key_order(&env, 10, 2, "b").await;
+    assert_eq!(left(&env.store).await, 0);
+}
+
+/// A running relay takes rounds cut by size one after the other, without
+/// waiting for its poll between them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_relay_drains_large_events_round_after_round() {
+    let env = env("outbox-sized-run", 2).await;
+    let mut config = RelayConfig::new("relay-sized-run").unwrap_or_else(|e| panic!("{e}"));
+    config.heartbeat = Duration::from_secs(5);
+    config.session_timeout = Duration::from_secs(30);
+    config.poll_interval = Duration::from_secs(10);
+    config.probe_every = None;
+    config.max_round_bytes = 25_000;
+    // twelve events of 10,002 bytes, three a round: four rounds; a relay
+    // taking each round cut by size as the last would wait a poll (10 s)
+    // after each
+    enqueue_sized(&env, &[10_000; 12]).await;
+    let health = config.health.clone();
+    let started = tokio::time::Instant::now();
+    let relay = start_relay(&env, config, Arc::new(NoopMetrics));
+    while health.published() < 12 && started.elapsed() < Duration::from_secs(25) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let took = started.elapsed();
+    assert_eq!(health.published(), 12);
+    assert!(took < Duration::from_secs(8), "twelve events took {took:?}");
+    relay.stop().await;
+    assert_each_once_in_key_order(&env, 12, 2, "b").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
+use futures::TryStreamExt;
 use inbox_core::outbox::{
-    OutboxBacklog, OutboxMessage, OutboxRow, OutboxStore, SLOT_TOPIC, SlotClaim,
+    OutboxBacklog, OutboxMessage, OutboxRow, OutboxStore, ReadLimit, SLOT_TOPIC, SlotClaim,
 };
 use inbox_core::{StoreError, StoreErrorKind};
 use sea_orm::{ConnectionTrait, Value};
@@ -429,7 +430,7 @@ impl OutboxStore for PgStore {
     async fn pending(
         &self,
         slots: &[i32],
-        limit: usize,
+        limit: ReadLimit,
         except: &[i64],
     ) -> Result<Vec<OutboxRow>, StoreError> {
         // One statement: the read function (schema step `outbox_read`)
@@ -437,19 +438,26 @@ impl OutboxStore for PgStore {
         // statistics say (a sort of every pending row took 80-100 ms a
         // read with 50,000 pending, against 6 ms along the index); rows
         // decoded by sqlx's typed decoding (sea-orm's by column name took
-        // about 10 us a row, 50 ms for 5,000).
+        // about 10 us a row, 50 ms for 5,000). The rows are taken one by
+        // one and no further once they hold `limit.bytes`: the rest of
+        // the result is read off the connection and dropped, never held
+        // (a cut in the read function, a window sum over the rows, took
+        // 1.4 ms more per read of 5,000 rows, cut or not: 0.73 -> 0.66 of
+        // the producer line; the relay asks for fewer rows after a cut).
         let pool = self.db.get_postgres_connection_pool();
         let sql = sea_orm::sqlx::AssertSqlSafe(format!(
             "SELECT * FROM {}($1, $2, $3)",
             self.table.outbox_read_pairs()
         ));
-        let rows: Vec<PendingRow> = sea_orm::sqlx::query_as(sql)
+        let mut stream = sea_orm::sqlx::query_as::<_, PendingRow>(sql)
             .bind(slots)
-            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+            .bind(i64::try_from(limit.rows).unwrap_or(i64::MAX))
             .bind(except)
-            .fetch_all(pool)
-            .await
-            .map_err(|e| {
+            .fetch(pool);
+        let mut rows = Vec::new();
+        let mut bytes = 0usize;
+        loop {
+            let next = stream.try_next().await.map_err(|e| {
                 let mut err = map_sqlx_err(&e);
                 if err.cause.contains("does not exist") {
                     err.cause.push_str(
@@ -458,25 +466,30 @@ impl OutboxStore for PgStore {
                 }
                 err
             })?;
-        Ok(rows
-            .into_iter()
-            .map(
-                |(id, message_id, topic, key, payload, headers, pairs, slot, created_at)| {
-                    OutboxRow {
-                        id,
-                        slot,
-                        created_at,
-                        message: OutboxMessage {
-                            topic,
-                            key,
-                            payload,
-                            headers: read_headers(headers.as_deref(), pairs),
-                            message_id,
-                        },
-                    }
+            let Some((id, message_id, topic, key, payload, headers, pairs, slot, created_at)) =
+                next
+            else {
+                break;
+            };
+            let row = OutboxRow {
+                id,
+                slot,
+                created_at,
+                message: OutboxMessage {
+                    topic,
+                    key,
+                    payload,
+                    headers: read_headers(headers.as_deref(), pairs),
+                    message_id,
                 },
-            )
-            .collect())
+            };
+            bytes = bytes.saturating_add(row.size());
+            rows.push(row);
+            if bytes >= limit.bytes {
+                break;
+            }
+        }
+        Ok(rows)
     }
 
     async fn has_pending(&self, slots: &[i32], except: &[i64]) -> Result<Option<bool>, StoreError> {

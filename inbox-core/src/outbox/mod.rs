@@ -320,6 +320,62 @@ pub struct OutboxBacklog {
     pub oldest: Duration,
 }
 
+/// How much one read of the outbox ([`OutboxStore::pending`]) returns: at
+/// most `rows` rows, and no row once the rows before it hold `bytes` or
+/// more (payloads and keys counted; the first row is always read, however
+/// large). A read so holds at most `bytes` plus one event, and whoever
+/// reads can tell from the rows alone whether more may wait
+/// ([`is_full`](Self::is_full)).
+///
+/// ```
+/// use inbox_core::outbox::ReadLimit;
+/// let limit = ReadLimit { rows: 5_000, bytes: 25_000 };
+/// // two events of 10,000 bytes were all there was: a third would have
+/// // been read (20,000 < 25,000)
+/// assert!(!limit.is_full(2, 20_000));
+/// // after three (30,000 >= 25,000) the read stops: more may wait
+/// assert!(limit.is_full(3, 30_000));
+/// // one event larger than the limit is read alone
+/// assert!(limit.is_full(1, 40_000));
+/// // as many rows as asked for
+/// assert!(limit.is_full(5_000, 100));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadLimit {
+    /// The most rows a read returns.
+    pub rows: usize,
+    /// The read stops before a row when the rows before it hold this many
+    /// bytes of payload and key.
+    pub bytes: usize,
+}
+
+impl ReadLimit {
+    /// Whether a read that returned `rows` rows holding `bytes` bytes
+    /// (payloads and keys, [`OutboxRow::size`]) was cut by the limit, so
+    /// that more rows may wait: `rows` reached [`rows`](Self::rows), or
+    /// `bytes` [`bytes`](Self::bytes). A read that is not full returned
+    /// every row there was.
+    pub fn is_full(&self, rows: usize, bytes: usize) -> bool {
+        rows >= self.rows || bytes >= self.bytes
+    }
+}
+
+impl OutboxRow {
+    /// The bytes the row counts for in a [`ReadLimit`]: its payload and key.
+    pub fn size(&self) -> usize {
+        self.message
+            .payload
+            .len()
+            .saturating_add(self.message.key.as_ref().map_or(0, Vec::len))
+    }
+
+    /// The bytes `rows` count for in a [`ReadLimit`] ([`size`](Self::size)
+    /// summed).
+    pub fn total_size(rows: &[Self]) -> usize {
+        rows.iter().fold(0, |sum, r| sum.saturating_add(r.size()))
+    }
+}
+
 /// Where the outbox's rows live: what a relay reads and marks.
 ///
 /// Contract, which the relay's guarantees rest on:
@@ -333,15 +389,16 @@ pub struct OutboxBacklog {
 ///   epoch is not the current one.
 #[async_trait]
 pub trait OutboxStore: Send + Sync {
-    /// Up to `limit` pending rows of `slots`, by id, leaving out the rows of
-    /// a key that a dead-lettered row holds (an earlier row of the key
-    /// refused and kept holding), and the rows of `except` (the relay's
+    /// Pending rows of `slots`, by id, as many as `limit` lets through
+    /// (see [`ReadLimit`]: a count and a size in bytes), leaving out the
+    /// rows of a key that a dead-lettered row holds (an earlier row of the
+    /// key refused and kept holding), and the rows of `except` (the relay's
     /// rows of partitions that are backing off after failures: so that
     /// they never fill a read and hold back the other partitions).
     async fn pending(
         &self,
         slots: &[i32],
-        limit: usize,
+        limit: ReadLimit,
         except: &[i64],
     ) -> Result<Vec<OutboxRow>, StoreError>;
 

@@ -11,7 +11,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    OutboxRow, OutboxStore, PublishError, PublishErrorKind, Publisher, SLOT_TOPIC, SLOTS, SlotClaim,
+    OutboxRow, OutboxStore, PublishError, PublishErrorKind, Publisher, ReadLimit, SLOT_TOPIC,
+    SLOTS, SlotClaim,
 };
 use crate::assignment::{PartitionKey, owned_by};
 use crate::backoff::Backoff;
@@ -41,9 +42,15 @@ pub struct RelayConfig {
     pub group: String,
     /// This relay's member id, unique in the group.
     pub member_id: String,
-    /// Rows read and published per round (held in memory at once: mind
-    /// the events' size). Default 5,000.
+    /// Rows read and published per round, at most (held in memory at
+    /// once, with [`max_round_bytes`](Self::max_round_bytes)). Default
+    /// 5,000.
     pub batch_size: usize,
+    /// Bytes of payload and key read per round: a round reads no further
+    /// event once those it read hold this many, so it holds at most this
+    /// plus one event (an event larger than this is read alone). Default
+    /// 64 MiB.
+    pub max_round_bytes: usize,
     /// Longest wait between two reads when the outbox seems idle (a full
     /// read even if the probes saw nothing). Default 1 s.
     pub poll_interval: Duration,
@@ -96,6 +103,7 @@ impl RelayConfig {
             group: "outbox-relay".into(),
             member_id,
             batch_size: 5_000,
+            max_round_bytes: 64 << 20,
             poll_interval: Duration::from_secs(1),
             probe_every: Some(Duration::from_millis(25)),
             heartbeat: Duration::from_secs(1),
@@ -113,8 +121,9 @@ impl RelayConfig {
 
 impl RelayConfig {
     /// Checks the ranges: `batch_size` from 1 to 1,000,000 (a round's rows
-    /// are held in memory), a poll interval and a heartbeat above zero, a
-    /// lease longer than the heartbeat, a group and a member id.
+    /// are held in memory), `max_round_bytes` above zero, a poll interval
+    /// and a heartbeat above zero, a lease longer than the heartbeat, a
+    /// group and a member id.
     /// [`Relay::run`] checks it before anything else.
     ///
     /// ```
@@ -138,6 +147,10 @@ impl RelayConfig {
         ValidationError::unless(
             (1..=1_000_000).contains(&self.batch_size),
             "relay batch_size must be from 1 to 1,000,000",
+        )?;
+        ValidationError::unless(
+            self.max_round_bytes > 0,
+            "relay max_round_bytes must be above zero",
         )?;
         ValidationError::unless(
             !self.poll_interval.is_zero(),
@@ -206,6 +219,10 @@ pub type SlotClaims = BTreeMap<i32, i64>;
 pub struct RelayRound {
     /// Rows read.
     pub fetched: usize,
+    /// Whether the read came full (as many rows as it asked for, at most
+    /// [`RelayConfig::batch_size`], or [`RelayConfig::max_round_bytes`] in
+    /// them): more rows may wait.
+    pub full: bool,
     /// Rows the broker acknowledged and the store marked sent.
     pub published: u64,
     /// Rows acknowledged by the broker but not marked: their slot was taken
@@ -249,6 +266,10 @@ pub struct Relay<S, P> {
     /// Marks counted by a pipelined round whose read then failed: given to
     /// the next round's figures.
     carried: RelayRound,
+    /// Rows the next read asks for: `batch_size`, or after a read cut by
+    /// size as many as it took (a store may send the rows past the cut
+    /// before dropping them), growing back twofold a read.
+    read_rows: usize,
 }
 
 /// Rows the broker acknowledged whose mark is not written yet, with the
@@ -276,6 +297,7 @@ where
     /// A relay over `store` publishing to `publisher`.
     pub fn new(store: S, publisher: P, config: RelayConfig) -> Self {
         Self {
+            read_rows: config.batch_size,
             store,
             publisher,
             config,
@@ -460,6 +482,28 @@ where
         Ok(round)
     }
 
+    /// What the next read may return: up to `batch_size` rows (fewer
+    /// after a read cut by size), `max_round_bytes`.
+    fn limit(&self) -> ReadLimit {
+        ReadLimit {
+            rows: self.read_rows.clamp(1, self.config.batch_size.max(1)),
+            bytes: self.config.max_round_bytes,
+        }
+    }
+
+    /// Sizes the next read by this one (`rows` rows holding `bytes`, read
+    /// under `limit`): a read cut by size asks the next for as many rows
+    /// as it took, so that a backlog of large events is not sent in full
+    /// to be cut each round; any other doubles the count, up to
+    /// `batch_size`.
+    fn size_next_read(&mut self, limit: ReadLimit, rows: usize, bytes: usize) {
+        self.read_rows = if bytes >= limit.bytes {
+            rows.max(1)
+        } else {
+            limit.rows.saturating_mul(2).min(self.config.batch_size)
+        };
+    }
+
     /// The rows a round publishes: reads up to `batch_size` pending rows
     /// of the held slots, writing the marks in flight meanwhile (leaving
     /// their rows out of the read); a takeover those marks met drops the
@@ -472,14 +516,11 @@ where
         let slots: Vec<i32> = self.claims.keys().copied().collect();
         let mut except = self.resume_paused(now);
         let Some(previous) = self.in_flight.take() else {
-            return self
-                .store
-                .pending(&slots, self.config.batch_size, &except)
-                .await;
+            return self.store.pending(&slots, self.limit(), &except).await;
         };
         except.extend_from_slice(&previous.ids);
         let (read, marked) = tokio::join!(
-            self.store.pending(&slots, self.config.batch_size, &except),
+            self.store.pending(&slots, self.limit(), &except),
             self.store
                 .mark_sent(&self.config.group, &previous.claims, &previous.ids)
         );
@@ -504,10 +545,14 @@ where
         }
         let mut round = std::mem::take(&mut self.carried);
         let now = Instant::now();
+        let limit = self.limit();
         let rows = self.read(now, &mut round).await?;
         round.fetched = rows.len();
+        let bytes = OutboxRow::total_size(&rows);
+        round.full = limit.is_full(rows.len(), bytes);
+        self.size_next_read(limit, rows.len(), bytes);
         // a full round leaves its marks to the next round's read
-        let defer = pipelined && rows.len() >= self.config.batch_size;
+        let defer = pipelined && round.full;
         let mut dead: Vec<(&OutboxRow, String)> = Vec::new();
         // (topic, partition) -> rows in id order; the order groups were met
         let mut groups: Vec<((String, i32), Vec<&OutboxRow>)> = Vec::new();
@@ -900,7 +945,7 @@ where
             // the next one's read; a round that is not full marks at once
             let round = self.round_pipelined().await;
             let busy = round.as_ref().is_ok_and(|r| {
-                r.fetched >= self.config.batch_size
+                r.full
                     && (self.in_flight.is_some() || r.published + r.unmarked + r.dead_lettered > 0)
             });
             self.config.health.round(

@@ -86,7 +86,7 @@ use inbox_testkit::MemBroker;
 use crate::bench_outbox::{Write, writers as writer};
 use serde_json::json;
 
-const LINES: [&str; 31] = [
+const LINES: [&str; 33] = [
     "omni-box",
     "floor",
     "raw-batch",
@@ -118,6 +118,8 @@ const LINES: [&str; 31] = [
     "relay-2",
     "relay-latency",
     "relay-soak",
+    "relay-large",
+    "relay-large-uncut",
 ];
 const PARTITIONS: i32 = 4;
 const BATCH: usize = 100;
@@ -283,6 +285,14 @@ pub(crate) fn run(mut o: Options) -> Result<()> {
             println!("{a} / {b}: {:.2}", x / y);
         }
     }
+    // the cut by size is for memory: its figure is the peak RSS
+    let rss = |l: &str| results.get(l).map(|r| r.1 as f64 / 1024.0);
+    if let (Some(x), Some(y)) = (rss("relay-large"), rss("relay-large-uncut")) {
+        println!(
+            "relay-large / relay-large-uncut peak RSS: {x:.1} / {y:.1} MiB, {:.2}",
+            x / y
+        );
+    }
     Ok(())
 }
 
@@ -406,6 +416,12 @@ pub(crate) fn line(args: &[String]) -> Result<()> {
                 crate::bench_outbox::latency(pooled(&url).await?, messages, rate, per_tx).await
             }
             "relay-soak" => crate::bench_outbox::soak(pooled(&url).await?, messages).await,
+            "relay-large" => {
+                crate::bench_outbox::relay_large(pooled(&url).await?, messages, true).await
+            }
+            "relay-large-uncut" => {
+                crate::bench_outbox::relay_large(pooled(&url).await?, messages, false).await
+            }
             "writer-plain-1" => writer(&url, messages, 1, Write::Plain).await,
             "writer-enqueue-1" => writer(&url, messages, 1, Write::Enqueue).await,
             "writer-plain-8" => writer(&url, messages, 8, Write::Plain).await,
@@ -414,7 +430,12 @@ pub(crate) fn line(args: &[String]) -> Result<()> {
             other => bail!("unknown line {other}"),
         }
     })?;
-    let rate = messages as f64 / elapsed.as_secs_f64();
+    let count = if name.starts_with("relay-large") {
+        crate::bench_outbox::large_events(messages)
+    } else {
+        messages
+    };
+    let rate = count as f64 / elapsed.as_secs_f64();
     println!("RESULT {rate:.1} {}", peak_rss_kb());
     Ok(())
 }

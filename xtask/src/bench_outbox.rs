@@ -23,6 +23,12 @@
 //! - `relay-soak`: events enqueued in transactions of 100 while a relay
 //!   publishes and maintenance deletes sent events every second; notes the
 //!   outbox table's size (`pg_total_relation_size`) along the way.
+//! - `relay-large`: one relay publishing events of 256 KiB (a hundredth
+//!   as many as the line's messages, at least 50), its rounds cut by size
+//!   (`max_round_bytes`, 64 MiB by default); `relay-large-uncut`: the same
+//!   cut by count only (`batch_size`, 5,000), as every round was before
+//!   the cut by size: the lines' peak RSS is the figure, their rate counts
+//!   these events.
 //! - `writer-plain-1`, `writer-plain-8`: the business transaction the
 //!   writers feel, with the event as a plain INSERT of its row: BEGIN; an
 //!   order INSERT; the event row's INSERT; COMMIT; by 1 and by 8 concurrent
@@ -128,6 +134,15 @@ async fn left(store: &PgStore) -> Result<i64> {
     .await
 }
 
+/// Fails unless every one of the `total` events enqueued was sent.
+async fn all_sent(store: &PgStore, total: u64) -> Result<()> {
+    let left = left(store).await?;
+    if left != 0 {
+        bail!("{left} of {total} events not sent");
+    }
+    Ok(())
+}
+
 /// `producer`: rskafka alone.
 pub(crate) async fn producer(messages: u64) -> Result<Duration> {
     let (broker, topic) = broker().await?;
@@ -216,35 +231,85 @@ pub(crate) async fn relays(
     let started = Instant::now();
     // rounds as `run` makes them while a backlog waits: each one's marks
     // written with the next one's read
-    let tasks = ready.into_iter().map(|mut relay| async move {
-        loop {
-            let round = if pipelined {
-                relay.round_pipelined().await?
-            } else {
-                relay.round().await?
-            };
-            if let Some(f) = round.failed {
-                bail!("a round failed: {f}");
-            }
-            if round.fetched == 0 {
-                relay.flush().await?;
-                return Ok::<_, anyhow::Error>(());
-            }
-        }
-    });
+    let tasks = ready
+        .into_iter()
+        .map(|mut relay| async move { drain(&mut relay, pipelined).await });
     for r in futures::future::join_all(tasks).await {
         r?;
     }
     let elapsed = started.elapsed();
-    let left = left(&store).await?;
-    if left != 0 {
-        bail!("{left} of {messages} events not sent");
-    }
+    all_sent(&store, messages).await?;
     println!(
         "NOTE outbox table after the run: {} KiB",
         table_size(&store).await? / 1024
     );
     Ok(elapsed)
+}
+
+/// Bytes of payload of a `relay-large` event.
+const LARGE_EVENT: usize = 256 << 10;
+
+/// How many events the `relay-large` lines publish for `messages`.
+pub(crate) fn large_events(messages: u64) -> u64 {
+    (messages / 100).max(50)
+}
+
+/// `relay-large` (`cut`) and `relay-large-uncut`: one relay publishes
+/// [`large_events`] events of 256 KiB enqueued beforehand, four to a
+/// transaction; uncut, its rounds are cut by count only.
+pub(crate) async fn relay_large(store: PgStore, messages: u64, cut: bool) -> Result<Duration> {
+    let (broker, topic) = broker().await?;
+    let events = large_events(messages);
+    let outbox = store.outbox();
+    let mut start = 0;
+    while start < events {
+        let end = (start + 4).min(events);
+        let batch: Vec<OutboxMessage> = (start..end)
+            .map(|i| OutboxMessage::new(&topic, vec![b'x'; LARGE_EVENT]).key(format!("order-{i}")))
+            .collect();
+        let tx = store.connection().begin().await?;
+        outbox.enqueue_many(&tx, &batch).await?;
+        tx.commit().await?;
+        start = end;
+    }
+    let mut config = RelayConfig::new("bench-large")?;
+    if !cut {
+        config.max_round_bytes = usize::MAX;
+    }
+    let publisher = KafkaPublisher::connect(&kafka(&broker)).await?;
+    let mut relay = Relay::new(store.clone(), publisher, config);
+    relay.hold(&(0..SLOTS).collect::<Vec<_>>()).await?;
+    let started = Instant::now();
+    let rounds = drain(&mut relay, true).await?;
+    let elapsed = started.elapsed();
+    all_sent(&store, events).await?;
+    println!(
+        "NOTE {events} events of {} KiB in {rounds} rounds",
+        LARGE_EVENT >> 10
+    );
+    Ok(elapsed)
+}
+
+/// Rounds until `relay` reads nothing (`pipelined`: as `run` makes them
+/// while a backlog waits), then its marks in flight: the rounds that read
+/// rows.
+async fn drain(relay: &mut Relay<PgStore, KafkaPublisher>, pipelined: bool) -> Result<u64> {
+    let mut rounds = 0;
+    loop {
+        let round = if pipelined {
+            relay.round_pipelined().await?
+        } else {
+            relay.round().await?
+        };
+        if let Some(f) = round.failed {
+            bail!("a round failed: {f}");
+        }
+        if round.fetched == 0 {
+            relay.flush().await?;
+            return Ok(rounds);
+        }
+        rounds += 1;
+    }
 }
 
 /// `relay-latency`: a relay as in production under a steady load of

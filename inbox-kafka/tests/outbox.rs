@@ -574,16 +574,32 @@ async fn assert_each_once_in_key_order(env: &common::Env, n: usize, keys: usize,
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rounds_are_cut_by_size_and_a_larger_event_goes_alone() {
     let env = env("outbox-sized", 2).await;
-    // 40,002 bytes, then nine of 10,002 (payload and key)
+    // payloads of 40,000 bytes, then nine of 10,000 (and each its key and
+    // id: `OutboxRow::size`)
     let mut sizes = vec![40_000];
     sizes.extend([10_000; 9]);
     enqueue_sized(&env, &sizes).await;
+    let all = OutboxStore::pending(
+        &env.store,
+        &all_slots(),
+        ReadLimit {
+            rows: 100,
+            bytes: usize::MAX,
+        },
+        &[],
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let size: Vec<usize> = all.iter().map(OutboxRow::size).collect();
+    assert_eq!(size.len(), 10);
+    assert!(size[0] > 40_000 && size[1] > 10_000, "{size:?}");
+    let two = size[0] + size[1];
     // the store's read: the rows in id order while those before hold less
     // than the limit
     for (rows, bytes, expected) in [
         (100, 25_000, 1),
-        (100, 50_004, 2),
-        (100, 50_005, 3),
+        (100, two, 2),
+        (100, two + 1, 3),
         (2, usize::MAX, 2),
         (100, 1, 1),
     ] {

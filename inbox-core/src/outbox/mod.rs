@@ -322,7 +322,8 @@ pub struct OutboxBacklog {
 
 /// How much one read of the outbox ([`OutboxStore::pending`]) returns: at
 /// most `rows` rows, and no row once the rows before it hold `bytes` or
-/// more (payloads and keys counted; the first row is always read, however
+/// more (each row's payload, key, headers and id counted: [`OutboxRow::size`];
+/// the first row is always read, however
 /// large). A read so holds at most `bytes` plus one event, and whoever
 /// reads can tell from the rows alone whether more may wait
 /// ([`is_full`](Self::is_full)).
@@ -345,13 +346,13 @@ pub struct ReadLimit {
     /// The most rows a read returns.
     pub rows: usize,
     /// The read stops before a row when the rows before it hold this many
-    /// bytes of payload and key.
+    /// bytes ([`OutboxRow::size`]).
     pub bytes: usize,
 }
 
 impl ReadLimit {
     /// Whether a read that returned `rows` rows holding `bytes` bytes
-    /// (payloads and keys, [`OutboxRow::size`]) was cut by the limit, so
+    /// ([`OutboxRow::size`] summed) was cut by the limit, so
     /// that more rows may wait: `rows` reached [`rows`](Self::rows), or
     /// `bytes` [`bytes`](Self::bytes). A read that is not full returned
     /// every row there was.
@@ -361,12 +362,18 @@ impl ReadLimit {
 }
 
 impl OutboxRow {
-    /// The bytes the row counts for in a [`ReadLimit`]: its payload and key.
+    /// The bytes the row counts for in a [`ReadLimit`]: what a relay
+    /// holds of its event, the payload, the key, the headers' names and
+    /// values and the message id.
     pub fn size(&self) -> usize {
-        self.message
-            .payload
-            .len()
-            .saturating_add(self.message.key.as_ref().map_or(0, Vec::len))
+        let m = &self.message;
+        m.headers
+            .iter()
+            .fold(m.payload.len(), |sum, (name, value)| {
+                sum.saturating_add(name.len()).saturating_add(value.len())
+            })
+            .saturating_add(m.key.as_ref().map_or(0, Vec::len))
+            .saturating_add(m.message_id.len())
     }
 
     /// The bytes `rows` count for in a [`ReadLimit`] ([`size`](Self::size)
@@ -517,6 +524,25 @@ pub trait Publisher: Send + Sync {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_row_counts_its_payload_key_headers_and_id() {
+        let row = |message: OutboxMessage| OutboxRow {
+            id: 1,
+            message,
+            slot: 0,
+            created_at: Utc::now(),
+        };
+        let bare = row(OutboxMessage::new("t", "abc").message_id("m"));
+        assert_eq!(bare.size(), 3 + 1);
+        let full = row(OutboxMessage::new("t", "abc")
+            .key("kk")
+            .header("h", "vv")
+            .header("h", "w")
+            .message_id("mid"));
+        assert_eq!(full.size(), 3 + 2 + (1 + 2) + (1 + 1) + 3);
+        assert_eq!(OutboxRow::total_size(&[bare, full]), 4 + 13);
+    }
 
     #[test]
     fn json_takes_any_serialize_and_refuses_what_json_cannot_hold() {

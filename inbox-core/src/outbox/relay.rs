@@ -46,7 +46,8 @@ pub struct RelayConfig {
     /// once, with [`max_round_bytes`](Self::max_round_bytes)). Default
     /// 5,000.
     pub batch_size: usize,
-    /// Bytes of payload and key read per round: a round reads no further
+    /// Bytes of events read per round (payload, key, headers and id: what
+    /// the relay holds of each): a round reads no further
     /// event once those it read hold this many, so it holds at most this
     /// plus one event (an event larger than this is read alone). Default
     /// 64 MiB.

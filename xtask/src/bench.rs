@@ -1151,24 +1151,28 @@ impl WalMark {
     /// job).
     async fn note(&self, db: &DatabaseConnection, jobs: u64) -> Result<()> {
         let per_job = |n: i64| n as f64 / jobs.max(1) as f64;
-        let total = db
+        // the end read once, so that the total and the records by type
+        // cover the same stretch of WAL
+        let end = db
             .query_one_raw(stmt(
-                "SELECT pg_wal_lsn_diff(pg_current_wal_flush_lsn(), $1::pg_lsn)::bigint AS b",
+                "SELECT e::text AS e, pg_wal_lsn_diff(e, $1::pg_lsn)::bigint AS b
+                   FROM pg_current_wal_flush_lsn() AS e",
                 vec![self.start.clone().into()],
             ))
             .await?
-            .context("no WAL position")?
-            .try_get::<i64>("", "b")?;
+            .context("no WAL position")?;
+        let total = end.try_get::<i64>("", "b")?;
+        let end = end.try_get::<String>("", "e")?;
         let mut note = format!("WAL {:.0} bytes a job", per_job(total));
         if self.inspect {
             let rows = db
                 .query_all_raw(stmt(
                     "SELECT \"resource_manager/record_type\" AS kind, count, combined_size AS size
-                       FROM pg_get_wal_stats($1::pg_lsn, pg_current_wal_flush_lsn(), true)
+                       FROM pg_get_wal_stats($1::pg_lsn, $2::pg_lsn, true)
                       WHERE count > 0
                       ORDER BY combined_size DESC
                       LIMIT 6",
-                    vec![self.start.clone().into()],
+                    vec![self.start.clone().into(), end.into()],
                 ))
                 .await?;
             let kinds = rows

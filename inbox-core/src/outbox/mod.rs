@@ -322,11 +322,10 @@ pub struct OutboxBacklog {
 
 /// How much one read of the outbox ([`OutboxStore::pending`]) returns: at
 /// most `rows` rows, and no row once the rows before it hold `bytes` or
-/// more (each row's payload, key, headers and id counted: [`OutboxRow::size`];
-/// the first row is always read, however
-/// large). A read so holds at most `bytes` plus one event, and whoever
-/// reads can tell from the rows alone whether more may wait
-/// ([`is_full`](Self::is_full)).
+/// more (each row's payload, key, headers and id: [`OutboxRow::size`];
+/// the first row is always read, however large). A read so holds at most
+/// `bytes` plus one event, and whoever reads can tell from the rows alone
+/// whether more may wait ([`is_full`](Self::is_full)).
 ///
 /// ```
 /// use inbox_core::outbox::ReadLimit;

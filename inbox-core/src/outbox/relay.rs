@@ -47,10 +47,9 @@ pub struct RelayConfig {
     /// 5,000.
     pub batch_size: usize,
     /// Bytes of events read per round (payload, key, headers and id: what
-    /// the relay holds of each): a round reads no further
-    /// event once those it read hold this many, so it holds at most this
-    /// plus one event (an event larger than this is read alone). Default
-    /// 64 MiB.
+    /// the relay holds of each): a round reads no further event once those
+    /// it read hold this many, so it holds at most this plus one event (an
+    /// event larger than this is read alone). Default 64 MiB.
     pub max_round_bytes: usize,
     /// Longest wait between two reads when the outbox seems idle (a full
     /// read even if the probes saw nothing). Default 1 s.

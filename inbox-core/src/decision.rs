@@ -640,7 +640,9 @@ pub fn refused_data(stage: PersistStage, kind: StoreErrorKind) -> bool {
 /// what it holds (a deferred constraint, a constraint trigger that raises
 /// at commit): the server answered, and would answer the same again. Such a
 /// refusal is the message's failure, charged like a handler failure; a lost
-/// connection, a timeout or a serialization failure is not.
+/// connection, a timeout, a serialization failure or the server out of
+/// resources ([`StoreErrorKind::Resource`]: a full disk, an I/O error) is
+/// not: those are retried without spending the budget.
 pub fn refused_at_commit(kind: StoreErrorKind) -> bool {
     matches!(
         kind,
@@ -1066,6 +1068,10 @@ mod tests {
         assert!(!refused_at_commit(K::Timeout));
         assert!(!refused_at_commit(K::Fenced));
         assert!(!refused_at_commit(K::Aborted));
+        assert!(
+            !refused_at_commit(K::Resource),
+            "a full disk is not the message's fault"
+        );
         assert!(!refused_is_poison(2, 3));
         assert!(refused_is_poison(3, 3));
         assert!(refused_is_poison(1, 0), "at least one try");

@@ -221,6 +221,12 @@ pub enum StoreErrorKind {
     /// reporting success (PostgreSQL answers `COMMIT` with `ROLLBACK` and no
     /// error).
     Aborted,
+    /// The server could not do it for reasons of its own, not of the data:
+    /// out of disk, memory or connections (PostgreSQL SQLSTATE class 53),
+    /// an I/O error (class 58), an internal error (class XX). Not the
+    /// message's fault: retried without spending its failure budget, like a
+    /// lost connection, never dead-lettered for it.
+    Resource,
     /// Anything else.
     Other,
 }
@@ -237,6 +243,7 @@ impl fmt::Display for StoreErrorKind {
             Self::Unsupported => "unsupported",
             Self::Data => "data refused",
             Self::Aborted => "transaction aborted",
+            Self::Resource => "server out of resources",
             Self::Other => "storage error",
         })
     }

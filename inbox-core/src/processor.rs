@@ -552,7 +552,20 @@ where
                 lost: updates.len().saturating_sub(written),
             });
         }
-        tx.commit().await?;
+        match tx.commit().await {
+            Ok(()) => {}
+            Err(e) if crate::decision::refused_at_commit(e.kind) => {
+                // the database refused the batch's transaction for what it
+                // holds (a deferred constraint of a handler's writes): all of
+                // it is gone, and committing it again fails the same way. Row
+                // by row, so only the row whose writes it refuses is charged
+                tracing::warn!(error = %e, "the database refused the batch's transaction at COMMIT; handling its rows one at a time");
+                return self
+                    .work_row_by_row(worker, rows, batch.transactions, claim)
+                    .await;
+            }
+            Err(e) => return Err(e.into()),
+        }
         self.call_hook(rows.iter().zip(updates.iter().map(|(_, u)| u)), &mut batch)
             .await;
         Ok(batch)
@@ -772,8 +785,9 @@ where
 
     /// The batch again, one transaction per row (the handler after a
     /// savepoint, its outcome written alone), after the store refused the
-    /// statement writing the batch's outcomes: a row whose outcome is
-    /// refused again gets a counted failure whose error is the refusal
+    /// statement writing the batch's outcomes or the batch's COMMIT: a row
+    /// whose outcome or COMMIT is refused again gets a counted failure
+    /// whose error is the refusal
     /// (written in a transaction of its own, without the handler's writes),
     /// so it alone is charged and the rest of the batch moves on.
     async fn work_row_by_row(
@@ -823,46 +837,57 @@ where
             if let Some(e) = broken {
                 batch.refused.push((row.id, e));
             }
-            match Self::write(&mut tx, claim, worker, &[(row.id, update.clone())]).await {
-                Ok(1) => tx.commit().await?,
-                Ok(_) => {
-                    abandon(tx).await;
-                    return Err(ProcessorError::LeaseLost {
-                        claimed: rows.len(),
-                        lost: 1,
-                    });
-                }
-                Err(e) if refused(&e) => {
-                    abandon(tx).await;
-                    tracing::warn!(message_id = %row.message_id, error = %e, "the store refused this row's outcome: counted as a failure");
-                    let failure =
-                        Failure::Error(format!("the store refused this row's outcome: {e}"));
-                    let sample = self.sample();
-                    (update, _) = row_update(
-                        &Err(failure),
-                        row.attempts_made,
-                        row.max_attempts,
-                        sample,
-                        &self.config.rules,
-                    );
-                    batch.transactions += 1;
-                    let Some(mut tx) = self.begin_for(claim, row.id).await? else {
-                        continue;
-                    };
-                    if Self::write(&mut tx, claim, worker, &[(row.id, update.clone())]).await? != 1
-                    {
+            let refusal =
+                match Self::write(&mut tx, claim, worker, &[(row.id, update.clone())]).await {
+                    Ok(1) => match tx.commit().await {
+                        Ok(()) => None,
+                        Err(e) if crate::decision::refused_at_commit(e.kind) => Some(format!(
+                            "the database refused the row's transaction at COMMIT: {e}"
+                        )),
+                        Err(e) => return Err(e.into()),
+                    },
+                    Ok(_) => {
                         abandon(tx).await;
                         return Err(ProcessorError::LeaseLost {
                             claimed: rows.len(),
                             lost: 1,
                         });
                     }
-                    tx.commit().await?;
-                }
-                Err(e) => {
+                    Err(e) if refused(&e) => {
+                        abandon(tx).await;
+                        Some(format!("the store refused this row's outcome: {e}"))
+                    }
+                    Err(e) => {
+                        abandon(tx).await;
+                        return Err(e.into());
+                    }
+                };
+            if let Some(reason) = refusal {
+                // the row's handler writes are gone with its transaction: the
+                // refusal is its counted failure, written in a transaction of
+                // its own, so it alone is charged and it ends within its
+                // attempts instead of being refused at every batch
+                tracing::warn!(message_id = %row.message_id, %reason, "counted as a failure of this row");
+                let sample = self.sample();
+                (update, _) = row_update(
+                    &Err(Failure::Error(reason)),
+                    row.attempts_made,
+                    row.max_attempts,
+                    sample,
+                    &self.config.rules,
+                );
+                batch.transactions += 1;
+                let Some(mut tx) = self.begin_for(claim, row.id).await? else {
+                    continue;
+                };
+                if Self::write(&mut tx, claim, worker, &[(row.id, update.clone())]).await? != 1 {
                     abandon(tx).await;
-                    return Err(e.into());
+                    return Err(ProcessorError::LeaseLost {
+                        claimed: rows.len(),
+                        lost: 1,
+                    });
                 }
+                tx.commit().await?;
             }
             batch.count(&update);
             outcomes.push((row, update));

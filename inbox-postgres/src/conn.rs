@@ -409,13 +409,16 @@ impl PgConn {
     }
 
     /// The error that left the transaction aborted, when it is transient:
-    /// a serialization failure or deadlock (SQLSTATE 40001, 40P01), or the
-    /// connection lost.
+    /// a serialization failure or deadlock (SQLSTATE 40001, 40P01), the
+    /// connection lost, or the server out of resources (classes 53, 58,
+    /// XX: a full disk is not the message's fault).
     pub(crate) fn aborted_transiently(&self) -> Option<String> {
         self.failed().as_ref().and_then(|(cause, kind)| {
             matches!(
                 kind,
-                StoreErrorKind::Serialization | StoreErrorKind::Connection
+                StoreErrorKind::Serialization
+                    | StoreErrorKind::Connection
+                    | StoreErrorKind::Resource
             )
             .then(|| cause.clone())
         })

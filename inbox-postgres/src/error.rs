@@ -14,6 +14,9 @@ pub fn kind_of_sqlstate(code: &str) -> StoreErrorKind {
         c if c.starts_with("08") => StoreErrorKind::Connection,
         c if c.starts_with("23") => StoreErrorKind::Integrity,
         c if c.starts_with("22") => StoreErrorKind::Data,
+        c if c.starts_with("53") || c.starts_with("58") || c.starts_with("XX") => {
+            StoreErrorKind::Resource
+        }
         _ => StoreErrorKind::Other,
     }
 }
@@ -91,6 +94,11 @@ mod tests {
         assert_eq!(kind_of_sqlstate("08006"), StoreErrorKind::Connection);
         assert_eq!(kind_of_sqlstate("57P01"), StoreErrorKind::Connection);
         assert_eq!(kind_of_sqlstate("42P01"), StoreErrorKind::Other);
+        // the server's own trouble, not the data's
+        assert_eq!(kind_of_sqlstate("53100"), StoreErrorKind::Resource);
+        assert_eq!(kind_of_sqlstate("53200"), StoreErrorKind::Resource);
+        assert_eq!(kind_of_sqlstate("58030"), StoreErrorKind::Resource);
+        assert_eq!(kind_of_sqlstate("XX000"), StoreErrorKind::Resource);
     }
 
     #[test]

@@ -3,14 +3,21 @@
 //! its message like any handler failure: with a failure budget of 3 it is
 //! dead-lettered within the budget and the six messages behind it are
 //! handled. Per message and batched (where the refused batch is retried one
-//! message at a time to find it), on a real PostgreSQL.
+//! message at a time to find it), and by the processor (by lease and by row
+//! lock), on a real PostgreSQL. A COMMIT that fails for the server's own
+//! trouble (a full disk, SQLSTATE 53100) is not charged: the message is
+//! retried uncounted and handled once the disk has room.
 
 mod common;
 
 use std::time::Duration;
 
 use common::{dead_letters, order, process_until_acked};
-use inbox_core::{BatchConfig, Runner, RunnerConfig};
+use inbox_core::processor::{ClaimMode, Processor, ProcessorConfig};
+use inbox_core::{
+    Backoff, BatchConfig, InboxStatus, InboxStore, InboxTransaction, NewInboxRow, Runner,
+    RunnerConfig,
+};
 use inbox_postgres::PgStore;
 use inbox_postgres::sea_orm::ConnectionTrait;
 use inbox_testkit::MemBroker;
@@ -22,6 +29,11 @@ const ORDERS: [&str; 7] = ["bad-1", "ok-2", "ok-3", "ok-4", "ok-5", "ok-6", "ok-
 /// A store whose invoices table refuses an order starting with `bad` at
 /// COMMIT, raising with `errcode` (a constraint trigger, deferred).
 async fn refusing_store(errcode: &str) -> PgStore {
+    refusing_store_when(errcode, "true").await
+}
+
+/// As [`refusing_store`], only while `condition` (SQL) holds.
+async fn refusing_store_when(errcode: &str, condition: &str) -> PgStore {
     let store = fresh_store().await.unwrap_or_else(|e| panic!("{e}"));
     let raise = if errcode.is_empty() {
         "RAISE EXCEPTION 'order % refused at commit', NEW.order_id".to_owned()
@@ -31,9 +43,11 @@ async fn refusing_store(errcode: &str) -> PgStore {
         )
     };
     for sql in [
+        "CREATE TABLE disk_full (since TIMESTAMPTZ NOT NULL DEFAULT now())".to_owned(),
         format!(
             "CREATE FUNCTION refuse_bad() RETURNS trigger LANGUAGE plpgsql AS $$ \
-             BEGIN IF NEW.order_id LIKE 'bad%' THEN {raise}; END IF; RETURN NULL; END $$"
+             BEGIN IF NEW.order_id LIKE 'bad%' AND ({condition}) THEN {raise}; END IF; \
+             RETURN NULL; END $$"
         ),
         "CREATE CONSTRAINT TRIGGER refuse_bad AFTER INSERT ON invoices \
          DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse_bad()"
@@ -142,4 +156,198 @@ async fn batched_a_refusal_at_commit_is_found_apart_and_parked() {
         "the refused order came in a batch with the others: {batches:?}"
     );
     check(&store, &broker, 17, "batched").await;
+}
+
+/// Landed rows for `ORDERS`, three attempts each.
+async fn land_orders(store: &PgStore) {
+    let rows: Vec<NewInboxRow> = ORDERS
+        .iter()
+        .map(|id| {
+            NewInboxRow::for_message(&order(id), "billing", 3).with_status(InboxStatus::Pending)
+        })
+        .collect();
+    let mut tx = store.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    tx.insert_or_get_many(&rows)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// The rows of `ORDERS` still pending.
+async fn pending(store: &PgStore) -> i64 {
+    count(
+        store,
+        "SELECT count(*) FROM inbox WHERE status = 'pending'",
+        vec![],
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// A processor that retries at once, `claim`ing its batch.
+fn drain_processor(
+    store: &PgStore,
+    claim: ClaimMode,
+) -> Processor<PgStore, std::sync::Arc<ScriptedHandler>> {
+    let mut config = ProcessorConfig::new("processor-1").unwrap_or_else(|e| panic!("{e}"));
+    config.rules.backoff = Backoff::new(Duration::ZERO, Duration::ZERO, 1.0);
+    config.claim = claim;
+    Processor::new(
+        store.clone(),
+        ScriptedHandler::new([], Act::Succeed),
+        config,
+    )
+}
+
+/// The status and attempts of `id`'s row.
+async fn row_of(store: &PgStore, id: &str) -> (String, i64) {
+    let status = store
+        .find(id, "billing")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or_else(|| panic!("{id} has a row"));
+    (
+        status.status.as_str().to_owned(),
+        i64::from(status.attempts_made),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_processor_charges_a_refusal_at_commit_to_its_row() {
+    for claim in [ClaimMode::Lease, ClaimMode::RowLock] {
+        let store = refusing_store("23514").await;
+        land_orders(&store).await;
+        let mut processor = drain_processor(&store, claim);
+        let mut batches = 0;
+        while pending(&store).await > 0 {
+            batches += 1;
+            assert!(
+                batches <= 10,
+                "{claim:?}: the refused row is charged, so the drain ends (rows pending: {})",
+                pending(&store).await
+            );
+            if let Err(e) = processor.process_batch().await {
+                panic!("{claim:?}: batch {batches}: {e}");
+            }
+        }
+        assert_eq!(
+            row_of(&store, "bad-1").await,
+            ("failed".to_owned(), 3),
+            "{claim:?}: failed within its attempts"
+        );
+        assert_eq!(store.invoices("bad-1").await, 0, "{claim:?}");
+        for id in &ORDERS[1..] {
+            assert_eq!(row_of(&store, id).await.0, "completed", "{claim:?}: {id}");
+            assert_eq!(store.invoices(id).await, 1, "{claim:?}: {id} handled once");
+        }
+    }
+}
+
+/// The server out of disk at COMMIT (SQLSTATE 53100, `disk_full`, raised
+/// while the `disk_full` table has a row) is not the message's fault: many
+/// more failed COMMITs than the budget of 3, no attempt spent and no dead
+/// letter; once the disk has room every message is handled once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_disk_at_commit_is_retried_uncounted() {
+    let store = refusing_store_when("53100", "EXISTS (SELECT 1 FROM disk_full)").await;
+    let exec = |sql: &'static str| {
+        let store = store.clone();
+        async move {
+            store
+                .connection()
+                .execute_unprepared(sql)
+                .await
+                .unwrap_or_else(|e| panic!("{sql}: {e}"));
+        }
+    };
+    exec("INSERT INTO disk_full DEFAULT VALUES").await;
+    // per message
+    let broker = MemBroker::new();
+    for id in ORDERS {
+        broker.produce("orders", 0, order(id));
+    }
+    let handler = ScriptedHandler::new([], Act::Succeed);
+    let mut fast = config();
+    fast.store_backoff = Backoff::new(Duration::from_millis(10), Duration::from_millis(50), 2.0);
+    fast.redelivery_backoff = fast.store_backoff;
+    let mut runner = Runner::new(
+        store.clone(),
+        broker.consumer("billing"),
+        handler.clone(),
+        fast,
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while handler.calls() < 8 && tokio::time::Instant::now() < deadline {
+        if runner
+            .process_one()
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .is_none()
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    assert!(handler.calls() >= 8, "the COMMIT was tried again and again");
+    assert_eq!(
+        dead_letters(&store, "bad-1").await,
+        0,
+        "never dead-lettered for it"
+    );
+    assert_eq!(
+        broker.acked("billing", "orders", 0),
+        None,
+        "nothing acknowledged at or past it"
+    );
+    // the processor, by lease and by row lock
+    let landed = refusing_store_when("53100", "EXISTS (SELECT 1 FROM disk_full)").await;
+    landed
+        .connection()
+        .execute_unprepared("INSERT INTO disk_full DEFAULT VALUES")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    land_orders(&landed).await;
+    for claim in [ClaimMode::Lease, ClaimMode::RowLock] {
+        let mut processor = drain_processor(&landed, claim);
+        for _ in 0..5 {
+            let failed = processor.process_batch().await;
+            assert!(
+                failed.is_err(),
+                "{claim:?}: the batch's COMMIT fails: {failed:?}"
+            );
+        }
+        assert_eq!(
+            row_of(&landed, "bad-1").await,
+            ("pending".to_owned(), 0),
+            "{claim:?}"
+        );
+    }
+    // room again
+    exec("DELETE FROM disk_full").await;
+    process_until_acked(&mut runner, &broker, 7, Duration::from_secs(60)).await;
+    assert_eq!(broker.acked("billing", "orders", 0), Some(7));
+    landed
+        .connection()
+        .execute_unprepared("DELETE FROM disk_full")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut processor = drain_processor(&landed, ClaimMode::RowLock);
+    let batch = processor
+        .process_batch()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(batch.completed, ORDERS.len());
+    for id in ORDERS {
+        assert_eq!(
+            store.invoices(id).await,
+            1,
+            "per message: {id} handled once"
+        );
+        assert_eq!(landed.invoices(id).await, 1, "processor: {id} handled once");
+        assert_eq!(
+            row_of(&landed, id).await,
+            ("completed".to_owned(), 0),
+            "{id}"
+        );
+    }
+    assert_eq!(dead_letters(&store, "bad-1").await, 0);
 }

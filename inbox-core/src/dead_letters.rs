@@ -204,17 +204,89 @@ pub trait DeadLetterStore: InboxStore {
         batch: u64,
     ) -> Result<u64, StoreError>;
 
-    /// Asks for dead letter `id` to be replayed by the service's
-    /// [`DeadLetterReplayer`] (which has the handler); whether it exists.
-    async fn request_replay(&self, id: i64) -> Result<bool, StoreError>;
+    /// Asks for dead letter `id` of `group` to be replayed by that group's
+    /// [`DeadLetterReplayer`] (which has the handler); whether a dead
+    /// letter of that id and group exists (one of another group is left
+    /// as it is).
+    async fn request_replay(&self, id: i64, group: &str) -> Result<bool, StoreError>;
 
-    /// The dead letters whose replay was asked for, oldest request first,
-    /// at most `limit`.
-    async fn replay_requests(&self, limit: u32) -> Result<Vec<i64>, StoreError>;
+    /// The dead letters of `group` whose replay was asked for, oldest
+    /// request first, at most `limit`: a replayer carries out only its own
+    /// group's requests (another group's handler would complete that
+    /// group's row with no effect of its own).
+    async fn replay_requests(&self, group: &str, limit: u32) -> Result<Vec<i64>, StoreError>;
 
     /// Ends the request of a replay that did not apply the message, with
     /// the reason (the dead letter stays).
     async fn refuse_replay(&self, id: i64, reason: &str) -> Result<(), StoreError>;
+
+    /// Notes that a replayer of `group` is running and looks for requests
+    /// every `interval` ([`Self::replayer_seen`] reads it), so that a
+    /// request no replayer serves can say so.
+    async fn note_replayer(&self, group: &str, interval: Duration) -> Result<(), StoreError>;
+
+    /// When a replayer of `group` last looked for requests, and whether it
+    /// is taken to be running; `None` when none ever did.
+    async fn replayer_seen(&self, group: &str) -> Result<Option<ReplayerSeen>, StoreError>;
+
+    /// What became of dead letter `id`, once it is gone: replayed, found
+    /// applied meanwhile, or discarded (kept as long as the dead letters'
+    /// retention); `None` when nothing is recorded (it never existed, or
+    /// the record is past the retention).
+    async fn letter_gone(&self, id: i64) -> Result<Option<LetterGone>, StoreError>;
+}
+
+/// A replayer of a group, as last seen ([`DeadLetterStore::replayer_seen`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplayerSeen {
+    /// When it last looked for requests.
+    pub seen_at: DateTime<Utc>,
+    /// How often it said it looks.
+    pub interval: Duration,
+    /// Whether it looked within three of its intervals (plus 5 s): taken
+    /// to be running.
+    pub running: bool,
+}
+
+/// How a dead letter went ([`DeadLetterStore::letter_gone`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GoneHow {
+    /// Replayed: the handler's writes committed with its completed row.
+    Replayed,
+    /// Its inbox row had completed meanwhile: not applied again.
+    AlreadyApplied,
+    /// An operator discarded it without replaying it.
+    Discarded,
+}
+
+impl GoneHow {
+    /// Its name as stored and printed.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Replayed => "replayed",
+            Self::AlreadyApplied => "already_applied",
+            Self::Discarded => "discarded",
+        }
+    }
+
+    /// The value [`Self::as_str`] gives, back; `None` for another.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "replayed" => Some(Self::Replayed),
+            "already_applied" => Some(Self::AlreadyApplied),
+            "discarded" => Some(Self::Discarded),
+            _ => None,
+        }
+    }
+}
+
+/// What became of a dead letter that is gone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LetterGone {
+    /// How.
+    pub how: GoneHow,
+    /// When.
+    pub at: DateTime<Utc>,
 }
 
 /// The steps of a replay inside the store's transaction.
@@ -233,8 +305,9 @@ pub trait DeadLetterTransaction: InboxTransaction {
         consumer_group: &str,
     ) -> Result<Option<(RowId, InboxStatus)>, StoreError>;
 
-    /// Removes the dead letter, with this transaction.
-    async fn remove_dead_letter(&mut self, id: i64) -> Result<(), StoreError>;
+    /// Removes the dead letter, with this transaction, recording `how`
+    /// ([`DeadLetterStore::letter_gone`] reads it).
+    async fn remove_dead_letter(&mut self, id: i64, how: GoneHow) -> Result<(), StoreError>;
 }
 
 /// What came of a replay.
@@ -251,8 +324,16 @@ pub enum Replayed {
     /// The message cannot be handled as it is (as recorded, or as
     /// re-decoded): nothing changed, the dead letter stays.
     Invalid(ValidationError),
-    /// The handler failed again: rolled back, the dead letter stays.
+    /// The handler failed again: rolled back, the dead letter stays
+    /// (unless the handler had run a `COMMIT` of its own: what it committed
+    /// stays, and with it the completed row and the dead letter's removal,
+    /// so the message is never applied twice).
     Failed(String),
+    /// The store failed during the replay (its COMMIT refused, the
+    /// connection lost): nothing of it committed, the dead letter stays
+    /// ([`DeadLetterReplayer`] ends the request with this cause and goes on
+    /// with the next one).
+    StoreFailed(StoreError),
 }
 
 /// How [`replay`] runs.
@@ -292,17 +373,44 @@ where
     S::Tx: DeadLetterTransaction,
     H: Handler<S::Tx>,
 {
+    Ok(replay_of(store, id, None, handler, decode, options)
+        .await?
+        .unwrap_or(Replayed::NotFound))
+}
+
+/// [`replay`], of dead letter `id` only when it is `group`'s (when given):
+/// `None`, nothing done, when it is another group's (that group's replayer
+/// replays it).
+async fn replay_of<S, H>(
+    store: &S,
+    id: i64,
+    group: Option<&str>,
+    handler: &H,
+    decode: &(dyn Fn(&DeadLetter) -> Result<Message, ValidationError> + Sync),
+    options: ReplayOptions,
+) -> Result<Option<Replayed>, StoreError>
+where
+    S: DeadLetterStore,
+    S::Tx: DeadLetterTransaction,
+    H: Handler<S::Tx>,
+{
     let mut tx = store.begin().await?;
     let Some(letter) = tx.take_dead_letter(id).await? else {
         tx.rollback().await?;
-        return Ok(Replayed::NotFound);
+        return Ok(Some(Replayed::NotFound));
     };
+    if let Some(group) = group
+        && letter.consumer_group != group
+    {
+        tx.rollback().await?;
+        return Ok(None);
+    }
     let message = match decode(&letter).and_then(|m| m.validate(&letter.consumer_group).map(|()| m))
     {
         Ok(m) => m,
         Err(e) => {
             tx.rollback().await?;
-            return Ok(Replayed::Invalid(e));
+            return Ok(Some(Replayed::Invalid(e)));
         }
     };
     let group = &letter.consumer_group;
@@ -334,10 +442,17 @@ where
         ));
     };
     if status == InboxStatus::Completed {
-        tx.remove_dead_letter(id).await?;
+        tx.remove_dead_letter(id, GoneHow::AlreadyApplied).await?;
         tx.commit().await?;
-        return Ok(Replayed::AlreadyApplied);
+        return Ok(Some(Replayed::AlreadyApplied));
     }
+    // Decided before the handler runs, as the runner inserts a row
+    // completed: a handler that runs a COMMIT of its own makes the row's
+    // completion and the letter's removal durable with its writes, so a
+    // second replay finds nothing to apply (never a second effect). A
+    // failed handler's rollback takes them back with its writes.
+    tx.complete(row).await?;
+    tx.remove_dead_letter(id, GoneHow::Replayed).await?;
     let outcome = crate::runner::run_handler(
         handler,
         &message,
@@ -347,11 +462,17 @@ where
     )
     .await;
     if let Outcome::Failed(failure) = outcome {
+        let own_commit = tx.committed_by_handler().await;
         tx.rollback().await?;
-        return Ok(Replayed::Failed(crate::attempts::failure_text(&failure)));
+        let mut text = crate::attempts::failure_text(&failure);
+        if own_commit {
+            tracing::warn!(dead_letter = id, message_id = %message.message_id, "a replayed handler ran a COMMIT of its own and then failed: what it committed stays, with the completed row and the letter's removal");
+            text.push_str(
+                " (after a COMMIT of its own: what it committed stays, the message is completed and its dead letter removed)",
+            );
+        }
+        return Ok(Some(Replayed::Failed(text)));
     }
-    tx.complete(row).await?;
-    tx.remove_dead_letter(id).await?;
     tx.commit().await?;
     tracing::info!(
         dead_letter = id,
@@ -359,7 +480,7 @@ where
         consumer_group = %group,
         "dead letter replayed"
     );
-    Ok(Replayed::Applied)
+    Ok(Some(Replayed::Applied))
 }
 
 /// How a replayer gets a dead letter's message (as recorded, or decoded
@@ -367,12 +488,17 @@ where
 type Redecode = dyn Fn(&DeadLetter) -> Result<Message, ValidationError> + Send + Sync;
 
 /// Carries out the replays operators ask for (`inbox dead-letters replay
-/// ID`, [`DeadLetterStore::request_replay`]): run it beside the consumer, in
-/// the service that has the handler (and the fixed code). Each request is
-/// replayed once with [`replay`]: applied (the dead letter goes), or its
-/// reason kept in `replay_error` and the request ended.
+/// ID --group G`, [`DeadLetterStore::request_replay`]) of one consumer
+/// group's dead letters: run it beside the consumer, in the service that
+/// has that group's handler (and the fixed code). Each request is replayed
+/// once with [`replay`]: applied (the dead letter goes), or its reason kept
+/// in `replay_error` and the request ended (a store failure too: the next
+/// request is carried out all the same). Another group's requests are left
+/// to that group's replayer; each run notes that this group has a running
+/// replayer, which `inbox status` and `--wait` report.
 pub struct DeadLetterReplayer<S, H> {
     store: S,
+    group: String,
     handler: H,
     decode: std::sync::Arc<Redecode>,
     /// Time between two looks for requests. Default 5 s.
@@ -383,6 +509,7 @@ pub struct DeadLetterReplayer<S, H> {
 impl<S, H> std::fmt::Debug for DeadLetterReplayer<S, H> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DeadLetterReplayer")
+            .field("group", &self.group)
             .field("interval", &self.interval)
             .finish_non_exhaustive()
     }
@@ -394,16 +521,24 @@ where
     S::Tx: DeadLetterTransaction,
     H: Handler<S::Tx>,
 {
-    /// A replayer of `store`'s requested dead letters through `handler`,
-    /// each message as recorded ([`DeadLetter::message`]).
-    pub fn new(store: S, handler: H) -> Self {
-        Self {
+    /// A replayer of `store`'s requested dead letters of consumer group
+    /// `group` through `handler` (that group's), each message as recorded
+    /// ([`DeadLetter::message`]).
+    ///
+    /// # Errors
+    ///
+    /// A [`ValidationError`] for an empty or over-long group name.
+    pub fn new(store: S, group: impl Into<String>, handler: H) -> Result<Self, ValidationError> {
+        let group = group.into();
+        crate::model::validate_consumer_group(&group)?;
+        Ok(Self {
             store,
+            group,
             handler,
             decode: std::sync::Arc::new(DeadLetter::message),
             interval: Duration::from_secs(5),
             options: ReplayOptions::default(),
-        }
+        })
     }
 
     /// The same, with the message `decode` gives (a re-decoding of the raw
@@ -417,21 +552,38 @@ where
         self
     }
 
-    /// Replays the requests waiting now; each one's outcome.
+    /// Replays the group's requests waiting now; each one's outcome. A
+    /// replay the store fails ends its request with the cause
+    /// ([`Replayed::StoreFailed`]) and the next one is carried out.
     ///
     /// # Errors
     ///
-    /// The first [`StoreError`] (the requests not reached wait for the next
-    /// run).
+    /// A [`StoreError`] when the requests cannot be read, or a request
+    /// cannot be ended (the requests not reached wait for the next run).
     pub async fn run_once(&self) -> Result<Vec<(i64, Replayed)>, StoreError> {
+        self.store.note_replayer(&self.group, self.interval).await?;
         let mut done = Vec::new();
-        for id in self.store.replay_requests(100).await? {
-            let outcome =
-                replay(&self.store, id, &self.handler, &*self.decode, self.options).await?;
+        for id in self.store.replay_requests(&self.group, 100).await? {
+            let outcome = match replay_of(
+                &self.store,
+                id,
+                Some(&self.group),
+                &self.handler,
+                &*self.decode,
+                self.options,
+            )
+            .await
+            {
+                Ok(Some(outcome)) => outcome,
+                // another group's: left to that group's replayer
+                Ok(None) => continue,
+                Err(e) => Replayed::StoreFailed(e),
+            };
             let refused = match &outcome {
                 Replayed::Applied | Replayed::AlreadyApplied | Replayed::NotFound => None,
                 Replayed::Invalid(e) => Some(e.to_string()),
                 Replayed::Failed(e) => Some(e.clone()),
+                Replayed::StoreFailed(e) => Some(format!("the store failed: {e}")),
             };
             if let Some(reason) = refused {
                 tracing::warn!(dead_letter = id, %reason, "a requested replay did not apply the message; the dead letter stays");

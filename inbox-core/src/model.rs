@@ -262,6 +262,16 @@ impl Message {
     }
 }
 
+/// Checks a consumer group's name: non-empty, no NUL, at most 255
+/// characters.
+///
+/// # Errors
+///
+/// The [`ValidationError`] for the first rule broken.
+pub fn validate_consumer_group(group: &str) -> Result<(), ValidationError> {
+    check_id("consumer_group", group)
+}
+
 fn check_id(field: &'static str, value: &str) -> Result<(), ValidationError> {
     if value.is_empty() {
         return Err(ValidationError::Empty { field });

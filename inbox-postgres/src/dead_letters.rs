@@ -6,13 +6,20 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use inbox_core::dead_letters::{
-    DeadLetter, DeadLetterQuery, DeadLetterStore, DeadLetterTransaction, ReplayOptions, Replayed,
+    DeadLetter, DeadLetterQuery, DeadLetterStore, DeadLetterTransaction, GoneHow, LetterGone,
+    ReplayOptions, Replayed, ReplayerSeen,
 };
 use inbox_core::{Handler, InboxStatus, Message, Position, RowId, StoreError, ValidationError};
 use sea_orm::{ConnectionTrait, QueryResult, Value};
 
 use crate::TableName;
 use crate::store::{PgStore, PgTx, db, get, secs, stmt, storable};
+
+/// Whether a replayer's last look (`seen_at`, every `interval_ms`) is
+/// recent enough for it to be taken as running: within three intervals and
+/// 5 s.
+pub(crate) const RUNNING: &str =
+    "(seen_at > now() - make_interval(secs => (3 * interval_ms) / 1000.0 + 5))";
 
 const COLUMNS: &str = "id, consumer_group, message_id, source, topic, partition, record_offset, \
      message, raw, error, created_at, replay_requested_at, replay_error";
@@ -44,6 +51,19 @@ fn by_id(table: &TableName, lock: &str) -> String {
     format!(
         "SELECT {COLUMNS} FROM {} WHERE id = $1 {lock}",
         table.dead_letters()
+    )
+}
+
+/// Deletes dead letter `$1`, recording how it went (`$2`, a
+/// [`GoneHow`]) in `<table>_dead_letters_gone`.
+fn remove(table: &TableName) -> String {
+    format!(
+        "WITH gone AS (DELETE FROM {} WHERE id = $1 RETURNING id, consumer_group, message_id)
+         INSERT INTO {} (id, consumer_group, message_id, how)
+         SELECT id, consumer_group, message_id, $2 FROM gone
+         ON CONFLICT (id) DO UPDATE SET how = EXCLUDED.how, gone_at = now()",
+        table.dead_letters(),
+        table.dead_letters_gone()
     )
 }
 
@@ -95,10 +115,13 @@ impl DeadLetterStore for PgStore {
     }
 
     async fn discard_dead_letter(&self, id: i64) -> Result<bool, StoreError> {
-        let sql = format!("DELETE FROM {} WHERE id = $1", self.table.dead_letters());
+        let sql = remove(&self.table);
         let r = self
             .db
-            .execute_raw(stmt(&sql, vec![id.into()]))
+            .execute_raw(stmt(
+                &sql,
+                vec![id.into(), GoneHow::Discarded.as_str().into()],
+            ))
             .await
             .map_err(db)?;
         if r.rows_affected() == 1 {
@@ -113,10 +136,13 @@ impl DeadLetterStore for PgStore {
         batch: u64,
     ) -> Result<u64, StoreError> {
         let d = self.table.dead_letters();
+        // a letter whose replay is asked for is kept until its replayer has
+        // carried the request out (or refused it)
         let sql = format!(
             "DELETE FROM {d} WHERE id IN (
                 SELECT id FROM {d}
                  WHERE created_at <= now() - make_interval(secs => $1)
+                   AND replay_requested_at IS NULL
                  ORDER BY id
                  LIMIT $2
                  FOR UPDATE SKIP LOCKED)"
@@ -127,34 +153,108 @@ impl DeadLetterStore for PgStore {
             .execute_raw(stmt(&sql, vec![secs(older_than), limit.into()]))
             .await
             .map_err(db)?;
+        // what became of letters gone, by the same age
+        let g = self.table.dead_letters_gone();
+        let gone = format!(
+            "DELETE FROM {g} WHERE id IN (
+                SELECT id FROM {g} WHERE gone_at <= now() - make_interval(secs => $1)
+                 ORDER BY id LIMIT $2)"
+        );
+        self.db
+            .execute_raw(stmt(&gone, vec![secs(older_than), limit.into()]))
+            .await
+            .map_err(db)?;
         Ok(r.rows_affected())
     }
 
-    async fn request_replay(&self, id: i64) -> Result<bool, StoreError> {
+    async fn request_replay(&self, id: i64, group: &str) -> Result<bool, StoreError> {
         let sql = format!(
-            "UPDATE {} SET replay_requested_at = now(), replay_error = NULL WHERE id = $1",
+            "UPDATE {} SET replay_requested_at = now(), replay_error = NULL
+              WHERE id = $1 AND consumer_group = $2",
             self.table.dead_letters()
         );
         let r = self
             .db
-            .execute_raw(stmt(&sql, vec![id.into()]))
+            .execute_raw(stmt(&sql, vec![id.into(), group.into()]))
             .await
             .map_err(db)?;
         Ok(r.rows_affected() == 1)
     }
 
-    async fn replay_requests(&self, limit: u32) -> Result<Vec<i64>, StoreError> {
+    async fn replay_requests(&self, group: &str, limit: u32) -> Result<Vec<i64>, StoreError> {
         let sql = format!(
-            "SELECT id FROM {} WHERE replay_requested_at IS NOT NULL
-              ORDER BY replay_requested_at, id LIMIT $1",
+            "SELECT id FROM {} WHERE replay_requested_at IS NOT NULL AND consumer_group = $1
+              ORDER BY replay_requested_at, id LIMIT $2",
             self.table.dead_letters()
         );
         let rows = self
             .db
-            .query_all_raw(stmt(&sql, vec![i64::from(limit).into()]))
+            .query_all_raw(stmt(&sql, vec![group.into(), i64::from(limit).into()]))
             .await
             .map_err(db)?;
         rows.iter().map(|r| get(r, "id")).collect()
+    }
+
+    async fn note_replayer(&self, group: &str, interval: Duration) -> Result<(), StoreError> {
+        let sql = format!(
+            "INSERT INTO {} (consumer_group, seen_at, interval_ms) VALUES ($1, now(), $2)
+             ON CONFLICT (consumer_group) DO UPDATE
+                SET seen_at = now(), interval_ms = EXCLUDED.interval_ms",
+            self.table.replayers()
+        );
+        let ms = i64::try_from(interval.as_millis()).unwrap_or(i64::MAX);
+        self.db
+            .execute_raw(stmt(&sql, vec![group.into(), ms.into()]))
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+
+    async fn replayer_seen(&self, group: &str) -> Result<Option<ReplayerSeen>, StoreError> {
+        let sql = format!(
+            "SELECT seen_at, interval_ms, {RUNNING} AS running FROM {} WHERE consumer_group = $1",
+            self.table.replayers()
+        );
+        let Some(r) = self
+            .db
+            .query_one_raw(stmt(&sql, vec![group.into()]))
+            .await
+            .map_err(db)?
+        else {
+            return Ok(None);
+        };
+        let ms: i64 = get(&r, "interval_ms")?;
+        Ok(Some(ReplayerSeen {
+            seen_at: get(&r, "seen_at")?,
+            interval: Duration::from_millis(u64::try_from(ms).unwrap_or(0)),
+            running: get(&r, "running")?,
+        }))
+    }
+
+    async fn letter_gone(&self, id: i64) -> Result<Option<LetterGone>, StoreError> {
+        let sql = format!(
+            "SELECT how, gone_at FROM {} WHERE id = $1",
+            self.table.dead_letters_gone()
+        );
+        let Some(r) = self
+            .db
+            .query_one_raw(stmt(&sql, vec![id.into()]))
+            .await
+            .map_err(db)?
+        else {
+            return Ok(None);
+        };
+        let how: String = get(&r, "how")?;
+        let how = GoneHow::parse(&how).ok_or_else(|| {
+            StoreError::new(
+                inbox_core::StoreErrorKind::Integrity,
+                format!("dead letter {id} went in an unknown way: {how:?}"),
+            )
+        })?;
+        Ok(Some(LetterGone {
+            how,
+            at: get(&r, "gone_at")?,
+        }))
     }
 
     async fn refuse_replay(&self, id: i64, reason: &str) -> Result<(), StoreError> {
@@ -204,9 +304,12 @@ impl DeadLetterTransaction for PgTx {
         Ok(Some((get(&row, "id")?, status)))
     }
 
-    async fn remove_dead_letter(&mut self, id: i64) -> Result<(), StoreError> {
-        let sql = format!("DELETE FROM {} WHERE id = $1", self.table().dead_letters());
-        self.exec(stmt(&sql, vec![id.into()])).await?;
+    async fn remove_dead_letter(&mut self, id: i64, how: GoneHow) -> Result<(), StoreError> {
+        self.exec(stmt(
+            &remove(self.table()),
+            vec![id.into(), how.as_str().into()],
+        ))
+        .await?;
         Ok(())
     }
 }

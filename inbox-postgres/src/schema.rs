@@ -86,6 +86,18 @@ impl TableName {
         self.with_suffix("_dead_letters")
     }
 
+    /// The dead letters' replayers, as last seen
+    /// (`<table>_dead_letter_replayers`), qualified.
+    pub fn replayers(&self) -> String {
+        self.with_suffix("_dead_letter_replayers")
+    }
+
+    /// What became of dead letters that are gone
+    /// (`<table>_dead_letters_gone`), qualified.
+    pub fn dead_letters_gone(&self) -> String {
+        self.with_suffix("_dead_letters_gone")
+    }
+
     /// The consumer-offsets table next to the inbox table.
     pub fn offsets(&self) -> String {
         self.with_suffix("_offsets")
@@ -531,6 +543,37 @@ pub fn schema_steps(t: &TableName) -> Vec<SchemaStep> {
                     "ALTER TABLE {o} DROP COLUMN IF EXISTS header_pairs",
                     o = t.outbox()
                 ),
+            ],
+        ),
+        step(
+            "inbox_dead_letter_replayers",
+            // Each group's replayer notes when it last looked for requests
+            // (so a request no replayer serves says so), and a dead letter
+            // that goes leaves what became of it (replayed, found applied,
+            // discarded), so `replay --wait` says which.
+            vec![
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {} (
+    consumer_group VARCHAR(255) PRIMARY KEY,
+    seen_at        TIMESTAMPTZ NOT NULL DEFAULT now(),
+    interval_ms    BIGINT NOT NULL
+)",
+                    t.replayers()
+                ),
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {} (
+    id             BIGINT PRIMARY KEY,
+    consumer_group VARCHAR(255) NOT NULL,
+    message_id     TEXT NOT NULL,
+    how            TEXT NOT NULL,
+    gone_at        TIMESTAMPTZ NOT NULL DEFAULT now()
+)",
+                    t.dead_letters_gone()
+                ),
+            ],
+            vec![
+                format!("DROP TABLE IF EXISTS {}", t.dead_letters_gone()),
+                format!("DROP TABLE IF EXISTS {}", t.replayers()),
             ],
         ),
     ]

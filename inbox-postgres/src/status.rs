@@ -51,6 +51,12 @@ pub struct DeadLetterCount {
     pub count: i64,
     /// How many of them an operator asked to replay, not done yet.
     pub replay_requested: i64,
+    /// When the group's `DeadLetterReplayer` last looked for requests;
+    /// `None` when none ever did (a request then waits for one to start).
+    pub replayer_seen_at: Option<DateTime<Utc>>,
+    /// Whether the group's replayer is taken to be running (it looked
+    /// within three of its intervals): when not, requested replays wait.
+    pub replayer_running: bool,
 }
 
 /// The outbox's backlog.
@@ -132,6 +138,8 @@ fn dead_letters(r: &QueryResult) -> Result<DeadLetterCount, StoreError> {
         group: get(r, "consumer_group")?,
         count: get(r, "n")?,
         replay_requested: get(r, "requested")?,
+        replayer_seen_at: get(r, "seen_at")?,
+        replayer_running: get(r, "running")?,
     })
 }
 
@@ -202,10 +210,16 @@ impl PgStore {
         let dead = self
             .all(
                 &format!(
-                    "SELECT consumer_group, count(*) AS n,
-                            count(replay_requested_at) AS requested
-                       FROM {} GROUP BY consumer_group ORDER BY consumer_group",
-                    t.dead_letters()
+                    "SELECT d.consumer_group, d.n, d.requested, r.seen_at,
+                            COALESCE({running}, false) AS running
+                       FROM (SELECT consumer_group, count(*) AS n,
+                                    count(replay_requested_at) AS requested
+                               FROM {} GROUP BY consumer_group) d
+                       LEFT JOIN {} r USING (consumer_group)
+                      ORDER BY d.consumer_group",
+                    t.dead_letters(),
+                    t.replayers(),
+                    running = crate::dead_letters::RUNNING,
                 ),
                 vec![],
                 dead_letters,

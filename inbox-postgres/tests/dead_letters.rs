@@ -14,9 +14,13 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use common::{dead_letters, order, process_until_acked};
-use inbox_core::dead_letters::{DeadLetterQuery, DeadLetterStore, Replayed};
+use inbox_core::dead_letters::{
+    DeadLetterQuery, DeadLetterReplayer, DeadLetterStore, GoneHow, Replayed,
+};
 use inbox_core::maintenance::{Maintenance, MaintenanceConfig};
-use inbox_core::{Handler, HandlerError, InboxStore, Message, Runner, RunnerConfig};
+use inbox_core::{
+    Handler, HandlerError, InboxStore, InboxTransaction, Message, Runner, RunnerConfig,
+};
 use inbox_postgres::sea_orm::ConnectionTrait;
 use inbox_postgres::{PgStore, PgTx};
 use inbox_testkit::MemBroker;
@@ -258,4 +262,219 @@ async fn a_dead_letter_is_discarded_or_deleted_by_the_retention() {
     assert_eq!(dead_letters(&store, "new-1").await, 0);
     assert_eq!(row_status(&store, "new-1").await, 2, "still failed");
     assert_eq!(store.invoices("new-1").await, 0);
+}
+
+/// Writes `<group>:<order>` invoices: the handler of one group's service.
+/// `commit-` orders run a `COMMIT` of their own after the invoice, then
+/// fail.
+struct GroupHandler(&'static str);
+
+#[async_trait]
+impl Handler<PgTx> for GroupHandler {
+    type Output = ();
+    async fn handle(&self, m: &Message, tx: &mut PgTx) -> Result<(), HandlerError> {
+        tx.write_invoice(&format!("{}:{}", self.0, m.message_id))
+            .await?;
+        if m.message_id.starts_with("commit-") {
+            tx.connection().execute_unprepared("COMMIT").await?;
+            return Err(HandlerError::msg("failed after its own COMMIT"));
+        }
+        Ok(())
+    }
+}
+
+/// Dead letters of `group` for the messages `ids`, their replay asked
+/// for in that order; their ids.
+async fn letters(store: &PgStore, group: &str, ids: &[&str]) -> Vec<i64> {
+    record(store, group, ids).await;
+    let mut out = Vec::new();
+    for id in ids {
+        let letter = store
+            .list_dead_letters(&DeadLetterQuery::new().consumer_group(group))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .into_iter()
+            .find(|d| d.message_id == *id)
+            .unwrap_or_else(|| panic!("{id} recorded"));
+        assert!(
+            store
+                .request_replay(letter.id, group)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"))
+        );
+        out.push(letter.id);
+    }
+    out
+}
+
+/// Dead letters of `group` for the messages `ids`, in one transaction.
+async fn record(store: &PgStore, group: &str, ids: &[&str]) {
+    let mut tx = store.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    for id in ids {
+        tx.dead_letter(
+            &order(id),
+            group,
+            &inbox_core::ValidationError::Config {
+                reason: "unknown event version".into(),
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    }
+    inbox_core::InboxTransaction::commit(tx)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+}
+
+fn replayer(store: &PgStore, group: &'static str) -> DeadLetterReplayer<PgStore, GroupHandler> {
+    DeadLetterReplayer::new(store.clone(), group, GroupHandler(group))
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// `billing` and `shipping` share one table, each service running its
+/// replayer: shipping's never takes billing's request (it used to run the
+/// shipping handler on billing's row, complete it and delete the letter:
+/// billing never invoiced).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayer_carries_out_only_its_own_groups_requests() {
+    let store = fresh_store().await.unwrap_or_else(|e| panic!("{e}"));
+    let billing = letters(&store, "billing", &["m-1"]).await;
+    let shipping = letters(&store, "shipping", &["m-2"]).await;
+    let done = replayer(&store, "shipping")
+        .run_once()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(done, vec![(shipping[0], Replayed::Applied)]);
+    assert_eq!(store.invoices("shipping:m-2").await, 1);
+    assert_eq!(store.invoices("shipping:m-1").await, 0, "not billing's");
+    let waiting = store
+        .dead_letter(billing[0])
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or_else(|| panic!("billing's letter stays"));
+    assert!(waiting.replay_requested_at.is_some(), "still asked for");
+    // shipping's replayer was seen; billing's never was
+    let seen = |group: &'static str| {
+        let store = store.clone();
+        async move {
+            store
+                .replayer_seen(group)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"))
+        }
+    };
+    assert!(seen("shipping").await.is_some_and(|r| r.running));
+    assert_eq!(seen("billing").await, None);
+    // a request names its group
+    assert!(
+        !store
+            .request_replay(billing[0], "shipping")
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+    );
+    let done = replayer(&store, "billing")
+        .run_once()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(done, vec![(billing[0], Replayed::Applied)]);
+    assert_eq!(store.invoices("billing:m-1").await, 1);
+    assert_eq!(row_status(&store, "m-1").await, 1, "completed");
+}
+
+/// A replay the store fails (its COMMIT refused by a deferred constraint)
+/// ends its request with the cause, and the requests behind it are
+/// carried out in the same run (the error used to end the run: that
+/// request stayed first and no later one was ever carried out).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_failure_in_one_replay_refuses_it_and_the_next_goes_on() {
+    let store = fresh_store().await.unwrap_or_else(|e| panic!("{e}"));
+    for sql in [
+        "CREATE FUNCTION refuse_bad() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN IF NEW.order_id LIKE '%bad%' THEN \
+         RAISE EXCEPTION 'order % refused at commit', NEW.order_id USING ERRCODE = '23514'; \
+         END IF; RETURN NULL; END $$",
+        "CREATE CONSTRAINT TRIGGER refuse_bad AFTER INSERT ON invoices \
+         DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse_bad()",
+    ] {
+        store
+            .connection()
+            .execute_unprepared(sql)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+    let ids = letters(&store, "billing", &["bad-1", "ok-2"]).await;
+    let done = replayer(&store, "billing")
+        .run_once()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        matches!(&done[..], [(a, Replayed::StoreFailed(_)), (b, Replayed::Applied)] if *a == ids[0] && *b == ids[1]),
+        "{done:?}"
+    );
+    assert_eq!(store.invoices("billing:ok-2").await, 1);
+    let refused = store
+        .dead_letter(ids[0])
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or_else(|| panic!("the refused letter stays"));
+    assert_eq!(refused.replay_requested_at, None, "its request ended");
+    assert!(
+        refused
+            .replay_error
+            .as_deref()
+            .is_some_and(|e| e.contains("refused at commit")),
+        "{refused:?}"
+    );
+}
+
+/// A replayed handler that runs its own `COMMIT` and then fails: what it
+/// committed stays, and so do its row's completion and the letter's
+/// removal, so a second replay applies nothing (it used to find the letter
+/// still there and write a second invoice).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_commits_on_its_own_is_never_replayed_twice() {
+    let store = fresh_store().await.unwrap_or_else(|e| panic!("{e}"));
+    let ids = letters(&store, "billing", &["commit-1"]).await;
+    let handler = GroupHandler("billing");
+    let first = store
+        .replay_dead_letter(ids[0], &handler)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        matches!(&first, Replayed::Failed(e) if e.contains("COMMIT of its own")),
+        "{first:?}"
+    );
+    let second = store
+        .replay_dead_letter(ids[0], &handler)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(second, Replayed::NotFound);
+    assert_eq!(store.invoices("billing:commit-1").await, 1, "one effect");
+    assert_eq!(row_status(&store, "commit-1").await, 1, "completed");
+    let gone = store
+        .letter_gone(ids[0])
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(gone.map(|g| g.how), Some(GoneHow::Replayed));
+}
+
+/// The retention keeps a letter whose replay is asked for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_retention_keeps_letters_whose_replay_is_asked_for() {
+    let store = fresh_store().await.unwrap_or_else(|e| panic!("{e}"));
+    let asked = letters(&store, "billing", &["m-1"]).await;
+    record(&store, "billing", &["m-2"]).await;
+    let deleted = store
+        .delete_dead_letters(Duration::ZERO, 100)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(deleted, 1, "only the one nobody asked to replay");
+    assert!(
+        store
+            .dead_letter(asked[0])
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .is_some()
+    );
+    assert_eq!(dead_letters(&store, "m-2").await, 0);
 }

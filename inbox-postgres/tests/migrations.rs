@@ -137,6 +137,7 @@ async fn a_database_of_the_first_migration_reaches_the_current_schema() {
             "m20261130_000011_inbox_due_order_inbox",
             "m20261130_000012_outbox_read_held_once_inbox",
             "m20261130_000013_outbox_header_pairs_inbox",
+            "m20261130_000014_inbox_dead_letter_replayers_inbox",
         ]
     );
 
@@ -193,7 +194,15 @@ async fn a_database_of_the_first_migration_reaches_the_current_schema() {
         1,
         "the earlier read function gives the pairs as jsonb"
     );
+    // the newest step first: the replayers' tables go with it
+    let replayer_tables = "SELECT count(*) FROM information_schema.tables \
+         WHERE table_name IN ('inbox_dead_letter_replayers', 'inbox_dead_letters_gone')";
+    assert_eq!(count(&old, replayer_tables).await, 2);
     Current::down(&old, Some(1)).await.expect("one step down");
+    assert_eq!(count(&old, replayer_tables).await, 0);
+    Current::down(&old, Some(1))
+        .await
+        .expect("the header pairs' step down");
     assert_eq!(
         count(
             &old,

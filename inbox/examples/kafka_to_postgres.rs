@@ -175,9 +175,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let health = consumer.health();
 
     // dead letters an operator asks to replay once the cause is fixed
-    // (`inbox dead-letters replay ID`): replayed here, with this handler
+    // (`inbox dead-letters replay ID --group billing`): replayed here, with this handler
     let stop = CancellationToken::new();
-    let replayer = DeadLetterReplayer::new(store.clone(), router.clone());
+    let replayer = DeadLetterReplayer::new(store.clone(), GROUP, router.clone())?;
     tokio::spawn({
         let stop = stop.clone();
         async move { replayer.run(stop).await }

@@ -224,6 +224,25 @@ impl inbox::Handler<inbox::postgres::PgTx> for Billing {
     }
 }
 
+/// `inbox dead-letters replay ID --group G --wait S --json`, as
+/// [`inbox_json`].
+async fn replay(url: &str, id: &str, group: &str, wait: &str) -> (bool, serde_json::Value, String) {
+    inbox_json(
+        url,
+        &[
+            "dead-letters",
+            "replay",
+            id,
+            "--group",
+            group,
+            "--wait",
+            wait,
+            "--json",
+        ],
+    )
+    .await
+}
+
 /// `inbox args` run off the async runtime (the test's replayer runs on it
 /// meanwhile); the JSON it printed, with whether it succeeded.
 async fn inbox_json(url: &str, args: &[&str]) -> (bool, serde_json::Value, String) {
@@ -241,7 +260,7 @@ async fn inbox_json(url: &str, args: &[&str]) -> (bool, serde_json::Value, Strin
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_command_works_with_dead_letters_the_outbox_and_status() {
-    use inbox::dead_letters::DeadLetterReplayer;
+    use inbox::dead_letters::{DeadLetterReplayer, DeadLetterStore};
     use inbox::postgres::sea_orm::{ConnectionTrait, TransactionTrait};
     use inbox::{Message, Runner, RunnerConfig};
     use inbox_testkit::MemBroker;
@@ -394,27 +413,46 @@ async fn the_command_works_with_dead_letters_the_outbox_and_status() {
         "{listed}"
     );
 
+    // a replay names its group: another group's is refused, saying whose
+    let (ok, done, text) = replay(&url, &new_id, "shipping", "0").await;
+    assert!(!ok, "{text}");
+    assert!(
+        done["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("is group \"billing\"'s, not \"shipping\"'s")),
+        "{done}"
+    );
+    // asked for with no replayer of the group running: the wait says so,
+    // and so does the status
+    let (ok, done, text) = replay(&url, &bad_id, "billing", "1").await;
+    assert!(!ok, "{text}");
+    assert_eq!(done["outcome"], "requested", "{done}");
+    assert!(
+        done["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("no replayer of group \"billing\" has ever run")),
+        "{done}"
+    );
+    let (_, text, _) = inbox(&url, &["status"]);
+    assert!(
+        text.contains("(1 replay requested; no replayer has ever run)"),
+        "{text}"
+    );
+
     // replay through the command; the service's replayer has the fix
     let cancel = inbox::CancellationToken::new();
-    let mut replayer = DeadLetterReplayer::new(store.clone(), Billing { fixed: true });
+    let mut replayer = DeadLetterReplayer::new(store.clone(), "billing", Billing { fixed: true })
+        .unwrap_or_else(|e| panic!("{e}"));
     replayer.interval = std::time::Duration::from_millis(100);
     let replaying = tokio::spawn({
         let cancel = cancel.clone();
         async move { replayer.run(cancel).await }
     });
-    let (ok, done, text) = inbox_json(
-        &url,
-        &["dead-letters", "replay", &new_id, "--wait", "20", "--json"],
-    )
-    .await;
+    let (ok, done, text) = replay(&url, &new_id, "billing", "20").await;
     assert!(ok, "{text}");
     assert_eq!(done["outcome"], "replayed", "{done}");
     assert_eq!(store.invoices("new-1").await, 1, "applied once");
-    let (ok, done, text) = inbox_json(
-        &url,
-        &["dead-letters", "replay", &bad_id, "--wait", "20", "--json"],
-    )
-    .await;
+    let (ok, done, text) = replay(&url, &bad_id, "billing", "20").await;
     assert!(!ok, "{text}");
     assert_eq!(done["outcome"], "refused", "{done}");
     assert!(
@@ -424,9 +462,43 @@ async fn the_command_works_with_dead_letters_the_outbox_and_status() {
         "{done}"
     );
     cancel.cancel();
-    assert_eq!(replaying.await.unwrap_or_default(), 2);
-    let (ok, text, err) = inbox(&url, &["dead-letters", "discard", &bad_id]);
-    assert!(ok && text.contains("discarded"), "{text}{err}");
+    // bad-1 twice (asked for before the replayer started, and again), new-1
+    assert_eq!(replaying.await.unwrap_or_default(), 3);
+    let (_, status, _) = inbox_json(&url, &["status", "--json"]).await;
+    assert_eq!(
+        status["dead_letters"][0]["replayer_running"], true,
+        "{status}"
+    );
+    // a letter discarded while its replay is awaited: the wait says so
+    // (it used to print "replayed" whenever the letter was gone)
+    let waiting = tokio::spawn({
+        let url = url.clone();
+        let bad_id = bad_id.clone();
+        async move { replay(&url, &bad_id, "billing", "20").await }
+    });
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    let id: i64 = bad_id.parse().unwrap_or_else(|e| panic!("{e}"));
+    while store
+        .dead_letter(id)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .is_some_and(|d| d.replay_requested_at.is_none())
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the replay was never requested"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(
+        store
+            .discard_dead_letter(id)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+    );
+    let (ok, done, text) = waiting.await.unwrap_or_else(|e| panic!("{e}"));
+    assert!(!ok, "{text}");
+    assert_eq!(done["outcome"], "discarded", "{done}");
     let (ok, _, _) = inbox(&url, &["dead-letters", "discard", &bad_id]);
     assert!(!ok, "a second discard finds nothing");
     let (_, list, _) = inbox_json(&url, &["dead-letters", "list", "--json"]).await;

@@ -525,7 +525,19 @@ async fn kafka_to_postgres(exe: &std::path::Path, command: &Operator) -> Result<
         .with_context(|| format!("no dead letter listed: {listed}"))?
         .to_string();
     let replayed = command
-        .run(&url, None, &["dead-letters", "replay", &id, "--wait", "60"])
+        .run(
+            &url,
+            None,
+            &[
+                "dead-letters",
+                "replay",
+                &id,
+                "--group",
+                "billing",
+                "--wait",
+                "60",
+            ],
+        )
         .await?;
     if !replayed.contains(&format!("replayed {id}")) {
         bail!("the replay of dead letter {id}: {replayed}");

@@ -189,7 +189,7 @@ pub(crate) fn billing(args: &[String]) -> Result<()> {
         if fixed {
             // the fixed version applies what `inbox dead-letters replay`
             // asks for, through this handler
-            let mut replayer = DeadLetterReplayer::new(store.clone(), handler.clone());
+            let mut replayer = DeadLetterReplayer::new(store.clone(), "billing", handler.clone())?;
             replayer.interval = Duration::from_millis(200);
             let cancel = cancel.clone();
             tokio::spawn(async move { replayer.run(cancel).await });
@@ -302,7 +302,15 @@ async fn replay_dead_letters(command: &Operator, (url, brokers): (&str, &str)) -
             .run(
                 url,
                 Some(brokers),
-                &["dead-letters", "replay", &id.to_string(), "--wait", "60"],
+                &[
+                    "dead-letters",
+                    "replay",
+                    &id.to_string(),
+                    "--group",
+                    "billing",
+                    "--wait",
+                    "60",
+                ],
             )
             .await?;
     }

@@ -7,7 +7,7 @@
 //! inbox status                      # with KAFKA_BROKERS set: lag too
 //! inbox dead-letters list --group billing --error "unknown event"
 //! inbox dead-letters show 42
-//! inbox dead-letters replay 42 --wait 30   # the service's DeadLetterReplayer applies it
+//! inbox dead-letters replay 42 --group billing --wait 30   # billing's DeadLetterReplayer applies it
 //! inbox dead-letters discard 43
 //! inbox outbox pending | dead | retry 7 | release 7
 //! inbox offsets --brokers b1:9092 --group billing --topic orders show
@@ -26,7 +26,7 @@ use std::time::Duration;
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use inbox::dead_letters::{DeadLetter, DeadLetterQuery, DeadLetterStore};
+use inbox::dead_letters::{DeadLetter, DeadLetterQuery, DeadLetterStore, GoneHow};
 use inbox::kafka::{
     KafkaConfig, OffsetTarget, Sasl, Tls, log_bounds, move_offsets, read_offsets, topic_partitions,
 };
@@ -102,10 +102,15 @@ enum DeadLetters {
         id: i64,
     },
     /// Ask the service to replay a dead letter through its handler (its
-    /// `DeadLetterReplayer` does it, exactly once), and wait for the outcome.
+    /// group's `DeadLetterReplayer` does it, exactly once), and wait for the
+    /// outcome.
     Replay {
         /// Its id.
         id: i64,
+        /// The consumer group it belongs to (`list` shows it): only that
+        /// group's replayer, which has its handler, carries it out.
+        #[arg(long)]
+        group: String,
         /// Seconds to wait for the outcome (0: only ask).
         #[arg(long, default_value_t = 30)]
         wait: u64,
@@ -343,8 +348,17 @@ async fn status(brokers: &Brokers, store: &PgStore, out: Out) -> Result<ExitCode
     }
     println!("dead letters");
     for d in &status.dead_letters {
+        let replayer = match (d.replayer_running, d.replayer_seen_at) {
+            (true, _) => String::new(),
+            (false, Some(at)) if d.replay_requested > 0 => format!(
+                "; no replayer running, the last one looked at {}",
+                at.to_rfc3339()
+            ),
+            (false, None) if d.replay_requested > 0 => "; no replayer has ever run".to_owned(),
+            (false, _) => String::new(),
+        };
         println!(
-            "  {}\t{} ({} replay requested)",
+            "  {}\t{} ({} replay requested{replayer})",
             d.group, d.count, d.replay_requested
         );
     }
@@ -481,53 +495,103 @@ async fn dead_letters(cmd: DeadLetters, store: &PgStore, out: Out) -> Result<Exi
             }
             Ok(ExitCode::SUCCESS)
         }
-        DeadLetters::Replay { id, wait } => {
-            if !store.request_replay(id).await? {
-                return Ok(out.done("replay requested for", id, false));
-            }
-            let deadline = tokio::time::Instant::now() + Duration::from_secs(wait);
-            loop {
-                let now = store.dead_letter(id).await?;
-                let outcome = match &now {
-                    None => Some(("replayed", None)),
-                    Some(d) if d.replay_requested_at.is_none() => {
-                        Some(("refused", d.replay_error.clone()))
-                    }
-                    Some(_) => None,
-                };
-                if let Some((outcome, error)) = outcome {
-                    if out.json {
-                        out.doc(&json!({ "id": id, "outcome": outcome, "error": error }));
-                    } else {
-                        println!("{outcome} {id}{}", dash_error(error.as_deref()));
-                    }
-                    return Ok(if outcome == "replayed" {
-                        ExitCode::SUCCESS
-                    } else {
-                        ExitCode::FAILURE
-                    });
-                }
-                if tokio::time::Instant::now() >= deadline {
-                    if out.json {
-                        out.doc(&json!({ "id": id, "outcome": "requested" }));
-                    } else {
-                        println!(
-                            "replay of {id} requested; not done yet (is a DeadLetterReplayer running in the service?)"
-                        );
-                    }
-                    return Ok(if wait == 0 {
-                        ExitCode::SUCCESS
-                    } else {
-                        ExitCode::from(2)
-                    });
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-        }
+        DeadLetters::Replay { id, group, wait } => replay(store, out, id, &group, wait).await,
         DeadLetters::Discard { id } => {
             let done = store.discard_dead_letter(id).await?;
             Ok(out.done("discarded", id, done))
         }
+    }
+}
+
+/// `inbox dead-letters replay ID --group G --wait N`: asks, then waits for
+/// the outcome, saying what became of the letter (replayed, found applied,
+/// refused, discarded, gone by retention) or, when nothing came, whether a
+/// replayer of the group is running at all.
+async fn replay(
+    store: &PgStore,
+    out: Out,
+    id: i64,
+    group: &str,
+    wait: u64,
+) -> Result<ExitCode, Failure> {
+    if !store.request_replay(id, group).await? {
+        let error = match store.dead_letter(id).await? {
+            Some(d) => format!(
+                "dead letter {id} is group {:?}'s, not {group:?}'s",
+                d.consumer_group
+            ),
+            None => format!("no dead letter {id}"),
+        };
+        if out.json {
+            out.doc(&json!({ "id": id, "outcome": "not_found", "error": error }));
+        } else {
+            println!("{error}");
+        }
+        return Ok(ExitCode::FAILURE);
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(wait);
+    loop {
+        let outcome = match store.dead_letter(id).await? {
+            None => Some(match store.letter_gone(id).await? {
+                Some(g) if g.how == GoneHow::Replayed => ("replayed", None),
+                Some(g) if g.how == GoneHow::AlreadyApplied => (
+                    "already_applied",
+                    Some("its inbox row had completed meanwhile: not applied again".to_owned()),
+                ),
+                Some(_) => (
+                    "discarded",
+                    Some("discarded while its replay was asked for: not replayed".to_owned()),
+                ),
+                None => (
+                    "gone",
+                    Some("removed with no record of a replay: not replayed".to_owned()),
+                ),
+            }),
+            Some(d) if d.replay_requested_at.is_none() => Some(("refused", d.replay_error.clone())),
+            Some(_) => None,
+        };
+        if let Some((outcome, error)) = outcome {
+            if out.json {
+                out.doc(&json!({ "id": id, "outcome": outcome, "error": error }));
+            } else {
+                println!(
+                    "{} {id}{}",
+                    outcome.replace('_', " "),
+                    dash_error(error.as_deref())
+                );
+            }
+            return Ok(if matches!(outcome, "replayed" | "already_applied") {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            });
+        }
+        if tokio::time::Instant::now() >= deadline {
+            let replayer = match store.replayer_seen(group).await? {
+                Some(r) if r.running => None,
+                Some(r) => Some(format!(
+                    "no replayer of group {group:?} is running: the last one looked at {}",
+                    r.seen_at.to_rfc3339()
+                )),
+                None => Some(format!(
+                    "no replayer of group {group:?} has ever run: start a DeadLetterReplayer for {group:?} in the service that has its handler"
+                )),
+            };
+            if out.json {
+                out.doc(&json!({ "id": id, "outcome": "requested", "error": replayer }));
+            } else {
+                println!(
+                    "replay of {id} requested; not done yet{}",
+                    dash_error(replayer.as_deref())
+                );
+            }
+            return Ok(if wait == 0 {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(2)
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 

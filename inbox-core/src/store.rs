@@ -150,6 +150,24 @@ pub trait InboxStore: Send + Sync {
         ))
     }
 
+    /// The rows `member` may have been running when its process last
+    /// stopped without writing their outcomes (a handler that aborted it,
+    /// ran it out of memory, overflowed its stack, or a kill): the rows of
+    /// its last [`InboxTransaction::note_running`] when that transaction
+    /// never committed, and the rows it still holds by lease. What it
+    /// returns is forgotten (a second call gives nothing more). A processor
+    /// starting as `member` suspects them: it runs them one at a time, and
+    /// charges an attempt to the one it was running alone when its process
+    /// died, so that a job that kills every process that runs it fails
+    /// within its `max_attempts` and its neighbours complete; it also calls
+    /// it to forget its note after a batch it gave up itself (a store error
+    /// rolled it back). The default knows of none (such a crash goes
+    /// uncounted).
+    async fn take_unfinished(&self, member: &MemberId) -> Result<Vec<RowId>, StoreError> {
+        let _ = member;
+        Ok(Vec::new())
+    }
+
     /// Brings a `failed` row back: `pending`, no attempts made, due now
     /// (`last_error` is kept). `Ok(false)` when no `failed` row has this id.
     /// The processor handles it next; a runner handles it when its
@@ -315,6 +333,17 @@ pub trait InboxTransaction: Send + Sized {
             crate::StoreErrorKind::Unsupported,
             "this store cannot lock due rows in a transaction",
         ))
+    }
+
+    /// Notes, durably and outside this transaction, that `member` is about
+    /// to run the handlers of rows `ids` in it (rows it locked with
+    /// [`lock_due`](Self::lock_due)), so that if its process dies before
+    /// this transaction commits, [`InboxStore::take_unfinished`] knows.
+    /// Each note replaces `member`'s previous one; once this transaction
+    /// commits the note means nothing. The default notes nothing.
+    async fn note_running(&mut self, member: &MemberId, ids: &[RowId]) -> Result<(), StoreError> {
+        let _ = (member, ids);
+        Ok(())
     }
 
     /// Writes the processor's outcomes on rows this transaction locked with

@@ -98,6 +98,12 @@ impl TableName {
         self.with_suffix("_dead_letters_gone")
     }
 
+    /// The processors' notes of the rows each is running
+    /// (`<table>_processor_running`), qualified.
+    pub fn processor_running(&self) -> String {
+        self.with_suffix("_processor_running")
+    }
+
     /// The consumer-offsets table next to the inbox table.
     pub fn offsets(&self) -> String {
         self.with_suffix("_offsets")
@@ -575,6 +581,26 @@ pub fn schema_steps(t: &TableName) -> Vec<SchemaStep> {
                 format!("DROP TABLE IF EXISTS {}", t.dead_letters_gone()),
                 format!("DROP TABLE IF EXISTS {}", t.replayers()),
             ],
+        ),
+        step(
+            "inbox_processor_running",
+            // Each processor notes the rows it is about to run, with the id
+            // of the transaction that runs them, so that a start after its
+            // process died knows what it was running (a job that aborts the
+            // process is charged instead of taken again for ever).
+            vec![format!(
+                "CREATE TABLE IF NOT EXISTS {} (
+    member_id VARCHAR(255) PRIMARY KEY,
+    row_ids   BIGINT[] NOT NULL,
+    xid       BIGINT NOT NULL,
+    noted_at  TIMESTAMPTZ NOT NULL DEFAULT now()
+)",
+                t.processor_running()
+            )],
+            vec![format!(
+                "DROP TABLE IF EXISTS {}",
+                t.processor_running()
+            )],
         ),
     ]
 }

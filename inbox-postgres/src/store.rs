@@ -38,6 +38,8 @@ struct Sql {
     write_outcomes: Outcomes,
     write_locked_outcomes: Outcomes,
     lock_due: String,
+    note_running: String,
+    take_unfinished: String,
     find: String,
     release: String,
     delete_completed: String,
@@ -275,8 +277,11 @@ impl Sql {
             // The processor's batch taken by row locks in its transaction:
             // the claim's rows, nothing written; `$5`: only these ids
             // (a JSON array, empty: any).
+            // the transaction's id after the row's columns (one the batch's
+            // write-back assigns anyway; evaluated per row, so an empty
+            // poll assigns none), for `note_running`
             lock_due: format!(
-                "SELECT {ROW_COLUMNS}
+                "SELECT {ROW_COLUMNS}, txid_current()
                    FROM {q}
                   WHERE {due}
                     AND ($5::text = '[]' OR id IN (SELECT (jsonb_array_elements_text($5::text::jsonb))::bigint))
@@ -288,6 +293,19 @@ impl Sql {
             find: format!(
                 "SELECT {ROW_COLUMNS}
                    FROM {q} WHERE message_id = $1 AND consumer_group = $2"
+            ),
+            note_running: t.processor_running(),
+            // the noted rows of a transaction that did not commit (aborted,
+            // or still in progress in a backend that has not seen its client
+            // die), and the rows still leased by the member
+            take_unfinished: format!(
+                "WITH noted AS (DELETE FROM {r} WHERE member_id = $1 RETURNING row_ids, xid)
+                 SELECT id FROM noted, unnest(noted.row_ids) AS id
+                  WHERE txid_status(noted.xid) IN ('aborted', 'in progress')
+                 UNION
+                 SELECT id FROM {q} WHERE locked_by = $1 AND status = 'pending'
+                 ORDER BY id",
+                r = t.processor_running()
             ),
             // Bounded, and skipping rows another transaction holds, so that
             // several maintenance instances never wait on each other in
@@ -407,6 +425,90 @@ pub struct PgStore {
     pub(crate) table: TableName,
     sql: Arc<Sql>,
     pub(crate) keep_sent: bool,
+    side: Arc<Side>,
+}
+
+/// A connection of the store's own beside the pool, opened at its first
+/// use, for the processor's notes of the rows it runs
+/// ([`InboxTransaction::note_running`]): a note is written while the
+/// batch's transaction holds a connection of the pool, so a pool of one
+/// connection never waits on itself. Each note is one round trip, in a
+/// transaction of its own with `synchronous_commit = off` (a note has to
+/// outlive the client's process, not the server's: the batch's work
+/// does not wait for a flush of it).
+struct Side {
+    options: Option<Arc<sea_orm::sqlx::postgres::PgConnectOptions>>,
+    conn: tokio::sync::Mutex<Option<sea_orm::sqlx::PgConnection>>,
+}
+
+impl std::fmt::Debug for Side {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Side").finish_non_exhaustive()
+    }
+}
+
+/// How long the side connection may take to open, and a note to be written.
+const SIDE_DEADLINE: Duration = Duration::from_secs(10);
+
+impl Side {
+    fn new(db: &DatabaseConnection) -> Self {
+        let options = match &db.inner {
+            sea_orm::DatabaseConnectionType::SqlxPostgresPoolConnection(_) => {
+                Some(db.get_postgres_connection_pool().connect_options())
+            }
+            _ => None,
+        };
+        Self {
+            options,
+            conn: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    /// Runs `sql` (statements with no parameters) on the side connection,
+    /// opening it first when needed; a failure closes it (the next call
+    /// opens another).
+    async fn run(&self, sql: String) -> Result<(), StoreError> {
+        use sea_orm::sqlx::{Connection, Executor};
+        let Some(options) = &self.options else {
+            return Ok(());
+        };
+        let deadline = |what: &str| {
+            StoreError::new(
+                StoreErrorKind::Timeout,
+                format!("{what} took over {} s", SIDE_DEADLINE.as_secs()),
+            )
+        };
+        let mut guard = self.conn.lock().await;
+        if guard.is_none() {
+            let opened = tokio::time::timeout(
+                SIDE_DEADLINE,
+                sea_orm::sqlx::PgConnection::connect_with(options),
+            )
+            .await
+            .map_err(|_| deadline("opening the store's side connection"))?
+            .map_err(|e| crate::error::map_sqlx_err(&e))?;
+            *guard = Some(opened);
+        }
+        let Some(conn) = guard.as_mut() else {
+            return Ok(());
+        };
+        let sent = tokio::time::timeout(
+            SIDE_DEADLINE,
+            conn.execute(sea_orm::sqlx::raw_sql(sea_orm::sqlx::AssertSqlSafe(sql))),
+        )
+        .await;
+        match sent {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => {
+                *guard = None;
+                Err(crate::error::map_sqlx_err(&e))
+            }
+            Err(_) => {
+                *guard = None;
+                Err(deadline("a note of the rows in hand"))
+            }
+        }
+    }
 }
 
 impl PgStore {
@@ -417,11 +519,13 @@ impl PgStore {
     /// otherwise.
     pub fn new(db: DatabaseConnection, table: TableName) -> Self {
         let sql = Arc::new(Sql::new(&table));
+        let side = Arc::new(Side::new(&db));
         Self {
             db,
             table,
             sql,
             keep_sent: false,
+            side,
         }
     }
 
@@ -510,6 +614,9 @@ impl PgStore {
 pub struct PgTx {
     conn: PgConn,
     sql: Arc<Sql>,
+    side: Arc<Side>,
+    /// The transaction's id, when a statement returned it (`lock_due`).
+    xid: Option<i64>,
 }
 
 impl PgTx {
@@ -754,6 +861,8 @@ impl InboxStore for PgStore {
         Ok(PgTx {
             conn: PgConn::new(tx),
             sql: self.sql.clone(),
+            side: self.side.clone(),
+            xid: None,
         })
     }
 
@@ -833,6 +942,18 @@ impl InboxStore for PgStore {
             .await
             .map_err(db)?;
         Ok(r.rows_affected())
+    }
+
+    async fn take_unfinished(&self, member: &MemberId) -> Result<Vec<RowId>, StoreError> {
+        let rows = self
+            .db
+            .query_all_raw(stmt(
+                &self.sql.take_unfinished,
+                vec![member.as_str().into()],
+            ))
+            .await
+            .map_err(db)?;
+        rows.iter().map(|r| get(r, "id")).collect()
     }
 
     async fn requeue_failed(&self, id: RowId) -> Result<bool, StoreError> {
@@ -1069,7 +1190,41 @@ impl InboxTransaction for PgTx {
                 ],
             ))
             .await?;
+        if let Some(first) = rows.first().and_then(QueryResult::try_as_pg_row) {
+            use sea_orm::sqlx::Row;
+            self.xid = first.try_get::<i64, _>(first.len() - 1).ok();
+        }
         rows.iter().map(inbox_row).collect()
+    }
+
+    async fn note_running(&mut self, member: &MemberId, ids: &[RowId]) -> Result<(), StoreError> {
+        let xid = match self.xid {
+            Some(xid) => xid,
+            None => {
+                let row = self
+                    .query_one(stmt("SELECT txid_current() AS xid", vec![]))
+                    .await?
+                    .ok_or_else(|| StoreError::new(StoreErrorKind::Other, "no transaction id"))?;
+                let xid: i64 = get(&row, "xid")?;
+                self.xid = Some(xid);
+                xid
+            }
+        };
+        // one round trip of statements with their values written in: the
+        // member id is of [A-Za-z0-9.-/:] (quotes doubled all the same), the
+        // ids and the transaction id are numbers
+        let ids: Vec<String> = ids.iter().map(ToString::to_string).collect();
+        let sql = format!(
+            "BEGIN; SET LOCAL synchronous_commit = off;
+             INSERT INTO {r} (member_id, row_ids, xid) VALUES ('{member}', '{{{ids}}}', {xid})
+             ON CONFLICT (member_id) DO UPDATE
+                SET row_ids = EXCLUDED.row_ids, xid = EXCLUDED.xid, noted_at = now();
+             COMMIT",
+            r = self.sql.note_running,
+            member = member.as_str().replace('\'', "''"),
+            ids = ids.join(","),
+        );
+        self.side.run(sql).await
     }
 
     async fn write_locked_outcomes(

@@ -138,6 +138,7 @@ async fn a_database_of_the_first_migration_reaches_the_current_schema() {
             "m20261130_000012_outbox_read_held_once_inbox",
             "m20261130_000013_outbox_header_pairs_inbox",
             "m20261130_000014_inbox_dead_letter_replayers_inbox",
+            "m20261130_000015_inbox_processor_running_inbox",
         ]
     );
 
@@ -194,7 +195,15 @@ async fn a_database_of_the_first_migration_reaches_the_current_schema() {
         1,
         "the earlier read function gives the pairs as jsonb"
     );
-    // the newest step first: the replayers' tables go with it
+    // the newest steps first: the processors' notes go, then the
+    // replayers' tables
+    let notes = "SELECT count(*) FROM information_schema.tables \
+         WHERE table_name = 'inbox_processor_running'";
+    assert_eq!(count(&old, notes).await, 1);
+    Current::down(&old, Some(1))
+        .await
+        .expect("the notes' step down");
+    assert_eq!(count(&old, notes).await, 0);
     let replayer_tables = "SELECT count(*) FROM information_schema.tables \
          WHERE table_name IN ('inbox_dead_letter_replayers', 'inbox_dead_letters_gone')";
     assert_eq!(count(&old, replayer_tables).await, 2);

@@ -28,7 +28,9 @@
 //! - `processor-rowlock`, `processor-noop-rowlock`: the same two with the
 //!   batches taken by row locks in the transaction that works them
 //!   (`ClaimMode::RowLock`, the default: no lease written, one commit a
-//!   batch);
+//!   batch); `processor-noop-rowlock-uncounted`: the no-op one without
+//!   the note of the rows in hand (`ProcessorConfig::count_crashes = false`),
+//!   what counting a job that kills its process costs;
 //! - `graphile` and `graphile-noop`: the job-queue protocol of
 //!   graphile-worker (0.16 and later), as raw SQL on a jobs table shaped
 //!   like its own (a generated `is_available` column and a partial index on
@@ -86,7 +88,7 @@ use inbox_testkit::MemBroker;
 use crate::bench_outbox::{Write, writers as writer};
 use serde_json::json;
 
-const LINES: [&str; 33] = [
+const LINES: [&str; 34] = [
     "omni-box",
     "floor",
     "raw-batch",
@@ -100,6 +102,7 @@ const LINES: [&str; 33] = [
     "processor-savepoints",
     "processor-noop",
     "processor-noop-rowlock",
+    "processor-noop-rowlock-uncounted",
     "graphile",
     "graphile-noop",
     "consumer",
@@ -277,6 +280,7 @@ pub(crate) fn run(mut o: Options) -> Result<()> {
         ("processor-rowlock", "processor"),
         ("processor-noop", "graphile-noop"),
         ("processor-noop-rowlock", "graphile-noop"),
+        ("processor-noop-rowlock", "processor-noop-rowlock-uncounted"),
         ("writer-enqueue-1", "writer-plain-1"),
         ("writer-enqueue-8", "writer-plain-8"),
         ("writer-notify-8", "writer-plain-8"),
@@ -375,18 +379,25 @@ pub(crate) fn line(args: &[String]) -> Result<()> {
             "batched" => runner(store, messages, Mode::Batched, fail).await,
             "batched-savepoints" => runner(store, messages, Mode::Savepoints, fail).await,
             "batch-aware" => runner(store, messages, Mode::BatchAware, fail).await,
-            "processor" => processors(&url, store, messages, fail, true, ClaimMode::Lease).await,
+            "processor" => processors(&url, store, messages, fail, true, Drain::LEASE).await,
             "processor-rowlock" => {
-                processors(&url, store, messages, fail, true, ClaimMode::RowLock).await
+                processors(&url, store, messages, fail, true, Drain::ROW_LOCK).await
             }
             "processor-savepoints" => {
-                processors(&url, store, messages, fail, false, ClaimMode::Lease).await
+                processors(&url, store, messages, fail, false, Drain::LEASE).await
             }
             "processor-noop" => {
-                processors_with(&url, store, messages, Bench::noop(), ClaimMode::Lease).await
+                processors_with(&url, store, messages, Bench::noop(), Drain::LEASE).await
             }
             "processor-noop-rowlock" => {
-                processors_with(&url, store, messages, Bench::noop(), ClaimMode::RowLock).await
+                processors_with(&url, store, messages, Bench::noop(), Drain::ROW_LOCK).await
+            }
+            "processor-noop-rowlock-uncounted" => {
+                let drain = Drain {
+                    count_crashes: false,
+                    ..Drain::ROW_LOCK
+                };
+                processors_with(&url, store, messages, Bench::noop(), drain).await
             }
             "graphile" => graphile(&url, &db, messages, true).await,
             "graphile-noop" => graphile(&url, &db, messages, false).await,
@@ -878,7 +889,7 @@ async fn processors(
     messages: u64,
     fail_percent: u64,
     optimistic: bool,
-    claim: ClaimMode,
+    claim: Drain,
 ) -> Result<Duration> {
     let elapsed = drain_with_processors(
         url,
@@ -899,7 +910,7 @@ async fn processors_with(
     store: PgStore,
     messages: u64,
     handler: Bench,
-    claim: ClaimMode,
+    claim: Drain,
 ) -> Result<Duration> {
     let elapsed = drain_with_processors(url, &store, messages, handler, true, claim).await?;
     let left = crate::sql::scalar(
@@ -913,6 +924,25 @@ async fn processors_with(
     Ok(elapsed)
 }
 
+/// How the processor lines take their batches.
+#[derive(Debug, Clone, Copy)]
+struct Drain {
+    claim: ClaimMode,
+    /// `ProcessorConfig::count_crashes`.
+    count_crashes: bool,
+}
+
+impl Drain {
+    const LEASE: Self = Self {
+        claim: ClaimMode::Lease,
+        count_crashes: true,
+    };
+    const ROW_LOCK: Self = Self {
+        claim: ClaimMode::RowLock,
+        count_crashes: true,
+    };
+}
+
 /// Lands `messages` rows `pending` (not timed), then four processors
 /// drain them with `handler`: the time they took.
 async fn drain_with_processors(
@@ -921,7 +951,7 @@ async fn drain_with_processors(
     messages: u64,
     handler: Bench,
     optimistic: bool,
-    claim: ClaimMode,
+    claim: Drain,
 ) -> Result<Duration> {
     use inbox_core::processor::{Processor, ProcessorConfig};
     use inbox_core::{InboxStatus, InboxStore, InboxTransaction, NewInboxRow};
@@ -953,7 +983,8 @@ async fn drain_with_processors(
         } else {
             inbox_core::Isolation::Savepoints
         };
-        config.claim = claim;
+        config.claim = claim.claim;
+        config.count_crashes = claim.count_crashes;
         let store = PgStore::new(connect(url).await?, TableName::default());
         workers.push(Processor::new(store, handler.clone(), config));
     }

@@ -145,18 +145,21 @@ impl Outbox {
                RETURNING id
              ) {tail}"
         );
-        // Many events: the keys locked in one order (so two writers of the
-        // same keys cannot deadlock), then the rows in the given order.
+        // Many events: the keys locked in the one documented order (topic,
+        // then key, both bytewise: the order Rust's `(String, Vec<u8>)`
+        // sorts in), so writers of the same keys cannot deadlock, and a
+        // writer enqueuing one key at a time in that order takes its locks
+        // in the same order as this; then the rows in the given order.
         let enqueue_many = format!(
             "{events}, s AS (
                SELECT pg_advisory_xact_lock_shared({class}, 0)
                 WHERE EXISTS (SELECT 1 FROM e WHERE msg_key IS NOT NULL)
              ), l AS (
                SELECT {lock} FROM (
-                 SELECT DISTINCT topic, msg_key,
+                 SELECT DISTINCT topic COLLATE \"C\" AS topic, msg_key,
                         hashtextextended('{o}' || chr(1) || topic || chr(1) || encode(msg_key, 'hex'), {class}) AS h
                    FROM e WHERE msg_key IS NOT NULL AND (SELECT count(*) FROM s) >= 0
-                  ORDER BY h) k
+                  ORDER BY 1, 2) k
              ), {insert}",
             lock = "pg_advisory_xact_lock(k.h)",
         );
@@ -179,15 +182,25 @@ impl Outbox {
     /// # Deadlocks
     ///
     /// The event's key is locked (an advisory lock) until the transaction
-    /// ends (so a key's events leave in commit order). Two transactions that enqueue
-    /// the same keys in different orders can deadlock: PostgreSQL aborts
-    /// one of them (SQLSTATE 40P01, [`StoreErrorKind::Serialization`]).
-    /// [`enqueue_many`](Self::enqueue_many) orders its own keys so it
-    /// cannot deadlock with itself; across transactions, enqueue keys in
-    /// one order (sorted, say) or retry the transaction. In an inbox
-    /// handler that enqueues through its `PgTx::connection()` and returns
-    /// the error, the deadlock is a transient failure: the message is
-    /// delivered again without spending the failure budget.
+    /// ends (so a key's events leave in commit order). The rule that makes
+    /// writers deadlock-free: **a transaction takes its key locks in one
+    /// order, ascending by topic, then key, both bytewise** (the order
+    /// Rust sorts `(String, Vec<u8>)` in: `events.sort_by(|a, b| (&a.topic,
+    /// &a.key).cmp(&(&b.topic, &b.key)))`). One call locks its keys so:
+    /// `enqueue` has one, [`enqueue_many`](Self::enqueue_many) sorts its own.
+    /// So a transaction that writes all its events in one call never
+    /// deadlocks with another such transaction, and the simplest way to
+    /// write several events call by call is an [`OutboxCollector`]
+    /// ([`Outbox::collector`]): events are pushed as the code goes and
+    /// written in one call just before the commit. A transaction that makes
+    /// several calls must make each call's keys no lower than every key an
+    /// earlier call of its own locked (a bulk call, of more than
+    /// [`BULK_KEYS`] keys, only as its first keyed write); otherwise two
+    /// such transactions can deadlock, and PostgreSQL aborts one of them
+    /// (SQLSTATE 40P01, [`StoreErrorKind::Serialization`]): retry it. In
+    /// an inbox handler that enqueues through its `PgTx::connection()` and
+    /// returns the error, the deadlock is a transient failure: the message
+    /// is delivered again without spending the failure budget.
     ///
     /// # Errors
     ///
@@ -220,7 +233,9 @@ impl Outbox {
 
     /// Writes `events` through `conn` in one statement, in order; returns
     /// their row ids. Each distinct key is locked as by
-    /// [`enqueue`](Self::enqueue); more than [`BULK_KEYS`] distinct keys
+    /// [`enqueue`](Self::enqueue), in the documented order (by topic, then
+    /// key, bytewise: see [`Outbox::enqueue`]'s "Deadlocks"), whatever the
+    /// order of `events`; more than [`BULK_KEYS`] distinct keys
     /// lock the whole outbox for the transaction instead (other writers of
     /// keyed events wait for its end), so a large batch never fills
     /// PostgreSQL's lock table.
@@ -265,6 +280,82 @@ impl Outbox {
             .await
             .map_err(db)?;
         rows.iter().map(|r| get(r, "id")).collect()
+    }
+}
+
+impl Outbox {
+    /// A collector of this outbox's events for one transaction: push them
+    /// call by call, write them with [`OutboxCollector::write`] just before
+    /// the commit, in one call that locks every key at once in the one
+    /// order, so the transaction cannot deadlock with any other that writes
+    /// its events in one call (see [`Outbox::enqueue`]'s "Deadlocks").
+    ///
+    /// ```no_run
+    /// use inbox_core::outbox::OutboxMessage;
+    /// use inbox_postgres::{Outbox, TableName};
+    /// use sea_orm::{DatabaseConnection, TransactionTrait};
+    /// use serde_json::json;
+    ///
+    /// # async fn place(db: &DatabaseConnection) -> Result<(), Box<dyn std::error::Error>> {
+    /// let outbox = Outbox::new(&TableName::default());
+    /// let tx = db.begin().await?;
+    /// let mut events = outbox.collector();
+    /// // ... the order, then its line items, each with its event ...
+    /// events.push(OutboxMessage::json("orders", &json!({"order": "o-2"}))?.key("o-2"))?;
+    /// events.push(OutboxMessage::json("stock", &json!({"sku": "s-1"}))?.key("s-1"))?;
+    /// events.write(&tx).await?; // every key locked at once, in order
+    /// tx.commit().await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn collector(&self) -> OutboxCollector {
+        OutboxCollector {
+            outbox: self.clone(),
+            events: Vec::new(),
+        }
+    }
+}
+
+/// The events of one transaction, pushed call by call and written in one
+/// call ([`Outbox::collector`]).
+#[derive(Debug, Clone)]
+pub struct OutboxCollector {
+    outbox: Outbox,
+    events: Vec<OutboxMessage>,
+}
+
+impl OutboxCollector {
+    /// Adds `event`, checked now (so the call that makes a bad event is
+    /// the one that fails).
+    ///
+    /// # Errors
+    ///
+    /// [`StoreErrorKind::Data`] for an event that breaks
+    /// [`OutboxMessage::validate`]; it is not added.
+    pub fn push(&mut self, event: OutboxMessage) -> Result<(), StoreError> {
+        checked(&event)?;
+        self.events.push(event);
+        Ok(())
+    }
+
+    /// How many events were pushed.
+    pub fn len(&self) -> usize {
+        self.events.len()
+    }
+
+    /// Whether none was.
+    pub fn is_empty(&self) -> bool {
+        self.events.is_empty()
+    }
+
+    /// Writes the events through `conn` (the transaction, just before its
+    /// commit) in one [`Outbox::enqueue_many`], in the order pushed; their
+    /// row ids.
+    ///
+    /// # Errors
+    ///
+    /// As [`Outbox::enqueue_many`].
+    pub async fn write<C: ConnectionTrait>(self, conn: &C) -> Result<Vec<i64>, StoreError> {
+        self.outbox.enqueue_many(conn, &self.events).await
     }
 }
 

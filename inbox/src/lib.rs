@@ -48,7 +48,7 @@ pub mod prelude {
     };
 
     #[cfg(feature = "postgres")]
-    pub use inbox_postgres::{Outbox, PgStore, PgTx, TableName, inbox_migrations};
+    pub use inbox_postgres::{Outbox, OutboxCollector, PgStore, PgTx, TableName, inbox_migrations};
 
     #[cfg(feature = "kafka")]
     pub use inbox_kafka::{

@@ -88,7 +88,7 @@ pub use model::WorkerId;
 pub use model::{
     InboxRow, InboxStatus, MemberId, Message, NewInboxRow, PayloadFormat, Position, RowId,
 };
-pub use offsets::{MembershipStore, OffsetStore, PartitionClaim};
+pub use offsets::{MembershipStore, OffsetHold, OffsetStore, PartitionClaim};
 pub use outcome::{Failure, HandlerResult, Outcome, OutcomeClass};
 pub use runner::{
     Backoff, BatchConfig, BatchResult, DEFAULT_FAILURE_BUDGET, ProcessError, ProcessResult,

@@ -29,6 +29,23 @@ pub struct PartitionClaim {
     pub owner_epoch: i64,
 }
 
+/// Partitions kept as [`OffsetStore::hold_owned`] found them, until
+/// released.
+#[async_trait]
+pub trait OffsetHold: Send {
+    /// Lets claims of the held partitions go on.
+    async fn release(self: Box<Self>);
+}
+
+/// A hold that holds nothing (the default [`OffsetStore::hold_owned`]).
+#[derive(Debug, Clone, Copy)]
+struct NoHold;
+
+#[async_trait]
+impl OffsetHold for NoHold {
+    async fn release(self: Box<Self>) {}
+}
+
 /// Stored offsets with owner epochs.
 #[async_trait]
 pub trait OffsetStore: Send + Sync {
@@ -62,6 +79,38 @@ pub trait OffsetStore: Send + Sync {
         topic: &str,
         partition: i32,
     ) -> Result<Option<PartitionClaim>, StoreError>;
+
+    /// Of `owned` (topic, partition, and the owner epoch this member holds
+    /// it by), those whose epoch is still the partition's, with their stored
+    /// next offsets (a partition with none stored is left out), kept so
+    /// until the [`OffsetHold`] is released: no claim of them (a
+    /// rebalance's, `inbox offsets move`'s) completes meanwhile. What a
+    /// member copies to the broker's group coordinator under the hold is
+    /// never an offset its epoch no longer holds, and never lands after a
+    /// newer owner's copy. The hold stops no acknowledgement.
+    ///
+    /// The default reads each partition ([`Self::read_partition`]) and
+    /// holds nothing (a claim between the read and the copy is not seen).
+    async fn hold_owned(
+        &self,
+        consumer_group: &str,
+        owned: &[(String, i32, i64)],
+    ) -> Result<(Box<dyn OffsetHold>, Vec<(String, i32, i64)>), StoreError> {
+        let mut held = Vec::with_capacity(owned.len());
+        for (topic, partition, epoch) in owned {
+            if let Some(PartitionClaim {
+                next_offset: Some(next),
+                owner_epoch,
+            }) = self
+                .read_partition(consumer_group, topic, *partition)
+                .await?
+                && owner_epoch == *epoch
+            {
+                held.push((topic.clone(), *partition, next));
+            }
+        }
+        Ok((Box::new(NoHold), held))
+    }
 }
 
 /// A consumer group's members, kept alive by heartbeats: what partition

@@ -409,6 +409,10 @@ pub(crate) async fn group_offsets(
         })
 }
 
+/// The longest a copy of the offsets to the coordinator may take (and
+/// hold back claims of its partitions).
+pub(crate) const COPY_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Copies a consumer's stored offsets to its group at the coordinator, at
 /// most every `interval`, in a task of its own (the consumer never waits
 /// for it); a failure is a warning, a count and
@@ -440,57 +444,82 @@ impl BrokerCommits {
         self.failures.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// When the interval has passed and no commit is running, starts one
-    /// of the offsets `stored` gives (topic, partition, next offset) that
-    /// the coordinator does not hold yet.
-    pub(crate) fn tick(
-        &mut self,
-        stored: impl FnOnce() -> Vec<(String, i32, i64)>,
-        metrics: &Arc<dyn inbox_core::Metrics>,
-    ) {
+    /// Whether a copy is due: the interval has passed, no copy is running,
+    /// and some of the offsets `stored` gives (topic, partition, next
+    /// offset) are not what the coordinator holds.
+    pub(crate) fn due(&self, stored: impl FnOnce() -> Vec<(String, i32, i64)>) -> bool {
         if self.running.as_ref().is_some_and(|t| !t.is_finished())
             || self.last.is_some_and(|at| at.elapsed() < self.interval)
         {
-            return;
+            return false;
         }
+        let committed = self
+            .committed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        stored()
+            .into_iter()
+            .any(|(t, p, o)| committed.get(&(t, p)) != Some(&o))
+    }
+
+    /// A copy that could not start (the offsets could not be read): the
+    /// next is tried after the interval.
+    pub(crate) fn postpone(&mut self) {
+        self.last = Some(std::time::Instant::now());
+    }
+
+    /// Starts a copy of `offsets` (as PostgreSQL holds them, under `hold`:
+    /// no claim of those partitions completes until it is released) to the
+    /// coordinator, those it does not hold yet; the hold is released when
+    /// the copy ends, at the latest after [`COPY_DEADLINE`].
+    pub(crate) fn start(
+        &mut self,
+        hold: Box<dyn inbox_core::OffsetHold>,
+        offsets: Vec<(String, i32, i64)>,
+        metrics: &Arc<dyn inbox_core::Metrics>,
+    ) {
+        self.last = Some(std::time::Instant::now());
         let offsets: Vec<(String, i32, i64)> = {
             let committed = self
                 .committed
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            stored()
+            offsets
                 .into_iter()
                 .filter(|(t, p, o)| committed.get(&(t.clone(), *p)) != Some(o))
                 .collect()
         };
-        if offsets.is_empty() {
-            return;
-        }
-        self.last = Some(std::time::Instant::now());
         let group = Arc::clone(&self.group);
         let committed = Arc::clone(&self.committed);
         let failures = Arc::clone(&self.failures);
         let metrics = Arc::clone(metrics);
         self.running = Some(tokio::spawn(async move {
-            match group.commit(&offsets).await {
-                Ok(()) => {
+            if offsets.is_empty() {
+                hold.release().await;
+                return;
+            }
+            let done = tokio::time::timeout(COPY_DEADLINE, group.commit(&offsets)).await;
+            hold.release().await;
+            let failed = match done {
+                Ok(Ok(())) => {
                     let mut held = committed
                         .lock()
                         .unwrap_or_else(std::sync::PoisonError::into_inner);
                     for (t, p, o) in offsets {
                         held.insert((t, p), o);
                     }
+                    return;
                 }
-                Err(e) => {
-                    failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    tracing::warn!(group = %group.group, error = %e,
-                        "committing the stored offsets to the group coordinator failed (PostgreSQL keeps them; Kafka's tools see older ones until the next commit)");
-                    inbox_core::metrics::record_safely(
-                        metrics.as_ref(),
-                        inbox_core::MetricEvent::BrokerCommitFailed,
-                    );
-                }
-            }
+                Ok(Err(e)) => e.to_string(),
+                Err(_) => format!("no answer within {} s", COPY_DEADLINE.as_secs()),
+            };
+            failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tracing::warn!(group = %group.group, error = %failed,
+                "committing the stored offsets to the group coordinator failed (PostgreSQL keeps them; Kafka's tools see older ones until the next commit)");
+            inbox_core::metrics::record_safely(
+                metrics.as_ref(),
+                inbox_core::MetricEvent::BrokerCommitFailed,
+            );
         }));
     }
 }

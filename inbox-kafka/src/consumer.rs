@@ -658,6 +658,50 @@ impl<O: OffsetStore> KafkaConsumer<O> {
         Some(message)
     }
 
+    /// When a copy to the group coordinator is due, starts one of the
+    /// offsets PostgreSQL holds for the partitions whose epoch this
+    /// consumer still holds there, under a hold that keeps any claim of
+    /// them waiting until the copy ends: a member fenced by a claim it has
+    /// not seen yet (`inbox offsets move`, a rebalance) copies nothing of
+    /// those partitions, and never overwrites the new owner's copy.
+    async fn copy_offsets(&mut self) {
+        let Some(broker) = self.broker.as_mut() else {
+            return;
+        };
+        let live = || {
+            self.partitions
+                .iter()
+                .filter(|p| !p.fenced)
+                .filter_map(|p| p.stored.map(|o| (p.topic.clone(), p.partition, o)))
+                .collect()
+        };
+        if !broker.due(live) {
+            return;
+        }
+        let owned: Vec<(String, i32, i64)> = self
+            .partitions
+            .iter()
+            .filter(|p| !p.fenced && p.stored.is_some())
+            .map(|p| (p.topic.clone(), p.partition, p.epoch))
+            .collect();
+        let held = tokio::time::timeout(
+            crate::broker_group::COPY_DEADLINE,
+            self.store.hold_owned(&self.group, &owned),
+        )
+        .await;
+        match held {
+            Ok(Ok((hold, offsets))) => broker.start(hold, offsets, &self.metrics),
+            Ok(Err(e)) => {
+                broker.postpone();
+                tracing::warn!(group = %self.group, error = %e, "reading the offsets to copy to the group coordinator failed; tried again at the next interval");
+            }
+            Err(_) => {
+                broker.postpone();
+                tracing::warn!(group = %self.group, "reading the offsets to copy to the group coordinator took too long; tried again at the next interval");
+            }
+        }
+    }
+
     fn tx_ack(&self, message: &Message) -> Option<TxAck> {
         let index = self.index_of(message)?;
         let p = &self.partitions[index];
@@ -686,19 +730,7 @@ impl<O: OffsetStore> Consumer for KafkaConsumer<O> {
         // hanging partition holds back no other. Wait for fetches at most
         // one broker wait and a grace before answering `None`.
         let deadline = Instant::now() + self.config.max_wait + FETCH_GRACE;
-        if let Some(broker) = self.broker.as_mut() {
-            let partitions = &self.partitions;
-            broker.tick(
-                || {
-                    partitions
-                        .iter()
-                        .filter(|p| !p.fenced)
-                        .filter_map(|p| p.stored.map(|o| (p.topic.clone(), p.partition, o)))
-                        .collect()
-                },
-                &self.metrics,
-            );
-        }
+        self.copy_offsets().await;
         // one fetch started per partition per call: an empty answer ends
         // the wait for that partition (no spinning on a broker that answers
         // at once)

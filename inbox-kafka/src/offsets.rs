@@ -263,18 +263,16 @@ pub async fn move_offsets<O: OffsetStore>(
         .map(crate::Tls::client_config)
         .transpose()?;
     let client = config.client_with(tls.clone()).await?;
+    let dialer = Arc::new(config.dialer(tls));
     let theirs = match &target {
         OffsetTarget::GroupOffsets(name) => {
-            crate::broker_group::group_offsets(
-                Arc::new(config.dialer(tls)),
-                name,
-                &config.partitions,
-            )
-            .await?
+            crate::broker_group::group_offsets(Arc::clone(&dialer), name, &config.partitions)
+                .await?
         }
         _ => HashMap::new(),
     };
     let mut moved = Vec::with_capacity(config.partitions.len());
+    let mut claimed = Vec::with_capacity(config.partitions.len());
     for (topic, partition) in &config.partitions {
         let (pc, earliest, latest) = leader_and_bounds(&client, config, topic, *partition).await?;
         let to = match &target {
@@ -305,7 +303,10 @@ pub async fn move_offsets<O: OffsetStore>(
                 expected_next: claim.next_offset,
             };
             match store.store_ack(&ack).await {
-                Ok(()) => break claim.next_offset,
+                Ok(()) => {
+                    claimed.push((topic.clone(), *partition, claim.owner_epoch));
+                    break claim.next_offset;
+                }
                 Err(e)
                     if matches!(e.kind, StoreErrorKind::Fenced | StoreErrorKind::OffsetMoved)
                         && attempt < MOVE_ATTEMPTS =>
@@ -330,5 +331,41 @@ pub async fn move_offsets<O: OffsetStore>(
             to,
         });
     }
+    if config.broker_commit_interval.is_some() {
+        copy_moved(dialer, &config.consumer_group, store, &claimed).await;
+    }
     Ok(moved)
+}
+
+/// Copies the moved offsets to the group coordinator (as members do), under
+/// the hold of [`OffsetStore::hold_owned`] with the move's own claims, so
+/// Kafka's tools see the group where PostgreSQL has it at once rather than
+/// at its old, higher offsets until a member's next copy. A failure is a
+/// warning: PostgreSQL holds the moved offsets, the next owner copies them.
+async fn copy_moved<O: OffsetStore>(
+    dialer: Arc<crate::wire::Dialer>,
+    group: &str,
+    store: &O,
+    claimed: &[(String, i32, i64)],
+) {
+    let copied = async {
+        let (hold, offsets) = store.hold_owned(group, claimed).await?;
+        let done = tokio::time::timeout(
+            crate::broker_group::COPY_DEADLINE,
+            crate::broker_group::BrokerGroup::new(dialer, group).commit(&offsets),
+        )
+        .await;
+        hold.release().await;
+        Ok::<_, inbox_core::StoreError>(match done {
+            Ok(result) => result.map_err(|e| e.to_string()),
+            Err(_) => Err("the group coordinator did not answer in time".to_owned()),
+        })
+    };
+    let copied: Result<(), String> = match copied.await {
+        Ok(r) => r,
+        Err(e) => Err(e.to_string()),
+    };
+    if let Err(e) = copied {
+        tracing::warn!(%group, error = %e, "copying the moved offsets to the group coordinator failed: Kafka's tools see the old ones until the new owner's first copy");
+    }
 }

@@ -142,3 +142,46 @@ async fn a_group_starts_where_an_existing_kafka_consumer_group_stands() {
     let mut runner = runner_of(&env, kafka, "billing-new").await;
     assert_eq!(drain(&mut runner).await.len(), 10);
 }
+
+/// `inbox offsets move` copies the moved offsets to the group coordinator,
+/// and a member fenced by it (it has not seen the claim yet) copies nothing
+/// there: the offsets Kafka's tools and an adopter (`GroupOffsets`) see are
+/// never ahead of PostgreSQL. The member used to copy its old, higher
+/// offset after the move, so an adopter of the group skipped records.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_fenced_by_a_move_copies_nothing_to_the_coordinator() {
+    let env = env("fenced-copy", 1).await;
+    let ids: Vec<String> = (0..10).map(|i| format!("o-{i}")).collect();
+    let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    env.produce_orders(0, &refs).await;
+    let mut kafka = env.kafka_config("billing");
+    kafka.broker_commit_interval = Some(Duration::from_secs(1));
+    let mut fenced = runner_of(&env, kafka, "billing").await;
+    drain(&mut fenced).await;
+    assert_eq!(env.stored_offset("billing", 0).await, Some(10));
+    // the operator moves the group back to offset 3; the member does not
+    // know yet
+    inbox_kafka::move_offsets(
+        &env.kafka_config("billing"),
+        &env.store,
+        inbox_kafka::OffsetTarget::Offset(3),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(env.stored_offset("billing", 0).await, Some(3));
+    let want = serde_json::json!({"0": 3});
+    assert_eq!(committed(&env, "billing"), want, "the move's own copy");
+    // the fenced member's next copy is due (its interval passed, it stored
+    // 10 and copied less): it finds its epoch gone and copies nothing
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    for _ in 0..3 {
+        fenced.process_one().await.unwrap_or_else(|e| panic!("{e}"));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert_eq!(
+        committed(&env, "billing"),
+        want,
+        "the coordinator is not ahead of PostgreSQL"
+    );
+    assert_eq!(env.stored_offset("billing", 0).await, Some(3));
+}

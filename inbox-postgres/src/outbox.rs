@@ -51,16 +51,10 @@ pub struct Outbox {
 /// 6,400 by default).
 pub const BULK_KEYS: usize = 256;
 
-/// A stable 32-bit number for the outbox table (FNV-1a of its qualified
-/// name): the first half of its advisory locks' tag, so the locks of two
-/// outboxes never meet.
+/// A stable 32-bit number for the outbox table: the first half of its
+/// advisory locks' tag, so the locks of two outboxes never meet.
 fn lock_class(t: &TableName) -> i32 {
-    let mut h: u32 = 0x811c_9dc5;
-    for b in t.outbox().bytes() {
-        h ^= u32::from(b);
-        h = h.wrapping_mul(0x0100_0193);
-    }
-    i32::from_ne_bytes(h.to_ne_bytes())
+    crate::schema::lock_class(&t.outbox())
 }
 
 impl Outbox {

@@ -9,6 +9,18 @@ use inbox_core::ValidationError;
 /// identifiers stop at 63 bytes.
 pub const MAX_TABLE_NAME: usize = 40;
 
+/// A stable 32-bit number for the table `qualified` (FNV-1a of its
+/// qualified name): the first half of the tag of the advisory locks taken
+/// for it, so the locks of two tables never meet.
+pub(crate) fn lock_class(qualified: &str) -> i32 {
+    let mut h: u32 = 0x811c_9dc5;
+    for b in qualified.bytes() {
+        h ^= u32::from(b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    i32::from_ne_bytes(h.to_ne_bytes())
+}
+
 /// A validated, optionally schema-qualified table name.
 ///
 /// ```

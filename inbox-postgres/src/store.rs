@@ -9,8 +9,8 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use inbox_core::attempts::{Due, RowUpdate};
 use inbox_core::{
     AttemptRecord, DueFilter, Found, InboxRow, InboxStatus, InboxStore, InboxTransaction,
-    LockResult, MemberId, MembershipStore, Message, NewInboxRow, OffsetStore, PartitionClaim,
-    RowId, RowRef, StoreError, StoreErrorKind, TxAck, ValidationError,
+    LockResult, MemberId, MembershipStore, Message, NewInboxRow, OffsetHold, OffsetStore,
+    PartitionClaim, RowId, RowRef, StoreError, StoreErrorKind, TxAck, ValidationError,
 };
 use sea_orm::{
     ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, DbErr, QueryResult,
@@ -38,6 +38,8 @@ struct Sql {
     write_outcomes: Outcomes,
     write_locked_outcomes: Outcomes,
     lock_due: String,
+    hold_offsets: String,
+    owned_offsets: String,
     note_running: String,
     take_unfinished: String,
     find: String,
@@ -398,12 +400,32 @@ impl Sql {
                         SELECT e->>'t', (e->>'p')::int FROM jsonb_array_elements($2::text::jsonb) AS e)",
                 t.assignments()
             ),
+            // A claim waits for a member's copy of its offsets to the
+            // group coordinator (`hold_owned`: the group's advisory lock
+            // shared) to finish, so that copy never lands after the new
+            // owner's.
             claim: format!(
-                "INSERT INTO {o} AS o (consumer_group, topic, partition, owner_epoch)
-                 VALUES ($1, $2, $3, 1)
+                "WITH l AS (SELECT pg_advisory_xact_lock({class}, hashtext($1::text)))
+                 INSERT INTO {o} AS o (consumer_group, topic, partition, owner_epoch)
+                 SELECT $1::text, $2::text, $3::int, 1 FROM l
                  ON CONFLICT (consumer_group, topic, partition)
                  DO UPDATE SET owner_epoch = o.owner_epoch + 1, updated_at = now()
                  RETURNING next_offset, owner_epoch",
+                o = t.offsets(),
+                class = crate::schema::lock_class(&t.offsets()),
+            ),
+            hold_offsets: format!(
+                "SELECT pg_advisory_xact_lock_shared({class}, hashtext($1::text))::text AS held",
+                class = crate::schema::lock_class(&t.offsets()),
+            ),
+            // `$2`: [[topic, partition, epoch], ...]
+            owned_offsets: format!(
+                "SELECT o.topic, o.partition, o.next_offset
+                   FROM {o} o
+                   JOIN jsonb_array_elements($2::text::jsonb) AS w(v)
+                     ON o.topic = w.v->>0 AND o.partition = (w.v->>1)::int
+                        AND o.owner_epoch = (w.v->>2)::bigint
+                  WHERE o.consumer_group = $1 AND o.next_offset IS NOT NULL",
                 o = t.offsets()
             ),
         }
@@ -1683,6 +1705,63 @@ impl OffsetStore for PgStore {
         partition: i32,
     ) -> Result<Option<PartitionClaim>, StoreError> {
         read_partition(&self.db, &self.sql, consumer_group, topic, partition).await
+    }
+
+    async fn hold_owned(
+        &self,
+        consumer_group: &str,
+        owned: &[(String, i32, i64)],
+    ) -> Result<(Box<dyn OffsetHold>, Vec<(String, i32, i64)>), StoreError> {
+        let tx = self.db.begin().await.map_err(db)?;
+        let held = async {
+            tx.query_one_raw(stmt(&self.sql.hold_offsets, vec![consumer_group.into()]))
+                .await
+                .map_err(db)?;
+            let list: Vec<serde_json::Value> = owned
+                .iter()
+                .map(|(t, p, e)| serde_json::json!([t, p, e]))
+                .collect();
+            let rows = tx
+                .query_all_raw(stmt(
+                    &self.sql.owned_offsets,
+                    vec![
+                        consumer_group.into(),
+                        serde_json::Value::Array(list).to_string().into(),
+                    ],
+                ))
+                .await
+                .map_err(db)?;
+            rows.iter()
+                .map(|r| {
+                    Ok((
+                        get(r, "topic")?,
+                        get(r, "partition")?,
+                        get(r, "next_offset")?,
+                    ))
+                })
+                .collect::<Result<Vec<(String, i32, i64)>, StoreError>>()
+        }
+        .await;
+        match held {
+            Ok(held) => Ok((Box::new(PgHold(tx)), held)),
+            Err(e) => {
+                let _ = tx.rollback().await;
+                Err(e)
+            }
+        }
+    }
+}
+
+/// The transaction holding a group's advisory lock shared
+/// ([`OffsetStore::hold_owned`]): released by its rollback.
+struct PgHold(sea_orm::DatabaseTransaction);
+
+#[async_trait]
+impl OffsetHold for PgHold {
+    async fn release(self: Box<Self>) {
+        if let Err(e) = self.0.rollback().await {
+            tracing::debug!(error = %e, "ending the offsets' hold failed (the server ends it with the connection)");
+        }
     }
 }
 

@@ -238,15 +238,19 @@ fn kind_of(e: ProtocolError) -> PublishErrorKind {
         ProtocolError::MessageTooLarge
         | ProtocolError::RecordListTooLarge
         | ProtocolError::InvalidRecord
-        | ProtocolError::CorruptMessage
         | ProtocolError::InvalidTopicException
         | ProtocolError::InvalidRequiredAcks
         | ProtocolError::InvalidTimestamp
         | ProtocolError::PolicyViolation
         | ProtocolError::UnsupportedCompressionType
         | ProtocolError::UnsupportedForMessageFormat
-        | ProtocolError::InvalidRequest
-        | ProtocolError::TopicAuthorizationFailed => PublishErrorKind::Refused,
+        | ProtocolError::InvalidRequest => PublishErrorKind::Refused,
+        // refused now, may pass later: an ACL not in effect yet, a batch
+        // damaged on the way (the Java client retries both); retried for
+        // the relay's `refusal_grace`, then refused
+        ProtocolError::CorruptMessage | ProtocolError::TopicAuthorizationFailed => {
+            PublishErrorKind::RefusedForNow
+        }
         ProtocolError::UnknownTopicOrPartition => PublishErrorKind::UnknownTopic,
         _ => PublishErrorKind::Unavailable,
     }
@@ -527,5 +531,18 @@ mod tests {
             is_virtual: false,
         });
         assert_eq!(passing.kind, PublishErrorKind::Unavailable);
+    }
+
+    /// An authorization failure (ACLs take effect with a delay) and a
+    /// corrupt batch (the Java client retries it) are retried for the
+    /// relay's grace before they count as refusals.
+    #[test]
+    fn errors_that_may_pass_are_refused_for_now() {
+        for e in [
+            ProtocolError::TopicAuthorizationFailed,
+            ProtocolError::CorruptMessage,
+        ] {
+            assert_eq!(kind_of(e), PublishErrorKind::RefusedForNow, "{e:?}");
+        }
     }
 }

@@ -1855,3 +1855,85 @@ async fn a_bad_event_is_refused_with_a_typed_error_and_nothing_is_written() {
     tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(status_count(&env.store, "pending").await, 1);
 }
+
+/// A publisher whose appends are refused for a reason that can pass (an
+/// authorization not in effect yet: ACLs take effect with a delay) until
+/// `until`, then go to Kafka.
+struct DeniedUntil {
+    inner: KafkaPublisher,
+    until: Option<std::time::Instant>,
+}
+
+#[async_trait]
+impl Publisher for DeniedUntil {
+    async fn partitions(&self, topic: &str) -> Result<i32, PublishError> {
+        self.inner.partitions(topic).await
+    }
+
+    async fn publish(
+        &self,
+        topic: &str,
+        partition: i32,
+        rows: &[&OutboxRow],
+    ) -> Result<(), PublishError> {
+        if self.until.is_none_or(|t| std::time::Instant::now() < t) {
+            return Err(PublishError::new(
+                inbox_core::outbox::PublishErrorKind::RefusedForNow,
+                "TopicAuthorizationFailed (injected)",
+            ));
+        }
+        self.inner.publish(topic, partition, rows).await
+    }
+}
+
+/// An authorization failure that passes within the relay's
+/// `refusal_grace` dead-letters nothing: the events go out once it passes
+/// (they used to be dead-lettered at once, and with `OnRefused::Hold` their
+/// keys held until an operator acted). One that lasts longer than the
+/// grace is a refusal: dead-lettered, bounded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_that_may_pass_is_retried_for_the_grace_then_dead_lettered() {
+    for (denied, grace, published, dead) in [
+        (
+            Some(Duration::from_millis(600)),
+            Duration::from_secs(30),
+            2,
+            0,
+        ),
+        (None, Duration::from_millis(500), 0, 2),
+    ] {
+        let env = env("outbox-denied", 1).await;
+        for key in ["a", "b"] {
+            enqueue_one(&env.store, &OutboxMessage::new(&env.topic, "{}").key(key)).await;
+        }
+        let publisher = DeniedUntil {
+            inner: KafkaPublisher::connect(&env.kafka_config("relay"))
+                .await
+                .unwrap_or_else(|e| panic!("{e}")),
+            until: denied.map(|d| std::time::Instant::now() + d),
+        };
+        let mut config = RelayConfig::new("relay-1").unwrap_or_else(|e| panic!("{e}"));
+        config.refusal_grace = grace;
+        config.retry =
+            inbox_core::Backoff::new(Duration::from_millis(50), Duration::from_millis(100), 2.0);
+        let mut r = Relay::new(env.store.clone(), publisher, config);
+        r.hold(&all_slots()).await.unwrap_or_else(|e| panic!("{e}"));
+        let (mut sent, mut dead_lettered) = (0, 0);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while sent + dead_lettered < 2 && std::time::Instant::now() < deadline {
+            let round = r.round().await.unwrap_or_else(|e| panic!("{e}"));
+            sent += round.published;
+            dead_lettered += round.dead_lettered;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(
+            (sent, dead_lettered),
+            (published, dead),
+            "denied for {denied:?}, grace {grace:?}"
+        );
+        assert_eq!(
+            status_count(&env.store, "dead").await,
+            i64::try_from(dead).unwrap_or(0)
+        );
+    }
+}

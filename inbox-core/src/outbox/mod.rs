@@ -500,6 +500,12 @@ pub enum PublishErrorKind {
     /// The topic does not exist (yet): retried until the relay's
     /// `unknown_topic_timeout`, then its events are dead-lettered.
     UnknownTopic,
+    /// The broker refused the records for a reason that can pass: an
+    /// authorization not in effect yet (ACLs take effect with a delay), a
+    /// batch it read as corrupt (the Java client retries it). Retried with
+    /// the partition's backoff for the relay's `refusal_grace`, then handled
+    /// as [`Refused`](Self::Refused).
+    RefusedForNow,
     /// Anything that may pass (connection, leader moved, timeout): retried.
     Unavailable,
 }

@@ -71,6 +71,11 @@ pub struct RelayConfig {
     /// How long events for a topic the broker does not know are retried
     /// before they are dead-lettered. Default 60 s.
     pub unknown_topic_timeout: Duration,
+    /// How long a partition's appends (or a topic's lookups) refused for a
+    /// reason that can pass ([`PublishErrorKind::RefusedForNow`]: an
+    /// authorization failure, a corrupt batch) are retried with backoff
+    /// before they count as refusals ([`OnRefused`]). Default 60 s.
+    pub refusal_grace: Duration,
     /// Delays after failed rounds (store or broker unavailable).
     pub retry: Backoff,
     /// How long a topic's partition count is trusted before it is asked
@@ -110,6 +115,7 @@ impl RelayConfig {
             session_timeout: Duration::from_secs(10),
             on_refused: OnRefused::Hold,
             unknown_topic_timeout: Duration::from_secs(60),
+            refusal_grace: Duration::from_secs(60),
             retry: Backoff::new(Duration::from_millis(100), Duration::from_secs(5), 2.0)
                 .with_jitter(0.2),
             metadata_ttl: Duration::from_secs(60),
@@ -257,6 +263,9 @@ pub struct Relay<S, P> {
     claims: SlotClaims,
     partitions: HashMap<String, (i32, Instant)>,
     unknown_since: HashMap<String, Instant>,
+    /// Since when each partition's appends (or, with [`WHOLE_TOPIC`], a
+    /// topic's lookups) have been refused for a reason that can pass.
+    refused_since: HashMap<(String, i32), Instant>,
     /// Partitions and topics backing off after failures, each on its own.
     paused: HashMap<(String, i32), Paused>,
     /// How many ids `paused` keeps in all.
@@ -305,6 +314,7 @@ where
             claims: SlotClaims::new(),
             partitions: HashMap::new(),
             unknown_since: HashMap::new(),
+            refused_since: HashMap::new(),
             paused: HashMap::new(),
             parked_ids: 0,
             in_flight: None,
@@ -577,7 +587,20 @@ where
                 }
             };
             let count = match looked {
-                Ok(n) => n,
+                Ok(n) => {
+                    self.refused_since.remove(&whole);
+                    n
+                }
+                Err(e) if e.kind == PublishErrorKind::RefusedForNow => {
+                    if self.grace_spent(&whole, now) {
+                        dead.push((row, format!("refused for {topic:?}: {}", e.message)));
+                    } else {
+                        round.failed.get_or_insert(e.to_string());
+                        self.back_off(&whole, now);
+                        self.park(&whole, row.id);
+                    }
+                    continue;
+                }
                 Err(e) if e.kind == PublishErrorKind::UnknownTopic => {
                     let since = *self
                         .unknown_since
@@ -625,6 +648,8 @@ where
         let mut done: Vec<usize> = Vec::new();
         let mut refused: Vec<usize> = Vec::new();
         let mut failed: Vec<(usize, PublishError)> = Vec::new();
+        // refused for a reason that can pass: retried for the grace
+        let mut for_now: Vec<(usize, PublishError)> = Vec::new();
         // acknowledged rows whose mark waits for the next round's read
         let mut deferred: Vec<i64> = Vec::new();
         while let Some(first) = appends.next().await {
@@ -640,6 +665,7 @@ where
                         sent.extend(groups[i].1.iter().map(|r| r.id));
                     }
                     Err(e) if e.kind == PublishErrorKind::Refused => refused.push(i),
+                    Err(e) if e.kind == PublishErrorKind::RefusedForNow => for_now.push((i, e)),
                     Err(e) => failed.push((i, e)),
                 }
             }
@@ -647,6 +673,13 @@ where
                 .await?;
         }
         drop(appends);
+        for (i, e) in for_now {
+            if self.grace_spent(&groups[i].0, now) {
+                refused.push(i);
+            } else {
+                failed.push((i, e));
+            }
+        }
         let mut sent: Vec<i64> = Vec::new();
         for &i in &refused {
             let ((topic, partition), batch) = &groups[i];
@@ -661,6 +694,7 @@ where
             .await?;
         for i in done {
             self.paused.remove(&groups[i].0);
+            self.refused_since.remove(&groups[i].0);
         }
         for (i, e) in failed {
             let (key, batch) = &groups[i];
@@ -784,7 +818,13 @@ where
             }
             match self.publisher.publish(topic, partition, &[*row]).await {
                 Ok(()) => ok.push(row.id),
-                Err(e) if e.kind == PublishErrorKind::Refused => {
+                Err(e)
+                    if e.kind == PublishErrorKind::Refused
+                        || (e.kind == PublishErrorKind::RefusedForNow
+                            && self
+                                .refused_since
+                                .contains_key(&(topic.to_owned(), partition))) =>
+                {
                     if self.config.on_refused == OnRefused::Hold
                         && let Some(k) = row.message.key.as_deref()
                     {
@@ -796,6 +836,13 @@ where
             }
         }
         (ok, refused, None)
+    }
+
+    /// Whether `key` has been refused for a reason that can pass for
+    /// `refusal_grace` (noting `now` as the first refusal when none is).
+    fn grace_spent(&mut self, key: &(String, i32), now: Instant) -> bool {
+        let since = *self.refused_since.entry(key.clone()).or_insert(now);
+        now.saturating_duration_since(since) >= self.config.refusal_grace
     }
 
     fn slot_claims(&self) -> Vec<SlotClaim> {

@@ -1937,3 +1937,39 @@ async fn a_refusal_that_may_pass_is_retried_for_the_grace_then_dead_lettered() {
         );
     }
 }
+
+/// A failing partition whose backlog is larger than the relay leaves out
+/// by id (`max_parked_ids`, here 30 against 120 rows): the reads go on past
+/// its rows, so the twenty events of the other partitions behind them are
+/// published, each once (before: past the cap its oldest rows filled every
+/// read, and nothing else ever went out).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_partitions_backlog_past_the_parked_cap_holds_back_no_other() {
+    let env = env("outbox-flood", 4).await;
+    enqueue_keyed(
+        &env,
+        keys_on_partition_0(true, 120)
+            .into_iter()
+            .chain(keys_on_partition_0(false, 20)),
+    )
+    .await;
+    let publisher = OnePartition::connect(&env, 0, Fault::Fails).await;
+    let mut config = RelayConfig::new("relay-1").unwrap_or_else(|e| panic!("{e}"));
+    config.batch_size = 10;
+    config.max_parked_ids = 30;
+    config.retry = inbox_core::Backoff::new(Duration::from_secs(30), Duration::from_secs(30), 1.0);
+    let mut r = Relay::new(env.store.clone(), publisher, config);
+    r.hold(&all_slots()).await.unwrap_or_else(|e| panic!("{e}"));
+    let mut published = 0;
+    for _ in 0..40 {
+        published += r.round().await.unwrap_or_else(|e| panic!("{e}")).published;
+        if published == 20 {
+            break;
+        }
+    }
+    assert_eq!(published, 20, "every event of the other partitions");
+    let on_broker = self::published(&env).await;
+    assert_eq!(on_broker.len(), 20, "each once");
+    assert!(on_broker.iter().all(|(p, _, _)| *p != 0));
+    assert_eq!(status_count(&env.store, "pending").await, 120);
+}

@@ -518,63 +518,17 @@ impl OutboxStore for PgStore {
         limit: ReadLimit,
         except: &[i64],
     ) -> Result<Vec<OutboxRow>, StoreError> {
-        // One statement: the read function (schema step `outbox_read`)
-        // goes along the pending index by id whatever the table's
-        // statistics say (a sort of every pending row took 80-100 ms a
-        // read with 50,000 pending, against 6 ms along the index); rows
-        // decoded by sqlx's typed decoding (sea-orm's by column name took
-        // about 10 us a row, 50 ms for 5,000). The rows are taken one by
-        // one and no further once they hold `limit.bytes`: the rest of
-        // the result is read off the connection and dropped, never held
-        // (a cut in the read function, a window sum over the rows, took
-        // 1.4 ms more per read of 5,000 rows, cut or not: 0.73 -> 0.66 of
-        // the producer line; the relay asks for fewer rows after a cut).
-        let pool = self.db.get_postgres_connection_pool();
-        let sql = sea_orm::sqlx::AssertSqlSafe(format!(
-            "SELECT * FROM {}($1, $2, $3)",
-            self.table.outbox_read_pairs()
-        ));
-        let mut stream = sea_orm::sqlx::query_as::<_, PendingRow>(sql)
-            .bind(slots)
-            .bind(i64::try_from(limit.rows).unwrap_or(i64::MAX))
-            .bind(except)
-            .fetch(pool);
-        let mut rows = Vec::new();
-        let mut bytes = 0usize;
-        loop {
-            let next = stream.try_next().await.map_err(|e| {
-                let mut err = map_sqlx_err(&e);
-                if err.cause.contains("does not exist") {
-                    err.cause.push_str(
-                        " (the outbox's read function: apply the inbox's migrations, inbox_migrations or PgStore::migrate)",
-                    );
-                }
-                err
-            })?;
-            let Some((id, message_id, topic, key, payload, headers, pairs, slot, created_at)) =
-                next
-            else {
-                break;
-            };
-            let row = OutboxRow {
-                id,
-                slot,
-                created_at,
-                message: OutboxMessage {
-                    topic,
-                    key,
-                    payload,
-                    headers: read_headers(headers.as_deref(), pairs),
-                    message_id,
-                },
-            };
-            bytes = bytes.saturating_add(row.size());
-            rows.push(row);
-            if bytes >= limit.bytes {
-                break;
-            }
-        }
-        Ok(rows)
+        self.read_pending(slots, limit, except, None).await
+    }
+
+    async fn pending_after(
+        &self,
+        slots: &[i32],
+        limit: ReadLimit,
+        except: &[i64],
+        after: i64,
+    ) -> Result<Vec<OutboxRow>, StoreError> {
+        self.read_pending(slots, limit, except, Some(after)).await
     }
 
     async fn has_pending(&self, slots: &[i32], except: &[i64]) -> Result<Option<bool>, StoreError> {
@@ -782,5 +736,86 @@ impl OutboxStore for PgStore {
             }
         });
         Ok(Some(notify))
+    }
+}
+
+impl PgStore {
+    /// The relay's read ([`OutboxStore::pending`]), after an id when given
+    /// ([`OutboxStore::pending_after`]).
+    async fn read_pending(
+        &self,
+        slots: &[i32],
+        limit: ReadLimit,
+        except: &[i64],
+        after: Option<i64>,
+    ) -> Result<Vec<OutboxRow>, StoreError> {
+        // One statement: the read function (schema step `outbox_read`)
+        // goes along the pending index by id whatever the table's
+        // statistics say (a sort of every pending row took 80-100 ms a
+        // read with 50,000 pending, against 6 ms along the index); rows
+        // decoded by sqlx's typed decoding (sea-orm's by column name took
+        // about 10 us a row, 50 ms for 5,000). The rows are taken one by
+        // one and no further once they hold `limit.bytes`: the rest of
+        // the result is read off the connection and dropped, never held
+        // (a cut in the read function, a window sum over the rows, took
+        // 1.4 ms more per read of 5,000 rows, cut or not: 0.73 -> 0.66 of
+        // the producer line; the relay asks for fewer rows after a cut).
+        // After an id (a relay's pass past rows it cannot publish): the
+        // read function's query with `id > $4`, planned at each call with
+        // its values (an unnamed statement), as the function plans it.
+        let pool = self.db.get_postgres_connection_pool();
+        let sql = sea_orm::sqlx::AssertSqlSafe(match after {
+            None => format!(
+                "SELECT * FROM {}($1, $2, $3)",
+                self.table.outbox_read_pairs()
+            ),
+            Some(_) => crate::schema::read_after_query(&self.table),
+        });
+        let query = sea_orm::sqlx::query_as::<_, PendingRow>(sql)
+            .persistent(after.is_none())
+            .bind(slots)
+            .bind(i64::try_from(limit.rows).unwrap_or(i64::MAX))
+            .bind(except);
+        let query = match after {
+            Some(after) => query.bind(after),
+            None => query,
+        };
+        let mut stream = query.fetch(pool);
+        let mut rows = Vec::new();
+        let mut bytes = 0usize;
+        loop {
+            let next = stream.try_next().await.map_err(|e| {
+                let mut err = map_sqlx_err(&e);
+                if err.cause.contains("does not exist") {
+                    err.cause.push_str(
+                        " (the outbox's read function: apply the inbox's migrations, inbox_migrations or PgStore::migrate)",
+                    );
+                }
+                err
+            })?;
+            let Some((id, message_id, topic, key, payload, headers, pairs, slot, created_at)) =
+                next
+            else {
+                break;
+            };
+            let row = OutboxRow {
+                id,
+                slot,
+                created_at,
+                message: OutboxMessage {
+                    topic,
+                    key,
+                    payload,
+                    headers: read_headers(headers.as_deref(), pairs),
+                    message_id,
+                },
+            };
+            bytes = bytes.saturating_add(row.size());
+            rows.push(row);
+            if bytes >= limit.bytes {
+                break;
+            }
+        }
+        Ok(rows)
     }
 }

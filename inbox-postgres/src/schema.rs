@@ -721,6 +721,17 @@ fn read_query(t: &TableName, except: &str, held: Held, headers: Headers) -> Stri
     )
 }
 
+/// The relay's read after an id (`$4`): the current read function's query
+/// with `id > $4`, sent as a statement of its own.
+pub(crate) fn read_after_query(t: &TableName) -> String {
+    read_query(
+        t,
+        "o.id <> ALL ($3) AND o.id > $4",
+        Held::CheckedOnce,
+        Headers::Pairs,
+    )
+}
+
 /// The relay's read as the current schema's read function runs it, for a
 /// test of its plan.
 #[cfg(test)]

@@ -408,6 +408,23 @@ pub trait OutboxStore: Send + Sync {
         except: &[i64],
     ) -> Result<Vec<OutboxRow>, StoreError>;
 
+    /// [`pending`](Self::pending), of the rows with an id above `after`
+    /// only: the relay's sweep past rows it cannot publish now and no longer
+    /// leaves out by id (a failing partition with more rows than the relay
+    /// parks), so the other partitions' rows behind them are reached. The
+    /// default reads from the start and drops the rows up to `after`
+    /// (correct; a store should read past them).
+    async fn pending_after(
+        &self,
+        slots: &[i32],
+        limit: ReadLimit,
+        except: &[i64],
+        after: i64,
+    ) -> Result<Vec<OutboxRow>, StoreError> {
+        let rows = self.pending(slots, limit, except).await?;
+        Ok(rows.into_iter().filter(|r| r.id > after).collect())
+    }
+
     /// Marks `ids` sent, each only if its slot's claim in `claims` is still
     /// current in `group`. Returns how many were marked: fewer than given
     /// means a slot was taken over.

@@ -71,6 +71,12 @@ pub struct RelayConfig {
     /// How long events for a topic the broker does not know are retried
     /// before they are dead-lettered. Default 60 s.
     pub unknown_topic_timeout: Duration,
+    /// Most ids of rows of partitions backing off that the relay leaves
+    /// out of its reads (kept in memory, sent with each read). Past it,
+    /// reads go on after the last row read instead, so a failing partition
+    /// however large its backlog never keeps the others' rows from being
+    /// read. Default 100,000.
+    pub max_parked_ids: usize,
     /// How long a partition's appends (or a topic's lookups) refused for a
     /// reason that can pass ([`PublishErrorKind::RefusedForNow`]: an
     /// authorization failure, a corrupt batch) are retried with backoff
@@ -115,6 +121,7 @@ impl RelayConfig {
             session_timeout: Duration::from_secs(10),
             on_refused: OnRefused::Hold,
             unknown_topic_timeout: Duration::from_secs(60),
+            max_parked_ids: MAX_PARKED_IDS,
             refusal_grace: Duration::from_secs(60),
             retry: Backoff::new(Duration::from_millis(100), Duration::from_secs(5), 2.0)
                 .with_jitter(0.2),
@@ -199,8 +206,23 @@ impl Drop for AbortOnDrop {
 }
 
 /// Most row ids a relay leaves out of its reads while their partitions
-/// back off (their ids are kept in memory and sent with each read).
+/// back off, by default (`RelayConfig::max_parked_ids`).
 const MAX_PARKED_IDS: usize = 100_000;
+
+/// A pass over the pending rows past rows the relay cannot publish now
+/// and no longer leaves out by id: each read goes on after the last id of
+/// the one before, so every partition's rows are reached whatever the
+/// backlog before them; until the pass reaches the end, no row of a
+/// partition that had a row left behind in it is published (a key's later
+/// row never passes its earlier one).
+#[derive(Debug, Default)]
+struct Pass {
+    /// The next read starts after this id (`None`: from the oldest row).
+    after: Option<i64>,
+    /// The partitions (and whole topics, partition -1) with a row left
+    /// behind since the pass began.
+    behind: std::collections::HashSet<(String, i32)>,
+}
 
 /// A partition (or a whole topic, partition -1, whose partition count
 /// could not be looked up) backing off after failures.
@@ -270,6 +292,8 @@ pub struct Relay<S, P> {
     paused: HashMap<(String, i32), Paused>,
     /// How many ids `paused` keeps in all.
     parked_ids: usize,
+    /// Where the reads are in their pass over the pending rows.
+    pass: Pass,
     /// A pipelined round's acknowledged rows, marked with the next read.
     in_flight: Option<InFlight>,
     /// Marks counted by a pipelined round whose read then failed: given to
@@ -317,6 +341,7 @@ where
             refused_since: HashMap::new(),
             paused: HashMap::new(),
             parked_ids: 0,
+            pass: Pass::default(),
             in_flight: None,
             carried: RelayRound::default(),
         }
@@ -345,7 +370,8 @@ where
     /// Leaves row `id` of `key` (backing off) out of the reads until the
     /// backoff ends, up to [`MAX_PARKED_IDS`] ids in all.
     fn park(&mut self, key: &(String, i32), id: i64) {
-        if self.parked_ids >= MAX_PARKED_IDS {
+        self.pass.behind.insert(key.clone());
+        if self.parked_ids >= self.config.max_parked_ids {
             return;
         }
         if let Some(h) = self.paused.get_mut(key) {
@@ -525,12 +551,13 @@ where
     ) -> Result<Vec<OutboxRow>, StoreError> {
         let slots: Vec<i32> = self.claims.keys().copied().collect();
         let mut except = self.resume_paused(now);
+        let after = self.pass.after;
         let Some(previous) = self.in_flight.take() else {
-            return self.store.pending(&slots, self.limit(), &except).await;
+            return self.read_pending(&slots, &except, after).await;
         };
         except.extend_from_slice(&previous.ids);
         let (read, marked) = tokio::join!(
-            self.store.pending(&slots, self.limit(), &except),
+            self.read_pending(&slots, &except, after),
             self.store
                 .mark_sent(&self.config.group, &previous.claims, &previous.ids)
         );
@@ -549,6 +576,41 @@ where
         Ok(rows)
     }
 
+    /// The store's pending rows, from the oldest or after `after`.
+    async fn read_pending(
+        &self,
+        slots: &[i32],
+        except: &[i64],
+        after: Option<i64>,
+    ) -> Result<Vec<OutboxRow>, StoreError> {
+        match after {
+            None => self.store.pending(slots, self.limit(), except).await,
+            Some(after) => {
+                self.store
+                    .pending_after(slots, self.limit(), except, after)
+                    .await
+            }
+        }
+    }
+
+    /// Where the next read starts, after a read of rows up to `last` that
+    /// was `full`: on after it while the rows left behind are more than
+    /// the relay leaves out by id (they would fill the reads from the
+    /// oldest row); from the oldest row otherwise, a new pass.
+    fn next_pass(&mut self, full: bool, last: Option<i64>) {
+        if full && self.parked_ids >= self.config.max_parked_ids && last.is_some() {
+            self.pass.after = last;
+        } else {
+            self.pass = Pass::default();
+        }
+    }
+
+    /// Whether a row of `key` is not to be published in this pass: a row of
+    /// its partition (or topic) was left behind earlier in it.
+    fn behind_in_pass(&self, key: &(String, i32)) -> bool {
+        self.pass.after.is_some() && self.pass.behind.contains(key)
+    }
+
     async fn step(&mut self, pipelined: bool) -> Result<RelayRound, StoreError> {
         if self.claims.is_empty() {
             return self.flush().await;
@@ -560,6 +622,7 @@ where
         round.fetched = rows.len();
         let bytes = OutboxRow::total_size(&rows);
         round.full = limit.is_full(rows.len(), bytes);
+        let last_read = rows.last().map(|r| r.id);
         self.size_next_read(limit, rows.len(), bytes);
         // a full round leaves its marks to the next round's read
         let defer = pipelined && round.full;
@@ -574,6 +637,9 @@ where
         for row in &rows {
             let topic = &row.message.topic;
             let whole = (topic.clone(), WHOLE_TOPIC);
+            if self.behind_in_pass(&whole) {
+                continue;
+            }
             if self.is_paused(&whole, now) {
                 self.park(&whole, row.id);
                 continue;
@@ -624,6 +690,9 @@ where
             };
             self.paused.remove(&whole);
             let key = (topic.clone(), row.partition(count));
+            if self.behind_in_pass(&key) {
+                continue;
+            }
             if self.is_paused(&key, now) {
                 // its partition backs off on its own: the others go on
                 self.park(&key, row.id);
@@ -717,6 +786,7 @@ where
                 ids: deferred,
             });
         }
+        self.next_pass(round.full, last_read);
         for (row, error) in dead {
             let Some(&epoch) = self.claims.get(&row.slot) else {
                 continue;

@@ -99,6 +99,13 @@ pub struct KafkaConfig {
     /// unknown topic is a [`KafkaError::ConnectTimeout`] after it, instead
     /// of retries without end. Default 30 s.
     pub connect_timeout: Duration,
+    /// The longest one request to a broker may wait for its answer (a
+    /// metadata lookup, a produce, an offset lookup): a broker that accepts
+    /// the connection but answers nothing (frozen, `kill -STOP`) fails the
+    /// request after it, and with it only the partition it was for. The
+    /// relay's produce asks the broker to answer within it too (Kafka's
+    /// `request.timeout.ms`). Default 30 s.
+    pub request_timeout: Duration,
     /// TLS to the brokers; `None` (the default) is plaintext.
     pub tls: Option<Tls>,
     /// SASL authentication; `None` (the default) is none.
@@ -158,6 +165,7 @@ impl KafkaConfig {
             decoder: Arc::new(JsonDecoder::default()),
             client_id: "inbox".to_owned(),
             connect_timeout: Duration::from_secs(30),
+            request_timeout: Duration::from_secs(30),
             tls: None,
             sasl: None,
             health: HealthHandle::new(),
@@ -210,6 +218,8 @@ impl KafkaConfig {
             client_id: Arc::from(self.client_id.as_str()),
             tls,
             sasl: self.sasl.as_ref().map(Sasl::config),
+            connect_timeout: self.connect_timeout,
+            request_timeout: self.request_timeout,
         }
     }
 

@@ -130,6 +130,21 @@ impl<O> std::fmt::Debug for KafkaConsumer<O> {
     }
 }
 
+/// `call` (of the adapter's own errors) within `limit`, or a
+/// [`KafkaError::ConnectTimeout`] naming `what`.
+async fn deadline<T>(
+    what: &str,
+    limit: Duration,
+    call: impl std::future::Future<Output = Result<T, KafkaError>>,
+) -> Result<T, KafkaError> {
+    tokio::time::timeout(limit, call).await.unwrap_or_else(|_| {
+        Err(KafkaError::ConnectTimeout {
+            what: what.to_owned(),
+            after: limit,
+        })
+    })
+}
+
 impl<O: OffsetStore> KafkaConsumer<O> {
     /// Connects to the brokers and claims every configured partition in
     /// `store`: bumps its owner epoch (fencing any previous
@@ -173,22 +188,47 @@ impl<O: OffsetStore> KafkaConsumer<O> {
             let claim = store
                 .claim_partition(&config.consumer_group, topic, *partition)
                 .await?;
+            // every lookup of where to start has the connection's deadline
+            // (a broker that answers nothing fails the connect, never hangs it)
+            let limit = config.connect_timeout;
+            let lookup = |what: &str| format!("{what} of {topic}:{partition}");
             let next_fetch = match claim.next_offset {
                 Some(o) => o,
                 None => match &config.start {
-                    StartPosition::Earliest => pc.get_offset(OffsetAt::Earliest).await?,
-                    StartPosition::Latest => pc.get_offset(OffsetAt::Latest).await?,
+                    StartPosition::Earliest => {
+                        within(
+                            &lookup("the earliest offset"),
+                            limit,
+                            pc.get_offset(OffsetAt::Earliest),
+                        )
+                        .await?
+                    }
+                    StartPosition::Latest => {
+                        within(
+                            &lookup("the latest offset"),
+                            limit,
+                            pc.get_offset(OffsetAt::Latest),
+                        )
+                        .await?
+                    }
                     StartPosition::Timestamp(t) => {
-                        let bounds = crate::offsets::bounds(&pc).await?;
-                        crate::offsets::offset_at_time(&pc, *t, &config, bounds).await?
+                        let found = async {
+                            let bounds = crate::offsets::bounds(&pc).await?;
+                            crate::offsets::offset_at_time(&pc, *t, &config, bounds).await
+                        };
+                        within(&lookup("the offset at a time"), limit, found).await?
                     }
                     StartPosition::GroupOffsets(group) => {
                         // read once, for every partition, when the first
                         // partition without a stored offset needs them
                         if adopted.is_none() {
                             adopted = Some(
-                                group_offsets(Arc::clone(&dialer), group, &config.partitions)
-                                    .await?,
+                                deadline(
+                                    &format!("the offsets of Kafka group {group:?}"),
+                                    limit,
+                                    group_offsets(Arc::clone(&dialer), group, &config.partitions),
+                                )
+                                .await?,
                             );
                         }
                         let theirs = adopted
@@ -196,7 +236,14 @@ impl<O: OffsetStore> KafkaConsumer<O> {
                             .and_then(|a| a.get(&(topic.clone(), *partition)));
                         match theirs {
                             Some(o) => *o,
-                            None => pc.get_offset(OffsetAt::Earliest).await?,
+                            None => {
+                                within(
+                                    &lookup("the earliest offset"),
+                                    limit,
+                                    pc.get_offset(OffsetAt::Earliest),
+                                )
+                                .await?
+                            }
                         }
                     }
                 },

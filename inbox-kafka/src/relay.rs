@@ -34,11 +34,6 @@ use tokio::sync::Mutex;
 use crate::wire::{Dialer, Leader};
 use crate::{KafkaConfig, KafkaError, Tls};
 
-/// How long the broker may take to acknowledge an append (the Java
-/// producer's `request.timeout.ms`); we wait a little longer for its
-/// answer before the append counts as failed.
-const PRODUCE_TIMEOUT: Duration = Duration::from_secs(30);
-
 /// Kafka's default `max.message.bytes` (1 MiB and its record overhead): a
 /// larger event is refused before it is sent.
 pub const DEFAULT_MAX_RECORD_BYTES: usize = 1_048_588;
@@ -60,6 +55,8 @@ pub struct KafkaPublisher {
     compression: Compression,
     max_record_bytes: usize,
     max_request_bytes: usize,
+    /// `KafkaConfig::request_timeout`: each metadata lookup and append.
+    request_timeout: Duration,
 }
 
 impl std::fmt::Debug for KafkaPublisher {
@@ -88,6 +85,7 @@ impl KafkaPublisher {
             compression: Compression::NoCompression,
             max_record_bytes: DEFAULT_MAX_RECORD_BYTES,
             max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
+            request_timeout: kafka.request_timeout,
         })
     }
 
@@ -146,7 +144,7 @@ impl KafkaPublisher {
         let request = ProduceRequest {
             transactional_id: NullableString(None),
             acks: Int16(-1),
-            timeout_ms: Int32(i32::try_from(PRODUCE_TIMEOUT.as_millis()).unwrap_or(i32::MAX)),
+            timeout_ms: Int32(i32::try_from(self.request_timeout.as_millis()).unwrap_or(i32::MAX)),
             topic_data: vec![ProduceRequestTopicData {
                 name: String_(topic.to_owned()),
                 partition_data: vec![ProduceRequestPartitionData {
@@ -170,11 +168,11 @@ impl KafkaPublisher {
         };
         let unavailable = |what: String| PublishError::new(PublishErrorKind::Unavailable, what);
         let conn = leader.get().await.map_err(|e| unavailable(e.to_string()))?;
-        let answer = tokio::time::timeout(
-            PRODUCE_TIMEOUT + Duration::from_secs(5),
-            conn.request(&request),
-        )
-        .await;
+        // the broker's own wait for the acknowledgements, and a margin for
+        // the answer to arrive: a broker that answers nothing fails this
+        // partition's append after it, never the round for ever
+        let wait = self.request_timeout + self.request_timeout.min(Duration::from_secs(5));
+        let answer = tokio::time::timeout(wait, conn.request(&request)).await;
         let response = match answer {
             Ok(Ok(r)) => r,
             Ok(Err(e)) => {
@@ -184,7 +182,7 @@ impl KafkaPublisher {
             Err(_) => {
                 leader.forget().await;
                 return Err(unavailable(format!(
-                    "produce to {topic}:{partition}: no answer within {PRODUCE_TIMEOUT:?}"
+                    "produce to {topic}:{partition}: no answer within {wait:?}"
                 )));
             }
         };
@@ -327,7 +325,18 @@ fn size_of(r: &Record) -> usize {
 #[async_trait]
 impl Publisher for KafkaPublisher {
     async fn partitions(&self, topic: &str) -> Result<i32, PublishError> {
-        let topics = self.client.list_topics().await.map_err(classify)?;
+        let topics = tokio::time::timeout(self.request_timeout, self.client.list_topics())
+            .await
+            .map_err(|_| {
+                PublishError::new(
+                    PublishErrorKind::Unavailable,
+                    format!(
+                        "metadata for {topic:?}: no answer within {:?}",
+                        self.request_timeout
+                    ),
+                )
+            })?
+            .map_err(classify)?;
         let Some(t) = topics.into_iter().find(|t| t.name == topic) else {
             return Err(PublishError::new(
                 PublishErrorKind::UnknownTopic,

@@ -62,6 +62,12 @@ pub(crate) struct Dialer {
     pub(crate) client_id: Arc<str>,
     pub(crate) tls: Option<Arc<rustls::ClientConfig>>,
     pub(crate) sasl: Option<SaslConfig>,
+    /// The longest a connection's set-up may take: TCP, TLS, ApiVersions
+    /// and SASL (a frozen broker accepts the TCP connection and answers
+    /// nothing).
+    pub(crate) connect_timeout: std::time::Duration,
+    /// The longest a request may wait for its answer.
+    pub(crate) request_timeout: std::time::Duration,
 }
 
 /// Why a connection to a broker could not be made or used.
@@ -79,7 +85,43 @@ fn failed(what: impl std::fmt::Display) -> WireError {
 }
 
 impl Dialer {
+    /// A connection to `address`, set up (TCP, TLS, versions, SASL) within
+    /// `connect_timeout`.
     pub(crate) async fn connect(&self, address: &str) -> Result<Conn, WireError> {
+        tokio::time::timeout(self.connect_timeout, self.set_up(address))
+            .await
+            .unwrap_or_else(|_| {
+                Err(failed(format!(
+                    "connecting to {address}: no answer within {:?}",
+                    self.connect_timeout
+                )))
+            })
+    }
+
+    /// Sends `request` on `conn`, its answer awaited `request_timeout` at
+    /// most.
+    pub(crate) async fn ask<R>(
+        &self,
+        conn: &Conn,
+        what: &str,
+        request: R,
+    ) -> Result<R::ResponseBody, WireError>
+    where
+        R: rskafka::protocol::messages::RequestBody
+            + Send
+            + rskafka::protocol::messages::WriteVersionedType<Vec<u8>>,
+        R::ResponseBody: rskafka::protocol::messages::ReadVersionedType<std::io::Cursor<Vec<u8>>>,
+    {
+        match tokio::time::timeout(self.request_timeout, conn.request(request)).await {
+            Ok(r) => r.map_err(|e| failed(format!("{what}: {e}"))),
+            Err(_) => Err(failed(format!(
+                "{what}: no answer within {:?}",
+                self.request_timeout
+            ))),
+        }
+    }
+
+    async fn set_up(&self, address: &str) -> Result<Conn, WireError> {
         let (host, _) = address
             .rsplit_once(':')
             .ok_or_else(|| failed(format!("broker address {address:?} has no port")))?;
@@ -127,15 +169,18 @@ impl Dialer {
                     continue;
                 }
             };
-            let metadata = conn
-                .request(MetadataRequest {
-                    topics: Some(vec![MetadataRequestTopic {
-                        name: String_(topic.to_owned()),
-                    }]),
-                    allow_auto_topic_creation: None,
-                })
-                .await
-                .map_err(|e| failed(format!("metadata from {address}: {e}")))?;
+            let metadata = self
+                .ask(
+                    &conn,
+                    &format!("metadata from {address}"),
+                    MetadataRequest {
+                        topics: Some(vec![MetadataRequestTopic {
+                            name: String_(topic.to_owned()),
+                        }]),
+                        allow_auto_topic_creation: None,
+                    },
+                )
+                .await?;
             let leader = metadata
                 .topics
                 .iter()

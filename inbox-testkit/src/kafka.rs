@@ -311,6 +311,12 @@ impl Broker {
         Ok(())
     }
 
+    /// The broker's process id, when it was started here (to freeze it with
+    /// `kill -STOP`, say).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(std::process::Child::id)
+    }
+
     /// `host:port` of the broker (the TLS front of a broker serving TLS).
     pub fn address(&self) -> &str {
         &self.address

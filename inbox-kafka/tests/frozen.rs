@@ -1,0 +1,201 @@
+//! A broker that stops answering (`kill -STOP`: the kernel still accepts
+//! its connections, nothing answers) never stops a relay or a consumer for
+//! good: every connection set-up and request has a deadline
+//! (`KafkaConfig::connect_timeout`, `request_timeout`), so the relay's
+//! rounds keep returning (its appends fail and back off) and the
+//! consumer's polls keep returning while the broker is frozen; after
+//! `kill -CONT` every event is published and handled exactly once. Real
+//! PostgreSQL and a tansu of the test's own.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use inbox_core::outbox::{OutboxMessage, RelayConfig};
+use inbox_core::{CancellationToken, NoopMetrics, Runner};
+use inbox_kafka::{KafkaConfig, KafkaConsumer, run_relay};
+use inbox_postgres::PgStore;
+use inbox_testkit::kafka::Broker;
+use inbox_testkit::pg::{count, fresh_store};
+use inbox_testkit::scenarios::{Act, ScenarioStore, ScriptedHandler};
+use serde_json::json;
+
+const TIMEOUT: Duration = Duration::from_secs(2);
+
+fn signal(pid: u32, signal: &str) {
+    let status = std::process::Command::new("kill")
+        .args([signal, &pid.to_string()])
+        .status()
+        .unwrap_or_else(|e| panic!("kill {signal}: {e}"));
+    assert!(status.success(), "kill {signal} {pid}");
+}
+
+async fn enqueue(store: &PgStore, topic: &str, from: usize, n: usize) {
+    use inbox_core::{InboxStore as _, InboxTransaction as _};
+    for i in from..from + n {
+        let id = format!("o-{i}");
+        let event = OutboxMessage::json(topic, &json!({ "order": id }))
+            .unwrap_or_else(|e| panic!("{e}"))
+            .key(format!("k{}", i % 4))
+            .message_id(id)
+            .header("event_type", "order.created");
+        let tx = store.begin().await.unwrap_or_else(|e| panic!("{e}"));
+        store
+            .outbox()
+            .enqueue(tx.connection(), &event)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+    }
+}
+
+async fn handled(store: &PgStore) -> i64 {
+    count(
+        store,
+        "SELECT count(*) FROM inbox WHERE status = 'completed'",
+        vec![],
+    )
+    .await
+    .unwrap_or(-1)
+}
+
+async fn sent(store: &PgStore) -> i64 {
+    count(
+        store,
+        "SELECT count(*) FROM inbox_outbox WHERE status <> 'sent'",
+        vec![],
+    )
+    .await
+    .unwrap_or(-1)
+}
+
+/// Waits until `done` holds, `within` at most.
+async fn until(what: &str, within: Duration, mut done: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !done().await {
+        assert!(Instant::now() < deadline, "{what}: not within {within:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_broker_stops_nothing_for_good() {
+    let store = fresh_store().await.unwrap_or_else(|e| panic!("{e}"));
+    let broker = Broker::start_with_storage("sqlite://tansu.db").unwrap_or_else(|e| panic!("{e}"));
+    let pid = broker
+        .pid()
+        .unwrap_or_else(|| panic!("the test's own broker"));
+    let topic = broker
+        .topic("frozen", 2)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let kafka = |group: &str, partitions: Vec<(String, i32)>| {
+        let mut k = KafkaConfig::new(vec![broker.address().to_owned()], group, partitions);
+        k.connect_timeout = TIMEOUT;
+        k.request_timeout = TIMEOUT;
+        k.fetch_timeout = TIMEOUT;
+        k.max_wait = Duration::from_millis(200);
+        k.broker_commit_interval = None;
+        k
+    };
+    // the relay
+    let mut config = RelayConfig::new("relay-1").unwrap_or_else(|e| panic!("{e}"));
+    config.heartbeat = Duration::from_millis(200);
+    config.poll_interval = Duration::from_millis(100);
+    config.retry =
+        inbox_core::Backoff::new(Duration::from_millis(50), Duration::from_millis(300), 2.0);
+    let health = config.health.clone();
+    let cancel = CancellationToken::new();
+    let relay = tokio::spawn(run_relay(
+        kafka("relay", vec![]),
+        config,
+        store.clone(),
+        Arc::new(NoopMetrics),
+        cancel.clone(),
+    ));
+    // the consumer, its last return from a poll kept
+    let consumer = KafkaConsumer::connect(
+        kafka("billing", vec![(topic.clone(), 0), (topic.clone(), 1)]),
+        store.clone(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let mut runner = Runner::new(
+        store.clone(),
+        consumer,
+        ScriptedHandler::new([], Act::Succeed),
+        common::config("billing", inbox_core::AckStrategy::default()),
+    );
+    let started = Instant::now();
+    let polled = Arc::new(AtomicU64::new(0));
+    let consuming = tokio::spawn({
+        let polled = Arc::clone(&polled);
+        let cancel = cancel.clone();
+        async move {
+            while !cancel.is_cancelled() {
+                let _ = runner.process_one().await;
+                let ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
+                polled.store(ms, Ordering::SeqCst);
+            }
+        }
+    });
+    enqueue(&store, &topic, 0, 20).await;
+    until(
+        "the first 20 handled",
+        Duration::from_secs(60),
+        async || handled(&store).await == 20,
+    )
+    .await;
+
+    // frozen: nothing answers, the connections stay open
+    signal(pid, "-STOP");
+    enqueue(&store, &topic, 20, 20).await;
+    let frozen = Instant::now();
+    let mut worst_round = Duration::ZERO;
+    let mut worst_poll = Duration::ZERO;
+    while frozen.elapsed() < Duration::from_secs(16) {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        if !health.live(Duration::from_secs(7)) {
+            worst_round = frozen.elapsed();
+        }
+        let last = Duration::from_millis(polled.load(Ordering::SeqCst));
+        worst_poll = worst_poll.max(started.elapsed().saturating_sub(last));
+    }
+    signal(pid, "-CONT");
+    assert_eq!(
+        worst_round,
+        Duration::ZERO,
+        "the relay's rounds kept returning while the broker was frozen"
+    );
+    assert!(
+        worst_poll < Duration::from_secs(9),
+        "the consumer's polls kept returning ({worst_poll:?} at most between two)"
+    );
+    until(
+        "every event sent after the thaw",
+        Duration::from_secs(90),
+        async || sent(&store).await == 0,
+    )
+    .await;
+    until(
+        "every event handled after the thaw",
+        Duration::from_secs(90),
+        async || handled(&store).await == 40,
+    )
+    .await;
+    for i in 0..40 {
+        assert_eq!(
+            store.invoices(&format!("o-{i}")).await,
+            1,
+            "o-{i} handled once"
+        );
+    }
+    cancel.cancel();
+    relay
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    consuming.await.unwrap_or_else(|e| panic!("{e}"));
+}

@@ -57,6 +57,96 @@ pub struct KafkaPublisher {
     max_request_bytes: usize,
     /// `KafkaConfig::request_timeout`: each metadata lookup and append.
     request_timeout: Duration,
+    /// The idempotent producer's id and sequences.
+    idempotence: std::sync::Mutex<Idempotence>,
+    /// Taken while a producer id is asked for (one request at a time).
+    init: Mutex<()>,
+}
+
+/// The idempotent producer's state (the Java client's, since Kafka 3.0 by
+/// default): its id and epoch (InitProducerId), and per partition the next
+/// record's sequence number and the append in doubt, so that an append
+/// retried after a timeout or a cut connection is sent again exactly as it
+/// was (same records, same base sequence) and the broker writes it once.
+#[derive(Debug, Default)]
+struct Idempotence {
+    /// `None`: to be asked for; `Some(None)`: the brokers gave none (the
+    /// appends go without, as before: not idempotent).
+    producer: Option<Option<(i64, i16)>>,
+    /// After a failed InitProducerId, not asked again before then.
+    ask_after: Option<std::time::Instant>,
+    partitions: HashMap<(String, i32), Sequenced>,
+}
+
+/// One partition's sequence numbers.
+#[derive(Debug, Default)]
+struct Sequenced {
+    /// The sequence of the next record appended.
+    next: i32,
+    /// An append whose outcome is not known (no answer, an error): its
+    /// first sequence and its rows. The next append to the partition is
+    /// this one again, or the producer starts over with a new id.
+    doubt: Option<(i32, Vec<i64>)>,
+}
+
+/// InitProducerId for a producer that is idempotent, not transactional
+/// (versions 2 to 4, the flexible ones: tansu 0.6 closes the connection on
+/// versions 0 and 1; librdkafka sends 4).
+struct InitProducerId;
+
+/// What InitProducerId answered.
+struct ProducerIdentity {
+    error: Option<rskafka::protocol::error::Error>,
+    id: i64,
+    epoch: i16,
+}
+
+impl rskafka::protocol::messages::RequestBody for InitProducerId {
+    type ResponseBody = ProducerIdentity;
+    const API_KEY: rskafka::protocol::api_key::ApiKey =
+        rskafka::protocol::api_key::ApiKey::InitProducerId;
+    const API_VERSION_RANGE: rskafka::protocol::api_version::ApiVersionRange =
+        rskafka::protocol::api_version::ApiVersionRange::new(
+            rskafka::protocol::api_version::ApiVersion(Int16(2)),
+            rskafka::protocol::api_version::ApiVersion(Int16(4)),
+        );
+    const FIRST_TAGGED_FIELD_IN_REQUEST_VERSION: rskafka::protocol::api_version::ApiVersion =
+        rskafka::protocol::api_version::ApiVersion(Int16(2));
+}
+
+impl<W: std::io::Write> rskafka::protocol::messages::WriteVersionedType<W> for InitProducerId {
+    fn write_versioned(
+        &self,
+        w: &mut W,
+        v: rskafka::protocol::api_version::ApiVersion,
+    ) -> Result<(), rskafka::protocol::messages::WriteVersionedError> {
+        use rskafka::protocol::primitives::{CompactNullableString, Int64, TaggedFields};
+        use rskafka::protocol::traits::WriteType;
+        CompactNullableString(None).write(w)?; // no transactional id
+        Int32(60_000).write(w)?; // transaction timeout (unused without one)
+        if v.0.0 >= 3 {
+            Int64(-1).write(w)?; // no producer id yet
+            Int16(-1).write(w)?; // nor epoch
+        }
+        TaggedFields::default().write(w)?;
+        Ok(())
+    }
+}
+
+impl<R: std::io::Read> rskafka::protocol::messages::ReadVersionedType<R> for ProducerIdentity {
+    fn read_versioned(
+        r: &mut R,
+        _v: rskafka::protocol::api_version::ApiVersion,
+    ) -> Result<Self, rskafka::protocol::messages::ReadVersionedError> {
+        use rskafka::protocol::primitives::{Int64, TaggedFields};
+        use rskafka::protocol::traits::ReadType;
+        Int32::read(r)?; // throttle
+        let error = rskafka::protocol::error::Error::new(Int16::read(r)?.0);
+        let id = Int64::read(r)?.0;
+        let epoch = Int16::read(r)?.0;
+        TaggedFields::read(r)?;
+        Ok(Self { error, id, epoch })
+    }
 }
 
 impl std::fmt::Debug for KafkaPublisher {
@@ -86,6 +176,8 @@ impl KafkaPublisher {
             max_record_bytes: DEFAULT_MAX_RECORD_BYTES,
             max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
             request_timeout: kafka.request_timeout,
+            idempotence: std::sync::Mutex::new(Idempotence::default()),
+            init: Mutex::new(()),
         })
     }
 
@@ -130,14 +222,121 @@ impl KafkaPublisher {
 
     /// One append of `records` to `topic`/`partition`, acknowledged by all
     /// in-sync replicas.
+    fn state(&self) -> std::sync::MutexGuard<'_, Idempotence> {
+        self.idempotence
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The producer id and epoch, asked for (InitProducerId, of the first
+    /// bootstrap broker that answers) when there is none; `None` when the
+    /// brokers give none (the appends then go without one).
+    async fn producer(&self) -> Option<(i64, i16)> {
+        {
+            let state = self.state();
+            if let Some(known) = state.producer {
+                return known;
+            }
+            if state
+                .ask_after
+                .is_some_and(|at| std::time::Instant::now() < at)
+            {
+                return None;
+            }
+        }
+        let _one = self.init.lock().await;
+        if let Some(known) = self.state().producer {
+            return known;
+        }
+        let mut got = Err("no bootstrap broker".to_owned());
+        for address in &self.dialer.bootstrap {
+            got = match self.dialer.connect(address).await {
+                Ok(conn) => self
+                    .dialer
+                    .ask(&conn, "InitProducerId", InitProducerId)
+                    .await
+                    .map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            if got.is_ok() {
+                break;
+            }
+        }
+        match got {
+            Ok(ProducerIdentity {
+                error: None,
+                id,
+                epoch,
+            }) => {
+                tracing::debug!(producer_id = id, epoch, "idempotent producer");
+                let mut state = self.state();
+                state.producer = Some(Some((id, epoch)));
+                state.partitions.clear();
+                Some((id, epoch))
+            }
+            Ok(ProducerIdentity { error: Some(e), .. }) => {
+                // a broker that has no idempotent producer: as before
+                tracing::warn!(error = %e, "the brokers refused a producer id: the relay's appends are not idempotent (a retried one may be written twice)");
+                self.state().producer = Some(None);
+                None
+            }
+            Err(e) => {
+                // asked again after a while; the appends meanwhile go
+                // without one
+                tracing::warn!(error = %e, "no producer id yet: appends go without one (not idempotent) until one is had");
+                self.state().ask_after = Some(std::time::Instant::now() + Duration::from_secs(10));
+                None
+            }
+        }
+    }
+
+    /// Starts the producer over: a new id (and sequences from 0) at the
+    /// next append.
+    fn start_over(&self, why: &str) {
+        tracing::warn!(%why, "the idempotent producer starts over with a new producer id");
+        let mut state = self.state();
+        state.producer = None;
+        state.partitions.clear();
+    }
+
     async fn append(
         &self,
         leader: &Leader,
         topic: &str,
         partition: i32,
+        rows: &[i64],
         records: Vec<Record>,
         at: i64,
     ) -> Result<(), PublishError> {
+        use rskafka::protocol::error::Error as Code;
+        let producer = self.producer().await;
+        let key = (topic.to_owned(), partition);
+        let count = i32::try_from(records.len()).unwrap_or(i32::MAX);
+        // the append's first sequence: the one in doubt when this is it
+        // again, the partition's next otherwise
+        let base = match producer {
+            None => -1,
+            Some(_) => {
+                let mut state = self.state();
+                let seq = state.partitions.entry(key.clone()).or_default();
+                let base = match &seq.doubt {
+                    Some((base, ids)) if ids[..] == rows[..] => *base,
+                    _ => seq.next,
+                };
+                seq.doubt = Some((base, rows.to_vec()));
+                base
+            }
+        };
+        let (producer_id, producer_epoch) = producer.unwrap_or((-1, -1));
+        // written: the partition's next sequence follows it
+        let settled = || {
+            if producer.is_some() {
+                let mut state = self.state();
+                let seq = state.partitions.entry(key.clone()).or_default();
+                seq.doubt = None;
+                seq.next = base.wrapping_add(count);
+            }
+        };
         let Some(last) = records.len().checked_sub(1) else {
             return Ok(());
         };
@@ -154,11 +353,11 @@ impl KafkaPublisher {
                         partition_leader_epoch: 0,
                         last_offset_delta: i32::try_from(last).unwrap_or(i32::MAX),
                         is_transactional: false,
-                        base_sequence: -1,
+                        base_sequence: base,
                         compression: batch_compression(self.compression),
                         timestamp_type: RecordBatchTimestampType::CreateTime,
-                        producer_id: -1,
-                        producer_epoch: -1,
+                        producer_id,
+                        producer_epoch,
                         first_timestamp: at,
                         max_timestamp: at,
                         records: ControlBatchOrRecords::Records(records),
@@ -202,7 +401,23 @@ impl KafkaPublisher {
                 ))
             })?;
         match error {
-            None => Ok(()),
+            // a duplicate is the append in doubt, written before: done
+            None | Some(Code::DuplicateSequenceNumber) => {
+                settled();
+                Ok(())
+            }
+            Some(
+                e @ (Code::OutOfOrderSequenceNumber
+                | Code::UnknownProducerId
+                | Code::InvalidProducerEpoch
+                | Code::ProducerFenced),
+            ) => {
+                self.start_over(&format!("{topic}:{partition}: {e}"));
+                Err(PublishError::new(
+                    PublishErrorKind::Unavailable,
+                    format!("the broker refused the append's sequence on {topic}:{partition}: {e}"),
+                ))
+            }
             Some(e) => {
                 let kind = kind_of(e);
                 if kind != PublishErrorKind::Refused {
@@ -296,8 +511,8 @@ fn record_of(row: &OutboxRow) -> Record {
 /// Splits `records` into appends of at most `max` bytes (each record's
 /// size plus [`RECORD_OVERHEAD`]), in order; a record larger than `max`
 /// goes alone.
-fn appends(records: Vec<Record>, max: usize) -> Vec<Vec<Record>> {
-    let mut out: Vec<Vec<Record>> = Vec::new();
+fn appends<T>(records: Vec<T>, max: usize, size_of: impl Fn(&T) -> usize) -> Vec<Vec<T>> {
+    let mut out: Vec<Vec<T>> = Vec::new();
     let mut size = 0;
     for r in records {
         let n = size_of(&r) + RECORD_OVERHEAD;
@@ -356,8 +571,11 @@ impl Publisher for KafkaPublisher {
         rows: &[&OutboxRow],
     ) -> Result<(), PublishError> {
         let now = chrono::Utc::now().timestamp_millis();
-        let records: Vec<Record> = rows.iter().map(|r| record_of(r)).collect();
-        if let Some(big) = records.iter().find(|r| size_of(r) > self.max_record_bytes) {
+        let records: Vec<(i64, Record)> = rows.iter().map(|r| (r.id, record_of(r))).collect();
+        if let Some((_, big)) = records
+            .iter()
+            .find(|(_, r)| size_of(r) > self.max_record_bytes)
+        {
             return Err(PublishError::new(
                 PublishErrorKind::Refused,
                 format!(
@@ -368,10 +586,37 @@ impl Publisher for KafkaPublisher {
             ));
         }
         let leader = self.leader(topic, partition).await;
+        // the append in doubt on this partition first, exactly as it was
+        // sent (its rows lead these, in order); rows that do not start with
+        // it cannot resend it: the producer starts over (its records may
+        // then be on the broker twice, the same ids)
+        let doubt = self
+            .state()
+            .partitions
+            .get(&(topic.to_owned(), partition))
+            .and_then(|s| s.doubt.as_ref().map(|(_, ids)| ids.clone()));
+        let mut split: Vec<Vec<(i64, Record)>> = Vec::new();
+        let mut records = records;
+        if let Some(ids) = doubt {
+            let leads = records.len() >= ids.len()
+                && records.iter().zip(&ids).all(|((id, _), want)| id == want);
+            if leads {
+                let rest = records.split_off(ids.len());
+                split.push(std::mem::replace(&mut records, rest));
+            } else {
+                self.start_over(&format!(
+                    "{topic}:{partition}: the append in doubt is not what comes next"
+                ));
+            }
+        }
+        split.extend(appends(records, self.max_request_bytes, |(_, r)| {
+            size_of(r)
+        }));
         // in order, one append after the other: a failed one stops the
         // rest (what went is published again with the same ids)
-        for append in appends(records, self.max_request_bytes) {
-            let numbered = append
+        for append in split {
+            let (ids, records): (Vec<i64>, Vec<Record>) = append.into_iter().unzip();
+            let numbered = records
                 .into_iter()
                 .enumerate()
                 .map(|(i, mut r)| {
@@ -379,7 +624,7 @@ impl Publisher for KafkaPublisher {
                     r
                 })
                 .collect();
-            self.append(&leader, topic, partition, numbered, now)
+            self.append(&leader, topic, partition, &ids, numbered, now)
                 .await?;
         }
         Ok(())
@@ -496,6 +741,7 @@ mod tests {
         let split = appends(
             [60, 40, 70, 500, 10, 20].into_iter().map(record).collect(),
             max,
+            size_of,
         );
         assert_eq!(
             sizes(&split),
@@ -507,9 +753,10 @@ mod tests {
         let one = appends(
             [10, 20, 30].into_iter().map(record).collect(),
             DEFAULT_MAX_REQUEST_BYTES,
+            size_of,
         );
         assert_eq!(one.len(), 1);
-        assert!(appends(Vec::new(), max).is_empty());
+        assert!(appends(Vec::<Record>::new(), max, size_of).is_empty());
     }
 
     #[test]

@@ -193,6 +193,46 @@ impl Broker {
         })
     }
 
+    /// Starts another broker (sqlite storage) that advertises `advertised`
+    /// instead of the address it listens on: a proxy of the test's own in
+    /// front of it, through which every client then connects
+    /// ([`listen_address`](Self::listen_address) is where the proxy goes).
+    ///
+    /// # Errors
+    ///
+    /// A [`HarnessError`] saying why it could not start.
+    pub fn start_advertised(advertised: &str) -> Result<Self, HarnessError> {
+        let (tansu, dir, listen) = prepare()?;
+        let launch = Launch {
+            tansu,
+            dir,
+            advertised: advertised.to_owned(),
+            listen,
+            storage: "sqlite://tansu.db".to_owned(),
+            authentication: false,
+        };
+        let child = launch.start()?;
+        eprintln!(
+            "inbox-testkit: started tansu on {} advertised as {} ({})",
+            launch.listen,
+            launch.advertised,
+            launch.dir.display()
+        );
+        Ok(Self {
+            address: launch.advertised.clone(),
+            child: Some(child),
+            launch: Some(launch),
+            certificates: None,
+            security: Security::default(),
+        })
+    }
+
+    /// Where a broker started here listens (its advertised address may be
+    /// a proxy's or a TLS front's).
+    pub fn listen_address(&self) -> Option<&str> {
+        self.launch.as_ref().map(|l| l.listen.as_str())
+    }
+
     /// Starts a secured broker (sqlite storage): SCRAM users created first
     /// (tansu creates users only for a client it lets in, so on a first run
     /// without authentication, then restarted with it), and TLS through the

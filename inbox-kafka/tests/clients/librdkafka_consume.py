@@ -6,6 +6,7 @@ order librdkafka returns them).
 Reads partition 0 from its beginning, assigned (no group join).
 
 Usage: librdkafka_consume.py BROKER TOPIC COUNT
+(COUNT 0: every record up to the partition's end, however many)
 """
 
 import json
@@ -30,7 +31,14 @@ def main() -> None:
     )
     consumer.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
     out, deadline = [], time.time() + 60
-    while len(out) < count and time.time() < deadline:
+    end = None
+    if count == 0:
+        _, end = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=30)
+    while time.time() < deadline:
+        if end is None and len(out) >= count:
+            break
+        if end is not None and (not out and end == 0 or out and out[-1]["offset"] + 1 >= end):
+            break
         m = consumer.poll(1.0)
         if m is None:
             continue

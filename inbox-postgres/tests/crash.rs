@@ -9,19 +9,17 @@
 //! each crash, as a supervisor would, by row lock and by lease, on a real
 //! PostgreSQL.
 
+mod common;
+
 use std::process::Command;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use inbox_core::processor::{ClaimMode, Processor, ProcessorConfig};
-use inbox_core::{
-    Backoff, Handler, HandlerError, InboxStatus, InboxStore, InboxTransaction, Message, NewInboxRow,
-};
-use inbox_postgres::sea_orm::ConnectionTrait;
+use inbox_core::{Backoff, Handler, HandlerError, Message};
 use inbox_postgres::{PgStore, PgTx, TableName};
-use inbox_testkit::pg::server;
+use inbox_testkit::pg::fresh_store_at;
 use inbox_testkit::scenarios::{ScenarioStore, WriteInvoice};
-use serde_json::json;
 
 const CHILD_URL: &str = "INBOX_CRASH_CHILD_URL";
 const CHILD_LEASE: &str = "INBOX_CRASH_CHILD_LEASE";
@@ -92,33 +90,10 @@ async fn a_job_that_kills_its_process_is_failed_within_its_attempts() {
     let me = std::env::current_exe().unwrap_or_else(|e| panic!("{e}"));
     for lease in [false, true] {
         let how = if lease { "by lease" } else { "by row lock" };
-        let url = server()
-            .and_then(|s| s.create_database())
-            .unwrap_or_else(|e| panic!("{e}"));
-        let store = PgStore::connect(&url, TableName::default())
+        let (url, store) = fresh_store_at(TableName::default())
             .await
             .unwrap_or_else(|e| panic!("{e}"));
-        store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
-        store
-            .connection()
-            .execute_unprepared(
-                "CREATE TABLE invoices (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL)",
-            )
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
-        let rows: Vec<NewInboxRow> = ids()
-            .iter()
-            .map(|id| {
-                let m = Message::new(id.clone(), "orders", "order.created", json!({ "id": id }));
-                NewInboxRow::for_message(&m, "billing", MAX_ATTEMPTS)
-                    .with_status(InboxStatus::Pending)
-            })
-            .collect();
-        let mut tx = store.begin().await.unwrap_or_else(|e| panic!("{e}"));
-        tx.insert_or_get_many(&rows)
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
-        tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+        common::land(&store, "billing", &ids(), MAX_ATTEMPTS).await;
 
         let mut crashes = 0;
         loop {
@@ -162,10 +137,5 @@ async fn a_job_that_kills_its_process_is_failed_within_its_attempts() {
 }
 
 async fn row(store: &PgStore, id: &str) -> (String, i64) {
-    let row = store
-        .find(id, "billing")
-        .await
-        .unwrap_or_else(|e| panic!("{e}"))
-        .unwrap_or_else(|| panic!("{id} has a row"));
-    (row.status.as_str().to_owned(), i64::from(row.attempts_made))
+    common::row_of(store, "billing", id).await
 }

@@ -13,8 +13,8 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use inbox_core::processor::{ClaimMode, Processor, ProcessorConfig};
 use inbox_core::{
-    Backoff, CancellationToken, Handler, HandlerError, InboxStatus, InboxStore, InboxTransaction,
-    Message, NewInboxRow,
+    Backoff, CancellationToken, Handler, HandlerError, InboxStatus, InboxStore, Message,
+    NewInboxRow,
 };
 use inbox_postgres::sea_orm::{ConnectionTrait, DbBackend, Statement};
 use inbox_postgres::{PgStore, PgTx, TableName};
@@ -99,18 +99,7 @@ async fn landed(rows: usize, pools: usize) -> Vec<PgStore> {
 
 /// Rows `pending` for the messages `ids`, in one transaction.
 async fn land(store: &PgStore, ids: &[String]) {
-    let new: Vec<NewInboxRow> = ids
-        .iter()
-        .map(|id| {
-            let m = Message::new(id.clone(), "orders", "order.created", json!({ "id": id }));
-            NewInboxRow::for_message(&m, GROUP, MAX_ATTEMPTS).with_status(InboxStatus::Pending)
-        })
-        .collect();
-    let mut tx = store.begin().await.unwrap_or_else(|e| panic!("{e}"));
-    tx.insert_or_get_many(&new)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+    common::land(store, GROUP, ids, MAX_ATTEMPTS).await;
 }
 
 /// A processor on `store` that retries at once.

@@ -14,10 +14,7 @@ use std::time::Duration;
 
 use common::{dead_letters, order, process_until_acked};
 use inbox_core::processor::{ClaimMode, Processor, ProcessorConfig};
-use inbox_core::{
-    Backoff, BatchConfig, InboxStatus, InboxStore, InboxTransaction, NewInboxRow, Runner,
-    RunnerConfig,
-};
+use inbox_core::{Backoff, BatchConfig, Runner, RunnerConfig};
 use inbox_postgres::PgStore;
 use inbox_postgres::sea_orm::ConnectionTrait;
 use inbox_testkit::MemBroker;
@@ -160,17 +157,7 @@ async fn batched_a_refusal_at_commit_is_found_apart_and_parked() {
 
 /// Landed rows for `ORDERS`, three attempts each.
 async fn land_orders(store: &PgStore) {
-    let rows: Vec<NewInboxRow> = ORDERS
-        .iter()
-        .map(|id| {
-            NewInboxRow::for_message(&order(id), "billing", 3).with_status(InboxStatus::Pending)
-        })
-        .collect();
-    let mut tx = store.begin().await.unwrap_or_else(|e| panic!("{e}"));
-    tx.insert_or_get_many(&rows)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+    common::land(store, "billing", &ORDERS, 3).await;
 }
 
 /// The rows of `ORDERS` still pending.
@@ -201,15 +188,7 @@ fn drain_processor(
 
 /// The status and attempts of `id`'s row.
 async fn row_of(store: &PgStore, id: &str) -> (String, i64) {
-    let status = store
-        .find(id, "billing")
-        .await
-        .unwrap_or_else(|e| panic!("{e}"))
-        .unwrap_or_else(|| panic!("{id} has a row"));
-    (
-        status.status.as_str().to_owned(),
-        i64::from(status.attempts_made),
-    )
+    common::row_of(store, "billing", id).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -169,19 +169,26 @@ impl Broker {
     ///
     /// A [`HarnessError`] saying why it could not start.
     pub fn start_with_storage(storage: &str) -> Result<Self, HarnessError> {
+        Self::start_plain(storage, None)
+    }
+
+    /// A plaintext broker with `storage`, advertising `advertised` (its
+    /// own address when `None`).
+    fn start_plain(storage: &str, advertised: Option<&str>) -> Result<Self, HarnessError> {
         let (tansu, dir, listen) = prepare()?;
         let launch = Launch {
             tansu,
             dir,
-            advertised: listen.clone(),
+            advertised: advertised.map_or_else(|| listen.clone(), str::to_owned),
             listen,
             storage: storage.to_owned(),
             authentication: false,
         };
         let child = launch.start()?;
         eprintln!(
-            "inbox-testkit: started tansu on {} ({})",
+            "inbox-testkit: started tansu on {} advertised as {} ({})",
             launch.listen,
+            launch.advertised,
             launch.dir.display()
         );
         Ok(Self {
@@ -202,29 +209,7 @@ impl Broker {
     ///
     /// A [`HarnessError`] saying why it could not start.
     pub fn start_advertised(advertised: &str) -> Result<Self, HarnessError> {
-        let (tansu, dir, listen) = prepare()?;
-        let launch = Launch {
-            tansu,
-            dir,
-            advertised: advertised.to_owned(),
-            listen,
-            storage: "sqlite://tansu.db".to_owned(),
-            authentication: false,
-        };
-        let child = launch.start()?;
-        eprintln!(
-            "inbox-testkit: started tansu on {} advertised as {} ({})",
-            launch.listen,
-            launch.advertised,
-            launch.dir.display()
-        );
-        Ok(Self {
-            address: launch.advertised.clone(),
-            child: Some(child),
-            launch: Some(launch),
-            certificates: None,
-            security: Security::default(),
-        })
+        Self::start_plain("sqlite://tansu.db", Some(advertised))
     }
 
     /// Where a broker started here listens (its advertised address may be

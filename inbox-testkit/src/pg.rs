@@ -340,6 +340,16 @@ mod with_store {
     ///
     /// A [`HarnessError`] when the server or the database cannot be had.
     pub async fn fresh_store_with(table: TableName) -> Result<PgStore, HarnessError> {
+        Ok(fresh_store_at(table).await?.1)
+    }
+
+    /// As [`fresh_store_with`], with the database's URL (for a child
+    /// process of the test, say).
+    ///
+    /// # Errors
+    ///
+    /// A [`HarnessError`] when the server or the database cannot be had.
+    pub async fn fresh_store_at(table: TableName) -> Result<(String, PgStore), HarnessError> {
         let url = server()?.create_database()?;
         let store = PgStore::connect(&url, table)
             .await
@@ -358,7 +368,7 @@ mod with_store {
                 .await
                 .map_err(|e| HarnessError(e.to_string()))?;
         }
-        Ok(store)
+        Ok((url, store))
     }
 
     /// Counts rows with a `SELECT count(*) ...` on the pool (another

@@ -8,7 +8,10 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use inbox_core::{Consumer, Handler, InboxStore, Message, Metrics, Runner};
+use inbox_core::{
+    Consumer, Handler, InboxStatus, InboxStore, InboxTransaction, Message, Metrics, NewInboxRow,
+    Runner,
+};
 use inbox_postgres::PgStore;
 use inbox_testkit::MemBroker;
 use serde_json::json;
@@ -93,4 +96,31 @@ pub async fn refuse_secret_errors(store: &PgStore) {
         )
         .await
         .unwrap_or_else(|e| panic!("constraint: {e}"));
+}
+
+/// Rows `pending` in `group` for the orders `ids` (see [`order`]), with
+/// `max_attempts` each, landed in one transaction.
+pub async fn land(store: &PgStore, group: &str, ids: &[impl AsRef<str>], max_attempts: i32) {
+    let rows: Vec<NewInboxRow> = ids
+        .iter()
+        .map(|id| {
+            NewInboxRow::for_message(&order(id.as_ref()), group, max_attempts)
+                .with_status(InboxStatus::Pending)
+        })
+        .collect();
+    let mut tx = store.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    tx.insert_or_get_many(&rows)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// The status and attempts made of the row of message `id` in `group`.
+pub async fn row_of(store: &PgStore, group: &str, id: &str) -> (String, i64) {
+    let row = store
+        .find(id, group)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or_else(|| panic!("{id} has a row"));
+    (row.status.as_str().to_owned(), i64::from(row.attempts_made))
 }

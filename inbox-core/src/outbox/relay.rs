@@ -284,10 +284,11 @@ pub struct Relay<S, P> {
     metrics: Arc<dyn Metrics>,
     claims: SlotClaims,
     partitions: HashMap<String, (i32, Instant)>,
-    unknown_since: HashMap<String, Instant>,
-    /// Since when each partition's appends (or, with [`WHOLE_TOPIC`], a
-    /// topic's lookups) have been refused for a reason that can pass.
-    refused_since: HashMap<(String, i32), Instant>,
+    /// Since when each partition's appends were refused for a reason that
+    /// can pass, and (with [`WHOLE_TOPIC`]) each topic's lookups failed for
+    /// one that ends in a give-up (unknown topic, refused for now): the
+    /// clock of [`Relay::gives_up`].
+    failing_since: HashMap<(String, i32), Instant>,
     /// Partitions and topics backing off after failures, each on its own.
     paused: HashMap<(String, i32), Paused>,
     /// How many ids `paused` keeps in all.
@@ -337,8 +338,7 @@ where
             metrics: Arc::new(NoopMetrics),
             claims: SlotClaims::new(),
             partitions: HashMap::new(),
-            unknown_since: HashMap::new(),
-            refused_since: HashMap::new(),
+            failing_since: HashMap::new(),
             paused: HashMap::new(),
             parked_ids: 0,
             pass: Pass::default(),
@@ -653,27 +653,23 @@ where
                 }
             };
             let count = match looked {
-                Ok(n) => {
-                    self.refused_since.remove(&whole);
-                    n
-                }
-                Err(e) if e.kind == PublishErrorKind::RefusedForNow => {
-                    if self.grace_spent(&whole, now) {
-                        dead.push((row, format!("refused for {topic:?}: {}", e.message)));
+                Ok(n) => n,
+                // a lookup failing for a reason that ends in a give-up: its
+                // topic's rows are dead-lettered once it has lasted long
+                // enough, retried with backoff until then
+                Err(e)
+                    if matches!(
+                        e.kind,
+                        PublishErrorKind::UnknownTopic | PublishErrorKind::RefusedForNow
+                    ) =>
+                {
+                    let (limit, what) = if e.kind == PublishErrorKind::UnknownTopic {
+                        (self.config.unknown_topic_timeout, "unknown topic")
                     } else {
-                        round.failed.get_or_insert(e.to_string());
-                        self.back_off(&whole, now);
-                        self.park(&whole, row.id);
-                    }
-                    continue;
-                }
-                Err(e) if e.kind == PublishErrorKind::UnknownTopic => {
-                    let since = *self
-                        .unknown_since
-                        .entry(topic.clone())
-                        .or_insert_with(Instant::now);
-                    if since.elapsed() >= self.config.unknown_topic_timeout {
-                        dead.push((row, format!("unknown topic {topic:?}: {}", e.message)));
+                        (self.config.refusal_grace, "refused for")
+                    };
+                    if self.gives_up(&whole, limit, now) {
+                        dead.push((row, format!("{what} {topic:?}: {}", e.message)));
                     } else {
                         round.failed.get_or_insert(e.to_string());
                         self.back_off(&whole, now);
@@ -743,7 +739,7 @@ where
         }
         drop(appends);
         for (i, e) in for_now {
-            if self.grace_spent(&groups[i].0, now) {
+            if self.gives_up(&groups[i].0, self.config.refusal_grace, now) {
                 refused.push(i);
             } else {
                 failed.push((i, e));
@@ -763,7 +759,7 @@ where
             .await?;
         for i in done {
             self.paused.remove(&groups[i].0);
-            self.refused_since.remove(&groups[i].0);
+            self.failing_since.remove(&groups[i].0);
         }
         for (i, e) in failed {
             let (key, batch) = &groups[i];
@@ -892,7 +888,7 @@ where
                     if e.kind == PublishErrorKind::Refused
                         || (e.kind == PublishErrorKind::RefusedForNow
                             && self
-                                .refused_since
+                                .failing_since
                                 .contains_key(&(topic.to_owned(), partition))) =>
                 {
                     if self.config.on_refused == OnRefused::Hold
@@ -908,11 +904,11 @@ where
         (ok, refused, None)
     }
 
-    /// Whether `key` has been refused for a reason that can pass for
-    /// `refusal_grace` (noting `now` as the first refusal when none is).
-    fn grace_spent(&mut self, key: &(String, i32), now: Instant) -> bool {
-        let since = *self.refused_since.entry(key.clone()).or_insert(now);
-        now.saturating_duration_since(since) >= self.config.refusal_grace
+    /// Whether `key` has been failing for `limit` (noting `now` as its
+    /// first failure when none is): then its rows count as refused.
+    fn gives_up(&mut self, key: &(String, i32), limit: Duration, now: Instant) -> bool {
+        let since = *self.failing_since.entry(key.clone()).or_insert(now);
+        now.saturating_duration_since(since) >= limit
     }
 
     fn slot_claims(&self) -> Vec<SlotClaim> {
@@ -950,7 +946,7 @@ where
             return Ok(*n);
         }
         let n = self.publisher.partitions(topic).await?;
-        self.unknown_since.remove(topic);
+        self.failing_since.remove(&(topic.to_owned(), WHOLE_TOPIC));
         self.partitions
             .insert(topic.to_owned(), (n, Instant::now()));
         Ok(n)

@@ -7,8 +7,10 @@
 //! their batches, up to each producer's abort marker. rskafka 0.6 asks for
 //! read_committed but discards that list, so its consumers apply aborted
 //! records, and its records keep headers in a map (sorted, a repeated name
-//! lost). This module fetches through rskafka's protocol layer instead
-//! ([`crate::wire`]), keeps the list, filters the batches itself
+//! lost); and it cannot read a commit or abort marker as Kafka writes it
+//! (see [`crate::batches`]). This module fetches through rskafka's protocol
+//! layer instead ([`crate::wire`]), reads the batches with
+//! [`crate::batches`], keeps the list, filters the batches itself
 //! ([`committed_records`]) and keeps headers as they came. Every consumer
 //! fetches this way; with `read_committed` off it asks for
 //! read_uncommitted and delivers every record (never the markers).
@@ -29,6 +31,7 @@ use rskafka::protocol::record::{
     ControlBatchOrRecords, ControlBatchRecord, RecordBatch, RecordBatchTimestampType,
 };
 
+use crate::batches::FetchV4;
 use crate::fetch::{Fetch, FetchError, Page};
 use crate::wire::{Dialer, Fetched, Leader, Record};
 
@@ -99,7 +102,8 @@ impl Fetch for CommittedFetch {
                 }],
             }],
         };
-        let response = match conn.request(request).await {
+        // answered batch by batch: markers as Kafka writes them
+        let response = match conn.request(FetchV4(request)).await {
             Ok(r) => r,
             Err(e) => {
                 self.leader.forget().await;
@@ -107,16 +111,12 @@ impl Fetch for CommittedFetch {
             }
         };
         let partition = response
-            .responses
+            .topics
             .into_iter()
-            .find(|t| t.topic.0 == self.topic)
-            .and_then(|t| {
-                t.partitions
-                    .into_iter()
-                    .find(|p| p.partition_index.0 == self.partition)
-            })
+            .find(|t| t.name == self.topic)
+            .and_then(|t| t.partitions.into_iter().find(|p| p.index == self.partition))
             .ok_or_else(|| failed("the fetch response has no data for the partition"))?;
-        match partition.error_code {
+        match partition.error {
             None => {}
             Some(ApiError::OffsetOutOfRange) => return Err(FetchError::OutOfRange),
             Some(e) => {
@@ -125,18 +125,16 @@ impl Fetch for CommittedFetch {
                 return Err(failed(format!("broker error {e}")));
             }
         }
-        let first_batch = partition.records.0.first().map(|b| b.base_offset);
+        let first_batch = partition.batches.first().map(|b| b.base_offset);
         let examined_end = partition
-            .records
-            .0
+            .batches
             .iter()
             .map(|b| b.base_offset + i64::from(b.last_offset_delta) + 1)
             .max();
-        let records =
-            committed_records(partition.records.0, &partition.aborted_transactions, offset)?;
+        let records = committed_records(partition.batches, &partition.aborted, offset)?;
         Ok(Page {
             records,
-            high_watermark: partition.high_watermark.0,
+            high_watermark: partition.high_watermark,
             first_batch,
             examined_end,
         })

@@ -278,6 +278,7 @@ impl<O: OffsetStore> KafkaConsumer<O> {
                 resync: false,
                 start: next_fetch,
                 read_on: None,
+                markers: None,
                 label: inbox_core::topic_label(topic),
             });
         }
@@ -490,11 +491,13 @@ impl<O: OffsetStore> KafkaConsumer<O> {
         // records, markers): without it a fetch of nothing but those is
         // asked again for ever, and a partition ending in a marker shows a
         // lag of 1 and answers at once instead of long-polling
+        let mut past_markers = None;
         if reading_on
             && let Some(end) = examined_end
             && end > expected
         {
             skipped(&mut self.stats, &self.metrics, p, expected, end);
+            past_markers = Some((expected, end));
             expected = end;
         }
         if reading_on {
@@ -541,6 +544,10 @@ impl<O: OffsetStore> KafkaConsumer<O> {
                     behind,
                 },
             );
+        }
+        if past_markers.is_some() {
+            p.markers = past_markers;
+            self.store_past_markers(index).await;
         }
         Ok(())
     }
@@ -749,6 +756,46 @@ impl<O: OffsetStore> KafkaConsumer<O> {
         }
     }
 
+    /// Stores partition `index`'s offset at `end` when the offsets from
+    /// `from` hold nothing to handle (markers, aborted records) and every
+    /// record before them is acknowledged: so a partition whose log ends in
+    /// a commit marker (every transactional topic at rest) shows lag 0 in
+    /// PostgreSQL and, through the broker commits, to Kafka's tools, as the
+    /// Java consumer's committed position does. Compare-and-set on the
+    /// stored offset and the owner's epoch, as every acknowledgement: a
+    /// fenced or moved partition writes nothing (tried again at the next
+    /// such fetch).
+    async fn store_past_markers(&mut self, index: usize) {
+        let p = &mut self.partitions[index];
+        let Some((from, end)) = p.markers else {
+            return;
+        };
+        if p.stored.is_some_and(|s| s >= end) || p.next_fetch < end {
+            p.markers = None;
+            return;
+        }
+        if !p.buffer.is_empty() || !p.delivered.is_empty() || p.stored != Some(from) {
+            return;
+        }
+        let p = &self.partitions[index];
+        let ack = TxAck {
+            consumer_group: self.group.clone(),
+            position: Position::new(p.topic.clone(), p.partition, end - 1),
+            owner_epoch: p.epoch,
+            expected_next: p.stored,
+        };
+        match self.store.store_ack(&ack).await {
+            Ok(()) => {
+                let p = &mut self.partitions[index];
+                p.acknowledged(end - 1);
+                p.markers = None;
+            }
+            Err(e) => {
+                tracing::debug!(topic = %p.topic, partition = p.partition, error = %e, "the offset past the markers was not stored");
+            }
+        }
+    }
+
     fn tx_ack(&self, message: &Message) -> Option<TxAck> {
         let index = self.index_of(message)?;
         let p = &self.partitions[index];
@@ -777,6 +824,11 @@ impl<O: OffsetStore> Consumer for KafkaConsumer<O> {
         // hanging partition holds back no other. Wait for fetches at most
         // one broker wait and a grace before answering `None`.
         let deadline = Instant::now() + self.config.max_wait + FETCH_GRACE;
+        for index in 0..self.partitions.len() {
+            if self.partitions[index].markers.is_some() {
+                self.store_past_markers(index).await;
+            }
+        }
         self.copy_offsets().await;
         // one fetch started per partition per call: an empty answer ends
         // the wait for that partition (no spinning on a broker that answers
@@ -1062,6 +1114,7 @@ mod tests {
             resync: false,
             start: 0,
             read_on: None,
+            markers: None,
             label: "orders",
         }
     }

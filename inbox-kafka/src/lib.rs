@@ -61,6 +61,7 @@
 //! - Gaps: a broker that returns records starting after the requested
 //!   offset is logged as an error and counted ([`ConsumerStats::gaps`]).
 
+mod batches;
 mod broker_group;
 mod committed;
 mod config;

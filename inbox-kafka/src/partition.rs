@@ -73,6 +73,10 @@ pub(crate) struct Partition {
     /// Where the last fetch that returned records ended: a fetch from there
     /// continues it (reading on), any other fetch follows a move.
     pub(crate) read_on: Option<i64>,
+    /// Offsets `[from, end)` the last fetch passed that hold nothing to
+    /// handle (transaction markers, aborted records): stored as handled
+    /// once every record before them is acknowledged.
+    pub(crate) markers: Option<(i64, i64)>,
     /// The topic for metric events ([`inbox_core::topic_label`]).
     pub(crate) label: &'static str,
 }
@@ -111,6 +115,7 @@ impl Partition {
 
     pub(crate) fn forget(&mut self) {
         self.inflight = None;
+        self.markers = None;
         self.buffer.clear();
         self.buffered_bytes = 0;
         self.delivered.clear();

@@ -73,8 +73,9 @@ struct Idempotence {
     /// `None`: to be asked for; `Some(None)`: the brokers gave none (the
     /// appends go without, as before: not idempotent).
     producer: Option<Option<(i64, i16)>>,
-    /// After a failed InitProducerId, not asked again before then.
-    ask_after: Option<std::time::Instant>,
+    /// After a failed InitProducerId, not asked again before then (and
+    /// why it failed, what the appends meanwhile fail with).
+    ask_after: Option<(std::time::Instant, String)>,
     partitions: HashMap<(String, i32), Sequenced>,
 }
 
@@ -229,63 +230,97 @@ impl KafkaPublisher {
     }
 
     /// The producer id and epoch, asked for (InitProducerId, of the first
-    /// bootstrap broker that answers) when there is none; `None` when the
-    /// brokers give none (the appends then go without one).
-    async fn producer(&self) -> Option<(i64, i16)> {
+    /// bootstrap broker that answers) when there is none; `Ok(None)` when
+    /// the brokers give none for good (no InitProducerId, or it is not
+    /// allowed: the appends then go without one, as before). Anything else
+    /// (no answer, a coordinator still loading or moving: what the Java
+    /// client retries) is an error of the append, retried with the relay's
+    /// backoff: an append never goes without an id the brokers would give.
+    async fn producer(&self) -> Result<Option<(i64, i16)>, PublishError> {
+        let not_yet = |why: &str| {
+            PublishError::new(
+                PublishErrorKind::Unavailable,
+                format!("no idempotent producer id yet: {why}"),
+            )
+        };
         {
             let state = self.state();
             if let Some(known) = state.producer {
-                return known;
+                return Ok(known);
             }
-            if state
-                .ask_after
-                .is_some_and(|at| std::time::Instant::now() < at)
+            if let Some((at, why)) = &state.ask_after
+                && std::time::Instant::now() < *at
             {
-                return None;
+                return Err(not_yet(why));
             }
         }
         let _one = self.init.lock().await;
         if let Some(known) = self.state().producer {
-            return known;
+            return Ok(known);
         }
-        let mut got = Err("no bootstrap broker".to_owned());
-        for address in &self.dialer.bootstrap {
-            got = match self.dialer.connect(address).await {
-                Ok(conn) => self
-                    .dialer
-                    .ask(&conn, "InitProducerId", InitProducerId)
-                    .await
-                    .map_err(|e| e.to_string()),
-                Err(e) => Err(e.to_string()),
-            };
-            if got.is_ok() {
-                break;
+        // a coordinator loading or moving answers at once: asked again
+        // every 100 ms within the request timeout, as the Java client
+        // waits for its producer id before it sends
+        let deadline = std::time::Instant::now() + self.request_timeout;
+        let got = loop {
+            let mut got = Err("no bootstrap broker".to_owned());
+            for address in &self.dialer.bootstrap {
+                got = match self.dialer.connect(address).await {
+                    Ok(conn) => self
+                        .dialer
+                        .ask_if_supported(&conn, "InitProducerId", InitProducerId)
+                        .await
+                        .map_err(|e| e.to_string()),
+                    Err(e) => Err(e.to_string()),
+                };
+                if got.is_ok() {
+                    break;
+                }
             }
-        }
+            match &got {
+                Ok(Some(ProducerIdentity { error: Some(e), .. }))
+                    if !init_refused_for_good(*e)
+                        && std::time::Instant::now() + INIT_RETRY < deadline =>
+                {
+                    tracing::debug!(error = %e, "no idempotent producer id yet, asked again shortly");
+                    tokio::time::sleep(INIT_RETRY).await;
+                }
+                _ => break got,
+            }
+        };
+        let refused = |e: &dyn std::fmt::Display| {
+            tracing::warn!(error = %e, "the brokers give no idempotent producer id: the relay's appends are not idempotent (a retried one may be written twice)");
+            self.state().producer = Some(None);
+            Ok(None)
+        };
         match got {
-            Ok(ProducerIdentity {
+            Ok(Some(ProducerIdentity {
                 error: None,
                 id,
                 epoch,
-            }) => {
+            })) => {
                 tracing::debug!(producer_id = id, epoch, "idempotent producer");
                 let mut state = self.state();
                 state.producer = Some(Some((id, epoch)));
+                state.ask_after = None;
                 state.partitions.clear();
-                Some((id, epoch))
+                Ok(Some((id, epoch)))
             }
-            Ok(ProducerIdentity { error: Some(e), .. }) => {
-                // a broker that has no idempotent producer: as before
-                tracing::warn!(error = %e, "the brokers refused a producer id: the relay's appends are not idempotent (a retried one may be written twice)");
-                self.state().producer = Some(None);
-                None
+            Ok(None) => refused(&"the brokers serve no InitProducerId version 2 to 4"),
+            Ok(Some(ProducerIdentity { error: Some(e), .. })) if init_refused_for_good(e) => {
+                refused(&e)
+            }
+            Ok(Some(ProducerIdentity { error: Some(e), .. })) => {
+                let why = format!("InitProducerId: {e}");
+                tracing::info!(error = %e, "no idempotent producer id yet, asked again shortly");
+                self.state().ask_after =
+                    Some((std::time::Instant::now() + INIT_RETRY, why.clone()));
+                Err(not_yet(&why))
             }
             Err(e) => {
-                // asked again after a while; the appends meanwhile go
-                // without one
-                tracing::warn!(error = %e, "no producer id yet: appends go without one (not idempotent) until one is had");
-                self.state().ask_after = Some(std::time::Instant::now() + Duration::from_secs(10));
-                None
+                tracing::warn!(error = %e, "no idempotent producer id yet, asked again shortly");
+                self.state().ask_after = Some((std::time::Instant::now() + INIT_RETRY, e.clone()));
+                Err(not_yet(&e))
             }
         }
     }
@@ -309,7 +344,7 @@ impl KafkaPublisher {
         at: i64,
     ) -> Result<(), PublishError> {
         use rskafka::protocol::error::Error as Code;
-        let producer = self.producer().await;
+        let producer = self.producer().await?;
         let key = (topic.to_owned(), partition);
         let count = i32::try_from(records.len()).unwrap_or(i32::MAX);
         // the append's first sequence: the one in doubt when this is it
@@ -431,6 +466,27 @@ impl KafkaPublisher {
             }
         }
     }
+}
+
+/// How long after a retriable InitProducerId answer it is asked again
+/// (within the request timeout), and after a failed one the next append
+/// asks again (until then the appends fail with its error, and the relay
+/// backs off).
+const INIT_RETRY: Duration = Duration::from_millis(100);
+
+/// Whether an InitProducerId error means the brokers will not give this
+/// producer an id (no retry helps): not allowed, or not understood. Every
+/// other code (a coordinator loading, moving or not available, a timeout,
+/// too few replicas) passes, as the Java client retries it.
+fn init_refused_for_good(e: ProtocolError) -> bool {
+    matches!(
+        e,
+        ProtocolError::ClusterAuthorizationFailed
+            | ProtocolError::TransactionalIdAuthorizationFailed
+            | ProtocolError::UnsupportedVersion
+            | ProtocolError::InvalidRequest
+            | ProtocolError::UnsupportedForMessageFormat
+    )
 }
 
 fn batch_compression(c: Compression) -> RecordBatchCompression {
@@ -667,6 +723,29 @@ where
 mod tests {
     use super::*;
     use inbox_core::outbox::OutboxMessage;
+
+    /// A coordinator that is loading (what a freshly started Apache Kafka
+    /// answers) or moving is asked again; only "not allowed" and "not
+    /// understood" make the appends go without a producer id.
+    #[test]
+    fn only_a_refusal_for_good_gives_up_the_producer_id() {
+        for e in [
+            ProtocolError::CoordinatorLoadInProgress,
+            ProtocolError::CoordinatorNotAvailable,
+            ProtocolError::NotCoordinator,
+            ProtocolError::RequestTimedOut,
+            ProtocolError::NotEnoughReplicas,
+            ProtocolError::BrokerNotAvailable,
+        ] {
+            assert!(!init_refused_for_good(e), "{e:?} is retried");
+        }
+        for e in [
+            ProtocolError::ClusterAuthorizationFailed,
+            ProtocolError::UnsupportedVersion,
+        ] {
+            assert!(init_refused_for_good(e), "{e:?} is for good");
+        }
+    }
 
     #[test]
     fn records_carry_the_id_and_headers() {

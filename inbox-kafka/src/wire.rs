@@ -112,8 +112,29 @@ impl Dialer {
             + rskafka::protocol::messages::WriteVersionedType<Vec<u8>>,
         R::ResponseBody: rskafka::protocol::messages::ReadVersionedType<std::io::Cursor<Vec<u8>>>,
     {
+        self.ask_if_supported(conn, what, request)
+            .await?
+            .ok_or_else(|| failed(format!("{what}: the broker serves no version of it")))
+    }
+
+    /// As [`ask`](Self::ask), but `Ok(None)` when the broker serves no
+    /// version of the request the client can send.
+    pub(crate) async fn ask_if_supported<R>(
+        &self,
+        conn: &Conn,
+        what: &str,
+        request: R,
+    ) -> Result<Option<R::ResponseBody>, WireError>
+    where
+        R: rskafka::protocol::messages::RequestBody
+            + Send
+            + rskafka::protocol::messages::WriteVersionedType<Vec<u8>>,
+        R::ResponseBody: rskafka::protocol::messages::ReadVersionedType<std::io::Cursor<Vec<u8>>>,
+    {
         match tokio::time::timeout(self.request_timeout, conn.request(request)).await {
-            Ok(r) => r.map_err(|e| failed(format!("{what}: {e}"))),
+            Ok(Ok(r)) => Ok(Some(r)),
+            Ok(Err(rskafka::messenger::RequestError::NoVersionMatch { .. })) => Ok(None),
+            Ok(Err(e)) => Err(failed(format!("{what}: {e}"))),
             Err(_) => Err(failed(format!(
                 "{what}: no answer within {:?}",
                 self.request_timeout

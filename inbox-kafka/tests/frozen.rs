@@ -83,7 +83,7 @@ async fn until(what: &str, within: Duration, mut done: impl AsyncFnMut() -> bool
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_broker_stops_nothing_for_good() {
     let store = fresh_store().await.unwrap_or_else(|e| panic!("{e}"));
-    let broker = Broker::start_with_storage("sqlite://tansu.db").unwrap_or_else(|e| panic!("{e}"));
+    let broker = Broker::start_new().unwrap_or_else(|e| panic!("{e}"));
     let pid = broker
         .pid()
         .unwrap_or_else(|| panic!("the test's own broker"));

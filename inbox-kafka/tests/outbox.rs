@@ -1568,8 +1568,7 @@ async fn the_relay_rides_out_a_postgres_crash_and_a_broker_kill() {
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
-    let mut broker = inbox_testkit::kafka::Broker::start_with_storage("sqlite://tansu.db")
-        .unwrap_or_else(|e| panic!("{e}"));
+    let mut broker = inbox_testkit::kafka::Broker::start_new().unwrap_or_else(|e| panic!("{e}"));
     let topic = broker
         .topic("outbox-crash", 2)
         .await

@@ -1,5 +1,11 @@
-//! Aborted transactions end to end: tansu 0.6 has no EndTxn, so no
-//! transaction can be committed or aborted on it. This serves a log as
+//! Aborted transactions end to end. On Apache Kafka (the test broker),
+//! librdkafka's transactional producer writes committed and aborted
+//! transactions, one aborted transaction larger than a fetch, interleaved
+//! with a plain producer (`tests/clients/librdkafka_transactions.py`).
+//!
+//! tansu 0.6 has no EndTxn, so no transaction can be committed or aborted
+//! on it, and the cases a real broker is not made to write (a log cut at a
+//! chosen batch, every codec) come from here too: this serves a log as
 //! Kafka writes it for transactional producers (record batches of two
 //! producers, commit and abort markers, the aborted-transaction list of a
 //! read_committed fetch) from a minimal broker written here, which speaks
@@ -276,7 +282,22 @@ async fn serve(socket: TcpStream, address: String, served: Served) -> std::io::R
                     .take(served.per_fetch)
                 {
                     let end = b.base_offset + i64::from(b.last_offset_delta);
-                    b.write(&mut records).map_err(std::io::Error::other)?;
+                    match b.records {
+                        // a marker as Kafka writes it (rskafka's writer
+                        // writes what Kafka does not)
+                        ControlBatchOrRecords::ControlBatch(marker) => {
+                            records.extend(inbox_testkit::kafka::control_batch(
+                                b.base_offset,
+                                b.producer_id,
+                                b.producer_epoch,
+                                marker == ControlBatchRecord::Commit,
+                                b.first_timestamp,
+                            ));
+                        }
+                        ControlBatchOrRecords::Records(_) => {
+                            b.write(&mut records).map_err(std::io::Error::other)?;
+                        }
+                    }
                     last = last.max(end);
                 }
                 if records.is_empty() {
@@ -533,6 +554,92 @@ async fn a_quiet_partition_after_a_commit_marker_has_no_lag_and_long_polls() {
         fetches <= 10,
         "{fetches} fetches in 1.5 s at a 300 ms long poll"
     );
+    assert_eq!(health.lag_records(), 0, "{:?}", health.partitions());
+    assert!(
+        health
+            .stalled(std::time::Duration::from_millis(500))
+            .is_empty(),
+        "{:?}",
+        health.partitions()
+    );
+}
+
+/// Real transactions on Apache Kafka, written by librdkafka's transactional
+/// producer (see the module docs): every committed record and the plain
+/// one handled once, none of the 300 aborted (1.2 MB, over four fetches of
+/// 256 KiB), the offset stored at the log's end (past the final commit
+/// marker: lag 0 at the last stable offset), and the quiet partition after
+/// that marker neither lagging nor stalled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn librdkafka_transactions_on_apache_kafka_are_read_committed() {
+    let env = common::env("txn", 1).await;
+    assert_ne!(
+        env.broker.kind(),
+        Some(inbox_testkit::kafka::BrokerKind::Tansu),
+        "tansu 0.6 has no EndTxn: run this test on Apache Kafka (INBOX_TEST_BROKER unset)"
+    );
+    let written = common::librdkafka(
+        "librdkafka_transactions.py",
+        &[env.broker.address(), &env.topic, "300"],
+    );
+    let ids = |kind: &str| -> Vec<String> {
+        written[kind]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|v| v.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let health = inbox_kafka::HealthHandle::new();
+    let mut kafka = env.kafka_config("billing");
+    kafka.fetch_max_bytes = 256 * 1024;
+    kafka.max_wait = std::time::Duration::from_millis(300);
+    kafka.health = health.clone();
+    let consumer = KafkaConsumer::connect(kafka, env.store.clone())
+        .await
+        .expect("connect");
+    let mut runner = Runner::new(
+        env.store.clone(),
+        consumer,
+        ScriptedHandler::new([], Act::Succeed),
+        common::config("billing", AckStrategy::default()),
+    );
+    drain(&mut runner).await;
+    for id in ids("committed").iter().chain(&ids("plain")) {
+        assert_eq!(invoiced(&env.store, id).await, 1, "{id} handled once");
+    }
+    let aborted = ids("aborted");
+    assert_eq!(aborted.len(), 300);
+    for id in &aborted {
+        assert_eq!(invoiced(&env.store, id).await, 0, "{id} was aborted");
+    }
+    assert_eq!(env.total_invoices().await, 5, "c-0..c-3 and p-0");
+    let end = env
+        .broker
+        .client()
+        .await
+        .expect("client")
+        .partition_client(
+            &env.topic,
+            0,
+            rskafka::client::partition::UnknownTopicHandling::Error,
+        )
+        .await
+        .expect("partition")
+        .get_offset(rskafka::client::partition::OffsetAt::Latest)
+        .await
+        .expect("end");
+    assert_eq!(
+        env.stored_offset("billing", 0).await,
+        Some(end),
+        "acknowledged to the log's end, past the last commit marker"
+    );
+    let quiet = std::time::Instant::now();
+    while quiet.elapsed() < std::time::Duration::from_millis(1_500) {
+        assert!(runner.process_one().await.expect("fetch").is_none());
+    }
     assert_eq!(health.lag_records(), 0, "{:?}", health.partitions());
     assert!(
         health

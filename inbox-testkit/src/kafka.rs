@@ -1,9 +1,11 @@
-//! A throwaway Kafka-protocol broker for integration tests: `tansu`.
+//! A throwaway Kafka broker for integration tests: Apache Kafka, or `tansu`.
 //!
 //! [`broker`] returns the process's broker: the one `KAFKA_BROKERS` names,
-//! or else a `tansu` started here on a free port with its sqlite storage in
-//! a temporary directory (sqlite stores records one by one, so fetching from
-//! any offset is correct: the suites restart and rewind consumers). A reaper
+//! or else one started here on free ports in a temporary directory, of the
+//! kind `INBOX_TEST_BROKER` names ([`BrokerKind::from_env`]): Apache Kafka
+//! by default (a KRaft node, see [`crate::apache`]), or `tansu` with its
+//! sqlite storage (sqlite stores records one by one, so fetching from any
+//! offset is correct: the suites restart and rewind consumers). A reaper
 //! stops it and removes the directory when the test process ends, even on
 //! failure. Topics get random names per test ([`Broker::topic`]); records
 //! are produced with `rskafka` in batches, as real producers do.
@@ -17,10 +19,15 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use rskafka::client::partition::{Compression, UnknownTopicHandling};
-use rskafka::client::{Client, ClientBuilder, Credentials, SaslConfig};
+use rskafka::client::{
+    Client, ClientBuilder, Credentials, OauthBearerCredentials, OauthCallback, SaslConfig,
+};
 use rskafka::record::Record;
 
+use crate::apache;
 use crate::pg::HarnessError;
 use crate::service::{free_port, run, spawn_reaper, temp_dir};
 use crate::tls::{self, Certificates};
@@ -29,6 +36,33 @@ use crate::tls::{self, Certificates};
 /// whole max-wait even when records are ready, so the production default
 /// (500 ms) would slow every test and run to two fetches a second.
 pub const TANSU_MAX_WAIT: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// Which broker the harness starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BrokerKind {
+    /// Apache Kafka (the release `apache-kafka/pom.xml` names), KRaft.
+    ApacheKafka,
+    /// `tansu` 0.6 with sqlite storage.
+    Tansu,
+}
+
+impl BrokerKind {
+    /// `INBOX_TEST_BROKER`: `tansu`, or Apache Kafka when unset or
+    /// `apache-kafka`.
+    ///
+    /// # Errors
+    ///
+    /// A [`HarnessError`] naming a value that is neither.
+    pub fn from_env() -> Result<Self, HarnessError> {
+        match std::env::var("INBOX_TEST_BROKER").as_deref() {
+            Err(_) | Ok("" | "apache-kafka" | "kafka") => Ok(Self::ApacheKafka),
+            Ok("tansu") => Ok(Self::Tansu),
+            Ok(other) => Err(HarnessError(format!(
+                "INBOX_TEST_BROKER={other}: expected apache-kafka or tansu"
+            ))),
+        }
+    }
+}
 
 /// A Kafka-protocol broker for the tests.
 #[derive(Debug)]
@@ -44,6 +78,8 @@ pub struct Broker {
     certificates: Option<Certificates>,
     /// How the broker is secured.
     security: Security,
+    /// Which broker it is (`None`: one named by `KAFKA_BROKERS`).
+    kind: Option<BrokerKind>,
 }
 
 /// A SCRAM mechanism of a broker user.
@@ -62,6 +98,13 @@ impl Scram {
             Scram::Sha512 => "scram512",
         }
     }
+
+    fn mechanism(self) -> &'static str {
+        match self {
+            Scram::Sha256 => "SCRAM-SHA-256",
+            Scram::Sha512 => "SCRAM-SHA-512",
+        }
+    }
 }
 
 /// How a broker started by [`Broker::start_secured`] is protected.
@@ -77,6 +120,13 @@ pub struct Security {
     /// require authentication. The harness's own client (topics, produce)
     /// signs in as the first.
     pub users: Vec<(String, String, Scram)>,
+    /// SASL `PLAIN` users `(name, password)` (Apache Kafka only). The
+    /// harness's own client signs in as the first when there is no SCRAM
+    /// user.
+    pub plain_users: Vec<(String, String)>,
+    /// Serve SASL `OAUTHBEARER` with Kafka's unsecured JWS validator
+    /// (Apache Kafka only; tokens from [`unsecured_token`]).
+    pub oauthbearer: bool,
     /// Without TLS, still put the front before the broker, forwarding
     /// plain TCP: what the hop alone costs, to compare with TLS.
     pub plain_front: bool,
@@ -95,15 +145,43 @@ impl std::fmt::Debug for Security {
             .field("tls", &self.tls)
             .field("mutual_tls", &self.mutual_tls)
             .field("users", &users)
+            .field(
+                "plain_users",
+                &self.plain_users.iter().map(|(u, _)| u).collect::<Vec<_>>(),
+            )
+            .field("oauthbearer", &self.oauthbearer)
             .field("plain_front", &self.plain_front)
             .field("storage", &self.storage)
             .finish()
     }
 }
 
+/// How a broker process is started.
+#[derive(Debug, Clone)]
+enum Launch {
+    Tansu(TansuLaunch),
+    Apache(apache::Node),
+}
+
+impl Launch {
+    fn start(&self) -> Result<Child, HarnessError> {
+        match self {
+            Launch::Tansu(t) => t.start(),
+            Launch::Apache(node) => node.start(),
+        }
+    }
+
+    fn listen(&self) -> &str {
+        match self {
+            Launch::Tansu(t) => &t.listen,
+            Launch::Apache(node) => &node.listen,
+        }
+    }
+}
+
 /// How a tansu process is started.
 #[derive(Debug, Clone)]
-struct Launch {
+struct TansuLaunch {
     tansu: PathBuf,
     dir: PathBuf,
     /// Where it listens (plaintext).
@@ -149,6 +227,7 @@ pub fn broker() -> Result<&'static Broker, HarnessError> {
                 launch: None,
                 certificates: None,
                 security: Security::default(),
+                kind: None,
             }),
             _ => Broker::start(),
         })
@@ -158,10 +237,25 @@ pub fn broker() -> Result<&'static Broker, HarnessError> {
 
 impl Broker {
     fn start() -> Result<Self, HarnessError> {
-        Self::start_with_storage("sqlite://tansu.db")
+        Self::start_new()
     }
 
-    /// Starts another broker with the given `--storage-engine` (relative
+    /// Starts another broker of the kind `INBOX_TEST_BROKER` names
+    /// ([`BrokerKind::from_env`]), its own storage in a temporary directory:
+    /// one a test can kill, restart or freeze. Stopped when the process
+    /// ends.
+    ///
+    /// # Errors
+    ///
+    /// A [`HarnessError`] saying why it could not start.
+    pub fn start_new() -> Result<Self, HarnessError> {
+        match BrokerKind::from_env()? {
+            BrokerKind::ApacheKafka => Self::start_apache(None),
+            BrokerKind::Tansu => Self::start_plain("sqlite://tansu.db", None),
+        }
+    }
+
+    /// Starts another tansu with the given `--storage-engine` (relative
     /// paths are taken from its temporary directory), e.g. `memory://tansu/`
     /// for a forward-only throughput run. Stopped when the process ends.
     ///
@@ -172,11 +266,17 @@ impl Broker {
         Self::start_plain(storage, None)
     }
 
-    /// A plaintext broker with `storage`, advertising `advertised` (its
+    /// A plaintext Apache Kafka node advertising `advertised` (its own
+    /// address when `None`).
+    fn start_apache(advertised: Option<&str>) -> Result<Self, HarnessError> {
+        Self::start_secured_apache(Security::default(), advertised)
+    }
+
+    /// A plaintext tansu with `storage`, advertising `advertised` (its
     /// own address when `None`).
     fn start_plain(storage: &str, advertised: Option<&str>) -> Result<Self, HarnessError> {
         let (tansu, dir, listen) = prepare()?;
-        let launch = Launch {
+        let launch = TansuLaunch {
             tansu,
             dir,
             advertised: advertised.map_or_else(|| listen.clone(), str::to_owned),
@@ -194,13 +294,20 @@ impl Broker {
         Ok(Self {
             address: launch.advertised.clone(),
             child: Some(child),
-            launch: Some(launch),
+            launch: Some(Launch::Tansu(launch)),
             certificates: None,
             security: Security::default(),
+            kind: Some(BrokerKind::Tansu),
         })
     }
 
-    /// Starts another broker (sqlite storage) that advertises `advertised`
+    /// Which broker this is (`None` for one `KAFKA_BROKERS` names).
+    pub fn kind(&self) -> Option<BrokerKind> {
+        self.kind
+    }
+
+    /// Starts another broker (of the kind [`start_new`](Self::start_new)
+    /// starts) that advertises `advertised`
     /// instead of the address it listens on: a proxy of the test's own in
     /// front of it, through which every client then connects
     /// ([`listen_address`](Self::listen_address) is where the proxy goes).
@@ -209,27 +316,48 @@ impl Broker {
     ///
     /// A [`HarnessError`] saying why it could not start.
     pub fn start_advertised(advertised: &str) -> Result<Self, HarnessError> {
-        Self::start_plain("sqlite://tansu.db", Some(advertised))
+        match BrokerKind::from_env()? {
+            BrokerKind::ApacheKafka => Self::start_apache(Some(advertised)),
+            BrokerKind::Tansu => Self::start_plain("sqlite://tansu.db", Some(advertised)),
+        }
     }
 
     /// Where a broker started here listens (its advertised address may be
     /// a proxy's or a TLS front's).
     pub fn listen_address(&self) -> Option<&str> {
-        self.launch.as_ref().map(|l| l.listen.as_str())
+        self.launch.as_ref().map(Launch::listen)
     }
 
-    /// Starts a secured broker (sqlite storage): SCRAM users created first
-    /// (tansu creates users only for a client it lets in, so on a first run
-    /// without authentication, then restarted with it), and TLS through the
-    /// harness's TLS front (see [`crate::tls`]: tansu 0.6's command line
-    /// cannot switch its own TLS on).
+    /// Starts a secured broker of the kind [`start_new`](Self::start_new)
+    /// starts (tansu when `security.storage` is set).
+    ///
+    /// Apache Kafka serves TLS itself (a PEM keystore of the harness's
+    /// certificates; mutual TLS requires a client certificate of its CA)
+    /// and SASL on its client listener: SCRAM users added when its storage
+    /// is formatted, `PLAIN` users in its JAAS configuration, and
+    /// `OAUTHBEARER` with Kafka's unsecured JWS validator (any unsigned
+    /// token, see [`unsecured_token`]).
+    ///
+    /// tansu gets its SCRAM users first (it creates users only for a client
+    /// it lets in, so on a first run without authentication, then restarted
+    /// with it), and TLS through the harness's TLS front (see
+    /// [`crate::tls`]: tansu 0.6's command line cannot switch its own TLS
+    /// on); it serves neither `PLAIN` nor `OAUTHBEARER`.
     ///
     /// # Errors
     ///
     /// A [`HarnessError`] saying why it could not start.
     pub fn start_secured(security: Security) -> Result<Self, HarnessError> {
+        if security.storage.is_none() && BrokerKind::from_env()? == BrokerKind::ApacheKafka {
+            return Self::start_secured_apache(security, None);
+        }
+        if !security.plain_users.is_empty() || security.oauthbearer {
+            return Err(HarnessError(
+                "tansu serves neither SASL PLAIN nor OAUTHBEARER".into(),
+            ));
+        }
         let (tansu, dir, listen) = prepare()?;
-        let mut launch = Launch {
+        let mut launch = TansuLaunch {
             tansu,
             dir,
             advertised: listen.clone(),
@@ -293,9 +421,88 @@ impl Broker {
         Ok(Self {
             address: launch.advertised.clone(),
             child: Some(child),
-            launch: Some(launch),
+            launch: Some(Launch::Tansu(launch)),
             certificates,
             security,
+            kind: Some(BrokerKind::Tansu),
+        })
+    }
+
+    /// An Apache Kafka node secured as `security` says, advertising
+    /// `advertised` (else the plain front's address, else its own).
+    fn start_secured_apache(
+        security: Security,
+        advertised: Option<&str>,
+    ) -> Result<Self, HarnessError> {
+        let tls = security.tls || security.mutual_tls;
+        let certificates = if tls {
+            Some(Certificates::generate()?)
+        } else {
+            None
+        };
+        let mut listener = apache::Listener {
+            tls: certificates
+                .as_ref()
+                .map(|c| (c.server_cert_pem.clone(), c.server_key_pem.clone())),
+            client_ca: certificates
+                .as_ref()
+                .filter(|_| security.mutual_tls)
+                .map(|c| c.ca_pem.clone()),
+            ..apache::Listener::default()
+        };
+        for (user, password, scram) in &security.users {
+            let mechanism = scram.mechanism().to_owned();
+            if !listener.sasl.contains(&mechanism) {
+                listener.sasl.push(mechanism.clone());
+            }
+            listener
+                .scram_users
+                .push((mechanism, user.clone(), password.clone()));
+        }
+        if !security.plain_users.is_empty() {
+            listener.sasl.push("PLAIN".to_owned());
+            listener.plain_users.clone_from(&security.plain_users);
+        }
+        if security.oauthbearer {
+            listener.sasl.push("OAUTHBEARER".to_owned());
+        }
+        let front = if security.plain_front && !tls {
+            let front = std::net::TcpListener::bind("127.0.0.1:0")
+                .map_err(|e| HarnessError(format!("front: {e}")))?;
+            let address = front
+                .local_addr()
+                .map_err(|e| HarnessError(format!("front: {e}")))?
+                .to_string();
+            Some((front, address))
+        } else {
+            None
+        };
+        let plan = apache::Plan::new(
+            1,
+            listener,
+            front.as_ref().map(|(_, a)| a.as_str()).or(advertised),
+        )?;
+        let node = plan.nodes[0].clone();
+        if let Some((front, _)) = front {
+            tls::spawn_front(front, node.listen.clone(), None, false)?;
+        }
+        let started = Instant::now();
+        let child = node.start()?;
+        eprintln!(
+            "inbox-testkit: started Apache Kafka {} ({security:?}) on {} advertised as {} in {:.1} s ({})",
+            apache::version(),
+            node.listen,
+            node.advertised,
+            started.elapsed().as_secs_f64(),
+            node.dir.display()
+        );
+        Ok(Self {
+            address: node.advertised.clone(),
+            child: Some(child),
+            launch: Some(Launch::Apache(node)),
+            certificates,
+            security,
+            kind: Some(BrokerKind::ApacheKafka),
         })
     }
 
@@ -363,6 +570,20 @@ impl Broker {
                 Scram::Sha256 => SaslConfig::ScramSha256(credentials),
                 Scram::Sha512 => SaslConfig::ScramSha512(credentials),
             });
+        } else if let Some((user, password)) = self.security.plain_users.first() {
+            builder = builder.sasl_config(SaslConfig::Plain(Credentials::new(
+                user.clone(),
+                password.clone(),
+            )));
+        } else if self.security.oauthbearer {
+            let callback: OauthCallback = std::sync::Arc::new(|| {
+                Box::pin(async { Ok(unsecured_token("admin", Duration::from_secs(3_600))) })
+            });
+            builder = builder.sasl_config(SaslConfig::Oauthbearer(OauthBearerCredentials {
+                callback,
+                authz_id: None,
+                bearer_kvs: Vec::new(),
+            }));
         }
         builder
             .build()
@@ -483,7 +704,7 @@ fn prepare() -> Result<(PathBuf, PathBuf, String), HarnessError> {
     Ok((tansu, dir, listen))
 }
 
-impl Launch {
+impl TansuLaunch {
     /// Starts `tansu` (storage relative to `dir`, logging to
     /// `dir/tansu.log`); waits until it listens. A reaper kills it when this
     /// process ends.
@@ -533,6 +754,69 @@ impl Launch {
         }
         Ok(child)
     }
+}
+
+/// An unsigned JWS (`alg: none`) for `subject`, valid for `lifetime`: what
+/// Kafka's unsecured OAUTHBEARER validator accepts, and what a broker
+/// started with [`Security::oauthbearer`] lets in.
+pub fn unsecured_token(subject: &str, lifetime: Duration) -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let header = URL_SAFE_NO_PAD.encode(br#"{"alg":"none"}"#);
+    let claims = serde_json::json!({
+        "sub": subject,
+        "iat": now,
+        "exp": now + lifetime.as_secs(),
+    });
+    let claims = URL_SAFE_NO_PAD.encode(claims.to_string());
+    format!("{header}.{claims}.")
+}
+
+/// A transaction's marker as Kafka writes it: a control batch (message
+/// format 2, transactional) at `base_offset` of `producer_id` and
+/// `producer_epoch`, holding one record whose key is version 0 and the
+/// marker's type (1 commit, 0 abort) and whose value is version 0 and
+/// coordinator epoch 0, its CRC-32C over what follows the CRC. rskafka 0.6
+/// writes (and reads) a control batch's body as two bare `int16`s instead:
+/// what a test broker serves must be what Apache Kafka serves.
+pub fn control_batch(
+    base_offset: i64,
+    producer_id: i64,
+    producer_epoch: i16,
+    commit: bool,
+    timestamp: i64,
+) -> Vec<u8> {
+    use rskafka::protocol::record::Record as WireRecord;
+    use rskafka::protocol::traits::WriteType;
+    let record = WireRecord {
+        timestamp_delta: 0,
+        offset_delta: 0,
+        key: Some(vec![0, 0, 0, u8::from(commit)]),
+        value: Some(vec![0, 0, 0, 0, 0, 0]),
+        headers: Vec::new(),
+    };
+    let mut body = Vec::new();
+    body.extend_from_slice(&0x30_i16.to_be_bytes()); // transactional, control
+    body.extend_from_slice(&0_i32.to_be_bytes()); // last offset delta
+    body.extend_from_slice(&timestamp.to_be_bytes()); // first timestamp
+    body.extend_from_slice(&timestamp.to_be_bytes()); // max timestamp
+    body.extend_from_slice(&producer_id.to_be_bytes());
+    body.extend_from_slice(&producer_epoch.to_be_bytes());
+    body.extend_from_slice(&(-1_i32).to_be_bytes()); // base sequence
+    body.extend_from_slice(&1_i32.to_be_bytes()); // one record
+    // writing to a Vec cannot fail
+    let _ = record.write(&mut body);
+    let crc = crc32c::crc32c(&body);
+    let mut out = Vec::with_capacity(21 + body.len());
+    out.extend_from_slice(&base_offset.to_be_bytes());
+    let length = i32::try_from(4 + 1 + 4 + body.len()).unwrap_or(i32::MAX);
+    out.extend_from_slice(&length.to_be_bytes());
+    out.extend_from_slice(&0_i32.to_be_bytes()); // partition leader epoch
+    out.push(2); // magic
+    out.extend_from_slice(&crc.to_be_bytes());
+    out.extend_from_slice(&body);
+    out
 }
 
 /// A record with a JSON value and string headers.

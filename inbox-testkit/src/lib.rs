@@ -30,6 +30,8 @@
 //! # });
 //! ```
 
+#[cfg(feature = "kafka")]
+pub mod apache;
 mod broker;
 mod conformance;
 mod faulty;

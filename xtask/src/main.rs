@@ -99,11 +99,13 @@ enum Cmd {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let services = || setup::postgres().and_then(|()| setup::tansu());
+    let services = || setup::postgres().and_then(|()| setup::apache_kafka());
     let result = match cli.command {
         Cmd::Test => test(),
         Cmd::Demo(args) => services().and_then(|()| demo::run(args)),
-        Cmd::Bench(o) => services().and_then(|()| bench::run(o)),
+        Cmd::Bench(o) => services()
+            .and_then(|()| setup::tansu())
+            .and_then(|()| bench::run(o)),
         Cmd::BenchLine { args } => bench::line(&args),
         Cmd::Soak(o) => services().and_then(|()| soak::run(o)),
         Cmd::SoakConsumer { args } => soak::consumer(&args),
@@ -197,6 +199,7 @@ pub(crate) fn workspace_root() -> std::path::PathBuf {
 
 fn test() -> Result<()> {
     setup::postgres()?;
+    setup::apache_kafka()?;
     setup::tansu()?;
     setup::librdkafka()?;
     cargo(&["fmt", "--all", "--check"], &[])?;

@@ -131,7 +131,7 @@ fn show(a: &BTreeMap<(String, i32), String>) -> String {
 async fn scale() -> Result<()> {
     let server = inbox_testkit::pg::server().map_err(|e| anyhow!("{e}"))?;
     let url = server.create_database().map_err(|e| anyhow!("{e}"))?;
-    let broker = Broker::start_with_storage("sqlite://tansu.db").map_err(|e| anyhow!("{e}"))?;
+    let broker = Broker::start_new().map_err(|e| anyhow!("{e}"))?;
     let store = PgStore::connect(&url, TableName::default()).await?;
     store.migrate().await?;
     store

@@ -1,6 +1,7 @@
 //! Installs what the tests and the demo need on a fresh machine, so the
 //! README's two commands work as they are: the PostgreSQL server binaries
-//! (and a `postgres` user, since `initdb` refuses root) and the `tansu`
+//! (and a `postgres` user, since `initdb` refuses root), Java and Maven
+//! with the Apache Kafka release the tests run against, and the `tansu`
 //! broker.
 
 use std::path::Path;
@@ -54,8 +55,62 @@ pub(crate) fn postgres() -> Result<()> {
     Ok(())
 }
 
-/// Makes sure a Kafka-protocol broker can be started (or `KAFKA_BROKERS` is
-/// set): installs `tansu` from crates.io when it is missing.
+/// Makes sure Apache Kafka can be started (or `KAFKA_BROKERS` is set):
+/// Java 17 or newer and Maven (installed with apt-get when missing), then
+/// the release `inbox-testkit/apache-kafka/pom.xml` names resolved into
+/// `~/.m2` (downloaded on the first run only).
+pub(crate) fn apache_kafka() -> Result<()> {
+    if std::env::var("KAFKA_BROKERS").is_ok_and(|b| !b.is_empty()) {
+        return Ok(());
+    }
+    let works = |cmd: &str, arg: &str| {
+        Command::new(cmd)
+            .arg(arg)
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    let java = inbox_testkit::apache::java();
+    let java = java.to_string_lossy();
+    let mut missing = Vec::new();
+    if !works(&java, "-version") {
+        missing.push("openjdk-17-jre-headless");
+    }
+    if !works("mvn", "-version") {
+        missing.push("maven");
+    }
+    if !missing.is_empty() {
+        if !is_root() || !Path::new("/usr/bin/apt-get").exists() {
+            bail!(
+                "the tests run Apache Kafka, which needs Java 17+ and Maven: install {}",
+                missing.join(" and ")
+            );
+        }
+        println!(
+            "setup: {} missing (Apache Kafka runs on Java and is resolved by Maven), installing with apt-get",
+            missing.join(" and ")
+        );
+        sh("apt-get update -qq")?;
+        sh(&format!(
+            "DEBIAN_FRONTEND=noninteractive apt-get install -y -qq {}",
+            missing.join(" ")
+        ))?;
+    }
+    println!(
+        "setup: resolving Apache Kafka {} with Maven (the first run downloads about 60 MB into ~/.m2)",
+        inbox_testkit::apache::version()
+    );
+    let started = std::time::Instant::now();
+    inbox_testkit::apache::classpath().map_err(|e| anyhow::anyhow!("{e}"))?;
+    println!(
+        "setup: Apache Kafka resolved in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// Makes sure tansu can be started (the bench's throughput lines and the
+/// one test of a broker that skips offsets use it): installs `tansu` from
+/// crates.io when it is missing.
 pub(crate) fn tansu() -> Result<()> {
     if std::env::var("KAFKA_BROKERS").is_ok_and(|b| !b.is_empty()) {
         return Ok(());

@@ -420,7 +420,7 @@ async fn soak(o: Options) -> Result<()> {
     );
     let pg = PgServer::start_dedicated(settings).map_err(|e| anyhow!("{e}"))?;
     let url = pg.create_database().map_err(|e| anyhow!("{e}"))?;
-    let mut broker = Broker::start_with_storage("sqlite://tansu.db").map_err(|e| anyhow!("{e}"))?;
+    let mut broker = Broker::start_new().map_err(|e| anyhow!("{e}"))?;
     let store = PgStore::connect(&url, TableName::new(None, TABLE)?)
         .await
         .context("connecting to PostgreSQL")?;

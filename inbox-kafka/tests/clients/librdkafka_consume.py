@@ -3,10 +3,11 @@ team's service would, and prints what it read: one JSON list of records
 (partition, offset, key, value, headers as [name, value] pairs in the
 order librdkafka returns them).
 
-Reads partition 0 from its beginning, assigned (no group join).
+Reads partitions 0..PARTITIONS (default 1) from their beginning, assigned
+(no group join).
 
-Usage: librdkafka_consume.py BROKER TOPIC COUNT
-(COUNT 0: every record up to the partition's end, however many)
+Usage: librdkafka_consume.py BROKER TOPIC COUNT [PARTITIONS]
+(COUNT 0: every record up to each partition's end, however many)
 """
 
 import json
@@ -22,6 +23,7 @@ def text(b):
 
 def main() -> None:
     broker, topic, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    partitions = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     consumer = Consumer(
         {
             "bootstrap.servers": broker,
@@ -29,21 +31,25 @@ def main() -> None:
             "enable.auto.commit": False,
         }
     )
-    consumer.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
+    consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(partitions)])
     out, deadline = [], time.time() + 60
-    end = None
+    ends, at = None, {}
     if count == 0:
-        _, end = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=30)
+        ends = {
+            p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1]
+            for p in range(partitions)
+        }
     while time.time() < deadline:
-        if end is None and len(out) >= count:
+        if ends is None and len(out) >= count:
             break
-        if end is not None and (not out and end == 0 or out and out[-1]["offset"] + 1 >= end):
+        if ends is not None and all(at.get(p, 0) >= end for p, end in ends.items()):
             break
         m = consumer.poll(1.0)
         if m is None:
             continue
         if m.error():
             sys.exit(f"librdkafka: {m.error()}")
+        at[m.partition()] = m.offset() + 1
         out.append(
             {
                 "partition": m.partition(),

@@ -1,4 +1,4 @@
-//! The Kafka tools see the group, on PostgreSQL and tansu, read and written
+//! The Kafka tools see the group, on PostgreSQL and Apache Kafka, read and written
 //! by librdkafka (the `confluent-kafka` wheel): the offsets the inbox
 //! stores in PostgreSQL are committed to the brokers' group coordinator,
 //! where librdkafka finds them; and a group starts where an existing Kafka
@@ -184,4 +184,86 @@ async fn a_member_fenced_by_a_move_copies_nothing_to_the_coordinator() {
         "the coordinator is not ahead of PostgreSQL"
     );
     assert_eq!(env.stored_offset("billing", 0).await, Some(3));
+}
+
+/// Kafka's own tool agrees: `kafka-consumer-groups --describe` (the Java
+/// tool of the broker's release) shows the group's offsets and lag as the
+/// library stored them; a group reset by that tool (`--reset-offsets
+/// --to-offset 4 --execute`) and then adopted (`StartPosition::GroupOffsets`)
+/// starts where the tool put it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_consumer_groups_sees_the_group_and_its_reset_is_adopted() {
+    use inbox_testkit::apache::{GroupRow, consumer_groups, describe_group};
+    let env = env("tools-group", 2).await;
+    assert_ne!(
+        env.broker.kind(),
+        Some(inbox_testkit::kafka::BrokerKind::Tansu),
+        "Kafka's tools run against Apache Kafka (INBOX_TEST_BROKER unset)"
+    );
+    let ids: Vec<String> = (0..6).map(|i| format!("o-{i}")).collect();
+    let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    env.produce_orders(0, &refs).await;
+    env.produce_orders(1, &["b-1", "b-2"]).await;
+    let mut kafka = env.kafka_config("tools-billing");
+    kafka.broker_commit_interval = Some(Duration::from_millis(100));
+    let mut runner = runner_of(&env, kafka, "tools-billing").await;
+    drain(&mut runner).await;
+    let want = serde_json::json!({"0": 6, "1": 2});
+    for _ in 0..50 {
+        if committed(&env, "tools-billing") == want {
+            break;
+        }
+        runner.process_one().await.unwrap_or_else(|e| panic!("{e}"));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    env.produce_orders(1, &["b-3"]).await;
+    let row = |partition, current, log_end, lag| GroupRow {
+        topic: env.topic.clone(),
+        partition,
+        current: Some(current),
+        log_end: Some(log_end),
+        lag: Some(lag),
+    };
+    let mut rows: Vec<GroupRow> = describe_group(env.broker.address(), "tools-billing")
+        .unwrap_or_else(|e| panic!("{e}"))
+        .into_iter()
+        .filter(|r| r.topic == env.topic)
+        .collect();
+    rows.sort_by_key(|r| r.partition);
+    assert_eq!(
+        rows,
+        [row(0, 6, 6, 0), row(1, 2, 3, 1)],
+        "kafka-consumer-groups --describe shows what PostgreSQL stored"
+    );
+    assert_eq!(
+        (
+            env.stored_offset("tools-billing", 0).await,
+            env.stored_offset("tools-billing", 1).await
+        ),
+        (Some(6), Some(2))
+    );
+    // an operator resets a group with the tool, then the inbox adopts it
+    let topic0 = format!("{}:0", env.topic);
+    let reset = consumer_groups(
+        env.broker.address(),
+        &[
+            "--reset-offsets",
+            "--group",
+            "legacy",
+            "--topic",
+            &topic0,
+            "--to-offset",
+            "4",
+            "--execute",
+        ],
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert!(reset.contains('4'), "{reset}");
+    let mut kafka = env.kafka_config("adopter");
+    kafka.partitions = vec![(env.topic.clone(), 0)];
+    kafka.start = StartPosition::GroupOffsets("legacy".into());
+    let mut runner = runner_of(&env, kafka, "adopter").await;
+    let results = drain(&mut runner).await;
+    assert_eq!(results.len(), 2, "o-4 and o-5 only: {results:?}");
+    assert_eq!(env.stored_offset("adopter", 0).await, Some(6));
 }

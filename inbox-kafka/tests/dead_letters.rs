@@ -1,5 +1,5 @@
 //! A poison record replayed after the code changed, on PostgreSQL and
-//! tansu: a producer switches one record to a text format the decoder
+//! Apache Kafka: a producer switches one record to a text format the decoder
 //! cannot read; the consumer dead-letters it (with its raw bytes and its
 //! headers as received) and moves on; once a decoder reads the format, the
 //! dead letter is decoded again from its bytes and replayed through the

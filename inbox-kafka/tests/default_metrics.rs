@@ -2,7 +2,7 @@
 //! given no metrics report through the `metrics` crate (a recorder
 //! installed as the global one sees every message counted under the
 //! consumer's group, every event published under the relays' group), so a
-//! program names its group once and an exporter sees the inbox. Against tansu and
+//! program names its group once and an exporter sees the inbox. Against Apache Kafka and
 //! PostgreSQL. Its own test binary: it installs the process's recorder.
 
 #![cfg(feature = "metrics")]

@@ -1,4 +1,4 @@
-//! End to end: a Kafka-protocol broker (tansu, sqlite storage) -> the
+//! End to end: Apache Kafka (the test broker) -> the
 //! runner -> PostgreSQL. Every test has its own database and topic.
 
 mod common;

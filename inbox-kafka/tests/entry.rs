@@ -1,7 +1,7 @@
 //! The one entry point: an `InboxConsumer` named once (brokers, group,
 //! member, topics) consumes into PostgreSQL and stops gracefully when its
 //! shutdown future ends; settings it cannot run with are refused before
-//! anything connects. Against tansu and PostgreSQL, effects counted with SQL.
+//! anything connects. Against Apache Kafka and PostgreSQL, effects counted with SQL.
 
 mod common;
 

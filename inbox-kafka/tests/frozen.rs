@@ -5,7 +5,7 @@
 //! rounds keep returning (its appends fail and back off) and the
 //! consumer's polls keep returning while the broker is frozen; after
 //! `kill -CONT` every event is published and handled exactly once. Real
-//! PostgreSQL and a tansu of the test's own.
+//! PostgreSQL and a broker of the test's own (Apache Kafka).
 
 mod common;
 

@@ -1,7 +1,7 @@
 //! Members of one group share its partitions through PostgreSQL: a member
 //! that joins takes its share, one that leaves gracefully hands its
 //! partitions over, one that dies loses them after the lease; every effect
-//! exactly once (counted with SQL). In-process members on tansu.
+//! exactly once (counted with SQL). In-process members on Apache Kafka.
 
 mod common;
 

@@ -2,7 +2,7 @@
 //! per-partition sequence numbers of InitProducerId, as the Java client
 //! sends by default since Kafka 3.0): a connection cut after a produce
 //! request is sent and before its answer arrives (a proxy of the test's own
-//! on a real socket, in front of tansu) makes the relay send the append
+//! on a real socket, in front of the broker) makes the relay send the append
 //! again, exactly as it was, and the broker keeps it once. Read back with
 //! librdkafka: every event once, none twice. Without the producer id the
 //! same cut wrote the append twice.

@@ -1,7 +1,7 @@
 //! A topic written by a client we did not write: librdkafka (the
 //! `confluent-kafka` wheel, which `cargo xtask test` installs) produces
 //! gzip, lz4 and zstd batches with idempotence on, keys, headers and
-//! tombstones to tansu; the consumer handles each valid record once (its
+//! tombstones to Apache Kafka; the consumer handles each valid record once (its
 //! headers in their order, a repeated name kept) and dead-letters each
 //! tombstone, and the partition is acknowledged to its end.
 

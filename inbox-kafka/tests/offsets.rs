@@ -1,4 +1,4 @@
-//! The operator's controls on tansu and PostgreSQL: read a group's offsets
+//! The operator's controls on Apache Kafka and PostgreSQL: read a group's offsets
 //! beside the log's bounds, move them to each kind of target, and start a
 //! new group at a time.
 

@@ -1,4 +1,4 @@
-//! The outbox on PostgreSQL and tansu: what enqueued events become on the
+//! The outbox on PostgreSQL and Apache Kafka: what enqueued events become on the
 //! broker, with the relay driven round by round (and, for the process
 //! kill, run in a child process that dies between produce and mark).
 

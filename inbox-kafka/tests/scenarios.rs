@@ -1,6 +1,6 @@
 //! The contract's scenarios on the real servers: the same generic functions
 //! of `inbox_testkit::scenarios`, with the same asserted results, that run
-//! on the in-memory broker, here with a `KafkaConsumer` reading tansu and
+//! on the in-memory broker, here with a `KafkaConsumer` reading Apache Kafka and
 //! PostgreSQL keeping the inbox and the offsets. Every test has its own
 //! database; every scenario makes its own topics.
 

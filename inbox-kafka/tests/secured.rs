@@ -1,7 +1,10 @@
-//! Secured brokers: the consumer through TLS, mutual TLS, SASL SCRAM and
-//! TLS + SCRAM against tansu (TLS terminated by the harness's front, see
-//! `inbox_testkit::tls`), and each way of getting it wrong: a typed, clear
-//! error within the connect timeout.
+//! Secured brokers: the consumer through TLS, mutual TLS, SASL SCRAM,
+//! TLS + SCRAM, SASL PLAIN and OAUTHBEARER against Apache Kafka (its own
+//! TLS, its SCRAM, PLAIN and unsecured-JWS OAUTHBEARER login modules; on
+//! tansu, with `INBOX_TEST_BROKER=tansu`, TLS is terminated by the
+//! harness's front, see `inbox_testkit::tls`, and PLAIN and OAUTHBEARER are
+//! not served), and each way of getting it wrong: a typed, clear error
+//! within the connect timeout.
 
 mod common;
 
@@ -289,6 +292,94 @@ async fn each_wrong_setting_is_a_clear_error_within_the_timeout() {
     let e = refused(short(base)).await;
     assert!(
         matches!(e, KafkaError::Broker(_) | KafkaError::ConnectTimeout { .. }),
+        "{e}"
+    );
+}
+
+fn sasl_plain() -> &'static Broker {
+    static B: OnceLock<Broker> = OnceLock::new();
+    secured(
+        &B,
+        Security {
+            plain_users: vec![(USER.to_owned(), PASSWORD.to_owned())],
+            ..Security::default()
+        },
+    )
+}
+
+fn oauthbearer() -> &'static Broker {
+    static B: OnceLock<Broker> = OnceLock::new();
+    secured(
+        &B,
+        Security {
+            oauthbearer: true,
+            ..Security::default()
+        },
+    )
+}
+
+/// A token callback giving unsigned tokens of `lifetime` for `subject`
+/// (counted: it is called at each new connection).
+fn tokens(
+    subject: &'static str,
+    lifetime: Duration,
+    calls: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) -> rskafka::client::OauthCallback {
+    std::sync::Arc::new(move || {
+        calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Box::pin(async move { Ok(inbox_testkit::kafka::unsecured_token(subject, lifetime)) })
+    })
+}
+
+/// SASL PLAIN (what Confluent Cloud's API keys use) against Apache Kafka's
+/// PLAIN login module; a wrong password is an error within the timeout
+/// that does not print it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumes_with_sasl_plain() {
+    let broker = sasl_plain();
+    let (mut config, ids) = topic_with_orders(broker, "plain", 10).await;
+    let mut wrong = config.clone();
+    config.sasl = Some(Sasl::plain(USER, PASSWORD));
+    consumed_once(config, &ids).await;
+    wrong.sasl = Some(Sasl::plain(USER, "not the password"));
+    wrong.connect_timeout = Duration::from_secs(3);
+    let e = refused(wrong).await.to_string();
+    assert!(!e.contains("not the password"), "{e}");
+    assert!(
+        e.to_lowercase().contains("sasl") || e.contains("auth"),
+        "{e}"
+    );
+}
+
+/// SASL OAUTHBEARER against Apache Kafka's unsecured JWS validator: the
+/// token callback is called at each new connection; an expired token is
+/// refused within the timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumes_with_oauthbearer() {
+    let broker = oauthbearer();
+    let (mut config, ids) = topic_with_orders(broker, "oauth", 10).await;
+    let mut expired = config.clone();
+    let calls = std::sync::Arc::default();
+    config.sasl = Some(Sasl::oauthbearer(tokens(
+        "billing",
+        Duration::from_secs(600),
+        std::sync::Arc::clone(&calls),
+    )));
+    consumed_once(config, &ids).await;
+    assert!(
+        calls.load(std::sync::atomic::Ordering::SeqCst) >= 1,
+        "the callback gave the token"
+    );
+    // issued and expired at once
+    expired.sasl = Some(Sasl::oauthbearer(tokens(
+        "billing",
+        Duration::ZERO,
+        std::sync::Arc::default(),
+    )));
+    expired.connect_timeout = Duration::from_secs(3);
+    let e = refused(expired).await.to_string();
+    assert!(
+        e.to_lowercase().contains("sasl") || e.contains("auth") || e.contains("token"),
         "{e}"
     );
 }

@@ -485,11 +485,18 @@ async fn an_idle_member_is_ready() {
         assert!(!health.ready(), "not ready before it joined");
         members.push((health, cancel, task));
     }
-    let deadline = Instant::now() + Duration::from_secs(15);
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(15);
     while !members.iter().all(|(h, _, _)| h.ready()) {
+        for (_, _, task) in &mut members {
+            if task.is_finished() {
+                panic!("a member ended before it was ready: {:?}", task.await);
+            }
+        }
         assert!(Instant::now() < deadline, "both members ready");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    eprintln!("both ready after {:?}", started.elapsed());
     // settled: one owner, one idle
     tokio::time::sleep(Duration::from_millis(500)).await;
     let owned: Vec<usize> = members.iter().map(|(h, _, _)| h.owned().len()).collect();

@@ -683,13 +683,14 @@ impl Cluster {
     /// A [`HarnessError`] when the cluster refuses.
     pub async fn create_topic(&self, name: &str, partitions: i32) -> Result<(), HarnessError> {
         let replicas = i16::try_from(self.plan.nodes.len().min(3)).unwrap_or(3);
-        self.client()
-            .await?
+        let client = self.client().await?;
+        client
             .controller_client()
             .map_err(|e| HarnessError(format!("controller: {e}")))?
             .create_topic(name, partitions, replicas, 10_000)
             .await
-            .map_err(|e| HarnessError(format!("creating topic {name}: {e}")))
+            .map_err(|e| HarnessError(format!("creating topic {name}: {e}")))?;
+        crate::kafka::visible(&client, name, partitions).await
     }
 
     /// The partitions of `topic` as the cluster's metadata has them.

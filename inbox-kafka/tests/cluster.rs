@@ -146,6 +146,11 @@ async fn start(cluster: &Cluster, prefix: &str) -> Running {
 }
 
 impl Running {
+    /// Waits until `n` events are handled, `within` at most.
+    async fn handled_reach(&self, n: i64, what: &str, within: Duration) {
+        until(what, within, async || self.handled().await == n).await;
+    }
+
     async fn handled(&self) -> i64 {
         sql(
             &self.store,
@@ -234,7 +239,7 @@ impl Running {
 }
 
 /// The leader of partition 0 is killed (SIGKILL) under a running relay and
-/// consumer, and restarted 8 s later: the relay's appends move to the new
+/// consumer, and restarted once 60 more events are handled without it: the relay's appends move to the new
 /// leader (its idempotent sequence carries over: no duplicate in the
 /// topic), the consumer's fetches too, and nothing is lost or doubled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -242,22 +247,18 @@ async fn a_killed_leader_loses_and_doubles_nothing() {
     let mut cluster = cluster().lock().await;
     let run = start(&cluster, "leader").await;
     enqueue(&run.store, &run.topic, 0, 60).await;
-    until(
-        "the first 60 handled",
-        Duration::from_secs(60),
-        async || run.handled().await == 60,
-    )
-    .await;
+    run.handled_reach(60, "the first 60 handled", Duration::from_secs(60))
+        .await;
     let leader = cluster
         .leader(&run.topic, 0)
         .unwrap_or_else(|e| panic!("{e}"));
     cluster.kill(leader).unwrap_or_else(|e| panic!("{e}"));
     let killed = Instant::now();
     enqueue(&run.store, &run.topic, 60, 60).await;
-    until(
+    run.handled_reach(
+        120,
         "120 handled with the leader down",
         Duration::from_secs(60),
-        async || run.handled().await == 120,
     )
     .await;
     eprintln!(
@@ -286,12 +287,8 @@ async fn a_killed_coordinator_moves_the_broker_commits() {
     let mut cluster = cluster().lock().await;
     let run = start(&cluster, "coordinator").await;
     enqueue(&run.store, &run.topic, 0, 60).await;
-    until(
-        "the first 60 handled",
-        Duration::from_secs(60),
-        async || run.handled().await == 60,
-    )
-    .await;
+    run.handled_reach(60, "the first 60 handled", Duration::from_secs(60))
+        .await;
     let committed = |run: &Running| {
         common::librdkafka(
             "librdkafka_group.py",
@@ -329,10 +326,8 @@ async fn a_killed_coordinator_moves_the_broker_commits() {
         .unwrap_or_else(|e| panic!("{e}"));
     cluster.kill(coordinator).unwrap_or_else(|e| panic!("{e}"));
     enqueue(&run.store, &run.topic, 60, 60).await;
-    until("120 handled", Duration::from_secs(60), async || {
-        run.handled().await == 120
-    })
-    .await;
+    run.handled_reach(120, "120 handled", Duration::from_secs(60))
+        .await;
     let moved = cluster
         .coordinator(&run.group)
         .unwrap_or_else(|e| panic!("{e}"));
@@ -365,10 +360,10 @@ async fn a_rolling_restart_loses_and_doubles_nothing() {
         enqueue(&run.store, &run.topic, enqueued, 40).await;
         enqueued += 40;
         let total = i64::try_from(enqueued).unwrap_or(i64::MAX);
-        until(
+        run.handled_reach(
+            total,
             &format!("{enqueued} handled with node {id} down"),
             Duration::from_secs(60),
-            async || run.handled().await == total,
         )
         .await;
         cluster.restart(id).unwrap_or_else(|e| panic!("{e}"));

@@ -515,6 +515,18 @@ async fn an_aborted_transaction_larger_than_a_fetch_is_passed() {
     assert_eq!(stored_offset(&store).await, 7, "stored past it");
 }
 
+/// A partition at rest: no lag, not stalled.
+fn assert_quiet(health: &inbox_kafka::HealthHandle) {
+    assert_eq!(health.lag_records(), 0, "{:?}", health.partitions());
+    assert!(
+        health
+            .stalled(std::time::Duration::from_millis(500))
+            .is_empty(),
+        "{:?}",
+        health.partitions()
+    );
+}
+
 /// A transaction commits (a-1 at 0, its marker at 1) and the partition
 /// goes quiet: the consumer's position moves past the marker, so health
 /// shows no lag, the partition is not stalled, and the fetch long-polls at
@@ -554,14 +566,7 @@ async fn a_quiet_partition_after_a_commit_marker_has_no_lag_and_long_polls() {
         fetches <= 10,
         "{fetches} fetches in 1.5 s at a 300 ms long poll"
     );
-    assert_eq!(health.lag_records(), 0, "{:?}", health.partitions());
-    assert!(
-        health
-            .stalled(std::time::Duration::from_millis(500))
-            .is_empty(),
-        "{:?}",
-        health.partitions()
-    );
+    assert_quiet(&health);
 }
 
 /// Real transactions on Apache Kafka, written by librdkafka's transactional
@@ -640,12 +645,5 @@ async fn librdkafka_transactions_on_apache_kafka_are_read_committed() {
     while quiet.elapsed() < std::time::Duration::from_millis(1_500) {
         assert!(runner.process_one().await.expect("fetch").is_none());
     }
-    assert_eq!(health.lag_records(), 0, "{:?}", health.partitions());
-    assert!(
-        health
-            .stalled(std::time::Duration::from_millis(500))
-            .is_empty(),
-        "{:?}",
-        health.partitions()
-    );
+    assert_quiet(&health);
 }

@@ -90,6 +90,14 @@ pub trait InboxStore: Send + Sync {
     /// Opens a transaction.
     async fn begin(&self) -> Result<Self::Tx, StoreError>;
 
+    /// The most transactions this store can have open at once (its
+    /// connection pool's size), when it has such a bound: drivers that run
+    /// transactions side by side stay below it rather than wait on the
+    /// pool. `None` (the default): no bound known.
+    fn pool_size(&self) -> Option<usize> {
+        None
+    }
+
     /// Reads a row by its unique key, outside any transaction.
     async fn find(
         &self,

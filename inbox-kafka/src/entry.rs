@@ -172,6 +172,17 @@ impl InboxConsumer {
         self
     }
 
+    /// How many of this member's partitions are handled side by side
+    /// ([`GroupConfig::partitions_in_flight`], default
+    /// [`DEFAULT_PARTITIONS_IN_FLIGHT`](crate::DEFAULT_PARTITIONS_IN_FLIGHT));
+    /// at most the store's pool size less one. 1: one transaction at a time
+    /// over all of them.
+    #[must_use]
+    pub fn partitions_in_flight(mut self, n: usize) -> Self {
+        self.group.partitions_in_flight = n;
+        self
+    }
+
     /// How records become messages (default: JSON).
     #[must_use]
     pub fn decoder(mut self, decoder: impl Decode + 'static) -> Self {

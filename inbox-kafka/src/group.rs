@@ -56,7 +56,24 @@ pub struct GroupConfig {
     /// Default `false`: a misspelled topic is an error, not a member that
     /// silently owns nothing.
     pub wait_for_topics: bool,
+    /// How many of this member's partitions are handled side by side: its
+    /// partitions are dealt out (round-robin) among up to this many
+    /// runners, each with its own consumer, its own transactions and its
+    /// own failure budget, rewinds and fencing, so a slow or failing
+    /// partition delays only the partitions dealt to the same runner (none,
+    /// while the member owns no more partitions than this). Each runner
+    /// holds one database connection while it handles a message or a
+    /// batch, so the number is clamped to the store's pool size less one
+    /// ([`InboxStore::pool_size`](inbox_core::InboxStore::pool_size)), with
+    /// a warning. Default [`DEFAULT_PARTITIONS_IN_FLIGHT`]; 1: one
+    /// transaction at a time over every partition (the former behaviour).
+    pub partitions_in_flight: usize,
 }
+
+/// How many partitions a member handles side by side unless told
+/// otherwise ([`GroupConfig::partitions_in_flight`]): 8, below the default
+/// pool of 10 connections with room for the heartbeat and maintenance.
+pub const DEFAULT_PARTITIONS_IN_FLIGHT: usize = 8;
 
 impl GroupConfig {
     /// Defaults for `member_id` on `topics`.
@@ -67,6 +84,7 @@ impl GroupConfig {
             heartbeat: Duration::from_secs(1),
             session_timeout: Duration::from_secs(5),
             wait_for_topics: false,
+            partitions_in_flight: DEFAULT_PARTITIONS_IN_FLIGHT,
         }
     }
 
@@ -96,6 +114,10 @@ impl GroupConfig {
             ValidationError::unless(
                 self.session_timeout > self.heartbeat,
                 "group session_timeout must be longer than its heartbeat",
+            )?;
+            ValidationError::unless(
+                self.partitions_in_flight > 0,
+                "group partitions_in_flight must be at least 1",
             )
         };
         check().map_err(|e| KafkaError::Config(format!("member {:?}: {e}", self.member_id)))
@@ -160,37 +182,87 @@ impl<T> Drop for Owned<T> {
     }
 }
 
-/// The runner of the partitions this member owns now.
+/// The runners of the partitions this member owns now (one per group of
+/// partitions handled side by side).
 struct Running {
     owned: Vec<PartitionKey>,
     cancel: CancellationToken,
-    task: Owned<u64>,
+    tasks: Vec<Owned<u64>>,
 }
 
 impl Running {
+    /// Stops every runner (each finishes what it has in hand); the
+    /// messages they handled.
     async fn stop(self) -> u64 {
         self.cancel.cancel();
-        self.task.join().await.unwrap_or(0)
-    }
-
-    /// Whether its task ended without being stopped (a panic outside the
-    /// handler's guard).
-    fn died(&self) -> bool {
-        !self.cancel.is_cancelled() && self.task.0.as_ref().is_some_and(JoinHandle::is_finished)
-    }
-
-    /// Why the task ended (it did: see [`died`](Self::died)).
-    async fn death(mut self) -> String {
-        match self.task.0.take() {
-            Some(task) => match task.await {
-                Ok(_) => "the runner returned".to_owned(),
-                Err(e) if e.is_panic() => inbox_core::panic_message(&*e.into_panic())
-                    .unwrap_or_else(|| "a panic".to_owned()),
-                Err(e) => e.to_string(),
-            },
-            None => "no task".to_owned(),
+        let mut handled = 0;
+        for task in self.tasks {
+            handled += task.join().await.unwrap_or(0);
         }
+        handled
     }
+
+    /// Whether one of its tasks ended without being stopped (a panic
+    /// outside the handler's guard).
+    fn died(&self) -> bool {
+        !self.cancel.is_cancelled()
+            && self
+                .tasks
+                .iter()
+                .any(|t| t.0.as_ref().is_some_and(JoinHandle::is_finished))
+    }
+
+    /// Why the first task that ended did (one did: see
+    /// [`died`](Self::died)), after the others were stopped and finished
+    /// what they had in hand; and the messages they handled.
+    async fn death(self) -> (String, u64) {
+        self.cancel.cancel();
+        let mut why = None;
+        let mut handled = 0;
+        for mut task in self.tasks {
+            let Some(handle) = task.0.take() else {
+                continue;
+            };
+            let finished = handle.is_finished();
+            match handle.await {
+                Ok(n) => {
+                    handled += n;
+                    if finished && why.is_none() {
+                        why = Some("the runner returned".to_owned());
+                    }
+                }
+                Err(e) if e.is_panic() => {
+                    why.get_or_insert_with(|| {
+                        inbox_core::panic_message(&*e.into_panic())
+                            .unwrap_or_else(|| "a panic".to_owned())
+                    });
+                }
+                Err(e) => {
+                    why.get_or_insert_with(|| e.to_string());
+                }
+            }
+        }
+        (why.unwrap_or_else(|| "no task".to_owned()), handled)
+    }
+}
+
+/// How many runners a member with `owned` partitions runs side by side:
+/// `wanted`, at most one per partition, at most the store's pool less one
+/// (`pool`: its size, when it has one), at least one.
+fn runners_for(owned: usize, wanted: usize, pool: Option<usize>) -> usize {
+    let by_pool = pool.map_or(usize::MAX, |p| p.saturating_sub(1));
+    wanted.min(owned).min(by_pool).max(1)
+}
+
+/// `owned` dealt out round-robin among `runners` groups (none empty).
+fn deal(owned: &[PartitionKey], runners: usize) -> Vec<Vec<PartitionKey>> {
+    let runners = runners.clamp(1, owned.len().max(1));
+    let mut groups = vec![Vec::new(); runners];
+    for (i, p) in owned.iter().enumerate() {
+        groups[i % runners].push(p.clone());
+    }
+    groups.retain(|g| !g.is_empty());
+    groups
 }
 
 /// How long a member waits before it starts a runner again after its
@@ -293,7 +365,8 @@ where
                 deaths.saturating_add(1)
             };
             let delay = restart_delay(group.heartbeat, deaths);
-            let why = dead.death().await;
+            let (why, handled) = dead.death().await;
+            summary.messages += handled;
             tracing::error!(member = %me, panic = %why, ?delay, "the runner task died; starting it again");
             inbox_core::record_safely(&metrics, MetricEvent::RunnerRestarted);
             restart_at = Some(tokio::time::Instant::now() + delay);
@@ -329,10 +402,12 @@ where
                         running = Some(Running {
                             owned,
                             cancel: CancellationToken::new(),
-                            task: Owned(None),
+                            tasks: Vec::new(),
                         });
                     } else {
-                        match start(&kafka, owned, &store, &handler, &runner, &watched).await {
+                        match start(&kafka, &group, owned, &store, &handler, &runner, &watched)
+                            .await
+                        {
                             Ok(r) => running = Some(r),
                             Err(e) => {
                                 // tried again at the next heartbeat
@@ -400,9 +475,12 @@ async fn next_assignment<S: MembershipStore>(
     .await?)
 }
 
-/// A consumer claiming `owned` and a runner over it, spawned.
+/// Consumers claiming `owned` and runners over them, spawned: the
+/// partitions dealt out among up to `group.partitions_in_flight` runners
+/// (see [`runners_for`]).
 async fn start<S, H>(
     kafka: &KafkaConfig,
+    group: &GroupConfig,
     owned: Vec<PartitionKey>,
     store: &S,
     handler: &Arc<H>,
@@ -413,26 +491,76 @@ where
     S: InboxStore + OffsetStore + Clone + 'static,
     H: Handler<S::Tx> + 'static,
 {
-    let consumer = KafkaConsumer::connect(
-        KafkaConfig {
-            partitions: owned.clone(),
-            ..kafka.clone()
-        },
-        store.clone(),
-    )
-    .await?
-    .with_metrics(metrics.clone());
-    let mut r = Runner::new(store.clone(), consumer, handler.clone(), runner.clone())
-        .with_metrics(metrics.clone());
+    let pool = store.pool_size();
+    let runners = runners_for(owned.len(), group.partitions_in_flight, pool);
+    if runners < group.partitions_in_flight.min(owned.len()) {
+        tracing::warn!(
+            member = %group.member_id,
+            partitions_in_flight = group.partitions_in_flight,
+            pool_size = pool,
+            runners,
+            "partitions_in_flight is above the store's pool size less one: {runners} runners side by side (raise the pool size to handle more)"
+        );
+    }
     let cancel = CancellationToken::new();
-    let stop = cancel.clone();
-    // the configuration was checked before the group started
-    let task = Owned(Some(tokio::spawn(async move {
-        r.run(stop).await.map_or(0, |summary| summary.messages)
-    })));
+    let mut tasks = Vec::with_capacity(runners);
+    // a consumer that cannot connect drops (aborts) the ones started
+    // before it: nothing was handled yet, their claims are taken again
+    for partitions in deal(&owned, runners) {
+        let consumer = KafkaConsumer::connect(
+            KafkaConfig {
+                partitions,
+                ..kafka.clone()
+            },
+            store.clone(),
+        )
+        .await?
+        .with_metrics(metrics.clone());
+        let mut r = Runner::new(store.clone(), consumer, handler.clone(), runner.clone())
+            .with_metrics(metrics.clone());
+        let stop = cancel.clone();
+        // the configuration was checked before the group started
+        tasks.push(Owned(Some(tokio::spawn(async move {
+            r.run(stop).await.map_or(0, |summary| summary.messages)
+        }))));
+    }
     Ok(Running {
         owned,
         cancel,
-        task,
+        tasks,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(n: i32) -> Vec<PartitionKey> {
+        (0..n).map(|p| ("t".to_owned(), p)).collect()
+    }
+
+    #[test]
+    fn runners_are_bounded_by_partitions_setting_and_pool() {
+        assert_eq!(runners_for(8, 8, None), 8);
+        assert_eq!(runners_for(3, 8, None), 3);
+        assert_eq!(runners_for(8, 2, None), 2);
+        // the pool less one connection
+        assert_eq!(runners_for(8, 8, Some(5)), 4);
+        assert_eq!(runners_for(8, 8, Some(1)), 1);
+        assert_eq!(runners_for(0, 8, None), 1);
+    }
+
+    #[test]
+    fn partitions_are_dealt_round_robin_to_non_empty_groups() {
+        let groups = deal(&keys(5), 2);
+        assert_eq!(groups.len(), 2);
+        assert_eq!(
+            groups[0],
+            vec![("t".to_owned(), 0), ("t".into(), 2), ("t".into(), 4)]
+        );
+        assert_eq!(groups[1], vec![("t".to_owned(), 1), ("t".into(), 3)]);
+        assert_eq!(deal(&keys(2), 8).len(), 2);
+        let all: usize = deal(&keys(17), 8).iter().map(Vec::len).sum();
+        assert_eq!(all, 17);
+    }
 }

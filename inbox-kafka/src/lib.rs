@@ -83,7 +83,9 @@ pub use consumer::{
 };
 pub use decode::{Decode, JsonDecoder, RecordView, decode_or_poison, redecode};
 pub use entry::{InboxConsumer, OutboxRelay, shutdown_signal};
-pub use group::{AssignmentChange, GroupConfig, GroupSummary, run_group};
+pub use group::{
+    AssignmentChange, DEFAULT_PARTITIONS_IN_FLIGHT, GroupConfig, GroupSummary, run_group,
+};
 pub use health::{HealthHandle, PartitionHealth};
 pub use offsets::{
     MovedOffset, OffsetTarget, PartitionOffsets, log_bounds, move_offsets, read_offsets,

@@ -513,3 +513,124 @@ async fn an_idle_member_is_ready() {
         assert!(!health.ready(), "a member that left is not ready");
     }
 }
+
+/// Holds the handler of partition 0's messages until the gate opens, then
+/// writes as the scripted handler does; counts the handlers running at once.
+struct Gated {
+    inner: Arc<ScriptedHandler>,
+    open: Arc<tokio::sync::Notify>,
+    opened: std::sync::atomic::AtomicBool,
+    running: std::sync::atomic::AtomicUsize,
+    most: std::sync::atomic::AtomicUsize,
+}
+
+#[async_trait::async_trait]
+impl inbox_core::Handler<inbox_postgres::PgTx> for Gated {
+    type Output = inbox_core::HandlerResult;
+    async fn handle(
+        &self,
+        message: &inbox_core::Message,
+        tx: &mut inbox_postgres::PgTx,
+    ) -> Result<inbox_core::HandlerResult, inbox_core::HandlerError> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let now = self.running.fetch_add(1, SeqCst) + 1;
+        self.most.fetch_max(now, SeqCst);
+        let on_zero = message.position.as_ref().is_some_and(|p| p.partition == 0);
+        if on_zero && !self.opened.load(SeqCst) {
+            let opened = self.open.notified();
+            if !self.opened.load(SeqCst) {
+                opened.await;
+            }
+        }
+        let result = self.inner.handle(message, tx).await;
+        self.running.fetch_sub(1, SeqCst);
+        result
+    }
+}
+
+/// One member owning two partitions handles them side by side (the
+/// default `partitions_in_flight`): while partition 0's handler is held,
+/// every message of partition 1 is handled; once it is let go, partition
+/// 0's are too, each once. With `partitions_in_flight = 1` (one runner
+/// over both, the former behaviour) partition 1 waits behind the held
+/// handler.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_partition_does_not_hold_back_the_others() {
+    for in_flight in [inbox_kafka::DEFAULT_PARTITIONS_IN_FLIGHT, 1] {
+        let env = env(&format!("side-{in_flight}"), 2).await;
+        for p in 0..2 {
+            let ids: Vec<String> = (0..10).map(|i| format!("side-{i}-p{p}")).collect();
+            let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+            env.produce_orders(p, &refs).await;
+        }
+        let gated = Arc::new(Gated {
+            inner: ScriptedHandler::new([], Act::Succeed),
+            open: Arc::new(tokio::sync::Notify::new()),
+            opened: std::sync::atomic::AtomicBool::new(false),
+            running: std::sync::atomic::AtomicUsize::new(0),
+            most: std::sync::atomic::AtomicUsize::new(0),
+        });
+        let mut group = GroupConfig::new("member-a", vec![env.topic.clone()]);
+        group.heartbeat = Duration::from_millis(100);
+        group.session_timeout = Duration::from_millis(800);
+        group.partitions_in_flight = in_flight;
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(run_group(
+            env.kafka_config("billing"),
+            group,
+            env.store.clone(),
+            gated.clone(),
+            config("billing", AckStrategy::default()),
+            Arc::new(NoopMetrics),
+            cancel.clone(),
+        ));
+        let partition_one = async || {
+            let mut n = 0;
+            for i in 0..10 {
+                n += env.invoices(&format!("side-{i}-p1")).await;
+            }
+            n
+        };
+        if in_flight == 1 {
+            // the runner is held in partition 0 or reads partition 1 before
+            // it: either way partition 1 is not finished while it is held
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            assert!(
+                partition_one().await < 10 && env.total_invoices().await < 20,
+                "one runner over both partitions: nothing passes the held handler"
+            );
+        } else {
+            wait_until(
+                "partition 1 handled while partition 0 is held",
+                Duration::from_secs(30),
+                async || partition_one().await == 10,
+            )
+            .await;
+            assert_eq!(
+                env.total_invoices().await,
+                10,
+                "nothing of partition 0 is handled while its handler is held"
+            );
+            assert_eq!(
+                gated.most.load(std::sync::atomic::Ordering::SeqCst),
+                2,
+                "the two partitions' handlers ran at once"
+            );
+        }
+        gated
+            .opened
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        gated.open.notify_waiters();
+        wait_until("all 20 orders", Duration::from_secs(30), async || {
+            env.total_invoices().await >= 20
+        })
+        .await;
+        cancel.cancel();
+        task.await.expect("join").expect("member");
+        for p in 0..2 {
+            for i in 0..10 {
+                assert_eq!(env.invoices(&format!("side-{i}-p{p}")).await, 1);
+            }
+        }
+    }
+}

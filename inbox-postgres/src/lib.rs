@@ -68,4 +68,4 @@ pub use sea_orm_migration;
 pub use status::{
     DeadLetterCount, MemberStatus, OutboxEvent, OutboxEvents, OutboxStatus, PartitionStatus, Status,
 };
-pub use store::{Claim, PgStore, PgTx};
+pub use store::{Claim, DEFAULT_POOL_SIZE, PgStore, PgTx};

@@ -440,6 +440,12 @@ pub(crate) fn secs(d: Duration) -> Value {
     Value::from(d.as_secs_f64())
 }
 
+/// The pool size [`PgStore::connect`] opens: 10 connections, sqlx's
+/// default, enough for the consumer's default of 8 partitions handled side
+/// by side (`inbox_kafka::DEFAULT_PARTITIONS_IN_FLIGHT`) with room for the
+/// heartbeat and maintenance.
+pub const DEFAULT_POOL_SIZE: u32 = 10;
+
 /// The PostgreSQL inbox store. Cloning shares the pool.
 #[derive(Debug, Clone)]
 pub struct PgStore {
@@ -569,16 +575,44 @@ impl PgStore {
         self.keep_sent
     }
 
-    /// Connects to `url` (10 s connect and acquire timeouts, statement
-    /// logging off) and uses `table`. The URL never appears in an error.
+    /// Connects to `url` (a pool of [`DEFAULT_POOL_SIZE`] connections, 10 s
+    /// connect and acquire timeouts, statement logging off) and uses
+    /// `table`. The URL never appears in an error.
     ///
     /// # Errors
     ///
     /// A [`StoreError`] of kind `Connection` (or another kind) when the
     /// database cannot be reached.
     pub async fn connect(url: &str, table: TableName) -> Result<Self, StoreError> {
+        Self::connect_with_pool(url, table, DEFAULT_POOL_SIZE).await
+    }
+
+    /// As [`connect`](Self::connect), with a pool of `max_connections`
+    /// (at least 1). The pool bounds how many transactions run side by
+    /// side: a consumer handles at most this many less one of its
+    /// partitions at once (`GroupConfig::partitions_in_flight` is clamped
+    /// to it), so raise both together.
+    ///
+    /// ```no_run
+    /// # async fn f() -> Result<(), inbox_core::StoreError> {
+    /// use inbox_postgres::{PgStore, TableName};
+    /// use inbox_core::InboxStore;
+    /// let store = PgStore::connect_with_pool("postgres://app@localhost/app", TableName::default(), 20).await?;
+    /// assert_eq!(store.pool_size(), Some(20));
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`connect`](Self::connect).
+    pub async fn connect_with_pool(
+        url: &str,
+        table: TableName,
+        max_connections: u32,
+    ) -> Result<Self, StoreError> {
         let mut options = ConnectOptions::new(url.to_owned());
         options
+            .max_connections(max_connections.max(1))
             .connect_timeout(Duration::from_secs(10))
             .acquire_timeout(Duration::from_secs(10))
             .sqlx_logging(false);
@@ -877,6 +911,16 @@ pub(crate) fn db(e: DbErr) -> StoreError {
 #[async_trait]
 impl InboxStore for PgStore {
     type Tx = PgTx;
+
+    fn pool_size(&self) -> Option<usize> {
+        match &self.db.inner {
+            sea_orm::DatabaseConnectionType::SqlxPostgresPoolConnection(_) => {
+                let pool = self.db.get_postgres_connection_pool();
+                usize::try_from(pool.options().get_max_connections()).ok()
+            }
+            _ => None,
+        }
+    }
 
     async fn begin(&self) -> Result<PgTx, StoreError> {
         let tx = self.db.begin().await.map_err(db)?;

@@ -59,6 +59,11 @@
 //!   batch-aware handler, offsets stored in the inbox transaction, the
 //!   exactly-once check and the broker-gap count after it.
 //!
+//! - `slow-serial`, `slow-partitions`, `slow-partitions-batched` and the
+//!   `fast-*` three: a group member over 8 partitions written by
+//!   librdkafka with a handler that waits 20 ms (or not at all) after its
+//!   INSERT, one partition at a time or side by side (see `bench_slow`).
+//!
 //! The processor and graphile lines also print the WAL their drain wrote,
 //! per job: bytes in all and, when the server has `pg_walinspect`
 //! (PostgreSQL's contrib), the record types that wrote most: the write
@@ -88,7 +93,7 @@ use inbox_testkit::MemBroker;
 use crate::bench_outbox::{Write, writers as writer};
 use serde_json::json;
 
-const LINES: [&str; 34] = [
+const LINES: [&str; 40] = [
     "omni-box",
     "floor",
     "raw-batch",
@@ -123,6 +128,12 @@ const LINES: [&str; 34] = [
     "relay-soak",
     "relay-large",
     "relay-large-uncut",
+    "slow-serial",
+    "slow-partitions",
+    "slow-partitions-batched",
+    "fast-serial",
+    "fast-partitions",
+    "fast-partitions-batched",
 ];
 const PARTITIONS: i32 = 4;
 const BATCH: usize = 100;
@@ -284,9 +295,24 @@ pub(crate) fn run(mut o: Options) -> Result<()> {
         ("writer-enqueue-1", "writer-plain-1"),
         ("writer-enqueue-8", "writer-plain-8"),
         ("writer-notify-8", "writer-plain-8"),
+        ("slow-partitions", "slow-serial"),
+        ("slow-partitions-batched", "slow-serial"),
+        ("fast-partitions", "fast-serial"),
+        ("fast-partitions-batched", "fast-serial"),
     ] {
         if let (Some(x), Some(y)) = (rate(a), rate(b)) {
             println!("{a} / {b}: {:.2}", x / y);
+        }
+    }
+    // the slow lines against what their handler's wait allows: partitions
+    // side by side over a 20 ms wait
+    let ceiling = f64::from(crate::bench_slow::PARTITIONS) / 0.020;
+    for line in ["slow-partitions", "slow-partitions-batched"] {
+        if let Some(x) = rate(line) {
+            println!(
+                "{line} / (partitions / 20 ms = {ceiling:.0} msg/s): {:.2}",
+                x / ceiling
+            );
         }
     }
     // the cut by size is for memory: its figure is the peak RSS
@@ -361,10 +387,23 @@ pub(crate) fn line(args: &[String]) -> Result<()> {
     let rows: u64 = rows.parse().context("rows")?;
     let fail: u64 = fail_percent.parse().context("fail percent")?;
     let url = std::env::var("BENCH_DATABASE_URL").context("BENCH_DATABASE_URL is not set")?;
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
+    // the slow lines run a member as a service does: on a runtime with a
+    // worker per core
+    let slow = crate::bench_slow::Shape::of(name);
+    let rt = if slow.is_some() {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?
+    } else {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?
+    };
     let elapsed = rt.block_on(async {
+        if let Some(shape) = slow {
+            return crate::bench_slow::run(&url, messages, shape).await;
+        }
         let db = connect(&url).await?;
         let store = PgStore::new(db.clone(), TableName::default());
         store.migrate().await?;
@@ -443,6 +482,8 @@ pub(crate) fn line(args: &[String]) -> Result<()> {
     })?;
     let count = if name.starts_with("relay-large") {
         crate::bench_outbox::large_events(messages)
+    } else if let Some(shape) = slow {
+        shape.messages(messages)
     } else {
         messages
     };

@@ -15,6 +15,7 @@
 
 mod bench;
 mod bench_outbox;
+mod bench_slow;
 mod demo;
 mod examples;
 mod operator;

@@ -1,0 +1,219 @@
+//! The `slow-*` bench lines: a handler that does what most handlers do,
+//! one INSERT and then a wait on an outside call (a payment provider,
+//! another service), through the group member a service runs
+//! (`run_group`, as `InboxConsumer` does), one process.
+//!
+//! - The topic has [`PARTITIONS`] partitions, written before the clock
+//!   starts by librdkafka (`xtask/clients/librdkafka_keyed.py`: the Java
+//!   client's murmur2 partitioner, [`KEYS`] keys), on tansu (in memory,
+//!   forward only: nothing is rewound in these lines).
+//! - The handler inserts one effect row (its message, key, sequence number
+//!   within the key, and `clock_timestamp()`), then sleeps `wait`.
+//! - The rate is the effects' own: `(effects - 1)` over the time between
+//!   the first and the last effect row, so connecting and joining the
+//!   group are not counted (the same for every line).
+//! - After each line: every message has exactly one effect, and each
+//!   key's effects are in its offset order (checked from the effect rows).
+//!
+//! Lines: `slow-serial` (one partition at a time, the former behaviour:
+//! `partitions_in_flight = 1`), `slow-partitions` (8 side by side, the
+//! default), `slow-partitions-batched` (the same in batches of 100), and
+//! the same three with no wait (`fast-*`): what side by side costs or
+//! gains when the handler only writes.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use async_trait::async_trait;
+use inbox_core::{BatchConfig, CancellationToken, Handler, HandlerError, Message, RunnerConfig};
+use inbox_kafka::{GroupConfig, KafkaConfig, run_group};
+use inbox_postgres::sea_orm::{ConnectionTrait, DbBackend, Statement};
+use inbox_postgres::{PgStore, PgTx, TableName};
+
+/// Partitions of the topic.
+pub(crate) const PARTITIONS: i32 = 8;
+/// Distinct keys the producer writes.
+pub(crate) const KEYS: u64 = 1_000;
+/// The most messages a line with a wait takes (2,400 at 44 msg/s, one
+/// partition at a time, is under a minute).
+pub(crate) const MOST: u64 = 2_400;
+
+const EFFECTS: &str = "CREATE TABLE slow_effects (id BIGSERIAL PRIMARY KEY, message_id TEXT NOT NULL, key TEXT NOT NULL, seq BIGINT NOT NULL, at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp())";
+
+/// One slow line's shape.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Shape {
+    /// `GroupConfig::partitions_in_flight`.
+    pub(crate) partitions_in_flight: usize,
+    /// Batches of this many (`None`: one message per transaction).
+    pub(crate) batch: Option<usize>,
+    /// The handler's wait after its INSERT.
+    pub(crate) wait: Duration,
+}
+
+impl Shape {
+    /// The shape of line `name`, if it is a slow line.
+    pub(crate) fn of(name: &str) -> Option<Self> {
+        let (wait, rest) = if let Some(rest) = name.strip_prefix("slow-") {
+            (Duration::from_millis(20), rest)
+        } else {
+            (Duration::ZERO, name.strip_prefix("fast-")?)
+        };
+        let (partitions_in_flight, batch) = match rest {
+            "serial" => (1, None),
+            "partitions" => (8, None),
+            "partitions-batched" => (8, Some(100)),
+            _ => return None,
+        };
+        Some(Self {
+            partitions_in_flight,
+            batch,
+            wait,
+        })
+    }
+}
+
+impl Shape {
+    /// How many of `messages` the line takes: at most [`MOST`] with a wait.
+    pub(crate) fn messages(&self, messages: u64) -> u64 {
+        if self.wait.is_zero() {
+            messages
+        } else {
+            messages.min(MOST)
+        }
+    }
+}
+
+/// The handler: one INSERT, then the wait.
+struct Slow {
+    wait: Duration,
+}
+
+#[async_trait]
+impl Handler<PgTx> for Slow {
+    type Output = ();
+    async fn handle(&self, m: &Message, tx: &mut PgTx) -> Result<(), HandlerError> {
+        tx.connection()
+            .execute_raw(Statement::from_sql_and_values(
+                DbBackend::Postgres,
+                "INSERT INTO slow_effects (message_id, key, seq) VALUES ($1, $2, $3)",
+                vec![
+                    m.message_id.clone().into(),
+                    m.payload["key"].as_str().unwrap_or_default().into(),
+                    m.payload["seq"].as_i64().unwrap_or(-1).into(),
+                ],
+            ))
+            .await?;
+        if !self.wait.is_zero() {
+            tokio::time::sleep(self.wait).await;
+        }
+        Ok(())
+    }
+}
+
+/// Writes `n` keyed records to `topic` with librdkafka.
+fn produce(broker: &str, topic: &str, n: u64) -> Result<()> {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/clients/librdkafka_keyed.py");
+    let out = std::process::Command::new("python3")
+        .args([script, broker, topic, &n.to_string(), &KEYS.to_string()])
+        .output()
+        .context("running python3 (librdkafka's producer): `cargo xtask bench` needs the confluent-kafka wheel")?;
+    if !out.status.success() {
+        bail!(
+            "librdkafka_keyed.py failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    println!(
+        "NOTE librdkafka wrote {n} records with {KEYS} keys: {}",
+        String::from_utf8_lossy(&out.stdout).trim()
+    );
+    Ok(())
+}
+
+/// Runs the slow line `shape` over `messages` ([`Shape::messages`]): the
+/// effects' time span.
+pub(crate) async fn run(url: &str, messages: u64, shape: Shape) -> Result<Duration> {
+    let messages = shape.messages(messages);
+    let store = PgStore::connect_with_pool(url, TableName::default(), 10).await?;
+    store.migrate().await?;
+    let db = store.connection().clone();
+    db.execute_unprepared(EFFECTS).await?;
+    let broker = inbox_testkit::kafka::Broker::start_with_storage("memory://tansu/")
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let topic = broker
+        .topic("slow", PARTITIONS)
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    produce(broker.address(), &topic, messages)?;
+    let mut kafka = KafkaConfig::new(vec![broker.address().to_owned()], "bench", Vec::new());
+    kafka.max_wait = inbox_testkit::kafka::TANSU_MAX_WAIT;
+    let mut group = GroupConfig::new("bench-1", vec![topic.clone()]);
+    group.partitions_in_flight = shape.partitions_in_flight;
+    let mut runner = RunnerConfig::new("bench", "bench-1")?;
+    if let Some(n) = shape.batch {
+        runner = runner.batched(BatchConfig::new(n));
+    }
+    let cancel = CancellationToken::new();
+    let member = tokio::spawn(run_group(
+        kafka,
+        group,
+        store.clone(),
+        Arc::new(Slow { wait: shape.wait }),
+        runner,
+        Arc::new(inbox_core::NoopMetrics),
+        cancel.clone(),
+    ));
+    let count = async || -> Result<i64> {
+        let row = db
+            .query_one_raw(Statement::from_string(
+                DbBackend::Postgres,
+                "SELECT count(*) AS n FROM slow_effects",
+            ))
+            .await?
+            .context("no count")?;
+        Ok(row.try_get::<i64>("", "n")?)
+    };
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let want = i64::try_from(messages)?;
+    while count().await? < want {
+        if Instant::now() > deadline || member.is_finished() {
+            cancel.cancel();
+            let done = count().await?;
+            bail!("{done} of {messages} effects (the member ended or 300 s passed)");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    cancel.cancel();
+    member.await??;
+    check(&db, want).await
+}
+
+/// Every message once, each key in order; the span of the effects.
+async fn check(db: &inbox_postgres::sea_orm::DatabaseConnection, want: i64) -> Result<Duration> {
+    let row = db
+        .query_one_raw(Statement::from_string(
+            DbBackend::Postgres,
+            "SELECT count(*) AS n, count(DISTINCT message_id) AS distinct_ids, \
+             extract(epoch FROM max(at) - min(at))::float8 AS span, \
+             (SELECT count(*) FROM (SELECT seq, lag(seq) OVER (PARTITION BY key ORDER BY at, id) AS prev FROM slow_effects) s WHERE prev >= seq) AS out_of_order \
+             FROM slow_effects",
+        ))
+        .await?
+        .context("no row")?;
+    let n: i64 = row.try_get("", "n")?;
+    let distinct: i64 = row.try_get("", "distinct_ids")?;
+    let out_of_order: i64 = row.try_get("", "out_of_order")?;
+    let span: f64 = row.try_get("", "span")?;
+    if n != want || distinct != want {
+        bail!("{n} effects of {distinct} messages, {want} wanted (each once)");
+    }
+    if out_of_order > 0 {
+        bail!("{out_of_order} effects out of their key's order");
+    }
+    println!("NOTE {n} effects, each once, every key in order, over {span:.2} s");
+    // the rate counts the intervals between effects
+    let per = span / (n - 1).max(1) as f64;
+    Ok(Duration::from_secs_f64(per * n as f64))
+}

@@ -57,6 +57,7 @@ pub mod formats;
 pub mod handler;
 pub mod headers;
 pub mod isolation;
+pub mod keyed;
 pub mod maintenance;
 pub mod metrics;
 pub mod model;

@@ -1,0 +1,566 @@
+//! The keys of one partition side by side (the coming `Ordering::Key`;
+//! the driver that carries its plans out is not built yet): a sans-IO
+//! state machine (deliveries and acknowledgements in, what to hand to
+//! which lane and where the stored offset may go out; time passed as an
+//! argument; no tokio), which the keyed driver only carries out.
+//!
+//! A partition's records are *offered* in offset order. Each is handed to
+//! one of the partition's *lanes* (a lane runs one message, or one batch,
+//! at a time, as a runner does) once no earlier record of its key is
+//! unfinished: one key's records run in offset order, one at a time;
+//! different keys run side by side, up to one per lane. A lane whose
+//! message is to be delivered again (rewound) gets that message back, and
+//! nothing else, once its hold has passed: the message keeps its key (the
+//! key's later records wait, buffered) and the other keys go on in the
+//! other lanes.
+//!
+//! The *watermark* is the lowest offset not yet finished: the stored
+//! offset may go up to it, never past it. A record finished above it is
+//! delivered again after a crash or a hand-over, and found completed by
+//! its inbox row (exactly once is the inbox's, not the offset's).
+//!
+//! ```
+//! use inbox_core::keyed::{FlowKey, FlowLimits, KeyedFlow};
+//! use std::time::Instant;
+//! let now = Instant::now();
+//! let mut flow = KeyedFlow::new(FlowLimits::new(2));
+//! flow.offer(0, FlowKey::Key(b"a".to_vec()), 1, "a0");
+//! flow.offer(1, FlowKey::Key(b"a".to_vec()), 1, "a1");
+//! flow.offer(2, FlowKey::Key(b"b".to_vec()), 1, "b2");
+//! // lane 0 takes a0; lane 1 skips a1 (its key is busy) and takes b2
+//! assert_eq!(flow.next_for(0, now), Some((0, "a0")));
+//! assert_eq!(flow.next_for(1, now), Some((2, "b2")));
+//! // b2 finishes first: the watermark stays at 0 (a0 is unfinished)
+//! assert_eq!(flow.ack(1, 2), None);
+//! // a0 finishes: the watermark passes 0 (a1 is still to run)
+//! assert_eq!(flow.ack(0, 0), Some((0, "a0")));
+//! assert_eq!(flow.next_for(1, now), Some((1, "a1")));
+//! assert_eq!(flow.ack(1, 1), Some((2, "b2")));
+//! ```
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::time::Instant;
+
+/// What orders a record among its partition's: its key, or, for a record
+/// without one (or when no order is asked for), nothing (its own offset: it runs beside any other).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum FlowKey {
+    /// The record's key: one at a time, in offset order.
+    Key(Vec<u8>),
+    /// No key: ordered with nothing else.
+    Alone(i64),
+}
+
+/// The bounds of one partition's flow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FlowLimits {
+    /// Lanes (messages or batches in flight at once).
+    pub lanes: usize,
+    /// Most records offered and not finished (delivered or waiting behind
+    /// their key): past it, the partition's fetch pauses.
+    pub max_buffered: usize,
+    /// Most bytes offered and not finished.
+    pub max_bytes: usize,
+}
+
+impl FlowLimits {
+    /// `lanes` lanes (at least 1), 64 records buffered per lane (at least
+    /// 1,000), 16 MiB.
+    pub fn new(lanes: usize) -> Self {
+        let lanes = lanes.max(1);
+        Self {
+            lanes,
+            max_buffered: lanes.saturating_mul(64).max(1_000),
+            max_bytes: 16 * 1024 * 1024,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Behind its key, or ready for the next free lane.
+    Waiting,
+    /// Handed to a lane, not acknowledged.
+    Delivered(usize),
+    /// Rewound: to be handed to the same lane again.
+    Redeliver(usize),
+    /// Acknowledged, above the watermark.
+    Finished,
+}
+
+#[derive(Debug)]
+struct Entry<T> {
+    key: FlowKey,
+    bytes: usize,
+    item: T,
+    state: State,
+}
+
+#[derive(Debug, Default)]
+struct Lane {
+    /// Offsets handed to it and not acknowledged, in offset order.
+    delivered: Vec<i64>,
+    /// Offsets rewound, to be handed back to it first, in offset order.
+    redeliver: VecDeque<i64>,
+    /// Its rewound messages are not handed back before this.
+    held_until: Option<Instant>,
+}
+
+/// One partition's keys side by side (see the [module](self)).
+#[derive(Debug)]
+pub struct KeyedFlow<T> {
+    limits: FlowLimits,
+    /// Every record offered and not yet below the watermark.
+    entries: BTreeMap<i64, Entry<T>>,
+    /// Per key with a record in hand (ready, delivered or rewound), its
+    /// later records, in offset order.
+    behind: HashMap<FlowKey, VecDeque<i64>>,
+    /// Records whose key is free, for the next lane that asks, lowest
+    /// offset first.
+    ready: BTreeSet<i64>,
+    lanes: Vec<Lane>,
+    /// Bytes of the entries not finished.
+    bytes: usize,
+    /// Entries not finished.
+    unfinished: usize,
+}
+
+impl<T: Clone> KeyedFlow<T> {
+    /// An empty flow with `limits`.
+    pub fn new(limits: FlowLimits) -> Self {
+        let lanes = (0..limits.lanes.max(1)).map(|_| Lane::default()).collect();
+        Self {
+            limits,
+            entries: BTreeMap::new(),
+            behind: HashMap::new(),
+            ready: BTreeSet::new(),
+            lanes,
+            bytes: 0,
+            unfinished: 0,
+        }
+    }
+
+    /// The limits.
+    pub fn limits(&self) -> FlowLimits {
+        self.limits
+    }
+
+    /// Whether more records may be offered (fetched): fewer than the
+    /// limits' records and bytes are unfinished.
+    pub fn has_room(&self) -> bool {
+        self.unfinished < self.limits.max_buffered && self.bytes < self.limits.max_bytes
+    }
+
+    /// Records offered and not finished.
+    pub fn unfinished(&self) -> usize {
+        self.unfinished
+    }
+
+    /// Whether nothing is in hand: every record offered is finished.
+    pub fn is_idle(&self) -> bool {
+        self.unfinished == 0
+    }
+
+    /// Offers the record at `offset` (above every offset offered before,
+    /// else `false` and nothing changes: the flow was not [reset](Self::reset)
+    /// and this record is already in hand or below the watermark).
+    pub fn offer(&mut self, offset: i64, key: FlowKey, bytes: usize, item: T) -> bool {
+        if self
+            .entries
+            .last_key_value()
+            .is_some_and(|(&last, _)| last >= offset)
+        {
+            return false;
+        }
+        match self.behind.get_mut(&key) {
+            Some(later) => later.push_back(offset),
+            None => {
+                self.behind.insert(key.clone(), VecDeque::new());
+                self.ready.insert(offset);
+            }
+        }
+        self.entries.insert(
+            offset,
+            Entry {
+                key,
+                bytes,
+                item,
+                state: State::Waiting,
+            },
+        );
+        self.bytes = self.bytes.saturating_add(bytes);
+        self.unfinished += 1;
+        true
+    }
+
+    /// The next record for `lane` at `now`: its rewound record when it has
+    /// one (`None` while its hold lasts: a lane never passes its own
+    /// rewound record), else the lowest record whose key is free and that
+    /// is above what the lane holds unacknowledged (a lane's records are
+    /// handed out in offset order until it acknowledges them, so that its
+    /// cumulative acknowledgement means what a partition's does).
+    pub fn next_for(&mut self, lane: usize, now: Instant) -> Option<(i64, T)> {
+        let l = self.lanes.get_mut(lane)?;
+        let offset = if l.redeliver.is_empty() {
+            let above = l
+                .delivered
+                .last()
+                .map_or(i64::MIN, |&o| o.saturating_add(1));
+            let offset = *self.ready.range(above..).next()?;
+            self.ready.remove(&offset);
+            offset
+        } else {
+            if l.held_until.is_some_and(|until| until > now) {
+                return None;
+            }
+            l.held_until = None;
+            l.redeliver.pop_front()?
+        };
+        l.delivered.push(offset);
+        let entry = self.entries.get_mut(&offset)?;
+        entry.state = State::Delivered(lane);
+        Some((offset, entry.item.clone()))
+    }
+
+    /// `lane`'s records up to `offset` are finished (acknowledged; a lane's
+    /// acknowledgements are cumulative, as a partition's): their keys'
+    /// next records become ready. When the watermark moved, the last
+    /// record below it (the one to acknowledge at the broker, or store the
+    /// offset of).
+    pub fn ack(&mut self, lane: usize, offset: i64) -> Option<(i64, T)> {
+        let l = self.lanes.get_mut(lane)?;
+        let (done, kept): (Vec<i64>, Vec<i64>) = l.delivered.iter().partition(|&&o| o <= offset);
+        l.delivered = kept;
+        for o in done {
+            self.finish(o);
+        }
+        self.advance()
+    }
+
+    /// `lane`'s records from `offset` on are to be delivered again: they
+    /// are handed back to it, in order, before anything else, not before
+    /// `until` ([`hold`](Self::hold)) when it is held. Their keys stay
+    /// theirs.
+    pub fn rewind(&mut self, lane: usize, offset: i64) {
+        let Some(l) = self.lanes.get_mut(lane) else {
+            return;
+        };
+        let (back, kept): (Vec<i64>, Vec<i64>) = l.delivered.iter().partition(|&&o| o >= offset);
+        l.delivered = kept;
+        for &o in back.iter().rev() {
+            l.redeliver.push_front(o);
+            if let Some(e) = self.entries.get_mut(&o) {
+                e.state = State::Redeliver(lane);
+            }
+        }
+    }
+
+    /// Holds `lane`'s rewound records back until `until`.
+    pub fn hold(&mut self, lane: usize, until: Instant) -> bool {
+        match self.lanes.get_mut(lane) {
+            Some(l) => {
+                l.held_until = Some(l.held_until.map_or(until, |t| t.max(until)));
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Forgets everything in hand (the partition is read again from its
+    /// stored offset, or was fenced): acknowledgements of what was in hand
+    /// are ignored from now on.
+    pub fn reset(&mut self) {
+        let lanes = self.lanes.len();
+        *self = Self::new(FlowLimits {
+            lanes,
+            ..self.limits
+        });
+    }
+
+    fn finish(&mut self, offset: i64) {
+        let Some(entry) = self.entries.get_mut(&offset) else {
+            return;
+        };
+        if entry.state == State::Finished {
+            return;
+        }
+        entry.state = State::Finished;
+        self.bytes = self.bytes.saturating_sub(entry.bytes);
+        self.unfinished = self.unfinished.saturating_sub(1);
+        let key = entry.key.clone();
+        match self.behind.get_mut(&key).and_then(VecDeque::pop_front) {
+            Some(next) => {
+                self.ready.insert(next);
+            }
+            None => {
+                self.behind.remove(&key);
+            }
+        }
+    }
+
+    fn advance(&mut self) -> Option<(i64, T)> {
+        let mut last = None;
+        while let Some(entry) = self.entries.first_entry() {
+            if entry.get().state != State::Finished {
+                break;
+            }
+            let (offset, entry) = entry.remove_entry();
+            last = Some((offset, entry.item));
+        }
+        last
+    }
+
+    /// The lowest offset in hand and not finished (`None`: none).
+    pub fn lowest_unfinished(&self) -> Option<i64> {
+        self.entries
+            .iter()
+            .find(|(_, e)| e.state != State::Finished)
+            .map(|(&o, _)| o)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::{BTreeSet, HashSet};
+    use std::time::Duration;
+
+    fn key(k: u8) -> FlowKey {
+        FlowKey::Key(vec![k])
+    }
+
+    #[test]
+    fn a_key_runs_one_at_a_time_in_offset_order() {
+        let now = Instant::now();
+        let mut f = KeyedFlow::new(FlowLimits::new(3));
+        for (o, k) in [(0, 1), (1, 1), (2, 2), (3, 1)] {
+            assert!(f.offer(o, key(k), 10, o));
+        }
+        assert_eq!(f.next_for(0, now), Some((0, 0)));
+        assert_eq!(f.next_for(1, now), Some((2, 2)));
+        // key 1's next waits for offset 0
+        assert_eq!(f.next_for(2, now), None);
+        assert_eq!(f.ack(0, 0), Some((0, 0)));
+        assert_eq!(f.next_for(2, now), Some((1, 1)));
+        assert_eq!(f.ack(2, 1), Some((1, 1)));
+        assert_eq!(f.next_for(0, now), Some((3, 3)));
+        assert_eq!(f.ack(0, 3), None, "offset 2 is unfinished");
+        assert_eq!(f.ack(1, 2), Some((3, 3)));
+        assert!(f.is_idle());
+    }
+
+    #[test]
+    fn a_rewound_message_comes_back_to_its_lane_after_its_hold_and_holds_only_its_key() {
+        let now = Instant::now();
+        let mut f = KeyedFlow::new(FlowLimits::new(2));
+        for (o, k) in [(0, 1), (1, 1), (2, 2), (3, 3)] {
+            f.offer(o, key(k), 1, o);
+        }
+        assert_eq!(f.next_for(0, now), Some((0, 0)));
+        f.rewind(0, 0);
+        assert!(f.hold(0, now + Duration::from_secs(1)));
+        // lane 0 waits for its own message; lane 1 goes on with other keys
+        assert_eq!(f.next_for(0, now), None);
+        assert_eq!(f.next_for(1, now), Some((2, 2)));
+        assert_eq!(f.ack(1, 2), None);
+        assert_eq!(f.next_for(1, now), Some((3, 3)));
+        assert_eq!(f.ack(1, 3), None, "the watermark waits at the rewound 0");
+        assert_eq!(f.next_for(1, now), None, "key 1's offset 1 waits behind 0");
+        assert_eq!(f.next_for(0, now + Duration::from_secs(1)), Some((0, 0)));
+        assert_eq!(f.ack(0, 0), Some((0, 0)));
+        assert_eq!(f.next_for(1, now), Some((1, 1)));
+        assert_eq!(f.ack(1, 1), Some((3, 3)));
+    }
+
+    #[test]
+    fn offers_below_what_is_in_hand_are_refused_until_a_reset() {
+        let now = Instant::now();
+        let mut f = KeyedFlow::new(FlowLimits::new(1));
+        assert!(f.offer(5, key(1), 1, 5));
+        assert!(!f.offer(5, key(2), 1, 55));
+        assert!(!f.offer(4, key(2), 1, 4));
+        assert_eq!(f.next_for(0, now), Some((5, 5)));
+        f.reset();
+        assert_eq!(f.ack(0, 5), None, "what was in hand is forgotten");
+        assert!(f.offer(3, key(1), 1, 3));
+        assert_eq!(f.next_for(0, now), Some((3, 3)));
+    }
+
+    #[test]
+    fn the_bounds_say_when_to_stop_fetching() {
+        let limits = FlowLimits {
+            lanes: 1,
+            max_buffered: 2,
+            max_bytes: 100,
+        };
+        let mut f = KeyedFlow::new(limits);
+        assert!(f.has_room());
+        f.offer(0, key(1), 10, ());
+        assert!(f.has_room());
+        f.offer(1, key(1), 10, ());
+        assert!(!f.has_room(), "two records");
+        let now = Instant::now();
+        f.next_for(0, now);
+        f.ack(0, 0);
+        assert!(f.has_room());
+        f.offer(2, key(2), 100, ());
+        assert!(!f.has_room(), "100 bytes");
+        assert_eq!(f.unfinished(), 2);
+    }
+
+    #[test]
+    fn records_without_a_key_run_beside_each_other() {
+        let now = Instant::now();
+        let mut f = KeyedFlow::new(FlowLimits::new(2));
+        f.offer(0, FlowKey::Alone(0), 1, 0);
+        f.offer(1, FlowKey::Alone(1), 1, 1);
+        assert_eq!(f.next_for(0, now), Some((0, 0)));
+        assert_eq!(f.next_for(1, now), Some((1, 1)));
+    }
+
+    #[test]
+    fn a_rewound_batch_comes_back_whole_and_in_order() {
+        let now = Instant::now();
+        let mut f = KeyedFlow::new(FlowLimits::new(2));
+        for o in 0..4 {
+            f.offer(o, key(u8::try_from(o).unwrap_or(0)), 1, o);
+        }
+        for o in 0..3 {
+            assert_eq!(f.next_for(0, now), Some((o, o)));
+        }
+        assert_eq!(f.ack(0, 0), Some((0, 0)));
+        f.rewind(0, 1);
+        assert_eq!(f.next_for(1, now), Some((3, 3)));
+        assert_eq!(f.next_for(0, now), Some((1, 1)));
+        assert_eq!(f.next_for(0, now), Some((2, 2)));
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Offer { key: u8, gap: u8 },
+        Next { lane: usize },
+        AckFirst { lane: usize },
+        AckAll { lane: usize },
+        Rewind { lane: usize },
+        Hold { lane: usize },
+        Pass,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            3 => (0u8..4, 0u8..3).prop_map(|(key, gap)| Op::Offer { key, gap }),
+            3 => (0usize..3).prop_map(|lane| Op::Next { lane }),
+            2 => (0usize..3).prop_map(|lane| Op::AckFirst { lane }),
+            1 => (0usize..3).prop_map(|lane| Op::AckAll { lane }),
+            1 => (0usize..3).prop_map(|lane| Op::Rewind { lane }),
+            1 => (0usize..3).prop_map(|lane| Op::Hold { lane }),
+            1 => Just(Op::Pass),
+        ]
+    }
+
+    proptest! {
+        /// Every interleaving of offers, hand-outs, acknowledgements,
+        /// rewinds and holds: the watermark never passes an unfinished
+        /// offset, a key never runs twice at once, a key's first deliveries
+        /// come in offset order, and once every lane has finished what it
+        /// holds, everything offered is finished and below the watermark.
+        #[test]
+        fn the_watermark_never_passes_an_unfinished_offset(ops in proptest::collection::vec(op(), 1..200)) {
+            let start = Instant::now();
+            let mut now = start;
+            let mut f = KeyedFlow::new(FlowLimits::new(3));
+            let mut next_offset = 0i64;
+            let mut offered: BTreeMap<i64, u8> = BTreeMap::new();
+            let mut finished: BTreeSet<i64> = BTreeSet::new();
+            let mut delivered: Vec<Vec<i64>> = vec![Vec::new(); 3];
+            let mut first_seen: HashSet<i64> = HashSet::new();
+            let mut last_first: HashMap<u8, i64> = HashMap::new();
+            let mut watermark: Option<i64> = None;
+            for op in ops {
+                match op {
+                    Op::Offer { key: k, gap } => {
+                        next_offset += i64::from(gap) + 1;
+                        if f.has_room() {
+                            prop_assert!(f.offer(next_offset, key(k), 1, next_offset));
+                            offered.insert(next_offset, k);
+                        }
+                    }
+                    Op::Next { lane } => {
+                        if let Some((o, item)) = f.next_for(lane, now) {
+                            prop_assert_eq!(o, item);
+                            prop_assert!(!finished.contains(&o));
+                            let k = offered[&o];
+                            // no other record of its key is in a lane
+                            for (l, d) in delivered.iter().enumerate() {
+                                for x in d {
+                                    prop_assert!(offered[x] != k || l == lane && *x == o,
+                                        "key {} runs twice: {} and {}", k, x, o);
+                                }
+                            }
+                            if first_seen.insert(o) {
+                                if let Some(&prev) = last_first.get(&k) {
+                                    prop_assert!(prev < o, "key {} out of order", k);
+                                }
+                                last_first.insert(k, o);
+                            }
+                            prop_assert!(delivered[lane].last().is_none_or(|&last| last < o),
+                                "lane {} handed {} below what it holds", lane, o);
+                            delivered[lane].push(o);
+                        }
+                    }
+                    Op::AckFirst { lane } | Op::AckAll { lane } => {
+                        let upto = match op {
+                            Op::AckFirst { .. } => delivered[lane].first().copied(),
+                            _ => delivered[lane].last().copied(),
+                        };
+                        if let Some(upto) = upto {
+                            delivered[lane].retain(|&o| {
+                                if o <= upto { finished.insert(o); false } else { true }
+                            });
+                            if let Some((w, item)) = f.ack(lane, upto) {
+                                prop_assert_eq!(w, item);
+                                for (&o, _) in offered.range(..=w) {
+                                    prop_assert!(finished.contains(&o), "watermark {} passes unfinished {}", w, o);
+                                }
+                                prop_assert!(watermark.is_none_or(|old| old < w));
+                                watermark = Some(w);
+                            }
+                        }
+                    }
+                    Op::Rewind { lane } => {
+                        if let Some(&from) = delivered[lane].first() {
+                            f.rewind(lane, from);
+                            delivered[lane].clear();
+                        }
+                    }
+                    Op::Hold { lane } => {
+                        f.hold(lane, now + Duration::from_millis(5));
+                    }
+                    Op::Pass => now += Duration::from_millis(3),
+                }
+                prop_assert_eq!(f.unfinished(), offered.len() - finished.len());
+            }
+            // drain: every lane takes and finishes what it can
+            now += Duration::from_secs(1);
+            for _ in 0..1_000 {
+                let mut moved = false;
+                for (lane, held) in delivered.iter_mut().enumerate() {
+                    for o in std::mem::take(held) {
+                        finished.insert(o);
+                        f.ack(lane, o);
+                        moved = true;
+                    }
+                    if let Some((o, _)) = f.next_for(lane, now) {
+                        held.push(o);
+                        moved = true;
+                    }
+                }
+                if !moved { break; }
+            }
+            prop_assert!(f.is_idle());
+            prop_assert_eq!(finished.len(), offered.len());
+            prop_assert_eq!(f.lowest_unfinished(), None);
+        }
+    }
+}

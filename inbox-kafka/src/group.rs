@@ -254,15 +254,48 @@ fn runners_for(owned: usize, wanted: usize, pool: Option<usize>) -> usize {
     wanted.min(owned).min(by_pool).max(1)
 }
 
-/// `owned` dealt out round-robin among `runners` groups (none empty).
-fn deal(owned: &[PartitionKey], runners: usize) -> Vec<Vec<PartitionKey>> {
+/// `owned` dealt out round-robin among `runners` groups (at least one, at
+/// most one per partition: none empty unless `owned` is).
+pub(crate) fn deal(owned: &[PartitionKey], runners: usize) -> Vec<Vec<PartitionKey>> {
     let runners = runners.clamp(1, owned.len().max(1));
     let mut groups = vec![Vec::new(); runners];
     for (i, p) in owned.iter().enumerate() {
         groups[i % runners].push(p.clone());
     }
-    groups.retain(|g| !g.is_empty());
     groups
+}
+
+/// A consumer claiming `partitions` (`kafka`'s own are replaced) and a
+/// runner over it, both reporting to `metrics`.
+///
+/// # Errors
+///
+/// As [`KafkaConsumer::connect`].
+pub(crate) async fn runner_over<S, H>(
+    kafka: &KafkaConfig,
+    partitions: Vec<PartitionKey>,
+    store: &S,
+    handler: &Arc<H>,
+    runner: &RunnerConfig,
+    metrics: &Arc<dyn Metrics>,
+) -> Result<Runner<S, KafkaConsumer<S>, Arc<H>, Arc<dyn Metrics>>, KafkaError>
+where
+    S: InboxStore + OffsetStore + Clone + 'static,
+    H: Handler<S::Tx> + 'static,
+{
+    let consumer = KafkaConsumer::connect(
+        KafkaConfig {
+            partitions,
+            ..kafka.clone()
+        },
+        store.clone(),
+    )
+    .await?
+    .with_metrics(metrics.clone());
+    Ok(
+        Runner::new(store.clone(), consumer, handler.clone(), runner.clone())
+            .with_metrics(metrics.clone()),
+    )
 }
 
 /// How long a member waits before it starts a runner again after its
@@ -507,17 +540,7 @@ where
     // a consumer that cannot connect drops (aborts) the ones started
     // before it: nothing was handled yet, their claims are taken again
     for partitions in deal(&owned, runners) {
-        let consumer = KafkaConsumer::connect(
-            KafkaConfig {
-                partitions,
-                ..kafka.clone()
-            },
-            store.clone(),
-        )
-        .await?
-        .with_metrics(metrics.clone());
-        let mut r = Runner::new(store.clone(), consumer, handler.clone(), runner.clone())
-            .with_metrics(metrics.clone());
+        let mut r = runner_over(kafka, partitions, store, handler, runner, metrics).await?;
         let stop = cancel.clone();
         // the configuration was checked before the group started
         tasks.push(Owned(Some(tokio::spawn(async move {

@@ -98,7 +98,7 @@ pub use security::{Sasl, Tls};
 use std::sync::Arc;
 
 use inbox_core::{
-    CancellationToken, Handler, InboxStore, Metrics, OffsetStore, RunSummary, Runner, RunnerConfig,
+    CancellationToken, Handler, InboxStore, Metrics, OffsetStore, RunSummary, RunnerConfig,
 };
 
 /// Runs up to `workers` runners concurrently, the configured partitions
@@ -130,26 +130,13 @@ where
 {
     config.check_group(&runner)?;
     config.health.assigned(Some(config.partitions.clone()));
-    let workers = workers.clamp(1, config.partitions.len().max(1));
-    let mut groups: Vec<Vec<(String, i32)>> = vec![Vec::new(); workers];
-    for (i, p) in config.partitions.iter().enumerate() {
-        groups[i % workers].push(p.clone());
-    }
+    let groups = group::deal(&config.partitions, workers);
     // the workers stop together: one that dies stops the others
     let cancel = cancel.child_token();
     let mut tasks = tokio::task::JoinSet::new();
     for (index, partitions) in groups.into_iter().enumerate() {
-        let consumer = KafkaConsumer::connect(
-            KafkaConfig {
-                partitions,
-                ..config.clone()
-            },
-            store.clone(),
-        )
-        .await?
-        .with_metrics(metrics.clone());
-        let mut r = Runner::new(store.clone(), consumer, handler.clone(), runner.clone())
-            .with_metrics(metrics.clone());
+        let mut r =
+            group::runner_over(&config, partitions, &store, &handler, &runner, &metrics).await?;
         let cancel = cancel.clone();
         tasks.spawn(async move { (index, r.run(cancel).await) });
     }

@@ -65,6 +65,17 @@ pub trait Consumer: Send {
         None
     }
 
+    /// The ownership every transaction the runner commits for `message`'s
+    /// partition checks (the epoch, read `FOR SHARE` in PostgreSQL), when
+    /// it acknowledges after the transaction: a consumer that keeps its
+    /// offsets in the store but writes them apart from the effects (the
+    /// lanes of [`Ordering::Key`](crate::keyed::Ordering::Key)) still has
+    /// a fenced member commit nothing. The default: the
+    /// [`transactional_ack`](Self::transactional_ack).
+    fn owner_check(&self, message: &Message) -> Option<TxAck> {
+        self.transactional_ack(message)
+    }
+
     /// Told that a transaction carrying `message`'s [`TxAck`] committed.
     fn acked_in_transaction(&mut self, message: &Message) {
         let _ = message;

@@ -1,5 +1,5 @@
-//! The keys of one partition side by side (the coming `Ordering::Key`;
-//! the driver that carries its plans out is not built yet): a sans-IO
+//! The keys of one partition side by side ([`Ordering::Key`]; the driver
+//! that carries its plans out is [`crate::runner::lanes`]): a sans-IO
 //! state machine (deliveries and acknowledgements in, what to hand to
 //! which lane and where the stored offset may go out; time passed as an
 //! argument; no tokio), which the keyed driver only carries out.
@@ -40,6 +40,51 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::time::Instant;
+
+/// In what order a member handles one partition's messages.
+///
+/// | | in order | side by side | costs |
+/// |---|---|---|---|
+/// | [`Partition`](Self::Partition) | the whole partition | partitions | one transaction at a time per partition |
+/// | [`Key`](Self::Key) | each key | keys of a partition, up to the concurrency | a connection per lane; a key's messages wait behind its failing one |
+/// | [`Unordered`](Self::Unordered) | nothing | any messages, up to the concurrency | no order at all |
+///
+/// Under every ordering each message's effect happens once: the stored
+/// offset is the lowest message not finished (the *watermark*), and a
+/// message finished above it that is delivered again is found completed
+/// by its inbox row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Ordering {
+    /// One message of a partition at a time, in offset order (the default;
+    /// partitions run side by side).
+    #[default]
+    Partition,
+    /// One message of a key at a time, in offset order; different keys of
+    /// a partition side by side. A record without a key is ordered with
+    /// nothing (each keyless record is a key of its own).
+    Key,
+    /// Any messages side by side, in no order.
+    Unordered,
+}
+
+impl Ordering {
+    /// What orders the record at `offset` with key `key` under this
+    /// ordering ([`Partition`](Self::Partition) orders like
+    /// [`Key`](Self::Key) here: its driver never asks).
+    ///
+    /// ```
+    /// use inbox_core::keyed::{FlowKey, Ordering};
+    /// assert_eq!(Ordering::Key.flow_key(Some(b"a"), 7), FlowKey::Key(b"a".to_vec()));
+    /// assert_eq!(Ordering::Key.flow_key(None, 7), FlowKey::Alone(7));
+    /// assert_eq!(Ordering::Unordered.flow_key(Some(b"a"), 7), FlowKey::Alone(7));
+    /// ```
+    pub fn flow_key(self, key: Option<&[u8]>, offset: i64) -> FlowKey {
+        match (self, key) {
+            (Self::Unordered, _) | (_, None) => FlowKey::Alone(offset),
+            (_, Some(key)) => FlowKey::Key(key.to_vec()),
+        }
+    }
+}
 
 /// What orders a record among its partition's: its key, or, for a record
 /// without one (or when no order is asked for), nothing (its own offset: it runs beside any other).
@@ -308,6 +353,17 @@ impl<T: Clone> KeyedFlow<T> {
             last = Some((offset, entry.item));
         }
         last
+    }
+
+    /// The lanes holding records handed to them and not yet acknowledged
+    /// or rewound.
+    pub fn lanes_in_hand(&self) -> Vec<usize> {
+        self.lanes
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| !l.delivered.is_empty())
+            .map(|(i, _)| i)
+            .collect()
     }
 
     /// The lowest offset in hand and not finished (`None`: none).

@@ -475,7 +475,7 @@ where
         tx: &mut S::Tx,
         message: &Message,
     ) -> Result<(), StoreError> {
-        match self.consumer.transactional_ack(message) {
+        match self.consumer.owner_check(message) {
             Some(ack) => tx.check_owner(&ack).await,
             None => Ok(()),
         }

@@ -18,6 +18,7 @@
 mod batch;
 mod budget;
 pub mod config;
+pub mod lanes;
 mod message;
 pub mod result;
 mod run;

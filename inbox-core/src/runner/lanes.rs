@@ -1,0 +1,548 @@
+//! Keys side by side: one consumer shared by *lanes*, each a [`Consumer`]
+//! that an unchanged [`Runner`](super::Runner) drives, so every rule of the
+//! runner (budget, poison, batches, fencing) holds per lane.
+//!
+//! The plan is the [`KeyedFlow`]'s, one per partition: what a lane gets
+//! next, what a lane's acknowledgement finishes, where the stored offset
+//! may go (the watermark). The lanes only carry it out:
+//!
+//! - `next` hands the lane the flow's next record for it; when there is
+//!   none, one lane at a time pulls from the shared consumer and offers
+//!   what it pulled (a partition whose flow is full is rewound and held:
+//!   its fetch pauses);
+//! - a lane's transaction checks the partition's epoch
+//!   ([`Consumer::owner_check`]) and acknowledges after its commit
+//!   ([`Consumer::transactional_ack`] is `None`): a lane's `ack` finishes
+//!   the record in the flow, and the watermark, when it moved, is written
+//!   through the shared consumer's own (epoch-guarded) `ack`, coalesced: a
+//!   watermark not yet written is replaced by a later one;
+//! - `rewind` and `hold` stay in the flow (the record keeps its lane and
+//!   its key, the other keys go on);
+//! - a fenced partition, or one the shared consumer reads again from lower
+//!   down (its stored offset moved), is reset: what was in hand is
+//!   forgotten, the acknowledgements of what lanes still run are ignored,
+//!   and what is delivered again is found by its inbox row.
+//!
+//! ```
+//! use inbox_core::keyed::Ordering;
+//! use inbox_core::runner::lanes::Lanes;
+//! # use inbox_core::{Consumer, ConsumerError, Message};
+//! # struct Empty;
+//! # #[async_trait::async_trait]
+//! # impl Consumer for Empty {
+//! #     async fn next(&mut self) -> Result<Option<Message>, ConsumerError> { Ok(None) }
+//! #     async fn ack(&mut self, _: &Message) -> Result<(), ConsumerError> { Ok(()) }
+//! #     async fn rewind(&mut self, _: &Message) -> Result<(), ConsumerError> { Ok(()) }
+//! # }
+//! let lanes = Lanes::new(Empty, Ordering::Key, 4);
+//! // one runner per lane: Runner::new(store.clone(), lane, handler.clone(), config.clone())
+//! assert_eq!(lanes.lanes().len(), 4);
+//! ```
+
+use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::sync::Notify;
+
+use crate::consumer::{Consumer, TxAck};
+use crate::error::ConsumerError;
+use crate::keyed::{FlowLimits, KeyedFlow, Ordering};
+use crate::model::{Message, Position};
+
+type PartitionKey = (String, i32);
+
+/// How long a lane with nothing to take waits for another lane's pull (or
+/// an acknowledgement that frees a key) before it answers `None`.
+const WAIT_FOR_PULL: Duration = Duration::from_millis(100);
+
+/// How long a partition whose flow is full is held at the shared consumer
+/// before it is tried again.
+const FULL_HOLD: Duration = Duration::from_millis(5);
+
+/// Most records one pull takes from the shared consumer.
+const PULL_MAX: usize = 512;
+
+/// One partition's flow and what is to be carried out for it.
+#[derive(Debug)]
+struct Part {
+    flow: KeyedFlow<Message>,
+    /// The partition's ownership, as the shared consumer last gave it (its
+    /// position is replaced by the message's).
+    owner: Option<TxAck>,
+    /// The watermark to acknowledge at the shared consumer.
+    watermark: Option<Message>,
+    /// Told fenced: the shared consumer is to be told (`Some`), then
+    /// nothing more of the partition is handed out.
+    fence: Option<Message>,
+    fenced: bool,
+    /// Told its stored offset moved: the shared consumer is to be told.
+    moved: Option<Message>,
+}
+
+impl Part {
+    fn new(limits: FlowLimits) -> Self {
+        Self {
+            flow: KeyedFlow::new(limits),
+            owner: None,
+            watermark: None,
+            fence: None,
+            fenced: false,
+            moved: None,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct State {
+    parts: BTreeMap<PartitionKey, Part>,
+    /// (lane, partition): the lane holds records of the partition from
+    /// before its reset; its next acknowledgement or rewind there is
+    /// ignored, and it gets nothing more of it until then.
+    stale: HashSet<(usize, PartitionKey)>,
+    /// Where the lanes' round over the partitions starts.
+    cursor: usize,
+    /// Messages without a position (nothing to order them by), for the
+    /// next lane that asks.
+    loose: VecDeque<Message>,
+}
+
+impl State {
+    /// Forgets what partition `key` has in hand (see [`KeyedFlow::reset`]).
+    fn reset(&mut self, key: &PartitionKey) {
+        if let Some(part) = self.parts.get_mut(key) {
+            for lane in part.flow.lanes_in_hand() {
+                self.stale.insert((lane, key.clone()));
+            }
+            part.flow.reset();
+            part.watermark = None;
+        }
+    }
+
+    /// The next record for `lane`: one without a position first, else the
+    /// next of any partition's flow, round-robin.
+    fn take(&mut self, lane: usize) -> Option<Message> {
+        if let Some(message) = self.loose.pop_front() {
+            return Some(message);
+        }
+        // tokio's clock, as the runner's holds (paused in tests)
+        let now = tokio::time::Instant::now().into_std();
+        let n = self.parts.len();
+        let start = self.cursor % n.max(1);
+        let Self { parts, stale, .. } = self;
+        let pick = |i: usize, key: &PartitionKey, part: &mut Part| {
+            if part.fenced || stale.contains(&(lane, key.clone())) {
+                return None;
+            }
+            part.flow.next_for(lane, now).map(|(_, m)| (i, m))
+        };
+        let found = parts
+            .iter_mut()
+            .enumerate()
+            .skip(start)
+            .find_map(|(i, (key, part))| pick(i, key, part))
+            .or_else(|| {
+                parts
+                    .iter_mut()
+                    .enumerate()
+                    .take(start)
+                    .find_map(|(i, (key, part))| pick(i, key, part))
+            });
+        let (i, message) = found?;
+        self.cursor = i + 1;
+        Some(message)
+    }
+}
+
+struct Shared<C> {
+    inner: tokio::sync::Mutex<C>,
+    state: Mutex<State>,
+    /// Told when records were offered or keys freed.
+    changed: Notify,
+    ordering: Ordering,
+    limits: FlowLimits,
+}
+
+impl<C> Shared<C> {
+    /// The state; a lane that panicked while holding it left nothing half
+    /// done that matters more than going on (every change is one call).
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl<C: Consumer> Shared<C> {
+    /// Carries out what is pending at the shared consumer: fences, moved
+    /// offsets, watermarks.
+    async fn flush(&self, inner: &mut C) {
+        let (fences, moves, marks) = {
+            let mut state = self.state();
+            let mut fences = Vec::new();
+            let mut moves = Vec::new();
+            let mut marks = Vec::new();
+            for (key, part) in &mut state.parts {
+                if let Some(m) = part.fence.take() {
+                    fences.push(m);
+                }
+                if let Some(m) = part.moved.take() {
+                    moves.push(m);
+                }
+                if let Some(m) = part.watermark.take() {
+                    marks.push((key.clone(), m));
+                }
+            }
+            (fences, moves, marks)
+        };
+        for m in &fences {
+            inner.fenced(m);
+        }
+        for m in &moves {
+            inner.offset_moved(m);
+        }
+        for (key, m) in marks {
+            match inner.ack(&m).await {
+                Ok(()) => {}
+                Err(ConsumerError::Fenced(why)) => {
+                    tracing::warn!(topic = %key.0, partition = key.1, %why,
+                        "partition fenced while storing its watermark: another consumer owns it");
+                    inner.fenced(&m);
+                    let mut state = self.state();
+                    state.reset(&key);
+                    if let Some(part) = state.parts.get_mut(&key) {
+                        part.fenced = true;
+                    }
+                }
+                Err(e) => {
+                    // kept (unless a later one came meanwhile): a reset
+                    // here could let the watermark pass records in flight;
+                    // a stored offset that moved is read again by the
+                    // consumer, and what it delivers again resets the flow
+                    tracing::warn!(topic = %key.0, partition = key.1, error = %e,
+                        "storing the watermark failed; tried again with the next");
+                    if let Some(part) = self.state().parts.get_mut(&key) {
+                        part.watermark.get_or_insert(m);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Pulls what the shared consumer has ready (waiting for the first
+    /// record at most as long as its `next` does) and offers it; how many
+    /// records were offered.
+    async fn pull(&self, inner: &mut C) -> Result<usize, ConsumerError> {
+        let mut offered = 0;
+        let mut first = true;
+        for _ in 0..PULL_MAX {
+            let next = if first {
+                first = false;
+                inner.next().await?
+            } else {
+                // only what is ready at once: `next` is cancel-safe
+                match tokio::time::timeout(Duration::ZERO, inner.next()).await {
+                    Ok(Ok(next)) => next,
+                    Ok(Err(_)) | Err(_) => None,
+                }
+            };
+            let Some(message) = next else { break };
+            let Some(pos) = message.position.clone() else {
+                // nothing to order it by: the next lane that asks takes it
+                self.state().loose.push_back(message);
+                offered += 1;
+                continue;
+            };
+            let key = pos.partition_key();
+            let owner = inner.transactional_ack(&message);
+            let full = {
+                let mut state = self.state();
+                let limits = self.limits;
+                let part = state
+                    .parts
+                    .entry(key.clone())
+                    .or_insert_with(|| Part::new(limits));
+                if part.fenced {
+                    continue;
+                }
+                if owner.is_some() {
+                    part.owner = owner;
+                }
+                if part.flow.has_room() {
+                    let flow_key = self.ordering.flow_key(message.key.as_deref(), pos.offset);
+                    let bytes = message.approximate_size();
+                    if !part
+                        .flow
+                        .offer(pos.offset, flow_key.clone(), bytes, message.clone())
+                    {
+                        // delivered again from lower down (the stored
+                        // offset moved): what was in hand is forgotten
+                        tracing::warn!(topic = %key.0, partition = key.1, offset = pos.offset,
+                            "the consumer reads the partition again from lower down: its flow starts over");
+                        state.reset(&key);
+                        if let Some(part) = state.parts.get_mut(&key) {
+                            part.flow
+                                .offer(pos.offset, flow_key, bytes, message.clone());
+                        }
+                    }
+                    offered += 1;
+                    false
+                } else {
+                    true
+                }
+            };
+            if full {
+                // not taken: read again once the flow has room
+                inner.rewind(&message).await?;
+                inner.hold(&pos, tokio::time::Instant::now() + FULL_HOLD);
+                break;
+            }
+        }
+        Ok(offered)
+    }
+}
+
+/// A consumer shared by lanes (see the [module](self)).
+pub struct Lanes<C> {
+    shared: Arc<Shared<C>>,
+    lanes: usize,
+}
+
+impl<C> std::fmt::Debug for Lanes<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lanes")
+            .field("lanes", &self.lanes)
+            .field("ordering", &self.shared.ordering)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<C> Clone for Lanes<C> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: self.shared.clone(),
+            lanes: self.lanes,
+        }
+    }
+}
+
+impl<C: Consumer> Lanes<C> {
+    /// `lanes` lanes (at least 1) over `consumer`, ordering its partitions'
+    /// messages by `ordering` (with [`Ordering::Partition`], as by key: a
+    /// driver that wants partition order runs no lanes).
+    pub fn new(consumer: C, ordering: Ordering, lanes: usize) -> Self {
+        Self::with_limits(consumer, ordering, FlowLimits::new(lanes))
+    }
+
+    /// As [`new`](Self::new), with each partition's flow bounded by
+    /// `limits` (its `lanes` are the lanes).
+    pub fn with_limits(consumer: C, ordering: Ordering, limits: FlowLimits) -> Self {
+        let limits = FlowLimits {
+            lanes: limits.lanes.max(1),
+            ..limits
+        };
+        Self {
+            shared: Arc::new(Shared {
+                inner: tokio::sync::Mutex::new(consumer),
+                state: Mutex::new(State::default()),
+                changed: Notify::new(),
+                ordering,
+                limits,
+            }),
+            lanes: limits.lanes,
+        }
+    }
+
+    /// The lanes, one consumer each for a runner of its own.
+    pub fn lanes(&self) -> Vec<Lane<C>> {
+        (0..self.lanes)
+            .map(|index| Lane {
+                index,
+                shared: self.shared.clone(),
+            })
+            .collect()
+    }
+
+    /// Writes the watermarks not yet written (when the lanes' runners have
+    /// stopped: each finished what it had in hand).
+    pub async fn flush(&self) {
+        let mut inner = self.shared.inner.lock().await;
+        self.shared.flush(&mut inner).await;
+    }
+
+    /// Records in hand (offered and not finished), over every partition.
+    pub fn in_hand(&self) -> usize {
+        self.shared
+            .state()
+            .parts
+            .values()
+            .map(|p| p.flow.unfinished())
+            .sum()
+    }
+}
+
+/// One lane of [`Lanes`]: a [`Consumer`] for one runner.
+pub struct Lane<C> {
+    index: usize,
+    shared: Arc<Shared<C>>,
+}
+
+impl<C> std::fmt::Debug for Lane<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lane")
+            .field("index", &self.index)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<C> Lane<C> {
+    /// This lane's number (from 0).
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// Whether the lane's acknowledgement or rewind of `key` is one from
+    /// before the partition's reset (and so ignored, and forgotten).
+    fn was_stale(&self, key: &PartitionKey) -> bool {
+        self.shared.state().stale.remove(&(self.index, key.clone()))
+    }
+}
+
+#[async_trait]
+impl<C: Consumer + 'static> Consumer for Lane<C> {
+    /// The flow's next record for this lane; when there is none, a pull
+    /// from the shared consumer (by this lane, or the one pulling now:
+    /// waited for at most 100 ms). Cancel-safe: a record is handed out
+    /// only as `next` returns.
+    async fn next(&mut self) -> Result<Option<Message>, ConsumerError> {
+        let mut pulled = false;
+        loop {
+            let changed = self.shared.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if let Some(message) = self.shared.state().take(self.index) {
+                return Ok(Some(message));
+            }
+            if pulled {
+                return Ok(None);
+            }
+            match self.shared.inner.try_lock() {
+                Ok(mut inner) => {
+                    self.shared.flush(&mut inner).await;
+                    let offered = self.shared.pull(&mut inner).await;
+                    self.shared.flush(&mut inner).await;
+                    drop(inner);
+                    self.shared.changed.notify_waiters();
+                    if offered? == 0 {
+                        pulled = true;
+                    }
+                }
+                Err(_) => {
+                    if tokio::time::timeout(WAIT_FOR_PULL, changed).await.is_err() {
+                        pulled = true;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Finishes this lane's records of the partition up to `message` (after
+    /// their transactions committed); the watermark, when it moved, is
+    /// written now when the shared consumer is free, else by whoever holds
+    /// it next.
+    async fn ack(&mut self, message: &Message) -> Result<(), ConsumerError> {
+        let Some(pos) = &message.position else {
+            return Ok(());
+        };
+        let key = pos.partition_key();
+        if self.was_stale(&key) {
+            return Ok(());
+        }
+        {
+            let mut state = self.shared.state();
+            if let Some(part) = state.parts.get_mut(&key)
+                && let Some((_, mark)) = part.flow.ack(self.index, pos.offset)
+            {
+                part.watermark = Some(mark);
+            }
+        }
+        self.shared.changed.notify_waiters();
+        if let Ok(mut inner) = self.shared.inner.try_lock() {
+            self.shared.flush(&mut inner).await;
+        }
+        Ok(())
+    }
+
+    /// Hands `message` (and what this lane holds of its partition after
+    /// it) back to this lane, first; its key stays held.
+    async fn rewind(&mut self, message: &Message) -> Result<(), ConsumerError> {
+        let Some(pos) = &message.position else {
+            self.shared.state().loose.push_front(message.clone());
+            return Ok(());
+        };
+        let key = pos.partition_key();
+        if self.was_stale(&key) {
+            return Ok(());
+        }
+        if let Some(part) = self.shared.state().parts.get_mut(&key) {
+            part.flow.rewind(self.index, pos.offset);
+        }
+        Ok(())
+    }
+
+    /// `None`: a lane acknowledges after the transaction (the watermark is
+    /// not this message's offset).
+    fn transactional_ack(&self, _message: &Message) -> Option<TxAck> {
+        None
+    }
+
+    /// The partition's ownership as the shared consumer gave it, for
+    /// `message`: every lane's transaction checks the epoch.
+    fn owner_check(&self, message: &Message) -> Option<TxAck> {
+        let pos = message.position.as_ref()?;
+        let state = self.shared.state();
+        let owner = state.parts.get(&pos.partition_key())?.owner.as_ref()?;
+        Some(TxAck {
+            position: pos.clone(),
+            ..owner.clone()
+        })
+    }
+
+    /// Holds this lane's rewound records of the partition until `until`;
+    /// the lane takes other partitions' records meanwhile.
+    fn hold(&mut self, position: &Position, until: tokio::time::Instant) -> bool {
+        let mut state = self.shared.state();
+        match state.parts.get_mut(&position.partition_key()) {
+            Some(part) => part.flow.hold(self.index, until.into_std()),
+            None => false,
+        }
+    }
+
+    /// The partition is another member's: nothing more of it is handed
+    /// out, and the shared consumer stops reading it.
+    fn fenced(&mut self, message: &Message) {
+        let Some(pos) = &message.position else {
+            return;
+        };
+        let key = pos.partition_key();
+        let mut state = self.shared.state();
+        state.stale.remove(&(self.index, key.clone()));
+        state.reset(&key);
+        if let Some(part) = state.parts.get_mut(&key) {
+            part.fenced = true;
+            part.fence = Some(message.clone());
+        }
+    }
+
+    /// Passed on to the shared consumer, which reads the stored offset
+    /// again (what it delivers again resets the flow).
+    fn offset_moved(&mut self, message: &Message) {
+        let Some(pos) = &message.position else {
+            return;
+        };
+        if let Some(part) = self.shared.state().parts.get_mut(&pos.partition_key()) {
+            part.moved = Some(message.clone());
+        }
+    }
+}

@@ -1,0 +1,296 @@
+//! Keys side by side: lanes over one consumer, each lane driven by an
+//! unchanged runner. On the in-memory store and broker with tokio's paused
+//! clock (the handlers' waits pass without waiting; the order in which
+//! they end is the clock's).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use inbox_core::keyed::Ordering;
+use inbox_core::runner::lanes::Lanes;
+use inbox_core::{
+    BatchConfig, CancellationToken, Handler, HandlerError, Message, Runner, RunnerConfig,
+};
+use inbox_testkit::scenarios::WriteInvoice;
+use inbox_testkit::{MemBroker, MemStore};
+use serde_json::json;
+
+fn keyed(id: &str, key: &str) -> Message {
+    let mut m = Message::new(id, "orders", "order.created", json!({ "id": id }));
+    m.key = Some(key.as_bytes().to_vec());
+    m
+}
+
+#[derive(Default)]
+struct Seen {
+    /// Per key, the offsets whose handler started, in order.
+    started: HashMap<String, Vec<i64>>,
+    /// Keys whose handler runs now.
+    running: HashSet<String>,
+    in_flight: usize,
+    most_in_flight: usize,
+    /// A key's handler started while another of the same key ran.
+    overlaps: usize,
+    calls: HashMap<String, u32>,
+}
+
+/// Writes an invoice, waits `wait` (more for some offsets, so that the
+/// handlers end out of their start order), fails each id of `fails` that
+/// many times first.
+struct Slow {
+    seen: Mutex<Seen>,
+    fails: HashMap<String, u32>,
+}
+
+impl Slow {
+    fn seen(&self) -> std::sync::MutexGuard<'_, Seen> {
+        self.seen
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn new(fails: &[(&str, u32)]) -> Arc<Self> {
+        Arc::new(Self {
+            seen: Mutex::default(),
+            fails: fails.iter().map(|(k, n)| ((*k).to_owned(), *n)).collect(),
+        })
+    }
+}
+
+#[async_trait]
+impl<Tx: WriteInvoice + 'static> Handler<Tx> for Slow {
+    type Output = ();
+    async fn handle(&self, message: &Message, tx: &mut Tx) -> Result<(), HandlerError> {
+        let key = String::from_utf8_lossy(message.key.as_deref().unwrap_or_default()).into_owned();
+        let offset = message.position.as_ref().map_or(-1, |p| p.offset);
+        let calls = {
+            let mut s = self.seen();
+            if !s.running.insert(key.clone()) {
+                s.overlaps += 1;
+            }
+            s.started.entry(key.clone()).or_default().push(offset);
+            s.in_flight += 1;
+            s.most_in_flight = s.most_in_flight.max(s.in_flight);
+            let n = s.calls.entry(message.message_id.clone()).or_default();
+            *n += 1;
+            *n
+        };
+        tx.write_invoice(&message.message_id).await?;
+        // 10 to 40 ms: later offsets of a partition often end first
+        tokio::time::sleep(Duration::from_millis(10 + (offset as u64 * 7) % 31)).await;
+        {
+            let mut s = self.seen();
+            s.running.remove(&key);
+            s.in_flight -= 1;
+        }
+        if calls <= self.fails.get(&message.message_id).copied().unwrap_or(0) {
+            return Err(HandlerError::msg("payment provider timed out"));
+        }
+        Ok(())
+    }
+}
+
+/// Runs `lanes` runners over one consumer of `broker` until `until` says
+/// so (checked every 10 ms of the clock) or 60 s pass.
+async fn run_lanes(
+    store: &MemStore,
+    broker: &MemBroker,
+    handler: &Arc<Slow>,
+    ordering: Ordering,
+    lanes: usize,
+    batch: Option<usize>,
+    until: impl Fn() -> bool,
+) {
+    let shared = Lanes::new(broker.consumer("billing"), ordering, lanes);
+    let cancel = CancellationToken::new();
+    let mut tasks = Vec::new();
+    for lane in shared.lanes() {
+        let mut config = RunnerConfig::new("billing", "w-1").expect("config");
+        if let Some(n) = batch {
+            config = config.batched(BatchConfig::new(n));
+        }
+        let mut runner = Runner::new(store.clone(), lane, handler.clone(), config);
+        let stop = cancel.clone();
+        tasks.push(tokio::spawn(async move {
+            runner.run(stop).await.expect("a valid configuration");
+        }));
+    }
+    let started = tokio::time::Instant::now();
+    while !until() && started.elapsed() < Duration::from_secs(60) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    cancel.cancel();
+    for t in tasks {
+        t.await.expect("a lane's runner stopped");
+    }
+    shared.flush().await;
+}
+
+/// 2 partitions, 10 keys, 200 messages, 8 lanes: each message's effect
+/// once, each key's handlers one at a time and in offset order, several
+/// keys at once, and the stored offset at the end of each partition.
+#[tokio::test(start_paused = true)]
+async fn keys_run_side_by_side_each_key_in_order_each_message_once() {
+    for batch in [None, Some(10)] {
+        let store = MemStore::new();
+        let broker = MemBroker::new();
+        for i in 0..200 {
+            broker.produce(
+                "orders",
+                i % 2,
+                keyed(&format!("m{i}"), &format!("k{}", i % 10)),
+            );
+        }
+        let handler = Slow::new(&[]);
+        run_lanes(&store, &broker, &handler, Ordering::Key, 8, batch, || {
+            store.business_count("invoices") == 200
+                && broker.acked("billing", "orders", 0) == Some(100)
+                && broker.acked("billing", "orders", 1) == Some(100)
+        })
+        .await;
+        assert_eq!(store.business_count("invoices"), 200, "batch {batch:?}");
+        assert_eq!(
+            broker.acked("billing", "orders", 0),
+            Some(100),
+            "batch {batch:?}"
+        );
+        assert_eq!(
+            broker.acked("billing", "orders", 1),
+            Some(100),
+            "batch {batch:?}"
+        );
+        let s = handler.seen();
+        assert_eq!(s.overlaps, 0, "batch {batch:?}: a key ran twice at once");
+        for (key, offsets) in &s.started {
+            assert_eq!(offsets.len(), 20, "batch {batch:?}: key {key}");
+            // keys k0, k2.. are on partition 0 and k1, k3.. on partition 1
+            assert!(
+                offsets.windows(2).all(|w| w[0] < w[1]),
+                "batch {batch:?}: key {key} out of order: {offsets:?}"
+            );
+        }
+        assert!(
+            s.calls.values().all(|&n| n == 1),
+            "batch {batch:?}: a message handled twice"
+        );
+        assert!(
+            s.most_in_flight >= 4,
+            "batch {batch:?}: at most {} handlers at once",
+            s.most_in_flight
+        );
+    }
+}
+
+/// With one lane (what `Ordering::Partition` does per partition), the
+/// same messages run one at a time.
+#[tokio::test(start_paused = true)]
+async fn one_lane_runs_one_at_a_time() {
+    let store = MemStore::new();
+    let broker = MemBroker::new();
+    for i in 0..40 {
+        broker.produce(
+            "orders",
+            0,
+            keyed(&format!("m{i}"), &format!("k{}", i % 10)),
+        );
+    }
+    let handler = Slow::new(&[]);
+    run_lanes(&store, &broker, &handler, Ordering::Key, 1, None, || {
+        broker.acked("billing", "orders", 0) == Some(40)
+    })
+    .await;
+    assert_eq!(store.business_count("invoices"), 40);
+    assert_eq!(handler.seen().most_in_flight, 1);
+}
+
+/// A message that fails holds back only its own key: every other key's
+/// messages finish meanwhile, its key's later ones wait, and the stored
+/// offset stays at the failing message until it succeeds.
+#[tokio::test(start_paused = true)]
+async fn a_failing_message_holds_back_only_its_key_and_the_watermark() {
+    let store = MemStore::new();
+    let broker = MemBroker::new();
+    // offset 5 is k5's first message
+    for i in 0..50 {
+        broker.produce(
+            "orders",
+            0,
+            keyed(&format!("m{i}"), &format!("k{}", i % 10)),
+        );
+    }
+    // m5 fails 4 times: with the default backoff (100 ms doubling) it
+    // succeeds after about 1.5 s
+    let handler = Slow::new(&[("m5", 4)]);
+    let others_done = || {
+        let s = handler.seen();
+        s.started
+            .iter()
+            .filter(|(k, _)| *k != "k5")
+            .map(|(_, o)| o.len())
+            .sum::<usize>()
+            == 45
+            && s.running.is_empty()
+    };
+    run_lanes(
+        &store,
+        &broker,
+        &handler,
+        Ordering::Key,
+        4,
+        None,
+        others_done,
+    )
+    .await;
+    {
+        let s = handler.seen();
+        // k5's later messages never started while m5 failed
+        assert_eq!(
+            s.started["k5"].iter().filter(|&&o| o != 5).count(),
+            0,
+            "{:?}",
+            s.started["k5"]
+        );
+    }
+    assert_eq!(
+        broker.acked("billing", "orders", 0),
+        Some(5),
+        "the stored offset waits at the failing message"
+    );
+    // then everything, each once
+    run_lanes(&store, &broker, &handler, Ordering::Key, 4, None, || {
+        broker.acked("billing", "orders", 0) == Some(50)
+    })
+    .await;
+    assert_eq!(broker.acked("billing", "orders", 0), Some(50));
+    assert_eq!(store.business_count("invoices"), 50);
+    let s = handler.seen();
+    assert_eq!(s.started["k5"], vec![5, 5, 5, 5, 5, 15, 25, 35, 45]);
+    assert_eq!(s.overlaps, 0);
+}
+
+/// Without an order, messages of one key run side by side too.
+#[tokio::test(start_paused = true)]
+async fn unordered_runs_one_keys_messages_side_by_side() {
+    let store = MemStore::new();
+    let broker = MemBroker::new();
+    for i in 0..40 {
+        broker.produce("orders", 0, keyed(&format!("m{i}"), "same"));
+    }
+    let handler = Slow::new(&[]);
+    run_lanes(
+        &store,
+        &broker,
+        &handler,
+        Ordering::Unordered,
+        8,
+        None,
+        || broker.acked("billing", "orders", 0) == Some(40),
+    )
+    .await;
+    assert_eq!(store.business_count("invoices"), 40);
+    let s = handler.seen();
+    assert!(s.overlaps > 0, "one key's messages never ran side by side");
+    assert!(s.calls.values().all(|&n| n == 1));
+}

@@ -183,6 +183,25 @@ impl InboxConsumer {
         self
     }
 
+    /// In what order a partition's messages are handled
+    /// ([`GroupConfig::ordering`]): `Ordering::Key` runs a partition's
+    /// keys side by side, up to [`concurrency`](Self::concurrency) at once.
+    #[must_use]
+    pub fn ordering(mut self, ordering: inbox_core::keyed::Ordering) -> Self {
+        self.group.ordering = ordering;
+        self
+    }
+
+    /// How many messages (or batches) run at once under `Ordering::Key` or
+    /// `Unordered` ([`GroupConfig::concurrency`], default
+    /// [`DEFAULT_CONCURRENCY`](crate::DEFAULT_CONCURRENCY)); at most the
+    /// store's pool size less one.
+    #[must_use]
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.group.concurrency = n;
+        self
+    }
+
     /// How records become messages (default: JSON).
     #[must_use]
     pub fn decoder(mut self, decoder: impl Decode + 'static) -> Self {

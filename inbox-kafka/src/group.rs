@@ -68,7 +68,29 @@ pub struct GroupConfig {
     /// a warning. Default [`DEFAULT_PARTITIONS_IN_FLIGHT`]; 1: one
     /// transaction at a time over every partition (the former behaviour).
     pub partitions_in_flight: usize,
+    /// In what order a partition's messages are handled
+    /// ([`Ordering::Partition`](inbox_core::keyed::Ordering::Partition),
+    /// the default: one at a time per partition, partitions side by side).
+    /// With [`Ordering::Key`](inbox_core::keyed::Ordering::Key) (or
+    /// `Unordered`) one consumer over every owned partition feeds
+    /// [`concurrency`](Self::concurrency) runners ("lanes"): different keys
+    /// of a partition run side by side, one key's messages one at a time in
+    /// offset order; the stored offset is the lowest message not finished,
+    /// and what is delivered again above it is found by its inbox row.
+    /// `partitions_in_flight` is then not used.
+    pub ordering: inbox_core::keyed::Ordering,
+    /// Under `Ordering::Key` or `Unordered`: how many messages (or batches)
+    /// the member handles at once, over all its partitions. Each holds a
+    /// database connection, so it is clamped to the store's pool size less
+    /// one, with a warning. Default [`DEFAULT_CONCURRENCY`].
+    pub concurrency: usize,
 }
+
+/// How many messages a member handles at once under
+/// [`Ordering::Key`](inbox_core::keyed::Ordering::Key) unless told
+/// otherwise ([`GroupConfig::concurrency`]): 8, below the default pool of
+/// 10 connections.
+pub const DEFAULT_CONCURRENCY: usize = 8;
 
 /// How many partitions a member handles side by side unless told
 /// otherwise ([`GroupConfig::partitions_in_flight`]): 8, below the default
@@ -85,6 +107,8 @@ impl GroupConfig {
             session_timeout: Duration::from_secs(5),
             wait_for_topics: false,
             partitions_in_flight: DEFAULT_PARTITIONS_IN_FLIGHT,
+            ordering: inbox_core::keyed::Ordering::Partition,
+            concurrency: DEFAULT_CONCURRENCY,
         }
     }
 
@@ -118,7 +142,8 @@ impl GroupConfig {
             ValidationError::unless(
                 self.partitions_in_flight > 0,
                 "group partitions_in_flight must be at least 1",
-            )
+            )?;
+            ValidationError::unless(self.concurrency > 0, "group concurrency must be at least 1")
         };
         check().map_err(|e| KafkaError::Config(format!("member {:?}: {e}", self.member_id)))
     }
@@ -525,6 +550,9 @@ where
     H: Handler<S::Tx> + 'static,
 {
     let pool = store.pool_size();
+    if group.ordering != inbox_core::keyed::Ordering::Partition {
+        return start_lanes(kafka, group, owned, store, handler, runner, metrics).await;
+    }
     let runners = runners_for(owned.len(), group.partitions_in_flight, pool);
     if runners < group.partitions_in_flight.min(owned.len()) {
         tracing::warn!(
@@ -551,6 +579,91 @@ where
         owned,
         cancel,
         tasks,
+    })
+}
+
+/// One consumer claiming `owned` and `group.concurrency` lanes over it
+/// (clamped to the pool less one), a runner each, in one task that writes
+/// the last watermarks once every lane has stopped. A lane that panics
+/// stops the others, and the task ends with its panic.
+async fn start_lanes<S, H>(
+    kafka: &KafkaConfig,
+    group: &GroupConfig,
+    owned: Vec<PartitionKey>,
+    store: &S,
+    handler: &Arc<H>,
+    runner: &RunnerConfig,
+    metrics: &Arc<dyn Metrics>,
+) -> Result<Running, KafkaError>
+where
+    S: InboxStore + OffsetStore + Clone + 'static,
+    H: Handler<S::Tx> + 'static,
+{
+    let pool = store.pool_size();
+    let by_pool = pool.map_or(usize::MAX, |p| p.saturating_sub(1));
+    let lanes = group.concurrency.min(by_pool).max(1);
+    if lanes < group.concurrency {
+        tracing::warn!(
+            member = %group.member_id,
+            concurrency = group.concurrency,
+            pool_size = pool,
+            lanes,
+            "concurrency is above the store's pool size less one: {lanes} messages at once (raise the pool size to handle more)"
+        );
+    }
+    let consumer = KafkaConsumer::connect(
+        KafkaConfig {
+            partitions: owned.clone(),
+            ..kafka.clone()
+        },
+        store.clone(),
+    )
+    .await?
+    .with_metrics(metrics.clone());
+    let shared = inbox_core::runner::lanes::Lanes::new(consumer, group.ordering, lanes);
+    let cancel = CancellationToken::new();
+    let mut runners = Vec::with_capacity(lanes);
+    for lane in shared.lanes() {
+        runners.push(
+            Runner::new(store.clone(), lane, handler.clone(), runner.clone())
+                .with_metrics(metrics.clone()),
+        );
+    }
+    let stop = cancel.clone();
+    let task = tokio::spawn(async move {
+        let mut set = tokio::task::JoinSet::new();
+        let lanes_stop = stop.child_token();
+        for mut r in runners {
+            let stop = lanes_stop.clone();
+            set.spawn(async move { r.run(stop).await.map_or(0, |summary| summary.messages) });
+        }
+        let mut handled = 0;
+        let mut panic = None;
+        while let Some(done) = set.join_next().await {
+            match done {
+                Ok(n) => handled += n,
+                Err(e) => {
+                    lanes_stop.cancel();
+                    if e.is_panic() {
+                        panic.get_or_insert(e.into_panic());
+                    }
+                }
+            }
+            if !stop.is_cancelled() && !lanes_stop.is_cancelled() {
+                // a lane returned by itself: the member starts them again
+                lanes_stop.cancel();
+            }
+        }
+        shared.flush().await;
+        if let Some(p) = panic {
+            std::panic::resume_unwind(p);
+        }
+        handled
+    });
+    Ok(Running {
+        owned,
+        cancel,
+        tasks: vec![Owned(Some(task))],
     })
 }
 

@@ -84,9 +84,11 @@ pub use consumer::{
 pub use decode::{Decode, JsonDecoder, RecordView, decode_or_poison, redecode};
 pub use entry::{InboxConsumer, OutboxRelay, shutdown_signal};
 pub use group::{
-    AssignmentChange, DEFAULT_PARTITIONS_IN_FLIGHT, GroupConfig, GroupSummary, run_group,
+    AssignmentChange, DEFAULT_CONCURRENCY, DEFAULT_PARTITIONS_IN_FLIGHT, GroupConfig, GroupSummary,
+    run_group,
 };
 pub use health::{HealthHandle, PartitionHealth};
+pub use inbox_core::keyed::Ordering;
 pub use offsets::{
     MovedOffset, OffsetTarget, PartitionOffsets, log_bounds, move_offsets, read_offsets,
     topic_partitions,

@@ -634,3 +634,215 @@ async fn a_held_partition_does_not_hold_back_the_others() {
         }
     }
 }
+
+/// Inserts one effect row (message, key, sequence within the key), waits
+/// 30 ms (an outside call), and watches for two handlers of one key at once.
+#[derive(Default)]
+struct KeyedEffects {
+    running: std::sync::Mutex<BTreeSet<String>>,
+    overlaps: std::sync::atomic::AtomicUsize,
+    now: std::sync::atomic::AtomicUsize,
+    most: std::sync::atomic::AtomicUsize,
+}
+
+#[async_trait::async_trait]
+impl inbox_core::Handler<inbox_postgres::PgTx> for KeyedEffects {
+    type Output = ();
+    async fn handle(
+        &self,
+        message: &inbox_core::Message,
+        tx: &mut inbox_postgres::PgTx,
+    ) -> Result<(), inbox_core::HandlerError> {
+        use inbox_postgres::sea_orm::{ConnectionTrait, DbBackend, Statement};
+        use std::sync::atomic::Ordering::SeqCst;
+        let key = message.payload["key"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        {
+            let mut running = self.running.lock().unwrap_or_else(|e| e.into_inner());
+            if !running.insert(key.clone()) {
+                self.overlaps.fetch_add(1, SeqCst);
+            }
+        }
+        let now = self.now.fetch_add(1, SeqCst) + 1;
+        self.most.fetch_max(now, SeqCst);
+        tx.connection()
+            .execute_raw(Statement::from_sql_and_values(
+                DbBackend::Postgres,
+                "INSERT INTO key_effects (message_id, key, seq) VALUES ($1, $2, $3)",
+                vec![
+                    message.message_id.clone().into(),
+                    key.clone().into(),
+                    message.payload["seq"].as_i64().unwrap_or(-1).into(),
+                ],
+            ))
+            .await?;
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        self.now.fetch_sub(1, SeqCst);
+        self.running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&key);
+        Ok(())
+    }
+}
+
+/// `Ordering::Key` on a topic another team's service wrote with keys
+/// (librdkafka, the Java client's murmur2 partitioner): 120 records of 6
+/// keys over 2 partitions, 6 at once. Every message has one effect, each
+/// key's effects are in its order (from the rows: sequence by insertion),
+/// no key ran twice at once while several keys did, and the stored offsets
+/// reach the end of both partitions (the watermark). Per message and
+/// batched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_side_by_side_from_librdkafka_each_once_and_in_key_order() {
+    use inbox_postgres::sea_orm::ConnectionTrait;
+    for batched in [false, true] {
+        let env = env(&format!("keys-{batched}"), 2).await;
+        env.store
+            .connection()
+            .execute_unprepared(
+                "CREATE TABLE key_effects (id BIGSERIAL PRIMARY KEY, message_id TEXT NOT NULL, key TEXT NOT NULL, seq BIGINT NOT NULL)",
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let script = format!(
+            "{}/../xtask/clients/librdkafka_keyed.py",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let out = std::process::Command::new("python3")
+            .args([&script, env.broker.address(), &env.topic, "120", "6"])
+            .output()
+            .unwrap_or_else(|e| panic!("python3: {e}"));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let handler = Arc::new(KeyedEffects::default());
+        let mut group = GroupConfig::new("member-k", vec![env.topic.clone()]);
+        group.heartbeat = Duration::from_millis(100);
+        group.session_timeout = Duration::from_millis(800);
+        group.ordering = inbox_kafka::Ordering::Key;
+        group.concurrency = 6;
+        let mut runner = config("billing", AckStrategy::default());
+        if batched {
+            runner = runner.batched(inbox_core::BatchConfig::new(5));
+        }
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(run_group(
+            env.kafka_config("billing"),
+            group,
+            env.store.clone(),
+            handler.clone(),
+            runner,
+            Arc::new(NoopMetrics),
+            cancel.clone(),
+        ));
+        let counted = env.store.clone();
+        let effects = async || {
+            inbox_testkit::pg::count(&counted, "SELECT count(*) FROM key_effects", vec![])
+                .await
+                .unwrap_or_else(|e| panic!("{e}"))
+        };
+        wait_until(
+            "120 effects and both watermarks at the end",
+            Duration::from_secs(60),
+            async || {
+                let stored = env.stored_offset("billing", 0).await.unwrap_or(0)
+                    + env.stored_offset("billing", 1).await.unwrap_or(0);
+                effects().await >= 120 && stored == 120
+            },
+        )
+        .await;
+        cancel.cancel();
+        task.await.expect("join").expect("member");
+        let store = env.store.clone();
+        let count = async |sql: &'static str| {
+            inbox_testkit::pg::count(&store, sql, vec![])
+                .await
+                .unwrap_or_else(|e| panic!("{e}"))
+        };
+        assert_eq!(effects().await, 120, "batched {batched}");
+        assert_eq!(
+            count("SELECT count(DISTINCT message_id) FROM key_effects").await,
+            120,
+            "batched {batched}: each message once"
+        );
+        assert_eq!(
+            count("SELECT count(*) FROM (SELECT seq, lag(seq) OVER (PARTITION BY key ORDER BY id) AS prev FROM key_effects) s WHERE prev >= seq").await,
+            0,
+            "batched {batched}: a key's effects out of its order"
+        );
+        use std::sync::atomic::Ordering::SeqCst;
+        assert_eq!(handler.overlaps.load(SeqCst), 0, "batched {batched}");
+        assert!(
+            handler.most.load(SeqCst) >= 3,
+            "batched {batched}: at most {} handlers at once",
+            handler.most.load(SeqCst)
+        );
+    }
+}
+
+/// Lanes acknowledge after their transactions, so each transaction checks
+/// the owner epoch itself: four messages held in four lanes' handlers
+/// while another consumer claims the partition commit nothing once let
+/// go (each transaction is refused), and the stored offset is the new
+/// owner's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_lane_commits_nothing() {
+    use inbox_core::runner::lanes::Lanes;
+    use std::sync::atomic::Ordering::SeqCst;
+    let env = env("fenced-lanes", 1).await;
+    env.produce_orders(0, &["f-0", "f-1", "f-2", "f-3"]).await;
+    let gated = Arc::new(Gated {
+        inner: ScriptedHandler::new([], Act::Succeed),
+        open: Arc::new(tokio::sync::Notify::new()),
+        opened: std::sync::atomic::AtomicBool::new(false),
+        running: std::sync::atomic::AtomicUsize::new(0),
+        most: std::sync::atomic::AtomicUsize::new(0),
+    });
+    let lanes = Lanes::new(env.consumer("billing").await, inbox_kafka::Ordering::Key, 4);
+    let cancel = CancellationToken::new();
+    let mut tasks = Vec::new();
+    for lane in lanes.lanes() {
+        let mut runner = inbox_core::Runner::new(
+            env.store.clone(),
+            lane,
+            gated.clone(),
+            config("billing", AckStrategy::default()),
+        );
+        let stop = cancel.clone();
+        tasks.push(tokio::spawn(async move { runner.run(stop).await }));
+    }
+    wait_until("four handlers held", Duration::from_secs(30), async || {
+        gated.running.load(SeqCst) == 4
+    })
+    .await;
+    let stored_before = env.stored_offset("billing", 0).await;
+    // another member takes the partition (its epoch moves)
+    let _owner = env.consumer("billing").await;
+    gated.opened.store(true, SeqCst);
+    gated.open.notify_waiters();
+    wait_until("the handlers let go", Duration::from_secs(30), async || {
+        gated.running.load(SeqCst) == 0
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    cancel.cancel();
+    for t in tasks {
+        t.await.expect("join").expect("runner");
+    }
+    lanes.flush().await;
+    assert_eq!(
+        env.total_invoices().await,
+        0,
+        "a fenced lane committed an effect"
+    );
+    assert_eq!(
+        env.stored_offset("billing", 0).await,
+        stored_before,
+        "a fenced member moved the stored offset"
+    );
+}

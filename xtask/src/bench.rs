@@ -93,7 +93,7 @@ use inbox_testkit::MemBroker;
 use crate::bench_outbox::{Write, writers as writer};
 use serde_json::json;
 
-const LINES: [&str; 40] = [
+const LINES: [&str; 44] = [
     "omni-box",
     "floor",
     "raw-batch",
@@ -134,6 +134,10 @@ const LINES: [&str; 40] = [
     "fast-serial",
     "fast-partitions",
     "fast-partitions-batched",
+    "slow-keys",
+    "slow-keys-batched",
+    "fast-keys",
+    "fast-keys-batched",
 ];
 const PARTITIONS: i32 = 4;
 const BATCH: usize = 100;
@@ -297,6 +301,9 @@ pub(crate) fn run(mut o: Options) -> Result<()> {
         ("writer-notify-8", "writer-plain-8"),
         ("slow-partitions", "slow-serial"),
         ("slow-partitions-batched", "slow-serial"),
+        ("slow-keys", "slow-serial"),
+        ("slow-keys-batched", "slow-serial"),
+        ("slow-keys", "fast-keys"),
         ("fast-partitions", "fast-serial"),
         ("fast-partitions-batched", "fast-serial"),
     ] {
@@ -312,6 +319,17 @@ pub(crate) fn run(mut o: Options) -> Result<()> {
             println!(
                 "{line} / (partitions / 20 ms = {ceiling:.0} msg/s): {:.2}",
                 x / ceiling
+            );
+        }
+    }
+    // keys side by side over the same wait: the concurrency's ceiling
+    #[allow(clippy::cast_precision_loss)]
+    let keys_ceiling = crate::bench_slow::KEY_CONCURRENCY as f64 / 0.020;
+    for line in ["slow-keys", "slow-keys-batched"] {
+        if let Some(x) = rate(line) {
+            println!(
+                "{line} / (concurrency / 20 ms = {keys_ceiling:.0} msg/s): {:.2}",
+                x / keys_ceiling
             );
         }
     }

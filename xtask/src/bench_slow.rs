@@ -18,8 +18,10 @@
 //! Lines: `slow-serial` (one partition at a time, the former behaviour:
 //! `partitions_in_flight = 1`), `slow-partitions` (8 side by side, the
 //! default), `slow-partitions-batched` (the same in batches of 100), and
-//! the same three with no wait (`fast-*`): what side by side costs or
-//! gains when the handler only writes.
+//! `slow-keys` and `slow-keys-batched` (`Ordering::Key`, 64 at once over
+//! the partitions' keys, per message and in batches of 10), and the same
+//! with no wait (`fast-*`): what side by side costs or gains when the
+//! handler only writes.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -31,6 +33,8 @@ use inbox_kafka::{GroupConfig, KafkaConfig, run_group};
 use inbox_postgres::sea_orm::{ConnectionTrait, DbBackend, Statement};
 use inbox_postgres::{PgStore, PgTx, TableName};
 
+/// Messages at once in the `*-keys` lines (`Ordering::Key`).
+pub(crate) const KEY_CONCURRENCY: usize = 64;
 /// Partitions of the topic.
 pub(crate) const PARTITIONS: i32 = 8;
 /// Distinct keys the producer writes.
@@ -50,6 +54,9 @@ pub(crate) struct Shape {
     pub(crate) batch: Option<usize>,
     /// The handler's wait after its INSERT.
     pub(crate) wait: Duration,
+    /// `Some(n)`: `Ordering::Key` with concurrency `n` (and a pool of
+    /// `n + 6` connections).
+    pub(crate) keys: Option<usize>,
 }
 
 impl Shape {
@@ -60,16 +67,19 @@ impl Shape {
         } else {
             (Duration::ZERO, name.strip_prefix("fast-")?)
         };
-        let (partitions_in_flight, batch) = match rest {
-            "serial" => (1, None),
-            "partitions" => (8, None),
-            "partitions-batched" => (8, Some(100)),
+        let (partitions_in_flight, batch, keys) = match rest {
+            "serial" => (1, None, None),
+            "partitions" => (8, None, None),
+            "partitions-batched" => (8, Some(100), None),
+            "keys" => (8, None, Some(KEY_CONCURRENCY)),
+            "keys-batched" => (8, Some(10), Some(KEY_CONCURRENCY)),
             _ => return None,
         };
         Some(Self {
             partitions_in_flight,
             batch,
             wait,
+            keys,
         })
     }
 }
@@ -136,7 +146,10 @@ fn produce(broker: &str, topic: &str, n: u64) -> Result<()> {
 /// effects' time span.
 pub(crate) async fn run(url: &str, messages: u64, shape: Shape) -> Result<Duration> {
     let messages = shape.messages(messages);
-    let store = PgStore::connect_with_pool(url, TableName::default(), 10).await?;
+    let pool = shape
+        .keys
+        .map_or(10, |n| u32::try_from(n + 6).unwrap_or(u32::MAX));
+    let store = PgStore::connect_with_pool(url, TableName::default(), pool).await?;
     store.migrate().await?;
     let db = store.connection().clone();
     db.execute_unprepared(EFFECTS).await?;
@@ -151,6 +164,10 @@ pub(crate) async fn run(url: &str, messages: u64, shape: Shape) -> Result<Durati
     kafka.max_wait = inbox_testkit::kafka::TANSU_MAX_WAIT;
     let mut group = GroupConfig::new("bench-1", vec![topic.clone()]);
     group.partitions_in_flight = shape.partitions_in_flight;
+    if let Some(n) = shape.keys {
+        group.ordering = inbox_kafka::Ordering::Key;
+        group.concurrency = n;
+    }
     let mut runner = RunnerConfig::new("bench", "bench-1")?;
     if let Some(n) = shape.batch {
         runner = runner.batched(BatchConfig::new(n));

@@ -230,12 +230,12 @@ impl<C: Consumer> Shared<C> {
         }
     }
 
-    /// Pulls what the shared consumer has ready (waiting for the first
-    /// record at most as long as its `next` does) and offers it; how many
-    /// records were offered.
-    async fn pull(&self, inner: &mut C) -> Result<usize, ConsumerError> {
+    /// Pulls what the shared consumer has ready (`wait`: waiting for the
+    /// first record at most as long as its `next` does) and offers it; how
+    /// many records were offered.
+    async fn pull(&self, inner: &mut C, wait: bool) -> Result<usize, ConsumerError> {
         let mut offered = 0;
-        let mut first = true;
+        let mut first = wait;
         for _ in 0..PULL_MAX {
             let next = if first {
                 first = false;
@@ -360,6 +360,7 @@ impl<C: Consumer> Lanes<C> {
             .map(|index| Lane {
                 index,
                 shared: self.shared.clone(),
+                gathering: false,
             })
             .collect()
     }
@@ -386,6 +387,9 @@ impl<C: Consumer> Lanes<C> {
 pub struct Lane<C> {
     index: usize,
     shared: Arc<Shared<C>>,
+    /// Records were handed to it and not yet acknowledged or rewound (a
+    /// batch is being gathered): `next` does not wait for more.
+    gathering: bool,
 }
 
 impl<C> std::fmt::Debug for Lane<C> {
@@ -422,6 +426,7 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
             tokio::pin!(changed);
             changed.as_mut().enable();
             if let Some(message) = self.shared.state().take(self.index) {
+                self.gathering = true;
                 return Ok(Some(message));
             }
             if pulled {
@@ -430,7 +435,8 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
             match self.shared.inner.try_lock() {
                 Ok(mut inner) => {
                     self.shared.flush(&mut inner).await;
-                    let offered = self.shared.pull(&mut inner).await;
+                    // a batch being gathered takes what is there, no more
+                    let offered = self.shared.pull(&mut inner, !self.gathering).await;
                     self.shared.flush(&mut inner).await;
                     drop(inner);
                     self.shared.changed.notify_waiters();
@@ -438,6 +444,7 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
                         pulled = true;
                     }
                 }
+                Err(_) if self.gathering => pulled = true,
                 Err(_) => {
                     if tokio::time::timeout(WAIT_FOR_PULL, changed).await.is_err() {
                         pulled = true;
@@ -455,6 +462,7 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
         let Some(pos) = &message.position else {
             return Ok(());
         };
+        self.gathering = false;
         let key = pos.partition_key();
         if self.was_stale(&key) {
             return Ok(());
@@ -481,6 +489,7 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
             self.shared.state().loose.push_front(message.clone());
             return Ok(());
         };
+        self.gathering = false;
         let key = pos.partition_key();
         if self.was_stale(&key) {
             return Ok(());
@@ -525,6 +534,7 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
         let Some(pos) = &message.position else {
             return;
         };
+        self.gathering = false;
         let key = pos.partition_key();
         let mut state = self.shared.state();
         state.stale.remove(&(self.index, key.clone()));

@@ -59,10 +59,12 @@
 //!   batch-aware handler, offsets stored in the inbox transaction, the
 //!   exactly-once check and the broker-gap count after it.
 //!
-//! - `slow-serial`, `slow-partitions`, `slow-partitions-batched` and the
-//!   `fast-*` three: a group member over 8 partitions written by
-//!   librdkafka with a handler that waits 20 ms (or not at all) after its
-//!   INSERT, one partition at a time or side by side (see `bench_slow`).
+//! - `slow-serial`, `slow-partitions`, `slow-partitions-batched`,
+//!   `slow-keys`, `slow-keys-batched` and their `fast-*` twins: a group
+//!   member over 8 partitions written by librdkafka with a handler that
+//!   waits 20 ms (or not at all) after its INSERT, one partition at a
+//!   time, partitions side by side, or keys side by side
+//!   (`Ordering::Key`, 64 at once; see `bench_slow`).
 //!
 //! The processor and graphile lines also print the WAL their drain wrote,
 //! per job: bytes in all and, when the server has `pg_walinspect`

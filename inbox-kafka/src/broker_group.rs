@@ -239,6 +239,60 @@ fn failed(what: impl std::fmt::Display) -> WireError {
     WireError(what.to_string())
 }
 
+/// How long a commit or a fetch of offsets asks again while the group's
+/// coordinator is not ready (a fresh cluster creates `__consumer_offsets`
+/// on the first FindCoordinator, and a moved coordinator loads it), and
+/// how long it waits between the attempts.
+const COORDINATOR_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+const COORDINATOR_RETRY: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Whether `error` means "the coordinator is not ready yet, ask again":
+/// the coordinator is loading, not available, or elsewhere now.
+fn coordinator_not_ready(error: &ApiError) -> bool {
+    matches!(
+        error,
+        ApiError::CoordinatorLoadInProgress
+            | ApiError::CoordinatorNotAvailable
+            | ApiError::NotCoordinator
+    )
+}
+
+/// One attempt's failure: the error, and whether it was a coordinator
+/// not ready yet (asked again within [`COORDINATOR_WAIT`]).
+struct Attempt {
+    error: WireError,
+    not_ready: bool,
+}
+
+impl From<WireError> for Attempt {
+    fn from(error: WireError) -> Self {
+        Self {
+            error,
+            not_ready: false,
+        }
+    }
+}
+
+/// Runs `attempt` until it succeeds, fails otherwise than with a
+/// coordinator not ready, or [`COORDINATOR_WAIT`] has passed.
+async fn while_not_ready<T, F, Fut>(mut attempt: F) -> Result<T, WireError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, Attempt>>,
+{
+    let until = tokio::time::Instant::now() + COORDINATOR_WAIT;
+    loop {
+        match attempt().await {
+            Ok(value) => return Ok(value),
+            Err(a) if a.not_ready && tokio::time::Instant::now() < until => {
+                tracing::debug!(error = %a.error, "group coordinator not ready: asking again");
+                tokio::time::sleep(COORDINATOR_RETRY).await;
+            }
+            Err(a) => return Err(a.error),
+        }
+    }
+}
+
 /// One group at the brokers' group coordinator: its connection, found
 /// with FindCoordinator on first use and again after an error.
 pub(crate) struct BrokerGroup {
@@ -256,7 +310,7 @@ impl BrokerGroup {
         }
     }
 
-    async fn connection(&self) -> Result<Arc<Conn>, WireError> {
+    async fn connection(&self) -> Result<Arc<Conn>, Attempt> {
         let mut held = self.conn.lock().await;
         if let Some(c) = held.as_ref() {
             return Ok(Arc::clone(c));
@@ -277,10 +331,10 @@ impl BrokerGroup {
                 .await
                 .map_err(|e| failed(format!("FindCoordinator at {address}: {e}")))?;
             if let Some(e) = found.error {
-                return Err(failed(format!(
-                    "no coordinator for group {:?}: {e}",
-                    self.group
-                )));
+                return Err(Attempt {
+                    not_ready: coordinator_not_ready(&e),
+                    error: failed(format!("no coordinator for group {:?}: {e}", self.group)),
+                });
             }
             let coordinator = format!("{}:{}", found.host, found.port);
             let c = Arc::new(if &coordinator == address {
@@ -291,7 +345,7 @@ impl BrokerGroup {
             *held = Some(Arc::clone(&c));
             return Ok(c);
         }
-        Err(last)
+        Err(last.into())
     }
 
     async fn forget(&self) {
@@ -300,7 +354,7 @@ impl BrokerGroup {
 
     /// Sends `request` to the coordinator; after an error the coordinator
     /// is looked up again next time.
-    async fn request<R>(&self, what: &str, request: R) -> Result<R::ResponseBody, WireError>
+    async fn request<R>(&self, what: &str, request: R) -> Result<R::ResponseBody, Attempt>
     where
         R: RequestBody + Send + WriteVersionedType<Vec<u8>>,
         R::ResponseBody: ReadVersionedType<std::io::Cursor<Vec<u8>>>,
@@ -310,14 +364,20 @@ impl BrokerGroup {
             Ok(answer) => Ok(answer),
             Err(e) => {
                 self.forget().await;
-                Err(failed(format!("{what} of group {:?}: {e}", self.group)))
+                Err(failed(format!("{what} of group {:?}: {e}", self.group)).into())
             }
         }
     }
 
     /// Commits `offsets` (topic, partition, next offset to read) for the
     /// group, as a standalone consumer does.
+    /// A coordinator not ready yet is asked again within
+    /// [`COORDINATOR_WAIT`].
     pub(crate) async fn commit(&self, offsets: &[(String, i32, i64)]) -> Result<(), WireError> {
+        while_not_ready(|| self.try_commit(offsets)).await
+    }
+
+    async fn try_commit(&self, offsets: &[(String, i32, i64)]) -> Result<(), Attempt> {
         let topics = by_topic(offsets.iter().map(|(t, p, o)| (t, (*p, *o))));
         let committed = self
             .request(
@@ -328,12 +388,15 @@ impl BrokerGroup {
                 },
             )
             .await?;
+        let mut not_ready = true;
         let refused: Vec<String> = committed
             .0
             .iter()
-            .flat_map(|(t, ps)| {
-                ps.iter()
-                    .filter_map(move |(p, e)| e.map(|e| format!("{t}:{p}: {e}")))
+            .flat_map(|(t, ps)| ps.iter().map(move |(p, e)| (t, p, e)))
+            .filter_map(|(t, p, e)| {
+                let e = e.as_ref()?;
+                not_ready &= coordinator_not_ready(e);
+                Some(format!("{t}:{p}: {e}"))
             })
             .collect();
         if refused.is_empty() {
@@ -341,20 +404,32 @@ impl BrokerGroup {
         } else {
             // the coordinator may have moved: find it again next time
             self.forget().await;
-            Err(failed(format!(
-                "OffsetCommit of group {:?} refused: {}",
-                self.group,
-                refused.join(", ")
-            )))
+            Err(Attempt {
+                not_ready,
+                error: failed(format!(
+                    "OffsetCommit of group {:?} refused: {}",
+                    self.group,
+                    refused.join(", ")
+                )),
+            })
         }
     }
 
     /// The offsets committed for `partitions` (the next offset to read);
     /// a partition with none committed is absent.
+    /// A coordinator not ready yet is asked again within
+    /// [`COORDINATOR_WAIT`].
     pub(crate) async fn committed(
         &self,
         partitions: &[(String, i32)],
     ) -> Result<HashMap<(String, i32), i64>, WireError> {
+        while_not_ready(|| self.try_committed(partitions)).await
+    }
+
+    async fn try_committed(
+        &self,
+        partitions: &[(String, i32)],
+    ) -> Result<HashMap<(String, i32), i64>, Attempt> {
         let topics = by_topic(partitions.iter().map(|(t, p)| (t, *p)));
         let fetched = self
             .request(
@@ -367,18 +442,21 @@ impl BrokerGroup {
             .await?;
         if let Some(e) = fetched.error {
             self.forget().await;
-            return Err(failed(format!(
-                "OffsetFetch of group {:?}: {e}",
-                self.group
-            )));
+            return Err(Attempt {
+                not_ready: coordinator_not_ready(&e),
+                error: failed(format!("OffsetFetch of group {:?}: {e}", self.group)),
+            });
         }
         let mut out = HashMap::new();
         for (topic, partition, offset, error) in fetched.partitions {
             if let Some(e) = error {
-                return Err(failed(format!(
-                    "OffsetFetch of group {:?}, {topic}:{partition}: {e}",
-                    self.group
-                )));
+                return Err(Attempt {
+                    not_ready: coordinator_not_ready(&e),
+                    error: failed(format!(
+                        "OffsetFetch of group {:?}, {topic}:{partition}: {e}",
+                        self.group
+                    )),
+                });
             }
             if offset >= 0 {
                 out.insert((topic, partition), offset);
@@ -521,5 +599,48 @@ impl BrokerCommits {
                 inbox_core::MetricEvent::BrokerCommitFailed,
             );
         }));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn not_ready() -> Attempt {
+        Attempt {
+            error: failed("not ready"),
+            not_ready: true,
+        }
+    }
+
+    /// A coordinator not ready is asked again until it answers; any other
+    /// error ends at once; one never ready ends after [`COORDINATOR_WAIT`].
+    #[tokio::test(start_paused = true)]
+    async fn a_coordinator_not_ready_is_asked_again_within_a_bound() {
+        let calls = std::sync::atomic::AtomicU32::new(0);
+        let answered = while_not_ready(|| async {
+            let n = calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            if n < 3 { Err(not_ready()) } else { Ok(n) }
+        })
+        .await;
+        assert_eq!(answered.map_err(|e| e.0), Ok(3));
+
+        calls.store(0, std::sync::atomic::Ordering::SeqCst);
+        let refused: Result<(), _> = while_not_ready(|| async {
+            calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Err(Attempt::from(failed("refused")))
+        })
+        .await;
+        assert_eq!(refused.map_err(|e| e.0), Err("refused".to_owned()));
+        assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+
+        let start = tokio::time::Instant::now();
+        let never: Result<(), _> = while_not_ready(|| async { Err(not_ready()) }).await;
+        assert!(never.is_err());
+        let waited = start.elapsed();
+        assert!(
+            waited >= COORDINATOR_WAIT && waited <= COORDINATOR_WAIT + COORDINATOR_RETRY,
+            "{waited:?}"
+        );
     }
 }

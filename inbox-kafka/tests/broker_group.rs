@@ -186,6 +186,26 @@ async fn a_member_fenced_by_a_move_copies_nothing_to_the_coordinator() {
     assert_eq!(env.stored_offset("billing", 0).await, Some(3));
 }
 
+/// A move made on a cluster that has never seen a group still reaches
+/// the coordinator: the first FindCoordinator of a fresh cluster makes
+/// `__consumer_offsets` and answers "not available" (and a loading one
+/// "in progress") until it is ready, and the copy asks again instead of
+/// giving up with a warning (clean-clone CI saw the move's copy missing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_on_a_fresh_cluster_reaches_the_coordinator() {
+    let env = env("fresh-move", 1).await;
+    let ids: Vec<String> = (0..5).map(|i| format!("o-{i}")).collect();
+    let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    env.produce_orders(0, &refs).await;
+    let mut kafka = env.kafka_config("billing");
+    kafka.broker_commit_interval = Some(Duration::from_secs(1));
+    inbox_kafka::move_offsets(&kafka, &env.store, inbox_kafka::OffsetTarget::Offset(3))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(env.stored_offset("billing", 0).await, Some(3));
+    assert_eq!(committed(&env, "billing"), serde_json::json!({"0": 3}));
+}
+
 /// Kafka's own tool agrees: `kafka-consumer-groups --describe` (the Java
 /// tool of the broker's release) shows the group's offsets and lag as the
 /// library stored them; a group reset by that tool (`--reset-offsets

@@ -11,7 +11,8 @@ use async_trait::async_trait;
 use inbox_core::keyed::Ordering;
 use inbox_core::runner::lanes::Lanes;
 use inbox_core::{
-    BatchConfig, CancellationToken, Handler, HandlerError, Message, Runner, RunnerConfig,
+    BatchConfig, CancellationToken, Consumer, ConsumerError, Handler, HandlerError, Message,
+    Position, Runner, RunnerConfig,
 };
 use inbox_testkit::scenarios::WriteInvoice;
 use inbox_testkit::{MemBroker, MemStore};
@@ -102,8 +103,23 @@ async fn run_lanes(
     lanes: usize,
     batch: Option<usize>,
     until: impl Fn() -> bool,
-) {
-    let shared = Lanes::new(broker.consumer("billing"), ordering, lanes);
+) -> bool {
+    let consumer = broker.consumer("billing");
+    run_lanes_over(consumer, store, handler, ordering, lanes, batch, until).await
+}
+
+/// As [`run_lanes`], over `consumer`; whether `until` said so before the
+/// 60 s (the last watermarks are written after it is asked).
+async fn run_lanes_over<C: Consumer + 'static>(
+    consumer: C,
+    store: &MemStore,
+    handler: &Arc<Slow>,
+    ordering: Ordering,
+    lanes: usize,
+    batch: Option<usize>,
+    until: impl Fn() -> bool,
+) -> bool {
+    let shared = Lanes::new(consumer, ordering, lanes);
     let cancel = CancellationToken::new();
     let mut tasks = Vec::new();
     for lane in shared.lanes() {
@@ -118,14 +134,71 @@ async fn run_lanes(
         }));
     }
     let started = tokio::time::Instant::now();
-    while !until() && started.elapsed() < Duration::from_secs(60) {
+    let mut met = until();
+    while !met && started.elapsed() < Duration::from_secs(60) {
         tokio::time::sleep(Duration::from_millis(10)).await;
+        met = until();
     }
     cancel.cancel();
     for t in tasks {
         t.await.expect("a lane's runner stopped");
     }
     shared.flush().await;
+    met
+}
+
+/// A consumer whose broker stops answering once its records are read:
+/// `next` then waits for ever (a frozen broker, a fetch with no deadline).
+struct Frozen<C>(C);
+
+#[async_trait]
+impl<C: Consumer> Consumer for Frozen<C> {
+    async fn next(&mut self) -> Result<Option<Message>, ConsumerError> {
+        match self.0.next().await? {
+            Some(m) => Ok(Some(m)),
+            None => std::future::pending().await,
+        }
+    }
+    async fn ack(&mut self, message: &Message) -> Result<(), ConsumerError> {
+        self.0.ack(message).await
+    }
+    async fn rewind(&mut self, message: &Message) -> Result<(), ConsumerError> {
+        self.0.rewind(message).await
+    }
+    fn hold(&mut self, position: &Position, until: tokio::time::Instant) -> bool {
+        self.0.hold(position, until)
+    }
+}
+
+/// The lanes finish what was read while the shared consumer waits on a
+/// broker that answers nothing: their watermarks are still stored (the
+/// waiting pull gives way to write them), not held back until the
+/// broker answers. They used to wait for the pull: nothing stored.
+#[tokio::test(start_paused = true)]
+async fn watermarks_are_stored_while_the_consumer_waits_on_a_frozen_broker() {
+    let store = MemStore::new();
+    let broker = MemBroker::new();
+    for i in 0..60 {
+        broker.produce(
+            "orders",
+            i % 2,
+            keyed(&format!("m{i}"), &format!("k{}", i % 6)),
+        );
+    }
+    let handler = Slow::new(&[]);
+    let consumer = Frozen(broker.consumer("billing"));
+    let stored = run_lanes_over(consumer, &store, &handler, Ordering::Key, 4, None, || {
+        broker.acked("billing", "orders", 0) == Some(30)
+            && broker.acked("billing", "orders", 1) == Some(30)
+    })
+    .await;
+    assert_eq!(store.business_count("invoices"), 60);
+    assert!(
+        stored,
+        "watermarks stored while the broker is frozen: {:?} and {:?} of 30",
+        broker.acked("billing", "orders", 0),
+        broker.acked("billing", "orders", 1)
+    );
 }
 
 /// 2 partitions, 10 keys, 200 messages, 8 lanes: each message's effect

@@ -250,6 +250,11 @@ fn test() -> Result<()> {
         synchronous_commit_off: true,
         ..soak::Options::of(10_000)
     })?;
+    println!("$ cargo xtask soak --messages 40000 --keys");
+    soak::run(soak::Options {
+        keys: true,
+        ..soak::Options::of(40_000)
+    })?;
     println!("xtask test: all checks passed");
     Ok(())
 }
@@ -277,6 +282,7 @@ mod tests {
             "--fail-percent",
             "--no-faults",
             "--synchronous-commit-off",
+            "--keys",
         ] {
             assert!(soak.contains(flag), "soak --help lacks {flag}: {soak}");
         }

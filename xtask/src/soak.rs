@@ -18,7 +18,12 @@
 //! each fault the run checks, in one snapshot, that no partition's stored
 //! offset is past a message whose effect is missing. At the end: every
 //! valid message's effect exactly once (SQL), every poison record a dead
-//! letter, every partition's offset at its end. It prints throughput,
+//! letter, every partition's offset at its end. With `--keys` the records
+//! carry keys (64 a partition), the consumer is a group member with
+//! `Ordering::Key` (8 at once, the stored offset a watermark), and each
+//! key's effects must also have been written in offset order (a sequence
+//! column; a key's next message starts only after the last committed).
+//! It prints throughput,
 //! faults survived and the consumer's peak RSS over time, and exits
 //! non-zero on any breach.
 
@@ -34,7 +39,7 @@ use inbox_core::{
     BatchConfig, CountingMetrics, Handler, HandlerError, Message, MetricEvent, Metrics,
     RunnerConfig,
 };
-use inbox_kafka::{KafkaConfig, run_partitioned};
+use inbox_kafka::{GroupConfig, KafkaConfig, run_group, run_partitioned};
 use inbox_postgres::sea_orm::{ConnectionTrait, DbBackend, Statement};
 use inbox_postgres::{PgStore, PgTx, TableName};
 use inbox_testkit::kafka::{Broker, json_record, raw_record};
@@ -67,6 +72,11 @@ pub(crate) struct Options {
     /// commits, which the consumer must notice and handle again.
     #[arg(long)]
     pub(crate) synchronous_commit_off: bool,
+    /// Records carry keys (64 a partition) and the consumer is a group
+    /// member with `Ordering::Key` (8 at once): each key's effects must
+    /// also be in offset order.
+    #[arg(long)]
+    pub(crate) keys: bool,
 }
 
 impl Options {
@@ -77,9 +87,17 @@ impl Options {
             fail_percent: 1,
             no_faults: false,
             synchronous_commit_off: false,
+            keys: false,
         }
     }
 }
+
+/// Under `--keys`, a record's key within its partition: `offset % KEYS`.
+const KEYS: i64 = 64;
+/// Under `--keys`, how many messages the member handles at once.
+const KEY_CONCURRENCY: usize = 8;
+/// Set for the consumer process under `--keys`.
+const KEYS_ENV: &str = "SOAK_KEYS";
 
 fn is_poison(offset: i64) -> bool {
     offset % POISON_EVERY == POISON_EVERY / 2
@@ -212,20 +230,40 @@ pub(crate) fn consumer(args: &[String]) -> Result<()> {
                 }
             });
         }
+        let keys = std::env::var_os(KEYS_ENV).is_some();
         // connecting fails while a server is down: try again
         while !cancel.is_cancelled() {
-            match run_partitioned(
-                kafka.clone(),
-                store.clone(),
-                handler.clone(),
-                runner.clone(),
-                2,
-                metrics.clone(),
-                cancel.clone(),
-            )
-            .await
-            {
-                Ok(_) => break,
+            let ran = if keys {
+                let mut group = GroupConfig::new(format!("soak-{}", std::process::id()), vec![topic.clone()]);
+                group.ordering = inbox_core::keyed::Ordering::Key;
+                group.concurrency = KEY_CONCURRENCY;
+                group.session_timeout = Duration::from_secs(3);
+                run_group(
+                    kafka.clone(),
+                    group,
+                    store.clone(),
+                    handler.clone(),
+                    runner.clone(),
+                    metrics.clone(),
+                    cancel.clone(),
+                )
+                .await
+                .map(|_| ())
+            } else {
+                run_partitioned(
+                    kafka.clone(),
+                    store.clone(),
+                    handler.clone(),
+                    runner.clone(),
+                    2,
+                    metrics.clone(),
+                    cancel.clone(),
+                )
+                .await
+                .map(|_| ())
+            };
+            match ran {
+                Ok(()) => break,
                 Err(e) => {
                     eprintln!("soak-consumer: {e}; trying again");
                     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -254,10 +292,14 @@ struct ConsumerProcess {
 }
 
 impl ConsumerProcess {
-    fn spawn(topic: &str, fail_percent: u64, url: &str, brokers: &str) -> Result<Self> {
+    fn spawn(topic: &str, o: &Options, url: &str, brokers: &str) -> Result<Self> {
         let exe = std::env::current_exe().context("finding the xtask binary")?;
-        let child = Command::new(exe)
-            .args(["soak-consumer", topic, &fail_percent.to_string()])
+        let mut command = Command::new(exe);
+        if o.keys {
+            command.env(KEYS_ENV, "1");
+        }
+        let child = command
+            .args(["soak-consumer", topic, &o.fail_percent.to_string()])
             .env(DB_ENV, url)
             .env("KAFKA_BROKERS", brokers)
             .env("RUST_LOG", "off")
@@ -352,6 +394,24 @@ async fn check_no_ack_before_effect(store: &PgStore, topic: &str) -> Result<Opti
     Ok(Some(now.values().map(|(next, _)| next).sum()))
 }
 
+/// Under `--keys`: how many effects were written after the effect of a
+/// later offset of their key (a key's messages run one at a time in
+/// offset order, so each key's effects, in the order they were written,
+/// have rising offsets).
+async fn keys_out_of_order(store: &PgStore) -> Result<i64> {
+    scalar(
+        store,
+        &format!(
+            "SELECT count(*) FROM (
+               SELECT record_offset, lag(record_offset) OVER
+                 (PARTITION BY partition, record_offset % {KEYS} ORDER BY seq) AS before
+               FROM {EFFECTS}) e
+             WHERE e.before >= e.record_offset"
+        ),
+    )
+    .await
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Fault {
     Postgres,
@@ -368,25 +428,29 @@ pub(crate) fn run(o: Options) -> Result<()> {
     rt.block_on(soak(o))
 }
 
-async fn produce(broker: &Broker, topic: &str, per_partition: &[i64]) -> Result<i64> {
+async fn produce(broker: &Broker, topic: &str, per_partition: &[i64], keys: bool) -> Result<i64> {
     let mut poison = 0;
     for (p, n) in per_partition.iter().enumerate() {
         let p = i32::try_from(p)?;
         let mut records = Vec::new();
         for offset in 0..*n {
             let id = format!("soak-{p}-{offset}");
-            if is_poison(offset) {
+            let mut record = if is_poison(offset) {
                 poison += 1;
-                records.push(raw_record(
+                raw_record(
                     Some(b"{not json".to_vec()),
                     [("message_id".to_owned(), id.into_bytes())].into(),
-                ));
+                )
             } else {
-                records.push(json_record(
+                json_record(
                     &json!({ "order": offset, "partition": p }),
                     &[("message_id", &id), ("event_type", "order.created")],
-                ));
+                )
+            };
+            if keys {
+                record.key = Some(format!("key-{}", offset % KEYS).into_bytes());
             }
+            records.push(record);
             if records.len() == 5_000 {
                 broker
                     .produce(topic, p, std::mem::take(&mut records), 500)
@@ -411,11 +475,16 @@ async fn soak(o: Options) -> Result<()> {
         "-c fsync=off -c synchronous_commit=on -c full_page_writes=off -c max_connections=100"
     };
     println!(
-        "soak: PostgreSQL with synchronous_commit={}",
+        "soak: PostgreSQL with synchronous_commit={}{}",
         if o.synchronous_commit_off {
             "off"
         } else {
             "on"
+        },
+        if o.keys {
+            "; keyed records, a group member with Ordering::Key"
+        } else {
+            ""
         }
     );
     let pg = PgServer::start_dedicated(settings).map_err(|e| anyhow!("{e}"))?;
@@ -428,7 +497,7 @@ async fn soak(o: Options) -> Result<()> {
     store
         .connection()
         .execute_unprepared(&format!(
-            "CREATE TABLE {EFFECTS} (message_id TEXT NOT NULL, partition INT NOT NULL, record_offset BIGINT NOT NULL);
+            "CREATE TABLE {EFFECTS} (seq BIGSERIAL, message_id TEXT NOT NULL, partition INT NOT NULL, record_offset BIGINT NOT NULL);
              CREATE INDEX ON {EFFECTS} (partition, record_offset)"
         ))
         .await?;
@@ -442,7 +511,7 @@ async fn soak(o: Options) -> Result<()> {
         })
         .collect();
     let produced = Instant::now();
-    let poison = produce(&broker, &topic, &per_partition).await?;
+    let poison = produce(&broker, &topic, &per_partition, o.keys).await?;
     let valid = o.messages - poison;
     println!(
         "soak: produced {} records ({valid} valid, {poison} poison) on {PARTITIONS} partitions in {:.1} s; {}% of the messages fail their first handler call",
@@ -451,7 +520,7 @@ async fn soak(o: Options) -> Result<()> {
         o.fail_percent
     );
     let brokers = broker.address().to_owned();
-    let mut consumer = ConsumerProcess::spawn(&topic, o.fail_percent, &url, &brokers)?;
+    let mut consumer = ConsumerProcess::spawn(&topic, &o, &url, &brokers)?;
     let mut peaks: Vec<u64> = Vec::new();
     let schedule = [
         Fault::Postgres,
@@ -564,7 +633,7 @@ async fn soak(o: Options) -> Result<()> {
                 Fault::Consumer => {
                     consumer.kill()?;
                     peaks.push(consumer.peak_kib);
-                    consumer = ConsumerProcess::spawn(&topic, o.fail_percent, &url, &brokers)?;
+                    consumer = ConsumerProcess::spawn(&topic, &o, &url, &brokers)?;
                 }
             }
             println!(
@@ -596,6 +665,11 @@ async fn soak(o: Options) -> Result<()> {
             == per_partition.get(usize::try_from(p).unwrap_or(0)).copied()
     });
     let lost = valid - distinct;
+    let out_of_order = if o.keys {
+        keys_out_of_order(&store).await?
+    } else {
+        0
+    };
     println!("soak summary");
     println!(
         "  records                 {total} ({valid} valid, {poison} poison), {PARTITIONS} partitions"
@@ -614,6 +688,11 @@ async fn soak(o: Options) -> Result<()> {
         "  effects                 {effects} rows, {distinct} messages: lost {lost}, doubled {doubled}"
     );
     println!("  dead letters            {dead} of {poison} poison records");
+    if o.keys {
+        println!(
+            "  keys                    {KEYS} a partition, Ordering::Key, {KEY_CONCURRENCY} at once: {out_of_order} effects before an earlier offset of their key"
+        );
+    }
     println!(
         "  offsets at the end      {}",
         if at_end {
@@ -642,6 +721,7 @@ async fn soak(o: Options) -> Result<()> {
         || doubled != 0
         || effects != valid
         || dead != poison
+        || out_of_order != 0
         || !at_end
         || next_fault != expected
     {

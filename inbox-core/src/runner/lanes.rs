@@ -64,6 +64,12 @@ const FULL_HOLD: Duration = Duration::from_millis(5);
 /// Most records one pull takes from the shared consumer.
 const PULL_MAX: usize = 512;
 
+/// How long a pull waiting on the broker goes on once a lane left a
+/// watermark to write, before it stops waiting to write it (and then waits
+/// again): a broker that answers nothing must not keep the partitions'
+/// finished work out of the stored offsets.
+const MARKS_DUE_WAIT: Duration = Duration::from_millis(200);
+
 /// One partition's flow and what is to be carried out for it.
 #[derive(Debug)]
 struct Part {
@@ -160,6 +166,9 @@ struct Shared<C> {
     state: Mutex<State>,
     /// Told when records were offered or keys freed.
     changed: Notify,
+    /// Told when a lane left a watermark to write because the shared
+    /// consumer was busy (a pull waiting on the broker).
+    marks_due: Notify,
     ordering: Ordering,
     limits: FlowLimits,
 }
@@ -230,6 +239,31 @@ impl<C: Consumer> Shared<C> {
         }
     }
 
+    /// The shared consumer's next record, waited for as long as its `next`
+    /// waits; watermarks left meanwhile by the lanes are written
+    /// [`MARKS_DUE_WAIT`] after they were left, the wait given up for it
+    /// (`next` is cancel-safe) and started again.
+    async fn next_writing_marks(&self, inner: &mut C) -> Result<Option<Message>, ConsumerError> {
+        loop {
+            let waited = {
+                let next = inner.next();
+                tokio::pin!(next);
+                tokio::select! {
+                    biased;
+                    answer = &mut next => Some(answer),
+                    () = async {
+                        self.marks_due.notified().await;
+                        tokio::time::sleep(MARKS_DUE_WAIT).await;
+                    } => None,
+                }
+            };
+            match waited {
+                Some(answer) => return answer,
+                None => self.flush(inner).await,
+            }
+        }
+    }
+
     /// Pulls what the shared consumer has ready (`wait`: waiting for the
     /// first record at most as long as its `next` does) and offers it; how
     /// many records were offered.
@@ -239,7 +273,7 @@ impl<C: Consumer> Shared<C> {
         for _ in 0..PULL_MAX {
             let next = if first {
                 first = false;
-                inner.next().await?
+                self.next_writing_marks(inner).await?
             } else {
                 // only what is ready at once: `next` is cancel-safe
                 match tokio::time::timeout(Duration::ZERO, inner.next()).await {
@@ -347,6 +381,7 @@ impl<C: Consumer> Lanes<C> {
                 inner: tokio::sync::Mutex::new(consumer),
                 state: Mutex::new(State::default()),
                 changed: Notify::new(),
+                marks_due: Notify::new(),
                 ordering,
                 limits,
             }),
@@ -478,6 +513,9 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
         self.shared.changed.notify_waiters();
         if let Ok(mut inner) = self.shared.inner.try_lock() {
             self.shared.flush(&mut inner).await;
+        } else {
+            // the holder may be waiting on the broker: it writes it soon
+            self.shared.marks_due.notify_one();
         }
         Ok(())
     }

@@ -463,6 +463,16 @@ mod tests {
         f.offer(2, key(2), 100, ());
         assert!(!f.has_room(), "100 bytes");
         assert_eq!(f.unfinished(), 2);
+        // bytes alone: room below the limit, none at it
+        let mut f = KeyedFlow::new(FlowLimits {
+            lanes: 1,
+            max_buffered: 10,
+            max_bytes: 100,
+        });
+        f.offer(0, key(1), 99, ());
+        assert!(f.has_room(), "99 bytes of 100");
+        f.offer(1, key(1), 1, ());
+        assert!(!f.has_room(), "100 bytes of 100");
     }
 
     #[test]

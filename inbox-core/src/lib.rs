@@ -67,6 +67,7 @@ pub mod otel;
 pub mod outbox;
 pub mod outcome;
 mod panics;
+pub mod partition;
 pub mod processor;
 pub mod router;
 pub mod runner;

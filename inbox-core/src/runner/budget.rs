@@ -12,8 +12,6 @@
 //!   counted before its handler runs, in a transaction of its own; a spent
 //!   budget then gives it up without running the handler again.
 
-use std::collections::HashMap;
-
 use crate::consumer::Consumer;
 use crate::decision::{self, Decision, Policy, Tally};
 use crate::error::{PersistStage, StoreError, ValidationError};
@@ -25,10 +23,6 @@ use crate::store::{AttemptRecord, Found, InboxStore, InboxTransaction, LockResul
 
 use super::message::Work;
 use super::{Runner, abandon};
-
-/// Per partition, the first deliveries a runner saw: how many distinct
-/// offsets, and the highest.
-pub(super) type FirstSeen = HashMap<(String, i32), (usize, i64)>;
 
 /// The text kept in `last_error` for a failed handler run.
 pub(super) fn failure_text(outcome: Option<&Outcome>) -> String {
@@ -134,21 +128,12 @@ where
         let Some(pos) = &message.position else {
             return decision::counts_attempt(Some(outcome), 0, self.config.uncounted_retries);
         };
-        let entry = self
-            .uncounted
-            .entry(pos.partition_key())
-            .or_insert((pos.offset, 0));
-        if entry.0 != pos.offset {
-            *entry = (pos.offset, 0);
-        }
-        let counted =
-            decision::counts_attempt(Some(outcome), entry.1, self.config.uncounted_retries);
-        entry.1 = if counted {
-            0
-        } else {
-            entry.1.saturating_add(1)
-        };
-        counted
+        self.partitions.failure_counts(
+            &pos.partition_key(),
+            pos.offset,
+            outcome,
+            self.config.uncounted_retries,
+        )
     }
 
     /// How many of each partition's first deliveries are counted before
@@ -168,23 +153,14 @@ where
         if !decision::counts_failures(policy) {
             return false;
         }
-        match self.first_seen.get(&pos.partition_key()) {
-            None => true,
-            Some(&(seen, highest)) => pos.offset > highest && seen < self.suspect_window(),
-        }
+        self.partitions
+            .is_suspect(&pos.partition_key(), pos.offset, self.suspect_window())
     }
 
     /// Notes that `message` was handled, for [`is_suspect`](Self::is_suspect).
     pub(super) fn note_seen(&mut self, message: &Message) {
         let Some(pos) = &message.position else { return };
-        let entry = self
-            .first_seen
-            .entry(pos.partition_key())
-            .or_insert((0, i64::MIN));
-        if pos.offset > entry.1 {
-            entry.0 = entry.0.saturating_add(1);
-            entry.1 = pos.offset;
-        }
+        self.partitions.seen(&pos.partition_key(), pos.offset);
     }
 
     /// Inserts `message`'s row `pending` in `tx` (or finds it) and locks

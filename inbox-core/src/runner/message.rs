@@ -567,10 +567,10 @@ where
         message: &Message,
     ) -> Option<Option<ProcessError>> {
         let key = message.position.as_ref()?.partition_key();
-        let earlier = self.unrewound.get(&key)?.clone();
+        let earlier = self.partitions.awaiting_rewind(&key)?.clone();
         let mut error = None;
         if self.rewind(&earlier, &mut error).await {
-            self.unrewound.remove(&key);
+            self.partitions.rewound_at_last(&key);
         }
         tracing::warn!(message_id = %message.message_id, "delivered past a message whose rewind failed: handed back");
         Some(error)
@@ -579,7 +579,8 @@ where
     /// Notes that `message` is to be delivered again but its rewind failed.
     pub(super) fn remember_unrewound(&mut self, message: &Message) {
         if let Some(pos) = &message.position {
-            self.unrewound.insert(pos.partition_key(), message.clone());
+            self.partitions
+                .unrewound(&pos.partition_key(), message.clone());
         }
     }
 

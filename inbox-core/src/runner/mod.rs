@@ -23,7 +23,7 @@ mod message;
 pub mod result;
 mod run;
 
-use std::collections::HashMap;
+use crate::partition::Partitions;
 use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
@@ -52,26 +52,13 @@ pub struct Runner<S, C, H, M = NoopMetrics> {
     config: RunnerConfig,
     metrics: M,
     store_failures: u32,
-    redelivery_failures: HashMap<(String, i32), (i64, u32)>,
+    /// What is learned about each partition's next delivery (redeliveries
+    /// in a row, a failed rewind, refused data, first deliveries, uncounted
+    /// retries, a batch refused at COMMIT): see [`crate::partition`].
+    partitions: Partitions,
     /// The batch size the batched runner takes now, below the configured
     /// one after batches that needed a replay (`None`: the configured one).
     batch_cap: Option<usize>,
-    /// Per partition, a message whose rewind failed: nothing later of that
-    /// partition is handled or acknowledged until its rewind succeeds.
-    unrewound: HashMap<(String, i32), Message>,
-    /// Per partition, the message whose data the database refused: its
-    /// offset, how many times, the last cause.
-    refused: HashMap<(String, i32), (i64, u32, String)>,
-    /// Per partition, the first deliveries seen (the failure budget counts
-    /// them before their handler runs).
-    first_seen: budget::FirstSeen,
-    /// Per partition, the message whose handler asked for uncounted
-    /// retries: its offset and how many in a row.
-    uncounted: HashMap<(String, i32), (i64, u32)>,
-    /// Per partition, the last offset of a batch whose COMMIT the database
-    /// refused: its messages come again one at a time, so that the one
-    /// whose writes were refused is charged alone.
-    apart: HashMap<(String, i32), i64>,
     /// Rows a batch's transaction inserted for messages whose handlers had
     /// not run when a handler ended that transaction: a `COMMIT` of the
     /// handler's own made them durable (`completed`, with no effect), so
@@ -93,13 +80,8 @@ impl<S, C, H> Runner<S, C, H, NoopMetrics> {
             config,
             metrics: NoopMetrics,
             store_failures: 0,
-            redelivery_failures: HashMap::new(),
+            partitions: Partitions::default(),
             batch_cap: None,
-            unrewound: HashMap::new(),
-            refused: HashMap::new(),
-            first_seen: HashMap::new(),
-            uncounted: HashMap::new(),
-            apart: HashMap::new(),
             orphans: Vec::new(),
         }
     }
@@ -147,14 +129,9 @@ where
             config: self.config,
             metrics,
             store_failures: self.store_failures,
-            redelivery_failures: self.redelivery_failures,
+            partitions: self.partitions,
             batch_cap: self.batch_cap,
-            unrewound: self.unrewound,
-            refused: self.refused,
-            uncounted: self.uncounted,
-            apart: self.apart,
             orphans: self.orphans,
-            first_seen: self.first_seen,
         }
     }
 
@@ -243,31 +220,21 @@ where
         };
         match refusal {
             Some(cause) => {
-                let entry = self
-                    .refused
-                    .entry(key)
-                    .or_insert((pos.offset, 0, String::new()));
-                if entry.0 != pos.offset {
-                    *entry = (pos.offset, 0, String::new());
-                }
-                entry.1 = entry.1.saturating_add(1);
-                entry.2 = cause;
+                self.partitions.refused(&key, pos.offset, cause);
             }
-            None => {
-                self.refused.remove(&key);
-            }
+            None => self.partitions.not_refused(&key),
         }
     }
 
     /// The poison verdict for a message the database refused too often.
     fn refused_poison(&self, message: &Message) -> Option<crate::error::ValidationError> {
         let pos = message.position.as_ref()?;
-        let (offset, tries, cause) = self.refused.get(&pos.partition_key())?;
-        (*offset == pos.offset
-            && crate::decision::refused_is_poison(*tries, self.config.refused_data_tries))
-        .then(|| crate::error::ValidationError::Refused {
-            tries: *tries,
-            cause: cause.clone(),
+        let (tries, cause) = self.partitions.refusals(&pos.partition_key(), pos.offset)?;
+        crate::decision::refused_is_poison(tries, self.config.refused_data_tries).then(|| {
+            crate::error::ValidationError::Refused {
+                tries,
+                cause: cause.to_owned(),
+            }
         })
     }
 

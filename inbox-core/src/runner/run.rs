@@ -165,19 +165,12 @@ where
             Some(pos) => {
                 let key = pos.partition_key();
                 if result.rewound {
-                    let entry = self
-                        .redelivery_failures
-                        .entry(key)
-                        .or_insert((pos.offset, 0));
-                    if entry.0 != pos.offset {
-                        *entry = (pos.offset, 0);
-                    }
-                    entry.1 = entry.1.saturating_add(1);
+                    let times = self.partitions.rewound(&key, pos.offset);
                     // the handler's own retry time when it gave one
                     let delay = crate::decision::redelivery_hold(
                         result.outcome.as_ref(),
                         chrono::Utc::now(),
-                        self.config.redelivery_backoff.delay(entry.1),
+                        self.config.redelivery_backoff.delay(times),
                         self.config.redelivery_backoff.max,
                     );
                     // held back alone when the consumer can: the other
@@ -188,7 +181,7 @@ where
                         delay
                     }
                 } else {
-                    self.redelivery_failures.remove(&key);
+                    self.partitions.went_on(&key);
                     Duration::ZERO
                 }
             }

@@ -247,8 +247,8 @@ where
                 && e.stage == PersistStage::Commit
                 && decision::refused_at_commit(e.source.kind)
             {
-                let last = self.apart.entry(pos.partition_key()).or_insert(pos.offset);
-                *last = (*last).max(pos.offset);
+                self.partitions
+                    .refused_at_commit(&pos.partition_key(), pos.offset);
             }
         }
         result
@@ -257,11 +257,10 @@ where
     /// Whether `message` is among those of a batch the database refused at
     /// COMMIT, to be handled one at a time.
     fn tried_apart(&self, message: &Message) -> bool {
-        message.position.as_ref().is_some_and(|pos| {
-            self.apart
-                .get(&pos.partition_key())
-                .is_some_and(|&last| pos.offset <= last)
-        })
+        message
+            .position
+            .as_ref()
+            .is_some_and(|pos| self.partitions.is_apart(&pos.partition_key(), pos.offset))
     }
 
     /// The batch one message at a time (each its own transaction), as the
@@ -281,12 +280,9 @@ where
             result.transactions += 1;
             if let Some(pos) = &r.position
                 && !r.decision.rewind
-                && self
-                    .apart
-                    .get(&pos.partition_key())
-                    .is_some_and(|&last| pos.offset >= last)
             {
-                self.apart.remove(&pos.partition_key());
+                self.partitions
+                    .handled_apart(&pos.partition_key(), pos.offset);
             }
             if r.decision.holds_partition() {
                 held.push(key);

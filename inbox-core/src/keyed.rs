@@ -315,11 +315,7 @@ impl<T: Clone> KeyedFlow<T> {
     /// stored offset, or was fenced): acknowledgements of what was in hand
     /// are ignored from now on.
     pub fn reset(&mut self) {
-        let lanes = self.lanes.len();
-        *self = Self::new(FlowLimits {
-            lanes,
-            ..self.limits
-        });
+        *self = Self::new(self.limits);
     }
 
     fn finish(&mut self, offset: i64) {
@@ -427,6 +423,40 @@ mod tests {
         assert_eq!(f.ack(0, 0), Some((0, 0)));
         assert_eq!(f.next_for(1, now), Some((1, 1)));
         assert_eq!(f.ack(1, 1), Some((3, 3)));
+    }
+
+    /// What is in hand, as the lanes' driver reads it: whether anything
+    /// is unfinished, the lowest unfinished offset, the lanes holding
+    /// records; a reset empties it all.
+    #[test]
+    fn what_is_in_hand_is_told() {
+        let now = Instant::now();
+        let mut f = KeyedFlow::new(FlowLimits::new(3));
+        assert!(f.is_idle());
+        assert_eq!(f.lowest_unfinished(), None);
+        assert_eq!(f.lanes_in_hand(), Vec::<usize>::new());
+        for (o, k) in [(0, 1), (1, 2), (2, 3)] {
+            f.offer(o, key(k), 1, o);
+        }
+        assert!(!f.is_idle());
+        assert_eq!(f.lowest_unfinished(), Some(0));
+        assert_eq!(f.next_for(1, now), Some((0, 0)));
+        assert_eq!(f.next_for(2, now), Some((1, 1)));
+        assert_eq!(f.lanes_in_hand(), vec![1, 2]);
+        assert_eq!(f.ack(1, 0), Some((0, 0)));
+        assert_eq!(f.lanes_in_hand(), vec![2]);
+        assert_eq!(f.lowest_unfinished(), Some(1));
+        assert_eq!(f.ack(2, 1), Some((1, 1)));
+        assert_eq!(f.lowest_unfinished(), Some(2), "offered, not handed out");
+        assert_eq!(f.next_for(0, now), Some((2, 2)));
+        assert_eq!(f.lanes_in_hand(), vec![0]);
+        f.reset();
+        assert!(f.is_idle());
+        assert_eq!(f.lanes_in_hand(), Vec::<usize>::new());
+        assert_eq!(f.lowest_unfinished(), None);
+        assert_eq!(f.limits().lanes, 3, "the lanes stay");
+        f.offer(7, key(1), 1, 7);
+        assert_eq!(f.next_for(2, now), Some((7, 7)), "lane 2 is still there");
     }
 
     #[test]

@@ -265,7 +265,9 @@ mod tests {
     #[test]
     fn redeliveries_are_counted_in_a_row_per_offset_and_partition() {
         let mut parts = Partitions::default();
+        assert!(parts.is_empty());
         assert_eq!(parts.rewound(&key(0), 5), 1);
+        assert!(!parts.is_empty());
         assert_eq!(parts.rewound(&key(0), 5), 2);
         assert_eq!(parts.rewound(&key(1), 5), 1, "another partition");
         assert_eq!(parts.rewound(&key(0), 5), 3);
@@ -308,6 +310,7 @@ mod tests {
         let mut parts = Partitions::default();
         let k = key(0);
         assert!(parts.is_suspect(&k, 10, 2));
+        parts.seen(&k, 10);
         parts.seen(&k, 10);
         assert!(!parts.is_suspect(&k, 10, 2), "seen");
         assert!(!parts.is_suspect(&k, 9, 2), "below the highest seen");

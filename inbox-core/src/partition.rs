@@ -78,7 +78,7 @@ impl Learned {
     }
 }
 
-/// Every partition's [`Learned`] state (see the [module](self)).
+/// Every partition's learned state (see the [module](self)).
 #[derive(Debug, Clone, Default)]
 pub struct Partitions {
     parts: HashMap<PartitionKey, Learned>,

@@ -168,13 +168,14 @@ pub fn row_update(
         }
         Err(failure) => (true, None, failure_text(failure), None),
     };
+    let permanent = matches!(result, Err(Failure::Permanent(_)));
     let attempts = if counted {
         attempts_made.saturating_add(1)
     } else {
         attempts_made
     };
     let last_error = Some(storable_error(&error_text));
-    if counted && budget_spent(i64::from(attempts), i64::from(max_attempts)) {
+    if counted && (permanent || budget_spent(i64::from(attempts), i64::from(max_attempts))) {
         return (
             RowUpdate {
                 status: InboxStatus::Failed,
@@ -224,6 +225,7 @@ pub fn failure_text(failure: &Failure) -> String {
         } => reason.clone(),
         Failure::RetryLater { reason: None, .. } => "the handler asked for a retry later".into(),
         Failure::Error(e) => e.clone(),
+        Failure::Permanent(e) => format!("permanent: {e}"),
         Failure::Timeout => "the handler timed out".into(),
         Failure::Panic(p) => format!("the handler panicked: {p}"),
         Failure::Aborted(e) => {
@@ -272,6 +274,26 @@ mod tests {
             let (u, _) = row_update(&Err(failure), 0, 5, 0.5, &rules);
             assert_eq!(u.attempts_made, 1, "error, timeout and panic count");
         }
+    }
+
+    /// The processor's rows: a permanent failure fails the row at its
+    /// first attempt, whatever is left of the budget; an error does not.
+    #[test]
+    fn a_permanent_failure_fails_the_row_at_once() {
+        let rules = AttemptRules::default();
+        let (u, e) = row_update(
+            &Err(Failure::Permanent("no such customer".into())),
+            0,
+            10,
+            0.5,
+            &rules,
+        );
+        assert_eq!((u.status, u.attempts_made), (InboxStatus::Failed, 1));
+        assert_eq!(u.last_error.as_deref(), Some("permanent: no such customer"));
+        assert_eq!(u.due, None);
+        assert!(e.is_none());
+        let (u, _) = row_update(&Err(Failure::Error("timed out".into())), 0, 10, 0.5, &rules);
+        assert_eq!((u.status, u.attempts_made), (InboxStatus::Pending, 1));
     }
 
     #[test]

@@ -405,7 +405,12 @@ pub fn after_transient(outcome: Outcome, transient: Option<String>) -> Outcome {
     use crate::outcome::Failure;
     match (outcome, transient) {
         (
-            Outcome::Failed(Failure::Error(_) | Failure::Aborted(_) | Failure::Returned(_)),
+            Outcome::Failed(
+                Failure::Error(_)
+                | Failure::Permanent(_)
+                | Failure::Aborted(_)
+                | Failure::Returned(_),
+            ),
             Some(cause),
         ) => Outcome::Failed(Failure::RetryLater {
             reason: Some(format!("transient database error: {cause}")),
@@ -539,10 +544,17 @@ fn spent(policy: Policy, handler_ran: bool) -> Decision {
 /// is spent (see [`Tally::Exhausted`]). Without a budget: the uncounted
 /// failure of [`after_handler`].
 pub fn after_counted_failure(policy: Policy, attempts: i32) -> Decision {
+    after_failure_recorded(policy, attempts, false)
+}
+
+/// As [`after_counted_failure`], for a failure that is `permanent`
+/// ([`Failure::Permanent`](crate::outcome::Failure::Permanent)): under a
+/// budget, spent at once whatever is left of it.
+pub fn after_failure_recorded(policy: Policy, attempts: i32, permanent: bool) -> Decision {
     let Some(budget) = policy.failure_budget else {
         return after_handler(policy, RowState::New, OutcomeClass::Failure);
     };
-    if crate::attempts::budget_spent(i64::from(attempts), i64::from(budget)) {
+    if permanent || crate::attempts::budget_spent(i64::from(attempts), i64::from(budget)) {
         spent(policy, true)
     } else {
         Decision {

@@ -339,10 +339,12 @@ pub enum ConsumerError {
 }
 
 /// The error a handler returns. Any `std::error::Error` converts into it with
-/// `?`; [`HandlerError::msg`] makes one from text.
+/// `?`; [`HandlerError::msg`] makes one from text. An error is retried
+/// within the failure budget unless it is [permanent](Self::permanent).
 pub struct HandlerError {
     message: String,
     source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    permanent: bool,
 }
 
 impl HandlerError {
@@ -351,7 +353,40 @@ impl HandlerError {
         Self {
             message: message.into(),
             source: None,
+            permanent: false,
         }
+    }
+
+    /// An error that no retry can mend (an order for a customer that does
+    /// not exist, a payload the handler cannot use): under a failure
+    /// budget the message is failed and dead-lettered at once, its
+    /// attempt counted, without spending the rest of the budget (Spring
+    /// Kafka's not-retryable exceptions, NServiceBus's unrecoverable
+    /// ones). Without a budget it is a failure like any other. A failure
+    /// over a transient database error is still retried, uncounted: the
+    /// handler may have judged from that error.
+    ///
+    /// ```
+    /// use inbox_core::HandlerError;
+    /// let e = HandlerError::permanent("no customer c-9");
+    /// assert!(e.is_permanent());
+    /// assert!(!HandlerError::msg("timed out").is_permanent());
+    /// ```
+    pub fn permanent(message: impl Into<String>) -> Self {
+        Self::msg(message).into_permanent()
+    }
+
+    /// This error, made [permanent](Self::permanent):
+    /// `Err(HandlerError::from(e).into_permanent())`.
+    #[must_use]
+    pub fn into_permanent(mut self) -> Self {
+        self.permanent = true;
+        self
+    }
+
+    /// Whether the error is [permanent](Self::permanent).
+    pub fn is_permanent(&self) -> bool {
+        self.permanent
     }
 
     /// An error from any boxed error, `anyhow::Error` and `eyre::Report`
@@ -379,6 +414,7 @@ impl HandlerError {
         Self {
             message,
             source: Some(error),
+            permanent: false,
         }
     }
 
@@ -398,6 +434,7 @@ impl fmt::Debug for HandlerError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("HandlerError")
             .field("message", &self.message)
+            .field("permanent", &self.permanent)
             .finish()
     }
 }
@@ -407,6 +444,7 @@ impl<E: std::error::Error + Send + Sync + 'static> From<E> for HandlerError {
         Self {
             message: error.to_string(),
             source: Some(Box::new(error)),
+            permanent: false,
         }
     }
 }

@@ -141,6 +141,9 @@ pub enum Failure {
     },
     /// It returned `Err`.
     Error(String),
+    /// It returned a [permanent](crate::HandlerError::permanent) `Err`:
+    /// dead-lettered at once under a failure budget.
+    Permanent(String),
     /// It ran past the configured timeout.
     Timeout,
     /// It panicked.

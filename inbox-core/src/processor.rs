@@ -355,6 +355,7 @@ where
         let result = match tokio::time::timeout(self.config.handler_timeout, call).await {
             Err(_) => Err(Failure::Timeout),
             Ok(Err(panic)) => Err(Failure::Panic(crate::panics::panic_text(&*panic))),
+            Ok(Ok(Err(e))) if e.is_permanent() => Err(Failure::Permanent(e.to_string())),
             Ok(Ok(Err(e))) => Err(Failure::Error(e.to_string())),
             Ok(Ok(Ok(result))) => Ok(result),
         };

@@ -103,6 +103,11 @@ async fn failure_budget_bounds_a_failing_message() {
 }
 
 #[tokio::test]
+async fn a_permanent_error_is_dead_lettered_at_once() {
+    scenarios::a_permanent_error_is_dead_lettered_at_once(&MemHarness::new(MemStore::new())).await;
+}
+
+#[tokio::test]
 async fn failure_budget_governs_a_landed_row() {
     scenarios::failure_budget_governs_a_landed_row(&MemHarness::new(MemStore::new())).await;
 }

@@ -101,10 +101,42 @@ impl std::fmt::Debug for InboxConsumer {
     }
 }
 
+/// `<group>-<host>-<pid>` (`<group>-<pid>` without a host), each part's
+/// characters a member id refuses made `-`, the host shortened so that
+/// the whole fits [`MAX_MEMBER_ID_CHARS`](inbox_core::model::MAX_MEMBER_ID_CHARS).
+fn default_member_id(group: &str, host: Option<&str>, pid: u32) -> String {
+    let clean = |part: &str| -> String {
+        part.trim()
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || matches!(c, '.' | '-') {
+                    c
+                } else {
+                    '-'
+                }
+            })
+            .collect()
+    };
+    let group = clean(group);
+    let suffix = format!("-{pid}");
+    let room = inbox_core::model::MAX_MEMBER_ID_CHARS
+        .saturating_sub(group.chars().count() + suffix.len() + 1);
+    match host.map(clean).filter(|h| !h.is_empty()) {
+        Some(host) if room > 0 => {
+            let host: String = host.chars().take(room).collect();
+            format!("{group}-{host}{suffix}")
+        }
+        _ => format!("{group}{suffix}"),
+    }
+}
+
 impl InboxConsumer {
     /// A member of consumer group `group` reading `topics` from `brokers`
     /// (`host:port`, several separated by commas), with the defaults: member
-    /// id `<group>-<pid>` (set a stable one with [`member`](Self::member)),
+    /// id `<group>-<host>-<pid>` (the host from `HOSTNAME`, else
+    /// `/etc/hostname`: a pod's name, so that two pods, each with pid 1,
+    /// never share an id, and a restarted container keeps its own; set one
+    /// with [`member`](Self::member)),
     /// one message per transaction, plaintext, JSON payloads, maintenance
     /// keeping completed rows 7 days, no metrics.
     ///
@@ -122,7 +154,10 @@ impl InboxConsumer {
         if topics.is_empty() {
             return Err(KafkaError::Config("no topic given".to_owned()));
         }
-        let member = format!("{group}-{}", std::process::id());
+        let host = std::env::var("HOSTNAME")
+            .ok()
+            .or_else(|| std::fs::read_to_string("/etc/hostname").ok());
+        let member = default_member_id(group, host.as_deref(), std::process::id());
         let runner = RunnerConfig::new(group, member.clone())
             .map_err(|e| KafkaError::Config(e.to_string()))?;
         let maintenance = MaintenanceConfig::new(Duration::from_secs(7 * 24 * 3_600))
@@ -478,4 +513,32 @@ fn broker_list(brokers: &str) -> Result<Vec<String>, KafkaError> {
         return Err(KafkaError::Config("no broker given".to_owned()));
     }
     Ok(list)
+}
+
+#[cfg(test)]
+mod member_id_tests {
+    use super::default_member_id;
+
+    /// Two pods (each pid 1) get two ids, a restart of one keeps its own,
+    /// and what a member id refuses is replaced.
+    #[test]
+    fn the_default_member_id_is_the_hosts() {
+        let a = default_member_id("billing", Some("billing-7f9c-abcde\n"), 1);
+        let b = default_member_id("billing", Some("billing-7f9c-xyz12"), 1);
+        assert_eq!(a, "billing-billing-7f9c-abcde-1");
+        assert_ne!(a, b);
+        assert_eq!(
+            a,
+            default_member_id("billing", Some("billing-7f9c-abcde"), 1)
+        );
+        assert_eq!(default_member_id("billing", None, 42), "billing-42");
+        assert_eq!(default_member_id("billing", Some("  "), 42), "billing-42");
+        let odd = default_member_id("billing_eu", Some("host_1 a"), 3);
+        assert_eq!(odd, "billing-eu-host-1-a-3");
+        assert!(inbox_core::MemberId::new(odd).is_ok());
+        let long = default_member_id("g", Some(&"h".repeat(400)), 123);
+        assert_eq!(long.chars().count(), inbox_core::model::MAX_MEMBER_ID_CHARS);
+        assert!(long.ends_with("-123"));
+        assert!(inbox_core::MemberId::new(long).is_ok());
+    }
 }

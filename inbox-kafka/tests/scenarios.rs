@@ -106,6 +106,11 @@ async fn failure_budget_bounds_a_failing_message() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permanent_error_is_dead_lettered_at_once() {
+    scenarios::a_permanent_error_is_dead_lettered_at_once(&harness().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failure_budget_governs_a_landed_row() {
     scenarios::failure_budget_governs_a_landed_row(&harness().await).await;
 }

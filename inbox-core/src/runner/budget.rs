@@ -58,7 +58,11 @@ pub(super) async fn record_failure<T: InboxTransaction>(
         .record_attempt(id, &record)
         .await
         .map_err(|e| (PersistStage::Attempt, e))?;
-    let decision = decision::after_counted_failure(policy, attempts);
+    let permanent = matches!(
+        outcome,
+        Some(Outcome::Failed(crate::outcome::Failure::Permanent(_)))
+    );
+    let decision = decision::after_failure_recorded(policy, attempts, permanent);
     if decision.tally == Tally::Exhausted {
         give_up(tx, message, consumer_group, id, attempts, error).await?;
     }

@@ -289,6 +289,7 @@ where
     let outcome = match tokio::time::timeout(timeout, call).await {
         Err(_) => Outcome::Failed(Failure::Timeout),
         Ok(Err(panic)) => Outcome::Failed(Failure::Panic(panic_text(&*panic))),
+        Ok(Ok(Err(e))) if e.is_permanent() => Outcome::Failed(Failure::Permanent(e.to_string())),
         Ok(Ok(Err(e))) => Outcome::Failed(Failure::Error(e.to_string())),
         Ok(Ok(Ok(result))) => Outcome::from_result(&result),
     };

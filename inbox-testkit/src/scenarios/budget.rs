@@ -106,6 +106,69 @@ pub async fn failure_budget_bounds_a_failing_message<H: Harness>(h: &H) {
     }
 }
 
+/// A permanent error ([`HandlerError::permanent`]: "this will never
+/// succeed") is dead-lettered at once, per message and in batches of 2,
+/// under a budget of 10: its handler runs once, its row is `failed` with
+/// one attempt and the error, one dead letter, no writes of its own, and
+/// the partition moves on (before, it spent the whole budget: 10 runs).
+pub async fn a_permanent_error_is_dead_lettered_at_once<H: Harness>(h: &H) {
+    let store = h.store();
+    for batched in [false, true] {
+        let group = format!("permanent-{}", if batched { "batch" } else { "one" });
+        let id = |m: &str| format!("{group}-{m}");
+        let topic = h.topic("orders", 1).await;
+        for m in ["a1", "a2", "a3", "bad", "after"] {
+            topic.produce(0, order(&id(m))).await;
+        }
+        let bad = id("bad");
+        let handler = FlakyById::permanently([bad.as_str()]);
+        let mut b = inbox_core::BatchConfig::new(2);
+        b.linger = Duration::ZERO;
+        let mut cfg = config(&group, AckStrategy::default()).failure_budget(10);
+        if batched {
+            cfg = cfg.batched(b);
+        }
+        let metrics = Arc::new(CountingMetrics::new());
+        let mut runner = Runner::new(store.clone(), topic.consumer(&group).await, handler, cfg)
+            .with_metrics(metrics.clone());
+        let results = drain(&mut runner, batched.then_some(b), 60).await;
+        let runs = results
+            .iter()
+            .filter(|r| r.message_id == bad && r.outcome.is_some())
+            .count();
+        assert_eq!(runs, 1, "{group}: one run, no retries");
+        let bad_row = row(&store, &bad, &group)
+            .await
+            .unwrap_or_else(|| panic!("{group}: row"));
+        assert_eq!(
+            (bad_row.status, bad_row.attempts_made),
+            (InboxStatus::Failed, 1),
+            "{group}"
+        );
+        assert!(
+            bad_row
+                .last_error
+                .as_deref()
+                .is_some_and(|e| e.contains("no such customer")),
+            "{group}: last error {:?}",
+            bad_row.last_error
+        );
+        assert_eq!(store.dead_letters(&bad, &group).await, 1, "{group}");
+        assert_eq!(
+            store.invoices(&bad).await,
+            0,
+            "{group}: its writes rolled back"
+        );
+        for m in ["a1", "a2", "a3", "after"] {
+            assert_eq!(store.invoices(&id(m)).await, 1, "{group}: {m} handled once");
+        }
+        assert_eq!(topic.acked(&group, 0).await, Some(5), "{group}");
+        let counts = metrics.snapshot();
+        assert_eq!(counts.exhausted, 1, "{group}");
+        assert_eq!(counts.tallied(), counts.consumed, "{group}");
+    }
+}
+
 /// "The dependency is down": a handler that asks for uncounted retries
 /// (`retry_uncounted`) spends no failure budget, so with a budget of 2 a
 /// message retried five times that way is then handled, not dead-lettered

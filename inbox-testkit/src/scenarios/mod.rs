@@ -278,6 +278,7 @@ async fn inbox_state<S: InboxStore>(
 pub struct FlakyById {
     fails: std::collections::HashMap<String, u32>,
     swallows: std::collections::HashMap<String, u32>,
+    permanent: std::collections::HashSet<String>,
     calls: Mutex<std::collections::HashMap<String, u32>>,
 }
 
@@ -297,7 +298,17 @@ impl FlakyById {
         Arc::new(Self {
             fails: fails.into_iter().map(|(m, n)| owned(m, n)).collect(),
             swallows: swallows.into_iter().map(|(m, n)| owned(m, n)).collect(),
+            permanent: std::collections::HashSet::new(),
             calls: Mutex::default(),
+        })
+    }
+
+    /// Fails each id of `ids` with a permanent error
+    /// ([`HandlerError::permanent`]) on every call.
+    pub fn permanently<'a>(ids: impl IntoIterator<Item = &'a str>) -> Arc<Self> {
+        Arc::new(Self {
+            permanent: ids.into_iter().map(str::to_owned).collect(),
+            ..Self::default()
         })
     }
 }
@@ -316,6 +327,9 @@ impl<Tx: WriteInvoice + 'static> Handler<Tx> for FlakyById {
             *n
         };
         tx.write_invoice(&message.message_id).await?;
+        if self.permanent.contains(&message.message_id) {
+            return Err(HandlerError::permanent("no such customer"));
+        }
         let fails = self.fails.get(&message.message_id).copied().unwrap_or(0);
         if n <= fails {
             return Err(HandlerError::msg("payment provider timed out"));

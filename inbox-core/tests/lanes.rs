@@ -24,6 +24,21 @@ fn keyed(id: &str, key: &str) -> Message {
     m
 }
 
+/// A broker holding `n` messages `m0..` on topic `orders`, dealt over
+/// `partitions` partitions, message `i` of key `k{i % keys}`.
+fn keyed_broker(n: usize, partitions: usize, keys: usize) -> MemBroker {
+    let broker = MemBroker::new();
+    for i in 0..n {
+        let partition = i32::try_from(i % partitions).expect("a partition");
+        broker.produce(
+            "orders",
+            partition,
+            keyed(&format!("m{i}"), &format!("k{}", i % keys)),
+        );
+    }
+    broker
+}
+
 #[derive(Default)]
 struct Seen {
     /// Per key, the offsets whose handler started, in order.
@@ -177,14 +192,7 @@ impl<C: Consumer> Consumer for Frozen<C> {
 #[tokio::test(start_paused = true)]
 async fn watermarks_are_stored_while_the_consumer_waits_on_a_frozen_broker() {
     let store = MemStore::new();
-    let broker = MemBroker::new();
-    for i in 0..60 {
-        broker.produce(
-            "orders",
-            i % 2,
-            keyed(&format!("m{i}"), &format!("k{}", i % 6)),
-        );
-    }
+    let broker = keyed_broker(60, 2, 6);
     let handler = Slow::new(&[]);
     let consumer = Frozen(broker.consumer("billing"));
     let stored = run_lanes_over(consumer, &store, &handler, Ordering::Key, 4, None, || {
@@ -208,14 +216,7 @@ async fn watermarks_are_stored_while_the_consumer_waits_on_a_frozen_broker() {
 async fn keys_run_side_by_side_each_key_in_order_each_message_once() {
     for batch in [None, Some(10)] {
         let store = MemStore::new();
-        let broker = MemBroker::new();
-        for i in 0..200 {
-            broker.produce(
-                "orders",
-                i % 2,
-                keyed(&format!("m{i}"), &format!("k{}", i % 10)),
-            );
-        }
+        let broker = keyed_broker(200, 2, 10);
         let handler = Slow::new(&[]);
         run_lanes(&store, &broker, &handler, Ordering::Key, 8, batch, || {
             store.business_count("invoices") == 200
@@ -261,14 +262,7 @@ async fn keys_run_side_by_side_each_key_in_order_each_message_once() {
 #[tokio::test(start_paused = true)]
 async fn one_lane_runs_one_at_a_time() {
     let store = MemStore::new();
-    let broker = MemBroker::new();
-    for i in 0..40 {
-        broker.produce(
-            "orders",
-            0,
-            keyed(&format!("m{i}"), &format!("k{}", i % 10)),
-        );
-    }
+    let broker = keyed_broker(40, 1, 10);
     let handler = Slow::new(&[]);
     run_lanes(&store, &broker, &handler, Ordering::Key, 1, None, || {
         broker.acked("billing", "orders", 0) == Some(40)
@@ -284,15 +278,8 @@ async fn one_lane_runs_one_at_a_time() {
 #[tokio::test(start_paused = true)]
 async fn a_failing_message_holds_back_only_its_key_and_the_watermark() {
     let store = MemStore::new();
-    let broker = MemBroker::new();
     // offset 5 is k5's first message
-    for i in 0..50 {
-        broker.produce(
-            "orders",
-            0,
-            keyed(&format!("m{i}"), &format!("k{}", i % 10)),
-        );
-    }
+    let broker = keyed_broker(50, 1, 10);
     // m5 fails 4 times: with the default backoff (100 ms doubling) it
     // succeeds after about 1.5 s
     let handler = Slow::new(&[("m5", 4)]);
@@ -347,10 +334,7 @@ async fn a_failing_message_holds_back_only_its_key_and_the_watermark() {
 #[tokio::test(start_paused = true)]
 async fn unordered_runs_one_keys_messages_side_by_side() {
     let store = MemStore::new();
-    let broker = MemBroker::new();
-    for i in 0..40 {
-        broker.produce("orders", 0, keyed(&format!("m{i}"), "same"));
-    }
+    let broker = keyed_broker(40, 1, 1);
     let handler = Slow::new(&[]);
     run_lanes(
         &store,

@@ -3,6 +3,30 @@
 
 use super::*;
 
+/// `id` of `group` was given up: its row `failed` after `attempts` with an
+/// error holding `error`, one dead letter, none of its writes.
+async fn given_up<S: ScenarioStore>(store: &S, id: &str, group: &str, attempts: i32, error: &str) {
+    let r = row(store, id, group)
+        .await
+        .unwrap_or_else(|| panic!("{group}: row of {id}"));
+    assert_eq!(
+        (r.status, r.attempts_made),
+        (InboxStatus::Failed, attempts),
+        "{group}: {id}"
+    );
+    assert!(
+        r.last_error.as_deref().is_some_and(|e| e.contains(error)),
+        "{group}: {id}: last error {:?}",
+        r.last_error
+    );
+    assert_eq!(store.dead_letters(id, group).await, 1, "{group}: {id}");
+    assert_eq!(
+        store.invoices(id).await,
+        0,
+        "{group}: {id}'s writes rolled back"
+    );
+}
+
 /// The failure budget (3 attempts) on a handler that always fails for one
 /// message and fails twice for another, per message and in batches of 2
 /// (so the first deliveries of each partition go one at a time, counted
@@ -57,25 +81,7 @@ pub async fn failure_budget_bounds_a_failing_message<H: Harness>(h: &H) {
                     .count()
             };
             assert_eq!(calls(&bad), 3, "{group}: the budget allows 3 attempts");
-            let bad_row = row(&store, &bad, &group)
-                .await
-                .unwrap_or_else(|| panic!("{group}: row"));
-            assert_eq!(bad_row.status, InboxStatus::Failed, "{group}");
-            assert_eq!(bad_row.attempts_made, 3, "{group}");
-            assert!(
-                bad_row
-                    .last_error
-                    .as_deref()
-                    .is_some_and(|e| e.contains("payment provider")),
-                "{group}: last error {:?}",
-                bad_row.last_error
-            );
-            assert_eq!(store.dead_letters(&bad, &group).await, 1, "{group}");
-            assert_eq!(
-                store.invoices(&bad).await,
-                0,
-                "{group}: its writes rolled back"
-            );
+            given_up(&store, &bad, &group, 3, "payment provider").await;
             for m in ["a1", "a2", "after", "o1", "flaky", "swallows", "o3"] {
                 assert_eq!(store.invoices(&id(m)).await, 1, "{group}: {m} handled once");
             }
@@ -137,28 +143,7 @@ pub async fn a_permanent_error_is_dead_lettered_at_once<H: Harness>(h: &H) {
             .filter(|r| r.message_id == bad && r.outcome.is_some())
             .count();
         assert_eq!(runs, 1, "{group}: one run, no retries");
-        let bad_row = row(&store, &bad, &group)
-            .await
-            .unwrap_or_else(|| panic!("{group}: row"));
-        assert_eq!(
-            (bad_row.status, bad_row.attempts_made),
-            (InboxStatus::Failed, 1),
-            "{group}"
-        );
-        assert!(
-            bad_row
-                .last_error
-                .as_deref()
-                .is_some_and(|e| e.contains("no such customer")),
-            "{group}: last error {:?}",
-            bad_row.last_error
-        );
-        assert_eq!(store.dead_letters(&bad, &group).await, 1, "{group}");
-        assert_eq!(
-            store.invoices(&bad).await,
-            0,
-            "{group}: its writes rolled back"
-        );
+        given_up(&store, &bad, &group, 1, "no such customer").await;
         for m in ["a1", "a2", "a3", "after"] {
             assert_eq!(store.invoices(&id(m)).await, 1, "{group}: {m} handled once");
         }

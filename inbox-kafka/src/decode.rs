@@ -192,11 +192,30 @@ impl JsonDecoder {
                 name: self.message_id_headers.join(" or "),
             });
         }
+        first_position_id(record.topic);
         Ok(format!(
             "{}:{}:{}",
             record.topic, record.partition, record.offset
         ))
     }
+}
+
+/// Warns, once per topic in this process, that `topic`'s records carry no
+/// id header and are identified by their position: a producer's retry (a
+/// second record with the same content) is then a new message, not a
+/// duplicate. Whether it warned.
+fn first_position_id(topic: &str) -> bool {
+    static WARNED: std::sync::OnceLock<std::sync::Mutex<std::collections::HashSet<String>>> =
+        std::sync::OnceLock::new();
+    let first = WARNED
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .insert(topic.to_owned());
+    if first {
+        tracing::warn!(%topic, "records without a message_id header are identified by topic:partition:offset, so a producer's retry is not deduplicated: give each record a message_id header (or set the decoder's id headers, or require them)");
+    }
+    first
 }
 
 impl Decode for JsonDecoder {
@@ -351,6 +370,16 @@ pub fn redecode(decoder: &dyn Decode, letter: &DeadLetter) -> Result<Message, Va
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Ids that fall back to the record's position are warned about once
+    /// per topic, not once per record.
+    #[test]
+    fn a_position_id_is_warned_about_once_per_topic() {
+        assert!(first_position_id("warned-once-a"));
+        assert!(!first_position_id("warned-once-a"));
+        assert!(first_position_id("warned-once-b"));
+        assert!(!first_position_id("warned-once-a"));
+    }
 
     fn view<'a>(value: Option<&'a [u8]>, headers: &'a [(String, Vec<u8>)]) -> RecordView<'a> {
         RecordView {

@@ -90,8 +90,8 @@ pub use group::{
 pub use health::{HealthHandle, PartitionHealth};
 pub use inbox_core::keyed::Ordering;
 pub use offsets::{
-    MovedOffset, OffsetTarget, PartitionOffsets, log_bounds, move_offsets, read_offsets,
-    topic_partitions,
+    MovedOffset, OffsetTarget, PartitionOffsets, log_bounds, move_offsets, plan_offsets,
+    read_offsets, topic_partitions,
 };
 pub use relay::{DEFAULT_MAX_RECORD_BYTES, DEFAULT_MAX_REQUEST_BYTES, KafkaPublisher, run_relay};
 pub use rskafka::client::partition::Compression;

@@ -242,40 +242,25 @@ pub async fn read_offsets<O: OffsetStore>(
     Ok(out)
 }
 
-/// Moves the stored offset of `config.consumer_group` on each of
-/// `config.partitions` to `target`: claims the partition (fencing its
-/// reader) and stores the new next offset under the new epoch. A member
-/// that claims the partition back in between fences the move: it claims
-/// again, up to five times.
-///
-/// # Errors
-///
-/// A [`KafkaError`] when the broker or the store cannot be reached, or a
-/// partition could not be moved because members kept claiming it.
-pub async fn move_offsets<O: OffsetStore>(
+/// Where each of `config.partitions` goes for `target` (topic,
+/// partition, next offset), clamped to the log's bounds, read from the
+/// brokers through `client` and `dialer`.
+async fn resolve_targets(
     config: &KafkaConfig,
-    store: &O,
-    target: OffsetTarget,
-) -> Result<Vec<MovedOffset>, KafkaError> {
-    let tls = config
-        .tls
-        .as_ref()
-        .map(crate::Tls::client_config)
-        .transpose()?;
-    let client = config.client_with(tls.clone()).await?;
-    let dialer = Arc::new(config.dialer(tls));
-    let theirs = match &target {
+    client: &rskafka::client::Client,
+    dialer: &Arc<crate::wire::Dialer>,
+    target: &OffsetTarget,
+) -> Result<Vec<(String, i32, i64)>, KafkaError> {
+    let theirs = match target {
         OffsetTarget::GroupOffsets(name) => {
-            crate::broker_group::group_offsets(Arc::clone(&dialer), name, &config.partitions)
-                .await?
+            crate::broker_group::group_offsets(Arc::clone(dialer), name, &config.partitions).await?
         }
         _ => HashMap::new(),
     };
-    let mut moved = Vec::with_capacity(config.partitions.len());
-    let mut claimed = Vec::with_capacity(config.partitions.len());
+    let mut out = Vec::with_capacity(config.partitions.len());
     for (topic, partition) in &config.partitions {
-        let (pc, earliest, latest) = leader_and_bounds(&client, config, topic, *partition).await?;
-        let to = match &target {
+        let (pc, earliest, latest) = leader_and_bounds(client, config, topic, *partition).await?;
+        let to = match target {
             OffsetTarget::Earliest => earliest,
             OffsetTarget::Latest => latest,
             OffsetTarget::Offset(o) => (*o).clamp(earliest, latest.max(earliest)),
@@ -290,6 +275,77 @@ pub async fn move_offsets<O: OffsetStore>(
                     cause: format!("it committed nothing for {topic}:{partition}"),
                 })?,
         };
+        out.push((topic.clone(), *partition, to));
+    }
+    Ok(out)
+}
+
+/// The client and the dialer of `config`'s brokers.
+async fn connect(
+    config: &KafkaConfig,
+) -> Result<(rskafka::client::Client, Arc<crate::wire::Dialer>), KafkaError> {
+    let tls = config
+        .tls
+        .as_ref()
+        .map(crate::Tls::client_config)
+        .transpose()?;
+    let client = config.client_with(tls.clone()).await?;
+    Ok((client, Arc::new(config.dialer(tls))))
+}
+
+/// What [`move_offsets`] would do, without doing it: for each of
+/// `config.partitions`, the stored next offset now (`from`) and where
+/// `target` puts it (`to`). Nothing is claimed or written (`inbox offsets
+/// move` without `--execute` prints this).
+///
+/// # Errors
+///
+/// A [`KafkaError`] when the broker or the store cannot be reached, or
+/// the target cannot be resolved (a group that committed nothing).
+pub async fn plan_offsets<O: OffsetStore>(
+    config: &KafkaConfig,
+    store: &O,
+    target: OffsetTarget,
+) -> Result<Vec<MovedOffset>, KafkaError> {
+    let (client, dialer) = connect(config).await?;
+    let mut plan = Vec::with_capacity(config.partitions.len());
+    for (topic, partition, to) in resolve_targets(config, &client, &dialer, &target).await? {
+        let from = store
+            .read_partition(&config.consumer_group, &topic, partition)
+            .await?
+            .and_then(|c| c.next_offset);
+        plan.push(MovedOffset {
+            topic,
+            partition,
+            from,
+            to,
+        });
+    }
+    Ok(plan)
+}
+
+/// Moves the stored offset of `config.consumer_group` on each of
+/// `config.partitions` to `target`: claims the partition (fencing its
+/// reader) and stores the new next offset under the new epoch. A member
+/// that claims the partition back in between fences the move: it claims
+/// again, up to five times. [`plan_offsets`] shows the same without
+/// moving.
+///
+/// # Errors
+///
+/// A [`KafkaError`] when the broker or the store cannot be reached, or a
+/// partition could not be moved because members kept claiming it.
+pub async fn move_offsets<O: OffsetStore>(
+    config: &KafkaConfig,
+    store: &O,
+    target: OffsetTarget,
+) -> Result<Vec<MovedOffset>, KafkaError> {
+    let (client, dialer) = connect(config).await?;
+    let targets = resolve_targets(config, &client, &dialer, &target).await?;
+    let mut moved = Vec::with_capacity(targets.len());
+    let mut claimed = Vec::with_capacity(targets.len());
+    for (topic, partition, to) in &targets {
+        let (topic, partition, to) = (topic, partition, *to);
         let mut attempt = 0;
         let from = loop {
             attempt += 1;

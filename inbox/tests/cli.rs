@@ -87,11 +87,30 @@ async fn the_command_shows_and_moves_a_groups_offsets() {
     assert!(out.contains(&format!("{topic}\t0\t-\t0\t0\t6\t-")), "{out}");
     assert!(out.contains(&format!("{topic}\t1\t-\t0\t0\t6\t-")), "{out}");
 
+    // without --execute: the plan, nothing written
     let (ok, out, err) = offsets(
         &url,
         address,
         &topic,
         &["--partition", "1", "move", "--to", "4"],
+    );
+    assert!(ok, "{err}");
+    assert!(
+        out.contains(&format!("would move {topic}:1 from - to 4")) && out.contains("--execute"),
+        "{out}"
+    );
+    let (ok, out, err) = offsets(&url, address, &topic, &["show"]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains(&format!("{topic}\t1\t-\t0\t0\t6\t-")),
+        "the plan moved nothing: {out}"
+    );
+
+    let (ok, out, err) = offsets(
+        &url,
+        address,
+        &topic,
+        &["--partition", "1", "move", "--to", "4", "--execute"],
     );
     assert!(ok, "{err}");
     assert!(
@@ -104,7 +123,12 @@ async fn the_command_shows_and_moves_a_groups_offsets() {
         "only partition 1: {out}"
     );
 
-    let (ok, out, err) = offsets(&url, address, &topic, &["move", "--to", "latest"]);
+    let (ok, out, err) = offsets(
+        &url,
+        address,
+        &topic,
+        &["move", "--to", "latest", "--execute"],
+    );
     assert!(ok, "{err}");
     assert!(
         out.contains(&format!("moved {topic}:1 from 4 to 6")),
@@ -131,7 +155,14 @@ async fn the_command_shows_and_moves_a_groups_offsets() {
         &url,
         address,
         &topic,
-        &["--partition", "0", "move", "--to", "group:legacy"],
+        &[
+            "--partition",
+            "0",
+            "move",
+            "--to",
+            "group:legacy",
+            "--execute",
+        ],
     );
     assert!(ok, "{err}");
     assert!(
@@ -143,7 +174,14 @@ async fn the_command_shows_and_moves_a_groups_offsets() {
         &url,
         address,
         &topic,
-        &["--partition", "1", "move", "--to", "group:legacy"],
+        &[
+            "--partition",
+            "1",
+            "move",
+            "--to",
+            "group:legacy",
+            "--execute",
+        ],
     );
     assert!(!ok && err.contains("committed nothing"), "{err}");
 

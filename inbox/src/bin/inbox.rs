@@ -28,7 +28,8 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use inbox::dead_letters::{DeadLetter, DeadLetterQuery, DeadLetterStore, GoneHow};
 use inbox::kafka::{
-    KafkaConfig, OffsetTarget, Sasl, Tls, log_bounds, move_offsets, read_offsets, topic_partitions,
+    KafkaConfig, OffsetTarget, Sasl, Tls, log_bounds, move_offsets, plan_offsets, read_offsets,
+    topic_partitions,
 };
 use inbox::postgres::{OutboxEvents, PartitionStatus, PgStore, TableName};
 use serde_json::{Value, json};
@@ -230,12 +231,19 @@ impl Brokers {
 enum OffsetsAction {
     /// Print each partition's stored offset, owner epoch, log bounds and lag.
     Show,
-    /// Move the stored offsets, then print them as they are.
+    /// Show where the stored offsets would move (nothing is written);
+    /// with `--execute`, move them (fencing the partitions' readers), then
+    /// print them as they are.
     Move {
-        /// `earliest`, `latest`, an offset, or an RFC 3339 time (the first
-        /// record at or after it).
+        /// `earliest`, `latest`, an offset, an RFC 3339 time (the first
+        /// record at or after it), or `group:NAME` (where Kafka consumer
+        /// group NAME committed).
         #[arg(long)]
         to: String,
+        /// Move them: without it, only the plan is printed (as
+        /// `kafka-consumer-groups --reset-offsets` without `--execute`).
+        #[arg(long)]
+        execute: bool,
     },
 }
 
@@ -647,8 +655,30 @@ async fn offsets(cli: Offsets, store: &PgStore, out: Out) -> Result<ExitCode, Fa
             .collect()
     };
     let mut moved = Vec::new();
-    if let OffsetsAction::Move { to } = &cli.action {
+    if let OffsetsAction::Move { to, execute } = &cli.action {
         let target: OffsetTarget = to.parse()?;
+        if !*execute {
+            let plan = plan_offsets(&kafka, store, target).await?;
+            let list: Vec<Value> = plan
+                .iter()
+                .map(|m| json!({ "topic": m.topic, "partition": m.partition, "from": m.from, "to": m.to }))
+                .collect();
+            if out.json {
+                out.doc(&json!({ "planned": list, "executed": false }));
+            } else {
+                for m in &plan {
+                    println!(
+                        "would move {}:{} from {} to {}",
+                        m.topic,
+                        m.partition,
+                        dash(m.from),
+                        m.to
+                    );
+                }
+                println!("nothing moved: run again with --execute to move them");
+            }
+            return Ok(ExitCode::SUCCESS);
+        }
         for m in move_offsets(&kafka, store, target).await? {
             if !out.json {
                 println!(

@@ -567,3 +567,88 @@ async fn the_command_works_with_dead_letters_the_outbox_and_status() {
     let (_, pending, _) = inbox_json(&url, &["outbox", "pending", "--json"]).await;
     assert_eq!(pending.as_array().map(Vec::len), Some(2), "{pending}");
 }
+
+/// The exit codes `--help` lists, none of them clap's usage error (2)
+/// but that one: a usage error 2, a dead letter that does not exist 3, a
+/// replay not done within `--wait` 4 (it used to be 2, like a usage
+/// error), an unreachable database 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exit_codes_say_what_happened_and_help_lists_them() {
+    let (url, store) = database().await;
+    let code = |args: &[&str], database_url: &str| {
+        Command::new(env!("CARGO_BIN_EXE_inbox"))
+            .env("DATABASE_URL", database_url)
+            .env_remove("KAFKA_BROKERS")
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("running inbox: {e}"))
+            .status
+            .code()
+    };
+    let help = Command::new(env!("CARGO_BIN_EXE_inbox"))
+        .arg("--help")
+        .output()
+        .unwrap_or_else(|e| panic!("running inbox: {e}"));
+    let help = String::from_utf8_lossy(&help.stdout).into_owned();
+    for listed in [
+        "Exit codes",
+        "2 usage error",
+        "3 not found",
+        "4 replay",
+        "5 replay",
+    ] {
+        assert!(help.contains(listed), "--help lacks {listed:?}: {help}");
+    }
+    assert_eq!(code(&["dead-letters", "frobnicate"], &url), Some(2));
+    assert_eq!(code(&["dead-letters", "show", "999999"], &url), Some(3));
+    // a letter whose group runs no replayer: asked for, not done in 1 s
+    let letter = {
+        use inbox::postgres::sea_orm::{ConnectionTrait, DbBackend, Statement};
+        use inbox::{InboxStore, InboxTransaction, Message, ValidationError};
+        let m = Message::new("ex-1", "orders", "order.created", serde_json::json!({}));
+        let mut tx = InboxStore::begin(&store)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        InboxTransaction::dead_letter(
+            &mut tx,
+            &m,
+            "billing",
+            &ValidationError::Empty { field: "payload" },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+        InboxTransaction::commit(tx)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let row = store
+            .connection()
+            .query_one_raw(Statement::from_string(
+                DbBackend::Postgres,
+                format!("SELECT max(id) AS id FROM {}", store.table().dead_letters()),
+            ))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .unwrap_or_else(|| panic!("a dead letter"));
+        row.try_get::<i64>("", "id")
+            .unwrap_or_else(|e| panic!("{e}"))
+            .to_string()
+    };
+    assert_eq!(
+        code(
+            &[
+                "dead-letters",
+                "replay",
+                &letter,
+                "--group",
+                "billing",
+                "--wait",
+                "1"
+            ],
+            &url
+        ),
+        Some(4)
+    );
+    let at = url.find('@').map_or(0, |i| i + 1);
+    let wrong = format!("postgres://nobody:pw@{}", &url[at..]);
+    assert_eq!(code(&["status"], &wrong), Some(1));
+}

@@ -264,17 +264,20 @@ where
         }
     }
 
-    /// The batched driver's counted failure: its transaction was rolled
-    /// back, so the failure of `message` (whose handler gave `outcome`) is
-    /// recorded in a transaction of its own. A row settled or held
-    /// elsewhere meanwhile: the uncounted failure (delivered again, that
-    /// delivery finds it).
+    /// A counted failure whose transaction is gone (rolled back, or ended
+    /// by the handler): the failure of `message` (whose handler gave
+    /// `outcome`) is recorded in a transaction of its own. A row settled
+    /// or held elsewhere meanwhile: the uncounted failure (delivered again,
+    /// that delivery finds it). `acks`: this transaction also stores the
+    /// acknowledgement a spent budget puts in the transaction (one message
+    /// at a time); a batch's replay stores it with the batch instead.
     pub(super) async fn count_failure_apart(
         &mut self,
         policy: Policy,
         message: &Message,
         uncounted: Decision,
         outcome: Outcome,
+        acks: bool,
     ) -> Work {
         let group = self.config.consumer_group.clone();
         let fail = |stage, e, outcome| Work::storage_failure(false, stage, e, None, Some(outcome));
@@ -306,10 +309,18 @@ where
         )
         .await;
         match recorded {
-            Ok(decision) => match self.commit_owned(tx, message, false).await {
-                Ok(()) => Work::new(decision, Some(id), Some(outcome)),
-                Err((stage, e)) => fail(stage, e, outcome),
-            },
+            // a spent budget settles the message: its acknowledgement goes
+            // in this transaction when the decision puts it there (it was
+            // left out, so a consumer keeping its offsets in the store
+            // believed it stored past the dead-lettered message and every
+            // later acknowledgement of the partition was refused)
+            Ok(decision) => {
+                let ack_in_tx = acks && decision.ack == decision::AckPoint::InTx;
+                match self.commit_owned(tx, message, ack_in_tx).await {
+                    Ok(()) => Work::new(decision, Some(id), Some(outcome)),
+                    Err((stage, e)) => fail(stage, e, outcome),
+                }
+            }
             Err((stage, e)) => {
                 abandon(tx).await;
                 fail(stage, e, outcome)

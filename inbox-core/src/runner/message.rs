@@ -298,7 +298,7 @@ where
                     if !savepoint {
                         abandon(tx).await;
                         return self
-                            .count_failure_apart(policy, message, decision, outcome)
+                            .count_failure_apart(policy, message, decision, outcome, true)
                             .await;
                     }
                     let counted = self.counts_failure(message, &outcome);
@@ -312,7 +312,7 @@ where
                         // left to return to; the failure is counted apart
                         abandon(tx).await;
                         return self
-                            .count_failure_apart(policy, message, decision, outcome)
+                            .count_failure_apart(policy, message, decision, outcome, true)
                             .await;
                     }
                     let recorded = match rolled_back {
@@ -416,7 +416,7 @@ where
         let decision = decision::after_handler(policy, state, OutcomeClass::Failure);
         if decision::counts_failures(policy) {
             return self
-                .count_failure_apart(policy, message, decision, outcome)
+                .count_failure_apart(policy, message, decision, outcome, true)
                 .await;
         }
         Work::new(decision, refused.row_id, Some(outcome))

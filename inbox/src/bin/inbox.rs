@@ -36,11 +36,29 @@ use serde_json::{Value, json};
 
 type Failure = Box<dyn std::error::Error>;
 
+/// The exit codes, as `--help` lists them: none is clap's usage error (2).
+mod exit {
+    /// An error: the database or a broker could not be reached, or the
+    /// input was refused.
+    pub(crate) const FAILED: u8 = 1;
+    /// No such dead letter or outbox event.
+    pub(crate) const NOT_FOUND: u8 = 3;
+    /// A replay asked for and not done within `--wait`.
+    pub(crate) const NOT_YET: u8 = 4;
+    /// A replay refused, or the letter discarded or gone meanwhile.
+    pub(crate) const NOT_REPLAYED: u8 = 5;
+}
+
+const EXIT_CODES: &str = "Exit codes: 0 done; 1 failed (the database or a broker, refused input); \
+2 usage error; 3 not found (no such dead letter or outbox event); \
+4 replay asked for, not done within --wait; 5 replay refused, or the letter discarded or gone.";
+
 #[derive(Parser, Debug)]
 #[command(
     name = "inbox",
     version,
-    about = "Operate a transactional inbox and outbox: offsets, dead letters, outbox, status"
+    about = "Operate a transactional inbox and outbox: offsets, dead letters, outbox, status",
+    after_help = EXIT_CODES
 )]
 struct Cli {
     /// The inbox table (`schema.table` or `table`); the other tables are
@@ -263,7 +281,7 @@ async fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("inbox: {e}");
-            ExitCode::FAILURE
+            ExitCode::from(exit::FAILED)
         }
     }
 }
@@ -392,7 +410,7 @@ impl Out {
         println!("{value}");
     }
 
-    /// A yes/no outcome: printed, and the exit code (not found: 1).
+    /// A yes/no outcome: printed, and the exit code (not found: 3).
     fn done(self, what: &str, id: i64, ok: bool) -> ExitCode {
         if self.json {
             self.doc(&json!({ "id": id, "done": ok }));
@@ -404,7 +422,7 @@ impl Out {
         if ok {
             ExitCode::SUCCESS
         } else {
-            ExitCode::FAILURE
+            ExitCode::from(exit::NOT_FOUND)
         }
     }
 }
@@ -535,7 +553,7 @@ async fn replay(
         } else {
             println!("{error}");
         }
-        return Ok(ExitCode::FAILURE);
+        return Ok(ExitCode::from(exit::NOT_FOUND));
     }
     let deadline = tokio::time::Instant::now() + Duration::from_secs(wait);
     loop {
@@ -571,7 +589,7 @@ async fn replay(
             return Ok(if matches!(outcome, "replayed" | "already_applied") {
                 ExitCode::SUCCESS
             } else {
-                ExitCode::FAILURE
+                ExitCode::from(exit::NOT_REPLAYED)
             });
         }
         if tokio::time::Instant::now() >= deadline {
@@ -596,7 +614,7 @@ async fn replay(
             return Ok(if wait == 0 {
                 ExitCode::SUCCESS
             } else {
-                ExitCode::from(2)
+                ExitCode::from(exit::NOT_YET)
             });
         }
         tokio::time::sleep(Duration::from_millis(200)).await;

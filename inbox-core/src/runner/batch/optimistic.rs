@@ -172,7 +172,8 @@ where
                             // the failure budget: recorded apart, as the
                             // transaction is gone
                             let message = slots[i].message.clone();
-                            self.count_failure_apart(policy, &message, d, outcome).await
+                            self.count_failure_apart(policy, &message, d, outcome, false)
+                                .await
                         } else {
                             Work::new(d, Some(row_id), Some(outcome))
                         };

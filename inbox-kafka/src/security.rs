@@ -70,8 +70,8 @@ impl Pem {
 ///
 /// let mut kafka = KafkaConfig::new(vec!["broker-1:9093".into()], "billing", vec![("orders".into(), 0)]);
 /// kafka.tls = Some(Tls::ca_file("/etc/kafka/ca.pem").client_cert_files("/etc/kafka/me.pem", "/etc/kafka/me.key"));
-/// kafka.sasl = Some(Sasl::scram_sha512("billing", std::env::var("KAFKA_PASSWORD").unwrap_or_default()));
-/// assert!(!format!("{kafka:?}").contains("KAFKA_PASSWORD"));
+/// kafka.sasl = Some(Sasl::scram_sha512("billing", std::env::var("KAFKA_SASL_PASSWORD").unwrap_or_default()));
+/// assert!(!format!("{kafka:?}").contains("KAFKA_SASL_PASSWORD"));
 /// ```
 #[derive(Clone)]
 pub struct Tls {

@@ -5,7 +5,7 @@
 //!
 //! ```sh
 //! export DATABASE_URL=postgres://app@localhost/app KAFKA_BROKERS=broker-1:9093 TOPIC=orders \
-//!        MEMBER=billing-1 KAFKA_CA_FILE=ca.pem KAFKA_USER=billing KAFKA_PASSWORD=...
+//!        MEMBER=billing-1 KAFKA_CA_FILE=ca.pem KAFKA_SASL_USER=billing KAFKA_SASL_PASSWORD=...
 //! cargo run -p inbox --features postgres,kafka --example managed_cluster
 //! ```
 //!
@@ -52,8 +52,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .member(&env("MEMBER")?)?
         .tls(Tls::ca_file(env("KAFKA_CA_FILE")?))
         .sasl(Sasl::scram_sha512(
-            env("KAFKA_USER")?,
-            env("KAFKA_PASSWORD")?,
+            env("KAFKA_SASL_USER")?,
+            env("KAFKA_SASL_PASSWORD")?,
         ))
         .batched(100)
         .run(store, router, shutdown_signal())

@@ -320,8 +320,8 @@ async fn managed_cluster(exe: &std::path::Path) -> Result<()> {
             ("TOPIC", topic.as_ref()),
             ("MEMBER", "billing-1".as_ref()),
             ("KAFKA_CA_FILE", ca_file.as_ref()),
-            ("KAFKA_USER", user.as_ref()),
-            ("KAFKA_PASSWORD", password.as_ref()),
+            ("KAFKA_SASL_USER", user.as_ref()),
+            ("KAFKA_SASL_PASSWORD", password.as_ref()),
         ],
     )?;
     let started = Instant::now();

@@ -205,8 +205,8 @@ struct Brokers {
     /// SASL mechanism; the password is read from `KAFKA_SASL_PASSWORD`.
     #[arg(long, value_enum, requires = "sasl_user")]
     sasl_mechanism: Option<Mechanism>,
-    /// SASL user.
-    #[arg(long)]
+    /// SASL user (or `KAFKA_SASL_USER`, as the examples name it).
+    #[arg(long, env = "KAFKA_SASL_USER")]
     sasl_user: Option<String>,
 }
 

@@ -1,3 +1,4 @@
+#![cfg_attr(docsrs, feature(doc_cfg))]
 //! # inbox-core
 //!
 //! The session-agnostic core of a transactional inbox: consume messages so

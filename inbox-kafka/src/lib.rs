@@ -1,3 +1,4 @@
+#![cfg_attr(docsrs, feature(doc_cfg))]
 //! # inbox-kafka
 //!
 //! The Kafka adapter of the inbox, on `rskafka`: [`InboxConsumer`], a member

@@ -1,3 +1,4 @@
+#![cfg_attr(docsrs, feature(doc_cfg))]
 //! # inbox-postgres
 //!
 //! The PostgreSQL adapter of the inbox, on `sea-orm`: the migration that

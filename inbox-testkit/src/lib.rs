@@ -1,3 +1,4 @@
+#![cfg_attr(docsrs, feature(doc_cfg))]
 //! # inbox-testkit
 //!
 //! Everything needed to test an inbox without real services, and the suite

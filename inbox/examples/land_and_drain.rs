@@ -6,7 +6,7 @@
 //!
 //! ```sh
 //! export DATABASE_URL=postgres://app@localhost/app KAFKA_BROKERS=localhost:9092 TOPIC=orders
-//! cargo run -p inbox --features postgres,kafka --example land_and_drain
+//! cargo run -p transactional-inbox --features postgres,kafka --example land_and_drain
 //! ```
 //!
 //! It reads the topic until it has been idle for a moment, drains, and
@@ -17,12 +17,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use inbox::attempts::AttemptRules;
-use inbox::postgres::sea_orm::{ConnectionTrait, DbBackend, Statement};
-use inbox::prelude::*;
-use inbox::processor::{Processor, ProcessorConfig};
-use inbox::{InboxStatus, InboxStore};
 use serde::Deserialize;
+use transactional_inbox::attempts::AttemptRules;
+use transactional_inbox::postgres::sea_orm::{ConnectionTrait, DbBackend, Statement};
+use transactional_inbox::prelude::*;
+use transactional_inbox::processor::{Processor, ProcessorConfig};
+use transactional_inbox::{InboxStatus, InboxStore};
 
 /// The `order.created` event.
 #[derive(Debug, Deserialize)]

@@ -6,15 +6,15 @@
 //! ```sh
 //! export DATABASE_URL=postgres://app@localhost/app KAFKA_BROKERS=broker-1:9093 TOPIC=orders \
 //!        MEMBER=billing-1 KAFKA_CA_FILE=ca.pem KAFKA_SASL_USER=billing KAFKA_SASL_PASSWORD=...
-//! cargo run -p inbox --features postgres,kafka --example managed_cluster
+//! cargo run -p transactional-inbox --features postgres,kafka --example managed_cluster
 //! ```
 //!
 //! `cargo xtask examples` runs it against a broker of its own that serves
 //! TLS only and signs in with SCRAM, stops it with SIGTERM and counts the
 //! invoices with SQL.
 
-use inbox::prelude::*;
 use serde::Deserialize;
+use transactional_inbox::prelude::*;
 
 #[derive(Deserialize)]
 struct OrderCreated {

@@ -9,14 +9,14 @@
 //! ```sh
 //! export DATABASE_URL=postgres://app@localhost/app KAFKA_BROKERS=localhost:9092 \
 //!        TOPIC=orders MEMBER=relay-1 ORDERS=20
-//! cargo run -p inbox --features postgres,kafka --example outbox_service
+//! cargo run -p transactional-inbox --features postgres,kafka --example outbox_service
 //! ```
 //!
 //! It writes `ORDERS` orders, then relays until stopped. `cargo xtask
 //! examples` runs it against its throwaway PostgreSQL and broker, stops it
 //! with SIGTERM, and reads the topic back.
 
-use inbox::prelude::*;
+use transactional_inbox::prelude::*;
 
 /// The business transaction: the order and its event commit together, or
 /// neither does.

@@ -11,7 +11,7 @@
 //!    and keeps its rows in the in-memory store).
 //!
 //! ```sh
-//! cargo run -p inbox --features testkit --example testing_your_handler
+//! cargo run -p transactional-inbox --features testkit --example testing_your_handler
 //! ```
 
 use std::collections::BTreeMap;
@@ -19,14 +19,16 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use inbox::prelude::*;
+use transactional_inbox::prelude::*;
 
-use inbox::testkit::{MemBroker, MemFixture, MemStore, MemTx, StoreFault, run_conformance};
-use inbox::{
+use serde_json::json;
+use transactional_inbox::testkit::{
+    MemBroker, MemFixture, MemStore, MemTx, StoreFault, run_conformance,
+};
+use transactional_inbox::{
     DueFilter, InboxRow, InboxStore, MemberId, MembershipStore, OffsetStore, PartitionClaim, RowId,
     StoreError, TxAck,
 };
-use serde_json::json;
 
 /// Where the handler writes: in production a `PgTx` (an INSERT through
 /// `tx.connection()`), in tests the in-memory transaction.

@@ -1,30 +1,5 @@
-//! # inbox
-//!
-//! One dependency line for the whole inbox: the core is always here, the
-//! adapters behind features.
-//!
-//! ```toml
-//! [dependencies]
-//! inbox = { version = "0.1", features = ["postgres", "kafka"] }
-//! ```
-//!
-//! | feature | module | what |
-//! |---|---|---|
-//! | (always) | the crate root | `inbox-core`: model, decision, traits, runner |
-//! | `postgres` | [`postgres`] | `inbox-postgres`: the PostgreSQL store |
-//! | `kafka` | [`kafka`] | `inbox-kafka`: the Kafka consumer and the outbox relay |
-//! | `testkit` | [`testkit`] | `inbox-testkit`: in-memory store and broker, conformance suite |
-//!
-//! ```
-//! use inbox::{AckStrategy, BatchConfig, RunnerConfig};
-//! // batched mode: up to 100 messages per database transaction, each with
-//! // the outcome it would get alone (see docs/performance.md)
-//! let config = RunnerConfig::new("billing", "worker-1").unwrap()
-//!     .with_strategy(AckStrategy::default())
-//!     .batched(BatchConfig::new(100));
-//! assert_eq!(config.consumer_group, "billing");
-//! assert_eq!(config.batch.map(|b| b.max_messages), Some(100));
-//! ```
+#![doc = include_str!("../README.md")]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub use inbox_core::*;
 
@@ -33,7 +8,7 @@ pub use inbox_core::*;
 pub use async_trait::async_trait;
 
 /// What a service that consumes into the inbox imports:
-/// `use inbox::prelude::*;`, plus `inbox::postgres` / `inbox::kafka` for the
+/// `use transactional_inbox::prelude::*;`, plus `transactional_inbox::postgres` / `transactional_inbox::kafka` for the
 /// adapters' own types.
 pub mod prelude {
     pub use crate::async_trait;
@@ -59,41 +34,57 @@ pub mod prelude {
 
 /// The PostgreSQL adapter (feature `postgres`).
 #[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use inbox_postgres as postgres;
 
 /// The Kafka adapter (feature `kafka`).
 #[cfg(feature = "kafka")]
+#[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
 pub use inbox_kafka as kafka;
 
 /// The testkit (feature `testkit`).
 #[cfg(feature = "testkit")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testkit")))]
 pub use inbox_testkit as testkit;
 
-// The Rust blocks of these guides compile and run as doc tests (the
-// getting-started guide quotes an example that `cargo xtask examples`
-// runs; a test in xtask keeps the quotes verbatim).
-#[cfg(all(doctest, feature = "postgres", feature = "kafka"))]
-#[doc = include_str!("../../docs/land-and-drain.md")]
-mod land_and_drain_md {}
+/// The guides, as they are in the repository's `docs/` folder. Their Rust
+/// blocks compile and run as doc tests (the getting-started guide's blocks
+/// are one program, which `cargo xtask test` assembles, builds and runs).
+#[cfg(all(feature = "postgres", feature = "kafka"))]
+#[cfg_attr(docsrs, doc(cfg(all(feature = "postgres", feature = "kafka"))))]
+pub mod guides {
+    // its blocks are parts of one program, not programs
+    #[allow(rustdoc::invalid_rust_codeblocks)]
+    #[doc = include_str!("../docs/getting-started.md")]
+    pub mod getting_started {}
 
-#[cfg(all(doctest, feature = "postgres", feature = "kafka"))]
-#[doc = include_str!("../../docs/kafka.md")]
-mod kafka_md {}
+    #[doc = include_str!("../docs/semantics.md")]
+    pub mod semantics {}
 
-#[cfg(all(doctest, feature = "postgres", feature = "kafka"))]
-#[doc = include_str!("../../docs/postgres.md")]
-mod postgres_md {}
+    #[doc = include_str!("../docs/kafka.md")]
+    pub mod kafka {}
 
-#[cfg(all(doctest, feature = "postgres", feature = "kafka"))]
-#[doc = include_str!("../../docs/outbox.md")]
-mod outbox_md {}
+    #[doc = include_str!("../docs/postgres.md")]
+    pub mod postgres {}
 
-#[cfg(all(
-    doctest,
-    feature = "postgres",
-    feature = "kafka",
-    feature = "protobuf",
-    feature = "avro"
-))]
-#[doc = include_str!("../../docs/formats.md")]
-mod formats_md {}
+    #[doc = include_str!("../docs/outbox.md")]
+    pub mod outbox {}
+
+    #[doc = include_str!("../docs/land-and-drain.md")]
+    pub mod land_and_drain {}
+
+    /// Payload formats: JSON, Protobuf, Avro (the Protobuf and Avro
+    /// examples need the `protobuf` and `avro` features).
+    #[cfg(all(feature = "protobuf", feature = "avro"))]
+    #[doc = include_str!("../docs/formats.md")]
+    pub mod formats {}
+
+    #[doc = include_str!("../docs/operations.md")]
+    pub mod operations {}
+
+    #[doc = include_str!("../docs/performance.md")]
+    pub mod performance {}
+
+    #[doc = include_str!("../docs/architecture.md")]
+    pub mod architecture {}
+}

@@ -5,9 +5,9 @@
 
 use std::process::Command;
 
-use inbox::postgres::{PgStore, TableName};
 use inbox_testkit::kafka::{broker, json_record};
 use inbox_testkit::pg::server;
+use transactional_inbox::postgres::{PgStore, TableName};
 
 fn offsets(
     database_url: &str,
@@ -243,20 +243,24 @@ struct Billing {
     fixed: bool,
 }
 
-#[inbox::async_trait]
-impl inbox::Handler<inbox::postgres::PgTx> for Billing {
+#[transactional_inbox::async_trait]
+impl transactional_inbox::Handler<transactional_inbox::postgres::PgTx> for Billing {
     type Output = ();
     async fn handle(
         &self,
-        m: &inbox::Message,
-        tx: &mut inbox::postgres::PgTx,
-    ) -> Result<(), inbox::HandlerError> {
+        m: &transactional_inbox::Message,
+        tx: &mut transactional_inbox::postgres::PgTx,
+    ) -> Result<(), transactional_inbox::HandlerError> {
         use inbox_testkit::scenarios::WriteInvoice;
         if !self.fixed && !m.message_id.starts_with("ok-") {
-            return Err(inbox::HandlerError::msg("unknown event version"));
+            return Err(transactional_inbox::HandlerError::msg(
+                "unknown event version",
+            ));
         }
         if m.message_id.starts_with("bad-") {
-            return Err(inbox::HandlerError::msg("no route for bad orders"));
+            return Err(transactional_inbox::HandlerError::msg(
+                "no route for bad orders",
+            ));
         }
         tx.write_invoice(&m.message_id).await
     }
@@ -298,11 +302,11 @@ async fn inbox_json(url: &str, args: &[&str]) -> (bool, serde_json::Value, Strin
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_command_works_with_dead_letters_the_outbox_and_status() {
-    use inbox::dead_letters::{DeadLetterReplayer, DeadLetterStore};
-    use inbox::postgres::sea_orm::{ConnectionTrait, TransactionTrait};
-    use inbox::{Message, Runner, RunnerConfig};
     use inbox_testkit::MemBroker;
     use inbox_testkit::scenarios::ScenarioStore;
+    use transactional_inbox::dead_letters::{DeadLetterReplayer, DeadLetterStore};
+    use transactional_inbox::postgres::sea_orm::{ConnectionTrait, TransactionTrait};
+    use transactional_inbox::{Message, Runner, RunnerConfig};
 
     let (url, store) = database().await;
     store
@@ -368,7 +372,7 @@ async fn the_command_works_with_dead_letters_the_outbox_and_status() {
             .outbox()
             .enqueue(
                 &tx,
-                &inbox::outbox::OutboxMessage::new("invoices", "{}")
+                &transactional_inbox::outbox::OutboxMessage::new("invoices", "{}")
                     .key("k")
                     .message_id(id),
             )
@@ -385,7 +389,7 @@ async fn the_command_works_with_dead_letters_the_outbox_and_status() {
         .unwrap_or_else(|e| panic!("{e}"));
 
     // a partition claimed, as a member does
-    inbox::OffsetStore::claim_partition(&store, "billing", "orders", 0)
+    transactional_inbox::OffsetStore::claim_partition(&store, "billing", "orders", 0)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     // status
@@ -478,7 +482,7 @@ async fn the_command_works_with_dead_letters_the_outbox_and_status() {
     );
 
     // replay through the command; the service's replayer has the fix
-    let cancel = inbox::CancellationToken::new();
+    let cancel = transactional_inbox::CancellationToken::new();
     let mut replayer = DeadLetterReplayer::new(store.clone(), "billing", Billing { fixed: true })
         .unwrap_or_else(|e| panic!("{e}"));
     replayer.interval = std::time::Duration::from_millis(100);
@@ -603,8 +607,8 @@ async fn exit_codes_say_what_happened_and_help_lists_them() {
     assert_eq!(code(&["dead-letters", "show", "999999"], &url), Some(3));
     // a letter whose group runs no replayer: asked for, not done in 1 s
     let letter = {
-        use inbox::postgres::sea_orm::{ConnectionTrait, DbBackend, Statement};
-        use inbox::{InboxStore, InboxTransaction, Message, ValidationError};
+        use transactional_inbox::postgres::sea_orm::{ConnectionTrait, DbBackend, Statement};
+        use transactional_inbox::{InboxStore, InboxTransaction, Message, ValidationError};
         let m = Message::new("ex-1", "orders", "order.created", serde_json::json!({}));
         let mut tx = InboxStore::begin(&store)
             .await

@@ -10,10 +10,6 @@
 
 use std::time::Duration;
 
-use inbox::kafka::{KafkaConfig, KafkaConsumer, KafkaPublisher};
-use inbox::outbox::{OutboxMessage, Relay, RelayConfig, SLOTS};
-use inbox::postgres::sea_orm::TransactionTrait;
-use inbox::{Runner, RunnerConfig};
 use inbox_testkit::kafka::broker;
 use inbox_testkit::pg::fresh_store;
 use inbox_testkit::scenarios::{Act, ScenarioStore, ScriptedHandler};
@@ -22,6 +18,10 @@ use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 use tracing_subscriber::layer::SubscriberExt;
+use transactional_inbox::kafka::{KafkaConfig, KafkaConsumer, KafkaPublisher};
+use transactional_inbox::outbox::{OutboxMessage, Relay, RelayConfig, SLOTS};
+use transactional_inbox::postgres::sea_orm::TransactionTrait;
+use transactional_inbox::{Runner, RunnerConfig};
 
 #[tokio::test]
 async fn one_trace_runs_from_the_enqueue_through_the_relay_to_the_handler() {
@@ -124,14 +124,14 @@ async fn one_trace_runs_from_the_enqueue_through_the_relay_to_the_handler() {
         RunnerConfig::new("shipping", "shipping-1")
             .unwrap_or_else(|e| panic!("{e}"))
             .no_failure_budget()
-            .batched(inbox::BatchConfig::new(10)),
+            .batched(transactional_inbox::BatchConfig::new(10)),
     );
     for _ in 0..100 {
         if store.invoices("o-1").await == 2 {
             break;
         }
         let batch = runner
-            .next_batch(inbox::BatchConfig::new(10))
+            .next_batch(transactional_inbox::BatchConfig::new(10))
             .await
             .unwrap_or_else(|e| panic!("{e}"));
         if !batch.is_empty() {

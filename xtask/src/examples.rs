@@ -22,22 +22,23 @@ pub(crate) fn run() -> Result<()> {
         &[
             "build",
             "-p",
-            "inbox",
+            "transactional-inbox",
             "--features",
             "postgres,kafka,metrics,testkit",
             "--examples",
         ],
         &[],
     )?;
-    // the operator's command, for the dead letter kafka_to_postgres replays
+    // the operator's command, for the dead letter the guide's program replays
     let command = Operator::build("inbox")?;
+    let guide = crate::guide::build()?;
     let target = crate::operator::target_dir();
     let exe = |name: &str| target.join("debug/examples").join(name);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     rt.block_on(async {
-        kafka_to_postgres(&exe("kafka_to_postgres"), &command).await?;
+        getting_started(&guide, &command).await?;
         managed_cluster(&exe("managed_cluster")).await?;
         outbox_service(&exe("outbox_service")).await?;
         land_and_drain(&exe("land_and_drain")).await
@@ -212,6 +213,31 @@ fn wiring_lines(example: &str, most: usize) -> Result<usize> {
     Ok(wiring)
 }
 
+/// The keys of every record on `topic`'s `partitions`, sorted: an error
+/// (naming `what`, with the example's output `out`) for a record on a
+/// partition other than its key's.
+async fn published_keys(
+    broker: &inbox_testkit::kafka::Broker,
+    topic: &str,
+    partitions: i32,
+    what: &str,
+    out: &str,
+) -> Result<Vec<String>> {
+    let mut keys = Vec::new();
+    for p in 0..partitions {
+        for (_, record) in harness(broker.read_all(topic, p).await)? {
+            let key =
+                String::from_utf8_lossy(record.key.as_deref().unwrap_or_default()).into_owned();
+            if inbox_core::outbox::partition_for(key.as_bytes(), partitions) != p {
+                bail!("{what}: {key} on partition {p}, not its key's\n{out}");
+            }
+            keys.push(key);
+        }
+    }
+    keys.sort();
+    Ok(keys)
+}
+
 /// Most lines of wiring `outbox_service` may take, its business
 /// transaction's three calls included (issue 26's goal).
 const OUTBOX_SERVICE_WIRING: usize = 10;
@@ -254,18 +280,7 @@ async fn outbox_service(exe: &std::path::Path) -> Result<()> {
     )
     .await?;
     let out = stop_with(&mut child, "-TERM", "outbox_service").await?;
-    let mut keys = Vec::new();
-    for p in 0..partitions {
-        for (_, record) in harness(broker.read_all(&topic, p).await)? {
-            let key =
-                String::from_utf8_lossy(record.key.as_deref().unwrap_or_default()).into_owned();
-            if inbox_core::outbox::partition_for(key.as_bytes(), partitions) != p {
-                bail!("outbox_service: {key} on partition {p}, not its key's\n{out}");
-            }
-            keys.push(key);
-        }
-    }
-    keys.sort();
+    let keys = published_keys(broker, &topic, partitions, "outbox_service", &out).await?;
     let mut want: Vec<String> = (0..ORDERS).map(|i| format!("order-{i}")).collect();
     want.sort();
     if keys != want {
@@ -438,14 +453,18 @@ fn harness<T>(r: Result<T, inbox_testkit::pg::HarnessError>) -> Result<T> {
     r.map_err(|e| anyhow::anyhow!("{e}"))
 }
 
-async fn kafka_to_postgres(exe: &std::path::Path, command: &Operator) -> Result<()> {
+/// The program docs/getting-started.md is: every order invoiced once (a
+/// producer's retry deduplicated), a refused order dead-lettered, replayed
+/// with the `inbox` command after the fix, every invoice announced once on
+/// the invoices topic by the program's relay, a clean stop on SIGINT.
+async fn getting_started(exe: &std::path::Path, command: &Operator) -> Result<()> {
     println!(
-        "$ {} (DATABASE_URL, KAFKA_BROKERS, TOPIC set)",
+        "$ {} (the guide's program; DATABASE_URL, KAFKA_BROKERS, ORDERS_TOPIC, INVOICES_TOPIC, METRICS_ADDR set)",
         exe.display()
     );
     let url = harness(inbox_testkit::pg::server().and_then(|s| s.create_database()))?;
     // the invoices table as a wrong migration left it: a limit on the total
-    // that a large order breaks (the example's own migration creates it only
+    // that a large order breaks (the guide's own migration creates it only
     // if it is not there)
     let store = PgStore::connect(&url, TableName::default()).await?;
     store
@@ -470,6 +489,8 @@ async fn kafka_to_postgres(exe: &std::path::Path, command: &Operator) -> Result<
         ],
     );
     harness(broker.produce(&topic, 1, vec![again, large], 1).await)?;
+    let partitions = 2;
+    let invoices_topic = harness(broker.topic("example-invoices", partitions).await)?;
 
     let metrics_addr = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
     let mut child = spawn_example(
@@ -477,8 +498,8 @@ async fn kafka_to_postgres(exe: &std::path::Path, command: &Operator) -> Result<
         &[
             ("DATABASE_URL", url.as_ref()),
             ("KAFKA_BROKERS", broker.address().as_ref()),
-            ("TOPIC", topic.as_ref()),
-            ("MEMBER", "example-1".as_ref()),
+            ("ORDERS_TOPIC", topic.as_ref()),
+            ("INVOICES_TOPIC", invoices_topic.as_ref()),
             ("METRICS_ADDR", metrics_addr.to_string().as_ref()),
         ],
     )?;
@@ -543,12 +564,35 @@ async fn kafka_to_postgres(exe: &std::path::Path, command: &Operator) -> Result<
         bail!("the replay of dead letter {id}: {replayed}");
     }
 
-    // Ctrl-C: the example finishes its batch, leaves the group and exits 0
+    // every invoice's event published by the program's relay (a published
+    // event's row leaves the outbox)
+    wait_for_count(
+        &store,
+        &mut child,
+        "SELECT (SELECT count(*) FROM invoices) - (SELECT count(*) FROM inbox_outbox)",
+        ORDERS + 1,
+        Duration::from_secs(120),
+        "every invoice announced",
+    )
+    .await?;
+    // Ctrl-C: the program finishes its batch, leaves the group and exits 0
     let stopping = Instant::now();
-    let out = stop_with(&mut child, "-INT", "the example").await?;
+    let out = stop_with(&mut child, "-INT", "the guide's program").await?;
+    let announced =
+        published_keys(broker, &invoices_topic, partitions, "getting-started", &out).await?;
+    let mut want: Vec<String> = (0..ORDERS)
+        .map(|i| format!("order-{i}"))
+        .chain(["order-large".to_owned()])
+        .collect();
+    want.sort();
+    if announced != want {
+        bail!(
+            "getting-started: the invoices topic holds {announced:?}, expected each of {want:?} once\n{out}"
+        );
+    }
     expect(
         &store,
-        "kafka_to_postgres",
+        "getting-started",
         &[
             ("invoices", "SELECT count(*) FROM invoices", ORDERS + 1),
             (
@@ -588,7 +632,7 @@ async fn kafka_to_postgres(exe: &std::path::Path, command: &Operator) -> Result<
     )
     .await?;
     println!(
-        "kafka_to_postgres passed: {} orders (and one delivered twice) invoiced once each, the large one dead-lettered by a wrong limit and replayed with `inbox dead-letters replay` after the fix, stopped on SIGINT in {:.1} s, metrics served",
+        "getting-started passed: the guide's program, built as a crate of its own, invoiced {} orders (and one delivered twice) once each and announced each invoice once, the large one dead-lettered by a wrong limit and replayed with `inbox dead-letters replay` after the fix, stopped on SIGINT in {:.1} s, metrics served",
         ORDERS + 1,
         stopping.elapsed().as_secs_f64()
     );

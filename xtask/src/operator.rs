@@ -26,7 +26,7 @@ impl Operator {
             &[
                 "build",
                 "-p",
-                "inbox",
+                "transactional-inbox",
                 "--features",
                 "cli",
                 "--bin",

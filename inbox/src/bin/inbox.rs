@@ -26,13 +26,13 @@ use std::time::Duration;
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use inbox::dead_letters::{DeadLetter, DeadLetterQuery, DeadLetterStore, GoneHow};
-use inbox::kafka::{
+use serde_json::{Value, json};
+use transactional_inbox::dead_letters::{DeadLetter, DeadLetterQuery, DeadLetterStore, GoneHow};
+use transactional_inbox::kafka::{
     KafkaConfig, OffsetTarget, Sasl, Tls, log_bounds, move_offsets, plan_offsets, read_offsets,
     topic_partitions,
 };
-use inbox::postgres::{OutboxEvents, PartitionStatus, PgStore, TableName};
-use serde_json::{Value, json};
+use transactional_inbox::postgres::{OutboxEvents, PartitionStatus, PgStore, TableName};
 
 type Failure = Box<dyn std::error::Error>;
 

@@ -30,7 +30,7 @@
 //! statement but those runs then); unless it is a lone `ROLLBACK TO
 //! SAVEPOINT`, which cannot end a transaction, the handler's run is failed.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use crate::error::map_db_err;
 use std::{future::Future, pin::Pin};
@@ -38,10 +38,172 @@ use std::{future::Future, pin::Pin};
 use async_trait::async_trait;
 use inbox_core::StoreErrorKind;
 use sea_orm::{
-    AccessMode, ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, ExecResult, IsolationLevel,
-    QueryResult, RuntimeErr, Statement, TransactionError, TransactionOptions, TransactionTrait,
-    sqlx,
+    AccessMode, ConnectionTrait, DbBackend, DbErr, ExecResult, IsolationLevel, QueryResult,
+    RuntimeErr, Statement, TransactionError, TransactionOptions, TransactionSession,
+    TransactionTrait, sqlx, sqlx::Executor as _,
 };
+use sea_query_sqlx::SqlxValues;
+use sqlx_core::transaction::TransactionManager as _;
+
+type Manager = <sqlx::Postgres as sqlx::Database>::TransactionManager;
+type Pooled = sqlx::pool::PoolConnection<sqlx::Postgres>;
+
+/// The one connection of a transaction, shared by the inbox's transaction
+/// and the nested transactions a handler opens in it: sqlx's own, so that a
+/// handler can run sqlx statements on it ([`SqlxConn`]) as well as sea-orm
+/// ones. `None` once the transaction ended.
+#[derive(Debug)]
+pub(crate) struct Session {
+    conn: tokio::sync::Mutex<Option<Pooled>>,
+}
+
+/// The connection of a session that has not ended.
+type Live<'a> = tokio::sync::MappedMutexGuard<'a, Pooled>;
+
+impl Session {
+    async fn live(&self) -> Result<Live<'_>, DbErr> {
+        tokio::sync::MutexGuard::try_map(self.conn.lock().await, Option::as_mut)
+            .map_err(|_| DbErr::Custom("the transaction has ended".to_owned()))
+    }
+
+    async fn execute_raw(&self, stmt: &Statement) -> Result<ExecResult, DbErr> {
+        let mut conn = self.live().await?;
+        query(stmt)
+            .execute(&mut **conn)
+            .await
+            .map(Into::into)
+            .map_err(sqlx_error_to_exec_err)
+    }
+
+    async fn execute_unprepared(&self, sql: &str) -> Result<ExecResult, DbErr> {
+        let mut conn = self.live().await?;
+        conn.execute(sqlx::AssertSqlSafe(sql.to_owned()))
+            .await
+            .map(Into::into)
+            .map_err(sqlx_error_to_exec_err)
+    }
+
+    async fn query_one_raw(&self, stmt: &Statement) -> Result<Option<QueryResult>, DbErr> {
+        let mut conn = self.live().await?;
+        sqlx_map_err_ignore_not_found(
+            query(stmt)
+                .fetch_one(&mut **conn)
+                .await
+                .map(|row| Some(row.into())),
+        )
+    }
+
+    async fn query_all_raw(&self, stmt: &Statement) -> Result<Vec<QueryResult>, DbErr> {
+        let mut conn = self.live().await?;
+        query(stmt)
+            .fetch_all(&mut **conn)
+            .await
+            .map(|rows| rows.into_iter().map(Into::into).collect())
+            .map_err(sqlx_error_to_query_err)
+    }
+
+    /// `BEGIN` (or a savepoint in a transaction), then the settings asked.
+    async fn begin(&self, options: TransactionOptions) -> Result<(), DbErr> {
+        let mut conn = self.live().await?;
+        Manager::begin(&mut conn, None)
+            .await
+            .map_err(sqlx_error_to_query_err)?;
+        let mut settings = Vec::new();
+        if let Some(level) = options.isolation_level {
+            settings.push(format!("ISOLATION LEVEL {level}"));
+        }
+        if let Some(mode) = options.access_mode {
+            settings.push(mode.to_string());
+        }
+        if !settings.is_empty() {
+            let sql = format!("SET TRANSACTION {}", settings.join(" "));
+            conn.execute(sqlx::AssertSqlSafe(sql))
+                .await
+                .map_err(sqlx_error_to_exec_err)?;
+        }
+        Ok(())
+    }
+
+    /// Ends the innermost level: `COMMIT` (a `RELEASE SAVEPOINT` in a
+    /// nested transaction) or `ROLLBACK` (`ROLLBACK TO SAVEPOINT`).
+    async fn end(&self, commit: bool) -> Result<(), DbErr> {
+        let mut conn = self.live().await?;
+        if commit {
+            Manager::commit(&mut conn).await
+        } else {
+            Manager::rollback(&mut conn).await
+        }
+        .map_err(sqlx_error_to_query_err)
+    }
+
+    /// Ends the whole transaction and gives the connection back to the
+    /// pool: savepoints a leaked nested transaction left open are released
+    /// first (as PostgreSQL's `COMMIT` would), or rolled back.
+    async fn finish(&self, commit: bool) -> Result<(), DbErr> {
+        let mut slot = self.conn.lock().await;
+        let Some(conn) = slot.as_mut() else {
+            return Err(DbErr::Custom("the transaction has ended".to_owned()));
+        };
+        let ended = async {
+            while Manager::get_transaction_depth(conn) > 0 {
+                if commit {
+                    Manager::commit(conn).await?;
+                } else {
+                    Manager::rollback(conn).await?;
+                }
+            }
+            Ok::<_, sqlx::Error>(())
+        }
+        .await;
+        if ended.is_err() {
+            // a rollback queued for the pool to carry out
+            while Manager::get_transaction_depth(conn) > 0 {
+                Manager::start_rollback(conn);
+            }
+        }
+        *slot = None;
+        ended.map_err(sqlx_error_to_query_err)
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        // a transaction dropped unfinished (a cancelled run): rolled back
+        // before the connection is used again
+        if let Some(conn) = self.conn.get_mut() {
+            while Manager::get_transaction_depth(conn) > 0 {
+                Manager::start_rollback(conn);
+            }
+        }
+    }
+}
+
+fn sqlx_error_to_exec_err(e: sqlx::Error) -> DbErr {
+    DbErr::Exec(RuntimeErr::SqlxError(e.into()))
+}
+
+fn sqlx_error_to_query_err(e: sqlx::Error) -> DbErr {
+    DbErr::Query(RuntimeErr::SqlxError(e.into()))
+}
+
+/// A row that is not there is `None` (sea-orm's `query_one`).
+fn sqlx_map_err_ignore_not_found<T>(
+    found: Result<Option<T>, sqlx::Error>,
+) -> Result<Option<T>, DbErr> {
+    match found {
+        Err(sqlx::Error::RowNotFound) => Ok(None),
+        found => found.map_err(sqlx_error_to_query_err),
+    }
+}
+
+/// `stmt` as a sqlx query, its values bound as sea-orm binds them.
+pub(crate) fn query(stmt: &Statement) -> sqlx::query::Query<'_, sqlx::Postgres, SqlxValues> {
+    let values = stmt
+        .values
+        .clone()
+        .unwrap_or_else(|| sea_orm::sea_query::Values(Vec::new()));
+    sqlx::query_with(sqlx::AssertSqlSafe(stmt.sql.as_str()), SqlxValues(values))
+}
 
 /// The message's transaction as the handler sees it: every sea-orm query
 /// runs on it (`&PgConn` is a [`ConnectionTrait`] and a
@@ -50,7 +212,7 @@ use sea_orm::{
 /// reporting a commit that did not happen.
 #[derive(Debug)]
 pub struct PgConn {
-    tx: DatabaseTransaction,
+    session: Arc<Session>,
     /// The error of the last statement when it failed at the server, and
     /// its kind.
     failed: Mutex<Option<(String, StoreErrorKind)>>,
@@ -148,13 +310,19 @@ fn aborts(e: &DbErr) -> bool {
 }
 
 impl PgConn {
-    pub(crate) fn new(tx: DatabaseTransaction) -> Self {
-        Self {
-            tx,
+    /// Begins a transaction on `conn`, one of the pool's.
+    pub(crate) async fn begin(mut conn: Pooled) -> Result<Self, DbErr> {
+        Manager::begin(&mut conn, None)
+            .await
+            .map_err(sqlx_error_to_query_err)?;
+        Ok(Self {
+            session: Arc::new(Session {
+                conn: tokio::sync::Mutex::new(Some(conn)),
+            }),
             failed: Mutex::new(None),
             control: Mutex::new(Control::default()),
             savepoint: Mutex::new(Savepoint::default()),
-        }
+        })
     }
 
     fn savepoint_state(&self) -> std::sync::MutexGuard<'_, Savepoint> {
@@ -205,7 +373,7 @@ impl PgConn {
                 SAVEPOINT
             }
         };
-        let sent = self.tx.execute_unprepared(sql).await;
+        let sent = self.session.execute_unprepared(sql).await;
         if watched {
             self.watch(sent)?;
         } else {
@@ -229,7 +397,7 @@ impl PgConn {
                 return Ok(());
             }
         }
-        self.tx
+        self.session
             .execute_unprepared("ROLLBACK TO SAVEPOINT inbox_message")
             .await?;
         self.recovered();
@@ -249,9 +417,9 @@ impl PgConn {
     /// The transaction after the savepoint asked for was sent: for the
     /// store's own statements (not watched: their errors reach the runner
     /// as errors).
-    pub(crate) async fn ready(&self) -> Result<&DatabaseTransaction, DbErr> {
+    pub(crate) async fn ready(&self) -> Result<&Session, DbErr> {
         self.flush().await?;
-        Ok(&self.tx)
+        Ok(&self.session)
     }
 
     fn control(&self) -> std::sync::MutexGuard<'_, Control> {
@@ -273,8 +441,8 @@ impl PgConn {
             None
         } else {
             match self
-                .tx
-                .query_one_raw(Statement::from_string(
+                .session
+                .query_one_raw(&Statement::from_string(
                     DbBackend::Postgres,
                     "SELECT txid_current() AS xid",
                 ))
@@ -323,8 +491,8 @@ impl PgConn {
             )
         } else {
             let now = self
-                .tx
-                .query_one_raw(Statement::from_string(
+                .session
+                .query_one_raw(&Statement::from_string(
                     DbBackend::Postgres,
                     "SELECT txid_current_if_assigned() AS xid",
                 ))
@@ -353,8 +521,15 @@ impl PgConn {
         why
     }
 
-    pub(crate) fn into_inner(self) -> DatabaseTransaction {
-        self.tx
+    /// Commits the transaction (with the savepoints a leaked nested
+    /// transaction left open) and gives the connection back.
+    pub(crate) async fn commit(self) -> Result<(), DbErr> {
+        self.session.finish(true).await
+    }
+
+    /// Rolls the transaction back and gives the connection back.
+    pub(crate) async fn rollback(self) -> Result<(), DbErr> {
+        self.session.finish(false).await
     }
 
     fn failed(&self) -> std::sync::MutexGuard<'_, Option<(String, StoreErrorKind)>> {
@@ -386,8 +561,8 @@ impl PgConn {
             }
         };
         let status = self
-            .tx
-            .query_one_raw(Statement::from_sql_and_values(
+            .session
+            .query_one_raw(&Statement::from_sql_and_values(
                 DbBackend::Postgres,
                 "SELECT txid_status($1) AS status",
                 [xid.into()],
@@ -434,7 +609,7 @@ impl PgConn {
 #[async_trait]
 impl ConnectionTrait for PgConn {
     fn get_database_backend(&self) -> DbBackend {
-        self.tx.get_database_backend()
+        DbBackend::Postgres
     }
 
     async fn execute_raw(&self, stmt: Statement) -> Result<ExecResult, DbErr> {
@@ -442,7 +617,7 @@ impl ConnectionTrait for PgConn {
         if may_end_transaction(&stmt.sql) {
             self.before_control().await;
         }
-        self.watch(self.tx.execute_raw(stmt).await)
+        self.watch(self.session.execute_raw(&stmt).await)
     }
 
     async fn execute_unprepared(&self, sql: &str) -> Result<ExecResult, DbErr> {
@@ -450,7 +625,7 @@ impl ConnectionTrait for PgConn {
         if may_end_transaction(sql) {
             self.before_control().await;
         }
-        self.watch(self.tx.execute_unprepared(sql).await)
+        self.watch(self.session.execute_unprepared(sql).await)
     }
 
     async fn query_one_raw(&self, stmt: Statement) -> Result<Option<QueryResult>, DbErr> {
@@ -458,7 +633,7 @@ impl ConnectionTrait for PgConn {
         if may_end_transaction(&stmt.sql) {
             self.before_control().await;
         }
-        self.watch(self.tx.query_one_raw(stmt).await)
+        self.watch(self.session.query_one_raw(&stmt).await)
     }
 
     async fn query_all_raw(&self, stmt: Statement) -> Result<Vec<QueryResult>, DbErr> {
@@ -466,59 +641,218 @@ impl ConnectionTrait for PgConn {
         if may_end_transaction(&stmt.sql) {
             self.before_control().await;
         }
-        self.watch(self.tx.query_all_raw(stmt).await)
+        self.watch(self.session.query_all_raw(&stmt).await)
     }
 
     fn support_returning(&self) -> bool {
-        self.tx.support_returning()
+        true
+    }
+}
+
+/// The store's own statements: not watched (their errors reach it as
+/// errors).
+#[async_trait]
+impl ConnectionTrait for Session {
+    fn get_database_backend(&self) -> DbBackend {
+        DbBackend::Postgres
+    }
+
+    async fn execute_raw(&self, stmt: Statement) -> Result<ExecResult, DbErr> {
+        Session::execute_raw(self, &stmt).await
+    }
+
+    async fn execute_unprepared(&self, sql: &str) -> Result<ExecResult, DbErr> {
+        Session::execute_unprepared(self, sql).await
+    }
+
+    async fn query_one_raw(&self, stmt: Statement) -> Result<Option<QueryResult>, DbErr> {
+        Session::query_one_raw(self, &stmt).await
+    }
+
+    async fn query_all_raw(&self, stmt: Statement) -> Result<Vec<QueryResult>, DbErr> {
+        Session::query_all_raw(self, &stmt).await
+    }
+
+    fn support_returning(&self) -> bool {
+        true
+    }
+}
+
+/// Runs `callback` in a nested transaction of `session`, committed when it
+/// returns `Ok`, rolled back otherwise (sea-orm's `transaction`).
+async fn nested_transaction<F, T, E>(
+    session: &Arc<Session>,
+    options: TransactionOptions,
+    callback: F,
+) -> Result<T, TransactionError<E>>
+where
+    F: for<'c> FnOnce(&'c PgNested) -> Pin<Box<dyn Future<Output = Result<T, E>> + Send + 'c>>
+        + Send,
+    T: Send,
+    E: std::fmt::Display + std::fmt::Debug + Send,
+{
+    let nested = PgNested::begin(session.clone(), options)
+        .await
+        .map_err(TransactionError::Connection)?;
+    let done = callback(&nested).await;
+    match done {
+        Ok(value) => {
+            nested
+                .commit()
+                .await
+                .map_err(TransactionError::Connection)?;
+            Ok(value)
+        }
+        Err(e) => {
+            nested
+                .rollback()
+                .await
+                .map_err(TransactionError::Connection)?;
+            Err(TransactionError::Transaction(e))
+        }
+    }
+}
+
+fn options(
+    isolation_level: Option<IsolationLevel>,
+    access_mode: Option<AccessMode>,
+) -> TransactionOptions {
+    TransactionOptions {
+        isolation_level,
+        access_mode,
+        sqlite_transaction_mode: None,
+    }
+}
+
+/// A nested transaction opened in the inbox's (`&PgConn` is a
+/// [`TransactionTrait`]): a savepoint on the same connection, released by
+/// [`commit`](TransactionSession::commit), rolled back to by
+/// [`rollback`](TransactionSession::rollback) or when dropped open. Its
+/// statements are not watched one by one: opening it makes the store check
+/// the inbox's transaction with one statement after the handler (see
+/// [`PgConn`]), so a failure swallowed in it is still caught.
+#[derive(Debug)]
+pub struct PgNested {
+    session: Arc<Session>,
+    open: bool,
+}
+
+impl PgNested {
+    async fn begin(session: Arc<Session>, options: TransactionOptions) -> Result<Self, DbErr> {
+        session.begin(options).await?;
+        Ok(Self {
+            session,
+            open: true,
+        })
+    }
+
+    /// Keeps what it wrote (`RELEASE SAVEPOINT`): it commits with the
+    /// inbox's transaction.
+    ///
+    /// # Errors
+    ///
+    /// The database's (then it is rolled back to its savepoint).
+    pub async fn commit(self) -> Result<(), DbErr> {
+        self.end(true).await
+    }
+
+    /// Undoes what it wrote (`ROLLBACK TO SAVEPOINT`).
+    ///
+    /// # Errors
+    ///
+    /// The database's.
+    pub async fn rollback(self) -> Result<(), DbErr> {
+        self.end(false).await
+    }
+
+    async fn end(mut self, commit: bool) -> Result<(), DbErr> {
+        let ended = self.session.end(commit).await;
+        if ended.is_ok() {
+            self.open = false;
+        }
+        // failed, it is rolled back to its savepoint when dropped here
+        ended
+    }
+}
+
+impl Drop for PgNested {
+    fn drop(&mut self) {
+        if self.open
+            && let Ok(mut conn) = self.session.conn.try_lock()
+            && let Some(conn) = conn.as_mut()
+        {
+            // sent before the connection's next statement
+            Manager::start_rollback(conn);
+        }
     }
 }
 
 #[async_trait]
-impl TransactionTrait for PgConn {
-    type Transaction = DatabaseTransaction;
+impl ConnectionTrait for PgNested {
+    fn get_database_backend(&self) -> DbBackend {
+        DbBackend::Postgres
+    }
 
-    async fn begin(&self) -> Result<DatabaseTransaction, DbErr> {
-        self.flush().await?;
-        self.before_control().await;
-        self.watch(self.tx.begin().await)
+    async fn execute_raw(&self, stmt: Statement) -> Result<ExecResult, DbErr> {
+        self.session.execute_raw(&stmt).await
+    }
+
+    async fn execute_unprepared(&self, sql: &str) -> Result<ExecResult, DbErr> {
+        self.session.execute_unprepared(sql).await
+    }
+
+    async fn query_one_raw(&self, stmt: Statement) -> Result<Option<QueryResult>, DbErr> {
+        self.session.query_one_raw(&stmt).await
+    }
+
+    async fn query_all_raw(&self, stmt: Statement) -> Result<Vec<QueryResult>, DbErr> {
+        self.session.query_all_raw(&stmt).await
+    }
+
+    fn support_returning(&self) -> bool {
+        true
+    }
+}
+
+#[async_trait]
+impl TransactionSession for PgNested {
+    async fn commit(self) -> Result<(), DbErr> {
+        PgNested::commit(self).await
+    }
+
+    async fn rollback(self) -> Result<(), DbErr> {
+        PgNested::rollback(self).await
+    }
+}
+
+#[async_trait]
+impl TransactionTrait for PgNested {
+    type Transaction = PgNested;
+
+    async fn begin(&self) -> Result<PgNested, DbErr> {
+        PgNested::begin(self.session.clone(), TransactionOptions::default()).await
     }
 
     async fn begin_with_config(
         &self,
         isolation_level: Option<IsolationLevel>,
         access_mode: Option<AccessMode>,
-    ) -> Result<DatabaseTransaction, DbErr> {
-        self.flush().await?;
-        self.before_control().await;
-        self.watch(
-            self.tx
-                .begin_with_config(isolation_level, access_mode)
-                .await,
-        )
+    ) -> Result<PgNested, DbErr> {
+        PgNested::begin(self.session.clone(), options(isolation_level, access_mode)).await
     }
 
-    async fn begin_with_options(
-        &self,
-        options: TransactionOptions,
-    ) -> Result<DatabaseTransaction, DbErr> {
-        self.flush().await?;
-        self.before_control().await;
-        self.watch(self.tx.begin_with_options(options).await)
+    async fn begin_with_options(&self, options: TransactionOptions) -> Result<PgNested, DbErr> {
+        PgNested::begin(self.session.clone(), options).await
     }
 
     async fn transaction<F, T, E>(&self, callback: F) -> Result<T, TransactionError<E>>
     where
-        F: for<'c> FnOnce(
-                &'c DatabaseTransaction,
-            ) -> Pin<Box<dyn Future<Output = Result<T, E>> + Send + 'c>>
+        F: for<'c> FnOnce(&'c PgNested) -> Pin<Box<dyn Future<Output = Result<T, E>> + Send + 'c>>
             + Send,
         T: Send,
         E: std::fmt::Display + std::fmt::Debug + Send,
     {
-        self.flush().await.map_err(TransactionError::Connection)?;
-        self.before_control().await;
-        self.tx.transaction(callback).await
+        nested_transaction(&self.session, TransactionOptions::default(), callback).await
     }
 
     async fn transaction_with_config<F, T, E>(
@@ -528,17 +862,121 @@ impl TransactionTrait for PgConn {
         access_mode: Option<AccessMode>,
     ) -> Result<T, TransactionError<E>>
     where
-        F: for<'c> FnOnce(
-                &'c DatabaseTransaction,
-            ) -> Pin<Box<dyn Future<Output = Result<T, E>> + Send + 'c>>
+        F: for<'c> FnOnce(&'c PgNested) -> Pin<Box<dyn Future<Output = Result<T, E>> + Send + 'c>>
+            + Send,
+        T: Send,
+        E: std::fmt::Display + std::fmt::Debug + Send,
+    {
+        nested_transaction(
+            &self.session,
+            options(isolation_level, access_mode),
+            callback,
+        )
+        .await
+    }
+}
+
+impl PgConn {
+    /// Opens a nested transaction, watched as the module's doc says.
+    async fn nest(&self, options: TransactionOptions) -> Result<PgNested, DbErr> {
+        self.flush().await?;
+        self.before_control().await;
+        let nested = PgNested::begin(self.session.clone(), options).await;
+        self.watch(nested)
+    }
+
+    /// The transaction's connection for sqlx (see [`SqlxConn`]).
+    pub(crate) async fn sqlx(&self) -> Result<SqlxConn<'_>, DbErr> {
+        self.flush().await?;
+        self.before_control().await;
+        Ok(SqlxConn {
+            conn: self.session.live().await?,
+        })
+    }
+}
+
+#[async_trait]
+impl TransactionTrait for PgConn {
+    type Transaction = PgNested;
+
+    async fn begin(&self) -> Result<PgNested, DbErr> {
+        self.nest(TransactionOptions::default()).await
+    }
+
+    async fn begin_with_config(
+        &self,
+        isolation_level: Option<IsolationLevel>,
+        access_mode: Option<AccessMode>,
+    ) -> Result<PgNested, DbErr> {
+        self.nest(options(isolation_level, access_mode)).await
+    }
+
+    async fn begin_with_options(&self, options: TransactionOptions) -> Result<PgNested, DbErr> {
+        self.nest(options).await
+    }
+
+    async fn transaction<F, T, E>(&self, callback: F) -> Result<T, TransactionError<E>>
+    where
+        F: for<'c> FnOnce(&'c PgNested) -> Pin<Box<dyn Future<Output = Result<T, E>> + Send + 'c>>
             + Send,
         T: Send,
         E: std::fmt::Display + std::fmt::Debug + Send,
     {
         self.flush().await.map_err(TransactionError::Connection)?;
         self.before_control().await;
-        self.tx
-            .transaction_with_config(callback, isolation_level, access_mode)
-            .await
+        nested_transaction(&self.session, TransactionOptions::default(), callback).await
+    }
+
+    async fn transaction_with_config<F, T, E>(
+        &self,
+        callback: F,
+        isolation_level: Option<IsolationLevel>,
+        access_mode: Option<AccessMode>,
+    ) -> Result<T, TransactionError<E>>
+    where
+        F: for<'c> FnOnce(&'c PgNested) -> Pin<Box<dyn Future<Output = Result<T, E>> + Send + 'c>>
+            + Send,
+        T: Send,
+        E: std::fmt::Display + std::fmt::Debug + Send,
+    {
+        self.flush().await.map_err(TransactionError::Connection)?;
+        self.before_control().await;
+        nested_transaction(
+            &self.session,
+            options(isolation_level, access_mode),
+            callback,
+        )
+        .await
+    }
+}
+
+/// The inbox's transaction as a sqlx connection, for `sqlx::query!`,
+/// `query_as!` and anything else taking a sqlx executor (`&mut *conn` is a
+/// `&mut sqlx::PgConnection`), from [`PgTx::sqlx`](crate::PgTx::sqlx). Its
+/// statements commit with the inbox row or not at all.
+///
+/// Statements sent through it are not watched one by one: taking it makes
+/// the store check the transaction with one statement after the handler
+/// (and take its id with one before, once per transaction), so a handler
+/// that swallows a sqlx error, or ends the transaction itself, still has
+/// its run failed rather than acknowledged. Drop it before using
+/// [`PgTx::connection`](crate::PgTx::connection) or a nested transaction
+/// again: they wait for this connection.
+#[derive(Debug)]
+pub struct SqlxConn<'a> {
+    conn: Live<'a>,
+}
+
+impl std::ops::Deref for SqlxConn<'_> {
+    type Target = sqlx::PgConnection;
+
+    fn deref(&self) -> &sqlx::PgConnection {
+        &self.conn
+    }
+}
+
+impl std::ops::DerefMut for SqlxConn<'_> {
+    fn deref_mut(&mut self) -> &mut sqlx::PgConnection {
+        &mut self.conn
     }
 }

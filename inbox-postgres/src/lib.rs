@@ -57,7 +57,7 @@ mod schema;
 mod status;
 mod store;
 
-pub use conn::PgConn;
+pub use conn::{PgConn, PgNested, SqlxConn};
 pub use error::{kind_of_sqlstate, map_db_err};
 pub use migration::{InboxMigration, inbox_migrations};
 pub use outbox::{BULK_KEYS, Outbox, OutboxCollector};

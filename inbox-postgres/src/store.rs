@@ -17,7 +17,7 @@ use sea_orm::{
     Statement, TransactionTrait, Value,
 };
 
-use crate::conn::PgConn;
+use crate::conn::{PgConn, SqlxConn};
 use crate::error::map_db_err;
 use crate::schema::TableName;
 
@@ -657,6 +657,20 @@ impl PgStore {
         &self.db
     }
 
+    /// sqlx's pool under the sea-orm connection: the inbox's transactions
+    /// are taken from it.
+    pub(crate) fn pool(&self) -> Result<&sea_orm::sqlx::PgPool, StoreError> {
+        match &self.db.inner {
+            sea_orm::DatabaseConnectionType::SqlxPostgresPoolConnection(_) => {
+                Ok(self.db.get_postgres_connection_pool())
+            }
+            _ => Err(StoreError::new(
+                StoreErrorKind::Unsupported,
+                "the store needs a sea-orm connection to PostgreSQL through sqlx's pool",
+            )),
+        }
+    }
+
     /// The table this store uses.
     pub fn table(&self) -> &TableName {
         &self.table
@@ -715,6 +729,36 @@ impl PgTx {
             ))
             .await
             .map(|r| r.rows_affected())
+    }
+
+    /// The transaction as a sqlx connection, for `sqlx::query!`,
+    /// `query_as!` and every other sqlx statement: `&mut *conn` is a
+    /// `&mut sqlx::PgConnection` on the inbox's own transaction, so what
+    /// the handler writes through it commits with the inbox row or not at
+    /// all. A handler that swallows a sqlx error, or ends the transaction
+    /// itself, still has its run failed (see [`SqlxConn`]): taking it costs
+    /// one statement after the handler, and one more the first time in a
+    /// transaction. Use the sqlx that `sea_orm::sqlx` re-exports (the same
+    /// version).
+    ///
+    /// ```no_run
+    /// # async fn bill(tx: &mut inbox_postgres::PgTx) -> Result<(), Box<dyn std::error::Error>> {
+    /// use sea_orm::sqlx;
+    /// let mut conn = tx.sqlx().await?;
+    /// sqlx::query("INSERT INTO invoices (order_id, total) VALUES ($1, $2)")
+    ///     .bind("o-1")
+    ///     .bind(10_i64)
+    ///     .execute(&mut *conn)
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// The database's, when the savepoint asked for or the transaction's
+    /// id could not be had.
+    pub async fn sqlx(&mut self) -> Result<SqlxConn<'_>, DbErr> {
+        self.conn.sqlx().await
     }
 
     /// The inbox's table names.
@@ -923,9 +967,13 @@ impl InboxStore for PgStore {
     }
 
     async fn begin(&self) -> Result<PgTx, StoreError> {
-        let tx = self.db.begin().await.map_err(db)?;
+        let pool = self.pool()?;
+        let conn = pool
+            .acquire()
+            .await
+            .map_err(|e| crate::error::map_sqlx_err(&e))?;
         Ok(PgTx {
-            conn: PgConn::new(tx),
+            conn: PgConn::begin(conn).await.map_err(db)?,
             sql: self.sql.clone(),
             side: self.side.clone(),
             xid: None,
@@ -1333,17 +1381,17 @@ impl InboxTransaction for PgTx {
         // PostgreSQL answers COMMIT of an aborted transaction with ROLLBACK
         // and no error: known here, it is reported as what it is
         if let Some(cause) = self.aborted().await {
-            self.conn.into_inner().rollback().await.map_err(db)?;
+            self.conn.rollback().await.map_err(db)?;
             return Err(StoreError::new(
                 StoreErrorKind::Aborted,
                 format!("the transaction was aborted and rolled back: {cause}"),
             ));
         }
-        self.conn.into_inner().commit().await.map_err(db)
+        self.conn.commit().await.map_err(db)
     }
 
     async fn rollback(self) -> Result<(), StoreError> {
-        self.conn.into_inner().rollback().await.map_err(db)
+        self.conn.rollback().await.map_err(db)
     }
 
     async fn aborted(&mut self) -> Option<String> {

@@ -4,9 +4,8 @@
 //! commit.
 
 use inbox_core::{InboxStore, InboxTransaction, StoreErrorKind};
-use inbox_postgres::sea_orm::DatabaseTransaction;
 use inbox_postgres::sea_orm::{ConnectionTrait, TransactionTrait};
-use inbox_postgres::{PgStore, PgTx};
+use inbox_postgres::{PgNested, PgStore, PgTx};
 use inbox_testkit::pg::{count, fresh_store};
 
 async fn store() -> PgStore {
@@ -25,7 +24,7 @@ async fn invoices(store: &PgStore, order: &str) -> i64 {
 
 /// A transaction that wrote the invoice of `order`, and a nested
 /// transaction opened in it.
-async fn with_nested(store: &PgStore, order: &str) -> (PgTx, DatabaseTransaction) {
+async fn with_nested(store: &PgStore, order: &str) -> (PgTx, PgNested) {
     let tx = store.begin().await.unwrap_or_else(|e| panic!("{e}"));
     tx.connection()
         .execute_unprepared(&format!(

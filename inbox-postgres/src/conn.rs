@@ -182,7 +182,7 @@ fn sqlx_error_to_exec_err(e: sqlx::Error) -> DbErr {
     DbErr::Exec(RuntimeErr::SqlxError(e.into()))
 }
 
-fn sqlx_error_to_query_err(e: sqlx::Error) -> DbErr {
+pub(crate) fn sqlx_error_to_query_err(e: sqlx::Error) -> DbErr {
     DbErr::Query(RuntimeErr::SqlxError(e.into()))
 }
 

@@ -60,7 +60,7 @@ mod store;
 pub use conn::{PgConn, PgNested, SqlxConn};
 pub use error::{kind_of_sqlstate, map_db_err};
 pub use migration::{InboxMigration, inbox_migrations};
-pub use outbox::{BULK_KEYS, Outbox, OutboxCollector};
+pub use outbox::{BULK_KEYS, Outbox, OutboxCollector, OutboxConnection};
 pub use schema::{
     MAX_TABLE_NAME, SchemaStep, TableName, create_statements, drop_statements, schema_steps,
 };

@@ -12,7 +12,7 @@ use inbox_core::outbox::{
     OutboxBacklog, OutboxMessage, OutboxRow, OutboxStore, ReadLimit, SLOT_TOPIC, SlotClaim,
 };
 use inbox_core::{StoreError, StoreErrorKind};
-use sea_orm::{ConnectionTrait, Value};
+use sea_orm::{ConnectionTrait, DbErr, QueryResult, Statement, Value, sqlx};
 use tokio::sync::Notify;
 
 use crate::error::map_sqlx_err;
@@ -201,14 +201,14 @@ impl Outbox {
     /// [`StoreErrorKind::Data`] for an event that breaks
     /// [`OutboxMessage::validate`] (nothing is written); the database's
     /// error otherwise.
-    pub async fn enqueue<C: ConnectionTrait>(
+    pub async fn enqueue(
         &self,
-        conn: &C,
+        conn: impl OutboxConnection,
         event: &OutboxMessage,
     ) -> Result<i64, StoreError> {
         checked(event)?;
         let row = conn
-            .query_one_raw(stmt(
+            .rows(stmt(
                 &self.enqueue,
                 vec![
                     event.topic.clone().into(),
@@ -221,6 +221,8 @@ impl Outbox {
             ))
             .await
             .map_err(db)?
+            .into_iter()
+            .next()
             .ok_or_else(|| StoreError::new(StoreErrorKind::Other, "enqueue returned no row"))?;
         get(&row, "id")
     }
@@ -237,9 +239,9 @@ impl Outbox {
     /// # Errors
     ///
     /// As [`Outbox::enqueue`]; nothing is written if one event is invalid.
-    pub async fn enqueue_many<C: ConnectionTrait>(
+    pub async fn enqueue_many(
         &self,
-        conn: &C,
+        conn: impl OutboxConnection,
         events: &[OutboxMessage],
     ) -> Result<Vec<i64>, StoreError> {
         if events.is_empty() {
@@ -270,7 +272,7 @@ impl Outbox {
             &self.enqueue_many
         };
         let rows = conn
-            .query_all_raw(stmt(sql, vec![serde_json::Value::Array(list).into()]))
+            .rows(stmt(sql, vec![serde_json::Value::Array(list).into()]))
             .await
             .map_err(db)?;
         rows.iter().map(|r| get(r, "id")).collect()
@@ -348,8 +350,71 @@ impl OutboxCollector {
     /// # Errors
     ///
     /// As [`Outbox::enqueue_many`].
-    pub async fn write<C: ConnectionTrait>(self, conn: &C) -> Result<Vec<i64>, StoreError> {
+    pub async fn write(self, conn: impl OutboxConnection) -> Result<Vec<i64>, StoreError> {
         self.outbox.enqueue_many(conn, &self.events).await
+    }
+}
+
+/// A connection the outbox writes through, in the caller's transaction:
+/// a sea-orm one (`&DatabaseTransaction`, `&DatabaseConnection`, the
+/// inbox's `PgTx::connection()`, ...) or a sqlx one (`&mut
+/// sqlx::PgConnection`: `&mut *tx` of a `sqlx::Transaction<'_, Postgres>`,
+/// of a pooled connection or of the inbox's [`PgTx::sqlx`](crate::PgTx::sqlx);
+/// or `&mut tx` of the `sqlx::Transaction` itself). Sealed: the outbox's
+/// statements are PostgreSQL's.
+///
+/// ```no_run
+/// use inbox_core::outbox::OutboxMessage;
+/// use inbox_postgres::{Outbox, TableName};
+/// use sea_orm::sqlx::{self, PgPool};
+/// use serde_json::json;
+///
+/// # async fn place(pool: &PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// let outbox = Outbox::new(&TableName::default());
+/// let mut tx = pool.begin().await?;
+/// sqlx::query("INSERT INTO orders (id) VALUES ($1)").bind("o-1").execute(&mut *tx).await?;
+/// let event = OutboxMessage::json("orders", &json!({"order": "o-1"}))?.key("o-1");
+/// outbox.enqueue(&mut *tx, &event).await?;
+/// tx.commit().await?; // the order and its event, or neither
+/// # Ok(()) }
+/// ```
+#[async_trait]
+pub trait OutboxConnection: Send + sealed::Sealed {
+    /// Runs `stmt`, its rows.
+    #[doc(hidden)]
+    async fn rows(self, stmt: Statement) -> Result<Vec<QueryResult>, DbErr>;
+}
+
+mod sealed {
+    /// Only this crate's connections are outbox connections.
+    pub trait Sealed {}
+    impl<C: sea_orm::ConnectionTrait + ?Sized> Sealed for &C {}
+    impl Sealed for &mut sea_orm::sqlx::PgConnection {}
+    impl Sealed for &mut sea_orm::sqlx::Transaction<'_, sea_orm::sqlx::Postgres> {}
+}
+
+#[async_trait]
+impl<C: ConnectionTrait + ?Sized> OutboxConnection for &C {
+    async fn rows(self, stmt: Statement) -> Result<Vec<QueryResult>, DbErr> {
+        self.query_all_raw(stmt).await
+    }
+}
+
+#[async_trait]
+impl OutboxConnection for &mut sqlx::PgConnection {
+    async fn rows(self, stmt: Statement) -> Result<Vec<QueryResult>, DbErr> {
+        crate::conn::query(&stmt)
+            .fetch_all(self)
+            .await
+            .map(|rows| rows.into_iter().map(Into::into).collect())
+            .map_err(crate::conn::sqlx_error_to_query_err)
+    }
+}
+
+#[async_trait]
+impl OutboxConnection for &mut sqlx::Transaction<'_, sqlx::Postgres> {
+    async fn rows(self, stmt: Statement) -> Result<Vec<QueryResult>, DbErr> {
+        (&mut **self).rows(stmt).await
     }
 }
 

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use common::{Calls, order};
+use inbox_core::outbox::OutboxMessage;
 use inbox_core::{
     BatchConfig, Handler, HandlerError, InboxStore, InboxTransaction, Isolation, Message,
     OutcomeClass, Runner, RunnerConfig, StoreErrorKind,
@@ -20,6 +21,7 @@ use inbox_postgres::{PgStore, PgTx};
 use inbox_testkit::MemBroker;
 use inbox_testkit::pg::fresh_store;
 use inbox_testkit::scenarios::ScenarioStore;
+use serde_json::json;
 
 async fn store() -> PgStore {
     fresh_store().await.unwrap_or_else(|e| panic!("{e}"))
@@ -59,7 +61,7 @@ async fn sqlx_writes_commit_and_roll_back_with_the_transaction() {
 
     let mut tx = store.begin().await.unwrap_or_else(|e| panic!("{e}"));
     sqlx_invoice(
-        &mut *tx.sqlx().await.unwrap_or_else(|e| panic!("{e}")),
+        &mut tx.sqlx().await.unwrap_or_else(|e| panic!("{e}")),
         "gone",
     )
     .await
@@ -263,4 +265,119 @@ async fn batched_a_swallowed_sqlx_error_charges_only_its_message() {
     assert_eq!(store.invoices("bad-2").await, 0);
     assert_eq!(broker.acked("billing", "orders", 0), Some(1), "{result:?}");
     assert_eq!(broker.acked("billing", "orders", 1), Some(1));
+}
+
+async fn outbox_rows(store: &PgStore, id: &str) -> i64 {
+    inbox_testkit::pg::count(
+        store,
+        "SELECT count(*) FROM inbox_outbox WHERE message_id = $1",
+        vec![id.into()],
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn event(id: &str) -> OutboxMessage {
+    OutboxMessage::json("invoices", &json!({ "invoice": id }))
+        .unwrap_or_else(|e| panic!("{e}"))
+        .key(id)
+        .message_id(id)
+}
+
+/// The outbox writes through a sqlx transaction of the service's own
+/// (`&mut *tx` and `&mut tx`, one event, many, collected): the events exist
+/// if and only if it commits; a bad event is a typed error, nothing written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_outbox_enqueues_through_a_sqlx_transaction() {
+    let store = store().await;
+    let outbox = store.outbox();
+    let pool = store.connection().get_postgres_connection_pool();
+
+    let mut tx = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    outbox
+        .enqueue(&mut *tx, &event("rolled-back"))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    tx.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(outbox_rows(&store, "rolled-back").await, 0);
+
+    let mut tx = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let one = outbox
+        .enqueue(&mut *tx, &event("one"))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let many = outbox
+        .enqueue_many(&mut tx, &[event("many-1"), event("many-2")])
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut collector = outbox.collector();
+    collector
+        .push(event("collected"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let collected = collector
+        .write(&mut *tx)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let bad = OutboxMessage::json("", &json!({})).unwrap_or_else(|e| panic!("{e}"));
+    let refused = outbox.enqueue(&mut *tx, &bad).await;
+    assert!(
+        refused
+            .as_ref()
+            .is_err_and(|e| e.kind == StoreErrorKind::Data),
+        "{refused:?}"
+    );
+    tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(many.len(), 2);
+    assert!(
+        one < many[0] && many[1] < collected[0],
+        "ids in write order"
+    );
+    for id in ["one", "many-1", "many-2", "collected"] {
+        assert_eq!(outbox_rows(&store, id).await, 1, "{id}");
+    }
+}
+
+/// Enqueues the invoice's event through the inbox's sqlx connection; fails
+/// (returns the error) for a `fail-*` message after the enqueue.
+struct Publishing(inbox_postgres::Outbox);
+
+#[async_trait]
+impl Handler<PgTx> for Publishing {
+    type Output = ();
+    async fn handle(&self, m: &Message, tx: &mut PgTx) -> Result<(), HandlerError> {
+        let mut conn = tx.sqlx().await?;
+        sqlx_invoice(&mut conn, &m.message_id).await?;
+        self.0.enqueue(&mut *conn, &event(&m.message_id)).await?;
+        if m.message_id.starts_with("fail") {
+            return Err(HandlerError::msg("refused after the enqueue"));
+        }
+        Ok(())
+    }
+}
+
+/// In a handler, an event enqueued through `PgTx::sqlx` commits with the
+/// inbox row, and a failed run leaves none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_enqueues_through_its_sqlx_connection() {
+    let store = store().await;
+    let broker = MemBroker::new();
+    broker.produce("orders", 0, order("fail-1"));
+    broker.produce("orders", 1, order("ok-1"));
+    let mut runner = Runner::new(
+        store.clone(),
+        broker.consumer("billing"),
+        Arc::new(Publishing(store.outbox())),
+        config(),
+    );
+    for _ in 0..2 {
+        runner
+            .process_one()
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .unwrap_or_else(|| panic!("a delivery"));
+    }
+    assert_eq!(outbox_rows(&store, "ok-1").await, 1);
+    assert_eq!(store.invoices("ok-1").await, 1);
+    assert_eq!(outbox_rows(&store, "fail-1").await, 0);
+    assert_eq!(store.invoices("fail-1").await, 0);
 }

@@ -557,6 +557,27 @@ impl PgStore {
         }
     }
 
+    /// A store over a sqlx pool the service already has (`sqlx::PgPool`,
+    /// the version `sea_orm::sqlx` re-exports), using `table`: the inbox's
+    /// transactions are taken from it, so its size bounds them as in
+    /// [`connect_with_pool`](Self::connect_with_pool).
+    ///
+    /// ```no_run
+    /// # async fn f() -> Result<(), Box<dyn std::error::Error>> {
+    /// use inbox_postgres::{PgStore, TableName};
+    /// use sea_orm::sqlx::postgres::PgPoolOptions;
+    /// let pool = PgPoolOptions::new().max_connections(10).connect("postgres://app@localhost/app").await?;
+    /// let store = PgStore::from_pool(pool.clone(), TableName::default());
+    /// store.migrate().await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn from_pool(pool: sea_orm::sqlx::PgPool, table: TableName) -> Self {
+        Self::new(
+            sea_orm::SqlxPostgresConnector::from_sqlx_postgres_pool(pool),
+            table,
+        )
+    }
+
     /// A relay on this store keeps each published event as a `sent` row
     /// (with `sent_at`) instead of deleting it, a history that
     /// `Maintenance::with_outbox(retention)` deletes after the retention.
@@ -657,9 +678,15 @@ impl PgStore {
         &self.db
     }
 
-    /// sqlx's pool under the sea-orm connection: the inbox's transactions
-    /// are taken from it.
-    pub(crate) fn pool(&self) -> Result<&sea_orm::sqlx::PgPool, StoreError> {
+    /// sqlx's pool under the store's connection, for the service's own sqlx
+    /// statements and transactions (the outbox's `enqueue` takes `&mut *tx`
+    /// of one); the inbox's transactions are taken from it.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreErrorKind::Unsupported`] for a store made with [`new`](Self::new)
+    /// over a connection that is not sqlx's PostgreSQL pool (a mock).
+    pub fn sqlx_pool(&self) -> Result<&sea_orm::sqlx::PgPool, StoreError> {
         match &self.db.inner {
             sea_orm::DatabaseConnectionType::SqlxPostgresPoolConnection(_) => {
                 Ok(self.db.get_postgres_connection_pool())
@@ -967,7 +994,7 @@ impl InboxStore for PgStore {
     }
 
     async fn begin(&self) -> Result<PgTx, StoreError> {
-        let pool = self.pool()?;
+        let pool = self.sqlx_pool()?;
         let conn = pool
             .acquire()
             .await

@@ -41,6 +41,7 @@ pub(crate) fn run() -> Result<()> {
         getting_started(&guide, &command).await?;
         managed_cluster(&exe("managed_cluster")).await?;
         outbox_service(&exe("outbox_service")).await?;
+        sqlx_billing(&exe("sqlx_billing")).await?;
         land_and_drain(&exe("land_and_drain")).await
     })?;
     testing_your_handler(&exe("testing_your_handler"))
@@ -369,6 +370,78 @@ async fn managed_cluster(exe: &std::path::Path) -> Result<()> {
     .await?;
     println!(
         "managed_cluster passed: {ORDERS} orders invoiced once each over TLS with SCRAM-SHA-512, {wiring} lines of wiring, stopped on SIGTERM ({:.1} s)",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// `sqlx_billing`: a handler in sqlx on the inbox's transaction, its
+/// invoice and its outbox event written through `PgTx::sqlx`; every order
+/// invoiced once, every invoice announced once on its key's partition of
+/// the invoices topic, a clean stop on SIGTERM.
+async fn sqlx_billing(exe: &std::path::Path) -> Result<()> {
+    println!("$ {} (a handler in sqlx)", exe.display());
+    let (topic, broker) = orders(ORDERS).await?;
+    let partitions = 2;
+    let invoices = harness(broker.topic("example-invoices", partitions).await)?;
+    let url = harness(inbox_testkit::pg::server().and_then(|s| s.create_database()))?;
+    let store = PgStore::connect(&url, TableName::default()).await?;
+    store
+        .connection()
+        .execute_unprepared(
+            "CREATE TABLE invoices (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL UNIQUE, total BIGINT NOT NULL)",
+        )
+        .await?;
+    let mut child = spawn_example(
+        exe,
+        &[
+            ("DATABASE_URL", url.as_ref()),
+            ("KAFKA_BROKERS", broker.address().as_ref()),
+            ("TOPIC", topic.as_ref()),
+            ("INVOICES", invoices.as_ref()),
+            ("MEMBER", "billing-1".as_ref()),
+        ],
+    )?;
+    let started = Instant::now();
+    // every order invoiced and every invoice's event gone from the outbox
+    wait_for_count(
+        &store,
+        &mut child,
+        "SELECT (SELECT count(*) FROM invoices) - (SELECT count(*) FROM inbox_outbox)",
+        ORDERS,
+        Duration::from_secs(120),
+        "sqlx_billing invoicing and announcing every order",
+    )
+    .await?;
+    let out = stop_with(&mut child, "-TERM", "sqlx_billing").await?;
+    expect(
+        &store,
+        "sqlx_billing",
+        &[
+            (
+                "orders invoiced",
+                "SELECT count(DISTINCT order_id) FROM invoices",
+                ORDERS,
+            ),
+            (
+                "inbox rows completed",
+                "SELECT count(*) FROM inbox WHERE status = 'completed'",
+                ORDERS,
+            ),
+        ],
+        &out,
+    )
+    .await?;
+    let keys = published_keys(broker, &invoices, partitions, "sqlx_billing", &out).await?;
+    let mut want: Vec<String> = (0..ORDERS).map(|i| format!("order-{i}")).collect();
+    want.sort();
+    if keys != want {
+        bail!(
+            "sqlx_billing: the invoices topic holds {keys:?}, expected each of {want:?} once\n{out}"
+        );
+    }
+    println!(
+        "sqlx_billing passed: {ORDERS} orders invoiced once each through sqlx, each invoice announced once on its key's partition, stopped on SIGTERM ({:.1} s)",
         started.elapsed().as_secs_f64()
     );
     Ok(())

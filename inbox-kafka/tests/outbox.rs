@@ -1782,7 +1782,7 @@ async fn headers_with_quotes_backslashes_and_braces_leave_as_written_also_from_o
         .key("k")
         .message_id("p-4");
     env.store
-        .connection()
+        .standalone()
         .execute_raw(Statement::from_sql_and_values(
             DbBackend::Postgres,
             "INSERT INTO inbox_outbox (message_id, topic, msg_key, payload, headers, slot)

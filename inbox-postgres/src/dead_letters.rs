@@ -86,7 +86,7 @@ impl DeadLetterStore for PgStore {
             self.table.dead_letters()
         );
         let rows = self
-            .db
+            .standalone()
             .query_all_raw(stmt(
                 &sql,
                 vec![
@@ -105,7 +105,7 @@ impl DeadLetterStore for PgStore {
     }
 
     async fn dead_letter(&self, id: i64) -> Result<Option<DeadLetter>, StoreError> {
-        self.db
+        self.standalone()
             .query_one_raw(stmt(&by_id(&self.table, ""), vec![id.into()]))
             .await
             .map_err(db)?
@@ -117,7 +117,7 @@ impl DeadLetterStore for PgStore {
     async fn discard_dead_letter(&self, id: i64) -> Result<bool, StoreError> {
         let sql = remove(&self.table);
         let r = self
-            .db
+            .standalone()
             .execute_raw(stmt(
                 &sql,
                 vec![id.into(), GoneHow::Discarded.as_str().into()],
@@ -149,7 +149,7 @@ impl DeadLetterStore for PgStore {
         );
         let limit = i64::try_from(batch).unwrap_or(i64::MAX);
         let r = self
-            .db
+            .standalone()
             .execute_raw(stmt(&sql, vec![secs(older_than), limit.into()]))
             .await
             .map_err(db)?;
@@ -160,7 +160,7 @@ impl DeadLetterStore for PgStore {
                 SELECT id FROM {g} WHERE gone_at <= now() - make_interval(secs => $1)
                  ORDER BY id LIMIT $2)"
         );
-        self.db
+        self.standalone()
             .execute_raw(stmt(&gone, vec![secs(older_than), limit.into()]))
             .await
             .map_err(db)?;
@@ -174,7 +174,7 @@ impl DeadLetterStore for PgStore {
             self.table.dead_letters()
         );
         let r = self
-            .db
+            .standalone()
             .execute_raw(stmt(&sql, vec![id.into(), group.into()]))
             .await
             .map_err(db)?;
@@ -188,7 +188,7 @@ impl DeadLetterStore for PgStore {
             self.table.dead_letters()
         );
         let rows = self
-            .db
+            .standalone()
             .query_all_raw(stmt(&sql, vec![group.into(), i64::from(limit).into()]))
             .await
             .map_err(db)?;
@@ -203,7 +203,7 @@ impl DeadLetterStore for PgStore {
             self.table.replayers()
         );
         let ms = i64::try_from(interval.as_millis()).unwrap_or(i64::MAX);
-        self.db
+        self.standalone()
             .execute_raw(stmt(&sql, vec![group.into(), ms.into()]))
             .await
             .map_err(db)?;
@@ -216,7 +216,7 @@ impl DeadLetterStore for PgStore {
             self.table.replayers()
         );
         let Some(r) = self
-            .db
+            .standalone()
             .query_one_raw(stmt(&sql, vec![group.into()]))
             .await
             .map_err(db)?
@@ -237,7 +237,7 @@ impl DeadLetterStore for PgStore {
             self.table.dead_letters_gone()
         );
         let Some(r) = self
-            .db
+            .standalone()
             .query_one_raw(stmt(&sql, vec![id.into()]))
             .await
             .map_err(db)?
@@ -262,7 +262,7 @@ impl DeadLetterStore for PgStore {
             "UPDATE {} SET replay_requested_at = NULL, replay_error = $2 WHERE id = $1",
             self.table.dead_letters()
         );
-        self.db
+        self.standalone()
             .execute_raw(stmt(&sql, vec![id.into(), storable(reason).into()]))
             .await
             .map_err(db)?;

@@ -538,7 +538,7 @@ impl PgStore {
     /// The database's.
     pub async fn retry_outbox_event(&self, id: i64) -> Result<bool, StoreError> {
         let r = self
-            .db
+            .standalone()
             .execute_raw(stmt(
                 &format!(
                     "UPDATE {} SET status = 'pending', holds = false, error = NULL
@@ -561,7 +561,7 @@ impl PgStore {
     /// The database's.
     pub async fn release_outbox_key(&self, id: i64) -> Result<bool, StoreError> {
         let r = self
-            .db
+            .standalone()
             .execute_raw(stmt(
                 &format!(
                     "UPDATE {} SET holds = false WHERE id = $1 AND status = 'dead' AND holds",
@@ -600,23 +600,20 @@ impl OutboxStore for PgStore {
         // one statement, typed arrays, no transaction: the relay's idle
         // probe, through the read function (one row at most), so that the
         // probe and the read cannot disagree on what waits
-        let pool = self.db.get_postgres_connection_pool();
         let sql = sea_orm::sqlx::AssertSqlSafe(format!(
             "SELECT EXISTS (SELECT 1 FROM {}($1, 1, $2))",
             self.table.outbox_read_pairs()
         ));
-        let (found,): (bool,) = sea_orm::sqlx::query_as(sql)
+        let (found,): (bool,) = crate::pooler::on_pool!(self, |e| sea_orm::sqlx::query_as(sql)
             .bind(slots)
             .bind(except)
-            .fetch_one(pool)
-            .await
-            .map_err(|e| map_sqlx_err(&e))?;
+            .fetch_one(e))
+        .map_err(|e| map_sqlx_err(&e))?;
         Ok(Some(found))
     }
 
     async fn backlog(&self) -> Result<Option<OutboxBacklog>, StoreError> {
-        let row = self
-            .db
+        let row = self.standalone()
             .query_one_raw(stmt(
                 &format!(
                     "SELECT count(*) AS pending,
@@ -677,17 +674,19 @@ impl OutboxStore for PgStore {
             .iter()
             .fold((i64::MAX, i64::MIN), |(l, h), &id| (l.min(id), h.max(id)));
         // sqlx, for the id list as a bigint[] parameter (5,000 ids)
-        let r = sea_orm::sqlx::query(sea_orm::sqlx::AssertSqlSafe(sql))
-            .bind(group)
-            .bind(SLOT_TOPIC)
-            .bind(claims_json(claims).to_string())
-            .bind(ids)
-            .bind(low)
-            .bind(high)
-            .persistent(false)
-            .execute(self.db.get_postgres_connection_pool())
-            .await
-            .map_err(|e| map_sqlx_err(&e))?;
+        let claims = claims_json(claims).to_string();
+        let r = crate::pooler::on_pool!(self, |e| sea_orm::sqlx::query(
+            sea_orm::sqlx::AssertSqlSafe(sql)
+        )
+        .bind(group)
+        .bind(SLOT_TOPIC)
+        .bind(claims)
+        .bind(ids)
+        .bind(low)
+        .bind(high)
+        .persistent(false)
+        .execute(e))
+        .map_err(|e| map_sqlx_err(&e))?;
         Ok(r.rows_affected())
     }
 
@@ -707,7 +706,7 @@ impl OutboxStore for PgStore {
             o = self.table.outbox()
         );
         let r = self
-            .db
+            .standalone()
             .execute_raw(stmt(
                 &sql,
                 vec![
@@ -727,7 +726,7 @@ impl OutboxStore for PgStore {
     async fn delete_sent(&self, older_than: Duration, batch: u64) -> Result<u64, StoreError> {
         let limit = i64::try_from(batch).unwrap_or(i64::MAX);
         let r = self
-            .db
+            .standalone()
             .execute_raw(stmt(
                 &format!(
                     "DELETE FROM {o} WHERE id IN (
@@ -742,7 +741,7 @@ impl OutboxStore for PgStore {
             .map_err(db)?;
         // a key's order record is only a lock target: one idle as long
         // can go (a writer that comes later makes it again)
-        self.db
+        self.standalone()
             .execute_raw(stmt(
                 &format!(
                     "DELETE FROM {k} WHERE ctid IN (
@@ -771,6 +770,12 @@ impl OutboxStore for PgStore {
     }
 
     async fn subscribe(&self) -> Result<Option<Arc<Notify>>, StoreError> {
+        if self.pooled {
+            // LISTEN is a session's: behind a transaction pooler the
+            // notifications would reach whichever client holds the server
+            // connection. The relay polls.
+            return Ok(None);
+        }
         let pool = self.db.get_postgres_connection_pool();
         let mut listener = sea_orm::sqlx::postgres::PgListener::connect_with(pool)
             .await
@@ -845,7 +850,15 @@ impl PgStore {
             Some(after) => query.bind(after),
             None => query,
         };
-        let mut stream = query.fetch(pool);
+        // behind a pooler, in a transaction of its own (crate::pooler)
+        let mut tx = match self.pooled {
+            true => Some(pool.begin().await.map_err(|e| map_sqlx_err(&e))?),
+            false => None,
+        };
+        let mut stream = match tx.as_mut() {
+            Some(tx) => query.fetch(&mut **tx),
+            None => query.fetch(pool),
+        };
         let mut rows = Vec::new();
         let mut bytes = 0usize;
         loop {
@@ -880,6 +893,10 @@ impl PgStore {
             if bytes >= limit.bytes {
                 break;
             }
+        }
+        drop(stream);
+        if let Some(tx) = tx {
+            tx.commit().await.map_err(|e| map_sqlx_err(&e))?;
         }
         Ok(rows)
     }

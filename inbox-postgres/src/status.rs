@@ -164,7 +164,7 @@ impl PgStore {
         values: Vec<sea_orm::Value>,
         row: fn(&QueryResult) -> Result<T, StoreError>,
     ) -> Result<Vec<T>, StoreError> {
-        self.db
+        self.standalone()
             .query_all_raw(stmt(sql, values))
             .await
             .map_err(db)?
@@ -225,8 +225,7 @@ impl PgStore {
                 dead_letters,
             )
             .await?;
-        let outbox = self
-            .db
+        let outbox = self.standalone()
             .query_one_raw(stmt(
                 &format!(
                     "SELECT count(*) FILTER (WHERE status = 'pending') AS pending,

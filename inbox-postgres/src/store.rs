@@ -454,6 +454,8 @@ pub struct PgStore {
     sql: Arc<Sql>,
     pub(crate) keep_sent: bool,
     side: Arc<Side>,
+    /// Behind a transaction pooler (see [`PgStore::behind_pooler`]).
+    pub(crate) pooled: bool,
 }
 
 /// A connection of the store's own beside the pool, opened at its first
@@ -554,6 +556,7 @@ impl PgStore {
             sql,
             keep_sent: false,
             side,
+            pooled: false,
         }
     }
 
@@ -590,6 +593,40 @@ impl PgStore {
         self
     }
 
+    /// The store is behind a transaction pooler (PgBouncer with
+    /// `pool_mode = transaction`): every statement it sends is in a
+    /// transaction block (the ones it would send on their own get a
+    /// transaction each, two more round trips), since outside one the
+    /// pooler may give the two halves of a statement to two server
+    /// connections. [`connect`](Self::connect) sets it for a URL with
+    /// `pgbouncer=true`, and turns sqlx's statement cache off; a pool made
+    /// by hand ([`from_pool`](Self::from_pool)) needs
+    /// `statement_cache_capacity(0)` too. docs/postgres.md, "Behind
+    /// PgBouncer", gives the pooler's settings.
+    #[must_use]
+    pub fn behind_pooler(mut self) -> Self {
+        self.pooled = true;
+        self
+    }
+
+    /// Whether the store is behind a transaction pooler
+    /// ([`behind_pooler`](Self::behind_pooler)).
+    pub fn is_behind_pooler(&self) -> bool {
+        self.pooled
+    }
+
+    /// The connection for statements sent on their own (not in a
+    /// transaction of the caller's): the pool, or behind a transaction
+    /// pooler ([`behind_pooler`](Self::behind_pooler)) each statement in a
+    /// transaction of its own. The store's own such statements go through
+    /// it; so can the service's (see [`Standalone`](crate::Standalone)).
+    pub fn standalone(&self) -> crate::pooler::Standalone<'_> {
+        crate::pooler::Standalone {
+            db: &self.db,
+            pooled: self.pooled,
+        }
+    }
+
     /// Whether published events are kept as `sent` rows
     /// ([`keep_sent_events`](Self::keep_sent_events)).
     pub fn keeps_sent_events(&self) -> bool {
@@ -598,7 +635,10 @@ impl PgStore {
 
     /// Connects to `url` (a pool of [`DEFAULT_POOL_SIZE`] connections, 10 s
     /// connect and acquire timeouts, statement logging off) and uses
-    /// `table`. The URL never appears in an error.
+    /// `table`. The URL never appears in an error. A URL with
+    /// `pgbouncer=true` among its parameters is a transaction pooler's:
+    /// the parameter is removed, sqlx's statement cache turned off and the
+    /// store set [`behind_pooler`](Self::behind_pooler).
     ///
     /// # Errors
     ///
@@ -631,16 +671,21 @@ impl PgStore {
         table: TableName,
         max_connections: u32,
     ) -> Result<Self, StoreError> {
-        let mut options = ConnectOptions::new(url.to_owned());
+        let (stripped, pooled) = crate::pooler::strip_param(url);
+        let mut options = ConnectOptions::new(stripped);
         options
             .max_connections(max_connections.max(1))
             .connect_timeout(Duration::from_secs(10))
             .acquire_timeout(Duration::from_secs(10))
             .sqlx_logging(false);
+        if pooled {
+            options.map_sqlx_postgres_opts(|o| o.statement_cache_capacity(0));
+        }
         let db = Database::connect(options)
             .await
             .map_err(|e| crate::error::redact(map_db_err(&e), url))?;
-        Ok(Self::new(db, table))
+        let store = Self::new(db, table);
+        Ok(if pooled { store.behind_pooler() } else { store })
     }
 
     /// Applies the inbox's migrations ([`crate::inbox_migrations`]: every
@@ -653,6 +698,15 @@ impl PgStore {
     ///
     /// A [`StoreError`] when a statement fails.
     pub async fn migrate(&self) -> Result<(), StoreError> {
+        if self.pooled {
+            // behind a pooler, in one transaction (crate::pooler)
+            let tx = self.db.begin().await.map_err(|e| map_db_err(&e))?;
+            let manager = sea_orm_migration::SchemaManager::new(&tx);
+            for migration in crate::inbox_migrations(self.table.clone()) {
+                migration.up(&manager).await.map_err(|e| map_db_err(&e))?;
+            }
+            return tx.commit().await.map_err(|e| map_db_err(&e));
+        }
         let manager = sea_orm_migration::SchemaManager::new(&self.db);
         for migration in crate::inbox_migrations(self.table.clone()) {
             migration.up(&manager).await.map_err(|e| map_db_err(&e))?;
@@ -1013,7 +1067,7 @@ impl InboxStore for PgStore {
         consumer_group: &str,
     ) -> Result<Option<InboxRow>, StoreError> {
         let row = self
-            .db
+            .standalone()
             .query_one_raw(stmt(
                 &self.sql.find,
                 vec![message_id.into(), consumer_group.into()],
@@ -1029,7 +1083,7 @@ impl InboxStore for PgStore {
         let mut released = 0;
         loop {
             let r = self
-                .db
+                .standalone()
                 .execute_raw(stmt(
                     &self.sql.release,
                     vec![
@@ -1055,15 +1109,14 @@ impl InboxStore for PgStore {
         // sqlx's typed decoding, by position (sea-orm's by column name cost
         // about 10 us a row: a millisecond a batch of 100)
         let sql = sea_orm::sqlx::AssertSqlSafe(self.sql.claim_due.clone());
-        let rows = sea_orm::sqlx::query(sql)
+        let rows = crate::pooler::on_pool!(self, |e| sea_orm::sqlx::query(sql)
             .bind(worker.as_str())
             .bind(i64::try_from(limit).unwrap_or(i64::MAX))
             .bind(filter.consumer_group.as_deref())
             .bind(json_list(&filter.sources))
             .bind(json_list(&filter.event_types))
-            .fetch_all(self.db.get_postgres_connection_pool())
-            .await
-            .map_err(|e| crate::error::map_sqlx_err(&e))?;
+            .fetch_all(e))
+        .map_err(|e| crate::error::map_sqlx_err(&e))?;
         let mut claimed = rows
             .iter()
             .map(row_by_position)
@@ -1075,7 +1128,7 @@ impl InboxStore for PgStore {
     async fn release_claims(&self, worker: &MemberId, ids: &[RowId]) -> Result<u64, StoreError> {
         let ids = serde_json::Value::from(ids.to_vec()).to_string();
         let r = self
-            .db
+            .standalone()
             .execute_raw(stmt(
                 &self.sql.release_claims,
                 vec![worker.as_str().into(), ids.into()],
@@ -1087,7 +1140,7 @@ impl InboxStore for PgStore {
 
     async fn take_unfinished(&self, member: &MemberId) -> Result<Vec<RowId>, StoreError> {
         let rows = self
-            .db
+            .standalone()
             .query_all_raw(stmt(
                 &self.sql.take_unfinished,
                 vec![member.as_str().into()],
@@ -1099,7 +1152,7 @@ impl InboxStore for PgStore {
 
     async fn requeue_failed(&self, id: RowId) -> Result<bool, StoreError> {
         let r = self
-            .db
+            .standalone()
             .execute_raw(stmt(&self.sql.requeue_failed, vec![id.into()]))
             .await
             .map_err(db)?;
@@ -1109,7 +1162,7 @@ impl InboxStore for PgStore {
     async fn delete_completed(&self, older_than: Duration, batch: u64) -> Result<u64, StoreError> {
         let limit = i64::try_from(batch).unwrap_or(i64::MAX);
         let r = self
-            .db
+            .standalone()
             .execute_raw(stmt(
                 &self.sql.delete_completed,
                 vec![secs(older_than), limit.into()],
@@ -1120,7 +1173,7 @@ impl InboxStore for PgStore {
     }
 
     async fn discard_orphans(&self, ids: &[RowId]) -> Result<(), StoreError> {
-        self.db
+        self.standalone()
             .execute_raw(discard(&self.sql, ids))
             .await
             .map_err(db)?;
@@ -1727,7 +1780,7 @@ impl MembershipStore for PgStore {
         session_timeout: Duration,
     ) -> Result<Vec<String>, StoreError> {
         let rows = self
-            .db
+            .standalone()
             .query_all_raw(stmt(
                 &self.sql.heartbeat,
                 vec![consumer_group.into(), member.into(), secs(session_timeout)],
@@ -1738,7 +1791,7 @@ impl MembershipStore for PgStore {
     }
 
     async fn leave(&self, consumer_group: &str, member: &str) -> Result<(), StoreError> {
-        self.db
+        self.standalone()
             .execute_raw(stmt(
                 &self.sql.leave,
                 vec![consumer_group.into(), member.into()],
@@ -1752,7 +1805,7 @@ impl MembershipStore for PgStore {
         &self,
         consumer_group: &str,
     ) -> Result<std::collections::BTreeMap<(String, i32), String>, StoreError> {
-        read_assignment(&self.db, &self.sql, consumer_group).await
+        read_assignment(&self.standalone(), &self.sql, consumer_group).await
     }
 
     async fn publish_assignment(
@@ -1802,7 +1855,7 @@ impl OffsetStore for PgStore {
         partition: i32,
     ) -> Result<PartitionClaim, StoreError> {
         let row = self
-            .db
+            .standalone()
             .query_one_raw(stmt(
                 &self.sql.claim,
                 vec![consumer_group.into(), topic.into(), partition.into()],
@@ -1814,7 +1867,7 @@ impl OffsetStore for PgStore {
     }
 
     async fn store_ack(&self, ack: &TxAck) -> Result<(), StoreError> {
-        write_ack(&self.db, &self.sql, ack).await
+        write_ack(&self.standalone(), &self.sql, ack).await
     }
 
     async fn read_partition(
@@ -1823,7 +1876,14 @@ impl OffsetStore for PgStore {
         topic: &str,
         partition: i32,
     ) -> Result<Option<PartitionClaim>, StoreError> {
-        read_partition(&self.db, &self.sql, consumer_group, topic, partition).await
+        read_partition(
+            &self.standalone(),
+            &self.sql,
+            consumer_group,
+            topic,
+            partition,
+        )
+        .await
     }
 
     async fn hold_owned(

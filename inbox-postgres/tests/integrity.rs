@@ -151,6 +151,11 @@ async fn a_handler_that_writes_then_fails_leaves_nothing() {
     assert_eq!(handler.calls(), 1);
     // Read back from another connection (a second pool on the same database).
     let other = PgStore::new(store.connection().clone(), TableName::default());
+    let other = if store.is_behind_pooler() {
+        other.behind_pooler()
+    } else {
+        other
+    };
     let invoices = count(&other, "SELECT count(*) FROM invoices", vec![])
         .await
         .expect("count");

@@ -433,7 +433,7 @@ async fn the_claims_asynchronous_commit_stays_with_the_claim() {
     assert_eq!(claimed, 50, "every row claimed once");
     for _ in 0..20 {
         let row = store
-            .connection()
+            .standalone()
             .query_one_raw(Statement::from_string(
                 DbBackend::Postgres,
                 "SELECT current_setting('synchronous_commit')",

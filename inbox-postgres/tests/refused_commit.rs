@@ -354,7 +354,7 @@ async fn a_full_disk_at_commit_is_retried_uncounted() {
 /// JSON lines: what a test prints when a batch takes no row.
 async fn diagnose(store: &PgStore) -> Vec<String> {
     let rows = store
-        .connection()
+        .standalone()
         .query_all_raw(inbox_postgres::sea_orm::Statement::from_string(
             inbox_postgres::sea_orm::DbBackend::Postgres,
             "SELECT row_to_json(i)::text AS r FROM (SELECT id, message_id, status, attempts_made, locked_by, scheduled_at > now() AS later FROM inbox) i \

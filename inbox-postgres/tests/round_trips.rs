@@ -47,7 +47,7 @@ async fn settled_count(log_path: &std::path::Path, pid: i32, before: usize) -> u
 async fn backend_pid(store: &PgStore) -> i32 {
     use inbox_postgres::sea_orm::{ConnectionTrait, DbBackend, Statement};
     store
-        .connection()
+        .standalone()
         .query_one_raw(Statement::from_string(
             DbBackend::Postgres,
             "SELECT pg_backend_pid() AS pid",

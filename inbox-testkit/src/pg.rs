@@ -238,7 +238,7 @@ impl PgServer {
             "-v",
             "ON_ERROR_STOP=1",
             "-d",
-            &self.admin_url,
+            &psql_url(&self.admin_url),
             "-c",
             sql,
         ]);
@@ -258,6 +258,125 @@ impl PgServer {
         let name = format!("inbox_test_{}_{n}_{nanos}", std::process::id());
         self.psql(&format!("CREATE DATABASE {name}"))?;
         Ok(with_database(&self.admin_url, &name))
+    }
+}
+
+/// `url` as psql takes it: without the `pgbouncer` parameter, which only
+/// the store reads.
+fn psql_url(url: &str) -> String {
+    match url.split_once('?') {
+        Some((base, query)) => {
+            let kept: Vec<&str> = query
+                .split('&')
+                .filter(|p| !p.starts_with("pgbouncer="))
+                .collect();
+            if kept.is_empty() {
+                base.to_owned()
+            } else {
+                format!("{base}?{}", kept.join("&"))
+            }
+        }
+        None => url.to_owned(),
+    }
+}
+
+/// A PgBouncer (the `pgbouncer` binary, Debian's package) in transaction
+/// pooling mode in front of a [`PgServer`] started here, on a free port,
+/// stopped when the process ends. Its settings are the ones
+/// docs/postgres.md gives for the store: `pool_mode = transaction`,
+/// `server_reset_query = DEALLOCATE ALL` with
+/// `server_reset_query_always = 1`, and `extra_float_digits` ignored.
+#[derive(Debug)]
+pub struct PgBouncer {
+    url: String,
+    dir: PathBuf,
+}
+
+impl PgBouncer {
+    /// Starts one in front of `server` (a server started here: its admin
+    /// URL names `127.0.0.1` and a port), its pool `pool_size` server
+    /// connections per database.
+    ///
+    /// # Errors
+    ///
+    /// A [`HarnessError`] when `pgbouncer` is missing (install the
+    /// `pgbouncer` package) or does not start.
+    pub fn start(server: &PgServer, pool_size: u32) -> Result<Self, HarnessError> {
+        let bin = ["/usr/sbin/pgbouncer", "/usr/bin/pgbouncer"]
+            .iter()
+            .map(PathBuf::from)
+            .find(|p| p.exists())
+            .ok_or_else(|| {
+                HarnessError("pgbouncer not found: install the pgbouncer package".into())
+            })?;
+        let port = server
+            .admin_url
+            .rsplit_once(':')
+            .and_then(|(_, rest)| rest.split('/').next())
+            .and_then(|p| p.parse::<u16>().ok())
+            .ok_or_else(|| HarnessError("the server's URL names no port".into()))?;
+        let root = is_root();
+        let dir = temp_dir("inbox-pgbouncer")?;
+        let listen = free_port()?;
+        let ini = dir.join("pgbouncer.ini");
+        std::fs::write(dir.join("users.txt"), "\"postgres\" \"\"\n")
+            .map_err(|e| HarnessError(format!("writing pgbouncer's users: {e}")))?;
+        std::fs::write(
+            &ini,
+            format!(
+                "[databases]\n* = host=127.0.0.1 port={port}\n\n[pgbouncer]\n\
+                 listen_addr = 127.0.0.1\nlisten_port = {listen}\nunix_socket_dir =\n\
+                 auth_type = trust\nauth_file = {users}\npool_mode = transaction\n\
+                 max_client_conn = 2000\ndefault_pool_size = {pool_size}\n\
+                 server_reset_query = DEALLOCATE ALL\nserver_reset_query_always = 1\n\
+                 ignore_startup_parameters = extra_float_digits\n\
+                 logfile = {log}\npidfile = {pid}\n",
+                users = dir.join("users.txt").display(),
+                log = dir.join("pgbouncer.log").display(),
+                pid = dir.join("pgbouncer.pid").display(),
+            ),
+        )
+        .map_err(|e| HarnessError(format!("writing pgbouncer.ini: {e}")))?;
+        if root {
+            let mut chown = Command::new("chown");
+            chown.args(["-R", "postgres:postgres"]).arg(&dir);
+            run(chown, "chown of pgbouncer's directory to postgres")?;
+        }
+        // pgbouncer refuses to run as root
+        let mut start = as_postgres(&bin, root);
+        start.arg("-d").arg(&ini);
+        run(start, "pgbouncer")?;
+        spawn_reaper(
+            &format!("kill $(cat '{}')", dir.join("pgbouncer.pid").display()),
+            &dir,
+        );
+        let url = format!("postgres://postgres@127.0.0.1:{listen}/postgres?pgbouncer=true");
+        // up when it answers
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let mut probe = Command::new(&server.psql);
+            probe.args(["-X", "-q", "-d", &psql_url(&url), "-c", "SELECT 1"]);
+            match run(probe, "psql through pgbouncer") {
+                Ok(()) => break,
+                Err(e) if std::time::Instant::now() > deadline => return Err(e),
+                Err(_) => std::thread::sleep(std::time::Duration::from_millis(100)),
+            }
+        }
+        eprintln!(
+            "inbox-testkit: started PgBouncer (transaction pooling) on 127.0.0.1:{listen} in front of port {port}"
+        );
+        Ok(Self { url, dir })
+    }
+
+    /// The admin URL through the pooler, with `pgbouncer=true` (which
+    /// `PgStore::connect` reads): a `DATABASE_URL` for the tests.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// Its directory (configuration and log).
+    pub fn dir(&self) -> &Path {
+        &self.dir
     }
 }
 
@@ -379,7 +498,7 @@ mod with_store {
     /// The mapped database error.
     pub async fn count(store: &PgStore, sql: &str, values: Vec<Value>) -> Result<i64, StoreError> {
         let row: Option<QueryResult> = store
-            .connection()
+            .standalone()
             .query_one_raw(stmt(sql, values))
             .await
             .map_err(|e| map_db_err(&e))?;
@@ -416,7 +535,7 @@ mod with_store {
 
     async fn exec(store: &PgStore, sql: String, values: Vec<Value>) -> Result<u64, StoreError> {
         store
-            .connection()
+            .standalone()
             .execute_raw(stmt(&sql, values))
             .await
             .map(|r| r.rows_affected())

@@ -625,7 +625,7 @@ async fn exit_codes_say_what_happened_and_help_lists_them() {
             .await
             .unwrap_or_else(|e| panic!("{e}"));
         let row = store
-            .connection()
+            .standalone()
             .query_one_raw(Statement::from_string(
                 DbBackend::Postgres,
                 format!("SELECT max(id) AS id FROM {}", store.table().dead_letters()),

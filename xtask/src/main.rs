@@ -21,6 +21,7 @@ mod examples;
 mod guide;
 mod operator;
 mod pipeline;
+mod pooler;
 mod scale;
 mod setup;
 mod soak;
@@ -43,7 +44,8 @@ struct Cli {
 enum Cmd {
     /// Installs what is missing, then fmt check, clippy -D warnings, cargo
     /// doc, every test of the workspace, cargo publish --dry-run of every
-    /// crate, the guide's program, the examples, the pipeline demo, bench smoke, scale, soak.
+    /// crate, the guide's program, the examples, the suites behind PgBouncer,
+    /// the pipeline demo, bench smoke, scale, soak.
     Test,
     /// The pipeline: orders and their events written through the outbox,
     /// relayed to Kafka, invoiced by the inbox which announces each invoice
@@ -74,6 +76,9 @@ enum Cmd {
     /// Every example of the facade built and run against the throwaway
     /// PostgreSQL and broker, its effects checked with SQL.
     Examples,
+    /// The suites of the consumer, the relay, the processor and the
+    /// command again, through PgBouncer in transaction pooling mode.
+    Pooler,
     /// Member processes of one group share 8 partitions through
     /// PostgreSQL: one killed (SIGKILL), one joining, one leaving; checks
     /// every order once, every partition owned by one live member, and the
@@ -113,6 +118,9 @@ fn main() -> ExitCode {
         Cmd::SoakConsumer { args } => soak::consumer(&args),
         Cmd::Scale => services().and_then(|()| scale::run()),
         Cmd::Examples => services().and_then(|()| examples::run()),
+        Cmd::Pooler => services()
+            .and_then(|()| setup::pgbouncer())
+            .and_then(|()| pooler::run()),
         Cmd::ScaleMember { args } => scale::member(&args),
         Cmd::PipelineRelay { args } => pipeline::relay(&args),
         Cmd::PipelineBilling { args } => pipeline::billing(&args),
@@ -206,6 +214,7 @@ fn test() -> Result<()> {
     setup::apache_kafka()?;
     setup::tansu()?;
     setup::librdkafka()?;
+    setup::pgbouncer()?;
     cargo(&["fmt", "--all", "--check"], &[])?;
     cargo(
         &[
@@ -242,6 +251,8 @@ fn test() -> Result<()> {
     )?;
     println!("$ cargo xtask examples");
     examples::run()?;
+    println!("$ cargo xtask pooler");
+    pooler::run()?;
     println!("$ cargo xtask demo --processes 2");
     pipeline::run(2)?;
     println!("$ cargo xtask bench --smoke");

@@ -55,6 +55,27 @@ pub(crate) fn postgres() -> Result<()> {
     Ok(())
 }
 
+/// Makes sure PgBouncer is there (Debian's package, installed with
+/// apt-get when missing) for the runs behind a transaction pooler.
+pub(crate) fn pgbouncer() -> Result<()> {
+    if ["/usr/sbin/pgbouncer", "/usr/bin/pgbouncer"]
+        .iter()
+        .any(|p| Path::new(p).exists())
+    {
+        return Ok(());
+    }
+    if !is_root() || !Path::new("/usr/bin/apt-get").exists() {
+        bail!("pgbouncer is missing: install the pgbouncer package");
+    }
+    println!("setup: pgbouncer missing, installing it with apt-get");
+    sh(
+        "DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pgbouncer || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pgbouncer)",
+    )?;
+    // the package may start a service of its own; the runs start theirs
+    let _ = sh("service pgbouncer stop >/dev/null 2>&1 || true");
+    Ok(())
+}
+
 /// Makes sure Apache Kafka can be started (or `KAFKA_BROKERS` is set):
 /// Java 17 or newer and Maven (installed with apt-get when missing), then
 /// the release `inbox-testkit/apache-kafka/pom.xml` names resolved into

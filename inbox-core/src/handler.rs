@@ -103,3 +103,169 @@ impl<Tx: Send, H: Handler<Tx> + ?Sized> Handler<Tx> for std::sync::Arc<H> {
         (**self).lands_only()
     }
 }
+
+/// A handler that skips [tombstones](Message::tombstone) (the row completes
+/// as skipped, the handler is not called) and hands every other message to
+/// the handler it wraps; in a batch, the others go to its batch form.
+///
+/// ```
+/// # async fn demo() {
+/// use inbox_core::{Handler, HandlerError, Message, SkipTombstones, TOMBSTONE_EVENT_TYPE};
+/// struct Fails;
+/// #[async_trait::async_trait]
+/// impl Handler<()> for Fails {
+///     type Output = ();
+///     async fn handle(&self, _: &Message, _: &mut ()) -> Result<(), HandlerError> {
+///         Err(HandlerError::msg("a tombstone reached me"))
+///     }
+/// }
+/// let skipping = SkipTombstones(Fails);
+/// let deleted = Message::tombstone("users:0:7", "users", TOMBSTONE_EVENT_TYPE);
+/// let result = skipping.handle(&deleted, &mut ()).await.unwrap();
+/// assert!(result.success && !result.processed);
+/// # }
+/// ```
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SkipTombstones<H>(pub H);
+
+#[async_trait]
+impl<Tx: Send, H: Handler<Tx>> Handler<Tx> for SkipTombstones<H> {
+    type Output = HandlerResult;
+
+    async fn handle(&self, message: &Message, tx: &mut Tx) -> Result<HandlerResult, HandlerError> {
+        if message.tombstone {
+            return Ok(HandlerResult::skipped());
+        }
+        self.0.handle(message, tx).await.map(Into::into)
+    }
+
+    async fn handle_batch(
+        &self,
+        messages: &[&Message],
+        tx: &mut Tx,
+    ) -> Option<Result<Vec<HandlerResult>, HandlerError>> {
+        let others: Vec<&Message> = messages.iter().copied().filter(|m| !m.tombstone).collect();
+        let mut outputs = if others.is_empty() {
+            Vec::new().into_iter()
+        } else {
+            match self.0.handle_batch(&others, tx).await? {
+                Ok(outputs) if outputs.len() == others.len() => outputs.into_iter(),
+                // the runner handles the batch one by one: the count was wrong
+                Ok(_) => return Some(Ok(Vec::new())),
+                Err(e) => return Some(Err(e)),
+            }
+        };
+        let merged = messages
+            .iter()
+            .map(|m| {
+                if m.tombstone {
+                    Some(HandlerResult::skipped())
+                } else {
+                    outputs.next().map(Into::into)
+                }
+            })
+            .collect::<Option<Vec<_>>>()
+            .unwrap_or_default();
+        Some(Ok(merged))
+    }
+
+    fn lands_only(&self) -> bool {
+        self.0.lands_only()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::TOMBSTONE_EVENT_TYPE;
+
+    /// Records what it was given; its batch form fails when `fail`.
+    #[derive(Default)]
+    struct Seen {
+        one: Mutex<Vec<String>>,
+        batches: Mutex<Vec<Vec<String>>>,
+        fail: bool,
+    }
+
+    #[async_trait]
+    impl Handler<()> for Seen {
+        type Output = ();
+        async fn handle(&self, m: &Message, (): &mut ()) -> Result<(), HandlerError> {
+            self.one.lock().expect("lock").push(m.message_id.clone());
+            Ok(())
+        }
+        async fn handle_batch(
+            &self,
+            ms: &[&Message],
+            (): &mut (),
+        ) -> Option<Result<Vec<()>, HandlerError>> {
+            self.batches
+                .lock()
+                .expect("lock")
+                .push(ms.iter().map(|m| m.message_id.clone()).collect());
+            Some(if self.fail {
+                Err(HandlerError::msg("batch failed"))
+            } else {
+                Ok(vec![(); ms.len()])
+            })
+        }
+    }
+
+    fn live(id: &str) -> Message {
+        Message::new(id, "users", "user.updated", serde_json::json!({"id": id}))
+    }
+
+    fn dead(id: &str) -> Message {
+        Message::tombstone(id, "users", TOMBSTONE_EVENT_TYPE)
+    }
+
+    #[tokio::test]
+    async fn a_tombstone_is_skipped_and_the_rest_reach_the_handler() {
+        let h = SkipTombstones(Seen::default());
+        let skipped = h.handle(&dead("d1"), &mut ()).await.expect("ok");
+        assert!(skipped.success && !skipped.processed, "{skipped:?}");
+        let done = h.handle(&live("l1"), &mut ()).await.expect("ok");
+        assert!(done.success && done.processed, "{done:?}");
+        assert_eq!(*h.0.one.lock().expect("lock"), ["l1"]);
+    }
+
+    #[tokio::test]
+    async fn in_a_batch_only_the_others_reach_the_batch_form_in_order() {
+        let h = SkipTombstones(Seen::default());
+        let (a, b, c, d) = (live("a"), dead("b"), live("c"), dead("d"));
+        let out = h
+            .handle_batch(&[&a, &b, &c, &d], &mut ())
+            .await
+            .expect("a batch form")
+            .expect("ok");
+        let processed: Vec<bool> = out.iter().map(|r| r.processed).collect();
+        assert_eq!(processed, [true, false, true, false]);
+        assert_eq!(*h.0.batches.lock().expect("lock"), [vec!["a", "c"]]);
+
+        let only_dead = h
+            .handle_batch(&[&b, &d], &mut ())
+            .await
+            .expect("a batch form")
+            .expect("ok");
+        assert_eq!(only_dead.len(), 2);
+        assert_eq!(
+            h.0.batches.lock().expect("lock").len(),
+            1,
+            "no empty batch is run"
+        );
+
+        let failing = SkipTombstones(Seen {
+            fail: true,
+            ..Seen::default()
+        });
+        assert!(
+            failing
+                .handle_batch(&[&a, &b], &mut ())
+                .await
+                .expect("a batch form")
+                .is_err()
+        );
+    }
+}

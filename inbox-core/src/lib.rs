@@ -80,7 +80,7 @@ pub use error::{
     ConsumerError, Error, HandlerError, InboxPersistError, PersistStage, Result, StoreError,
     StoreErrorKind, ValidationError,
 };
-pub use handler::{Handler, NoHandler};
+pub use handler::{Handler, NoHandler, SkipTombstones};
 pub use headers::Headers;
 pub use isolation::Isolation;
 pub use metrics::{
@@ -90,6 +90,7 @@ pub use metrics::{
 pub use model::WorkerId;
 pub use model::{
     InboxRow, InboxStatus, MemberId, Message, NewInboxRow, PayloadFormat, Position, RowId,
+    TOMBSTONE_EVENT_TYPE,
 };
 pub use offsets::{MembershipStore, OffsetHold, OffsetStore, PartitionClaim};
 pub use outcome::{Failure, HandlerResult, Outcome, OutcomeClass};

@@ -154,6 +154,18 @@ pub struct Message {
     /// message is then poison and [`Message::validate`] returns this first.
     #[serde(skip)]
     pub decode_error: Option<ValidationError>,
+    /// Whether the record had no value at all (a Kafka tombstone: the
+    /// deletion of its key in a compacted topic). Its payload is
+    /// `Value::Null` and it has no bytes; see [`Message::tombstone`].
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub tombstone: bool,
+    /// Headers whose value is bytes, not text (not UTF-8, or holding a NUL,
+    /// which PostgreSQL's text cannot keep: e.g. the big-endian offsets of
+    /// Spring's dead-letter headers), as they arrived and in the record's
+    /// order; [`headers`](Self::headers) holds the others. Read either kind
+    /// with [`header_bytes`](Self::header_bytes).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub binary_headers: Vec<(String, Vec<u8>)>,
 }
 
 impl Message {
@@ -197,7 +209,55 @@ impl Message {
             timestamp: None,
             raw: None,
             decode_error: None,
+            tombstone: false,
+            binary_headers: Vec::new(),
         }
+    }
+
+    /// A tombstone: a record of `source` without a value (in a compacted
+    /// topic, the deletion of its key). It reaches the handler like any
+    /// message, with `payload` `Value::Null` and no bytes; its event type
+    /// is what the decoder found (a header, the topic's type) or else
+    /// [`TOMBSTONE_EVENT_TYPE`]. Wrap a handler in
+    /// [`SkipTombstones`](crate::SkipTombstones) to skip them instead.
+    ///
+    /// ```
+    /// use inbox_core::{Message, TOMBSTONE_EVENT_TYPE};
+    /// let m = Message::tombstone("users:0:7", "users", TOMBSTONE_EVENT_TYPE);
+    /// assert!(m.tombstone && m.payload.is_null());
+    /// assert_eq!(m.validate("billing"), Ok(()));
+    /// ```
+    pub fn tombstone(
+        message_id: impl Into<String>,
+        source: impl Into<String>,
+        event_type: impl Into<String>,
+    ) -> Self {
+        let mut message = Self::new(message_id, source, event_type, Value::Null);
+        message.tombstone = true;
+        message
+    }
+
+    /// The last value of header `name` as bytes, whether it is text (in
+    /// [`headers`](Self::headers)) or bytes (in
+    /// [`binary_headers`](Self::binary_headers)); a name in both gives its
+    /// bytes.
+    ///
+    /// ```
+    /// use inbox_core::Message;
+    /// let mut m = Message::new("m-1", "orders", "order.created", serde_json::json!({"id": 1}))
+    ///     .with_header("event_type", "order.created");
+    /// m.binary_headers.push(("kafka_dlt-original-offset".into(), 42i64.to_be_bytes().to_vec()));
+    /// assert_eq!(m.header_bytes("event_type"), Some(&b"order.created"[..]));
+    /// assert_eq!(m.header_bytes("kafka_dlt-original-offset"), Some(&42i64.to_be_bytes()[..]));
+    /// assert_eq!(m.header_bytes("absent"), None);
+    /// ```
+    pub fn header_bytes(&self, name: &str) -> Option<&[u8]> {
+        self.binary_headers
+            .iter()
+            .rev()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_slice())
+            .or_else(|| self.headers.get(name).map(str::as_bytes))
     }
 
     /// A message whose payload is bytes of a format other than JSON
@@ -255,10 +315,13 @@ impl Message {
         check_id("consumer_group", consumer_group)?;
         validate_event_type(&self.event_type)?;
         match self.format {
+            // a tombstone has no value to check
+            _ if self.tombstone => {}
             PayloadFormat::Json => validate_payload(&self.payload)?,
             PayloadFormat::Binary => validate_bytes(self.bytes())?,
         }
-        validate_headers(&self.headers)
+        validate_headers(&self.headers)?;
+        validate_binary_headers(self.headers.len(), &self.binary_headers)
     }
 }
 
@@ -421,35 +484,66 @@ pub fn validate_headers(headers: &Headers) -> Result<(), ValidationError> {
         });
     }
     for (key, value) in headers {
-        if key.is_empty() {
-            return Err(ValidationError::Empty {
-                field: "header key",
-            });
-        }
-        if key.contains('\0') || value.contains('\0') {
-            return Err(ValidationError::NulCharacter {
-                field: format!("header {:?}", key.replace('\0', "\u{fffd}")),
-            });
-        }
-        let key_chars = key.chars().count();
-        if key_chars > MAX_HEADER_KEY_CHARS {
-            return Err(ValidationError::HeaderKeyTooLong {
-                key: key.chars().take(MAX_HEADER_KEY_CHARS).collect(),
-                max: MAX_HEADER_KEY_CHARS,
-                actual: key_chars,
-            });
-        }
-        let value_chars = value.chars().count();
-        if value_chars > MAX_HEADER_VALUE_CHARS {
-            return Err(ValidationError::HeaderValueTooLong {
-                key: key.to_owned(),
-                max: MAX_HEADER_VALUE_CHARS,
-                actual: value_chars,
-            });
-        }
+        check_header(key, value.contains('\0'), value.chars().count())?;
     }
     Ok(())
 }
+
+/// Checks one header: a key non-empty, without NUL and not too long; a
+/// value without NUL (`value_nul` says) and at most
+/// [`MAX_HEADER_VALUE_CHARS`] long (`value_len`).
+fn check_header(key: &str, value_nul: bool, value_len: usize) -> Result<(), ValidationError> {
+    if key.is_empty() {
+        return Err(ValidationError::Empty {
+            field: "header key",
+        });
+    }
+    if key.contains('\0') || value_nul {
+        return Err(ValidationError::NulCharacter {
+            field: format!("header {:?}", key.replace('\0', "\u{fffd}")),
+        });
+    }
+    let key_chars = key.chars().count();
+    if key_chars > MAX_HEADER_KEY_CHARS {
+        return Err(ValidationError::HeaderKeyTooLong {
+            key: key.chars().take(MAX_HEADER_KEY_CHARS).collect(),
+            max: MAX_HEADER_KEY_CHARS,
+            actual: key_chars,
+        });
+    }
+    if value_len > MAX_HEADER_VALUE_CHARS {
+        return Err(ValidationError::HeaderValueTooLong {
+            key: key.to_owned(),
+            max: MAX_HEADER_VALUE_CHARS,
+            actual: value_len,
+        });
+    }
+    Ok(())
+}
+
+/// Checks the binary headers beside `text` text headers: at most
+/// [`MAX_HEADERS`] in all, keys as for text headers, values at most
+/// [`MAX_HEADER_VALUE_CHARS`] bytes.
+fn validate_binary_headers(
+    text: usize,
+    headers: &[(String, Vec<u8>)],
+) -> Result<(), ValidationError> {
+    let all = text + headers.len();
+    if all > MAX_HEADERS {
+        return Err(ValidationError::TooManyHeaders {
+            max: MAX_HEADERS,
+            actual: all,
+        });
+    }
+    for (key, value) in headers {
+        check_header(key, false, value.len())?;
+    }
+    Ok(())
+}
+
+/// The event type of a [tombstone](Message::tombstone) for which the
+/// decoder found none (no header, no type for its topic).
+pub const TOMBSTONE_EVENT_TYPE: &str = "tombstone";
 
 /// Decodes one raw header into UTF-8 key and value, as adapters must.
 ///
@@ -624,6 +718,12 @@ impl InboxRow {
                 self.event_type.clone(),
                 bytes.clone(),
             ),
+            // a JSON payload is an object: null is what a tombstone keeps
+            None if self.payload.is_null() => Message::tombstone(
+                self.message_id.clone(),
+                self.source.clone(),
+                self.event_type.clone(),
+            ),
             None => Message::new(
                 self.message_id.clone(),
                 self.source.clone(),
@@ -673,8 +773,9 @@ impl NewInboxRow {
             event_type: message.event_type.trim().to_owned(),
             payload: message.payload.clone(),
             body: match message.format {
-                PayloadFormat::Json => None,
-                PayloadFormat::Binary => Some(message.bytes().to_vec()),
+                PayloadFormat::Binary if !message.tombstone => Some(message.bytes().to_vec()),
+                // a tombstone keeps a null payload and no bytes
+                PayloadFormat::Binary | PayloadFormat::Json => None,
             },
             max_attempts,
             status: InboxStatus::Pending,
@@ -962,5 +1063,47 @@ mod tests {
             assert_eq!(InboxStatus::parse(s.as_str()), Ok(s));
         }
         assert!(InboxStatus::parse("done").is_err());
+    }
+
+    #[test]
+    fn a_tombstone_row_gives_back_a_tombstone() {
+        for format in [PayloadFormat::Json, PayloadFormat::Binary] {
+            let mut m = Message::tombstone("users:0:7", "users", TOMBSTONE_EVENT_TYPE);
+            m.format = format;
+            m.raw = Some(Vec::new());
+            let new = NewInboxRow::for_message(&m, "g", 3);
+            assert_eq!((new.body.as_ref(), new.payload.is_null()), (None, true));
+            let now = Utc::now();
+            let row = InboxRow {
+                id: 1,
+                message_id: new.message_id,
+                consumer_group: new.consumer_group,
+                source: new.source,
+                event_type: new.event_type,
+                payload: new.payload,
+                body: new.body,
+                status: InboxStatus::Pending,
+                attempts_made: 0,
+                max_attempts: 3,
+                last_error: None,
+                scheduled_at: now,
+                completed_at: None,
+                locked_at: None,
+                locked_by: None,
+                created_at: now,
+                updated_at: now,
+            };
+            let back = row.message();
+            assert!(back.tombstone, "{format:?}");
+            assert_eq!(back.validate("g"), Ok(()));
+        }
+        let live = Message::new("m", "users", "user.updated", json!({"id": 1}));
+        assert!(!live.tombstone);
+        assert!(
+            Message::new("m", "users", "user.updated", Value::Null)
+                .validate("g")
+                .is_err(),
+            "only a tombstone may have no payload"
+        );
     }
 }

@@ -12,13 +12,20 @@
 //!
 //! A record that cannot be decoded is not an error of the consumer: it
 //! becomes a [`Message`] carrying its `decode_error` and raw bytes, which the
-//! runner dead-letters and commits (a poison message).
+//! runner dead-letters and commits (a poison message). A record without a
+//! value (a tombstone) is not poison: it reaches the handler as a
+//! [`Message::tombstone`] (wrap the handler in
+//! [`SkipTombstones`](inbox_core::SkipTombstones) to skip them), and a header
+//! whose value is bytes lands in [`Message::binary_headers`]
+//! ([`BinaryHeaders`]).
 
 use std::collections::BTreeMap;
 
 use inbox_core::dead_letters::DeadLetter;
 use inbox_core::model::{MAX_PAYLOAD_BYTES, decode_header};
-use inbox_core::{Headers, Message, PayloadFormat, Position, ValidationError};
+use inbox_core::{
+    Headers, Message, PayloadFormat, Position, TOMBSTONE_EVENT_TYPE, ValidationError,
+};
 use serde_json::Value;
 
 /// A borrowed view of one fetched record.
@@ -103,6 +110,9 @@ pub struct JsonDecoder {
     /// most 1 MB) and its event type comes from the header, then
     /// `event_types_by_topic`, then `default_event_type`.
     pub formats_by_topic: BTreeMap<String, PayloadFormat>,
+    /// What becomes of a header whose value is bytes, not text. Default
+    /// [`BinaryHeaders::Keep`].
+    pub binary_headers: BinaryHeaders,
 }
 
 impl Default for JsonDecoder {
@@ -115,17 +125,50 @@ impl Default for JsonDecoder {
             event_types_by_topic: BTreeMap::new(),
             default_event_type: None,
             formats_by_topic: BTreeMap::new(),
+            binary_headers: BinaryHeaders::Keep,
         }
     }
 }
 
-fn headers(record: &RecordView<'_>) -> Result<Headers, ValidationError> {
-    record
-        .headers
-        .iter()
-        .map(|(k, v)| decode_header(k.as_bytes(), v))
-        .collect::<Result<Vec<_>, _>>()
-        .map(Headers::from)
+/// What the decoder does with a header whose value is bytes, not text (not
+/// UTF-8, or holding a NUL, which PostgreSQL's text cannot keep), such as
+/// the big-endian offsets and timestamps of Spring's dead-letter topics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum BinaryHeaders {
+    /// In [`Message::binary_headers`], as it arrived (the default): the
+    /// handler reads it with [`Message::header_bytes`].
+    #[default]
+    Keep,
+    /// Dropped: the handler never sees it.
+    Drop,
+    /// The record is poison ([`ValidationError::HeaderNotUtf8`]), as
+    /// before 0.1.
+    Poison,
+}
+
+/// Headers whose value is bytes, in the record's order.
+type ByteHeaders = Vec<(String, Vec<u8>)>;
+
+/// A record's headers: text ones, then binary ones (per `binary`).
+fn headers(
+    record: &RecordView<'_>,
+    binary: BinaryHeaders,
+) -> Result<(Headers, ByteHeaders), ValidationError> {
+    let mut text = Vec::with_capacity(record.headers.len());
+    let mut bytes = Vec::new();
+    for (k, v) in record.headers {
+        match decode_header(k.as_bytes(), v) {
+            Ok((k, v)) if !v.contains('\0') => text.push((k, v)),
+            _ => match binary {
+                BinaryHeaders::Keep => bytes.push((k.clone(), v.clone())),
+                BinaryHeaders::Drop => {}
+                BinaryHeaders::Poison => {
+                    return Err(ValidationError::HeaderNotUtf8 { key: k.clone() });
+                }
+            },
+        }
+    }
+    Ok((Headers::from(text), bytes))
 }
 
 impl JsonDecoder {
@@ -220,9 +263,18 @@ fn first_position_id(topic: &str) -> bool {
 
 impl Decode for JsonDecoder {
     fn decode(&self, record: &RecordView<'_>) -> Result<Message, ValidationError> {
-        let headers = headers(record)?;
+        let (headers, binary_headers) = headers(record, self.binary_headers)?;
         let message_id = self.message_id(record, &headers)?;
-        let bytes = record.value.unwrap_or_default();
+        let Some(bytes) = record.value else {
+            // a tombstone: its type from the header or the topic, else
+            // "tombstone"; the handler sees `Message::tombstone`
+            let event_type = self
+                .event_type(record, &headers, None)
+                .unwrap_or_else(|_| TOMBSTONE_EVENT_TYPE.to_owned());
+            let mut message = Message::tombstone(message_id, record.topic, event_type);
+            fill_metadata(&mut message, record, headers, binary_headers);
+            return Ok(message);
+        };
         let format = self
             .formats_by_topic
             .get(record.topic)
@@ -256,14 +308,25 @@ impl Decode for JsonDecoder {
                 Message::binary(message_id, record.topic, event_type, bytes)
             }
         };
-        message.trace_id = headers.get("trace_id").map(str::to_owned);
-        message.correlation_id = headers.get("correlation_id").map(str::to_owned);
-        message.causation_id = headers.get("causation_id").map(str::to_owned);
-        message.schema_version = headers.get("schema_version").map(str::to_owned);
-        message.headers = headers;
-        message.position = Some(record.position());
+        fill_metadata(&mut message, record, headers, binary_headers);
         Ok(message)
     }
+}
+
+/// Fills in what every decoded message carries besides its payload.
+fn fill_metadata(
+    message: &mut Message,
+    record: &RecordView<'_>,
+    headers: Headers,
+    binary_headers: ByteHeaders,
+) {
+    message.trace_id = headers.get("trace_id").map(str::to_owned);
+    message.correlation_id = headers.get("correlation_id").map(str::to_owned);
+    message.causation_id = headers.get("causation_id").map(str::to_owned);
+    message.schema_version = headers.get("schema_version").map(str::to_owned);
+    message.headers = headers;
+    message.binary_headers = binary_headers;
+    message.position = Some(record.position());
 }
 
 /// Decodes `record` with `decoder`; a record that cannot be decoded becomes
@@ -293,13 +356,11 @@ pub fn decode_or_poison(decoder: &dyn Decode, record: &RecordView<'_>) -> Messag
                 });
             let mut m = Message::new(id, record.topic, "", Value::Null);
             m.position = Some(record.position());
-            // kept for the dead letter (shown, and read by `redecode`);
-            // bytes that are not UTF-8 become U+FFFD
-            m.headers = record
-                .headers
-                .iter()
-                .map(|(k, v)| (k.clone(), String::from_utf8_lossy(v).into_owned()))
-                .collect();
+            // kept for the dead letter (shown, and read by `redecode`)
+            if let Ok((text, bytes)) = headers(record, BinaryHeaders::Keep) {
+                m.headers = text;
+                m.binary_headers = bytes;
+            }
             m.decode_error = Some(error);
             m
         }
@@ -338,6 +399,12 @@ pub fn redecode(decoder: &dyn Decode, letter: &DeadLetter) -> Result<Message, Va
         .into_vec()
         .into_iter()
         .map(|(k, v)| (k, v.into_bytes()))
+        .chain(
+            recorded
+                .get("binary_headers")
+                .and_then(|h| serde_json::from_value::<Vec<(String, Vec<u8>)>>(h.clone()).ok())
+                .unwrap_or_default(),
+        )
         .collect();
     let key: Option<Vec<u8>> = recorded
         .get("key")
@@ -452,15 +519,87 @@ mod tests {
     }
 
     #[test]
+    fn a_tombstone_reaches_the_handler_typed_by_header_topic_or_tombstone() {
+        let none = Vec::new();
+        let d = JsonDecoder::default();
+        let m = decode_or_poison(&d, &view(None, &none));
+        assert_eq!(m.decode_error, None, "a tombstone is not poison");
+        assert!(m.tombstone && m.payload.is_null() && m.bytes().is_empty());
+        assert_eq!(m.event_type, TOMBSTONE_EVENT_TYPE);
+        assert_eq!(m.message_id, "orders:2:41", "its position, lacking an id");
+        assert_eq!(m.validate("g"), Ok(()));
+        let typed = h(&[("event_type", b"order.deleted"), ("message_id", b"m-9")]);
+        let m = decode_or_poison(&d, &view(None, &typed));
+        assert_eq!(
+            (m.event_type.as_str(), m.message_id.as_str()),
+            ("order.deleted", "m-9")
+        );
+        let by_topic = JsonDecoder::default().with_event_type("orders", "order.removed");
+        assert_eq!(
+            decode_or_poison(&by_topic, &view(None, &none)).event_type,
+            "order.removed"
+        );
+        // an empty value is still not JSON, and a binary topic's is empty
+        assert!(
+            decode_or_poison(&d, &view(Some(b""), &none))
+                .decode_error
+                .is_some()
+        );
+        let binary = JsonDecoder::default().with_format("orders", PayloadFormat::Binary);
+        let m = decode_or_poison(&binary, &view(None, &none));
+        assert!(m.tombstone && m.decode_error.is_none(), "{m:?}");
+    }
+
+    #[test]
+    fn binary_headers_reach_the_handler_or_are_dropped_or_poison_by_setting() {
+        // Spring's dead-letter headers: an 8-byte offset (valid UTF-8 with
+        // NULs) and bytes that are not UTF-8
+        let offset = 42i64.to_be_bytes();
+        let hs = h(&[
+            ("event_type", b"order.created"),
+            ("kafka_dlt-original-offset", &offset),
+            ("blob", &[0xff, 0xfe]),
+        ]);
+        let value = Some(&br#"{"a": 1}"#[..]);
+        let m = decode_or_poison(&JsonDecoder::default(), &view(value, &hs));
+        assert_eq!(m.decode_error, None, "not poison by default");
+        assert_eq!(
+            m.header_bytes("kafka_dlt-original-offset"),
+            Some(&offset[..])
+        );
+        assert_eq!(m.header_bytes("blob"), Some(&[0xff, 0xfe][..]));
+        assert_eq!(m.headers.len(), 1, "text headers keep only text");
+        assert_eq!(m.binary_headers.len(), 2);
+        assert_eq!(m.validate("g"), Ok(()));
+        // serialized (a dead letter's record) and read back
+        let json = serde_json::to_value(&m).expect("serializes");
+        let back: Message = serde_json::from_value(json).expect("reads back");
+        assert_eq!(back.binary_headers, m.binary_headers);
+
+        let drop = JsonDecoder {
+            binary_headers: BinaryHeaders::Drop,
+            ..JsonDecoder::default()
+        };
+        let m = decode_or_poison(&drop, &view(value, &hs));
+        assert!(m.decode_error.is_none() && m.binary_headers.is_empty());
+        assert_eq!(m.header_bytes("blob"), None);
+        let poison = JsonDecoder {
+            binary_headers: BinaryHeaders::Poison,
+            ..JsonDecoder::default()
+        };
+        let m = decode_or_poison(&poison, &view(value, &hs));
+        assert!(matches!(
+            m.decode_error,
+            Some(ValidationError::HeaderNotUtf8 { .. })
+        ));
+    }
+
+    #[test]
     fn poison_kinds_are_typed() {
         let none = Vec::new();
         let d = JsonDecoder::default();
         assert!(matches!(
             d.decode(&view(Some(b"{nope"), &none)),
-            Err(ValidationError::PayloadNotJson { .. })
-        ));
-        assert!(matches!(
-            d.decode(&view(None, &none)),
             Err(ValidationError::PayloadNotJson { .. })
         ));
         assert!(matches!(
@@ -486,8 +625,12 @@ mod tests {
             Err(ValidationError::PayloadTooLarge { .. })
         ));
         let bad = h(&[("event_type", &[0xff, 0xfe])]);
+        let strict = JsonDecoder {
+            binary_headers: BinaryHeaders::Poison,
+            ..JsonDecoder::default()
+        };
         assert_eq!(
-            d.decode(&view(Some(br#"{"a": 1}"#), &bad)).err(),
+            strict.decode(&view(Some(br#"{"a": 1}"#), &bad)).err(),
             Some(ValidationError::HeaderNotUtf8 {
                 key: "event_type".into()
             })

@@ -82,7 +82,7 @@ mod wire;
 pub use consumer::{
     ConsumerStats, KafkaConfig, KafkaConsumer, KafkaError, OutOfRange, StartPosition,
 };
-pub use decode::{Decode, JsonDecoder, RecordView, decode_or_poison, redecode};
+pub use decode::{BinaryHeaders, Decode, JsonDecoder, RecordView, decode_or_poison, redecode};
 pub use entry::{InboxConsumer, OutboxRelay, shutdown_signal};
 pub use group::{
     AssignmentChange, DEFAULT_CONCURRENCY, DEFAULT_PARTITIONS_IN_FLIGHT, GroupConfig, GroupSummary,

@@ -48,7 +48,8 @@ async fn poison_records_are_dead_lettered_and_the_partition_goes_on() {
         raw_record(Some(b"{not json".to_vec()), typed("bad-json")),
         ok("good-2"),
         raw_record(Some(b"[1, 2, 3]".to_vec()), typed("bad-array")),
-        raw_record(None, typed("bad-empty")),
+        // a tombstone is not poison: it reaches the handler
+        raw_record(None, typed("tombstone")),
         raw_record(
             Some(
                 json!({ "big": "x".repeat(1_000_100) })
@@ -62,11 +63,21 @@ async fn poison_records_are_dead_lettered_and_the_partition_goes_on() {
             Some(br#"{"order": "nobody"}"#.to_vec()),
             headers(&[("event_type", b"order.created")]),
         ),
+        // the event type header must be text: bytes leave it untyped
         raw_record(
             Some(br#"{"order": "x"}"#.to_vec()),
             headers(&[
                 ("message_id", b"bad-utf8"),
                 ("event_type", &[0xff, 0xfe, 0x00]),
+            ]),
+        ),
+        // a binary header is not poison: it reaches the handler
+        raw_record(
+            Some(br#"{"order": "y"}"#.to_vec()),
+            headers(&[
+                ("message_id", b"binary-header"),
+                ("event_type", b"order.created"),
+                ("blob", &[0xff, 0xfe, 0x00]),
             ]),
         ),
         ok("good-3"),
@@ -102,10 +113,10 @@ async fn poison_records_are_dead_lettered_and_the_partition_goes_on() {
         .filter(|r| matches!(r.error, Some(ProcessError::Invalid(_))))
         .map(|r| r.message_id.as_str())
         .collect();
-    assert_eq!(poison.len(), 6, "{poison:?}");
+    assert_eq!(poison.len(), 5, "{poison:?}");
     assert!(results.iter().all(|r| r.acked));
-    assert_eq!(handler.calls(), 3);
-    for id in ["good-1", "good-2", "good-3"] {
+    assert_eq!(handler.calls(), 5);
+    for id in ["good-1", "good-2", "good-3", "tombstone", "binary-header"] {
         assert_eq!(env.invoices(id).await, 1);
     }
     let dead = count(
@@ -115,7 +126,7 @@ async fn poison_records_are_dead_lettered_and_the_partition_goes_on() {
     )
     .await
     .expect("count");
-    assert_eq!(dead, 6);
+    assert_eq!(dead, 5);
     let with_bytes = count(
         &env.store,
         "SELECT count(*) FROM inbox_dead_letters WHERE raw IS NOT NULL AND record_offset IS NOT NULL AND error <> ''",
@@ -124,7 +135,7 @@ async fn poison_records_are_dead_lettered_and_the_partition_goes_on() {
     .await
     .expect("count");
     assert_eq!(
-        with_bytes, 6,
+        with_bytes, 5,
         "each dead letter keeps its bytes, position and error"
     );
     let raw_json = count(
@@ -293,4 +304,122 @@ async fn partitions_run_concurrently_each_in_order() {
         .try_get::<i64>("", "n")
         .expect("n");
     assert_eq!(dup, 0);
+}
+
+/// A message's id, whether it is a tombstone, and its offset header.
+type Carried = (String, bool, Option<Vec<u8>>);
+
+/// Writes an invoice and records what each message carried.
+#[derive(Default)]
+struct Seen(Mutex<Vec<Carried>>);
+
+#[async_trait]
+impl Handler<PgTx> for Seen {
+    type Output = ();
+    async fn handle(&self, m: &Message, tx: &mut PgTx) -> Result<(), HandlerError> {
+        tx.write_invoice(&m.message_id).await?;
+        self.0
+            .lock()
+            .map_err(|_| HandlerError::msg("poisoned"))?
+            .push((
+                m.message_id.clone(),
+                m.tombstone,
+                m.header_bytes("kafka_dlt-original-offset")
+                    .map(<[u8]>::to_vec),
+            ));
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tombstones_and_binary_headers_reach_the_handler_or_skip_by_setting() {
+    let env = env("tombstones", 1).await;
+    let offset = 42i64.to_be_bytes();
+    let records = vec![
+        json_record(
+            &json!({ "user": 1 }),
+            &[("message_id", "u-1"), ("event_type", "user.updated")],
+        ),
+        // a compacted topic's deletion: no value, no headers
+        raw_record(None, BTreeMap::new()),
+        // a Spring dead-letter record: an 8-byte big-endian offset header
+        raw_record(
+            Some(br#"{"user": 2}"#.to_vec()),
+            headers(&[
+                ("message_id", b"u-2"),
+                ("event_type", b"user.updated"),
+                ("kafka_dlt-original-offset", &offset),
+            ]),
+        ),
+    ];
+    env.broker
+        .produce(&env.topic, 0, records, 3)
+        .await
+        .expect("produce");
+    let tombstone_id = format!("{}:0:1", env.topic);
+
+    // delivered: every record reaches the handler, none is poison
+    let seen = Arc::new(Seen::default());
+    let consumer = KafkaConsumer::connect(env.kafka_config("users"), env.store.clone())
+        .await
+        .expect("connect");
+    let mut runner = Runner::new(
+        env.store.clone(),
+        consumer,
+        seen.clone(),
+        config("users", AckStrategy::default()),
+    );
+    let results = drain(&mut runner).await;
+    assert!(results.iter().all(|r| r.error.is_none()), "{results:?}");
+    let got = seen.0.lock().expect("lock").clone();
+    assert_eq!(
+        got,
+        vec![
+            ("u-1".to_owned(), false, None),
+            (tombstone_id.clone(), true, None),
+            ("u-2".to_owned(), false, Some(offset.to_vec())),
+        ]
+    );
+    let dead = count(
+        &env.store,
+        "SELECT count(*) FROM inbox_dead_letters",
+        vec![],
+    )
+    .await
+    .expect("count");
+    assert_eq!(dead, 0, "nothing is dead-lettered");
+    assert_eq!(env.stored_offset("users", 0).await, Some(3));
+
+    // skipped: SkipTombstones completes the tombstone without the handler
+    let skipping = Arc::new(inbox_core::SkipTombstones(Seen::default()));
+    let consumer = KafkaConsumer::connect(env.kafka_config("audit"), env.store.clone())
+        .await
+        .expect("connect");
+    let mut runner = Runner::new(
+        env.store.clone(),
+        consumer,
+        skipping.clone(),
+        config("audit", AckStrategy::default()),
+    );
+    let results = drain(&mut runner).await;
+    assert_eq!(results.len(), 3, "{results:?}");
+    let ids: Vec<String> = skipping
+        .0
+        .0
+        .lock()
+        .expect("lock")
+        .iter()
+        .map(|s| s.0.clone())
+        .collect();
+    assert_eq!(ids, ["u-1", "u-2"], "the handler never sees the tombstone");
+    assert_eq!(
+        env.stored_offset("audit", 0).await,
+        Some(3),
+        "and it is acknowledged"
+    );
+    assert_eq!(
+        env.invoices(&tombstone_id).await,
+        1,
+        "only the first group's handler wrote for it"
+    );
 }

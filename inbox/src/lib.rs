@@ -19,7 +19,7 @@ pub mod prelude {
     pub use inbox_core::{
         AckStrategy, Backoff, BatchConfig, CancellationToken, Handler, HandlerError, HandlerResult,
         Headers, InboxStore, InboxTransaction, Isolation, Message, Metrics, NoHandler, NoopMetrics,
-        PayloadFormat, Runner, RunnerConfig,
+        PayloadFormat, Runner, RunnerConfig, SkipTombstones,
     };
 
     #[cfg(feature = "postgres")]

@@ -37,14 +37,21 @@ pub enum OffsetTarget {
     /// the log's bounds): adopting an existing consumer's position. A
     /// partition that group never committed is an error, not moved.
     GroupOffsets(String),
+    /// The stored offset moved by this many records, back (negative) or
+    /// on (clamped into the log's bounds), as `kafka-consumer-groups
+    /// --shift-by`. A partition with no stored offset is an error, not
+    /// moved; a move shifts the offset it claims, so a member that read on
+    /// meanwhile is shifted from where it stopped.
+    ShiftBy(i64),
 }
 
 impl std::str::FromStr for OffsetTarget {
     type Err = KafkaError;
 
     /// `earliest`, `latest`, an offset (`42`), an RFC 3339 time
-    /// (`2026-12-01T09:00:00Z`), or `group:NAME` (where the Kafka consumer
-    /// group NAME committed).
+    /// (`2026-12-01T09:00:00Z`), `group:NAME` (where the Kafka consumer
+    /// group NAME committed), or `shift:N` (the stored offset moved by N,
+    /// e.g. `shift:-100`).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
             "earliest" => Ok(Self::Earliest),
@@ -56,11 +63,14 @@ impl std::str::FromStr for OffsetTarget {
                 if let Ok(offset) = s.parse::<i64>() {
                     return Ok(Self::Offset(offset));
                 }
+                if let Some(n) = s.strip_prefix("shift:").and_then(|n| n.parse::<i64>().ok()) {
+                    return Ok(Self::ShiftBy(n));
+                }
                 DateTime::parse_from_rfc3339(s)
                     .map(|t| Self::Timestamp(t.with_timezone(&Utc)))
                     .map_err(|_| {
                         KafkaError::Config(format!(
-                            "{s:?} is no offset target: earliest, latest, an offset, an RFC 3339 time, or group:NAME"
+                            "{s:?} is no offset target: earliest, latest, an offset, an RFC 3339 time, group:NAME or shift:N"
                         ))
                     })
             }
@@ -245,12 +255,13 @@ pub async fn read_offsets<O: OffsetStore>(
 /// Where each of `config.partitions` goes for `target` (topic,
 /// partition, next offset), clamped to the log's bounds, read from the
 /// brokers through `client` and `dialer`.
-async fn resolve_targets(
+async fn resolve_targets<O: OffsetStore>(
     config: &KafkaConfig,
+    store: &O,
     client: &rskafka::client::Client,
     dialer: &Arc<crate::wire::Dialer>,
     target: &OffsetTarget,
-) -> Result<Vec<(String, i32, i64)>, KafkaError> {
+) -> Result<Vec<Resolved>, KafkaError> {
     let theirs = match target {
         OffsetTarget::GroupOffsets(name) => {
             crate::broker_group::group_offsets(Arc::clone(dialer), name, &config.partitions).await?
@@ -261,6 +272,13 @@ async fn resolve_targets(
     for (topic, partition) in &config.partitions {
         let (pc, earliest, latest) = leader_and_bounds(client, config, topic, *partition).await?;
         let to = match target {
+            OffsetTarget::ShiftBy(n) => {
+                let stored = store
+                    .read_partition(&config.consumer_group, topic, *partition)
+                    .await?
+                    .and_then(|c| c.next_offset);
+                shifted(config, topic, *partition, stored, *n, (earliest, latest))?
+            }
             OffsetTarget::Earliest => earliest,
             OffsetTarget::Latest => latest,
             OffsetTarget::Offset(o) => (*o).clamp(earliest, latest.max(earliest)),
@@ -275,9 +293,43 @@ async fn resolve_targets(
                     cause: format!("it committed nothing for {topic}:{partition}"),
                 })?,
         };
-        out.push((topic.clone(), *partition, to));
+        out.push(Resolved {
+            topic: topic.clone(),
+            partition: *partition,
+            to,
+            bounds: (earliest, latest),
+        });
     }
     Ok(out)
+}
+
+/// Where [`resolve_targets`] puts one partition, and the log's bounds.
+struct Resolved {
+    topic: String,
+    partition: i32,
+    to: i64,
+    bounds: (i64, i64),
+}
+
+/// `stored` moved by `n` within `(earliest, latest)`; nothing stored is an
+/// error naming the partition.
+fn shifted(
+    config: &KafkaConfig,
+    topic: &str,
+    partition: i32,
+    stored: Option<i64>,
+    n: i64,
+    (earliest, latest): (i64, i64),
+) -> Result<i64, KafkaError> {
+    let stored = stored.ok_or_else(|| {
+        KafkaError::Config(format!(
+            "{topic}:{partition}: group {:?} has no stored offset to shift from (give --to)",
+            config.consumer_group
+        ))
+    })?;
+    Ok(stored
+        .saturating_add(n)
+        .clamp(earliest, latest.max(earliest)))
 }
 
 /// The client and the dialer of `config`'s brokers.
@@ -309,16 +361,16 @@ pub async fn plan_offsets<O: OffsetStore>(
 ) -> Result<Vec<MovedOffset>, KafkaError> {
     let (client, dialer) = connect(config).await?;
     let mut plan = Vec::with_capacity(config.partitions.len());
-    for (topic, partition, to) in resolve_targets(config, &client, &dialer, &target).await? {
+    for r in resolve_targets(config, store, &client, &dialer, &target).await? {
         let from = store
-            .read_partition(&config.consumer_group, &topic, partition)
+            .read_partition(&config.consumer_group, &r.topic, r.partition)
             .await?
             .and_then(|c| c.next_offset);
         plan.push(MovedOffset {
-            topic,
-            partition,
+            topic: r.topic,
+            partition: r.partition,
             from,
-            to,
+            to: r.to,
         });
     }
     Ok(plan)
@@ -341,17 +393,27 @@ pub async fn move_offsets<O: OffsetStore>(
     target: OffsetTarget,
 ) -> Result<Vec<MovedOffset>, KafkaError> {
     let (client, dialer) = connect(config).await?;
-    let targets = resolve_targets(config, &client, &dialer, &target).await?;
+    let targets = resolve_targets(config, store, &client, &dialer, &target).await?;
     let mut moved = Vec::with_capacity(targets.len());
     let mut claimed = Vec::with_capacity(targets.len());
-    for (topic, partition, to) in &targets {
-        let (topic, partition, to) = (topic, partition, *to);
+    for Resolved {
+        topic,
+        partition,
+        to,
+        bounds,
+    } in &targets
+    {
+        let mut to = *to;
         let mut attempt = 0;
         let from = loop {
             attempt += 1;
             let claim = store
                 .claim_partition(&config.consumer_group, topic, *partition)
                 .await?;
+            if let OffsetTarget::ShiftBy(n) = target {
+                // from what the claim fenced, not what was read before it
+                to = shifted(config, topic, *partition, claim.next_offset, n, *bounds)?;
+            }
             let ack = TxAck {
                 consumer_group: config.consumer_group.clone(),
                 position: Position::new(topic.clone(), *partition, to - 1),

@@ -92,6 +92,21 @@ async fn offsets_are_read_and_moved_to_each_target() {
         "clamped into the log"
     );
     assert_eq!(stored(OffsetTarget::Offset(6)).await, 6);
+    // shifted from the stored offset, clamped into the log
+    assert_eq!(stored("shift:-2".parse().expect("parses")).await, 4);
+    assert_eq!(stored(OffsetTarget::ShiftBy(3)).await, 7);
+    assert_eq!(stored(OffsetTarget::ShiftBy(100)).await, 10);
+    assert_eq!(stored(OffsetTarget::ShiftBy(-100)).await, 0);
+    assert_eq!(stored(OffsetTarget::ShiftBy(6)).await, 6);
+    let mut nobody = kafka.clone();
+    nobody.consumer_group = "never-read".to_owned();
+    let refused = move_offsets(&nobody, &env.store, OffsetTarget::ShiftBy(1)).await;
+    assert!(
+        refused
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("no stored offset to shift from")),
+        "{refused:?}"
+    );
     let read = read_offsets(&kafka, &env.store).await.expect("read");
     assert_eq!(read[0].lag(), Some(4));
 

@@ -185,6 +185,41 @@ async fn the_command_shows_and_moves_a_groups_offsets() {
     );
     assert!(!ok && err.contains("committed nothing"), "{err}");
 
+    // --shift-by over every topic of the group (no --topic): the plan, then
+    // the move, then back
+    let group = ["offsets", "--brokers", address, "--group", "billing"];
+    let shift = |by: &'static str, execute: bool| {
+        let mut args = group.to_vec();
+        args.extend(["move", "--shift-by", by]);
+        if execute {
+            args.push("--execute");
+        }
+        inbox(&url, &args)
+    };
+    let (ok, out, err) = shift("-1", false);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains(&format!("would move {topic}:0 from 2 to 1"))
+            && out.contains(&format!("would move {topic}:1 from 6 to 5")),
+        "{out}"
+    );
+    let (ok, out, err) = shift("-1", true);
+    assert!(ok, "{err}");
+    assert!(out.contains(&format!("{topic}\t0\t1\t")), "{out}");
+    assert!(out.contains(&format!("{topic}\t1\t5\t")), "{out}");
+    let (ok, out, err) = shift("+1", true);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains(&format!("moved {topic}:0 from 1 to 2"))
+            && out.contains(&format!("moved {topic}:1 from 5 to 6")),
+        "{out}"
+    );
+    let (ok, _, err) = inbox(
+        &url,
+        &["offsets", "--brokers", address, "--group", "nobody", "show"],
+    );
+    assert!(!ok && err.contains("name its topics with --topic"), "{err}");
+
     // status with the brokers: each partition's log end and lag (6 records
     // each; stored 2 and 6)
     let (ok, out, err) = inbox(&url, &["status", "--brokers", address, "--json"]);
@@ -655,4 +690,167 @@ async fn exit_codes_say_what_happened_and_help_lists_them() {
     let at = url.find('@').map_or(0, |i| i + 1);
     let wrong = format!("postgres://nobody:pw@{}", &url[at..]);
     assert_eq!(code(&["status"], &wrong), Some(1));
+}
+
+/// `inbox migrate` makes the tables (twice is harmless); a bulk replay or
+/// discard selects letters by `list`'s filters, prints them without
+/// `--execute` and acts on them with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_and_bulk_replay_and_discard_by_filters() {
+    use inbox_testkit::MemBroker;
+    use inbox_testkit::scenarios::ScenarioStore;
+    use transactional_inbox::dead_letters::{DeadLetterReplayer, DeadLetterStore};
+    use transactional_inbox::postgres::sea_orm::ConnectionTrait;
+    use transactional_inbox::{Message, Runner, RunnerConfig};
+
+    let url = server()
+        .and_then(|s| s.create_database())
+        .unwrap_or_else(|e| panic!("{e}"));
+    let (ok, _, err) = inbox(&url, &["status"]);
+    assert!(!ok, "no tables yet: {err}");
+    for _ in 0..2 {
+        let (ok, out, err) = inbox(&url, &["migrate"]);
+        assert!(ok && out.contains("up to date"), "{out}{err}");
+    }
+    let (ok, _, err) = inbox(&url, &["status"]);
+    assert!(ok, "{err}");
+
+    let store = PgStore::connect(&url, TableName::default())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    store
+        .standalone()
+        .execute_unprepared(
+            "CREATE TABLE invoices (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL)",
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    // new-1 and new-2 from orders, new-3 from returns: all dead-lettered
+    let broker = MemBroker::new();
+    for (topic, id) in [
+        ("orders", "new-1"),
+        ("orders", "new-2"),
+        ("returns", "new-3"),
+    ] {
+        let message = Message::new(
+            id,
+            topic,
+            "order.created",
+            serde_json::json!({ "order": id }),
+        );
+        broker.produce(topic, 0, message);
+    }
+    let mut runner = Runner::new(
+        store.clone(),
+        broker.consumer("billing"),
+        Billing { fixed: false },
+        RunnerConfig::new("billing", "worker-1")
+            .unwrap_or_else(|e| panic!("{e}"))
+            .failure_budget(1),
+    );
+    for _ in 0..50 {
+        if broker.acked("billing", "orders", 0) == Some(2)
+            && broker.acked("billing", "returns", 0) == Some(1)
+        {
+            break;
+        }
+        if runner
+            .process_one()
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .is_none()
+        {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    }
+    let letters = || async {
+        let (ok, list, text) = inbox_json(&url, &["dead-letters", "list", "--json"]).await;
+        assert!(ok, "{text}");
+        list.as_array()
+            .into_iter()
+            .flatten()
+            .map(|d| {
+                (
+                    d["message_id"].as_str().unwrap_or("").to_owned(),
+                    d["id"].as_i64().unwrap_or(0),
+                )
+            })
+            .collect::<Vec<(String, i64)>>()
+    };
+    let all = letters().await;
+    assert_eq!(all.len(), 3, "{all:?}");
+
+    // the plan: the orders' two, nothing asked for
+    let replay_orders = [
+        "dead-letters",
+        "replay",
+        "--group",
+        "billing",
+        "--topic",
+        "orders",
+        "--json",
+    ];
+    let (ok, plan, text) = inbox_json(&url, &replay_orders).await;
+    assert!(ok, "{text}");
+    assert_eq!(plan["executed"], false, "{plan}");
+    assert_eq!(plan["selected"].as_array().map(Vec::len), Some(2), "{plan}");
+    for (_, id) in &all {
+        let d = store
+            .dead_letter(*id)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            d.is_some_and(|d| d.replay_requested_at.is_none()),
+            "the plan asked for nothing"
+        );
+    }
+    // an id with filters or --execute is refused
+    let one = all[0].1.to_string();
+    let (ok, _, err) = inbox(&url, &["dead-letters", "discard", &one, "--execute"]);
+    assert!(!ok && err.contains("an id names one letter"), "{err}");
+    let (ok, _, err) = inbox(&url, &["dead-letters", "discard"]);
+    assert!(!ok && err.contains("select the letters"), "{err}");
+
+    // executed, with the fixed handler's replayer running
+    let cancel = transactional_inbox::CancellationToken::new();
+    let mut replayer = DeadLetterReplayer::new(store.clone(), "billing", Billing { fixed: true })
+        .unwrap_or_else(|e| panic!("{e}"));
+    replayer.interval = std::time::Duration::from_millis(100);
+    let replaying = tokio::spawn({
+        let cancel = cancel.clone();
+        async move { replayer.run(cancel).await }
+    });
+    let mut execute = replay_orders.to_vec();
+    execute.extend(["--execute", "--wait", "20"]);
+    let (ok, done, text) = inbox_json(&url, &execute).await;
+    assert!(ok, "{text}");
+    assert_eq!(
+        done["outcomes"]["replayed"].as_array().map(Vec::len),
+        Some(2),
+        "{done}"
+    );
+    cancel.cancel();
+    assert_eq!(replaying.await.unwrap_or_default(), 2);
+    for id in ["new-1", "new-2"] {
+        assert_eq!(store.invoices(id).await, 1, "{id} applied once");
+    }
+    assert_eq!(
+        store.invoices("new-3").await,
+        0,
+        "another topic's: untouched"
+    );
+
+    // a bulk discard of the returns' letter: the plan, then done
+    let (ok, out, err) = inbox(&url, &["dead-letters", "discard", "--topic", "returns"]);
+    assert!(
+        ok && out.contains("would discard 1 dead letters"),
+        "{out}{err}"
+    );
+    assert_eq!(letters().await.len(), 1, "the plan discarded nothing");
+    let (ok, out, err) = inbox(
+        &url,
+        &["dead-letters", "discard", "--topic", "returns", "--execute"],
+    );
+    assert!(ok && out.contains("discarded 1 of 1"), "{out}{err}");
+    assert_eq!(letters().await, Vec::new(), "none left");
 }

@@ -9,9 +9,13 @@
 //! inbox dead-letters show 42
 //! inbox dead-letters replay 42 --group billing --wait 30   # billing's DeadLetterReplayer applies it
 //! inbox dead-letters discard 43
+//! inbox dead-letters replay --group billing --error "unknown event" --execute   # all of them
+//! inbox dead-letters discard --group billing --until 2026-11-01T00:00:00Z        # the plan
 //! inbox outbox pending | dead | retry 7 | release 7
 //! inbox offsets --brokers b1:9092 --group billing --topic orders show
-//! inbox offsets --brokers b1:9092 --group billing --topic orders --partition 3 move --to 2026-12-01T09:00:00Z
+//! inbox migrate                     # create or update the tables
+//! inbox offsets --brokers b1:9092 --group billing --topic orders --partition 3 move --to 2026-12-01T09:00:00Z --execute
+//! inbox offsets --brokers b1:9092 --group billing move --shift-by -100   # every topic of the group: the plan
 //! ```
 //!
 //! Moving offsets claims each partition (its reader is fenced; a
@@ -86,6 +90,10 @@ enum Command {
     /// with brokers (`--brokers` or `KAFKA_BROKERS`), each partition's log
     /// end and lag.
     Status(Brokers),
+    /// Create the inbox's and the outbox's tables, or bring them up to
+    /// date (every step idempotent: safe to run on every deploy, and beside
+    /// a service's own sea-orm migrator that applies the same steps).
+    Migrate,
 }
 
 #[derive(Subcommand, Debug)]
@@ -95,18 +103,8 @@ enum DeadLetters {
         /// Only this consumer group's.
         #[arg(long)]
         group: Option<String>,
-        /// Only from this topic.
-        #[arg(long)]
-        topic: Option<String>,
-        /// Only recorded at or after this time (RFC 3339).
-        #[arg(long)]
-        since: Option<chrono::DateTime<chrono::Utc>>,
-        /// Only recorded before this time (RFC 3339).
-        #[arg(long)]
-        until: Option<chrono::DateTime<chrono::Utc>>,
-        /// Only those whose error contains this text (case-insensitive).
-        #[arg(long)]
-        error: Option<String>,
+        #[command(flatten)]
+        filters: Filters,
         /// Only ids below this one (the next page).
         #[arg(long)]
         before_id: Option<i64>,
@@ -123,22 +121,88 @@ enum DeadLetters {
     /// Ask the service to replay a dead letter through its handler (its
     /// group's `DeadLetterReplayer` does it, exactly once), and wait for the
     /// outcome.
+    ///
+    /// Without an id, every dead letter of the group that the filters
+    /// select (as `list` shows them): the ids are printed, and replayed
+    /// only with `--execute`.
     Replay {
-        /// Its id.
-        id: i64,
+        /// Its id (none: the letters the filters select).
+        id: Option<i64>,
         /// The consumer group it belongs to (`list` shows it): only that
         /// group's replayer, which has its handler, carries it out.
         #[arg(long)]
         group: String,
+        #[command(flatten)]
+        filters: Filters,
+        #[command(flatten)]
+        bulk: Bulk,
         /// Seconds to wait for the outcome (0: only ask).
         #[arg(long, default_value_t = 30)]
         wait: u64,
     },
     /// Remove a dead letter without replaying it.
+    ///
+    /// Without an id, every dead letter the filters select (`--group`
+    /// too): the ids are printed, and removed only with `--execute`.
     Discard {
-        /// Its id.
-        id: i64,
+        /// Its id (none: the letters the filters select).
+        id: Option<i64>,
+        /// Only this consumer group's (without an id).
+        #[arg(long, conflicts_with = "id")]
+        group: Option<String>,
+        #[command(flatten)]
+        filters: Filters,
+        #[command(flatten)]
+        bulk: Bulk,
     },
+}
+
+/// Which dead letters: the filters `list`, and a bulk replay or discard,
+/// take.
+#[derive(Args, Debug, Clone, Default)]
+struct Filters {
+    /// Only from this topic.
+    #[arg(long)]
+    topic: Option<String>,
+    /// Only recorded at or after this time (RFC 3339).
+    #[arg(long)]
+    since: Option<chrono::DateTime<chrono::Utc>>,
+    /// Only recorded before this time (RFC 3339).
+    #[arg(long)]
+    until: Option<chrono::DateTime<chrono::Utc>>,
+    /// Only those whose error contains this text (case-insensitive).
+    #[arg(long)]
+    error: Option<String>,
+}
+
+impl Filters {
+    fn any(&self) -> bool {
+        self.topic.is_some() || self.since.is_some() || self.until.is_some() || self.error.is_some()
+    }
+
+    fn query(&self, group: Option<String>, before_id: Option<i64>, limit: u32) -> DeadLetterQuery {
+        DeadLetterQuery {
+            consumer_group: group,
+            topic: self.topic.clone(),
+            since: self.since,
+            until: self.until,
+            error_contains: self.error.clone(),
+            before_id,
+            limit,
+        }
+    }
+}
+
+/// A bulk replay's or discard's bounds.
+#[derive(Args, Debug, Clone)]
+struct Bulk {
+    /// Act on the letters selected (without it, only their ids are
+    /// printed). Not with an id.
+    #[arg(long)]
+    execute: bool,
+    /// At most this many letters, newest first.
+    #[arg(long, default_value_t = 1000)]
+    max: u32,
 }
 
 #[derive(Subcommand, Debug)]
@@ -174,11 +238,13 @@ struct Offsets {
     /// The consumer group.
     #[arg(long)]
     group: String,
-    /// The topic.
-    #[arg(long)]
-    topic: String,
-    /// Partitions (repeat the flag; default: every partition of the topic).
-    #[arg(long = "partition")]
+    /// Topics (repeat the flag; default: every topic the group has stored
+    /// offsets for).
+    #[arg(long = "topic")]
+    topics: Vec<String>,
+    /// Partitions of the one `--topic` (repeat the flag; default: every
+    /// partition of the topics).
+    #[arg(long = "partition", requires = "topics")]
     partitions: Vec<i32>,
     #[command(subcommand)]
     action: OffsetsAction,
@@ -254,10 +320,18 @@ enum OffsetsAction {
     /// print them as they are.
     Move {
         /// `earliest`, `latest`, an offset, an RFC 3339 time (the first
-        /// record at or after it), or `group:NAME` (where Kafka consumer
-        /// group NAME committed).
-        #[arg(long)]
-        to: String,
+        /// record at or after it), `group:NAME` (where Kafka consumer
+        /// group NAME committed), or `shift:N`.
+        #[arg(
+            long,
+            required_unless_present = "shift_by",
+            conflicts_with = "shift_by"
+        )]
+        to: Option<String>,
+        /// Move each stored offset by N records, back (negative) or on,
+        /// within the log (`--to shift:N`).
+        #[arg(long, value_name = "N", allow_negative_numbers = true)]
+        shift_by: Option<i64>,
         /// Move them: without it, only the plan is printed (as
         /// `kafka-consumer-groups --reset-offsets` without `--execute`).
         #[arg(long)]
@@ -300,6 +374,24 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
         Command::DeadLetters(d) => dead_letters(d, &store, out).await,
         Command::Outbox(o) => outbox(o, &store, out).await,
         Command::Status(brokers) => status(&brokers, &store, out).await,
+        Command::Migrate => {
+            store.migrate().await?;
+            let steps: Vec<String> =
+                transactional_inbox::postgres::inbox_migrations(store.table().clone())
+                    .iter()
+                    .map(|m| m.name().to_owned())
+                    .collect();
+            if out.json {
+                out.doc(&json!({ "migrated": true, "steps": steps }));
+            } else {
+                println!(
+                    "the tables of {} are up to date ({} steps, each applied if missing)",
+                    store.table().qualified(),
+                    steps.len()
+                );
+            }
+            Ok(ExitCode::SUCCESS)
+        }
     }
 }
 
@@ -427,6 +519,24 @@ impl Out {
     }
 }
 
+impl Out {
+    /// A bulk action's plan: the ids selected, nothing done.
+    fn planned(self, action: &str, ids: &[i64]) -> ExitCode {
+        if self.json {
+            self.doc(&json!({ "selected": ids, "executed": false }));
+        } else {
+            let list: Vec<String> = ids.iter().map(i64::to_string).collect();
+            println!(
+                "would {action} {} dead letters: {}",
+                ids.len(),
+                list.join(" ")
+            );
+            println!("nothing done: run again with --execute to {action} them");
+        }
+        ExitCode::SUCCESS
+    }
+}
+
 fn dash<T: std::fmt::Display>(v: Option<T>) -> String {
     v.map_or_else(|| "-".to_owned(), |v| v.to_string())
 }
@@ -453,22 +563,11 @@ async fn dead_letters(cmd: DeadLetters, store: &PgStore, out: Out) -> Result<Exi
     match cmd {
         DeadLetters::List {
             group,
-            topic,
-            since,
-            until,
-            error,
+            filters,
             before_id,
             limit,
         } => {
-            let query = DeadLetterQuery {
-                consumer_group: group,
-                topic,
-                since,
-                until,
-                error_contains: error,
-                before_id,
-                limit,
-            };
+            let query = filters.query(group, before_id, limit);
             let letters = store.list_dead_letters(&query).await?;
             if out.json {
                 out.doc(&Value::Array(letters.iter().map(letter_json).collect()));
@@ -521,12 +620,211 @@ async fn dead_letters(cmd: DeadLetters, store: &PgStore, out: Out) -> Result<Exi
             }
             Ok(ExitCode::SUCCESS)
         }
-        DeadLetters::Replay { id, group, wait } => replay(store, out, id, &group, wait).await,
-        DeadLetters::Discard { id } => {
+        DeadLetters::Replay {
+            id: Some(id),
+            group,
+            filters,
+            bulk,
+            wait,
+        } => {
+            no_filters(&filters, &bulk)?;
+            replay(store, out, id, &group, wait).await
+        }
+        DeadLetters::Replay {
+            id: None,
+            group,
+            filters,
+            bulk,
+            wait,
+        } => {
+            let ids = select(
+                store,
+                &filters.query(Some(group.clone()), None, 0),
+                bulk.max,
+            )
+            .await?;
+            if !bulk.execute {
+                return Ok(out.planned("replay", &ids));
+            }
+            replay_many(store, out, &ids, &group, wait).await
+        }
+        DeadLetters::Discard {
+            id: Some(id),
+            filters,
+            bulk,
+            ..
+        } => {
+            no_filters(&filters, &bulk)?;
             let done = store.discard_dead_letter(id).await?;
             Ok(out.done("discarded", id, done))
         }
+        DeadLetters::Discard {
+            id: None,
+            group,
+            filters,
+            bulk,
+        } => {
+            if group.is_none() && !filters.any() {
+                return Err("give an id, or select the letters with --group or a filter".into());
+            }
+            let ids = select(store, &filters.query(group, None, 0), bulk.max).await?;
+            if !bulk.execute {
+                return Ok(out.planned("discard", &ids));
+            }
+            let mut discarded = Vec::new();
+            for id in &ids {
+                if store.discard_dead_letter(*id).await? {
+                    discarded.push(*id);
+                }
+            }
+            if out.json {
+                out.doc(&json!({ "discarded": discarded }));
+            } else {
+                println!(
+                    "discarded {} of {} dead letters",
+                    discarded.len(),
+                    ids.len()
+                );
+            }
+            Ok(ExitCode::SUCCESS)
+        }
     }
+}
+
+/// With an id, filters and `--execute` are refused (they select letters).
+fn no_filters(filters: &Filters, bulk: &Bulk) -> Result<(), Failure> {
+    if filters.any() || bulk.execute {
+        return Err(
+            "an id names one letter: give either the id, or the filters with --execute".into(),
+        );
+    }
+    Ok(())
+}
+
+/// The ids of the dead letters `query` selects, newest first, at most
+/// `max` (page by page).
+async fn select(store: &PgStore, query: &DeadLetterQuery, max: u32) -> Result<Vec<i64>, Failure> {
+    let mut ids = Vec::new();
+    let mut page = query.clone();
+    loop {
+        let left = max.saturating_sub(u32::try_from(ids.len()).unwrap_or(u32::MAX));
+        if left == 0 {
+            return Ok(ids);
+        }
+        page.limit = left.min(500);
+        let letters = store.list_dead_letters(&page).await?;
+        let Some(last) = letters.last() else {
+            return Ok(ids);
+        };
+        page.before_id = Some(last.id);
+        ids.extend(letters.iter().map(|d| d.id));
+    }
+}
+
+/// What became of dead letter `id` whose replay was asked for: `None`
+/// while it waits; else the outcome and why.
+async fn replay_outcome(
+    store: &PgStore,
+    id: i64,
+) -> Result<Option<(&'static str, Option<String>)>, Failure> {
+    Ok(match store.dead_letter(id).await? {
+        None => Some(match store.letter_gone(id).await? {
+            Some(g) if g.how == GoneHow::Replayed => ("replayed", None),
+            Some(g) if g.how == GoneHow::AlreadyApplied => (
+                "already_applied",
+                Some("its inbox row had completed meanwhile: not applied again".to_owned()),
+            ),
+            Some(_) => (
+                "discarded",
+                Some("discarded while its replay was asked for: not replayed".to_owned()),
+            ),
+            None => (
+                "gone",
+                Some("removed with no record of a replay: not replayed".to_owned()),
+            ),
+        }),
+        Some(d) if d.replay_requested_at.is_none() => Some(("refused", d.replay_error.clone())),
+        Some(_) => None,
+    })
+}
+
+/// Why nothing came of a replay within the wait: no replayer of `group`
+/// running, or none ever (`None` when one runs).
+async fn no_replayer(store: &PgStore, group: &str) -> Result<Option<String>, Failure> {
+    Ok(match store.replayer_seen(group).await? {
+        Some(r) if r.running => None,
+        Some(r) => Some(format!(
+            "no replayer of group {group:?} is running: the last one looked at {}",
+            r.seen_at.to_rfc3339()
+        )),
+        None => Some(format!(
+            "no replayer of group {group:?} has ever run: start a DeadLetterReplayer for {group:?} in the service that has its handler"
+        )),
+    })
+}
+
+/// `inbox dead-letters replay --group G FILTERS --execute`: asks for each,
+/// then waits up to `wait` seconds for all, and counts the outcomes.
+async fn replay_many(
+    store: &PgStore,
+    out: Out,
+    ids: &[i64],
+    group: &str,
+    wait: u64,
+) -> Result<ExitCode, Failure> {
+    let mut waiting = Vec::new();
+    for id in ids {
+        if store.request_replay(*id, group).await? {
+            waiting.push(*id);
+        }
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(wait);
+    let mut outcomes: std::collections::BTreeMap<&str, Vec<i64>> = Default::default();
+    loop {
+        let mut still = Vec::new();
+        for id in waiting {
+            match replay_outcome(store, id).await? {
+                Some((outcome, _)) => outcomes.entry(outcome).or_default().push(id),
+                None => still.push(id),
+            }
+        }
+        waiting = still;
+        if waiting.is_empty() || tokio::time::Instant::now() >= deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let not_yet = if waiting.is_empty() {
+        None
+    } else {
+        no_replayer(store, group).await?
+    };
+    let failed = outcomes
+        .iter()
+        .any(|(o, _)| !matches!(*o, "replayed" | "already_applied"));
+    if out.json {
+        out.doc(&json!({
+            "selected": ids, "outcomes": outcomes, "requested": waiting, "error": not_yet,
+        }));
+    } else {
+        for (outcome, list) in &outcomes {
+            println!("{} {}", outcome.replace('_', " "), list.len());
+        }
+        if !waiting.is_empty() {
+            println!(
+                "requested, not done yet {}{}",
+                waiting.len(),
+                dash_error(not_yet.as_deref())
+            );
+        }
+    }
+    Ok(if failed {
+        ExitCode::from(exit::NOT_REPLAYED)
+    } else if !waiting.is_empty() && wait > 0 {
+        ExitCode::from(exit::NOT_YET)
+    } else {
+        ExitCode::SUCCESS
+    })
 }
 
 /// `inbox dead-letters replay ID --group G --wait N`: asks, then waits for
@@ -557,25 +855,7 @@ async fn replay(
     }
     let deadline = tokio::time::Instant::now() + Duration::from_secs(wait);
     loop {
-        let outcome = match store.dead_letter(id).await? {
-            None => Some(match store.letter_gone(id).await? {
-                Some(g) if g.how == GoneHow::Replayed => ("replayed", None),
-                Some(g) if g.how == GoneHow::AlreadyApplied => (
-                    "already_applied",
-                    Some("its inbox row had completed meanwhile: not applied again".to_owned()),
-                ),
-                Some(_) => (
-                    "discarded",
-                    Some("discarded while its replay was asked for: not replayed".to_owned()),
-                ),
-                None => (
-                    "gone",
-                    Some("removed with no record of a replay: not replayed".to_owned()),
-                ),
-            }),
-            Some(d) if d.replay_requested_at.is_none() => Some(("refused", d.replay_error.clone())),
-            Some(_) => None,
-        };
+        let outcome = replay_outcome(store, id).await?;
         if let Some((outcome, error)) = outcome {
             if out.json {
                 out.doc(&json!({ "id": id, "outcome": outcome, "error": error }));
@@ -593,16 +873,7 @@ async fn replay(
             });
         }
         if tokio::time::Instant::now() >= deadline {
-            let replayer = match store.replayer_seen(group).await? {
-                Some(r) if r.running => None,
-                Some(r) => Some(format!(
-                    "no replayer of group {group:?} is running: the last one looked at {}",
-                    r.seen_at.to_rfc3339()
-                )),
-                None => Some(format!(
-                    "no replayer of group {group:?} has ever run: start a DeadLetterReplayer for {group:?} in the service that has its handler"
-                )),
-            };
+            let replayer = no_replayer(store, group).await?;
             if out.json {
                 out.doc(&json!({ "id": id, "outcome": "requested", "error": replayer }));
             } else {
@@ -659,22 +930,53 @@ async fn outbox(cmd: OutboxCommand, store: &PgStore, out: Out) -> Result<ExitCod
     Ok(ExitCode::SUCCESS)
 }
 
+/// The topics `group` has stored offsets for, in PostgreSQL.
+async fn group_topics(store: &PgStore, group: &str) -> Result<Vec<String>, Failure> {
+    let mut topics: Vec<String> = store
+        .status()
+        .await?
+        .partitions
+        .into_iter()
+        .filter(|p| p.group == group && p.topic != RELAY_SLOTS)
+        .map(|p| p.topic)
+        .collect();
+    topics.sort();
+    topics.dedup();
+    if topics.is_empty() {
+        return Err(
+            format!("group {group:?} has no stored offsets: name its topics with --topic").into(),
+        );
+    }
+    Ok(topics)
+}
+
 async fn offsets(cli: Offsets, store: &PgStore, out: Out) -> Result<ExitCode, Failure> {
     let mut kafka = cli
         .brokers
         .config(&cli.group)?
         .ok_or("no brokers: give --brokers or set KAFKA_BROKERS")?;
-    kafka.partitions = if cli.partitions.is_empty() {
-        topic_partitions(&kafka, std::slice::from_ref(&cli.topic)).await?
+    let topics = if cli.topics.is_empty() {
+        group_topics(store, &cli.group).await?
     } else {
-        cli.partitions
-            .iter()
-            .map(|p| (cli.topic.clone(), *p))
-            .collect()
+        cli.topics.clone()
+    };
+    kafka.partitions = match (topics.as_slice(), cli.partitions.is_empty()) {
+        (_, true) => topic_partitions(&kafka, &topics).await?,
+        ([topic], false) => cli.partitions.iter().map(|p| (topic.clone(), *p)).collect(),
+        _ => return Err("--partition needs exactly one --topic".into()),
     };
     let mut moved = Vec::new();
-    if let OffsetsAction::Move { to, execute } = &cli.action {
-        let target: OffsetTarget = to.parse()?;
+    if let OffsetsAction::Move {
+        to,
+        shift_by,
+        execute,
+    } = &cli.action
+    {
+        let target: OffsetTarget = match (to, shift_by) {
+            (_, Some(n)) => OffsetTarget::ShiftBy(*n),
+            (Some(to), None) => to.parse()?,
+            (None, None) => return Err("give --to or --shift-by".into()),
+        };
         if !*execute {
             let plan = plan_offsets(&kafka, store, target).await?;
             let list: Vec<Value> = plan

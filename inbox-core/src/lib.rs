@@ -86,8 +86,6 @@ pub use isolation::Isolation;
 pub use metrics::{
     CountingMetrics, Counts, MetricEvent, Metrics, NoopMetrics, record_safely, topic_label,
 };
-#[allow(deprecated)]
-pub use model::WorkerId;
 pub use model::{
     InboxRow, InboxStatus, MemberId, Message, NewInboxRow, PayloadFormat, Position, RowId,
     TOMBSTONE_EVENT_TYPE,

@@ -29,9 +29,6 @@ pub const MAX_HEADER_KEY_CHARS: usize = 64;
 pub const MAX_HEADER_VALUE_CHARS: usize = 512;
 /// Longest member id, in characters.
 pub const MAX_MEMBER_ID_CHARS: usize = 255;
-/// The former name of [`MAX_MEMBER_ID_CHARS`].
-#[deprecated(since = "0.1.0", note = "renamed MAX_MEMBER_ID_CHARS")]
-pub const MAX_WORKER_ID_CHARS: usize = MAX_MEMBER_ID_CHARS;
 /// Default attempt budget of an inbox row (used by the processor only).
 pub const DEFAULT_MAX_ATTEMPTS: i32 = 5;
 /// Longest `last_error` kept on a row, in characters.
@@ -565,11 +562,6 @@ pub fn decode_header(key: &[u8], value: &[u8]) -> Result<(String, String), Valid
 /// most 255 characters, checked when it is configured.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct MemberId(String);
-
-/// The former name of [`MemberId`] (one word for the identity of a runner,
-/// a processor, a group member and a relay).
-#[deprecated(since = "0.1.0", note = "renamed MemberId")]
-pub type WorkerId = MemberId;
 
 impl MemberId {
     /// Validates and wraps a member id.

@@ -252,11 +252,6 @@ impl ProcessorBatch {
     }
 }
 
-/// The former name of [`Processor`] ("batch" now means one thing: messages
-/// handled in one transaction, by the batched runner or by this).
-#[deprecated(since = "0.1.0", note = "renamed Processor")]
-pub type BatchProcessor<S, H> = Processor<S, H>;
-
 /// The processor (land and drain: the SPEC's batch processor), generic over
 /// the store and the handler: it claims due landed rows in batches and runs
 /// the handler on each.

@@ -225,11 +225,6 @@ where
     }
 }
 
-/// The former name of [`EventRouter`] (it clashed with `axum::Router` in a
-/// glob import of the prelude).
-#[deprecated(since = "0.1.0", note = "renamed EventRouter")]
-pub type Router<Tx> = EventRouter<Tx>;
-
 /// Routes messages by event type (and schema version) to typed handlers.
 pub struct EventRouter<Tx> {
     routes: HashMap<(String, Option<String>), Arc<dyn Route<Tx>>>,

@@ -172,26 +172,3 @@ where
         None => Ok(summaries.into_iter().flatten().collect()),
     }
 }
-
-/// The former form of [`run_partitioned`] with `metrics` (which
-/// [`run_partitioned`] now takes, as `run_group` does).
-///
-/// # Errors
-///
-/// As [`run_partitioned`].
-#[deprecated(since = "0.1.0", note = "run_partitioned takes the metrics")]
-pub async fn run_partitioned_with_metrics<S, H>(
-    config: KafkaConfig,
-    store: S,
-    handler: Arc<H>,
-    runner: RunnerConfig,
-    workers: usize,
-    cancel: CancellationToken,
-    metrics: Arc<dyn Metrics>,
-) -> Result<Vec<RunSummary>, KafkaError>
-where
-    S: InboxStore + OffsetStore + Clone + 'static,
-    H: Handler<S::Tx> + 'static,
-{
-    run_partitioned(config, store, handler, runner, workers, metrics, cancel).await
-}

@@ -75,13 +75,6 @@ impl Outbox {
         Self::render(table, true)
     }
 
-    /// The same as [`Outbox::new`] (which no longer notifies); kept for
-    /// existing callers.
-    #[deprecated(note = "Outbox::new no longer notifies; use it")]
-    pub fn without_notify(table: &TableName) -> Self {
-        Self::render(table, false)
-    }
-
     /// Whether each enqueue notifies the relays.
     pub fn notifies(&self) -> bool {
         self.notify

@@ -714,19 +714,6 @@ impl PgStore {
         Ok(())
     }
 
-    /// The former name of [`migrate`](Self::migrate).
-    ///
-    /// # Errors
-    ///
-    /// As [`migrate`](Self::migrate).
-    #[deprecated(
-        since = "0.1.0",
-        note = "renamed migrate: it applies the inbox migrations"
-    )]
-    pub async fn create_tables(&self) -> Result<(), StoreError> {
-        self.migrate().await
-    }
-
     /// The connection pool, for the application's own queries.
     pub fn connection(&self) -> &DatabaseConnection {
         &self.db

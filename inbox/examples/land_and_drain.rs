@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use serde::Deserialize;
+use transactional_inbox::Message;
 use transactional_inbox::attempts::AttemptRules;
 use transactional_inbox::postgres::sea_orm::{ConnectionTrait, DbBackend, Statement};
 use transactional_inbox::prelude::*;

@@ -14,6 +14,7 @@
 //! invoices with SQL.
 
 use serde::Deserialize;
+use transactional_inbox::Message;
 use transactional_inbox::prelude::*;
 
 #[derive(Deserialize)]

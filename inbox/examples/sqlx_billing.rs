@@ -21,6 +21,7 @@
 //! version. `query!` and `query_as!` work the same way on `&mut *conn`.
 
 use serde::Deserialize;
+use transactional_inbox::Message;
 use transactional_inbox::postgres::sea_orm::sqlx::{self, postgres::PgPoolOptions};
 use transactional_inbox::prelude::*;
 

@@ -26,8 +26,8 @@ use transactional_inbox::testkit::{
     MemBroker, MemFixture, MemStore, MemTx, StoreFault, run_conformance,
 };
 use transactional_inbox::{
-    DueFilter, InboxRow, InboxStore, MemberId, MembershipStore, OffsetStore, PartitionClaim, RowId,
-    StoreError, TxAck,
+    DueFilter, Handler, InboxRow, InboxStore, MemberId, MembershipStore, Message, OffsetStore,
+    PartitionClaim, RowId, StoreError, TxAck,
 };
 
 /// Where the handler writes: in production a `PgTx` (an INSERT through

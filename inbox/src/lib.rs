@@ -10,6 +10,30 @@ pub use async_trait::async_trait;
 /// What a service that consumes into the inbox imports:
 /// `use transactional_inbox::prelude::*;`, plus `transactional_inbox::postgres` / `transactional_inbox::kafka` for the
 /// adapters' own types.
+///
+/// Nothing in it shares a name with what other crates' globs bring (the
+/// handler trait, the message and its headers are named by path, as
+/// `transactional_inbox::{Handler, Message}`: `prost::Message`,
+/// `axum::Handler` and rdkafka's `Message` and `Headers` are common), and
+/// the low-level drivers (`run_group`, `run_partitioned`, `run_relay`) are
+/// in `transactional_inbox::kafka`, not here: a service runs
+/// `InboxConsumer` and `OutboxRelay`.
+///
+/// ```
+/// use transactional_inbox::prelude::*;
+/// use transactional_inbox::{Handler, Message};
+///
+/// struct Billing;
+///
+/// #[async_trait]
+/// impl Handler<PgTx> for Billing {
+///     type Output = ();
+///     async fn handle(&self, message: &Message, tx: &mut PgTx) -> Result<(), HandlerError> {
+///         let _ = (message, tx);
+///         Ok(())
+///     }
+/// }
+/// ```
 pub mod prelude {
     pub use crate::async_trait;
     pub use inbox_core::dead_letters::DeadLetterReplayer;
@@ -17,9 +41,9 @@ pub mod prelude {
     pub use inbox_core::outbox::{OnRefused, OutboxMessage, RelayConfig};
     pub use inbox_core::router::{EventHandler, EventRouter, UnknownEventType};
     pub use inbox_core::{
-        AckStrategy, Backoff, BatchConfig, CancellationToken, Handler, HandlerError, HandlerResult,
-        Headers, InboxStore, InboxTransaction, Isolation, Message, Metrics, NoHandler, NoopMetrics,
-        PayloadFormat, Runner, RunnerConfig, SkipTombstones,
+        AckStrategy, Backoff, BatchConfig, CancellationToken, HandlerError, HandlerResult,
+        InboxStore, InboxTransaction, Isolation, Metrics, NoHandler, NoopMetrics, PayloadFormat,
+        Runner, RunnerConfig, SkipTombstones,
     };
 
     #[cfg(feature = "postgres")]
@@ -28,7 +52,7 @@ pub mod prelude {
     #[cfg(feature = "kafka")]
     pub use inbox_kafka::{
         GroupConfig, HealthHandle, InboxConsumer, JsonDecoder, KafkaConfig, OutboxRelay, Sasl,
-        StartPosition, Tls, run_group, run_partitioned, run_relay, shutdown_signal,
+        StartPosition, Tls, shutdown_signal,
     };
 }
 

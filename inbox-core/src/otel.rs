@@ -8,8 +8,13 @@
 //!
 //! It works on `tracing` spans through `tracing-opentelemetry`: install a
 //! `tracing_opentelemetry::layer()` with your tracer in the subscriber, as
-//! for any OpenTelemetry export of `tracing` spans. Without such a layer
-//! nothing is read or written.
+//! for any OpenTelemetry export of `tracing` spans, and the propagator of
+//! your choice as OpenTelemetry's global one
+//! (`opentelemetry::global::set_text_map_propagator`: the SDK's
+//! `TraceContextPropagator` for W3C `traceparent`, or B3, Jaeger, a
+//! composite). Without such a layer, or with the default no-op global
+//! propagator, nothing is read or written. This crate depends on the
+//! `opentelemetry` API only, never the SDK.
 //!
 //! ```
 //! use inbox_core::Headers;
@@ -24,8 +29,9 @@
 //! assert!(inbox_core::otel::current_context_headers().is_empty(), "no OpenTelemetry layer here");
 //! ```
 
-use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
-use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry::global;
+use opentelemetry::propagation::{Extractor, Injector};
+use opentelemetry::trace::TraceContextExt;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::headers::Headers;
@@ -56,39 +62,60 @@ impl Injector for IntoPairs {
     }
 }
 
-/// Makes the trace context in `headers` (a `traceparent`, and its
-/// `tracestate`) the parent of `span`; headers without a `traceparent`, or
-/// with one that does not parse, change nothing.
-pub fn adopt_parent(span: &tracing::Span, headers: &Headers) {
-    if headers.get(TRACEPARENT).is_none() {
-        return;
+/// The trace context the global propagator reads in `headers`, when it
+/// finds a valid one.
+fn extract(headers: &Headers) -> Option<opentelemetry::Context> {
+    if headers.is_empty() {
+        return None;
     }
-    let cx = TraceContextPropagator::new().extract(&FromHeaders(headers));
-    // a span no OpenTelemetry layer follows has no parent to set
-    let _ = span.set_parent(cx);
+    let cx = global::get_text_map_propagator(|p| p.extract(&FromHeaders(headers)));
+    cx.span().span_context().is_valid().then_some(cx)
+}
+
+/// Makes the trace context in `headers` (as OpenTelemetry's global
+/// propagator reads it: for W3C, a `traceparent` and its `tracestate`) the
+/// parent of `span`; headers without a valid context change nothing.
+pub fn adopt_parent(span: &tracing::Span, headers: &Headers) {
+    if let Some(cx) = extract(headers) {
+        // a span no OpenTelemetry layer follows has no parent to set
+        let _ = span.set_parent(cx);
+    }
 }
 
 /// Links `span` to the trace context in `headers` (a batch's span, whose
 /// messages each come from a trace of their own: OpenTelemetry's way for
-/// batch consumers); headers without a valid `traceparent` add nothing.
+/// batch consumers); headers without a valid context add nothing.
 pub fn link(span: &tracing::Span, headers: &Headers) {
-    use opentelemetry::trace::TraceContextExt;
-    if headers.get(TRACEPARENT).is_none() {
-        return;
-    }
-    let cx = TraceContextPropagator::new().extract(&FromHeaders(headers));
-    let linked = cx.span().span_context().clone();
-    if linked.is_valid() {
-        span.add_link(linked);
+    if let Some(cx) = extract(headers) {
+        span.add_link(cx.span().span_context().clone());
     }
 }
 
-/// The current span's trace context as W3C headers (`traceparent`, and
-/// `tracestate` when there is one); none when no span with an
-/// OpenTelemetry context is current.
+/// The current span's trace context as the global propagator writes it
+/// (for W3C, `traceparent`, and `tracestate` when there is one); none when
+/// no span with an OpenTelemetry context is current, or the propagator is
+/// the default no-op one.
 pub fn current_context_headers() -> Vec<(String, String)> {
     let cx = tracing::Span::current().context();
+    if !cx.span().span_context().is_valid() {
+        return Vec::new();
+    }
     let mut pairs = IntoPairs::default();
-    TraceContextPropagator::new().inject_context(&cx, &mut pairs);
+    global::get_text_map_propagator(|p| p.inject_context(&cx, &mut pairs));
     pairs.0
+}
+
+/// The current span's trace context as headers for an event that carries
+/// `existing` headers: none when it carries any header the global
+/// propagator writes (its own context wins), else
+/// [`current_context_headers`].
+pub fn context_headers_for(existing: &[(String, String)]) -> Vec<(String, String)> {
+    let carries = global::get_text_map_propagator(|p| {
+        p.fields()
+            .any(|field| existing.iter().any(|(k, _)| k.eq_ignore_ascii_case(field)))
+    });
+    if carries {
+        return Vec::new();
+    }
+    current_context_headers()
 }

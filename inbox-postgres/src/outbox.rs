@@ -419,20 +419,15 @@ fn checked(event: &OutboxMessage) -> Result<(), StoreError> {
 }
 
 /// The event's headers as stored; with the feature `otel`, the current
-/// span's trace context (`traceparent`, `tracestate`) is added unless the
-/// event carries one already, so the consumer's handler continues the
+/// span's trace context (as the global propagator writes it: for W3C,
+/// `traceparent` and `tracestate`) is added unless the event carries one
+/// already, so the consumer's handler continues the
 /// trace of the transaction that enqueued it.
 fn event_headers(event: &OutboxMessage) -> Vec<(String, String)> {
     #[cfg_attr(not(feature = "otel"), allow(unused_mut))]
     let mut headers = event.headers.clone();
     #[cfg(feature = "otel")]
-    if !event
-        .headers
-        .iter()
-        .any(|(k, _)| k == inbox_core::otel::TRACEPARENT)
-    {
-        headers.extend(inbox_core::otel::current_context_headers());
-    }
+    headers.extend(inbox_core::otel::context_headers_for(&event.headers));
     headers
 }
 

@@ -33,6 +33,25 @@ async fn one_trace_runs_from_the_enqueue_through_the_relay_to_the_handler() {
         .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("inbox-test")));
     // this runtime has one thread: every task of the test sees the layer
     let _guard = tracing::subscriber::set_default(subscriber);
+    // the library uses OpenTelemetry's global propagator: the default one
+    // (no-op) writes nothing, even in a span with a valid context
+    let before =
+        tracing::info_span!("before").in_scope(transactional_inbox::otel::current_context_headers);
+    assert_eq!(
+        before,
+        Vec::new(),
+        "the global no-op propagator writes nothing"
+    );
+    opentelemetry::global::set_text_map_propagator(
+        opentelemetry_sdk::propagation::TraceContextPropagator::new(),
+    );
+    let during =
+        tracing::info_span!("during").in_scope(transactional_inbox::otel::current_context_headers);
+    assert_eq!(
+        during.first().map(|(k, _)| k.as_str()),
+        Some("traceparent"),
+        "{during:?}"
+    );
 
     let store = fresh_store().await.unwrap_or_else(|e| panic!("{e}"));
     let broker = broker().unwrap_or_else(|e| panic!("{e}"));

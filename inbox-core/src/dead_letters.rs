@@ -91,6 +91,7 @@ impl DeadLetter {
 }
 
 /// Which dead letters to list: every filter is optional; newest first.
+#[non_exhaustive]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeadLetterQuery {
     /// Only this consumer group's.

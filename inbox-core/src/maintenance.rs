@@ -35,6 +35,7 @@ use crate::store::InboxStore;
 pub const MIN_RETENTION: Duration = Duration::from_secs(24 * 3_600);
 
 /// How maintenance runs.
+#[non_exhaustive]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MaintenanceConfig {
     /// Time between two runs. Default 60 s.

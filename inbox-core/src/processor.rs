@@ -84,6 +84,7 @@ pub enum ClaimMode {
 }
 
 /// How a [`Processor`] works.
+#[non_exhaustive]
 #[derive(Debug, Clone)]
 pub struct ProcessorConfig {
     /// Who this processor is: written to `locked_by` of the rows it claims.

@@ -55,6 +55,7 @@ pub enum OutOfRange {
 }
 
 /// Configuration of a [`KafkaConsumer`](crate::KafkaConsumer).
+#[non_exhaustive]
 #[derive(Clone)]
 pub struct KafkaConfig {
     /// Bootstrap brokers, `host:port`.

@@ -85,6 +85,7 @@ where
 }
 
 /// The default decoder: JSON object payloads, ids and metadata from headers.
+#[non_exhaustive]
 #[derive(Debug, Clone)]
 pub struct JsonDecoder {
     /// Headers tried in order for `message_id`. Default `message_id`,

@@ -37,6 +37,7 @@ use tokio::task::JoinHandle;
 use crate::{KafkaConfig, KafkaConsumer, KafkaError};
 
 /// How a member takes part in its group.
+#[non_exhaustive]
 #[derive(Debug, Clone)]
 pub struct GroupConfig {
     /// This member's id (unique in the group, stable across its restarts

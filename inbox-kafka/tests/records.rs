@@ -88,10 +88,9 @@ async fn poison_records_are_dead_lettered_and_the_partition_goes_on() {
         .await
         .expect("produce");
     let mut kafka = env.kafka_config("billing");
-    kafka.decoder = Arc::new(JsonDecoder {
-        require_message_id: true,
-        ..JsonDecoder::default()
-    });
+    let mut decoder = JsonDecoder::default();
+    decoder.require_message_id = true;
+    kafka.decoder = Arc::new(decoder);
     let consumer = KafkaConsumer::connect(kafka, env.store.clone())
         .await
         .expect("connect");

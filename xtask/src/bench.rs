@@ -900,14 +900,12 @@ async fn runner(store: PgStore, messages: u64, mode: Mode, fail_percent: u64) ->
         );
     }
     let mut config = RunnerConfig::new("bench", "bench-1")?;
-    let batch_config = BatchConfig {
-        linger: Duration::ZERO,
-        isolation: if mode == Mode::Savepoints {
-            inbox_core::Isolation::Savepoints
-        } else {
-            inbox_core::Isolation::Optimistic
-        },
-        ..BatchConfig::new(BATCH)
+    let mut batch_config = BatchConfig::new(BATCH);
+    batch_config.linger = Duration::ZERO;
+    batch_config.isolation = if mode == Mode::Savepoints {
+        inbox_core::Isolation::Savepoints
+    } else {
+        inbox_core::Isolation::Optimistic
     };
     let batch = mode != Mode::PerMessage;
     if batch {

@@ -35,6 +35,7 @@ pub enum OnRefused {
 }
 
 /// How a relay runs.
+#[non_exhaustive]
 #[derive(Debug, Clone, PartialEq)]
 pub struct RelayConfig {
     /// The relays' group (membership and slot leases are kept under it).

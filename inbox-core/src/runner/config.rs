@@ -27,6 +27,7 @@ pub const DEFAULT_FAILURE_BUDGET: u32 = 10;
 
 /// How the runner behaves. [`RunnerConfig::new`] validates the consumer group
 /// and the member id and sets sensible defaults.
+#[non_exhaustive]
 #[derive(Debug, Clone)]
 pub struct RunnerConfig {
     /// Consumer group: part of the deduplication key.
@@ -79,6 +80,7 @@ pub struct RunnerConfig {
 /// let config = RunnerConfig::new("billing", "worker-1").unwrap().batched(BatchConfig::new(100));
 /// assert_eq!(config.batch.map(|b| b.max_messages), Some(100));
 /// ```
+#[non_exhaustive]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BatchConfig {
     /// Most messages in one transaction (at least 1).

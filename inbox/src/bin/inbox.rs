@@ -181,15 +181,15 @@ impl Filters {
     }
 
     fn query(&self, group: Option<String>, before_id: Option<i64>, limit: u32) -> DeadLetterQuery {
-        DeadLetterQuery {
-            consumer_group: group,
-            topic: self.topic.clone(),
-            since: self.since,
-            until: self.until,
-            error_contains: self.error.clone(),
-            before_id,
-            limit,
-        }
+        let mut query = DeadLetterQuery::new();
+        query.consumer_group = group;
+        query.topic.clone_from(&self.topic);
+        query.since = self.since;
+        query.until = self.until;
+        query.error_contains.clone_from(&self.error);
+        query.before_id = before_id;
+        query.limit = limit;
+        query
     }
 }
 

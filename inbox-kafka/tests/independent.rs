@@ -2,8 +2,9 @@
 //! `confluent-kafka` wheel, which `cargo xtask test` installs) produces
 //! gzip, lz4 and zstd batches with idempotence on, keys, headers and
 //! tombstones to Apache Kafka; the consumer handles each valid record once (its
-//! headers in their order, a repeated name kept) and dead-letters each
-//! tombstone, and the partition is acknowledged to its end.
+//! headers in their order, a repeated name kept) and hands each tombstone
+//! to the handler (`Message::tombstone`, not poison), and the partition is
+//! acknowledged to its end.
 
 mod common;
 
@@ -14,9 +15,9 @@ use inbox_core::{AckStrategy, Handler, HandlerError, Message, Runner};
 use inbox_postgres::PgTx;
 use inbox_testkit::scenarios::{ScenarioStore, WriteInvoice};
 
-/// A handled message's id, key, whether it had a timestamp, and its
-/// headers.
-type Seen = (String, Option<Vec<u8>>, bool, Vec<(String, String)>);
+/// A handled message's id, key, whether it had a timestamp, its headers,
+/// and whether it was a tombstone.
+type Seen = (String, Option<Vec<u8>>, bool, Vec<(String, String)>, bool);
 
 /// Writes an invoice and notes what it saw of each message.
 #[derive(Default)]
@@ -37,6 +38,7 @@ impl Handler<PgTx> for Noting {
                 m.key.clone(),
                 m.timestamp.is_some(),
                 m.headers.clone().into_vec(),
+                m.tombstone,
             ));
         Ok(())
     }
@@ -77,12 +79,20 @@ async fn a_topic_written_by_librdkafka_is_consumed_exactly_once() {
     for order in &valid {
         assert_eq!(env.invoices(order).await, 1, "{order} (codec in its name)");
     }
+    // a tombstone is not poison: it reaches the handler, once
     for t in &tombstones {
-        assert_eq!(env.store.dead_letters(t, "billing").await, 1, "{t}");
+        assert_eq!(env.store.dead_letters(t, "billing").await, 0, "{t}");
+        assert_eq!(env.invoices(t).await, 1, "{t}");
     }
     let seen = handler.seen.lock().map(|s| s.clone()).unwrap_or_default();
-    assert_eq!(seen.len(), 9, "each valid record handled once");
-    for (id, key, timestamped, headers) in &seen {
+    assert_eq!(seen.len(), 12, "each record handled once, tombstones too");
+    let tombstoned: Vec<&String> = seen.iter().filter(|s| s.4).map(|s| &s.0).collect();
+    assert_eq!(tombstoned.len(), 3, "{tombstoned:?}");
+    assert!(
+        tombstoned.iter().all(|t| tombstones.contains(t)),
+        "{tombstoned:?}"
+    );
+    for (id, key, timestamped, headers, _) in seen.iter().filter(|s| !s.4) {
         // the producer keyed order `<codec>-<i>` with `customer-<i>`
         let i = id.rsplit('-').next().unwrap_or_default();
         let want = format!("customer-{i}").into_bytes();

@@ -111,4 +111,7 @@ pub mod guides {
 
     #[doc = include_str!("../docs/architecture.md")]
     pub mod architecture {}
+
+    #[doc = include_str!("../docs/comparison.md")]
+    pub mod comparison {}
 }

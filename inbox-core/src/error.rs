@@ -467,6 +467,47 @@ pub enum Error {
     Consumer(#[from] ConsumerError),
 }
 
+/// Why the router ([`EventRouter`](crate::router::EventRouter)) could not
+/// hand a message to a handler (also `inbox_core::router::RouteError`).
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum RouteError {
+    /// The payload does not deserialize into the route's type.
+    #[error("payload of {event_type} does not fit {type_name} at `{path}`: {reason}")]
+    Payload {
+        /// The message's event type.
+        event_type: String,
+        /// The type the route deserializes into.
+        type_name: &'static str,
+        /// Where in the payload (`.` for the whole of it, else e.g.
+        /// `items[2].price`).
+        path: String,
+        /// What serde said.
+        reason: String,
+    },
+    /// The payload could not be read in the route's format (Protobuf,
+    /// Avro, ...: see [`formats`](crate::formats)).
+    #[error("payload of {event_type} is not {format} of {type_name}: {reason}")]
+    Encoding {
+        /// The message's event type.
+        event_type: String,
+        /// The route's format (`protobuf`, `avro`, ...).
+        format: &'static str,
+        /// The type the route decodes into.
+        type_name: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// No route takes this event type (and schema version).
+    #[error("no route for event type {event_type:?} (schema version {schema_version:?})")]
+    UnknownEventType {
+        /// The message's event type.
+        event_type: String,
+        /// The message's schema version.
+        schema_version: Option<String>,
+    },
+}
+
 #[cfg(test)]
 mod tests {
     use super::HandlerError;

@@ -40,8 +40,8 @@
 use async_trait::async_trait;
 use serde::de::DeserializeOwned;
 
+use crate::error::RouteError;
 use crate::model::{Message, PayloadFormat};
-use crate::router::RouteError;
 
 /// Reads a message's payload into a `T`: the format of one route.
 #[async_trait]
@@ -127,8 +127,8 @@ pub use protobuf::Protobuf;
 #[cfg(feature = "protobuf")]
 mod protobuf {
     use super::{PayloadDecoder, binary, confluent_frame, encoding};
+    use crate::error::RouteError;
     use crate::model::Message;
-    use crate::router::RouteError;
     use async_trait::async_trait;
 
     /// Protobuf through prost: plain Protobuf bytes, or the Confluent wire
@@ -194,8 +194,8 @@ pub mod avro {
     use serde::de::DeserializeOwned;
 
     use super::{PayloadDecoder, binary, confluent_frame, encoding};
+    use crate::error::RouteError;
     use crate::model::Message;
-    use crate::router::RouteError;
 
     /// Why a schema could not be had.
     #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -690,7 +690,7 @@ impl Cluster {
             .create_topic(name, partitions, replicas, 10_000)
             .await
             .map_err(|e| HarnessError(format!("creating topic {name}: {e}")))?;
-        crate::kafka::visible(&client, name, partitions).await
+        visible(&client, name, partitions).await
     }
 
     /// The partitions of `topic` as the cluster's metadata has them.
@@ -813,6 +813,36 @@ impl Cluster {
                 "asking the cluster through librdkafka failed: {}",
                 String::from_utf8_lossy(&out.stderr)
             )))
+        }
+    }
+}
+
+/// Waits (10 s at most) until the metadata `client` reads lists `name`
+/// with its `partitions`: Apache Kafka answers CreateTopics once its
+/// controller has the topic, and a broker's metadata may not have it yet
+/// for a few milliseconds, in which a consumer started at once would find
+/// no such topic.
+pub(crate) async fn visible(
+    client: &rskafka::client::Client,
+    name: &str,
+    partitions: i32,
+) -> Result<(), HarnessError> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let want = usize::try_from(partitions).unwrap_or(0);
+    loop {
+        let listed = client.list_topics().await.map(|topics| {
+            topics
+                .iter()
+                .any(|t| t.name == name && t.partitions.len() >= want)
+        });
+        match listed {
+            Ok(true) => return Ok(()),
+            _ if Instant::now() > deadline => {
+                return Err(HarnessError(format!(
+                    "topic {name} not in the metadata 10 s after it was created: {listed:?}"
+                )));
+            }
+            _ => tokio::time::sleep(Duration::from_millis(20)).await,
         }
     }
 }

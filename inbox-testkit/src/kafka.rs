@@ -619,7 +619,7 @@ impl Broker {
             .create_topic(name, partitions, 1, 5_000)
             .await
             .map_err(|e| HarnessError(format!("creating topic {name}: {e}")))?;
-        visible(&client, name, partitions).await
+        apache::visible(&client, name, partitions).await
     }
 
     /// Produces `records` to `topic`/`partition` in batches of `batch`
@@ -688,36 +688,6 @@ impl Broker {
             if next >= high {
                 return Ok(out);
             }
-        }
-    }
-}
-
-/// Waits (10 s at most) until the metadata `client` reads lists `name`
-/// with its `partitions`: Apache Kafka answers CreateTopics once its
-/// controller has the topic, and a broker's metadata may not have it yet
-/// for a few milliseconds, in which a consumer started at once would find
-/// no such topic.
-pub(crate) async fn visible(
-    client: &Client,
-    name: &str,
-    partitions: i32,
-) -> Result<(), HarnessError> {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let want = usize::try_from(partitions).unwrap_or(0);
-    loop {
-        let listed = client.list_topics().await.map(|topics| {
-            topics
-                .iter()
-                .any(|t| t.name == name && t.partitions.len() >= want)
-        });
-        match listed {
-            Ok(true) => return Ok(()),
-            _ if Instant::now() > deadline => {
-                return Err(HarnessError(format!(
-                    "topic {name} not in the metadata 10 s after it was created: {listed:?}"
-                )));
-            }
-            _ => tokio::time::sleep(Duration::from_millis(20)).await,
         }
     }
 }

@@ -21,7 +21,7 @@ use crate::model::{InboxStatus, Message, NewInboxRow, RowId, storable_error};
 use crate::outcome::Outcome;
 use crate::store::{AttemptRecord, Found, InboxStore, InboxTransaction, LockResult};
 
-use super::message::Work;
+use super::work::Work;
 use super::{Runner, abandon};
 
 /// The text kept in `last_error` for a failed handler run.

@@ -10,61 +10,17 @@
 use tracing::Instrument;
 
 use crate::consumer::{Consumer, TxAck};
-use crate::decision::{self, AckPoint, Decision, Policy, Step, TxAction};
-use crate::error::{
-    ConsumerError, InboxPersistError, PersistStage, StoreError, StoreErrorKind, ValidationError,
-};
+use crate::decision::{self, AckPoint, Policy, Step, TxAction};
+use crate::error::{ConsumerError, PersistStage, StoreError, StoreErrorKind, ValidationError};
 use crate::handler::Handler;
 use crate::metrics::{MetricEvent, Metrics};
-use crate::model::{Message, NewInboxRow, RowId};
+use crate::model::{Message, NewInboxRow};
 use crate::outcome::{Outcome, OutcomeClass};
 use crate::store::{InboxStore, InboxTransaction};
 
 use super::budget::{Precount, record_failure};
+use super::work::Work;
 use super::{ProcessError, ProcessResult, Runner, abandon, run_handler};
-
-/// A message's decision with what the driver gathered carrying it out.
-pub(super) struct Work {
-    pub(super) decision: Decision,
-    pub(super) row_id: Option<RowId>,
-    pub(super) outcome: Option<Outcome>,
-    pub(super) error: Option<ProcessError>,
-    /// The acknowledgement before the transaction succeeded.
-    pub(super) acked_before: bool,
-}
-
-impl Work {
-    pub(super) fn new(decision: Decision, row_id: Option<RowId>, outcome: Option<Outcome>) -> Self {
-        Self {
-            decision,
-            row_id,
-            outcome,
-            error: None,
-            acked_before: false,
-        }
-    }
-
-    /// The decision for a storage failure at `stage`, keeping what ran;
-    /// `acked_before`: the message was acknowledged before its transaction.
-    pub(super) fn storage_failure(
-        acked_before: bool,
-        stage: PersistStage,
-        source: StoreError,
-        row_id: Option<RowId>,
-        outcome: Option<Outcome>,
-    ) -> Self {
-        tracing::warn!(%stage, error = %source, "inbox storage failure");
-        let ran = outcome.is_some();
-        let decision = if source.kind == StoreErrorKind::Fenced {
-            decision::on_fenced(ran)
-        } else {
-            decision::on_storage_failure(acked_before, ran)
-        };
-        let mut work = Self::new(decision, row_id, outcome);
-        work.error = Some(ProcessError::Persist(InboxPersistError { stage, source }));
-        work
-    }
-}
 
 impl<S, C, H, M> Runner<S, C, H, M>
 where

@@ -22,6 +22,7 @@ pub mod lanes;
 mod message;
 pub mod result;
 mod run;
+mod work;
 
 use crate::partition::Partitions;
 use std::panic::AssertUnwindSafe;

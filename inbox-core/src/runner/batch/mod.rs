@@ -41,7 +41,8 @@ use crate::metrics::{MetricEvent, Metrics};
 use crate::model::{Message, NewInboxRow, RowId};
 use crate::store::{Found, InboxStore, InboxTransaction};
 
-use super::message::{Work, store_ack};
+use super::message::store_ack;
+use super::work::Work;
 use super::{BatchResult, ProcessError, ProcessResult, Runner, abandon};
 
 use slots::{

@@ -16,7 +16,7 @@ use crate::model::{InboxStatus, Message, RowId};
 use crate::outcome::{Outcome, OutcomeClass};
 use crate::store::{Found, InboxStore, InboxTransaction};
 
-use super::super::message::Work;
+use super::super::work::Work;
 use super::super::{Runner, abandon, panic_text, run_handler};
 
 use super::slots::{decide_and_return_rest, fail_all};

@@ -11,7 +11,7 @@ use crate::metrics::Metrics;
 use crate::model::{InboxStatus, RowId};
 use crate::store::{Found, InboxStore, InboxTransaction};
 
-use super::super::message::Work;
+use super::super::work::Work;
 use super::super::{Runner, abandon, run_handler};
 
 use super::slots::{decide_and_return_rest, fail_all, reopen};

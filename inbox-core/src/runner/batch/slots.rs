@@ -4,7 +4,7 @@
 use crate::decision::{self, AckPoint, Decision, Policy};
 use crate::error::{PersistStage, StoreError};
 
-use super::super::message::Work;
+use super::super::work::Work;
 use super::{Fate, Slot};
 
 /// The index of the first slot of partition `p` (there is one: `p` came

@@ -1,0 +1,354 @@
+//! docs/architecture.md kept true: each crate's dependencies (from `cargo
+//! metadata`) against the table "What each crate may depend on", and no
+//! two modules of a library crate importing each other, directly or round a
+//! circle (read from the `crate::` and `super::` paths of its sources).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| panic!("the workspace root"))
+}
+
+/// The names in backticks in `cell`.
+fn ticked(cell: &str) -> BTreeSet<String> {
+    cell.split('`')
+        .skip(1)
+        .step_by(2)
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The table's rows: crate, may depend on, must not.
+fn table() -> Vec<(String, BTreeSet<String>, BTreeSet<String>)> {
+    let doc = std::fs::read_to_string(root().join("docs/architecture.md"))
+        .unwrap_or_else(|e| panic!("docs/architecture.md: {e}"));
+    let start = doc
+        .find("| crate | may depend on | must not |")
+        .unwrap_or_else(|| panic!("the dependency table in docs/architecture.md"));
+    doc[start..]
+        .lines()
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .map(|l| {
+            let cells: Vec<&str> = l.split('|').map(str::trim).collect();
+            let name = ticked(cells[1]).into_iter().next().unwrap_or_default();
+            (name, ticked(cells[2]), ticked(cells[3]))
+        })
+        .collect()
+}
+
+/// Each workspace package's normal dependencies (optional ones included).
+fn dependencies() -> BTreeMap<String, BTreeSet<String>> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    let out = std::process::Command::new(cargo)
+        .args([
+            "metadata",
+            "--format-version",
+            "1",
+            "--no-deps",
+            "--offline",
+        ])
+        .current_dir(root())
+        .output()
+        .unwrap_or_else(|e| panic!("cargo metadata: {e}"));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let meta: serde_json::Value =
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("cargo metadata: {e}"));
+    let mut all = BTreeMap::new();
+    for package in meta["packages"].as_array().into_iter().flatten() {
+        let deps = package["dependencies"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|d| d["kind"].is_null())
+            .filter_map(|d| d["name"].as_str().map(str::to_owned))
+            .collect();
+        if let Some(name) = package["name"].as_str() {
+            all.insert(name.to_owned(), deps);
+        }
+    }
+    all
+}
+
+#[test]
+fn each_crate_depends_only_on_what_the_table_allows() {
+    let rows = table();
+    assert_eq!(
+        rows.iter().map(|r| r.0.as_str()).collect::<Vec<_>>(),
+        [
+            "inbox-core",
+            "inbox-postgres",
+            "inbox-kafka",
+            "inbox-testkit"
+        ],
+        "the table's rows"
+    );
+    let deps = dependencies();
+    for (name, allowed, forbidden) in &rows {
+        let have = deps
+            .get(name)
+            .unwrap_or_else(|| panic!("{name} is no workspace package"));
+        let outside: Vec<&String> = have.difference(allowed).collect();
+        assert!(
+            outside.is_empty(),
+            "{name} depends on {outside:?}, which docs/architecture.md does not list"
+        );
+        let banned: Vec<&String> = have.intersection(forbidden).collect();
+        assert!(banned.is_empty(), "{name} must not depend on {banned:?}");
+    }
+}
+
+/// A library crate's modules: the module path of each source file.
+fn modules(src: &Path) -> BTreeMap<Vec<String>, String> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![src.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{dir:?}: {e}")) {
+            let path = entry.unwrap_or_else(|e| panic!("{e}")).path();
+            if path.is_dir() {
+                stack.push(path);
+                continue;
+            }
+            if path.extension().is_none_or(|e| e != "rs") {
+                continue;
+            }
+            let rel = path.strip_prefix(src).unwrap_or(&path);
+            let mut parts: Vec<String> = rel
+                .iter()
+                .map(|p| p.to_string_lossy().trim_end_matches(".rs").to_owned())
+                .collect();
+            if matches!(
+                parts.last().map(String::as_str),
+                Some("mod" | "lib" | "main")
+            ) {
+                parts.pop();
+            }
+            let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{e}"));
+            // a file's own test module imports what it likes
+            let text = match text.find("#[cfg(test)]\nmod tests") {
+                Some(at) => text[..at].to_owned(),
+                None => text,
+            };
+            // comments (doc links among them) import nothing
+            let text: String = text
+                .lines()
+                .filter(|l| !l.trim_start().starts_with("//"))
+                .collect::<Vec<_>>()
+                .join("\n");
+            out.insert(parts, text);
+        }
+    }
+    out
+}
+
+/// The paths a `use` tree names, expanded (`a::{b, c::d}` gives `a::b`,
+/// `a::c::d`).
+fn expand(tree: &str, prefix: &str, out: &mut Vec<String>) {
+    let tree = tree.trim();
+    match tree.find('{') {
+        None => out.push(format!(
+            "{prefix}{}",
+            tree.split(" as ").next().unwrap_or(tree)
+        )),
+        Some(open) => {
+            let head = &tree[..open];
+            let inner = tree[open + 1..].trim_end().trim_end_matches('}');
+            let mut depth = 0;
+            let mut last = 0;
+            for (i, c) in inner.char_indices() {
+                match c {
+                    '{' => depth += 1,
+                    '}' => depth -= 1,
+                    ',' if depth == 0 => {
+                        expand(&inner[last..i], &format!("{prefix}{head}"), out);
+                        last = i + 1;
+                    }
+                    _ => {}
+                }
+            }
+            if !inner[last..].trim().is_empty() {
+                expand(&inner[last..], &format!("{prefix}{head}"), out);
+            }
+        }
+    }
+}
+
+/// Every path of `text` that starts at `crate::` or `super::`, as
+/// segments.
+fn paths(text: &str) -> Vec<Vec<String>> {
+    let mut found = Vec::new();
+    // use trees, braces and all
+    for stmt in text.split("use ").skip(1) {
+        let Some(end) = stmt.find(';') else { continue };
+        let tree: String = stmt[..end].split_whitespace().collect::<Vec<_>>().join(" ");
+        if tree.starts_with("crate::") || tree.starts_with("super::") {
+            expand(&tree, "", &mut found);
+        }
+    }
+    // paths written inline
+    for start in ["crate::", "super::"] {
+        for (at, _) in text.match_indices(start) {
+            if text[..at].ends_with(|c: char| c.is_alphanumeric() || c == '_' || c == ':') {
+                continue;
+            }
+            let path: String = text[at..]
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '_' || *c == ':')
+                .collect();
+            found.push(path);
+        }
+    }
+    found
+        .into_iter()
+        .map(|p| {
+            p.split("::")
+                .map(|s| s.trim().to_owned())
+                .filter(|s| !s.is_empty() && s != "self" && s != "*")
+                .collect()
+        })
+        .collect()
+}
+
+/// The module a path from `from` points into (its longest prefix that is a
+/// module), when it is one of `known`.
+fn target(from: &[String], path: &[String], known: &BTreeSet<Vec<String>>) -> Option<Vec<String>> {
+    let mut at: Vec<String> = Vec::new();
+    let mut rest = path;
+    match rest.first().map(String::as_str) {
+        Some("crate") => rest = &rest[1..],
+        Some("super") => {
+            at = from.to_vec();
+            while rest.first().map(String::as_str) == Some("super") {
+                at.pop()?;
+                rest = &rest[1..];
+            }
+        }
+        _ => return None,
+    }
+    let mut best = None;
+    for segment in rest {
+        at.push(segment.clone());
+        if known.contains(&at) {
+            best = Some(at.clone());
+        } else {
+            break;
+        }
+    }
+    best
+}
+
+/// Between two modules, the import between the children of their common
+/// parent (`None` when one contains the other).
+fn sibling_edge(from: &[String], to: &[String]) -> Option<(Vec<String>, Vec<String>)> {
+    let common = from.iter().zip(to).take_while(|(a, b)| a == b).count();
+    if common == from.len() || common == to.len() {
+        return None;
+    }
+    Some((from[..=common].to_vec(), to[..=common].to_vec()))
+}
+
+/// A circle in `edges`, when there is one.
+fn circle(edges: &BTreeMap<Vec<String>, BTreeSet<Vec<String>>>) -> Option<Vec<Vec<String>>> {
+    fn visit(
+        node: &Vec<String>,
+        edges: &BTreeMap<Vec<String>, BTreeSet<Vec<String>>>,
+        path: &mut Vec<Vec<String>>,
+        done: &mut BTreeSet<Vec<String>>,
+    ) -> Option<Vec<Vec<String>>> {
+        if let Some(at) = path.iter().position(|n| n == node) {
+            let mut found = path[at..].to_vec();
+            found.push(node.clone());
+            return Some(found);
+        }
+        if done.contains(node) {
+            return None;
+        }
+        path.push(node.clone());
+        for next in edges.get(node).into_iter().flatten() {
+            if let Some(found) = visit(next, edges, path, done) {
+                return Some(found);
+            }
+        }
+        path.pop();
+        done.insert(node.clone());
+        None
+    }
+    let mut done = BTreeSet::new();
+    for node in edges.keys() {
+        if let Some(found) = visit(node, edges, &mut Vec::new(), &mut done) {
+            return Some(found);
+        }
+    }
+    None
+}
+
+/// The circles of imports between sibling modules of the crate at `src`.
+fn import_circle(src: &Path) -> Option<Vec<String>> {
+    let files = modules(src);
+    let known: BTreeSet<Vec<String>> = files.keys().cloned().collect();
+    let mut edges: BTreeMap<Vec<String>, BTreeSet<Vec<String>>> = BTreeMap::new();
+    for (from, text) in &files {
+        for path in paths(text) {
+            let Some(to) = target(from, &path, &known) else {
+                continue;
+            };
+            if let Some((a, b)) = sibling_edge(from, &to) {
+                edges.entry(a).or_default().insert(b);
+            }
+        }
+    }
+    circle(&edges).map(|c| c.iter().map(|m| m.join("::")).collect())
+}
+
+#[test]
+fn no_two_modules_import_each_other() {
+    for krate in [
+        "inbox-core",
+        "inbox-postgres",
+        "inbox-kafka",
+        "inbox-testkit",
+    ] {
+        let found = import_circle(&root().join(krate).join("src"));
+        assert_eq!(found, None, "{krate}: modules importing round a circle");
+    }
+}
+
+#[test]
+fn the_check_finds_a_circle_where_there_is_one() {
+    let dir = std::env::temp_dir().join(format!("inbox-architecture-{}", std::process::id()));
+    let write = |name: &str, text: &str| {
+        let path = dir.join(name);
+        std::fs::create_dir_all(path.parent().unwrap_or(&dir)).unwrap_or_else(|e| panic!("{e}"));
+        std::fs::write(path, text).unwrap_or_else(|e| panic!("{e}"));
+    };
+    write("lib.rs", "mod a;\nmod b;\nmod c;\n");
+    write("a.rs", "use crate::b::B;\n");
+    write("b.rs", "use crate::{c::{C, D as E}, model};\n");
+    write("c/mod.rs", "mod x;\nmod y;\npub fn f() { crate::a::g() }\n");
+    write("c/x.rs", "use super::y::Y;\nuse super::f;\n");
+    write("c/y.rs", "use crate::a::A;\n");
+    let found = import_circle(&dir);
+    assert_eq!(
+        found,
+        Some(vec!["a".into(), "b".into(), "c".into(), "a".into()]),
+        "a -> b -> c (through c::x's parent, c's own path) -> a"
+    );
+    // a child using its parent and siblings one way only: no circle
+    write("a.rs", "pub fn g() {}\n");
+    assert_eq!(import_circle(&dir), None);
+    write("c/y.rs", "use super::x::X;\n");
+    assert_eq!(
+        import_circle(&dir),
+        Some(vec!["c::x".into(), "c::y".into(), "c::x".into()]),
+        "siblings inside a folder"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -981,9 +981,132 @@ where
     }
 }
 
+/// Calls `$crate::$callback!` with `{ args }` and every check's name, in
+/// order: the one list of checks, from which [`CHECKS`], the dispatch of
+/// [`run_check`] and the tests of [`conformance_tests!`] are made.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __with_conformance_checks {
+    ($callback:ident { $($args:tt)* }) => {
+        $crate::$callback! {
+            { $($args)* }
+            insert_commits_a_pending_unlocked_row
+            second_insert_finds_the_existing_row
+            rollback_leaves_nothing
+            dropped_transaction_rolls_back
+            complete_commits_with_business_writes
+            lock_is_exclusive
+            maintenance
+            dead_letter_is_accepted
+            insert_many_matches_one_by_one
+            binary_payloads_keep_their_bytes
+            savepoint_undoes_only_what_follows_it
+            attempts_are_recorded_and_requeued
+            counting_past_max_attempts_raises_it
+            an_aborted_transaction_never_commits
+            offsets_claim_and_fence
+            members_heartbeat_and_leave
+        }
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __conformance_dispatch {
+    ({} $($name:ident)*) => {
+        /// Every check's name, in the order [`run_conformance`] runs them.
+        pub const CHECKS: &[&str] = &[$(stringify!($name)),*];
+
+        impl<S, F> Ctx<'_, S, F>
+        where
+            S: InboxStore + OffsetStore + MembershipStore,
+            F: BusinessFixture<S::Tx>,
+        {
+            /// Runs the check named `name`.
+            async fn run_named(&self, name: &str) -> Result<&'static str, ConformanceError> {
+                match name {
+                    $(stringify!($name) => self.$name().await.map(|()| stringify!($name)),)*
+                    _ => Err(fail("unknown", format!("no conformance check is named {name:?}"))),
+                }
+            }
+        }
+    };
+}
+
+__with_conformance_checks!(__conformance_dispatch {});
+
+/// One `#[tokio::test]` per conformance check, named after it, so that a
+/// failing check fails by its name and hides none of the others. `store`
+/// is an expression (it may `.await`) giving the store; `fixture(s)` one
+/// giving the [`BusinessFixture`] for the store bound as `s`:
+///
+/// ```ignore
+/// mod conformance {
+///     use inbox_testkit::pg::{PgFixture, fresh_store};
+///     inbox_testkit::conformance_tests! {
+///         store = fresh_store().await.unwrap_or_else(|e| panic!("{e}")),
+///         fixture(store) = PgFixture::new(&store),
+///     }
+/// }
+/// ```
+///
+/// The crate using it needs `tokio` with its `macros` and `rt-multi-thread`
+/// features.
+#[macro_export]
+macro_rules! conformance_tests {
+    (store = $store:expr, fixture($s:ident) = $fixture:expr $(,)?) => {
+        $crate::__with_conformance_checks!(__conformance_test_fns { $store; $s; $fixture });
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __conformance_test_fns {
+    ({ $store:expr; $s:ident; $fixture:expr } $($name:ident)*) => {
+        $(
+            #[::tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                let $s = $store;
+                let fixture = $fixture;
+                if let Err(e) = $crate::run_check(&$s, &fixture, stringify!($name)).await {
+                    panic!("{e}");
+                }
+            }
+        )*
+    };
+}
+
+/// A context with a fresh id prefix and group, so the suite can run on a
+/// store that holds other data.
+fn context<'a, S, F>(store: &'a S, fixture: &'a F) -> Ctx<'a, S, F> {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let run = RUNS.fetch_add(1, Ordering::Relaxed);
+    Ctx {
+        store,
+        fixture,
+        prefix: format!("conf-{nanos}-{run}"),
+        group: format!("conformance-{run}"),
+    }
+}
+
+/// Runs the one check named `name` (one of [`CHECKS`]) against `store`.
+///
+/// # Errors
+///
+/// The check's failure; an unknown name fails as the check `unknown`.
+pub async fn run_check<S, F>(store: &S, fixture: &F, name: &str) -> Result<(), ConformanceError>
+where
+    S: InboxStore + OffsetStore + MembershipStore,
+    F: BusinessFixture<S::Tx>,
+{
+    context(store, fixture).run_named(name).await.map(|_| ())
+}
+
 /// Runs every check against `store`, writing business data with `fixture`.
 /// Rows use a fresh id prefix, so the suite can run on a store that holds
-/// other data.
+/// other data. (For one test per check, see [`conformance_tests!`](crate::conformance_tests).)
 ///
 /// # Errors
 ///
@@ -996,48 +1119,10 @@ where
     S: InboxStore + OffsetStore + MembershipStore,
     F: BusinessFixture<S::Tx>,
 {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    let run = RUNS.fetch_add(1, Ordering::Relaxed);
-    let ctx = Ctx {
-        store,
-        fixture,
-        prefix: format!("conf-{nanos}-{run}"),
-        group: format!("conformance-{run}"),
-    };
-    let mut passed = Vec::new();
-    ctx.insert_commits_a_pending_unlocked_row().await?;
-    passed.push("insert_commits_a_pending_unlocked_row");
-    ctx.second_insert_finds_the_existing_row().await?;
-    passed.push("second_insert_finds_the_existing_row");
-    ctx.rollback_leaves_nothing().await?;
-    passed.push("rollback_leaves_nothing");
-    ctx.dropped_transaction_rolls_back().await?;
-    passed.push("dropped_transaction_rolls_back");
-    ctx.complete_commits_with_business_writes().await?;
-    passed.push("complete_commits_with_business_writes");
-    ctx.lock_is_exclusive().await?;
-    passed.push("lock_is_exclusive");
-    ctx.maintenance().await?;
-    passed.push("maintenance");
-    ctx.dead_letter_is_accepted().await?;
-    passed.push("dead_letter_is_accepted");
-    ctx.insert_many_matches_one_by_one().await?;
-    passed.push("insert_many_matches_one_by_one");
-    ctx.binary_payloads_keep_their_bytes().await?;
-    passed.push("binary_payloads_keep_their_bytes");
-    ctx.savepoint_undoes_only_what_follows_it().await?;
-    passed.push("savepoint_undoes_only_what_follows_it");
-    ctx.attempts_are_recorded_and_requeued().await?;
-    passed.push("attempts_are_recorded_and_requeued");
-    ctx.counting_past_max_attempts_raises_it().await?;
-    passed.push("counting_past_max_attempts_raises_it");
-    ctx.an_aborted_transaction_never_commits().await?;
-    passed.push("an_aborted_transaction_never_commits");
-    ctx.offsets_claim_and_fence().await?;
-    passed.push("offsets_claim_and_fence");
-    ctx.members_heartbeat_and_leave().await?;
-    passed.push("members_heartbeat_and_leave");
+    let ctx = context(store, fixture);
+    let mut passed = Vec::with_capacity(CHECKS.len());
+    for name in CHECKS {
+        passed.push(ctx.run_named(name).await?);
+    }
     Ok(passed)
 }

@@ -48,7 +48,9 @@ mod subject;
 pub mod tls;
 
 pub use broker::{BrokerFault, CommitRecord, MemBroker, MemConsumer};
-pub use conformance::{BusinessFixture, ConformanceError, ConformanceReport, run_conformance};
+pub use conformance::{
+    BusinessFixture, CHECKS, ConformanceError, ConformanceReport, run_check, run_conformance,
+};
 pub use faulty::{FaultyStore, FaultyTx};
 pub use store::{DeadLetter, MemStore, MemTx, StoreFault};
 

@@ -44,6 +44,7 @@ mod budget;
 pub use budget::*;
 mod processor;
 pub use processor::*;
+mod as_tests;
 
 /// One scripted behaviour of [`ScriptedHandler`]. Every call first writes an
 /// invoice for the message, then does this.

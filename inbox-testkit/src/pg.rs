@@ -285,7 +285,10 @@ fn psql_url(url: &str) -> String {
 /// stopped when the process ends. Its settings are the ones
 /// docs/postgres.md gives for the store: `pool_mode = transaction`,
 /// `server_reset_query = DEALLOCATE ALL` with
-/// `server_reset_query_always = 1`, and `extra_float_digits` ignored.
+/// `server_reset_query_always = 1`, and `extra_float_digits` ignored; idle
+/// server connections closed after 2 s and a test database's pool after 5
+/// (every test makes databases of its own: kept for PgBouncer's default 10
+/// minutes, their connections reached the server's `max_connections`).
 #[derive(Debug)]
 pub struct PgBouncer {
     url: String,
@@ -330,6 +333,7 @@ impl PgBouncer {
                  max_client_conn = 2000\ndefault_pool_size = {pool_size}\n\
                  server_reset_query = DEALLOCATE ALL\nserver_reset_query_always = 1\n\
                  ignore_startup_parameters = extra_float_digits\n\
+                 server_idle_timeout = 2\nautodb_idle_timeout = 5\n\
                  logfile = {log}\npidfile = {pid}\n",
                 users = dir.join("users.txt").display(),
                 log = dir.join("pgbouncer.log").display(),

@@ -74,7 +74,7 @@ const SUITES: &[&[&str]] = &[
 /// Starts PostgreSQL and PgBouncer, then runs [`SUITES`] through it.
 pub(crate) fn run() -> Result<()> {
     let server = inbox_testkit::pg::PgServer::start_dedicated(
-        "-c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=300",
+        "-c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=500",
     )
     .map_err(|e| anyhow!("{e}"))?;
     let bouncer = inbox_testkit::pg::PgBouncer::start(&server, 10).map_err(|e| anyhow!("{e}"))?;

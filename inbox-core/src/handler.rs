@@ -4,7 +4,7 @@ use async_trait::async_trait;
 
 use crate::error::HandlerError;
 use crate::model::Message;
-use crate::outcome::HandlerResult;
+use crate::outcome::{Failure, HandlerResult};
 
 /// Handles one message inside the inbox transaction `Tx`.
 ///
@@ -101,6 +101,33 @@ impl<Tx: Send, H: Handler<Tx> + ?Sized> Handler<Tx> for std::sync::Arc<H> {
 
     fn lands_only(&self) -> bool {
         (**self).lands_only()
+    }
+}
+
+/// Runs `handler` on `message` the one way the runner and the processor
+/// both do: its output converted under the same guard (a user's
+/// `Into<HandlerResult>` is user code too), a panic caught, `timeout`
+/// bounding it; an `Err`, a timeout and a panic become their [`Failure`].
+/// What came of the transaction (aborted, a transient error) is each
+/// driver's to ask after.
+pub(crate) async fn run_guarded<Tx: Send, H: Handler<Tx> + ?Sized>(
+    handler: &H,
+    message: &Message,
+    tx: &mut Tx,
+    timeout: std::time::Duration,
+) -> Result<HandlerResult, Failure> {
+    use futures::FutureExt;
+    let call = std::panic::AssertUnwindSafe(async {
+        let output = handler.handle(message, &mut *tx).await;
+        output.map(Into::<HandlerResult>::into)
+    })
+    .catch_unwind();
+    match tokio::time::timeout(timeout, call).await {
+        Err(_) => Err(Failure::Timeout),
+        Ok(Err(panic)) => Err(Failure::Panic(crate::panics::panic_text(&*panic))),
+        Ok(Ok(Err(e))) if e.is_permanent() => Err(Failure::Permanent(e.to_string())),
+        Ok(Ok(Err(e))) => Err(Failure::Error(e.to_string())),
+        Ok(Ok(Ok(result))) => Ok(result),
     }
 }
 

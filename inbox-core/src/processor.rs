@@ -43,12 +43,10 @@
 //! ```
 
 use std::collections::HashMap;
-use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use futures::FutureExt;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -342,19 +340,13 @@ where
             tx.savepoint().await?;
         }
         let message = row.message();
-        // the output is converted under the guard (user code too)
-        let call = AssertUnwindSafe(async {
-            let output = self.handler.handle(&message, &mut *tx).await;
-            output.map(Into::<HandlerResult>::into)
-        })
-        .catch_unwind();
-        let result = match tokio::time::timeout(self.config.handler_timeout, call).await {
-            Err(_) => Err(Failure::Timeout),
-            Ok(Err(panic)) => Err(Failure::Panic(crate::panics::panic_text(&*panic))),
-            Ok(Ok(Err(e))) if e.is_permanent() => Err(Failure::Permanent(e.to_string())),
-            Ok(Ok(Err(e))) => Err(Failure::Error(e.to_string())),
-            Ok(Ok(Ok(result))) => Ok(result),
-        };
+        let result = crate::handler::run_guarded(
+            &self.handler,
+            &message,
+            &mut *tx,
+            self.config.handler_timeout,
+        )
+        .await;
         // a success over a transaction the handler left aborted is a failure
         // of this row (never of the next one, whose statements would fail)
         let result = match result {

@@ -25,10 +25,8 @@ mod run;
 mod work;
 
 use crate::partition::Partitions;
-use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
-use futures::FutureExt;
 use tokio::time::Instant;
 
 pub use config::{Backoff, BatchConfig, DEFAULT_FAILURE_BUDGET, RunnerConfig};
@@ -40,7 +38,7 @@ use crate::error::StoreError;
 use crate::handler::{Handler, NoHandler};
 use crate::metrics::{MetricEvent, Metrics, NoopMetrics};
 use crate::model::Message;
-use crate::outcome::{Failure, Outcome};
+use crate::outcome::Outcome;
 use crate::store::{InboxStore, InboxTransaction};
 
 /// The runner, generic over the store, the consumer, the handler and the
@@ -280,19 +278,9 @@ where
     M: Metrics,
 {
     let started = Instant::now();
-    // the handler's output is converted under the same guard (a user's
-    // `Into<HandlerResult>` is user code too)
-    let call = AssertUnwindSafe(async {
-        let output = handler.handle(message, &mut *tx).await;
-        output.map(Into::<crate::outcome::HandlerResult>::into)
-    })
-    .catch_unwind();
-    let outcome = match tokio::time::timeout(timeout, call).await {
-        Err(_) => Outcome::Failed(Failure::Timeout),
-        Ok(Err(panic)) => Outcome::Failed(Failure::Panic(panic_text(&*panic))),
-        Ok(Ok(Err(e))) if e.is_permanent() => Outcome::Failed(Failure::Permanent(e.to_string())),
-        Ok(Ok(Err(e))) => Outcome::Failed(Failure::Error(e.to_string())),
-        Ok(Ok(Ok(result))) => Outcome::from_result(&result),
+    let outcome = match crate::handler::run_guarded(handler, message, tx, timeout).await {
+        Ok(result) => Outcome::from_result(&result),
+        Err(failure) => Outcome::Failed(failure),
     };
     crate::metrics::record_safely(metrics, MetricEvent::HandlerDuration(started.elapsed()));
     // a success over a transaction the handler left aborted is its failure

@@ -359,12 +359,9 @@ async fn tombstones_and_binary_headers_reach_the_handler_or_skip_by_setting() {
 
     // delivered: every record reaches the handler, none is poison
     let seen = Arc::new(Seen::default());
-    let consumer = KafkaConsumer::connect(env.kafka_config("users"), env.store.clone())
-        .await
-        .expect("connect");
     let mut runner = Runner::new(
         env.store.clone(),
-        consumer,
+        env.consumer("users").await,
         seen.clone(),
         config("users", AckStrategy::default()),
     );
@@ -391,12 +388,9 @@ async fn tombstones_and_binary_headers_reach_the_handler_or_skip_by_setting() {
 
     // skipped: SkipTombstones completes the tombstone without the handler
     let skipping = Arc::new(inbox_core::SkipTombstones(Seen::default()));
-    let consumer = KafkaConsumer::connect(env.kafka_config("audit"), env.store.clone())
-        .await
-        .expect("connect");
     let mut runner = Runner::new(
         env.store.clone(),
-        consumer,
+        env.consumer("audit").await,
         skipping.clone(),
         config("audit", AckStrategy::default()),
     );

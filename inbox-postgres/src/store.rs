@@ -701,15 +701,21 @@ impl PgStore {
         if self.pooled {
             // behind a pooler, in one transaction (crate::pooler)
             let tx = self.db.begin().await.map_err(|e| map_db_err(&e))?;
-            let manager = sea_orm_migration::SchemaManager::new(&tx);
-            for migration in crate::inbox_migrations(self.table.clone()) {
-                migration.up(&manager).await.map_err(|e| map_db_err(&e))?;
-            }
+            self.apply_migrations(&sea_orm_migration::SchemaManager::new(&tx))
+                .await?;
             return tx.commit().await.map_err(|e| map_db_err(&e));
         }
-        let manager = sea_orm_migration::SchemaManager::new(&self.db);
+        self.apply_migrations(&sea_orm_migration::SchemaManager::new(&self.db))
+            .await
+    }
+
+    /// Every step of [`crate::inbox_migrations`], in order, through `manager`.
+    async fn apply_migrations(
+        &self,
+        manager: &sea_orm_migration::SchemaManager<'_>,
+    ) -> Result<(), StoreError> {
         for migration in crate::inbox_migrations(self.table.clone()) {
-            migration.up(&manager).await.map_err(|e| map_db_err(&e))?;
+            migration.up(manager).await.map_err(|e| map_db_err(&e))?;
         }
         Ok(())
     }

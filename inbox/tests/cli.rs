@@ -301,6 +301,32 @@ impl transactional_inbox::Handler<transactional_inbox::postgres::PgTx> for Billi
     }
 }
 
+/// Runs `runner` until `done` (50 rounds at most, a 10 ms pause when it
+/// had nothing).
+async fn process_until<S, C, H, M>(
+    runner: &mut transactional_inbox::Runner<S, C, H, M>,
+    done: impl Fn() -> bool,
+) where
+    S: transactional_inbox::InboxStore,
+    C: transactional_inbox::Consumer,
+    H: transactional_inbox::Handler<S::Tx>,
+    M: transactional_inbox::Metrics,
+{
+    for _ in 0..50 {
+        if done() {
+            return;
+        }
+        if runner
+            .process_one()
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .is_none()
+        {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    }
+}
+
 /// `inbox dead-letters replay ID --group G --wait S --json`, as
 /// [`inbox_json`].
 async fn replay(url: &str, id: &str, group: &str, wait: &str) -> (bool, serde_json::Value, String) {
@@ -382,19 +408,10 @@ async fn the_command_works_with_dead_letters_the_outbox_and_status() {
             .unwrap_or_else(|e| panic!("{e}"))
             .failure_budget(1),
     );
-    for _ in 0..50 {
-        if broker.acked("billing", "orders", 0) == Some(3) {
-            break;
-        }
-        if runner
-            .process_one()
-            .await
-            .unwrap_or_else(|e| panic!("{e}"))
-            .is_none()
-        {
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
-    }
+    process_until(&mut runner, || {
+        broker.acked("billing", "orders", 0) == Some(3)
+    })
+    .await;
     assert_eq!(broker.acked("billing", "orders", 0), Some(3));
     // the outbox: one pending event, one dead
     let tx = store
@@ -748,21 +765,11 @@ async fn migrate_and_bulk_replay_and_discard_by_filters() {
             .unwrap_or_else(|e| panic!("{e}"))
             .failure_budget(1),
     );
-    for _ in 0..50 {
-        if broker.acked("billing", "orders", 0) == Some(2)
+    process_until(&mut runner, || {
+        broker.acked("billing", "orders", 0) == Some(2)
             && broker.acked("billing", "returns", 0) == Some(1)
-        {
-            break;
-        }
-        if runner
-            .process_one()
-            .await
-            .unwrap_or_else(|e| panic!("{e}"))
-            .is_none()
-        {
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
-    }
+    })
+    .await;
     let letters = || async {
         let (ok, list, text) = inbox_json(&url, &["dead-letters", "list", "--json"]).await;
         assert!(ok, "{text}");

@@ -8,7 +8,7 @@
 //! the rewound message the next one delivered on its partition.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::MutexGuard;
 
 use async_trait::async_trait;
 use inbox_core::{Consumer, ConsumerError, Message, Position};
@@ -89,7 +89,7 @@ impl State {
 /// The in-memory broker. Cloning shares the same data.
 #[derive(Debug, Clone, Default)]
 pub struct MemBroker {
-    inner: Arc<Mutex<State>>,
+    inner: crate::shared::Shared<State>,
 }
 
 impl MemBroker {
@@ -99,9 +99,7 @@ impl MemBroker {
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
-        self.inner
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.inner.lock()
     }
 
     /// Appends `message` to `topic`/`partition` (creating them) and returns

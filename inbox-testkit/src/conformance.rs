@@ -61,14 +61,14 @@ struct Ctx<'a, S, F> {
     group: String,
 }
 
-fn fail(check: &'static str, reason: impl Into<String>) -> ConformanceError {
+pub(crate) fn fail(check: &'static str, reason: impl Into<String>) -> ConformanceError {
     ConformanceError {
         check,
         reason: reason.into(),
     }
 }
 
-fn ensure(
+pub(crate) fn ensure(
     check: &'static str,
     cond: bool,
     reason: impl FnOnce() -> String,
@@ -80,7 +80,7 @@ fn ensure(
     }
 }
 
-fn store_err(check: &'static str) -> impl Fn(StoreError) -> ConformanceError {
+pub(crate) fn store_err(check: &'static str) -> impl Fn(StoreError) -> ConformanceError {
     move |e| fail(check, format!("store error: {e}"))
 }
 

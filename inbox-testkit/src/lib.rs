@@ -8,6 +8,9 @@
 //!   business table written through the same transaction;
 //! - [`MemBroker`]: partitions and offsets, cumulative commits, rewind, and a
 //!   new consumer in a group starting from the committed offsets;
+//! - the outbox: [`MemStore`] is an `OutboxStore` too (events enqueued in a
+//!   [`MemTx`] or with [`MemStore::enqueue`]), and [`MemPublisher`] the
+//!   broker a relay publishes to, so a relay runs without services;
 //! - named fault points ([`StoreFault`], [`BrokerFault`]);
 //! - [`run_conformance`]: the store conformance suite;
 //! - [`scenarios`]: the contract's stories, generic over a
@@ -39,9 +42,12 @@ mod faulty;
 pub mod harness;
 #[cfg(feature = "kafka")]
 pub mod kafka;
+mod outbox_conformance;
 pub mod pg;
+mod publisher;
 pub mod scenarios;
 pub mod service;
+mod shared;
 mod store;
 mod subject;
 #[cfg(feature = "kafka")]
@@ -52,7 +58,9 @@ pub use conformance::{
     BusinessFixture, CHECKS, ConformanceError, ConformanceReport, run_check, run_conformance,
 };
 pub use faulty::{FaultyStore, FaultyTx};
-pub use store::{DeadLetter, MemStore, MemTx, StoreFault};
+pub use outbox_conformance::{OUTBOX_CHECKS, OutboxWriter, run_outbox_check};
+pub use publisher::{MemPublisher, Published};
+pub use store::{DeadLetter, MemStore, MemTx, OutboxStatus, StoreFault};
 
 use async_trait::async_trait;
 use inbox_core::StoreError;

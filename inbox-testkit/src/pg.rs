@@ -617,6 +617,41 @@ mod with_store {
         }
     }
 
+    /// The outbox conformance suite's writer for [`PgStore`]: each call
+    /// enqueues its events with [`PgStore::outbox`] in one transaction
+    /// (`enqueue_many`) and commits.
+    #[derive(Debug, Clone)]
+    pub struct PgOutboxWriter {
+        store: PgStore,
+    }
+
+    impl PgOutboxWriter {
+        /// The writer for `store`.
+        pub fn new(store: &PgStore) -> Self {
+            Self {
+                store: store.clone(),
+            }
+        }
+    }
+
+    #[async_trait]
+    impl crate::OutboxWriter for PgOutboxWriter {
+        async fn enqueue(
+            &self,
+            events: &[inbox_core::outbox::OutboxMessage],
+        ) -> Result<Vec<i64>, StoreError> {
+            use inbox_core::{InboxStore, InboxTransaction};
+            let tx = self.store.begin().await?;
+            let ids = self
+                .store
+                .outbox()
+                .enqueue_many(tx.connection(), events)
+                .await?;
+            tx.commit().await?;
+            Ok(ids)
+        }
+    }
+
     /// The conformance fixture for [`PgStore`]: business rows go to the
     /// `conformance` table through the transaction.
     #[derive(Debug, Clone)]

@@ -7,8 +7,12 @@
 //! say) is written through the same transaction, so tests can count effects.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::MutexGuard;
 use std::time::Duration;
+
+mod outbox;
+
+pub use outbox::OutboxStatus;
 
 use async_trait::async_trait;
 use chrono::{DateTime, TimeZone, Utc};
@@ -61,7 +65,7 @@ type TxId = u64;
 type Key = (String, String);
 
 #[derive(Debug)]
-struct State {
+pub(crate) struct State {
     next_row: RowId,
     next_tx: TxId,
     rows: BTreeMap<RowId, InboxRow>,
@@ -79,10 +83,12 @@ struct State {
     members: BTreeMap<(String, String), DateTime<Utc>>,
     /// Published assignments by group.
     assignments: HashMap<String, BTreeMap<(String, i32), String>>,
-    now: DateTime<Utc>,
+    pub(crate) now: DateTime<Utc>,
     faults: HashMap<StoreFault, u32>,
     /// Message ids whose inbox row is refused (see [`MemStore::refuse`]).
     refused: std::collections::HashSet<String>,
+    /// The outbox's rows.
+    pub(crate) outbox: outbox::OutboxTable,
 }
 
 /// Takes one armed fault at `point` from `faults`: the error the store
@@ -166,7 +172,7 @@ impl State {
 /// The in-memory store. Cloning shares the same data.
 #[derive(Debug, Clone)]
 pub struct MemStore {
-    inner: Arc<Mutex<State>>,
+    inner: crate::shared::Shared<State>,
 }
 
 impl Default for MemStore {
@@ -183,7 +189,7 @@ impl MemStore {
             .single()
             .unwrap_or(DateTime::<Utc>::MIN_UTC);
         Self {
-            inner: Arc::new(Mutex::new(State {
+            inner: crate::shared::Shared::new(State {
                 next_row: 1,
                 next_tx: 1,
                 rows: BTreeMap::new(),
@@ -199,16 +205,13 @@ impl MemStore {
                 now,
                 faults: HashMap::new(),
                 refused: std::collections::HashSet::new(),
-            })),
+                outbox: outbox::OutboxTable::default(),
+            }),
         }
     }
 
-    fn state(&self) -> MutexGuard<'_, State> {
-        // A panic while holding the lock cannot leave the state half-written
-        // (every update is a single step), so a poisoned lock is still usable.
-        self.inner
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    pub(crate) fn state(&self) -> MutexGuard<'_, State> {
+        self.inner.lock()
     }
 
     /// Refuses the inbox row of `message_id` from now on, as a CHECK
@@ -284,6 +287,14 @@ impl MemStore {
             .or_insert(0);
         *epoch += 1;
         *epoch
+    }
+
+    /// The owner epoch of a partition's last claim, if it was claimed.
+    pub(crate) fn read_epoch(&self, group: &str, topic: &str, partition: i32) -> Option<i64> {
+        self.state()
+            .epochs
+            .get(&(group.to_owned(), topic.to_owned(), partition))
+            .copied()
     }
 
     /// The acknowledged next offset stored for a partition.
@@ -377,6 +388,7 @@ enum Staged {
     Business(String, String),
     DeadLetter(Box<DeadLetter>),
     Ack((String, String, i32), i64),
+    Outbox(Box<inbox_core::outbox::OutboxMessage>),
 }
 
 /// A transaction of [`MemStore`]. Dropping it without `commit` rolls back.
@@ -417,6 +429,17 @@ impl MemTx {
     /// that swallow a database error.
     pub fn fail_statement(&mut self, error: &str) {
         self.aborted = Some(error.to_owned());
+    }
+
+    /// Stages an outbox event (see [`MemTx::enqueue`]).
+    pub(crate) fn stage_outbox(&mut self, message: inbox_core::outbox::OutboxMessage) {
+        self.staged.push(Staged::Outbox(Box::new(message)));
+    }
+
+    /// `Err` (kind [`StoreErrorKind::Aborted`]) while the transaction is
+    /// aborted.
+    pub(crate) fn check_usable(&self) -> Result<(), StoreError> {
+        self.usable()
     }
 
     /// `Err` (kind [`StoreErrorKind::Aborted`]) while the transaction is
@@ -887,6 +910,9 @@ impl InboxTransaction for MemTx {
                 }
                 Staged::Ack(key, next) => {
                     s.acks.insert(key, next);
+                }
+                Staged::Outbox(message) => {
+                    s.outbox.insert(*message, now);
                 }
             }
         }

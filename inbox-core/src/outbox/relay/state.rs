@@ -656,8 +656,16 @@ mod tests {
         let p = |k: &str| row(0, "t", k).partition(2);
         let (k0, k1) = {
             let keys: Vec<String> = (0..50).map(|i| format!("k{i}")).collect();
-            let a = keys.iter().find(|k| p(k) == 0).cloned().expect("a key on 0");
-            let b = keys.iter().find(|k| p(k) == 1).cloned().expect("a key on 1");
+            let a = keys
+                .iter()
+                .find(|k| p(k) == 0)
+                .cloned()
+                .expect("a key on 0");
+            let b = keys
+                .iter()
+                .find(|k| p(k) == 1)
+                .cloned()
+                .expect("a key on 1");
             (a, b)
         };
         let q = ("t".to_owned(), 0);
@@ -679,7 +687,11 @@ mod tests {
         let next = [row(4, "t", &k1), row(5, "t", &k0)];
         let sorting = s.sort(&next, &HashMap::new(), t2);
         let keys: Vec<&PartitionKey> = sorting.groups.iter().map(|(k, _)| k).collect();
-        assert_eq!(keys, vec![&("t".to_owned(), 1)], "row 5 must not pass row 1");
+        assert_eq!(
+            keys,
+            vec![&("t".to_owned(), 1)],
+            "row 5 must not pass row 1"
+        );
     }
 
     #[test]

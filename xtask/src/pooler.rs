@@ -28,6 +28,8 @@ const SUITES: &[&[&str]] = &[
         "--test",
         "conformance",
         "--test",
+        "outbox_conformance",
+        "--test",
         "writers",
         "--test",
         "sqlx",

@@ -1,0 +1,104 @@
+//! inbox status: the groups' partitions, lag, the relays, the outbox.
+
+#[allow(clippy::wildcard_imports)]
+use super::*;
+
+/// The topic under which relays keep their slots (not a Kafka topic).
+pub(super) const RELAY_SLOTS: &str = "__outbox_slots";
+
+pub(super) async fn status(
+    brokers: &Brokers,
+    store: &PgStore,
+    out: Out,
+) -> Result<ExitCode, Failure> {
+    let status = store.status().await?;
+    // the log's end of each partition, when brokers are given
+    let topics: Vec<(String, i32)> = status
+        .partitions
+        .iter()
+        .filter(|p| p.topic != RELAY_SLOTS)
+        .map(|p| (p.topic.clone(), p.partition))
+        .collect();
+    let mut ends = std::collections::BTreeMap::new();
+    if let Some(kafka) = brokers.config("inbox-cli")? {
+        for (at, bounds) in topics.iter().zip(log_bounds(&kafka, &topics).await?) {
+            match bounds {
+                Ok((_, latest)) => {
+                    ends.insert(at.clone(), latest);
+                }
+                Err(e) => eprintln!("inbox: {}:{}: {e}", at.0, at.1),
+            }
+        }
+    }
+    let end_of = |p: &PartitionStatus| ends.get(&(p.topic.clone(), p.partition)).copied();
+    let lag_of = |p: &PartitionStatus| Some((end_of(p)? - p.next_offset?).max(0));
+    if out.json {
+        let mut doc = serde_json::to_value(&status)?;
+        if let Some(list) = doc["partitions"].as_array_mut() {
+            for (value, p) in list.iter_mut().zip(&status.partitions) {
+                value["log_end"] = json!(end_of(p));
+                value["lag"] = json!(lag_of(p));
+            }
+        }
+        out.doc(&doc);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("members");
+    for m in &status.members {
+        println!("  {}\t{}\theartbeat {}", m.group, m.member, m.heartbeat_at);
+    }
+    println!("partitions (group, topic, partition, next offset, log end, lag, epoch, assigned to)");
+    let mut slots: std::collections::BTreeMap<(&str, &str), usize> = Default::default();
+    for p in &status.partitions {
+        if p.topic == RELAY_SLOTS {
+            let owner = p.assigned_to.as_deref().unwrap_or("-");
+            *slots.entry((p.group.as_str(), owner)).or_default() += 1;
+            continue;
+        }
+        println!(
+            "  {}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
+            p.group,
+            p.topic,
+            p.partition,
+            dash(p.next_offset),
+            dash(end_of(p)),
+            dash(lag_of(p)),
+            p.owner_epoch,
+            p.assigned_to.as_deref().unwrap_or("-")
+        );
+    }
+    if ends.is_empty() && !topics.is_empty() {
+        println!("  (log end and lag: give --brokers or set KAFKA_BROKERS)");
+    }
+    if !slots.is_empty() {
+        println!("outbox relay slots (group, relay, slots)");
+        for ((group, owner), n) in &slots {
+            println!("  {group}\t{owner}\t{n}");
+        }
+    }
+    println!("dead letters");
+    for d in &status.dead_letters {
+        let replayer = match (d.replayer_running, d.replayer_seen_at) {
+            (true, _) => String::new(),
+            (false, Some(at)) if d.replay_requested > 0 => format!(
+                "; no replayer running, the last one looked at {}",
+                at.to_rfc3339()
+            ),
+            (false, None) if d.replay_requested > 0 => "; no replayer has ever run".to_owned(),
+            (false, _) => String::new(),
+        };
+        println!(
+            "  {}\t{} ({} replay requested{replayer})",
+            d.group, d.count, d.replay_requested
+        );
+    }
+    let o = &status.outbox;
+    println!(
+        "outbox: {} pending (oldest {} s), {} dead",
+        o.pending,
+        o.oldest_pending_seconds
+            .map_or_else(|| "-".to_owned(), |s| format!("{s:.1}")),
+        o.dead
+    );
+    Ok(ExitCode::SUCCESS)
+}

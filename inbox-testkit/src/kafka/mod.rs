@@ -32,6 +32,13 @@ use crate::pg::HarnessError;
 use crate::service::{free_port, run, spawn_reaper, temp_dir};
 use crate::tls::{self, Certificates};
 
+mod records;
+mod tansu;
+
+pub use records::{control_batch, json_record, raw_record, unsecured_token};
+#[allow(clippy::wildcard_imports)]
+use tansu::*;
+
 /// The fetch max-wait to use against tansu: it holds every fetch for its
 /// whole max-wait even when records are ready, so the production default
 /// (500 ms) would slow every test and run to two fetches a second.
@@ -689,153 +696,5 @@ impl Broker {
                 return Ok(out);
             }
         }
-    }
-}
-
-/// The tansu binary, a temporary directory and a free address to listen on.
-fn prepare() -> Result<(PathBuf, PathBuf, String), HarnessError> {
-    let tansu = tansu_binary().ok_or_else(|| {
-        HarnessError(
-            "tansu not found ($TANSU, ~/.cargo/bin, PATH): run `cargo xtask test`, which installs it, or set KAFKA_BROKERS".into(),
-        )
-    })?;
-    let dir = temp_dir("inbox-tansu")?;
-    let listen = format!("127.0.0.1:{}", free_port()?);
-    Ok((tansu, dir, listen))
-}
-
-impl TansuLaunch {
-    /// Starts `tansu` (storage relative to `dir`, logging to
-    /// `dir/tansu.log`); waits until it listens. A reaper kills it when this
-    /// process ends.
-    fn start(&self) -> Result<Child, HarnessError> {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.dir.join("tansu.log"))
-            .map_err(|e| HarnessError(format!("creating the broker log: {e}")))?;
-        let err = log
-            .try_clone()
-            .map_err(|e| HarnessError(format!("creating the broker log: {e}")))?;
-        let mut cmd = Command::new(&self.tansu);
-        cmd.current_dir(&self.dir)
-            .args([
-                "broker",
-                "--listener-url",
-                &format!("tcp://{}", self.listen),
-            ])
-            .args([
-                "--advertised-listener-url",
-                &format!("tcp://{}", self.advertised),
-            ])
-            // a relative sqlite path is taken from the working directory
-            .args(["--storage-engine", &self.storage]);
-        if self.authentication {
-            cmd.arg("--authentication");
-        }
-        let mut child = cmd
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(err)
-            .spawn()
-            .map_err(|e| HarnessError(format!("starting {}: {e}", self.tansu.display())))?;
-        spawn_reaper(&format!("kill {}", child.id()), &self.dir);
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while std::net::TcpStream::connect(&self.listen).is_err() {
-            let exited = child.try_wait().ok().flatten();
-            if exited.is_some() || Instant::now() > deadline {
-                let log = std::fs::read_to_string(self.dir.join("tansu.log")).unwrap_or_default();
-                return Err(HarnessError(format!(
-                    "tansu did not listen on {} (exit: {exited:?}): {log}",
-                    self.listen
-                )));
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Ok(child)
-    }
-}
-
-/// An unsigned JWS (`alg: none`) for `subject`, valid for `lifetime`: what
-/// Kafka's unsecured OAUTHBEARER validator accepts, and what a broker
-/// started with [`Security::oauthbearer`] lets in.
-pub fn unsecured_token(subject: &str, lifetime: Duration) -> String {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    let header = URL_SAFE_NO_PAD.encode(br#"{"alg":"none"}"#);
-    let claims = serde_json::json!({
-        "sub": subject,
-        "iat": now,
-        "exp": now + lifetime.as_secs(),
-    });
-    let claims = URL_SAFE_NO_PAD.encode(claims.to_string());
-    format!("{header}.{claims}.")
-}
-
-/// A transaction's marker as Kafka writes it: a control batch (message
-/// format 2, transactional) at `base_offset` of `producer_id` and
-/// `producer_epoch`, holding one record whose key is version 0 and the
-/// marker's type (1 commit, 0 abort) and whose value is version 0 and
-/// coordinator epoch 0, its CRC-32C over what follows the CRC. rskafka 0.6
-/// writes (and reads) a control batch's body as two bare `int16`s instead:
-/// what a test broker serves must be what Apache Kafka serves.
-pub fn control_batch(
-    base_offset: i64,
-    producer_id: i64,
-    producer_epoch: i16,
-    commit: bool,
-    timestamp: i64,
-) -> Vec<u8> {
-    use rskafka::protocol::record::Record as WireRecord;
-    use rskafka::protocol::traits::WriteType;
-    let record = WireRecord {
-        timestamp_delta: 0,
-        offset_delta: 0,
-        key: Some(vec![0, 0, 0, u8::from(commit)]),
-        value: Some(vec![0, 0, 0, 0, 0, 0]),
-        headers: Vec::new(),
-    };
-    let mut body = Vec::new();
-    body.extend_from_slice(&0x30_i16.to_be_bytes()); // transactional, control
-    body.extend_from_slice(&0_i32.to_be_bytes()); // last offset delta
-    body.extend_from_slice(&timestamp.to_be_bytes()); // first timestamp
-    body.extend_from_slice(&timestamp.to_be_bytes()); // max timestamp
-    body.extend_from_slice(&producer_id.to_be_bytes());
-    body.extend_from_slice(&producer_epoch.to_be_bytes());
-    body.extend_from_slice(&(-1_i32).to_be_bytes()); // base sequence
-    body.extend_from_slice(&1_i32.to_be_bytes()); // one record
-    // writing to a Vec cannot fail
-    let _ = record.write(&mut body);
-    let crc = crc32c::crc32c(&body);
-    let mut out = Vec::with_capacity(21 + body.len());
-    out.extend_from_slice(&base_offset.to_be_bytes());
-    let length = i32::try_from(4 + 1 + 4 + body.len()).unwrap_or(i32::MAX);
-    out.extend_from_slice(&length.to_be_bytes());
-    out.extend_from_slice(&0_i32.to_be_bytes()); // partition leader epoch
-    out.push(2); // magic
-    out.extend_from_slice(&crc.to_be_bytes());
-    out.extend_from_slice(&body);
-    out
-}
-
-/// A record with a JSON value and string headers.
-pub fn json_record(value: &serde_json::Value, headers: &[(&str, &str)]) -> Record {
-    raw_record(
-        Some(value.to_string().into_bytes()),
-        headers
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), v.as_bytes().to_vec()))
-            .collect(),
-    )
-}
-
-/// A record from raw parts.
-pub fn raw_record(value: Option<Vec<u8>>, headers: BTreeMap<String, Vec<u8>>) -> Record {
-    Record {
-        key: None,
-        value,
-        headers,
-        timestamp: chrono::Utc::now(),
     }
 }

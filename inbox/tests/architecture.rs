@@ -87,7 +87,8 @@ fn each_crate_depends_only_on_what_the_table_allows() {
             "inbox-core",
             "inbox-postgres",
             "inbox-kafka",
-            "inbox-testkit"
+            "inbox-testkit",
+            "xtask"
         ],
         "the table's rows"
     );

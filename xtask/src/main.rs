@@ -1,43 +1,43 @@
-//! `cargo xtask`: the project's automation.
+//! `cargo xtask`: the project's automation, set-up and orchestration only
+//! (matklad's rule): this binary depends on no crate of the workspace, so
+//! `cargo xtask` answers without building it. The runs themselves (bench,
+//! demo, soak, scale, the examples, the pooler suites) are the binary of
+//! the unpublished crate `inbox-runs`, which `cargo xtask` starts after
+//! installing the services they need.
 //!
 //! - `cargo xtask test`: installs what is missing (PostgreSQL server
-//!   binaries, tansu), then fmt check, clippy with `-D warnings`, docs with
-//!   warnings denied, and every test of the workspace.
-//! - `cargo xtask demo`: the main job, the pipeline through the outbox and
-//!   the inbox with a relay and the billing consumer killed (see
-//!   `pipeline.rs`); `--inbox-only` runs the billing consumer alone.
-//! - `cargo xtask bench`: throughput beside the baselines (see `bench.rs`).
-//! - `cargo xtask soak`: real server faults end to end (see `soak.rs`); a
-//!   short one (20,000 messages) ends `cargo xtask test`.
-//! - `cargo xtask scale`: member
-//!   processes of one group sharing its partitions (see `scale.rs`); run by
-//!   `cargo xtask test`.
+//!   binaries, Apache Kafka, tansu, librdkafka, PgBouncer), then fmt check,
+//!   clippy with `-D warnings`, docs with warnings denied, every test of the
+//!   workspace, publish dry-runs, and every run of `inbox-runs`.
+//! - `cargo xtask demo`: the main job (see `runs/src/pipeline.rs`).
+//! - `cargo xtask bench [--release]`, `soak`, `scale`, `examples`, `pooler`:
+//!   the runs, their options after the command (`cargo xtask soak --help`).
 
-mod bench;
-mod bench_outbox;
-mod bench_slow;
-mod demo;
-mod examples;
-mod guide;
-mod operator;
-mod pipeline;
-mod pooler;
-mod scale;
-mod setup;
-mod soak;
-mod sql;
+use std::process::ExitCode;
 
-use std::process::{Command, ExitCode};
-
-use anyhow::{Context, Result, bail};
+use anyhow::Result;
 use clap::{Parser, Subcommand};
+use xtask::{cargo, clear_packaged_sources, setup};
 
 /// `cargo xtask`: the project's automation.
 #[derive(Parser, Debug)]
-#[command(name = "cargo xtask", bin_name = "cargo xtask")]
+#[command(
+    name = "cargo xtask",
+    bin_name = "cargo xtask",
+    arg_required_else_help = true
+)]
 struct Cli {
     #[command(subcommand)]
     command: Cmd,
+}
+
+/// A run's own options, given to `inbox-runs` as they are (`--help`
+/// too); `--release` builds it optimised.
+#[derive(clap::Args, Debug)]
+#[command(disable_help_flag = true)]
+struct Pass {
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    args: Vec<String>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -52,79 +52,60 @@ enum Cmd {
     /// through the outbox, announcements consumed; a relay and the billing
     /// consumer killed once each; every order invoiced and every invoice
     /// announced exactly once (checked with SQL).
-    Demo(demo::DemoArgs),
-    /// Throughput table beside the baselines (for real figures: cargo run
-    /// --release -p xtask -- bench).
-    Bench(bench::Options),
-    /// One bench line in a process of its own (run by `bench`).
-    #[command(hide = true)]
-    BenchLine {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
-    },
-    /// Real server faults end to end: PostgreSQL crashed (pg_ctl stop -m
-    /// immediate), the broker and the consumer process killed, three times
-    /// each, backends terminated at random; checks every effect exactly
-    /// once.
-    Soak(soak::Options),
-    /// The soak's consumer process (run by `soak`).
-    #[command(hide = true)]
-    SoakConsumer {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
-    },
-    /// Every example of the facade built and run against the throwaway
-    /// PostgreSQL and broker, its effects checked with SQL.
-    Examples,
+    Demo(Pass),
+    /// Throughput table beside the baselines (`--release` for real figures).
+    Bench(Pass),
+    /// Real server faults end to end; checks every effect exactly once.
+    Soak(Pass),
+    /// Member processes of one group sharing 8 partitions; one killed, one
+    /// joining, one leaving.
+    Scale(Pass),
+    /// Every example of the facade built and run, its effects checked.
+    Examples(Pass),
     /// The suites of the consumer, the relay, the processor and the
     /// command again, through PgBouncer in transaction pooling mode.
-    Pooler,
-    /// Member processes of one group share 8 partitions through
-    /// PostgreSQL: one killed (SIGKILL), one joining, one leaving; checks
-    /// every order once, every partition owned by one live member, and the
-    /// failover time.
-    Scale,
-    /// A member process of `scale`.
-    #[command(hide = true)]
-    ScaleMember {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
-    },
-    /// A relay process of the pipeline demo.
-    #[command(hide = true)]
-    PipelineRelay {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
-    },
-    /// The billing consumer process of the pipeline demo.
-    #[command(hide = true)]
-    PipelineBilling {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
-    },
+    Pooler(Pass),
+}
+
+impl Cmd {
+    /// The run of `inbox-runs` this command starts, with its options
+    /// (`None` for `test`, which is xtask's own).
+    fn run(&self) -> Option<(&'static str, &Pass)> {
+        match self {
+            Cmd::Test => None,
+            Cmd::Demo(p) => Some(("demo", p)),
+            Cmd::Bench(p) => Some(("bench", p)),
+            Cmd::Soak(p) => Some(("soak", p)),
+            Cmd::Scale(p) => Some(("scale", p)),
+            Cmd::Examples(p) => Some(("examples", p)),
+            Cmd::Pooler(p) => Some(("pooler", p)),
+        }
+    }
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let services = || setup::postgres().and_then(|()| setup::apache_kafka());
-    let result = match cli.command {
-        Cmd::Test => test(),
-        Cmd::Demo(args) => services().and_then(|()| demo::run(args)),
-        Cmd::Bench(o) => services()
-            .and_then(|()| setup::tansu())
-            .and_then(|()| bench::run(o)),
-        Cmd::BenchLine { args } => bench::line(&args),
-        Cmd::Soak(o) => services().and_then(|()| soak::run(o)),
-        Cmd::SoakConsumer { args } => soak::consumer(&args),
-        Cmd::Scale => services().and_then(|()| scale::run()),
-        Cmd::Examples => services().and_then(|()| examples::run()),
-        Cmd::Pooler => services()
-            .and_then(|()| setup::pgbouncer())
-            .and_then(|()| pooler::run()),
-        Cmd::ScaleMember { args } => scale::member(&args),
-        Cmd::PipelineRelay { args } => pipeline::relay(&args),
-        Cmd::PipelineBilling { args } => pipeline::billing(&args),
+    let Some((name, p)) = cli.command.run() else {
+        return exit(test());
     };
+    // a run's help needs no service
+    if p.args.iter().any(|a| a == "--help" || a == "-h") {
+        return exit(runs(&[name, "--help"], false));
+    }
+    let services = || {
+        setup::postgres()?;
+        setup::apache_kafka()?;
+        match cli.command {
+            Cmd::Bench(_) => setup::tansu(),
+            Cmd::Pooler(_) => setup::pgbouncer(),
+            _ => Ok(()),
+        }
+    };
+    exit(services().and_then(|()| pass(name, p)))
+}
+
+/// The exit code of `result`, its error printed.
+fn exit(result: Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -134,81 +115,31 @@ fn main() -> ExitCode {
     }
 }
 
-/// Removes the sources cargo extracted from the local registries of earlier
-/// `cargo package` and `cargo publish --dry-run` runs
-/// (`$CARGO_HOME/registry/src/-<hash>/inbox-*`). cargo
-/// names that registry after the target directory, and reuses an extracted
-/// crate of the same name and version without looking at it again, so a
-/// second run from the same checkout path built the dependents against the
-/// first run's copy of `inbox-core` (seen: "could not find `outbox` in
-/// `inbox_core`"). The packages themselves are made afresh each run.
-fn clear_packaged_sources() -> Result<()> {
-    let home = std::env::var_os("CARGO_HOME").map_or_else(
-        || std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cargo")),
-        |h| Some(std::path::PathBuf::from(h)),
+/// `inbox-runs COMMAND ARGS`, optimised when `ARGS` hold `--release`.
+fn pass(command: &str, p: &Pass) -> Result<()> {
+    let release = p.args.iter().any(|a| a == "--release");
+    let mut args = vec![command];
+    args.extend(
+        p.args
+            .iter()
+            .map(String::as_str)
+            .filter(|a| *a != "--release"),
     );
-    let Some(src) = home.map(|h| h.join("registry").join("src")) else {
-        return Ok(());
-    };
-    let Ok(registries) = std::fs::read_dir(&src) else {
-        return Ok(());
-    };
-    for registry in registries.flatten() {
-        if !registry.file_name().to_string_lossy().starts_with('-') {
-            continue; // a real registry's sources
-        }
-        for krate in std::fs::read_dir(registry.path())?.flatten() {
-            let name = krate.file_name().to_string_lossy().into_owned();
-            if name.starts_with("inbox") || name.starts_with("transactional-inbox") {
-                std::fs::remove_dir_all(krate.path())
-                    .with_context(|| format!("removing {}", krate.path().display()))?;
-            }
-        }
+    runs(&args, release)
+}
+
+/// Runs `inbox-runs ARGS` through cargo.
+fn runs(args: &[&str], release: bool) -> Result<()> {
+    let mut all = vec!["run", "-q", "-p", "inbox-runs"];
+    if release {
+        all.push("--release");
     }
-    Ok(())
+    all.push("--");
+    all.extend_from_slice(args);
+    cargo(&all, &[])
 }
 
-pub(crate) fn cargo(args: &[&str], env: &[(&str, &str)]) -> Result<()> {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
-    println!("$ cargo {}", args.join(" "));
-    let status = Command::new(&cargo)
-        .args(args)
-        .envs(env.iter().copied())
-        .current_dir(workspace_root())
-        .status()
-        .with_context(|| format!("running cargo {}", args.join(" ")))?;
-    if !status.success() {
-        bail!("cargo {} failed ({status})", args.join(" "));
-    }
-    Ok(())
-}
-
-/// For a child process of a run (the soak's consumer, the scale's
-/// members): a runtime, and a token cancelled when stdin closes (the
-/// parent's way to ask for a graceful stop).
-pub(crate) fn child_runtime() -> Result<(tokio::runtime::Runtime, inbox_core::CancellationToken)> {
-    use std::io::Read;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    let cancel = inbox_core::CancellationToken::new();
-    let on_eof = cancel.clone();
-    std::thread::spawn(move || {
-        let mut sink = Vec::new();
-        let _ = std::io::stdin().read_to_end(&mut sink);
-        on_eof.cancel();
-    });
-    Ok((rt, cancel))
-}
-
-pub(crate) fn workspace_root() -> std::path::PathBuf {
-    let manifest = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    manifest
-        .parent()
-        .map_or_else(|| manifest.clone(), std::path::Path::to_path_buf)
-}
-
+/// `cargo xtask test`.
 fn test() -> Result<()> {
     setup::postgres()?;
     setup::apache_kafka()?;
@@ -245,32 +176,27 @@ fn test() -> Result<()> {
             "--workspace",
             "--exclude",
             "xtask",
+            "--exclude",
+            "inbox-runs",
             "--allow-dirty",
         ],
         &[],
     )?;
-    println!("$ cargo xtask examples");
-    examples::run()?;
-    println!("$ cargo xtask pooler");
-    pooler::run()?;
-    println!("$ cargo xtask demo --processes 2");
-    pipeline::run(2)?;
-    println!("$ cargo xtask bench --smoke");
-    bench::run(bench::Options::smoke())?;
-    println!("$ cargo xtask scale");
-    scale::run()?;
-    println!("$ cargo xtask soak --messages 20000");
-    soak::run(soak::Options::of(20_000))?;
-    println!("$ cargo xtask soak --messages 10000 --synchronous-commit-off");
-    soak::run(soak::Options {
-        synchronous_commit_off: true,
-        ..soak::Options::of(10_000)
-    })?;
-    println!("$ cargo xtask soak --messages 40000 --keys");
-    soak::run(soak::Options {
-        keys: true,
-        ..soak::Options::of(40_000)
-    })?;
+    // the end-to-end runs, one binary built once
+    cargo(&["build", "-q", "-p", "inbox-runs"], &[])?;
+    for run in [
+        &["examples"][..],
+        &["pooler"],
+        &["demo", "--processes", "2"],
+        &["bench", "--smoke"],
+        &["scale"],
+        &["soak", "--messages", "20000"],
+        &["soak", "--messages", "10000", "--synchronous-commit-off"],
+        &["soak", "--messages", "40000", "--keys"],
+    ] {
+        println!("$ cargo xtask {}", run.join(" "));
+        runs(run, false)?;
+    }
     println!("xtask test: all checks passed");
     Ok(())
 }
@@ -281,46 +207,8 @@ mod tests {
 
     use super::Cli;
 
-    /// The command line is consistent, and each command's help lists every
-    /// option it takes (the hand-written help had lost `--no-faults`).
     #[test]
-    fn the_help_lists_every_option() {
+    fn the_command_line_is_consistent() {
         Cli::command().debug_assert();
-        let mut cli = Cli::command();
-        let help = |cli: &mut clap::Command, name: &str| -> String {
-            cli.find_subcommand_mut(name)
-                .map(|c| c.render_long_help().to_string())
-                .unwrap_or_default()
-        };
-        let soak = help(&mut cli, "soak");
-        for flag in [
-            "--messages",
-            "--fail-percent",
-            "--no-faults",
-            "--synchronous-commit-off",
-            "--keys",
-        ] {
-            assert!(soak.contains(flag), "soak --help lacks {flag}: {soak}");
-        }
-        let bench = help(&mut cli, "bench");
-        for flag in [
-            "--messages",
-            "--rows",
-            "--fail-percent",
-            "--only",
-            "--repeat",
-            "--smoke",
-        ] {
-            assert!(bench.contains(flag), "bench --help lacks {flag}: {bench}");
-        }
-        let demo = help(&mut cli, "demo");
-        for flag in [
-            "--inbox-only",
-            "--per-message",
-            "--prometheus",
-            "--processes",
-        ] {
-            assert!(demo.contains(flag), "demo --help lacks {flag}: {demo}");
-        }
     }
 }

@@ -8,7 +8,6 @@ use std::path::Path;
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
-use inbox_testkit::service::is_root;
 
 fn has_pg_server() -> bool {
     std::fs::read_dir("/usr/lib/postgresql")
@@ -29,7 +28,7 @@ fn sh(cmd: &str) -> Result<()> {
 }
 
 /// Makes sure a PostgreSQL can be started (or `DATABASE_URL` is set).
-pub(crate) fn postgres() -> Result<()> {
+pub fn postgres() -> Result<()> {
     if std::env::var("DATABASE_URL").is_ok_and(|u| !u.is_empty()) {
         return Ok(());
     }
@@ -57,7 +56,7 @@ pub(crate) fn postgres() -> Result<()> {
 
 /// Makes sure PgBouncer is there (Debian's package, installed with
 /// apt-get when missing) for the runs behind a transaction pooler.
-pub(crate) fn pgbouncer() -> Result<()> {
+pub fn pgbouncer() -> Result<()> {
     if ["/usr/sbin/pgbouncer", "/usr/bin/pgbouncer"]
         .iter()
         .any(|p| Path::new(p).exists())
@@ -80,7 +79,7 @@ pub(crate) fn pgbouncer() -> Result<()> {
 /// Java 17 or newer and Maven (installed with apt-get when missing), then
 /// the release `inbox-testkit/apache-kafka/pom.xml` names resolved into
 /// `~/.m2` (downloaded on the first run only).
-pub(crate) fn apache_kafka() -> Result<()> {
+pub fn apache_kafka() -> Result<()> {
     if std::env::var("KAFKA_BROKERS").is_ok_and(|b| !b.is_empty()) {
         return Ok(());
     }
@@ -90,7 +89,10 @@ pub(crate) fn apache_kafka() -> Result<()> {
             .output()
             .is_ok_and(|o| o.status.success())
     };
-    let java = inbox_testkit::apache::java();
+    let java = std::env::var_os("JAVA_HOME")
+        .map(|home| Path::new(&home).join("bin/java"))
+        .filter(|p| p.exists())
+        .unwrap_or_else(|| "java".into());
     let java = java.to_string_lossy();
     let mut missing = Vec::new();
     if !works(&java, "-version") {
@@ -116,27 +118,23 @@ pub(crate) fn apache_kafka() -> Result<()> {
             missing.join(" ")
         ))?;
     }
-    println!(
-        "setup: resolving Apache Kafka {} with Maven (the first run downloads about 60 MB into ~/.m2)",
-        inbox_testkit::apache::version()
-    );
-    let started = std::time::Instant::now();
-    inbox_testkit::apache::classpath().map_err(|e| anyhow::anyhow!("{e}"))?;
-    println!(
-        "setup: Apache Kafka resolved in {:.1} s",
-        started.elapsed().as_secs_f64()
-    );
+    // the broker's jars, resolved by the test harness's own code (Maven,
+    // about 60 MB into ~/.m2 the first time)
+    crate::cargo(
+        &["run", "-q", "-p", "inbox-runs", "--", "resolve-kafka"],
+        &[],
+    )?;
     Ok(())
 }
 
 /// Makes sure tansu can be started (the bench's throughput lines and the
 /// one test of a broker that skips offsets use it): installs `tansu` from
 /// crates.io when it is missing.
-pub(crate) fn tansu() -> Result<()> {
+pub fn tansu() -> Result<()> {
     if std::env::var("KAFKA_BROKERS").is_ok_and(|b| !b.is_empty()) {
         return Ok(());
     }
-    if inbox_testkit::kafka::tansu_binary().is_some() {
+    if tansu_installed() {
         return Ok(());
     }
     println!(
@@ -157,7 +155,7 @@ pub(crate) fn tansu() -> Result<()> {
     if !status.success() {
         bail!("cargo install tansu failed ({status})");
     }
-    if inbox_testkit::kafka::tansu_binary().is_none() {
+    if !tansu_installed() {
         bail!("tansu was installed but is not in ~/.cargo/bin or PATH");
     }
     Ok(())
@@ -168,7 +166,7 @@ pub(crate) fn tansu() -> Result<()> {
 /// (`inbox-kafka/tests/independent.rs`), with the `protobuf` and `fastavro`
 /// encoders (`inbox-kafka/tests/formats.rs`), installed with pip when
 /// missing.
-pub(crate) fn librdkafka() -> Result<()> {
+pub fn librdkafka() -> Result<()> {
     let has = |py: &str| {
         Command::new(py)
             .args(["-c", "import confluent_kafka, google.protobuf, fastavro"])
@@ -198,16 +196,21 @@ pub(crate) fn librdkafka() -> Result<()> {
     Ok(())
 }
 
-/// The database the demo and the pipeline use: `DATABASE_URL` when set,
-/// else a new database on the throwaway server.
-pub(crate) async fn database() -> Result<String> {
-    if let Ok(url) = std::env::var("DATABASE_URL")
-        && !url.is_empty()
-    {
-        println!("PostgreSQL: using DATABASE_URL");
-        return Ok(url);
-    }
-    let server = inbox_testkit::pg::server().map_err(|e| anyhow::anyhow!("{e}"))?;
-    println!("PostgreSQL: started a throwaway server (DATABASE_URL not set)");
-    server.create_database().map_err(|e| anyhow::anyhow!("{e}"))
+/// Whether this process runs as root (`initdb` refuses root: the server
+/// is then set up as the `postgres` user).
+pub fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+/// Whether a tansu binary is there: `TANSU`, `~/.cargo/bin/tansu` or one
+/// on the `PATH` (where the harness looks).
+fn tansu_installed() -> bool {
+    std::env::var_os("TANSU").is_some()
+        || std::env::var_os("HOME")
+            .is_some_and(|home| Path::new(&home).join(".cargo/bin/tansu").exists())
+        || Command::new("tansu").arg("--help").output().is_ok()
 }

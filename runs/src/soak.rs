@@ -79,19 +79,6 @@ pub(crate) struct Options {
     pub(crate) keys: bool,
 }
 
-impl Options {
-    /// A run of `messages` with the defaults.
-    pub(crate) fn of(messages: i64) -> Self {
-        Self {
-            messages,
-            fail_percent: 1,
-            no_faults: false,
-            synchronous_commit_off: false,
-            keys: false,
-        }
-    }
-}
-
 /// Under `--keys`, a record's key within its partition: `offset % KEYS`.
 const KEYS: i64 = 64;
 /// Under `--keys`, how many messages the member handles at once.

@@ -371,7 +371,7 @@ async fn place_orders(store: &PgStore, topic: &str, from: i64, to: i64) -> Resul
 
 #[allow(clippy::too_many_lines)]
 async fn pipeline(relays: u32, command: &Operator) -> Result<()> {
-    let url = crate::setup::database().await?;
+    let url = crate::database().await?;
     let broker = inbox_testkit::kafka::broker().map_err(|e| anyhow!("{e}"))?;
     let brokers = broker.address().to_owned();
     println!("broker: {brokers} (tansu unless KAFKA_BROKERS is set)");

@@ -145,8 +145,8 @@ const PARTITIONS: i32 = 4;
 const BATCH: usize = 100;
 const BUSINESS: &str = "CREATE TABLE bench_invoices (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL, total BIGINT NOT NULL)";
 
-/// Options of `cargo xtask bench` (for real figures: `cargo run --release
-/// -p xtask -- bench`).
+/// Options of `cargo xtask bench` (for real figures: `cargo xtask bench
+/// --release`).
 #[derive(clap::Args, Debug, Clone)]
 pub(crate) struct Options {
     /// Rounds: every line runs once per round, lines interleaved, and the
@@ -172,18 +172,6 @@ pub(crate) struct Options {
 }
 
 impl Options {
-    /// What `--smoke` runs.
-    pub(crate) fn smoke() -> Self {
-        Self {
-            repeat: 1,
-            messages: 300,
-            rows: 0,
-            fail_percent: 0,
-            only: Vec::new(),
-            smoke: true,
-        }
-    }
-
     fn lines(&self) -> Vec<String> {
         if self.only.is_empty() {
             LINES.iter().map(|s| (*s).to_owned()).collect()
@@ -205,11 +193,9 @@ pub(crate) fn run(mut o: Options) -> Result<()> {
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let server = &server;
     println!("PostgreSQL: a server of the bench's own, fsync and synchronous_commit on");
-    let exe = std::env::current_exe().context("locating the xtask binary")?;
+    let exe = std::env::current_exe().context("locating the inbox-runs binary")?;
     if cfg!(debug_assertions) {
-        println!(
-            "note: a debug build; for real figures run `cargo run --release -p xtask -- bench`"
-        );
+        println!("note: a debug build; for real figures run `cargo xtask bench --release`");
     }
     println!(
         "bench: {} messages per line on {PARTITIONS} partitions, one connection, one-INSERT handler{}{}",

@@ -255,7 +255,7 @@ async fn billing(per_message: bool, prometheus: Option<std::net::SocketAddr>) ->
             .context("starting the Prometheus endpoint")?;
         println!("metrics: http://{addr}/metrics");
     }
-    let url = crate::setup::database().await?;
+    let url = crate::database().await?;
     let broker = inbox_testkit::kafka::broker().map_err(|e| anyhow::anyhow!("{e}"))?;
     println!(
         "broker: {} (tansu unless KAFKA_BROKERS is set)",

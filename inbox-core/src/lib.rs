@@ -36,7 +36,7 @@
 //! broker.produce("orders", 0, Message::new("order-1", "orders", "order.created", json!({"total": 10})));
 //! broker.produce("orders", 0, Message::new("order-1", "orders", "order.created", json!({"total": 10})));
 //! let store = MemStore::new();
-//! let config = RunnerConfig::new("billing", "worker-1").unwrap();
+//! let config = RunnerConfig::new("billing", "billing-1").unwrap();
 //! let mut runner = Runner::new(store.clone(), broker.consumer("billing"), Billing, config);
 //!
 //! let first = runner.process_one().await.unwrap().unwrap();
@@ -75,6 +75,7 @@ pub mod runner;
 pub mod store;
 pub mod strategy;
 
+pub use assignment::PartitionKey;
 pub use consumer::{Consumer, TxAck};
 pub use error::{
     ConsumerError, Error, HandlerError, InboxPersistError, PersistStage, Result, StoreError,

@@ -40,7 +40,7 @@ pub const MIN_RETENTION: Duration = Duration::from_secs(24 * 3_600);
 pub struct MaintenanceConfig {
     /// Time between two runs. Default 60 s.
     pub interval: Duration,
-    /// A lease older than this is released (its worker is taken for dead):
+    /// A lease older than this is released (its member is taken for dead):
     /// longer than any batch a healthy processor takes, handler timeouts
     /// included. Default 5 minutes.
     pub stale_after: Duration,

@@ -138,7 +138,7 @@ pub trait MembershipStore: Send + Sync {
     async fn published_assignment(
         &self,
         consumer_group: &str,
-    ) -> Result<BTreeMap<(String, i32), String>, StoreError>;
+    ) -> Result<BTreeMap<PartitionKey, String>, StoreError>;
 
     /// Replaces the published assignment of `consumer_group` with
     /// `assignment`, if it is still `previous` (the one `assignment` was
@@ -150,8 +150,8 @@ pub trait MembershipStore: Send + Sync {
     async fn publish_assignment(
         &self,
         consumer_group: &str,
-        previous: &BTreeMap<(String, i32), String>,
-        assignment: &BTreeMap<(String, i32), String>,
+        previous: &BTreeMap<PartitionKey, String>,
+        assignment: &BTreeMap<PartitionKey, String>,
     ) -> Result<bool, StoreError>;
 }
 

@@ -124,11 +124,11 @@ pub trait InboxStore: Send + Sync {
         Ok(())
     }
 
-    /// Claims up to `limit` due rows for `worker` and commits the claim (the
+    /// Claims up to `limit` due rows for `member` and commits the claim (the
     /// lease): `pending`, unlocked, `attempts_made < max_attempts`,
     /// `scheduled_at <= now`, matching `filter`, oldest due first, skipping
     /// rows another transaction holds (`FOR UPDATE SKIP LOCKED`). The rows
-    /// come back with `locked_by = worker` and `locked_at = now`. Until
+    /// come back with `locked_by = member` and `locked_at = now`. Until
     /// [`InboxTransaction::write_outcomes`] or
     /// [`release_stale_locks`](Self::release_stale_locks) unlocks them, no
     /// other processor claims them and a runner that meets one defers it.
@@ -136,22 +136,22 @@ pub trait InboxStore: Send + Sync {
     /// ([`StoreErrorKind::Unsupported`](crate::StoreErrorKind::Unsupported)).
     async fn claim_due(
         &self,
-        worker: &MemberId,
+        member: &MemberId,
         limit: usize,
         filter: &DueFilter,
     ) -> Result<Vec<InboxRow>, StoreError> {
-        let _ = (worker, limit, filter);
+        let _ = (member, limit, filter);
         Err(StoreError::new(
             crate::StoreErrorKind::Unsupported,
             "this store has no processor support",
         ))
     }
 
-    /// Unlocks the rows of `ids` that `worker` still holds, unchanged
+    /// Unlocks the rows of `ids` that `member` still holds, unchanged
     /// otherwise (a processor giving back a batch it could not finish);
     /// returns how many.
-    async fn release_claims(&self, worker: &MemberId, ids: &[RowId]) -> Result<u64, StoreError> {
-        let _ = (worker, ids);
+    async fn release_claims(&self, member: &MemberId, ids: &[RowId]) -> Result<u64, StoreError> {
+        let _ = (member, ids);
         Err(StoreError::new(
             crate::StoreErrorKind::Unsupported,
             "this store has no processor support",
@@ -213,7 +213,7 @@ pub trait InboxTransaction: Send + Sized {
     }
 
     /// Locks an existing `pending` row for this transaction.
-    async fn lock(&mut self, id: RowId, worker: &MemberId) -> Result<LockResult, StoreError>;
+    async fn lock(&mut self, id: RowId, member: &MemberId) -> Result<LockResult, StoreError>;
 
     /// Marks the row `completed` (and unlocked).
     async fn complete(&mut self, id: RowId) -> Result<(), StoreError>;
@@ -303,18 +303,18 @@ pub trait InboxTransaction: Send + Sized {
     }
 
     /// Writes the processor's outcomes (see [`crate::attempts`]) in one
-    /// statement, each on its row only while `worker` still holds it
-    /// (`locked_by = worker`), unlocking it; returns how many rows were
+    /// statement, each on its row only while `member` still holds it
+    /// (`locked_by = member`), unlocking it; returns how many rows were
     /// written. Fewer than `updates.len()`: a row's lease was lost (released
     /// as stale, maybe claimed by another processor), and the caller must
     /// not commit. The default refuses
     /// ([`StoreErrorKind::Unsupported`](crate::StoreErrorKind::Unsupported)).
     async fn write_outcomes(
         &mut self,
-        worker: &MemberId,
+        member: &MemberId,
         updates: &[(RowId, crate::attempts::RowUpdate)],
     ) -> Result<u64, StoreError> {
-        let _ = (worker, updates);
+        let _ = (member, updates);
         Err(StoreError::new(
             crate::StoreErrorKind::Unsupported,
             "this store has no processor support",

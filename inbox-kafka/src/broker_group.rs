@@ -17,6 +17,7 @@
 //! [`StartPosition::GroupOffsets`]: crate::StartPosition::GroupOffsets
 //! [`KafkaConfig::broker_commit_interval`]: crate::KafkaConfig::broker_commit_interval
 
+use inbox_core::PartitionKey;
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::sync::Arc;
@@ -421,15 +422,15 @@ impl BrokerGroup {
     /// [`COORDINATOR_WAIT`].
     pub(crate) async fn committed(
         &self,
-        partitions: &[(String, i32)],
-    ) -> Result<HashMap<(String, i32), i64>, WireError> {
+        partitions: &[PartitionKey],
+    ) -> Result<HashMap<PartitionKey, i64>, WireError> {
         while_not_ready(|| self.try_committed(partitions)).await
     }
 
     async fn try_committed(
         &self,
-        partitions: &[(String, i32)],
-    ) -> Result<HashMap<(String, i32), i64>, Attempt> {
+        partitions: &[PartitionKey],
+    ) -> Result<HashMap<PartitionKey, i64>, Attempt> {
         let topics = by_topic(partitions.iter().map(|(t, p)| (t, *p)));
         let fetched = self
             .request(
@@ -476,8 +477,8 @@ impl BrokerGroup {
 pub(crate) async fn group_offsets(
     dialer: Arc<Dialer>,
     group: &str,
-    partitions: &[(String, i32)],
-) -> Result<HashMap<(String, i32), i64>, crate::KafkaError> {
+    partitions: &[PartitionKey],
+) -> Result<HashMap<PartitionKey, i64>, crate::KafkaError> {
     BrokerGroup::new(dialer, group)
         .committed(partitions)
         .await
@@ -501,7 +502,7 @@ pub(crate) struct BrokerCommits {
     last: Option<std::time::Instant>,
     running: Option<tokio::task::JoinHandle<()>>,
     /// What the coordinator holds, as far as this consumer committed it.
-    committed: Arc<std::sync::Mutex<HashMap<(String, i32), i64>>>,
+    committed: Arc<std::sync::Mutex<HashMap<PartitionKey, i64>>>,
     failures: Arc<std::sync::atomic::AtomicU64>,
 }
 

@@ -3,6 +3,7 @@
 //! partition starts ([`StartPosition`]) and what an offset outside the log
 //! does ([`OutOfRange`]); the client and the dialer it makes.
 
+use inbox_core::PartitionKey;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -63,7 +64,7 @@ pub struct KafkaConfig {
     /// The consumer group (the offsets and the inbox rows are per group).
     pub consumer_group: String,
     /// The `(topic, partition)` pairs this consumer reads.
-    pub partitions: Vec<(String, i32)>,
+    pub partitions: Vec<PartitionKey>,
     /// Where to start a partition with no stored offset.
     pub start: StartPosition,
     /// What to do when a stored offset is outside the log. Default
@@ -151,7 +152,7 @@ impl KafkaConfig {
     pub fn new(
         brokers: Vec<String>,
         consumer_group: impl Into<String>,
-        partitions: Vec<(String, i32)>,
+        partitions: Vec<PartitionKey>,
     ) -> Self {
         Self {
             brokers,

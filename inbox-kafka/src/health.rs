@@ -22,6 +22,7 @@
 //! # assert!(!ready && live);
 //! ```
 
+use inbox_core::PartitionKey;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -74,12 +75,12 @@ pub struct HealthHandle {
 
 #[derive(Default)]
 struct Inner {
-    partitions: Mutex<BTreeMap<(String, i32), (u64, PartitionHealth)>>,
+    partitions: Mutex<BTreeMap<PartitionKey, (u64, PartitionHealth)>>,
     consumers: AtomicU64,
     /// The partitions this member is to read: its share of the group's
     /// latest assignment (`run_group`), or all of its configuration
     /// (`run_partitioned`); `None` before it has one.
-    assigned: Mutex<Option<Vec<(String, i32)>>>,
+    assigned: Mutex<Option<Vec<PartitionKey>>>,
 }
 
 impl std::fmt::Debug for HealthHandle {
@@ -103,7 +104,7 @@ impl HealthHandle {
     }
 
     /// The partitions read now.
-    pub fn owned(&self) -> Vec<(String, i32)> {
+    pub fn owned(&self) -> Vec<PartitionKey> {
         self.lock()
             .values()
             .filter(|(_, h)| h.owned)
@@ -151,7 +152,7 @@ impl HealthHandle {
 
     /// The member's share of the partitions is `share` from now on (`None`:
     /// it has none, having left its group).
-    pub(crate) fn assigned(&self, share: Option<Vec<(String, i32)>>) {
+    pub(crate) fn assigned(&self, share: Option<Vec<PartitionKey>>) {
         *self
             .inner
             .assigned
@@ -168,7 +169,7 @@ impl HealthHandle {
             .sum()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<(String, i32), (u64, PartitionHealth)>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<PartitionKey, (u64, PartitionHealth)>> {
         self.inner
             .partitions
             .lock()

@@ -104,7 +104,7 @@ use inbox_core::{
     CancellationToken, Handler, InboxStore, Metrics, OffsetStore, RunSummary, RunnerConfig,
 };
 
-/// Runs up to `workers` runners concurrently, the configured partitions
+/// Runs up to `members` runners concurrently, the configured partitions
 /// dealt out among them round-robin; each runner reads its partitions
 /// strictly in order, reporting to `metrics` (`Arc::new(NoopMetrics)`:
 /// nowhere). Returns when `cancel` fires and every runner has finished its
@@ -123,7 +123,7 @@ pub async fn run_partitioned<S, H>(
     store: S,
     handler: Arc<H>,
     runner: RunnerConfig,
-    workers: usize,
+    members: usize,
     metrics: Arc<dyn Metrics>,
     cancel: CancellationToken,
 ) -> Result<Vec<RunSummary>, KafkaError>
@@ -133,8 +133,8 @@ where
 {
     config.check_group(&runner)?;
     config.health.assigned(Some(config.partitions.clone()));
-    let groups = group::deal(&config.partitions, workers);
-    // the workers stop together: one that dies stops the others
+    let groups = group::deal(&config.partitions, members);
+    // the members stop together: one that dies stops the others
     let cancel = cancel.child_token();
     let mut tasks = tokio::task::JoinSet::new();
     for (index, partitions) in groups.into_iter().enumerate() {
@@ -143,7 +143,7 @@ where
         let cancel = cancel.clone();
         tasks.spawn(async move { (index, r.run(cancel).await) });
     }
-    // joined as they end, so a worker that dies (a panic outside the
+    // joined as they end, so a member that dies (a panic outside the
     // handler's guard) is reported at once, not when its turn comes
     let mut summaries: Vec<Option<RunSummary>> = vec![None; tasks.len()];
     let mut died = None;

@@ -11,6 +11,7 @@
 //! the inbox recognises as duplicates (no effect twice); moving forward
 //! skips records on purpose.
 
+use inbox_core::PartitionKey;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -183,7 +184,7 @@ pub(crate) async fn offset_at_time(
 pub async fn topic_partitions(
     config: &KafkaConfig,
     topics: &[String],
-) -> Result<Vec<(String, i32)>, KafkaError> {
+) -> Result<Vec<PartitionKey>, KafkaError> {
     let client = config.client().await?;
     let known = client.list_topics().await?;
     let mut out = Vec::new();
@@ -209,7 +210,7 @@ pub async fn topic_partitions(
 /// A [`KafkaError`] when the brokers cannot be reached at all.
 pub async fn log_bounds(
     config: &KafkaConfig,
-    partitions: &[(String, i32)],
+    partitions: &[PartitionKey],
 ) -> Result<Vec<Result<(i64, i64), KafkaError>>, KafkaError> {
     let client = config.client().await?;
     let mut out = Vec::with_capacity(partitions.len());

@@ -8,6 +8,7 @@
 //! map, which would sort them and keep one value per name. Topic metadata
 //! stays on rskafka's client.
 
+use inbox_core::PartitionKey;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -51,7 +52,7 @@ const RECORD_OVERHEAD: usize = 32;
 pub struct KafkaPublisher {
     client: Client,
     dialer: Arc<Dialer>,
-    leaders: Mutex<HashMap<(String, i32), Arc<Leader>>>,
+    leaders: Mutex<HashMap<PartitionKey, Arc<Leader>>>,
     compression: Compression,
     max_record_bytes: usize,
     max_request_bytes: usize,
@@ -76,7 +77,7 @@ struct Idempotence {
     /// After a failed InitProducerId, not asked again before then (and
     /// why it failed, what the appends meanwhile fail with).
     ask_after: Option<(std::time::Instant, String)>,
-    partitions: HashMap<(String, i32), Sequenced>,
+    partitions: HashMap<PartitionKey, Sequenced>,
 }
 
 /// One partition's sequence numbers.

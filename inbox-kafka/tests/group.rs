@@ -708,7 +708,7 @@ async fn keys_side_by_side_from_librdkafka_each_once_and_in_key_order() {
             .await
             .unwrap_or_else(|e| panic!("{e}"));
         let script = format!(
-            "{}/../xtask/clients/librdkafka_keyed.py",
+            "{}/../runs/clients/librdkafka_keyed.py",
             env!("CARGO_MANIFEST_DIR")
         );
         let out = std::process::Command::new("python3")

@@ -7,6 +7,7 @@
 //! offsets, so whatever was not committed is delivered again. A rewind makes
 //! the rewound message the next one delivered on its partition.
 
+use inbox_core::PartitionKey;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::MutexGuard;
 
@@ -186,9 +187,9 @@ impl MemBroker {
 pub struct MemConsumer {
     broker: MemBroker,
     group: String,
-    positions: HashMap<(String, i32), i64>,
+    positions: HashMap<PartitionKey, i64>,
     /// Partitions held back until then ([`Consumer::hold`]).
-    held: HashMap<(String, i32), tokio::time::Instant>,
+    held: HashMap<PartitionKey, tokio::time::Instant>,
     cursor: usize,
     closed: bool,
 }

@@ -113,15 +113,15 @@ impl<S: InboxStore> InboxStore for FaultyStore<S> {
 
     async fn claim_due(
         &self,
-        worker: &MemberId,
+        member: &MemberId,
         limit: usize,
         filter: &inbox_core::DueFilter,
     ) -> Result<Vec<InboxRow>, StoreError> {
-        self.inner.claim_due(worker, limit, filter).await
+        self.inner.claim_due(member, limit, filter).await
     }
 
-    async fn release_claims(&self, worker: &MemberId, ids: &[RowId]) -> Result<u64, StoreError> {
-        self.inner.release_claims(worker, ids).await
+    async fn release_claims(&self, member: &MemberId, ids: &[RowId]) -> Result<u64, StoreError> {
+        self.inner.release_claims(member, ids).await
     }
 
     async fn delete_completed(&self, older_than: Duration, batch: u64) -> Result<u64, StoreError> {
@@ -164,11 +164,11 @@ impl<T: InboxTransaction> InboxTransaction for FaultyTx<T> {
 
     async fn write_outcomes(
         &mut self,
-        worker: &MemberId,
+        member: &MemberId,
         updates: &[(RowId, inbox_core::attempts::RowUpdate)],
     ) -> Result<u64, StoreError> {
         take(&self.faults, StoreFault::Complete)?;
-        self.inner.write_outcomes(worker, updates).await
+        self.inner.write_outcomes(member, updates).await
     }
 
     async fn record_attempt(
@@ -180,9 +180,9 @@ impl<T: InboxTransaction> InboxTransaction for FaultyTx<T> {
         self.inner.record_attempt(id, record).await
     }
 
-    async fn lock(&mut self, id: RowId, worker: &MemberId) -> Result<LockResult, StoreError> {
+    async fn lock(&mut self, id: RowId, member: &MemberId) -> Result<LockResult, StoreError> {
         take(&self.faults, StoreFault::Lock)?;
-        self.inner.lock(id, worker).await
+        self.inner.lock(id, member).await
     }
 
     async fn complete(&mut self, id: RowId) -> Result<(), StoreError> {

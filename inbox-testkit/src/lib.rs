@@ -14,7 +14,15 @@
 //! - named fault points ([`StoreFault`], [`BrokerFault`]);
 //! - [`run_conformance`]: the store conformance suite;
 //! - [`scenarios`]: the contract's stories, generic over a
-//!   [`harness::Harness`] (store + broker), so every adapter runs them.
+//!   [`harness::Harness`] (store + broker), so every adapter runs them;
+//! - the outbox conformance suite ([`outbox_conformance_tests!`],
+//!   [`run_outbox_check`]).
+//!
+//! By audience: the above is for users testing their handlers and for
+//! adapter authors, and needs no feature. Features `postgres` and `kafka`
+//! add this repository's service harness (`pg`: a throwaway PostgreSQL and
+//! PgBouncer; `kafka`, `apache`, `tls`: Apache Kafka, tansu and TLS fronts;
+//! `service`), which CI uses; they are not part of what a user needs.
 //!
 //! ```
 //! use inbox_core::{Consumer, Message};
@@ -43,9 +51,11 @@ pub mod harness;
 #[cfg(feature = "kafka")]
 pub mod kafka;
 mod outbox_conformance;
+#[cfg(feature = "postgres")]
 pub mod pg;
 mod publisher;
 pub mod scenarios;
+#[cfg(any(feature = "postgres", feature = "kafka"))]
 pub mod service;
 mod shared;
 mod store;

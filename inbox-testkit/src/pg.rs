@@ -570,7 +570,7 @@ mod with_store {
             usize::try_from(n).unwrap_or(usize::MAX)
         }
 
-        async fn hold_lock(&self, message_id: &str, consumer_group: &str, worker: &MemberId) {
+        async fn hold_lock(&self, message_id: &str, consumer_group: &str, member: &MemberId) {
             let sql = format!(
                 "UPDATE {} SET locked_by = $3, locked_at = now() WHERE message_id = $1 AND consumer_group = $2",
                 self.table().qualified()
@@ -581,7 +581,7 @@ mod with_store {
                 vec![
                     message_id.into(),
                     consumer_group.into(),
-                    worker.as_str().into(),
+                    member.as_str().into(),
                 ],
             )
             .await;

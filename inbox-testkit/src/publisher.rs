@@ -2,6 +2,7 @@
 //! nothing, and faults at the points where a real broker fails (a partition
 //! unavailable, a record refused, a topic that does not exist).
 
+use inbox_core::PartitionKey;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::MutexGuard;
 
@@ -30,7 +31,7 @@ struct State {
     /// Message ids refused in any append.
     refused: HashSet<String>,
     /// Per partition, the failures its next appends meet, in order.
-    faults: HashMap<(String, i32), VecDeque<PublishErrorKind>>,
+    faults: HashMap<PartitionKey, VecDeque<PublishErrorKind>>,
     /// Appends asked for, taken or not.
     appends: u64,
 }

@@ -54,7 +54,7 @@ pub trait ScenarioStore: InboxStore + Clone + 'static {
         tx.commit().await.unwrap_or_else(|e| panic!("land: {e}"));
     }
     /// Puts a committed lease on a row (a processor holds it).
-    async fn hold_lock(&self, message_id: &str, consumer_group: &str, worker: &MemberId);
+    async fn hold_lock(&self, message_id: &str, consumer_group: &str, member: &MemberId);
     /// Marks a row `failed` (the processor spent its budget).
     async fn mark_failed(&self, message_id: &str, consumer_group: &str);
     /// Dead letters recorded for `message_id` in `consumer_group`.
@@ -72,12 +72,12 @@ impl ScenarioStore for crate::MemStore {
             .filter(|k| k.as_str() == order)
             .count()
     }
-    async fn hold_lock(&self, message_id: &str, consumer_group: &str, worker: &MemberId) {
+    async fn hold_lock(&self, message_id: &str, consumer_group: &str, member: &MemberId) {
         assert!(crate::MemStore::hold_lock(
             self,
             message_id,
             consumer_group,
-            worker
+            member
         ));
     }
     async fn dead_letters(&self, message_id: &str, consumer_group: &str) -> usize {

@@ -23,7 +23,7 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 
-use crate::pg::HarnessError;
+use crate::service::HarnessError;
 
 fn err(what: &str) -> impl FnOnce(rcgen::Error) -> HarnessError + '_ {
     move |e| HarnessError(format!("{what}: {e}"))

@@ -4,7 +4,7 @@
 //! (`run_group`, as `InboxConsumer` does), one process.
 //!
 //! - The topic has [`PARTITIONS`] partitions, written before the clock
-//!   starts by librdkafka (`xtask/clients/librdkafka_keyed.py`: the Java
+//!   starts by librdkafka (`runs/clients/librdkafka_keyed.py`: the Java
 //!   client's murmur2 partitioner, [`KEYS`] keys), on tansu (in memory,
 //!   forward only: nothing is rewound in these lines).
 //! - The handler inserts one effect row (its message, key, sequence number

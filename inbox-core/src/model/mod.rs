@@ -6,6 +6,7 @@
 //! runner calls it before anything is written, so bad input never reaches a
 //! store.
 
+use crate::assignment::PartitionKey;
 use std::fmt;
 
 use chrono::{DateTime, Utc};
@@ -82,7 +83,7 @@ impl Position {
     }
 
     /// The `(topic, partition)` this position belongs to.
-    pub fn partition_key(&self) -> (String, i32) {
+    pub fn partition_key(&self) -> PartitionKey {
         (self.topic.clone(), self.partition)
     }
 }
@@ -327,7 +328,7 @@ impl Message {
     }
 }
 
-/// The identity of a worker, written to `locked_by`: `[A-Za-z0-9.\-/:]`, at
+/// The identity of a member, written to `locked_by`: `[A-Za-z0-9.\-/:]`, at
 /// most 255 characters, checked when it is configured.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct MemberId(String);
@@ -494,7 +495,7 @@ impl InboxRow {
         }
     }
 
-    /// Whether the row is locked by a worker.
+    /// Whether the row is locked by a member.
     pub fn is_locked(&self) -> bool {
         self.locked_by.is_some()
     }
@@ -793,7 +794,7 @@ mod tests {
     }
 
     #[test]
-    fn worker_id_rules() {
+    fn member_id_rules() {
         assert!(MemberId::new("a.b-c/d:1").is_ok());
         assert_eq!(
             MemberId::new(""),

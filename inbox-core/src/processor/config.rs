@@ -17,14 +17,14 @@ use crate::store::DueFilter;
 pub enum ClaimMode {
     /// The claim is written and committed first (`locked_by`,
     /// `locked_at`), then the batch is worked in a transaction of its own:
-    /// a row's lease outlives the worker's connection until maintenance
+    /// a row's lease outlives the member's connection until maintenance
     /// releases it as stale ([`InboxStore::release_stale_locks`](crate::store::InboxStore::release_stale_locks)). An
     /// operator sees the rows in hand (`locked_by`, `locked_at`).
     Lease,
     /// The default: the batch is taken by locking its rows in the
     /// transaction that works it ([`InboxTransaction::lock_due`](crate::store::InboxTransaction::lock_due)): nothing
     /// is written to claim them, one commit a batch instead of two, and a
-    /// crashed worker's rows are due again as soon as its transaction ends
+    /// crashed member's rows are due again as soon as its transaction ends
     /// (no stale lease to wait for). Faster than the lease (about 1.4x on
     /// no-op jobs, 1.25x with a one-INSERT handler: `docs/land-and-drain.md`).
     /// The rows in hand are not marked (`locked_by` stays empty; the
@@ -146,7 +146,7 @@ pub enum ProcessorError {
     /// ([`ProcessorConfig::validate`]): nothing was claimed.
     #[error("{0}")]
     Config(#[from] ValidationError),
-    /// Some rows of the batch were no longer this worker's when the
+    /// Some rows of the batch were no longer this member's when the
     /// outcomes were written (their lease was released as stale): nothing
     /// of the batch was committed, the rows are handled again.
     #[error("lease lost on {lost} of {claimed} rows: the batch was rolled back")]

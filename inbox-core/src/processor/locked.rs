@@ -25,7 +25,7 @@ where
     /// beginning again (a new transaction would let the rows go).
     pub(super) async fn work_locked(
         &mut self,
-        worker: &MemberId,
+        member: &MemberId,
         only: &[RowId],
     ) -> Result<Option<ProcessorBatch>, ProcessorError> {
         let mut tx = self.store.begin().await?;
@@ -80,7 +80,7 @@ where
                 Ok(Handled::Ended) => {
                     // a handler ended the transaction (its locks went with
                     // it): the replay locks the rows again in a new one,
-                    // those another worker took meanwhile left to it, the
+                    // those another member took meanwhile left to it, the
                     // failed row's outcome kept
                     abandon(tx).await;
                     let ids: Vec<RowId> = rows.iter().map(|r| r.id).collect();
@@ -98,14 +98,14 @@ where
                 }
             }
         };
-        self.finish(tx, worker, &rows, results, batch, ClaimMode::RowLock)
+        self.finish(tx, member, &rows, results, batch, ClaimMode::RowLock)
             .await
             .map(Some)
     }
 
     /// A transaction for row `id`'s outcome: by lease, any; by row lock,
     /// one with the row locked again (`None`: it is no longer due, another
-    /// worker took it after the batch let it go).
+    /// member took it after the batch let it go).
     /// When `run` (its handler runs in it), the row is noted as in hand
     /// ([`InboxTransaction::note_running`]).
     async fn begin_for(
@@ -129,7 +129,7 @@ where
     }
 
     /// A new transaction holding the rows of `ids` still due, locked again
-    /// (those another worker took after a transaction let them go are left
+    /// (those another member took after a transaction let them go are left
     /// to it); `None` when none is.
     async fn lock_again(
         &self,
@@ -156,23 +156,23 @@ where
     /// several are suspects, run one at a time before any other batch.
     pub(super) async fn take_unfinished(
         &mut self,
-        worker: &MemberId,
+        member: &MemberId,
     ) -> Result<Option<ProcessorBatch>, ProcessorError> {
-        let unfinished = self.store.take_unfinished(worker).await?;
+        let unfinished = self.store.take_unfinished(member).await?;
         let plan = self.state.unfinished(&unfinished);
         if plan == Unfinished::None {
             return Ok(None);
         }
         // those still leased by this member are given back first, so they
         // can be locked one at a time
-        if let Err(e) = self.store.release_claims(worker, &unfinished).await
+        if let Err(e) = self.store.release_claims(member, &unfinished).await
             && e.kind != StoreErrorKind::Unsupported
         {
             return Err(e.into());
         }
         if let Unfinished::Charge(id) = plan {
             tracing::warn!(row = %id, "this member's process died while it ran this row alone: charged as a failure");
-            return self.charge_crash(worker, id).await.map(Some);
+            return self.charge_crash(member, id).await.map(Some);
         }
         tracing::warn!(
             rows = unfinished.len(),
@@ -185,7 +185,7 @@ where
     /// that ran it alone: written without running it again (by row lock).
     async fn charge_crash(
         &mut self,
-        worker: &MemberId,
+        member: &MemberId,
         id: RowId,
     ) -> Result<ProcessorBatch, ProcessorError> {
         let Some((tx, rows)) = self.lock_again(&[id]).await? else {
@@ -198,7 +198,7 @@ where
             transactions: 1,
             ..ProcessorBatch::default()
         };
-        self.finish(tx, worker, &rows, results, batch, ClaimMode::RowLock)
+        self.finish(tx, member, &rows, results, batch, ClaimMode::RowLock)
             .await
     }
 
@@ -224,7 +224,7 @@ where
     /// so it alone is charged and the rest of the batch moves on.
     pub(super) async fn work_row_by_row(
         &mut self,
-        worker: &MemberId,
+        member: &MemberId,
         rows: &[InboxRow],
         transactions: usize,
         claim: ClaimMode,
@@ -270,7 +270,7 @@ where
                 batch.refused.push((row.id, e));
             }
             let refusal =
-                match Self::write(&mut tx, claim, worker, &[(row.id, update.clone())]).await {
+                match Self::write(&mut tx, claim, member, &[(row.id, update.clone())]).await {
                     Ok(1) => match tx.commit().await {
                         Ok(()) => None,
                         Err(e) if crate::decision::refused_at_commit(e.kind) => Some(format!(
@@ -312,7 +312,7 @@ where
                 let Some(mut tx) = self.begin_for(claim, row.id, false).await? else {
                     continue;
                 };
-                if Self::write(&mut tx, claim, worker, &[(row.id, update.clone())]).await? != 1 {
+                if Self::write(&mut tx, claim, member, &[(row.id, update.clone())]).await? != 1 {
                     abandon(tx).await;
                     return Err(ProcessorError::LeaseLost {
                         claimed: rows.len(),
@@ -324,7 +324,7 @@ where
             batch.count(&update);
             outcomes.push((row, update));
         }
-        self.state.batch_settled(true);
+        self.state.outcomes_written(true);
         self.call_hook(outcomes.iter().map(|(r, u)| (*r, u)), &mut batch)
             .await;
         Ok(batch)

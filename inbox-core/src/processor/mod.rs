@@ -6,7 +6,7 @@
 //!
 //! 1. **claim** ([`InboxStore::claim_due`]): due, unlocked `pending` rows
 //!    with attempts left, `FOR UPDATE SKIP LOCKED`, are leased to this
-//!    worker (`locked_by`, `locked_at`) and the claim commits, so no other
+//!    member (`locked_by`, `locked_at`) and the claim commits, so no other
 //!    processor takes them and a runner that meets one defers it;
 //! 2. **work**, in one transaction: the handlers (each with a timeout, a
 //!    panic caught). Optimistic by default: no savepoints, and when a
@@ -15,10 +15,10 @@
 //!    row's writes go without its neighbours' (see
 //!    [`ProcessorConfig::isolation`]);
 //! 3. **write back** every row's outcome ([`crate::attempts`]) in one
-//!    statement that checks each row is still this worker's; if a lease was
-//!    lost (released as stale, maybe claimed by another worker) the
+//!    statement that checks each row is still this member's; if a lease was
+//!    lost (released as stale, maybe claimed by another member) the
 //!    transaction is rolled back and the batch's claims released: the rows
-//!    are handled again, never completed by a worker that no longer holds
+//!    are handled again, never completed by a member that no longer holds
 //!    them; otherwise commit;
 //! 4. the dead-letter hook sees each row on its last counted failure.
 //!
@@ -181,7 +181,7 @@ where
         self.config.validate()?;
         let span = tracing::info_span!(
             "inbox.processor.batch",
-            worker = self.config.member_id.as_str(),
+            member = self.config.member_id.as_str(),
             claimed = tracing::field::Empty,
             completed = tracing::field::Empty,
             failed = tracing::field::Empty,
@@ -204,16 +204,16 @@ where
     }
 
     async fn claim_and_work(&mut self) -> Result<ProcessorBatch, ProcessorError> {
-        let worker = self.config.member_id.clone();
+        let member = self.config.member_id.clone();
         if self.state.unfinished_due(self.config.count_crashes)
-            && let Some(batch) = self.take_unfinished(&worker).await?
+            && let Some(batch) = self.take_unfinished(&member).await?
         {
             return Ok(batch);
         }
         while let Some(id) = self.state.next_suspect() {
             // a suspect alone, noted alone: if it kills the process again,
             // the next start knows which row did
-            match self.work_locked(&worker, &[id]).await {
+            match self.work_locked(&member, &[id]).await {
                 Ok(Some(batch)) if batch.claimed > 0 => return Ok(batch),
                 // no longer due: the next suspect
                 Ok(Some(_)) => {}
@@ -226,22 +226,22 @@ where
             }
         }
         if self.config.claim == ClaimMode::RowLock
-            && let Some(batch) = self.work_locked(&worker, &[]).await?
+            && let Some(batch) = self.work_locked(&member, &[]).await?
         {
             return Ok(batch);
         }
         let rows = self
             .store
-            .claim_due(&worker, self.config.batch_size.max(1), &self.config.filter)
+            .claim_due(&member, self.config.batch_size.max(1), &self.config.filter)
             .await?;
         if rows.is_empty() {
             return Ok(ProcessorBatch::default());
         }
         let ids: Vec<RowId> = rows.iter().map(|r| r.id).collect();
-        match self.work(&worker, &rows).await {
+        match self.work(&member, &rows).await {
             Ok(batch) => Ok(batch),
             Err(e) => {
-                if let Err(release) = self.store.release_claims(&worker, &ids).await {
+                if let Err(release) = self.store.release_claims(&member, &ids).await {
                     tracing::warn!(error = %release, "releasing the batch's claims failed; maintenance releases them once stale");
                 }
                 Err(e)
@@ -251,7 +251,7 @@ where
 
     async fn work(
         &mut self,
-        worker: &MemberId,
+        member: &MemberId,
         rows: &[InboxRow],
     ) -> Result<ProcessorBatch, ProcessorError> {
         let mut batch = ProcessorBatch {
@@ -281,7 +281,7 @@ where
                 }
             }
         };
-        self.finish(tx, worker, rows, results, batch, ClaimMode::Lease)
+        self.finish(tx, member, rows, results, batch, ClaimMode::Lease)
             .await
     }
 
@@ -292,20 +292,20 @@ where
     async fn finish(
         &mut self,
         mut tx: S::Tx,
-        worker: &MemberId,
+        member: &MemberId,
         rows: &[InboxRow],
         results: Vec<Result<HandlerResult, Failure>>,
         mut batch: ProcessorBatch,
         claim: ClaimMode,
     ) -> Result<ProcessorBatch, ProcessorError> {
-        self.state.batch_settled(results.iter().any(is_failure));
+        self.state.outcomes_written(results.iter().any(is_failure));
         let updates = self.updates(rows, results, &mut batch);
         // nothing rolls back to a savepoint from here: released, one the
         // store has not sent yet (no handler wrote after it) is never sent.
         // An error it reports (none open, the transaction aborted) is the
         // transaction's, and the write-back reports it again.
         let _ = tx.release_savepoint().await;
-        let written = match Self::write(&mut tx, claim, worker, &updates).await {
+        let written = match Self::write(&mut tx, claim, member, &updates).await {
             Ok(n) => usize::try_from(n).unwrap_or(0),
             Err(e) if refused(&e) => {
                 // one row's outcome the store refuses fails the statement
@@ -313,7 +313,7 @@ where
                 abandon(tx).await;
                 tracing::warn!(error = %e, "the batch's outcomes were refused; handling its rows one at a time");
                 return self
-                    .work_row_by_row(worker, rows, batch.transactions, claim)
+                    .work_row_by_row(member, rows, batch.transactions, claim)
                     .await;
             }
             Err(e) => {
@@ -340,7 +340,7 @@ where
                 // by row, so only the row whose writes it refuses is charged
                 tracing::warn!(error = %e, "the database refused the batch's transaction at COMMIT; handling its rows one at a time");
                 return self
-                    .work_row_by_row(worker, rows, batch.transactions, claim)
+                    .work_row_by_row(member, rows, batch.transactions, claim)
                     .await;
             }
             Err(e) => return Err(e.into()),
@@ -422,11 +422,11 @@ where
     async fn write(
         tx: &mut S::Tx,
         claim: ClaimMode,
-        worker: &MemberId,
+        member: &MemberId,
         updates: &[(RowId, RowUpdate)],
     ) -> Result<u64, StoreError> {
         match claim {
-            ClaimMode::Lease => tx.write_outcomes(worker, updates).await,
+            ClaimMode::Lease => tx.write_outcomes(member, updates).await,
             ClaimMode::RowLock => tx.write_locked_outcomes(updates).await,
         }
     }

@@ -100,8 +100,8 @@ impl ProcessorState {
         self.isolation == Isolation::Savepoints || self.last_failed
     }
 
-    /// A batch's outcomes were settled; `any_failed` when a row failed.
-    pub(crate) fn batch_settled(&mut self, any_failed: bool) {
+    /// A batch's outcomes were written; `any_failed` when a row failed.
+    pub(crate) fn outcomes_written(&mut self, any_failed: bool) {
         self.last_failed = any_failed;
     }
 
@@ -243,9 +243,9 @@ mod tests {
     fn optimistic_batches_start_with_savepoints_only_after_a_failure() {
         let mut s = ProcessorState::new(&config());
         assert!(!s.savepoints_first());
-        s.batch_settled(true);
+        s.outcomes_written(true);
         assert!(s.savepoints_first());
-        s.batch_settled(false);
+        s.outcomes_written(false);
         assert!(
             !s.savepoints_first(),
             "back to optimistic after a clean one"

@@ -77,7 +77,7 @@ pub struct RunnerConfig {
 ///
 /// ```
 /// use inbox_core::{BatchConfig, RunnerConfig};
-/// let config = RunnerConfig::new("billing", "worker-1").unwrap().batched(BatchConfig::new(100));
+/// let config = RunnerConfig::new("billing", "billing-1").unwrap().batched(BatchConfig::new(100));
 /// assert_eq!(config.batch.map(|b| b.max_messages), Some(100));
 /// ```
 #[non_exhaustive]
@@ -242,7 +242,7 @@ impl RunnerConfig {
     ///
     /// ```
     /// use inbox_core::RunnerConfig;
-    /// let config = RunnerConfig::new("billing", "worker-1").unwrap().failure_budget(5);
+    /// let config = RunnerConfig::new("billing", "billing-1").unwrap().failure_budget(5);
     /// assert_eq!(config.failure_budget, Some(5));
     /// assert_eq!(config.max_attempts, 5);
     /// ```
@@ -261,7 +261,7 @@ impl RunnerConfig {
     ///
     /// ```
     /// use inbox_core::RunnerConfig;
-    /// let config = RunnerConfig::new("billing", "worker-1").unwrap();
+    /// let config = RunnerConfig::new("billing", "billing-1").unwrap();
     /// assert_eq!(config.failure_budget, Some(10), "on by default");
     /// assert_eq!(config.no_failure_budget().failure_budget, None);
     /// ```
@@ -295,7 +295,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn config_validates_group_and_worker() {
+    fn config_validates_group_and_member() {
         assert!(RunnerConfig::new("billing", "w-1").is_ok());
         assert_eq!(
             RunnerConfig::new("", "w").err(),

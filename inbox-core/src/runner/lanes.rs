@@ -39,6 +39,7 @@
 //! assert_eq!(lanes.lanes().len(), 4);
 //! ```
 
+use crate::assignment::PartitionKey;
 use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -50,8 +51,6 @@ use crate::consumer::{Consumer, TxAck};
 use crate::error::ConsumerError;
 use crate::keyed::{FlowLimits, KeyedFlow, Ordering};
 use crate::model::{Message, Position};
-
-type PartitionKey = (String, i32);
 
 /// How long a lane with nothing to take waits for another lane's pull (or
 /// an acknowledgement that frees a key) before it answers `None`.

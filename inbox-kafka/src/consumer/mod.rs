@@ -1,5 +1,6 @@
 //! The Kafka consumer: fetch per partition, offsets in PostgreSQL.
 
+use inbox_core::PartitionKey;
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
@@ -313,7 +314,7 @@ impl<O: OffsetStore> KafkaConsumer<O> {
     }
 
     /// The partitions this consumer lost to another (it stopped reading them).
-    pub fn fenced_partitions(&self) -> Vec<(String, i32)> {
+    pub fn fenced_partitions(&self) -> Vec<PartitionKey> {
         self.partitions
             .iter()
             .filter(|p| p.fenced)
@@ -323,7 +324,7 @@ impl<O: OffsetStore> KafkaConsumer<O> {
 
     /// The partitions this consumer owns now: claimed, not lost to another
     /// consumer, not stopped ([`OutOfRange::Stop`]).
-    pub fn owned_partitions(&self) -> Vec<(String, i32)> {
+    pub fn owned_partitions(&self) -> Vec<PartitionKey> {
         self.partitions
             .iter()
             .filter(|p| !p.fenced && !p.stopped)

@@ -558,7 +558,7 @@ impl InboxStore for PgStore {
 
     async fn claim_due(
         &self,
-        worker: &MemberId,
+        member: &MemberId,
         limit: usize,
         filter: &DueFilter,
     ) -> Result<Vec<InboxRow>, StoreError> {
@@ -566,7 +566,7 @@ impl InboxStore for PgStore {
         // about 10 us a row: a millisecond a batch of 100)
         let sql = sea_orm::sqlx::AssertSqlSafe(self.sql.claim_due.clone());
         let rows = crate::pooler::on_pool!(self, |e| sea_orm::sqlx::query(sql)
-            .bind(worker.as_str())
+            .bind(member.as_str())
             .bind(i64::try_from(limit).unwrap_or(i64::MAX))
             .bind(filter.consumer_group.as_deref())
             .bind(json_list(&filter.sources))
@@ -581,13 +581,13 @@ impl InboxStore for PgStore {
         Ok(claimed)
     }
 
-    async fn release_claims(&self, worker: &MemberId, ids: &[RowId]) -> Result<u64, StoreError> {
+    async fn release_claims(&self, member: &MemberId, ids: &[RowId]) -> Result<u64, StoreError> {
         let ids = serde_json::Value::from(ids.to_vec()).to_string();
         let r = self
             .standalone()
             .execute_raw(stmt(
                 &self.sql.release_claims,
-                vec![worker.as_str().into(), ids.into()],
+                vec![member.as_str().into(), ids.into()],
             ))
             .await
             .map_err(db)?;

@@ -1,7 +1,8 @@
 //! Offsets, claims and membership in PostgreSQL: `OffsetStore` and `MembershipStore` for `PgStore`.
 
-#[allow(clippy::wildcard_imports)]
 use super::*;
+#[allow(clippy::wildcard_imports)]
+use inbox_core::PartitionKey;
 
 /// Stores the next offset of `ack` on `conn` (a transaction or the pool),
 /// refusing it as fenced when the owner epoch is stale.
@@ -88,7 +89,7 @@ pub(super) async fn read_assignment(
     conn: &impl ConnectionTrait,
     sql: &Sql,
     consumer_group: &str,
-) -> Result<std::collections::BTreeMap<(String, i32), String>, StoreError> {
+) -> Result<std::collections::BTreeMap<PartitionKey, String>, StoreError> {
     conn.query_all_raw(stmt(&sql.assignment, vec![consumer_group.into()]))
         .await
         .map_err(db)?
@@ -134,15 +135,15 @@ impl MembershipStore for PgStore {
     async fn published_assignment(
         &self,
         consumer_group: &str,
-    ) -> Result<std::collections::BTreeMap<(String, i32), String>, StoreError> {
+    ) -> Result<std::collections::BTreeMap<PartitionKey, String>, StoreError> {
         read_assignment(&self.standalone(), &self.sql, consumer_group).await
     }
 
     async fn publish_assignment(
         &self,
         consumer_group: &str,
-        previous: &std::collections::BTreeMap<(String, i32), String>,
-        assignment: &std::collections::BTreeMap<(String, i32), String>,
+        previous: &std::collections::BTreeMap<PartitionKey, String>,
+        assignment: &std::collections::BTreeMap<PartitionKey, String>,
     ) -> Result<bool, StoreError> {
         let tx = self.db.begin().await.map_err(db)?;
         // one publisher per group at a time (the lock ends with the

@@ -60,7 +60,7 @@ pub(super) fn due_rows(group: &str, sources: &str, types: &str) -> String {
 /// The statement writing a batch's outcomes (given as the JSON array
 /// parameter `rows`) on the rows of `q` that meet `held`.
 /// The two statements that write a batch's outcomes on the rows `held`
-/// says the worker still holds: any outcomes, sent as one JSON array in
+/// says the member still holds: any outcomes, sent as one JSON array in
 /// parameter `rows`, and the common case of a batch whose every row
 /// completed, sent as two array literals (ids, attempts) that PostgreSQL
 /// reads without a JSON parse per row.
@@ -242,7 +242,7 @@ impl Sql {
                   WHERE locked_by = $1 AND id IN (SELECT (jsonb_array_elements_text($2::text::jsonb))::bigint)"
             ),
             // Every outcome of a batch in one statement, each only on a row
-            // the worker still holds.
+            // the member still holds.
             write_outcomes: outcomes(&q, "$2", "$3", "t.locked_by = $1", Reach::Join),
             // The same on rows the transaction locked (no lease written):
             // unleased and pending, said so that it does not imply the due

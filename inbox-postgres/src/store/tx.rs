@@ -128,7 +128,7 @@ impl InboxTransaction for PgTx {
         Ok(refs)
     }
 
-    async fn lock(&mut self, id: RowId, _worker: &MemberId) -> Result<LockResult, StoreError> {
+    async fn lock(&mut self, id: RowId, _member: &MemberId) -> Result<LockResult, StoreError> {
         let row = self
             .query_one(stmt(&self.sql.lock, vec![id.into()]))
             .await?;
@@ -171,12 +171,12 @@ impl InboxTransaction for PgTx {
 
     async fn write_outcomes(
         &mut self,
-        worker: &MemberId,
+        member: &MemberId,
         updates: &[(RowId, RowUpdate)],
     ) -> Result<u64, StoreError> {
         self.write_with(
             &self.sql.write_outcomes,
-            vec![worker.as_str().into()],
+            vec![member.as_str().into()],
             updates,
         )
         .await

@@ -112,8 +112,8 @@ where
             consumer_group: Some(self.group.clone()),
             ..DueFilter::default()
         };
-        let worker = MemberId::new("conformance-bytes").map_err(|v| fail(C, v.to_string()))?;
-        match self.store.claim_due(&worker, 100, &filter).await {
+        let member = MemberId::new("conformance-bytes").map_err(|v| fail(C, v.to_string()))?;
+        match self.store.claim_due(&member, 100, &filter).await {
             Ok(claimed) => {
                 let ours: Vec<_> = claimed
                     .iter()
@@ -125,7 +125,7 @@ where
                     || format!("both binary rows claimed with their bytes: {ours:?}"),
                 )?;
                 let ids: Vec<_> = claimed.iter().map(|r| r.id).collect();
-                self.store.release_claims(&worker, &ids).await.map_err(&e)?;
+                self.store.release_claims(&member, &ids).await.map_err(&e)?;
                 Ok(())
             }
             Err(err) if err.kind == StoreErrorKind::Unsupported => Ok(()),

@@ -1,7 +1,8 @@
 //! Checks of offsets, claims and membership.
 
-#[allow(clippy::wildcard_imports)]
 use super::*;
+#[allow(clippy::wildcard_imports)]
+use inbox_core::PartitionKey;
 
 impl<S, F> Ctx<'_, S, F>
 where
@@ -31,7 +32,7 @@ where
         ensure(C, live == ["a"], || format!("{live:?} after b left"))?;
         let none = self.store.published_assignment(&group).await.map_err(&e)?;
         ensure(C, none.is_empty(), || format!("{none:?} before any"))?;
-        let first: std::collections::BTreeMap<(String, i32), String> = [
+        let first: std::collections::BTreeMap<PartitionKey, String> = [
             (("t".to_owned(), 0), "a".to_owned()),
             (("t".to_owned(), 1), "b".to_owned()),
         ]
@@ -42,7 +43,7 @@ where
             .await
             .map_err(&e)?;
         ensure(C, published, || "the first publication was refused".into())?;
-        let second: std::collections::BTreeMap<(String, i32), String> =
+        let second: std::collections::BTreeMap<PartitionKey, String> =
             [(("t".to_owned(), 0), "a".to_owned())].into();
         let published = self
             .store
@@ -67,7 +68,7 @@ where
             format!("a stale publication was taken ({stale}): {read:?}")
         })?;
         // two members publishing from the same view at once: one wins
-        let mine: std::collections::BTreeMap<(String, i32), String> =
+        let mine: std::collections::BTreeMap<PartitionKey, String> =
             [(("t".to_owned(), 0), "b".to_owned())].into();
         let (x, y) = tokio::join!(
             self.store.publish_assignment(&group, &second, &first),

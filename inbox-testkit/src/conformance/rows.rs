@@ -259,20 +259,20 @@ where
         const C: &str = "lock_is_exclusive";
         let e = store_err(C);
         let row = self.row("lock");
-        let worker = MemberId::new("conformance-1").map_err(|v| fail(C, v.to_string()))?;
+        let member = MemberId::new("conformance-1").map_err(|v| fail(C, v.to_string()))?;
         let mut tx = self.store.begin().await.map_err(&e)?;
         let r = tx.insert_or_get(&row).await.map_err(&e)?;
         tx.commit().await.map_err(&e)?;
         let mut a = self.store.begin().await.map_err(&e)?;
         let mut b = self.store.begin().await.map_err(&e)?;
-        let la = a.lock(r.id, &worker).await.map_err(&e)?;
-        let lb = b.lock(r.id, &worker).await.map_err(&e)?;
+        let la = a.lock(r.id, &member).await.map_err(&e)?;
+        let lb = b.lock(r.id, &member).await.map_err(&e)?;
         ensure(C, la == LockResult::Acquired, || {
             format!("first lock {la:?}")
         })?;
         ensure(C, lb == LockResult::Busy, || format!("second lock {lb:?}"))?;
         a.rollback().await.map_err(&e)?;
-        let lb = b.lock(r.id, &worker).await.map_err(&e)?;
+        let lb = b.lock(r.id, &member).await.map_err(&e)?;
         b.rollback().await.map_err(&e)?;
         ensure(C, lb == LockResult::Acquired, || {
             format!("lock after release {lb:?}")

@@ -28,7 +28,7 @@ use rskafka::client::{
 use rskafka::record::Record;
 
 use crate::apache;
-use crate::pg::HarnessError;
+use crate::service::HarnessError;
 use crate::service::{free_port, run, spawn_reaper, temp_dir};
 use crate::tls::{self, Certificates};
 

@@ -93,7 +93,7 @@ macro_rules! processor_scenario_tests {
             processor_drains_landed_rows
             processor_by_row_lock_drains_landed_rows
             processor_never_completes_a_row_it_no_longer_holds
-            processor_lease_expires_after_a_worker_dies
+            processor_lease_expires_after_a_member_dies
             retention_deletes_only_completed_rows_past_the_cutoff
             processor_charges_the_row_that_aborted
             processor_clamps_retry_times_a_store_cannot_hold
@@ -104,7 +104,7 @@ macro_rules! processor_scenario_tests {
         $crate::processor_scenario_tests! { store = $store }
         $crate::__processor_scenario_tests! {
             { $store }
-            processor_by_row_lock_frees_a_dead_workers_rows_at_once
+            processor_by_row_lock_frees_a_dead_members_rows_at_once
             processor_by_row_lock_is_not_disturbed_by_lease_release
         }
     };

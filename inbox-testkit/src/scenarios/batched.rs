@@ -2,6 +2,7 @@
 //! same stories batched and one by one, random batches, faults injected.
 
 use super::*;
+use inbox_core::PartitionKey;
 
 /// A small deterministic generator (xorshift) from `seed`: each call gives a
 /// number below `n`.
@@ -67,8 +68,8 @@ pub async fn batched_matches_one_by_one<H: Harness>(h: &H) {
         store
             .land(&NewInboxRow::for_message(&order(&id("held")), group, 5))
             .await;
-        let worker = MemberId::new("batch-processor-1").unwrap_or_else(|e| panic!("{e}"));
-        store.hold_lock(&id("held"), group, &worker).await;
+        let member = MemberId::new("batch-processor-1").unwrap_or_else(|e| panic!("{e}"));
+        store.hold_lock(&id("held"), group, &member).await;
 
         let handler = FlakyById::swallowing(
             [
@@ -185,7 +186,7 @@ pub async fn random_batches_match_one_by_one<H: Harness>(h: &H, seed: u64) -> us
     let store = h.store();
     let mut roll = dice(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
     let count = 10 + roll(50);
-    let workload: Vec<(String, i32)> = (0..count)
+    let workload: Vec<PartitionKey> = (0..count)
         .map(|_| {
             (
                 format!("m{}", roll(15)),

@@ -147,7 +147,7 @@ fn order(id: &str) -> Message {
 fn config(group: &str, strategy: AckStrategy) -> RunnerConfig {
     // the strategy x outcome matrix of the design note: no failure budget
     // (the budget's scenarios set one)
-    let mut c = RunnerConfig::new(group, "scenario-worker")
+    let mut c = RunnerConfig::new(group, "scenario-member")
         .unwrap_or_else(|e| panic!("{e}"))
         .no_failure_budget();
     c.strategy = strategy;

@@ -355,15 +355,15 @@ where
 /// A processor that dies while it holds a batch (simulated: dropped while
 /// its handler hangs) leaves its rows leased: another processor cannot take
 /// them until maintenance releases the stale lease, then finishes them,
-/// each effect once (the dead worker's writes were rolled back with it).
-pub async fn processor_lease_expires_after_a_worker_dies<S>(store: S)
+/// each effect once (the dead member's writes were rolled back with it).
+pub async fn processor_lease_expires_after_a_member_dies<S>(store: S)
 where
     S: ScenarioStore,
     S::Tx: WriteInvoice + 'static,
 {
     use inbox_core::processor::Processor;
     let group = "processor-dies";
-    let (ids, config) = a_worker_dies_holding_its_batch(&store, group, ClaimMode::Lease).await;
+    let (ids, config) = a_member_dies_holding_its_batch(&store, group, ClaimMode::Lease).await;
     for m in &ids {
         let r = row(&store, m, group).await.unwrap_or_else(|| panic!("{m}"));
         assert_eq!(r.locked_by.as_deref(), Some("doomed"), "{m}: still leased");
@@ -399,7 +399,7 @@ where
 /// `claim` hangs in its second handler and is dropped (dies) holding them.
 /// Their ids, and the configuration for a processor `survivor` of the same
 /// group.
-async fn a_worker_dies_holding_its_batch<S>(
+async fn a_member_dies_holding_its_batch<S>(
     store: &S,
     group: &str,
     claim: ClaimMode,
@@ -435,14 +435,14 @@ where
 /// processor finishes them without maintenance, each effect once. A store
 /// that cannot lock rows in a transaction falls back to leases, so this is
 /// for those that can.
-pub async fn processor_by_row_lock_frees_a_dead_workers_rows_at_once<S>(store: S)
+pub async fn processor_by_row_lock_frees_a_dead_members_rows_at_once<S>(store: S)
 where
     S: ScenarioStore,
     S::Tx: WriteInvoice + 'static,
 {
     use inbox_core::processor::Processor;
     let group = "processor-lock-dies";
-    let (ids, config) = a_worker_dies_holding_its_batch(&store, group, ClaimMode::RowLock).await;
+    let (ids, config) = a_member_dies_holding_its_batch(&store, group, ClaimMode::RowLock).await;
     for m in &ids {
         let r = row(&store, m, group).await.unwrap_or_else(|| panic!("{m}"));
         assert_eq!(r.locked_by, None, "{m}: no lease written");
@@ -461,7 +461,7 @@ where
         completed += b.completed;
         assert!(
             started.elapsed() < Duration::from_secs(10),
-            "the dead worker's rows did not come back ({completed} of 3)"
+            "the dead member's rows did not come back ({completed} of 3)"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -513,7 +513,7 @@ where
         store.land(&landed(&id(m), group, 1)).await;
     }
     let bad = id("bad");
-    let mut config = ProcessorConfig::new("retention-worker").unwrap_or_else(|e| panic!("{e}"));
+    let mut config = ProcessorConfig::new("retention-member").unwrap_or_else(|e| panic!("{e}"));
     config.filter.consumer_group = Some(group.to_owned());
     let mut processor = Processor::new(
         store.clone(),

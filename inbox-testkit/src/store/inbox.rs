@@ -50,7 +50,7 @@ impl InboxStore for MemStore {
 
     async fn claim_due(
         &self,
-        worker: &MemberId,
+        member: &MemberId,
         limit: usize,
         filter: &DueFilter,
     ) -> Result<Vec<InboxRow>, StoreError> {
@@ -80,7 +80,7 @@ impl InboxStore for MemStore {
         let mut claimed = Vec::with_capacity(due.len());
         for (_, id) in due {
             if let Some(row) = s.rows.get_mut(&id) {
-                row.locked_by = Some(worker.as_str().to_owned());
+                row.locked_by = Some(member.as_str().to_owned());
                 row.locked_at = Some(now);
                 row.updated_at = now;
                 claimed.push(row.clone());
@@ -89,13 +89,13 @@ impl InboxStore for MemStore {
         Ok(claimed)
     }
 
-    async fn release_claims(&self, worker: &MemberId, ids: &[RowId]) -> Result<u64, StoreError> {
+    async fn release_claims(&self, member: &MemberId, ids: &[RowId]) -> Result<u64, StoreError> {
         let mut s = self.state();
         let now = s.now;
         let mut released = 0;
         for id in ids {
             if let Some(row) = s.rows.get_mut(id)
-                && row.locked_by.as_deref() == Some(worker.as_str())
+                && row.locked_by.as_deref() == Some(member.as_str())
             {
                 row.locked_by = None;
                 row.locked_at = None;

@@ -6,6 +6,7 @@
 //! row locks hold until the transaction ends. A business table (`invoices`,
 //! say) is written through the same transaction, so tests can count effects.
 
+use inbox_core::PartitionKey;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::MutexGuard;
 use std::time::Duration;
@@ -85,7 +86,7 @@ pub(crate) struct State {
     /// Last heartbeat by (group, member).
     members: BTreeMap<(String, String), DateTime<Utc>>,
     /// Published assignments by group.
-    assignments: HashMap<String, BTreeMap<(String, i32), String>>,
+    assignments: HashMap<String, BTreeMap<PartitionKey, String>>,
     pub(crate) now: DateTime<Utc>,
     faults: HashMap<StoreFault, u32>,
     /// Message ids whose inbox row is refused (see [`MemStore::refuse`]).
@@ -310,9 +311,9 @@ impl MemStore {
 
     /// Sets a committed lease on a row, as a processor holding it
     /// would. Returns false when there is no such row.
-    pub fn hold_lock(&self, message_id: &str, consumer_group: &str, worker: &MemberId) -> bool {
+    pub fn hold_lock(&self, message_id: &str, consumer_group: &str, member: &MemberId) -> bool {
         self.update_row(message_id, consumer_group, |row, now| {
-            row.locked_by = Some(worker.as_str().to_owned());
+            row.locked_by = Some(member.as_str().to_owned());
             row.locked_at = Some(now);
         })
     }

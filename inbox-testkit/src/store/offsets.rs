@@ -1,7 +1,8 @@
 //! Membership and offsets of MemStore.
 
-#[allow(clippy::wildcard_imports)]
 use super::*;
+#[allow(clippy::wildcard_imports)]
+use inbox_core::PartitionKey;
 
 #[async_trait]
 impl MembershipStore for MemStore {
@@ -34,7 +35,7 @@ impl MembershipStore for MemStore {
     async fn published_assignment(
         &self,
         consumer_group: &str,
-    ) -> Result<BTreeMap<(String, i32), String>, StoreError> {
+    ) -> Result<BTreeMap<PartitionKey, String>, StoreError> {
         Ok(self
             .state()
             .assignments
@@ -46,8 +47,8 @@ impl MembershipStore for MemStore {
     async fn publish_assignment(
         &self,
         consumer_group: &str,
-        previous: &BTreeMap<(String, i32), String>,
-        assignment: &BTreeMap<(String, i32), String>,
+        previous: &BTreeMap<PartitionKey, String>,
+        assignment: &BTreeMap<PartitionKey, String>,
     ) -> Result<bool, StoreError> {
         let mut s = self.state();
         let published = s.assignments.entry(consumer_group.to_owned()).or_default();

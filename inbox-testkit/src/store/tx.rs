@@ -53,7 +53,7 @@ impl InboxTransaction for MemTx {
         })
     }
 
-    async fn lock(&mut self, id: RowId, _worker: &MemberId) -> Result<LockResult, StoreError> {
+    async fn lock(&mut self, id: RowId, _member: &MemberId) -> Result<LockResult, StoreError> {
         self.usable()?;
         let mut s = self.store.state();
         s.take_fault(StoreFault::Lock)?;
@@ -185,7 +185,7 @@ impl InboxTransaction for MemTx {
 
     async fn write_outcomes(
         &mut self,
-        worker: &MemberId,
+        member: &MemberId,
         updates: &[(RowId, RowUpdate)],
     ) -> Result<u64, StoreError> {
         self.usable()?;
@@ -197,7 +197,7 @@ impl InboxTransaction for MemTx {
                 .filter(|(id, _)| {
                     s.rows
                         .get(id)
-                        .is_some_and(|r| r.locked_by.as_deref() == Some(worker.as_str()))
+                        .is_some_and(|r| r.locked_by.as_deref() == Some(member.as_str()))
                 })
                 .map(|(id, _)| *id)
                 .collect()

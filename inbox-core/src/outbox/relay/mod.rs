@@ -307,7 +307,7 @@ where
                 .flat_map(|(i, _)| groups[*i].1.iter().map(|r| r.id))
                 .collect();
             verdicts.extend(ready);
-            self.settle(defer, &claims, sent, &mut deferred, &mut round)
+            self.mark_or_defer(defer, &claims, sent, &mut deferred, &mut round)
                 .await?;
         }
         drop(appends);
@@ -333,7 +333,7 @@ where
                 }
             }
         }
-        self.settle(defer, &claims, sent, &mut deferred, &mut round)
+        self.mark_or_defer(defer, &claims, sent, &mut deferred, &mut round)
             .await?;
         if round.unmarked > 0 {
             self.drop_stale_claims().await?;
@@ -397,7 +397,7 @@ where
 
     /// The rows `sent` acknowledged: marked now, or when `defer`, kept in
     /// `deferred` for the next round's read.
-    async fn settle(
+    async fn mark_or_defer(
         &self,
         defer: bool,
         claims: &[SlotClaim],

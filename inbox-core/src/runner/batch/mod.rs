@@ -28,6 +28,7 @@ mod optimistic;
 mod savepoints;
 mod slots;
 
+use crate::assignment::PartitionKey;
 use std::collections::HashMap;
 
 use tracing::Instrument;
@@ -152,7 +153,7 @@ where
         {
             return self.process_one_by_one(messages).await;
         }
-        let mut partitions: Vec<Option<(String, i32)>> = Vec::new();
+        let mut partitions: Vec<Option<PartitionKey>> = Vec::new();
         let mut slots: Vec<Slot> = messages
             .into_iter()
             .map(|message| {
@@ -270,7 +271,7 @@ where
     /// partition.
     async fn process_one_by_one(&mut self, messages: Vec<Message>) -> BatchResult {
         let mut result = BatchResult::default();
-        let mut held: Vec<Option<(String, i32)>> = Vec::new();
+        let mut held: Vec<Option<PartitionKey>> = Vec::new();
         for message in messages {
             let key = message.position.as_ref().map(|p| p.partition_key());
             if held.contains(&key) {

@@ -1,7 +1,8 @@
 //! inbox status: the groups' partitions, lag, the relays, the outbox.
 
-#[allow(clippy::wildcard_imports)]
 use super::*;
+#[allow(clippy::wildcard_imports)]
+use transactional_inbox::PartitionKey;
 
 /// The topic under which relays keep their slots (not a Kafka topic).
 pub(super) const RELAY_SLOTS: &str = "__outbox_slots";
@@ -13,7 +14,7 @@ pub(super) async fn status(
 ) -> Result<ExitCode, Failure> {
     let status = store.status().await?;
     // the log's end of each partition, when brokers are given
-    let topics: Vec<(String, i32)> = status
+    let topics: Vec<PartitionKey> = status
         .partitions
         .iter()
         .filter(|p| p.topic != RELAY_SLOTS)

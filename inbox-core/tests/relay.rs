@@ -247,3 +247,102 @@ async fn run_publishes_what_is_written_while_it_runs_and_leaves_on_cancel() {
     assert_eq!(summary.published, 30);
     assert_eq!(broker.all("orders").len(), 30);
 }
+
+mod random_faults {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// One case: `keys[i]` is event i's key; each partition's appends fail
+    /// `faults[p]` times first (with `kinds[p]`), then succeed.
+    fn run_case(
+        keys: &[u8],
+        faults: &[(usize, bool)],
+        batch_size: usize,
+        max_parked_ids: usize,
+        pipelined: bool,
+    ) -> Result<(), TestCaseError> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        rt.block_on(async {
+            let store = MemStore::new();
+            let broker = MemPublisher::new();
+            broker.create_topic("orders", 4);
+            for (p, (times, for_now)) in (0i32..).zip(faults) {
+                let kind = if *for_now {
+                    PublishErrorKind::RefusedForNow
+                } else {
+                    PublishErrorKind::Unavailable
+                };
+                broker.fail_next("orders", p, kind, *times);
+            }
+            for (i, k) in keys.iter().enumerate() {
+                store
+                    .enqueue(event("orders", &format!("k{k}"), &format!("e{i}")))
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+            }
+            let mut c = config(batch_size);
+            c.max_parked_ids = max_parked_ids;
+            c.retry = Backoff::new(Duration::from_millis(1), Duration::from_millis(1), 1.0);
+            let mut relay = Relay::new(store.clone(), broker.clone(), c);
+            relay
+                .hold(&all_slots())
+                .await
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+            for _ in 0..5000 {
+                if pending(&store) == 0 {
+                    break;
+                }
+                let round = if pipelined {
+                    relay.round_pipelined().await
+                } else {
+                    relay.round().await
+                };
+                round.map_err(|e| TestCaseError::fail(e.to_string()))?;
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            relay
+                .flush()
+                .await
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+            prop_assert_eq!(pending(&store), 0, "{:?}", statuses(&store));
+            // each event once, and each key's events in the order written
+            let landed = broker.all("orders");
+            prop_assert_eq!(landed.len(), keys.len());
+            for k in 0..6u8 {
+                let key = format!("k{k}");
+                let ids: Vec<usize> = landed
+                    .iter()
+                    .filter(|(_, r)| r.key.as_deref() == Some(key.as_bytes()))
+                    .filter_map(|(_, r)| r.message_id.strip_prefix('e')?.parse().ok())
+                    .collect();
+                prop_assert!(
+                    ids.windows(2).all(|w| w[0] < w[1]),
+                    "key {}: {:?}",
+                    key,
+                    ids
+                );
+            }
+            Ok(())
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// Whatever partitions fail, how often, and how the reads are
+        /// sized, every event is published once, each key's in order, and
+        /// marked sent.
+        #[test]
+        fn every_event_once_in_key_order_whatever_fails(
+            keys in proptest::collection::vec(0u8..6, 1..80),
+            faults in proptest::collection::vec((0usize..12, proptest::bool::ANY), 4),
+            batch_size in 1usize..20,
+            max_parked_ids in 0usize..3,
+            pipelined in proptest::bool::ANY,
+        ) {
+            run_case(&keys, &faults, batch_size, max_parked_ids, pipelined)?;
+        }
+    }
+}

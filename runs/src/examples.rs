@@ -250,12 +250,7 @@ async fn outbox_service(exe: &std::path::Path) -> Result<()> {
     // the business transaction's begin, enqueue and commit count too
     let wiring = wiring_lines("outbox_service", OUTBOX_SERVICE_WIRING - 3)? + 3;
     println!("$ {} ({wiring} lines of wiring)", exe.display());
-    let url = harness(inbox_testkit::pg::server().and_then(|s| s.create_database()))?;
-    let store = PgStore::connect(&url, TableName::default()).await?;
-    store
-        .connection()
-        .execute_unprepared("CREATE TABLE orders (id BIGINT PRIMARY KEY)")
-        .await?;
+    let (url, store) = database_with("CREATE TABLE orders (id BIGINT PRIMARY KEY)").await?;
     let broker = harness(inbox_testkit::kafka::broker())?;
     let partitions = 2;
     let topic = harness(broker.topic("outbox-orders", partitions).await)?;
@@ -297,6 +292,18 @@ async fn outbox_service(exe: &std::path::Path) -> Result<()> {
 /// Most lines of wiring `managed_cluster` may take (issue 26's goal).
 const MANAGED_CLUSTER_WIRING: usize = 15;
 
+/// The examples' invoices table.
+const INVOICES_TABLE: &str = "CREATE TABLE invoices (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL UNIQUE, total BIGINT NOT NULL)";
+
+/// A fresh database on the throwaway server, its URL and its store, with
+/// `table` (a `CREATE TABLE`) made in it.
+async fn database_with(table: &str) -> Result<(String, PgStore)> {
+    let url = harness(inbox_testkit::pg::server().and_then(|s| s.create_database()))?;
+    let store = PgStore::connect(&url, TableName::default()).await?;
+    store.connection().execute_unprepared(table).await?;
+    Ok((url, store))
+}
+
 /// `managed_cluster` against a broker that serves TLS only and signs in
 /// with SCRAM-SHA-512: its wiring within [`MANAGED_CLUSTER_WIRING`] lines,
 /// every order invoiced once, a clean stop on SIGTERM.
@@ -320,14 +327,7 @@ async fn managed_cluster(exe: &std::path::Path) -> Result<()> {
     let ca_file = std::env::temp_dir().join(format!("inbox-example-ca-{}.pem", std::process::id()));
     std::fs::write(&ca_file, &ca.ca_pem)?;
     let topic = orders_on(&broker, ORDERS).await?;
-    let url = harness(inbox_testkit::pg::server().and_then(|s| s.create_database()))?;
-    let store = PgStore::connect(&url, TableName::default()).await?;
-    store
-        .connection()
-        .execute_unprepared(
-            "CREATE TABLE invoices (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL UNIQUE, total BIGINT NOT NULL)",
-        )
-        .await?;
+    let (url, store) = database_with(INVOICES_TABLE).await?;
     let mut child = spawn_example(
         exe,
         &[
@@ -384,14 +384,7 @@ async fn sqlx_billing(exe: &std::path::Path) -> Result<()> {
     let (topic, broker) = orders(ORDERS).await?;
     let partitions = 2;
     let invoices = harness(broker.topic("example-invoices", partitions).await)?;
-    let url = harness(inbox_testkit::pg::server().and_then(|s| s.create_database()))?;
-    let store = PgStore::connect(&url, TableName::default()).await?;
-    store
-        .connection()
-        .execute_unprepared(
-            "CREATE TABLE invoices (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL UNIQUE, total BIGINT NOT NULL)",
-        )
-        .await?;
+    let (url, store) = database_with(INVOICES_TABLE).await?;
     let mut child = spawn_example(
         exe,
         &[
@@ -535,18 +528,14 @@ async fn getting_started(exe: &std::path::Path, command: &Operator) -> Result<()
         "$ {} (the guide's program; DATABASE_URL, KAFKA_BROKERS, ORDERS_TOPIC, INVOICES_TOPIC, METRICS_ADDR set)",
         exe.display()
     );
-    let url = harness(inbox_testkit::pg::server().and_then(|s| s.create_database()))?;
     // the invoices table as a wrong migration left it: a limit on the total
     // that a large order breaks (the guide's own migration creates it only
     // if it is not there)
-    let store = PgStore::connect(&url, TableName::default()).await?;
-    store
-        .connection()
-        .execute_unprepared(
-            "CREATE TABLE invoices (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL UNIQUE,
-                                    total BIGINT NOT NULL CONSTRAINT invoices_total_limit CHECK (total < 100000))",
-        )
-        .await?;
+    let (url, store) = database_with(
+        "CREATE TABLE invoices (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL UNIQUE,
+                                total BIGINT NOT NULL CONSTRAINT invoices_total_limit CHECK (total < 100000))",
+    )
+    .await?;
     let (topic, broker) = orders(ORDERS).await?;
     // order-3 again (a producer's retry): the inbox recognises it; and a
     // large order the wrong limit refuses, last on its partition

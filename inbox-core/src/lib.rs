@@ -98,7 +98,7 @@ pub use runner::{
     RunSummary, Runner, RunnerConfig, panic_message,
 };
 pub use store::{
-    AttemptRecord, DueFilter, Found, InboxStore, InboxTransaction, LockResult, RowRef,
+    AttemptRecord, DueFilter, Found, InboxStore, InboxTransaction, LockResult, RowLocks, RowRef,
 };
 pub use strategy::{AckPolicy, AckStrategy};
 pub use tokio_util::sync::CancellationToken;

@@ -161,7 +161,7 @@ pub trait InboxStore: Send + Sync {
     /// The rows `member` may have been running when its process last
     /// stopped without writing their outcomes (a handler that aborted it,
     /// ran it out of memory, overflowed its stack, or a kill): the rows of
-    /// its last [`InboxTransaction::note_running`] when that transaction
+    /// its last [`RowLocks::note_running`] when that transaction
     /// never committed, and the rows it still holds by lease. What it
     /// returns is forgotten (a second call gives nothing more). A processor
     /// starting as `member` suspects them: it runs them one at a time, and
@@ -321,52 +321,13 @@ pub trait InboxTransaction: Send + Sized {
         ))
     }
 
-    /// Takes up to `limit` due rows (as [`InboxStore::claim_due`] chooses
-    /// them, and only the rows of `only` unless it is empty) by locking
-    /// them in this transaction (`FOR UPDATE SKIP LOCKED`), writing
-    /// nothing: no other processor takes them while the transaction is
-    /// open, and they are due again as soon as it ends without writing
-    /// their outcomes (a crash, a rollback). Leased rows are left alone.
-    /// The default refuses
-    /// ([`StoreErrorKind::Unsupported`](crate::StoreErrorKind::Unsupported)):
-    /// the processor then claims by lease.
-    async fn lock_due(
-        &mut self,
-        limit: usize,
-        filter: &DueFilter,
-        only: &[RowId],
-    ) -> Result<Vec<InboxRow>, StoreError> {
-        let _ = (limit, filter, only);
-        Err(StoreError::new(
-            crate::StoreErrorKind::Unsupported,
-            "this store cannot lock due rows in a transaction",
-        ))
-    }
-
-    /// Notes, durably and outside this transaction, that `member` is about
-    /// to run the handlers of rows `ids` in it (rows it locked with
-    /// [`lock_due`](Self::lock_due)), so that if its process dies before
-    /// this transaction commits, [`InboxStore::take_unfinished`] knows.
-    /// Each note replaces `member`'s previous one; once this transaction
-    /// commits the note means nothing. The default notes nothing.
-    async fn note_running(&mut self, member: &MemberId, ids: &[RowId]) -> Result<(), StoreError> {
-        let _ = (member, ids);
-        Ok(())
-    }
-
-    /// Writes the processor's outcomes on rows this transaction locked with
-    /// [`lock_due`](Self::lock_due), in one statement, as
-    /// [`write_outcomes`](Self::write_outcomes) does for leased rows;
-    /// returns how many rows were written. The default refuses.
-    async fn write_locked_outcomes(
-        &mut self,
-        updates: &[(RowId, crate::attempts::RowUpdate)],
-    ) -> Result<u64, StoreError> {
-        let _ = updates;
-        Err(StoreError::new(
-            crate::StoreErrorKind::Unsupported,
-            "this store cannot lock due rows in a transaction",
-        ))
+    /// This transaction's row locks, if its store offers them
+    /// ([`RowLocks`]: the processor's [`ClaimMode::RowLock`]); `None`, the
+    /// default: the processor claims by lease.
+    ///
+    /// [`ClaimMode::RowLock`]: crate::processor::ClaimMode::RowLock
+    fn row_locks(&mut self) -> Option<&mut dyn RowLocks> {
+        None
     }
 
     /// Marks a savepoint: what this transaction does after it can be undone
@@ -446,4 +407,47 @@ pub trait InboxTransaction: Send + Sized {
             "this store cannot keep consumer acknowledgements",
         ))
     }
+}
+
+/// A capability of a store's transaction: locking the processor's due rows
+/// in the transaction that works them ([`ClaimMode::RowLock`]). A store
+/// offers it by implementing this trait for its transaction and returning
+/// it from [`InboxTransaction::row_locks`]; the compiler checks what it
+/// offers, and a store without it is known to have none before any call.
+///
+/// [`ClaimMode::RowLock`]: crate::processor::ClaimMode::RowLock
+#[async_trait]
+pub trait RowLocks: Send {
+    /// Takes up to `limit` due rows (as [`InboxStore::claim_due`] chooses
+    /// them, and only the rows of `only` unless it is empty) by locking
+    /// them in this transaction (`FOR UPDATE SKIP LOCKED`), writing
+    /// nothing: no other processor takes them while the transaction is
+    /// open, and they are due again as soon as it ends without writing
+    /// their outcomes (a crash, a rollback). Leased rows are left alone.
+    async fn lock_due(
+        &mut self,
+        limit: usize,
+        filter: &DueFilter,
+        only: &[RowId],
+    ) -> Result<Vec<InboxRow>, StoreError>;
+
+    /// Notes, durably and outside this transaction, that `member` is about
+    /// to run the handlers of rows `ids` in it (rows it locked with
+    /// [`lock_due`](Self::lock_due)), so that if its process dies before
+    /// this transaction commits, [`InboxStore::take_unfinished`] knows.
+    /// Each note replaces `member`'s previous one; once this transaction
+    /// commits the note means nothing. The default notes nothing.
+    async fn note_running(&mut self, member: &MemberId, ids: &[RowId]) -> Result<(), StoreError> {
+        let _ = (member, ids);
+        Ok(())
+    }
+
+    /// Writes the processor's outcomes on rows this transaction locked with
+    /// [`lock_due`](Self::lock_due), in one statement, as
+    /// [`write_outcomes`](InboxTransaction::write_outcomes) does for leased rows;
+    /// returns how many rows were written.
+    async fn write_locked_outcomes(
+        &mut self,
+        updates: &[(RowId, crate::attempts::RowUpdate)],
+    ) -> Result<u64, StoreError>;
 }

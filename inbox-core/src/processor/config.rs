@@ -22,7 +22,7 @@ pub enum ClaimMode {
     /// operator sees the rows in hand (`locked_by`, `locked_at`).
     Lease,
     /// The default: the batch is taken by locking its rows in the
-    /// transaction that works it ([`InboxTransaction::lock_due`](crate::store::InboxTransaction::lock_due)): nothing
+    /// transaction that works it ([`RowLocks::lock_due`](crate::store::RowLocks::lock_due)): nothing
     /// is written to claim them, one commit a batch instead of two, and a
     /// crashed member's rows are due again as soon as its transaction ends
     /// (no stale lease to wait for). Faster than the lease (about 1.4x on
@@ -75,7 +75,7 @@ pub struct ProcessorConfig {
     pub claim: ClaimMode,
     /// Whether a job that kills the process is counted: before the
     /// handlers of a batch by row lock run, its rows are noted
-    /// ([`InboxTransaction::note_running`](crate::store::InboxTransaction::note_running), one round trip on the store's
+    /// ([`RowLocks::note_running`](crate::store::RowLocks::note_running), one round trip on the store's
     /// side connection), so that the next start of this member charges the
     /// job that killed it ([`InboxStore::take_unfinished`](crate::store::InboxStore::take_unfinished)). Default
     /// `true`; `false` saves that round trip (no-op jobs drained at 0.95x

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use super::rules::{Unfinished, crash_failure};
+use super::rules::{Unfinished, crash_failure, no_row_locks};
 use super::{ClaimMode, Handled, Processor, ProcessorBatch, ProcessorError, Run, abandon, refused};
 use crate::attempts::{RowUpdate, row_update};
 use crate::error::{StoreError, StoreErrorKind};
@@ -29,15 +29,20 @@ where
         only: &[RowId],
     ) -> Result<Option<ProcessorBatch>, ProcessorError> {
         let mut tx = self.store.begin().await?;
-        let mut rows = match tx
-            .lock_due(self.config.batch_size.max(1), &self.config.filter, only)
-            .await
-        {
-            Ok(rows) => rows,
-            Err(e) if e.kind == StoreErrorKind::Unsupported => {
+        let locked = match tx.row_locks() {
+            Some(locks) => {
+                locks
+                    .lock_due(self.config.batch_size.max(1), &self.config.filter, only)
+                    .await
+            }
+            // a store without row locks: the caller claims by lease
+            None => {
                 abandon(tx).await;
                 return Ok(None);
             }
+        };
+        let mut rows = match locked {
+            Ok(rows) => rows,
             Err(e) => {
                 abandon(tx).await;
                 return Err(e.into());
@@ -107,7 +112,7 @@ where
     /// one with the row locked again (`None`: it is no longer due, another
     /// member took it after the batch let it go).
     /// When `run` (its handler runs in it), the row is noted as in hand
-    /// ([`InboxTransaction::note_running`]).
+    /// ([`RowLocks::note_running`](crate::store::RowLocks::note_running)).
     async fn begin_for(
         &self,
         claim: ClaimMode,
@@ -136,7 +141,11 @@ where
         ids: &[RowId],
     ) -> Result<Option<(S::Tx, Vec<InboxRow>)>, StoreError> {
         let mut tx = self.store.begin().await?;
-        match tx.lock_due(ids.len(), &self.config.filter, ids).await {
+        let locked = match tx.row_locks() {
+            Some(locks) => locks.lock_due(ids.len(), &self.config.filter, ids).await,
+            None => Err(no_row_locks()),
+        };
+        match locked {
             Ok(rows) if rows.is_empty() => {
                 abandon(tx).await;
                 Ok(None)
@@ -203,14 +212,17 @@ where
     }
 
     /// Notes that this member runs `rows` in `tx` (see
-    /// [`InboxTransaction::note_running`]); a note that fails is logged
+    /// [`RowLocks::note_running`](crate::store::RowLocks::note_running)); a note that fails is logged
     /// (a crash in this batch then goes uncounted), never the batch's end.
     async fn note_running(&self, tx: &mut S::Tx, rows: &[InboxRow]) {
         if !self.config.count_crashes {
             return;
         }
         let ids: Vec<RowId> = rows.iter().map(|r| r.id).collect();
-        if let Err(e) = tx.note_running(&self.config.member_id, &ids).await {
+        let Some(locks) = tx.row_locks() else {
+            return;
+        };
+        if let Err(e) = locks.note_running(&self.config.member_id, &ids).await {
             tracing::warn!(error = %e, "noting the rows in hand failed: a crash in this batch would go uncounted");
         }
     }

@@ -427,7 +427,10 @@ where
     ) -> Result<u64, StoreError> {
         match claim {
             ClaimMode::Lease => tx.write_outcomes(member, updates).await,
-            ClaimMode::RowLock => tx.write_locked_outcomes(updates).await,
+            ClaimMode::RowLock => match tx.row_locks() {
+                Some(locks) => locks.write_locked_outcomes(updates).await,
+                None => Err(rules::no_row_locks()),
+            },
         }
     }
 

@@ -10,7 +10,7 @@ use inbox_core::attempts::{Due, RowUpdate};
 use inbox_core::{
     AttemptRecord, DueFilter, Found, InboxRow, InboxStatus, InboxStore, InboxTransaction,
     LockResult, MemberId, MembershipStore, Message, NewInboxRow, OffsetHold, OffsetStore,
-    PartitionClaim, RowId, RowRef, StoreError, StoreErrorKind, TxAck, ValidationError,
+    PartitionClaim, RowId, RowLocks, RowRef, StoreError, StoreErrorKind, TxAck, ValidationError,
 };
 use sea_orm::{
     ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, DbErr, QueryResult,
@@ -56,7 +56,7 @@ pub struct PgStore {
 
 /// A connection of the store's own beside the pool, opened at its first
 /// use, for the processor's notes of the rows it runs
-/// ([`InboxTransaction::note_running`]): a note is written while the
+/// ([`RowLocks::note_running`](inbox_core::RowLocks::note_running)): a note is written while the
 /// batch's transaction holds a connection of the pool, so a pool of one
 /// connection never waits on itself. Each note is one round trip, in a
 /// transaction of its own with `synchronous_commit = off` (a note has to

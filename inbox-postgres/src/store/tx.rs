@@ -182,67 +182,8 @@ impl InboxTransaction for PgTx {
         .await
     }
 
-    async fn lock_due(
-        &mut self,
-        limit: usize,
-        filter: &DueFilter,
-        only: &[RowId],
-    ) -> Result<Vec<InboxRow>, StoreError> {
-        let rows = self
-            .query_all(stmt(
-                &self.sql.lock_due,
-                vec![
-                    i64::try_from(limit).unwrap_or(i64::MAX).into(),
-                    filter.consumer_group.clone().into(),
-                    json_list(&filter.sources).into(),
-                    json_list(&filter.event_types).into(),
-                    serde_json::Value::from(only.to_vec()).to_string().into(),
-                ],
-            ))
-            .await?;
-        if let Some(first) = rows.first().and_then(QueryResult::try_as_pg_row) {
-            use sea_orm::sqlx::Row;
-            self.xid = first.try_get::<i64, _>(first.len() - 1).ok();
-        }
-        rows.iter().map(inbox_row).collect()
-    }
-
-    async fn note_running(&mut self, member: &MemberId, ids: &[RowId]) -> Result<(), StoreError> {
-        let xid = match self.xid {
-            Some(xid) => xid,
-            None => {
-                let row = self
-                    .query_one(stmt("SELECT txid_current() AS xid", vec![]))
-                    .await?
-                    .ok_or_else(|| StoreError::new(StoreErrorKind::Other, "no transaction id"))?;
-                let xid: i64 = get(&row, "xid")?;
-                self.xid = Some(xid);
-                xid
-            }
-        };
-        // one round trip of statements with their values written in: the
-        // member id is of [A-Za-z0-9.-/:] (quotes doubled all the same), the
-        // ids and the transaction id are numbers
-        let ids: Vec<String> = ids.iter().map(ToString::to_string).collect();
-        let sql = format!(
-            "BEGIN; SET LOCAL synchronous_commit = off;
-             INSERT INTO {r} (member_id, row_ids, xid) VALUES ('{member}', '{{{ids}}}', {xid})
-             ON CONFLICT (member_id) DO UPDATE
-                SET row_ids = EXCLUDED.row_ids, xid = EXCLUDED.xid, noted_at = now();
-             COMMIT",
-            r = self.sql.note_running,
-            member = member.as_str().replace('\'', "''"),
-            ids = ids.join(","),
-        );
-        self.side.run(sql).await
-    }
-
-    async fn write_locked_outcomes(
-        &mut self,
-        updates: &[(RowId, RowUpdate)],
-    ) -> Result<u64, StoreError> {
-        self.write_with(&self.sql.write_locked_outcomes, Vec::new(), updates)
-            .await
+    fn row_locks(&mut self) -> Option<&mut dyn RowLocks> {
+        Some(self)
     }
 
     async fn savepoint(&mut self) -> Result<(), StoreError> {
@@ -490,5 +431,73 @@ pub(super) fn without_nul(value: &mut serde_json::Value) {
         }
         serde_json::Value::Object(map) => map.values_mut().for_each(without_nul),
         _ => {}
+    }
+}
+
+/// PostgreSQL locks the processor's due rows in the transaction that works
+/// them (`FOR UPDATE SKIP LOCKED`).
+#[async_trait]
+impl RowLocks for PgTx {
+    async fn lock_due(
+        &mut self,
+        limit: usize,
+        filter: &DueFilter,
+        only: &[RowId],
+    ) -> Result<Vec<InboxRow>, StoreError> {
+        let rows = self
+            .query_all(stmt(
+                &self.sql.lock_due,
+                vec![
+                    i64::try_from(limit).unwrap_or(i64::MAX).into(),
+                    filter.consumer_group.clone().into(),
+                    json_list(&filter.sources).into(),
+                    json_list(&filter.event_types).into(),
+                    serde_json::Value::from(only.to_vec()).to_string().into(),
+                ],
+            ))
+            .await?;
+        if let Some(first) = rows.first().and_then(QueryResult::try_as_pg_row) {
+            use sea_orm::sqlx::Row;
+            self.xid = first.try_get::<i64, _>(first.len() - 1).ok();
+        }
+        rows.iter().map(inbox_row).collect()
+    }
+
+    async fn note_running(&mut self, member: &MemberId, ids: &[RowId]) -> Result<(), StoreError> {
+        let xid = match self.xid {
+            Some(xid) => xid,
+            None => {
+                let row = self
+                    .query_one(stmt("SELECT txid_current() AS xid", vec![]))
+                    .await?
+                    .ok_or_else(|| StoreError::new(StoreErrorKind::Other, "no transaction id"))?;
+                let xid: i64 = get(&row, "xid")?;
+                self.xid = Some(xid);
+                xid
+            }
+        };
+        // one round trip of statements with their values written in: the
+        // member id is of [A-Za-z0-9.-/:] (quotes doubled all the same), the
+        // ids and the transaction id are numbers
+        let ids: Vec<String> = ids.iter().map(ToString::to_string).collect();
+        let sql = format!(
+            "BEGIN; SET LOCAL synchronous_commit = off;
+             INSERT INTO {r} (member_id, row_ids, xid) VALUES ('{member}', '{{{ids}}}', {xid})
+             ON CONFLICT (member_id) DO UPDATE
+                SET row_ids = EXCLUDED.row_ids, xid = EXCLUDED.xid, noted_at = now();
+             COMMIT",
+            r = self.sql.note_running,
+            member = member.as_str().replace('\'', "''"),
+            ids = ids.join(","),
+        );
+        self.side.run(sql).await
+    }
+
+    async fn write_locked_outcomes(
+        &mut self,
+        updates: &[(RowId, RowUpdate)],
+    ) -> Result<u64, StoreError> {
+        self.write_with(&self.sql.write_locked_outcomes, Vec::new(), updates)
+            .await
     }
 }

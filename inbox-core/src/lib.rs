@@ -99,6 +99,7 @@ pub use runner::{
 };
 pub use store::{
     AttemptRecord, DueFilter, Found, InboxStore, InboxTransaction, LockResult, RowLocks, RowRef,
+    TxOffsets,
 };
 pub use strategy::{AckPolicy, AckStrategy};
 pub use tokio_util::sync::CancellationToken;

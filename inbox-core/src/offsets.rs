@@ -9,7 +9,7 @@
 //! ([`StoreErrorKind::Fenced`](crate::StoreErrorKind::Fenced)), so a zombie
 //! that wakes up after losing its partition can acknowledge nothing.
 //! Acknowledgements written inside an inbox transaction go through
-//! [`InboxTransaction::store_ack`](crate::InboxTransaction::store_ack), with
+//! [`TxOffsets::store_ack`](crate::TxOffsets::store_ack), with
 //! the same check.
 
 use std::collections::BTreeMap;

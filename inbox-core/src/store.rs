@@ -380,6 +380,22 @@ pub trait InboxTransaction: Send + Sized {
         ))
     }
 
+    /// This transaction's consumer offsets, if its store keeps them
+    /// ([`TxOffsets`]: a consumer whose acknowledgements are written in the
+    /// inbox's transaction); `None`, the default: the store keeps none, and
+    /// a consumer that writes its acknowledgements in the transaction fails
+    /// there (see [`no_offsets`]).
+    fn offsets(&mut self) -> Option<&mut dyn TxOffsets> {
+        None
+    }
+}
+
+/// A capability of a store's transaction: the consumer's offsets kept in
+/// it, so an acknowledgement commits with the effect it acknowledges. A
+/// store offers it by implementing this trait for its transaction and
+/// returning it from [`InboxTransaction::offsets`].
+#[async_trait]
+pub trait TxOffsets: Send {
     /// Checks, in this transaction, that the consumer still owns the
     /// partition of `ack` under `ack.owner_epoch`, without storing anything:
     /// [`StoreErrorKind::Fenced`](crate::StoreErrorKind::Fenced) when a newer
@@ -388,25 +404,22 @@ pub trait InboxTransaction: Send + Sized {
     /// failure, a first delivery's pre-count, a give-up), so that a fenced
     /// member commits nothing; the check holds until the transaction ends
     /// (PostgreSQL: the offsets row is read `FOR SHARE`, so a claim waits for
-    /// it). The default refuses, like [`store_ack`](Self::store_ack).
-    async fn check_owner(&mut self, ack: &TxAck) -> Result<(), StoreError> {
-        let _ = ack;
-        Err(StoreError::new(
-            crate::StoreErrorKind::Other,
-            "this store cannot keep consumer acknowledgements",
-        ))
-    }
+    /// it).
+    async fn check_owner(&mut self, ack: &TxAck) -> Result<(), StoreError>;
 
     /// Stores a consumer's acknowledgement in this transaction, failing with
     /// [`StoreErrorKind::Fenced`](crate::StoreErrorKind::Fenced) when the
-    /// epoch is stale. The default refuses: the store keeps no offsets.
-    async fn store_ack(&mut self, ack: &TxAck) -> Result<(), StoreError> {
-        let _ = ack;
-        Err(StoreError::new(
-            crate::StoreErrorKind::Other,
-            "this store cannot keep consumer acknowledgements",
-        ))
-    }
+    /// epoch is stale.
+    async fn store_ack(&mut self, ack: &TxAck) -> Result<(), StoreError>;
+}
+
+/// The error of an acknowledgement asked of a transaction whose store keeps
+/// no offsets ([`InboxTransaction::offsets`] is `None`).
+pub fn no_offsets() -> StoreError {
+    StoreError::new(
+        crate::StoreErrorKind::Other,
+        "this store cannot keep consumer acknowledgements",
+    )
 }
 
 /// A capability of a store's transaction: locking the processor's due rows

@@ -9,7 +9,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use inbox_core::{
     AttemptRecord, HandlerError, InboxRow, InboxStore, InboxTransaction, LockResult, MemberId,
-    Message, NewInboxRow, RowId, RowRef, StoreError, TxAck, ValidationError,
+    Message, NewInboxRow, RowId, RowRef, StoreError, TxAck, TxOffsets, ValidationError,
 };
 
 use crate::StoreFault;
@@ -201,8 +201,10 @@ impl<T: InboxTransaction> InboxTransaction for FaultyTx<T> {
         self.inner.rollback().await
     }
 
-    async fn check_owner(&mut self, ack: &inbox_core::TxAck) -> Result<(), StoreError> {
-        self.inner.check_owner(ack).await
+    fn offsets(&mut self) -> Option<&mut dyn TxOffsets> {
+        // what the wrapped transaction offers, with the fault point
+        self.inner.offsets()?;
+        Some(self)
     }
 
     async fn aborted(&mut self) -> Option<String> {
@@ -226,9 +228,24 @@ impl<T: InboxTransaction> InboxTransaction for FaultyTx<T> {
         take(&self.faults, StoreFault::DeadLetter)?;
         self.inner.dead_letter(message, consumer_group, error).await
     }
+}
+
+/// The wrapped transaction's offsets, with the fault point
+/// [`StoreFault::Ack`] before each acknowledgement.
+#[async_trait]
+impl<T: InboxTransaction> TxOffsets for FaultyTx<T> {
+    async fn check_owner(&mut self, ack: &TxAck) -> Result<(), StoreError> {
+        match self.inner.offsets() {
+            Some(offsets) => offsets.check_owner(ack).await,
+            None => Err(inbox_core::store::no_offsets()),
+        }
+    }
 
     async fn store_ack(&mut self, ack: &TxAck) -> Result<(), StoreError> {
         take(&self.faults, StoreFault::Ack)?;
-        self.inner.store_ack(ack).await
+        match self.inner.offsets() {
+            Some(offsets) => offsets.store_ack(ack).await,
+            None => Err(inbox_core::store::no_offsets()),
+        }
     }
 }

@@ -432,7 +432,10 @@ where
         message: &Message,
     ) -> Result<(), StoreError> {
         match self.consumer.owner_check(message) {
-            Some(ack) => tx.check_owner(&ack).await,
+            Some(ack) => match tx.offsets() {
+                Some(offsets) => offsets.check_owner(&ack).await,
+                None => Err(crate::store::no_offsets()),
+            },
             None => Ok(()),
         }
     }
@@ -567,7 +570,10 @@ pub(super) async fn store_ack<T: InboxTransaction>(
     ack: Option<&TxAck>,
 ) -> Result<(), StoreError> {
     match ack {
-        Some(ack) => tx.store_ack(ack).await,
+        Some(ack) => match tx.offsets() {
+            Some(offsets) => offsets.store_ack(ack).await,
+            None => Err(crate::store::no_offsets()),
+        },
         None => Err(StoreError::new(
             StoreErrorKind::Other,
             "the consumer has no acknowledgement for this message",

@@ -5,6 +5,10 @@ use super::*;
 
 #[async_trait]
 impl InboxTransaction for PgTx {
+    fn offsets(&mut self) -> Option<&mut dyn TxOffsets> {
+        Some(self)
+    }
+
     async fn insert_or_get(&mut self, row: &NewInboxRow) -> Result<RowRef, StoreError> {
         let found = self
             .query_one(stmt(
@@ -327,35 +331,6 @@ impl InboxTransaction for PgTx {
             "no form of the dead letter was tried",
         ))
     }
-
-    async fn store_ack(&mut self, ack: &TxAck) -> Result<(), StoreError> {
-        write_ack(self.conn.ready().await.map_err(db)?, &self.sql, ack).await
-    }
-
-    async fn check_owner(&mut self, ack: &TxAck) -> Result<(), StoreError> {
-        let (topic, partition, group) = (
-            &ack.position.topic,
-            ack.position.partition,
-            &ack.consumer_group,
-        );
-        let row = self
-            .query_one(stmt(
-                &self.sql.owner_check,
-                vec![group.into(), topic.into(), partition.into()],
-            ))
-            .await?;
-        let epoch: Option<i64> = row.as_ref().map(|r| get(r, "owner_epoch")).transpose()?;
-        if epoch == Some(ack.owner_epoch) {
-            return Ok(());
-        }
-        Err(StoreError::new(
-            StoreErrorKind::Fenced,
-            format!(
-                "{topic}:{partition} of group {group} is no longer owned under epoch {}",
-                ack.owner_epoch
-            ),
-        ))
-    }
 }
 
 impl PgTx {
@@ -499,5 +474,37 @@ impl RowLocks for PgTx {
     ) -> Result<u64, StoreError> {
         self.write_with(&self.sql.write_locked_outcomes, Vec::new(), updates)
             .await
+    }
+}
+
+/// PostgreSQL keeps the consumer's offsets in the inbox's transaction.
+#[async_trait]
+impl TxOffsets for PgTx {
+    async fn store_ack(&mut self, ack: &TxAck) -> Result<(), StoreError> {
+        write_ack(self.conn.ready().await.map_err(db)?, &self.sql, ack).await
+    }
+    async fn check_owner(&mut self, ack: &TxAck) -> Result<(), StoreError> {
+        let (topic, partition, group) = (
+            &ack.position.topic,
+            ack.position.partition,
+            &ack.consumer_group,
+        );
+        let row = self
+            .query_one(stmt(
+                &self.sql.owner_check,
+                vec![group.into(), topic.into(), partition.into()],
+            ))
+            .await?;
+        let epoch: Option<i64> = row.as_ref().map(|r| get(r, "owner_epoch")).transpose()?;
+        if epoch == Some(ack.owner_epoch) {
+            return Ok(());
+        }
+        Err(StoreError::new(
+            StoreErrorKind::Fenced,
+            format!(
+                "{topic}:{partition} of group {group} is no longer owned under epoch {}",
+                ack.owner_epoch
+            ),
+        ))
     }
 }

@@ -118,7 +118,8 @@ where
             .await
             .map_err(&e)?;
         let mut tx = self.store.begin().await.map_err(&e)?;
-        tx.store_ack(&ack(10, first.owner_epoch))
+        in_tx(C, &mut tx)?
+            .store_ack(&ack(10, first.owner_epoch))
             .await
             .map_err(&e)?;
         tx.commit().await.map_err(&e)?;
@@ -142,10 +143,13 @@ where
             || format!("a stale epoch's acknowledgement gave {alone:?}"),
         )?;
         let mut tx = self.store.begin().await.map_err(&e)?;
-        tx.check_owner(&ack(0, second.owner_epoch))
+        in_tx(C, &mut tx)?
+            .check_owner(&ack(0, second.owner_epoch))
             .await
             .map_err(&e)?;
-        let stale = tx.check_owner(&ack(0, first.owner_epoch)).await;
+        let stale = in_tx(C, &mut tx)?
+            .check_owner(&ack(0, first.owner_epoch))
+            .await;
         drop(tx);
         ensure(
             C,
@@ -155,7 +159,9 @@ where
             || format!("a stale epoch's owner check gave {stale:?}"),
         )?;
         let mut tx = self.store.begin().await.map_err(&e)?;
-        let inside = tx.store_ack(&ack(21, first.owner_epoch)).await;
+        let inside = in_tx(C, &mut tx)?
+            .store_ack(&ack(21, first.owner_epoch))
+            .await;
         drop(tx);
         ensure(
             C,
@@ -190,7 +196,7 @@ where
             || format!("an acknowledgement expecting 9 where 11 is stored gave {alone:?}"),
         )?;
         let mut tx = self.store.begin().await.map_err(&e)?;
-        let inside = tx.store_ack(&expecting(31, 12)).await;
+        let inside = in_tx(C, &mut tx)?.store_ack(&expecting(31, 12)).await;
         drop(tx);
         ensure(
             C,
@@ -213,7 +219,10 @@ where
             || format!("read {read:?} after refused acknowledgements"),
         )?;
         let mut tx = self.store.begin().await.map_err(&e)?;
-        tx.store_ack(&expecting(40, 11)).await.map_err(&e)?;
+        in_tx(C, &mut tx)?
+            .store_ack(&expecting(40, 11))
+            .await
+            .map_err(&e)?;
         tx.commit().await.map_err(&e)?;
         self.store.store_ack(&expecting(41, 41)).await.map_err(&e)?;
         let read = self
@@ -232,4 +241,19 @@ where
             || format!("read {read:?} after two expected acknowledgements; unclaimed {never:?}"),
         )
     }
+}
+
+/// The offsets `tx` keeps: a store whose transactions keep none fails the
+/// offsets check `check` (it cannot back a consumer that acknowledges in
+/// the transaction).
+fn in_tx<'t, T: InboxTransaction>(
+    check: &'static str,
+    tx: &'t mut T,
+) -> Result<&'t mut dyn inbox_core::TxOffsets, ConformanceError> {
+    tx.offsets().ok_or_else(|| {
+        fail(
+            check,
+            "the store's transactions keep no offsets (InboxTransaction::offsets is None)",
+        )
+    })
 }

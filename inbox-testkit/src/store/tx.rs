@@ -5,6 +5,10 @@ use super::*;
 
 #[async_trait]
 impl InboxTransaction for MemTx {
+    fn offsets(&mut self) -> Option<&mut dyn TxOffsets> {
+        Some(self)
+    }
+
     async fn insert_or_get(&mut self, row: &NewInboxRow) -> Result<RowRef, StoreError> {
         self.usable()?;
         let mut s = self.store.state();
@@ -321,12 +325,15 @@ impl InboxTransaction for MemTx {
         })));
         Ok(())
     }
+}
 
+/// MemStore keeps the consumer's offsets in its transactions.
+#[async_trait]
+impl TxOffsets for MemTx {
     async fn check_owner(&mut self, ack: &TxAck) -> Result<(), StoreError> {
         self.usable()?;
         self.store.state().check_epoch(ack)
     }
-
     async fn store_ack(&mut self, ack: &TxAck) -> Result<(), StoreError> {
         self.usable()?;
         let key = self.store.state().check_ack(ack)?;

@@ -422,6 +422,16 @@ pub fn no_offsets() -> StoreError {
     )
 }
 
+/// The error of the processor's row-lock work over a transaction that
+/// offers no row locks ([`InboxTransaction::row_locks`] answered `None`
+/// after the batch was locked: a store whose answer changes).
+pub(crate) fn no_row_locks() -> StoreError {
+    StoreError::new(
+        crate::StoreErrorKind::Unsupported,
+        "this store's transaction offers no row locks (InboxTransaction::row_locks)",
+    )
+}
+
 /// A capability of a store's transaction: locking the processor's due rows
 /// in the transaction that works them ([`ClaimMode::RowLock`]). A store
 /// offers it by implementing this trait for its transaction and returning

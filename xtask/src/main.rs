@@ -182,8 +182,7 @@ fn test() -> Result<()> {
         ],
         &[],
     )?;
-    // the end-to-end runs, one binary built once
-    cargo(&["build", "-q", "-p", "inbox-runs"], &[])?;
+    // the end-to-end runs, one binary (built by the first)
     for run in [
         &["examples"][..],
         &["pooler"],

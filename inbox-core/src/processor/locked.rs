@@ -4,14 +4,14 @@
 
 use std::collections::HashMap;
 
-use super::rules::{Unfinished, crash_failure, no_row_locks};
+use super::rules::{Unfinished, crash_failure};
 use super::{ClaimMode, Handled, Processor, ProcessorBatch, ProcessorError, Run, abandon, refused};
 use crate::attempts::{RowUpdate, row_update};
 use crate::error::{StoreError, StoreErrorKind};
 use crate::handler::Handler;
 use crate::model::{InboxRow, MemberId, RowId};
 use crate::outcome::{Failure, HandlerResult};
-use crate::store::{InboxStore, InboxTransaction};
+use crate::store::{InboxStore, InboxTransaction, no_row_locks};
 
 impl<S, H> Processor<S, H>
 where

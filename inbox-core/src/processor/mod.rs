@@ -429,7 +429,7 @@ where
             ClaimMode::Lease => tx.write_outcomes(member, updates).await,
             ClaimMode::RowLock => match tx.row_locks() {
                 Some(locks) => locks.write_locked_outcomes(updates).await,
-                None => Err(rules::no_row_locks()),
+                None => Err(crate::store::no_row_locks()),
             },
         }
     }

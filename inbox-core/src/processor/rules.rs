@@ -215,17 +215,6 @@ pub(crate) fn is_failure(result: &Result<HandlerResult, Failure>) -> bool {
     }
 }
 
-/// The error of a batch by row lock over a transaction that offers no row
-/// locks ([`InboxTransaction::row_locks`](crate::store::InboxTransaction::row_locks)
-/// answered `None` after the batch was locked: a store whose answer
-/// changes).
-pub(crate) fn no_row_locks() -> crate::error::StoreError {
-    crate::error::StoreError::new(
-        crate::error::StoreErrorKind::Unsupported,
-        "this store's transaction offers no row locks (InboxTransaction::row_locks)",
-    )
-}
-
 /// The counted failure of a row whose handler killed the process that ran
 /// it alone.
 pub(crate) fn crash_failure() -> Failure {

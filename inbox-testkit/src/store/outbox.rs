@@ -158,7 +158,7 @@ impl MemStore {
         }
     }
 
-    /// Whether every claim of `claims` is current in `group`.
+    /// Whether `claim` is the current claim of its slot in `group`.
     fn current(&self, group: &str, claim: SlotClaim) -> bool {
         self.read_epoch(group, SLOT_TOPIC, claim.slot) == Some(claim.epoch)
     }

@@ -467,8 +467,8 @@ pub enum Error {
     Consumer(#[from] ConsumerError),
 }
 
-/// Why the router ([`EventRouter`](crate::router::EventRouter)) could not
-/// hand a message to a handler (also `inbox_core::router::RouteError`).
+/// Why the router ([`EventRouter`](crate::routing::router::EventRouter)) could not
+/// hand a message to a handler (also `inbox_core::routing::router::RouteError`).
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 #[non_exhaustive]
 pub enum RouteError {
@@ -486,7 +486,7 @@ pub enum RouteError {
         reason: String,
     },
     /// The payload could not be read in the route's format (Protobuf,
-    /// Avro, ...: see [`formats`](crate::formats)).
+    /// Avro, ...: see [`formats`](crate::routing::formats)).
     #[error("payload of {event_type} is not {format} of {type_name}: {reason}")]
     Encoding {
         /// The message's event type.

@@ -2,7 +2,7 @@
 //! failures: the one setting of the batched runner
 //! ([`BatchConfig::isolation`](crate::BatchConfig::isolation)) and of the
 //! processor
-//! ([`ProcessorConfig::isolation`](crate::processor::ProcessorConfig::isolation)).
+//! ([`ProcessorConfig::isolation`](crate::drivers::processor::ProcessorConfig::isolation)).
 
 /// How handlers sharing one transaction are isolated from each other's
 /// failures. Either way each message gets exactly the outcome it would get

@@ -1,5 +1,5 @@
 //! The keys of one partition side by side ([`Ordering::Key`]; the driver
-//! that carries its plans out is [`crate::runner::lanes`]): a sans-IO
+//! that carries its plans out is [`crate::drivers::runner::lanes`]): a sans-IO
 //! state machine (deliveries and acknowledgements in, what to hand to
 //! which lane and where the stored offset may go out; time passed as an
 //! argument; no tokio), which the keyed driver only carries out.

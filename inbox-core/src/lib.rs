@@ -47,56 +47,51 @@
 //! # });
 //! ```
 
-pub mod assignment;
+// The rules and the traits, pure or abstract: what every product below
+// decides with and what the adapters implement.
 pub mod attempts;
 pub mod backoff;
 pub mod consumer;
-pub mod dead_letters;
 pub mod decision;
 pub mod error;
-pub mod formats;
-pub mod handler;
 pub mod headers;
 pub mod isolation;
 pub mod keyed;
-pub mod maintenance;
-pub mod metrics;
 pub mod model;
-pub mod offsets;
-#[cfg(feature = "otel")]
-pub mod otel;
-pub mod outbox;
 pub mod outcome;
 mod panics;
 pub mod partition;
-pub mod processor;
-pub mod router;
-pub mod runner;
 pub mod store;
 pub mod strategy;
 
-pub use assignment::PartitionKey;
+// The products, each a folder over the rules.
+pub mod drivers;
+pub mod group;
+pub mod observability;
+pub mod outbox;
+pub mod routing;
+
 pub use consumer::{Consumer, TxAck};
+pub use drivers::runner::{
+    Backoff, BatchConfig, BatchResult, DEFAULT_FAILURE_BUDGET, ProcessError, ProcessResult,
+    RunSummary, Runner, RunnerConfig, panic_message,
+};
 pub use error::{
     ConsumerError, Error, HandlerError, InboxPersistError, PersistStage, Result, StoreError,
     StoreErrorKind, ValidationError,
 };
-pub use handler::{Handler, NoHandler, SkipTombstones};
+pub use group::offsets::{MembershipStore, OffsetHold, OffsetStore, PartitionClaim};
 pub use headers::Headers;
 pub use isolation::Isolation;
-pub use metrics::{
+pub use model::{
+    InboxRow, InboxStatus, MemberId, Message, NewInboxRow, PartitionKey, PayloadFormat, Position,
+    RowId, TOMBSTONE_EVENT_TYPE,
+};
+pub use observability::metrics::{
     CountingMetrics, Counts, MetricEvent, Metrics, NoopMetrics, record_safely, topic_label,
 };
-pub use model::{
-    InboxRow, InboxStatus, MemberId, Message, NewInboxRow, PayloadFormat, Position, RowId,
-    TOMBSTONE_EVENT_TYPE,
-};
-pub use offsets::{MembershipStore, OffsetHold, OffsetStore, PartitionClaim};
 pub use outcome::{Failure, HandlerResult, Outcome, OutcomeClass};
-pub use runner::{
-    Backoff, BatchConfig, BatchResult, DEFAULT_FAILURE_BUDGET, ProcessError, ProcessResult,
-    RunSummary, Runner, RunnerConfig, panic_message,
-};
+pub use routing::handler::{Handler, NoHandler, SkipTombstones};
 pub use store::{
     AttemptRecord, DueFilter, Found, InboxStore, InboxTransaction, LockResult, RowLocks, RowRef,
     TxOffsets,

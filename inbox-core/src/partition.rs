@@ -34,9 +34,9 @@
 
 use std::collections::HashMap;
 
-use crate::assignment::PartitionKey;
 use crate::decision;
 use crate::model::Message;
+use crate::model::PartitionKey;
 use crate::outcome::Outcome;
 
 /// The database's refusals of one message's data.

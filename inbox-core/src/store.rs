@@ -325,7 +325,7 @@ pub trait InboxTransaction: Send + Sized {
     /// ([`RowLocks`]: the processor's [`ClaimMode::RowLock`]); `None`, the
     /// default: the processor claims by lease.
     ///
-    /// [`ClaimMode::RowLock`]: crate::processor::ClaimMode::RowLock
+    /// [`ClaimMode::RowLock`]: crate::drivers::processor::ClaimMode::RowLock
     fn row_locks(&mut self) -> Option<&mut dyn RowLocks> {
         None
     }
@@ -438,7 +438,7 @@ pub(crate) fn no_row_locks() -> StoreError {
 /// it from [`InboxTransaction::row_locks`]; the compiler checks what it
 /// offers, and a store without it is known to have none before any call.
 ///
-/// [`ClaimMode::RowLock`]: crate::processor::ClaimMode::RowLock
+/// [`ClaimMode::RowLock`]: crate::drivers::processor::ClaimMode::RowLock
 #[async_trait]
 pub trait RowLocks: Send {
     /// Takes up to `limit` due rows (as [`InboxStore::claim_due`] chooses

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use inbox_core::processor::{Processor, ProcessorConfig, ProcessorError};
+use inbox_core::drivers::processor::{Processor, ProcessorConfig, ProcessorError};
 use inbox_core::{BatchConfig, CancellationToken, Runner, RunnerConfig, ValidationError};
 use inbox_testkit::scenarios::{Act, ScriptedHandler};
 use inbox_testkit::{MemBroker, MemStore};

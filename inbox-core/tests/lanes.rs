@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use inbox_core::drivers::runner::lanes::Lanes;
 use inbox_core::keyed::Ordering;
-use inbox_core::runner::lanes::Lanes;
 use inbox_core::{
     BatchConfig, CancellationToken, Consumer, ConsumerError, Handler, HandlerError, Message,
     Position, Runner, RunnerConfig,

@@ -595,7 +595,7 @@ impl BrokerCommits {
             failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             tracing::warn!(group = %group.group, error = %failed,
                 "committing the stored offsets to the group coordinator failed (PostgreSQL keeps them; Kafka's tools see older ones until the next commit)");
-            inbox_core::metrics::record_safely(
+            inbox_core::observability::metrics::record_safely(
                 metrics.as_ref(),
                 inbox_core::MetricEvent::BrokerCommitFailed,
             );

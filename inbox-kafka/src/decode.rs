@@ -21,7 +21,7 @@
 
 use std::collections::BTreeMap;
 
-use inbox_core::dead_letters::DeadLetter;
+use inbox_core::drivers::dead_letters::DeadLetter;
 use inbox_core::model::{MAX_PAYLOAD_BYTES, decode_header};
 use inbox_core::{
     Headers, Message, PayloadFormat, Position, TOMBSTONE_EVENT_TYPE, ValidationError,

@@ -9,7 +9,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use inbox_core::maintenance::{Maintenance, MaintenanceConfig};
+use inbox_core::drivers::maintenance::{Maintenance, MaintenanceConfig};
 use inbox_core::{
     BatchConfig, CancellationToken, Handler, InboxStore, MembershipStore, Metrics, OffsetStore,
     RunnerConfig,
@@ -337,7 +337,9 @@ impl InboxConsumer {
 #[cfg(feature = "metrics")]
 fn default_metrics(group: &str, topics: &[String]) -> Arc<dyn Metrics> {
     let topic = topics.first().cloned().unwrap_or_default();
-    Arc::new(inbox_core::metrics::FacadeMetrics::new(group, topic))
+    Arc::new(inbox_core::observability::metrics::FacadeMetrics::new(
+        group, topic,
+    ))
 }
 
 /// The metrics of a consumer or a relay given none: the `metrics` crate

@@ -27,7 +27,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use inbox_core::assignment::{PartitionKey, owned_by};
+use inbox_core::PartitionKey;
+use inbox_core::group::assignment::owned_by;
 use inbox_core::{
     CancellationToken, Handler, InboxStore, MemberId, MembershipStore, MetricEvent, Metrics,
     OffsetStore, Runner, RunnerConfig, ValidationError,
@@ -524,7 +525,7 @@ async fn next_assignment<S: MembershipStore>(
             t.partitions.into_iter().map(move |p| (name.clone(), p))
         })
         .collect();
-    Ok(inbox_core::offsets::next_assignment(
+    Ok(inbox_core::group::offsets::next_assignment(
         store,
         consumer_group,
         &group.member_id,
@@ -621,7 +622,7 @@ where
     )
     .await?
     .with_metrics(metrics.clone());
-    let shared = inbox_core::runner::lanes::Lanes::new(consumer, group.ordering, lanes);
+    let shared = inbox_core::drivers::runner::lanes::Lanes::new(consumer, group.ordering, lanes);
     let cancel = CancellationToken::new();
     let mut runners = Vec::with_capacity(lanes);
     for lane in shared.lanes() {

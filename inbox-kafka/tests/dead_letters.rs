@@ -10,7 +10,7 @@ mod common;
 use std::collections::BTreeMap;
 
 use common::{config, drain, env};
-use inbox_core::dead_letters::{DeadLetterQuery, DeadLetterStore, Replayed};
+use inbox_core::drivers::dead_letters::{DeadLetterQuery, DeadLetterStore, Replayed};
 use inbox_core::{AckStrategy, Message, Runner, ValidationError};
 use inbox_kafka::{Decode, JsonDecoder, RecordView, redecode};
 use inbox_testkit::kafka::{json_record, raw_record};

@@ -13,8 +13,8 @@ mod common;
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use inbox_core::formats::Schemas;
-use inbox_core::router::{EventHandler, EventRouter};
+use inbox_core::routing::formats::Schemas;
+use inbox_core::routing::router::{EventHandler, EventRouter};
 use inbox_core::{AckStrategy, HandlerError, HandlerResult, Message, PayloadFormat, Runner};
 use inbox_kafka::{JsonDecoder, KafkaConsumer};
 use inbox_postgres::PgTx;

@@ -792,7 +792,7 @@ async fn keys_side_by_side_from_librdkafka_each_once_and_in_key_order() {
 /// owner's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fenced_lane_commits_nothing() {
-    use inbox_core::runner::lanes::Lanes;
+    use inbox_core::drivers::runner::lanes::Lanes;
     use std::sync::atomic::Ordering::SeqCst;
     let env = env("fenced-lanes", 1).await;
     env.produce_orders(0, &["f-0", "f-1", "f-2", "f-3"]).await;

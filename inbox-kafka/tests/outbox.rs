@@ -1265,9 +1265,9 @@ async fn a_handler_that_consumes_and_publishes_is_exactly_once_end_to_end() {
         )
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    let maintenance = inbox_core::maintenance::Maintenance::new(
+    let maintenance = inbox_core::drivers::maintenance::Maintenance::new(
         env.store.clone(),
-        inbox_core::maintenance::MaintenanceConfig::new(Duration::from_secs(86_400))
+        inbox_core::drivers::maintenance::MaintenanceConfig::new(Duration::from_secs(86_400))
             .unwrap_or_else(|e| panic!("{e}")),
     )
     .with_outbox(Duration::ZERO);
@@ -1291,9 +1291,9 @@ async fn a_handler_that_consumes_and_publishes_is_exactly_once_end_to_end() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn published_rows_deleted_by_the_relay_leave_reusable_space() {
     let env = env("outbox-space", 2).await;
-    let maintenance = inbox_core::maintenance::Maintenance::new(
+    let maintenance = inbox_core::drivers::maintenance::Maintenance::new(
         env.store.clone(),
-        inbox_core::maintenance::MaintenanceConfig::new(Duration::from_secs(86_400))
+        inbox_core::drivers::maintenance::MaintenanceConfig::new(Duration::from_secs(86_400))
             .unwrap_or_else(|e| panic!("{e}")),
     )
     .with_outbox(Duration::ZERO);

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-use inbox_core::dead_letters::{
+use inbox_core::drivers::dead_letters::{
     DeadLetter, DeadLetterQuery, DeadLetterStore, DeadLetterTransaction, GoneHow, LetterGone,
     ReplayOptions, Replayed, ReplayerSeen,
 };
@@ -316,14 +316,14 @@ impl DeadLetterTransaction for PgTx {
 
 impl PgStore {
     /// Replays dead letter `id` as recorded through `handler`, exactly once
-    /// ([`inbox_core::dead_letters::replay`]): the handler's writes, the
+    /// ([`inbox_core::drivers::dead_letters::replay`]): the handler's writes, the
     /// completed inbox row and the dead letter's removal commit together; a
     /// message whose row completed meanwhile is not applied again.
     ///
     /// ```no_run
     /// # use inbox_postgres::{PgStore, PgTx};
     /// # async fn f(store: PgStore, handler: impl inbox_core::Handler<PgTx>) -> Result<(), inbox_core::StoreError> {
-    /// use inbox_core::dead_letters::{DeadLetterQuery, DeadLetterStore, Replayed};
+    /// use inbox_core::drivers::dead_letters::{DeadLetterQuery, DeadLetterStore, Replayed};
     /// for letter in store.list_dead_letters(&DeadLetterQuery::new().consumer_group("billing")).await? {
     ///     match store.replay_dead_letter(letter.id, &handler).await? {
     ///         Replayed::Applied | Replayed::AlreadyApplied => {}
@@ -360,6 +360,13 @@ impl PgStore {
         handler: &H,
         decode: &(dyn Fn(&DeadLetter) -> Result<Message, ValidationError> + Sync),
     ) -> Result<Replayed, StoreError> {
-        inbox_core::dead_letters::replay(self, id, handler, decode, ReplayOptions::default()).await
+        inbox_core::drivers::dead_letters::replay(
+            self,
+            id,
+            handler,
+            decode,
+            ReplayOptions::default(),
+        )
+        .await
     }
 }

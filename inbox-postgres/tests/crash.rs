@@ -15,7 +15,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use inbox_core::processor::{ClaimMode, Processor, ProcessorConfig};
+use inbox_core::drivers::processor::{ClaimMode, Processor, ProcessorConfig};
 use inbox_core::{Backoff, Handler, HandlerError, Message};
 use inbox_postgres::{PgStore, PgTx, TableName};
 use inbox_testkit::pg::fresh_store_at;

@@ -14,10 +14,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use common::{dead_letters, order, process_until_acked};
-use inbox_core::dead_letters::{
+use inbox_core::drivers::dead_letters::{
     DeadLetterQuery, DeadLetterReplayer, DeadLetterStore, GoneHow, Replayed,
 };
-use inbox_core::maintenance::{Maintenance, MaintenanceConfig};
+use inbox_core::drivers::maintenance::{Maintenance, MaintenanceConfig};
 use inbox_core::{
     Handler, HandlerError, InboxStore, InboxTransaction, Message, Runner, RunnerConfig,
 };

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use common::{Calls, dead_letters, order, process_until_acked};
-use inbox_core::processor::{ClaimMode, Processor, ProcessorConfig};
+use inbox_core::drivers::processor::{ClaimMode, Processor, ProcessorConfig};
 use inbox_core::{
     BatchConfig, Handler, HandlerError, InboxStore, InboxTransaction, Isolation, Message,
     NewInboxRow, Runner, RunnerConfig, StoreErrorKind,
@@ -517,7 +517,10 @@ async fn one_batch(
     misbehave: usize,
     claim: ClaimMode,
     isolation: Isolation,
-) -> Result<inbox_core::processor::ProcessorBatch, inbox_core::processor::ProcessorError> {
+) -> Result<
+    inbox_core::drivers::processor::ProcessorBatch,
+    inbox_core::drivers::processor::ProcessorError,
+> {
     for id in ids {
         store
             .land(&NewInboxRow::for_message(&order(id), "billing", 3))

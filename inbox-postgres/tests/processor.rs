@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use inbox_core::processor::{ClaimMode, Processor, ProcessorConfig};
+use inbox_core::drivers::processor::{ClaimMode, Processor, ProcessorConfig};
 use inbox_core::{
     Backoff, CancellationToken, Handler, HandlerError, InboxStatus, InboxStore, Message,
     NewInboxRow,
@@ -244,7 +244,7 @@ async fn four_processors_drain(claim: ClaimMode) {
 /// exists once, and what remains in the inbox is the failed rows only.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn maintenance_instances_run_beside_processors() {
-    use inbox_core::maintenance::{Maintenance, MaintenanceConfig};
+    use inbox_core::drivers::maintenance::{Maintenance, MaintenanceConfig};
     let rows = 2_000;
     let stores = landed(rows, 6).await;
     let store = stores[0].clone();

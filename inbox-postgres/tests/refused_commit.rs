@@ -13,7 +13,7 @@ mod common;
 use std::time::Duration;
 
 use common::{dead_letters, order, process_until_acked};
-use inbox_core::processor::{ClaimMode, Processor, ProcessorConfig};
+use inbox_core::drivers::processor::{ClaimMode, Processor, ProcessorConfig};
 use inbox_core::{Backoff, BatchConfig, Runner, RunnerConfig};
 use inbox_postgres::PgStore;
 use inbox_postgres::sea_orm::ConnectionTrait;

@@ -217,7 +217,7 @@ impl inbox_core::Handler<inbox_postgres::PgTx> for Invoices {
 /// `SAVEPOINT` (5 statements for a batch of no-op handlers).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn processor_round_trips_per_batch() {
-    use inbox_core::processor::{Processor, ProcessorConfig};
+    use inbox_core::drivers::processor::{Processor, ProcessorConfig};
     use inbox_core::{InboxStatus, InboxStore, InboxTransaction, Isolation, NewInboxRow};
     let Some((store, log_path, pid)) = logged_store("processor_round_trips_per_batch").await else {
         return;

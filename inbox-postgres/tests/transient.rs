@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use common::{Calls, dead_letters, order, process_until_acked};
-use inbox_core::processor::{ClaimMode, Processor, ProcessorConfig};
+use inbox_core::drivers::processor::{ClaimMode, Processor, ProcessorConfig};
 use inbox_core::{Handler, HandlerError, Message, NewInboxRow, Runner, RunnerConfig};
 use inbox_postgres::PgTx;
 use inbox_postgres::sea_orm::ConnectionTrait;

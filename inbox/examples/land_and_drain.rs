@@ -20,9 +20,9 @@ use std::time::Duration;
 use serde::Deserialize;
 use transactional_inbox::Message;
 use transactional_inbox::attempts::AttemptRules;
+use transactional_inbox::drivers::processor::{Processor, ProcessorConfig};
 use transactional_inbox::postgres::sea_orm::{ConnectionTrait, DbBackend, Statement};
 use transactional_inbox::prelude::*;
-use transactional_inbox::processor::{Processor, ProcessorConfig};
 use transactional_inbox::{InboxStatus, InboxStore};
 
 /// The `order.created` event.

@@ -4,7 +4,7 @@
 pub use inbox_core::*;
 
 /// `async_trait`, for implementing [`Handler`] and
-/// [`router::EventHandler`] without another dependency line.
+/// [`routing::router::EventHandler`] without another dependency line.
 pub use async_trait::async_trait;
 
 /// What a service that consumes into the inbox imports:
@@ -36,10 +36,10 @@ pub use async_trait::async_trait;
 /// ```
 pub mod prelude {
     pub use crate::async_trait;
-    pub use inbox_core::dead_letters::DeadLetterReplayer;
-    pub use inbox_core::maintenance::{Maintenance, MaintenanceConfig};
+    pub use inbox_core::drivers::dead_letters::DeadLetterReplayer;
+    pub use inbox_core::drivers::maintenance::{Maintenance, MaintenanceConfig};
     pub use inbox_core::outbox::{OnRefused, OutboxMessage, RelayConfig};
-    pub use inbox_core::router::{EventHandler, EventRouter, UnknownEventType};
+    pub use inbox_core::routing::router::{EventHandler, EventRouter, UnknownEventType};
     pub use inbox_core::{
         AckStrategy, Backoff, BatchConfig, CancellationToken, HandlerError, HandlerResult,
         InboxStore, InboxTransaction, Isolation, Metrics, NoHandler, NoopMetrics, PayloadFormat,

@@ -353,3 +353,49 @@ fn the_check_finds_a_circle_where_there_is_one() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The products of `inbox-core`: its folders over the rules at its root.
+const PRODUCTS: [&str; 5] = ["drivers", "group", "observability", "outbox", "routing"];
+
+/// The imports of a product by a module at the root of the crate at `src`
+/// (one of its files other than the products' folders), as `from -> to`.
+fn rules_importing_products(src: &Path) -> Vec<String> {
+    let files = modules(src);
+    let known: BTreeSet<Vec<String>> = files.keys().cloned().collect();
+    let mut found = Vec::new();
+    for (from, text) in &files {
+        let at_root = from
+            .first()
+            .is_none_or(|top| !PRODUCTS.contains(&top.as_str()));
+        if from.is_empty() || !at_root {
+            continue;
+        }
+        for path in paths(text) {
+            // `crate::Name` goes through the root's re-exports: not a product
+            if let Some(to) = target(from, &path, &known)
+                && to
+                    .first()
+                    .is_some_and(|top| PRODUCTS.contains(&top.as_str()))
+            {
+                found.push(format!("{} -> {}", from.join("::"), to.join("::")));
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn the_core_rules_import_no_product() {
+    let src = root().join("inbox-core").join("src");
+    for product in PRODUCTS {
+        assert!(
+            src.join(product).is_dir(),
+            "inbox-core/src/{product}/ is gone: update docs/architecture.md and PRODUCTS"
+        );
+    }
+    assert_eq!(
+        rules_importing_products(&src),
+        Vec::<String>::new(),
+        "inbox-core: a rule at the root imports a product (docs/architecture.md, \"The rooms of each crate\")"
+    );
+}

@@ -365,7 +365,7 @@ async fn inbox_json(url: &str, args: &[&str]) -> (bool, serde_json::Value, Strin
 async fn the_command_works_with_dead_letters_the_outbox_and_status() {
     use inbox_testkit::MemBroker;
     use inbox_testkit::scenarios::ScenarioStore;
-    use transactional_inbox::dead_letters::{DeadLetterReplayer, DeadLetterStore};
+    use transactional_inbox::drivers::dead_letters::{DeadLetterReplayer, DeadLetterStore};
     use transactional_inbox::postgres::sea_orm::{ConnectionTrait, TransactionTrait};
     use transactional_inbox::{Message, Runner, RunnerConfig};
 
@@ -716,7 +716,7 @@ async fn exit_codes_say_what_happened_and_help_lists_them() {
 async fn migrate_and_bulk_replay_and_discard_by_filters() {
     use inbox_testkit::MemBroker;
     use inbox_testkit::scenarios::ScenarioStore;
-    use transactional_inbox::dead_letters::{DeadLetterReplayer, DeadLetterStore};
+    use transactional_inbox::drivers::dead_letters::{DeadLetterReplayer, DeadLetterStore};
     use transactional_inbox::postgres::sea_orm::ConnectionTrait;
     use transactional_inbox::{Message, Runner, RunnerConfig};
 

@@ -35,8 +35,8 @@ async fn one_trace_runs_from_the_enqueue_through_the_relay_to_the_handler() {
     let _guard = tracing::subscriber::set_default(subscriber);
     // the library uses OpenTelemetry's global propagator: the default one
     // (no-op) writes nothing, even in a span with a valid context
-    let before =
-        tracing::info_span!("before").in_scope(transactional_inbox::otel::current_context_headers);
+    let before = tracing::info_span!("before")
+        .in_scope(transactional_inbox::observability::otel::current_context_headers);
     assert_eq!(
         before,
         Vec::new(),
@@ -45,8 +45,8 @@ async fn one_trace_runs_from_the_enqueue_through_the_relay_to_the_handler() {
     opentelemetry::global::set_text_map_propagator(
         opentelemetry_sdk::propagation::TraceContextPropagator::new(),
     );
-    let during =
-        tracing::info_span!("during").in_scope(transactional_inbox::otel::current_context_headers);
+    let during = tracing::info_span!("during")
+        .in_scope(transactional_inbox::observability::otel::current_context_headers);
     assert_eq!(
         during.first().map(|(k, _)| k.as_str()),
         Some("traceparent"),

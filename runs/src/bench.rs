@@ -83,7 +83,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use async_trait::async_trait;
-use inbox_core::processor::ClaimMode;
+use inbox_core::drivers::processor::ClaimMode;
 use inbox_core::{BatchConfig, Handler, HandlerError, Message, Runner, RunnerConfig};
 use inbox_postgres::sea_orm::{
     ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, Statement,
@@ -998,7 +998,7 @@ async fn drain_with_processors(
     optimistic: bool,
     claim: Drain,
 ) -> Result<Duration> {
-    use inbox_core::processor::{Processor, ProcessorConfig};
+    use inbox_core::drivers::processor::{Processor, ProcessorConfig};
     use inbox_core::{InboxStatus, InboxStore, InboxTransaction, NewInboxRow};
     for ids in id_batches(messages) {
         let rows: Vec<NewInboxRow> = ids

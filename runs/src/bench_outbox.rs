@@ -404,11 +404,12 @@ pub(crate) async fn soak(store: PgStore, messages: u64) -> Result<Duration> {
     let (broker, topic) = broker().await?;
     let (cancel, relay) = spawn_relay(&broker, &store, "bench-soak", Duration::from_millis(200))?;
     let mut maintenance_config =
-        inbox_core::maintenance::MaintenanceConfig::new(Duration::from_secs(86_400))?;
+        inbox_core::drivers::maintenance::MaintenanceConfig::new(Duration::from_secs(86_400))?;
     maintenance_config.interval = Duration::from_secs(1);
     maintenance_config.delete_batch = 5_000;
-    let maintenance = inbox_core::maintenance::Maintenance::new(store.clone(), maintenance_config)
-        .with_outbox(Duration::ZERO);
+    let maintenance =
+        inbox_core::drivers::maintenance::Maintenance::new(store.clone(), maintenance_config)
+            .with_outbox(Duration::ZERO);
     let cleaner = {
         let cancel = cancel.clone();
         tokio::spawn(async move { maintenance.run(cancel).await })

@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use async_trait::async_trait;
-use inbox_core::metrics::FacadeMetrics;
-use inbox_core::router::{EventHandler, EventRouter};
+use inbox_core::observability::metrics::FacadeMetrics;
+use inbox_core::routing::router::{EventHandler, EventRouter};
 use inbox_core::{
     BatchConfig, CancellationToken, CountingMetrics, HandlerError, HandlerResult, Message,
     MetricEvent, Metrics, RunnerConfig,

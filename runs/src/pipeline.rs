@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 use async_trait::async_trait;
-use inbox_core::dead_letters::DeadLetterReplayer;
+use inbox_core::drivers::dead_letters::DeadLetterReplayer;
 use inbox_core::outbox::{OutboxMessage, RelayConfig};
 use inbox_core::{AckStrategy, BatchConfig, HandlerError, Message, NoopMetrics, RunnerConfig};
 use inbox_kafka::{GroupConfig, KafkaConfig, run_group, run_relay};

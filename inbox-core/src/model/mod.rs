@@ -6,7 +6,6 @@
 //! runner calls it before anything is written, so bad input never reaches a
 //! store.
 
-use crate::assignment::PartitionKey;
 use std::fmt;
 
 use chrono::{DateTime, Utc};
@@ -20,6 +19,9 @@ mod validate;
 
 #[allow(clippy::wildcard_imports)]
 pub use validate::*;
+
+/// A partition: topic and partition number.
+pub type PartitionKey = (String, i32);
 
 /// Largest serialized payload accepted, in bytes.
 pub const MAX_PAYLOAD_BYTES: usize = 1_000_000;

@@ -429,7 +429,9 @@ fn event_headers(event: &OutboxMessage) -> Vec<(String, String)> {
     #[cfg_attr(not(feature = "otel"), allow(unused_mut))]
     let mut headers = event.headers.clone();
     #[cfg(feature = "otel")]
-    headers.extend(inbox_core::otel::context_headers_for(&event.headers));
+    headers.extend(inbox_core::observability::otel::context_headers_for(
+        &event.headers,
+    ));
     headers
 }
 

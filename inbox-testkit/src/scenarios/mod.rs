@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use inbox_core::processor::ClaimMode;
+use inbox_core::drivers::processor::ClaimMode;
 use inbox_core::{
     AckPolicy, AckStrategy, CountingMetrics, Handler, HandlerError, HandlerResult, InboxRow,
     InboxStatus, InboxStore, MemberId, Message, NewInboxRow, PayloadFormat, ProcessResult, Runner,
@@ -414,7 +414,7 @@ impl CountingHook {
 }
 
 #[async_trait]
-impl inbox_core::processor::DeadLetterHook for CountingHook {
+impl inbox_core::drivers::processor::DeadLetterHook for CountingHook {
     async fn on_failed(&self, row: &InboxRow, last_error: &str) -> Result<(), HandlerError> {
         self.calls
             .lock()

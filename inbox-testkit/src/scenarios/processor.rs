@@ -41,7 +41,7 @@ where
     S: ScenarioStore,
     S::Tx: WriteInvoice,
 {
-    use inbox_core::processor::{Processor, ProcessorConfig};
+    use inbox_core::drivers::processor::{Processor, ProcessorConfig};
     let group = format!(
         "processor-drain-{}-{claim:?}",
         if optimistic {
@@ -190,7 +190,7 @@ where
 {
     use chrono::{DateTime, Utc};
     use inbox_core::attempts::{EARLIEST_DUE, LATEST_DUE};
-    use inbox_core::processor::{Processor, ProcessorConfig};
+    use inbox_core::drivers::processor::{Processor, ProcessorConfig};
     for claim in [ClaimMode::Lease, ClaimMode::RowLock] {
         let group = format!("processor-times-{claim:?}");
         let ids: Vec<String> = (0..3).map(|i| format!("{group}-{i}")).collect();
@@ -237,7 +237,7 @@ where
     S: ScenarioStore,
     S::Tx: WriteInvoice + 'static,
 {
-    use inbox_core::processor::{Processor, ProcessorConfig};
+    use inbox_core::drivers::processor::{Processor, ProcessorConfig};
     for (optimistic, claim) in [true, false]
         .into_iter()
         .flat_map(|o| [(o, ClaimMode::Lease), (o, ClaimMode::RowLock)])
@@ -292,13 +292,13 @@ async fn releasing_leases<S>(
     claim: ClaimMode,
 ) -> (
     Vec<String>,
-    inbox_core::processor::Processor<S, ReleasesLeases<S>>,
+    inbox_core::drivers::processor::Processor<S, ReleasesLeases<S>>,
 )
 where
     S: ScenarioStore,
     S::Tx: WriteInvoice + 'static,
 {
-    use inbox_core::processor::{Processor, ProcessorConfig};
+    use inbox_core::drivers::processor::{Processor, ProcessorConfig};
     let ids: Vec<String> = (0..3).map(|i| format!("{group}-{i}")).collect();
     for m in &ids {
         store.land(&landed(m, group, 3)).await;
@@ -323,7 +323,7 @@ where
     S: ScenarioStore,
     S::Tx: WriteInvoice + 'static,
 {
-    use inbox_core::processor::ProcessorError;
+    use inbox_core::drivers::processor::ProcessorError;
     let group = "processor-lease";
     let (ids, mut processor) = releasing_leases(&store, group, ClaimMode::Lease).await;
     let first = processor.process_batch().await;
@@ -361,7 +361,7 @@ where
     S: ScenarioStore,
     S::Tx: WriteInvoice + 'static,
 {
-    use inbox_core::processor::Processor;
+    use inbox_core::drivers::processor::Processor;
     let group = "processor-dies";
     let (ids, config) = a_member_dies_holding_its_batch(&store, group, ClaimMode::Lease).await;
     for m in &ids {
@@ -403,12 +403,12 @@ async fn a_member_dies_holding_its_batch<S>(
     store: &S,
     group: &str,
     claim: ClaimMode,
-) -> (Vec<String>, inbox_core::processor::ProcessorConfig)
+) -> (Vec<String>, inbox_core::drivers::processor::ProcessorConfig)
 where
     S: ScenarioStore,
     S::Tx: WriteInvoice + 'static,
 {
-    use inbox_core::processor::{Processor, ProcessorConfig};
+    use inbox_core::drivers::processor::{Processor, ProcessorConfig};
     let ids: Vec<String> = (0..3).map(|i| format!("{group}-{i}")).collect();
     for m in &ids {
         store.land(&landed(m, group, 3)).await;
@@ -440,7 +440,7 @@ where
     S: ScenarioStore,
     S::Tx: WriteInvoice + 'static,
 {
-    use inbox_core::processor::Processor;
+    use inbox_core::drivers::processor::Processor;
     let group = "processor-lock-dies";
     let (ids, config) = a_member_dies_holding_its_batch(&store, group, ClaimMode::RowLock).await;
     for m in &ids {
@@ -505,8 +505,8 @@ where
     S: ScenarioStore,
     S::Tx: WriteInvoice + 'static,
 {
-    use inbox_core::maintenance::{Maintenance, MaintenanceConfig};
-    use inbox_core::processor::{Processor, ProcessorConfig};
+    use inbox_core::drivers::maintenance::{Maintenance, MaintenanceConfig};
+    use inbox_core::drivers::processor::{Processor, ProcessorConfig};
     let group = "retention";
     let id = |m: &str| format!("{group}-{m}");
     for m in ["done-1", "done-2", "done-3", "bad"] {
@@ -594,7 +594,7 @@ where
     S: ScenarioStore,
     S::Tx: WriteInvoice,
 {
-    use inbox_core::processor::{Processor, ProcessorConfig};
+    use inbox_core::drivers::processor::{Processor, ProcessorConfig};
     for claim in [ClaimMode::Lease, ClaimMode::RowLock] {
         let group = format!("processor-binary-{claim:?}");
         let id = |m: &str| format!("{group}-{m}");

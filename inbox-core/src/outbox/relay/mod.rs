@@ -11,10 +11,11 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::{OutboxRow, OutboxStore, PublishError, Publisher, SLOT_TOPIC, SLOTS, SlotClaim};
-use crate::assignment::{PartitionKey, owned_by};
 use crate::error::{StoreError, ValidationError};
-use crate::metrics::{MetricEvent, Metrics, NoopMetrics, record_safely};
-use crate::offsets::{MembershipStore, OffsetStore, next_assignment};
+use crate::group::assignment::owned_by;
+use crate::group::offsets::{MembershipStore, OffsetStore, next_assignment};
+use crate::model::PartitionKey;
+use crate::observability::metrics::{MetricEvent, Metrics, NoopMetrics, record_safely};
 
 mod config;
 mod state;

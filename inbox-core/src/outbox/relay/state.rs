@@ -17,8 +17,8 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use super::config::{OnRefused, RelayConfig};
-use crate::assignment::PartitionKey;
 use crate::backoff::Backoff;
+use crate::model::PartitionKey;
 use crate::outbox::{OutboxRow, PublishError, PublishErrorKind, ReadLimit};
 
 /// The whole topic, in the pauses: the partition of a key whose topic's

@@ -31,7 +31,9 @@ use base64::Engine;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde_json::{Value, json};
-use transactional_inbox::dead_letters::{DeadLetter, DeadLetterQuery, DeadLetterStore, GoneHow};
+use transactional_inbox::drivers::dead_letters::{
+    DeadLetter, DeadLetterQuery, DeadLetterStore, GoneHow,
+};
 use transactional_inbox::kafka::{
     KafkaConfig, OffsetTarget, Sasl, Tls, log_bounds, move_offsets, plan_offsets, read_offsets,
     topic_partitions,

@@ -13,7 +13,7 @@
 //!
 //! ```
 //! use std::collections::BTreeMap;
-//! use inbox_core::assignment::assign;
+//! use inbox_core::group::assignment::assign;
 //!
 //! let partitions: Vec<(String, i32)> = (0..4).map(|p| ("orders".to_owned(), p)).collect();
 //! let members = vec!["a".to_owned(), "b".to_owned()];
@@ -28,8 +28,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-/// A partition: topic and partition number.
-pub type PartitionKey = (String, i32);
+use crate::model::PartitionKey;
 
 /// The assignment of `partitions` over the live `members`, as sticky to
 /// `previous` as balance allows. Empty when there is no member.

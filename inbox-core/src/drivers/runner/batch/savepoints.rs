@@ -6,9 +6,9 @@ use std::collections::HashMap;
 use crate::consumer::Consumer;
 use crate::decision::{self, RowState, Step, TxAction};
 use crate::error::{PersistStage, StoreError, StoreErrorKind};
-use crate::handler::Handler;
-use crate::metrics::Metrics;
 use crate::model::{InboxStatus, RowId};
+use crate::observability::metrics::Metrics;
+use crate::routing::handler::Handler;
 use crate::store::{Found, InboxStore, InboxTransaction};
 
 use super::super::work::Work;

@@ -9,7 +9,7 @@
 //! ([`UnknownEventType`]).
 //!
 //! ```
-//! use inbox_core::router::{EventHandler, EventRouter};
+//! use inbox_core::routing::router::{EventHandler, EventRouter};
 //! use inbox_core::{HandlerError, HandlerResult, Message};
 //! use serde::Deserialize;
 //!
@@ -41,10 +41,10 @@ use async_trait::async_trait;
 use serde::de::DeserializeOwned;
 
 use crate::error::HandlerError;
-use crate::formats::{Json, PayloadDecoder};
-use crate::handler::Handler;
 use crate::model::Message;
 use crate::outcome::HandlerResult;
+use crate::routing::formats::{Json, PayloadDecoder};
+use crate::routing::handler::Handler;
 
 /// A handler of one event type's payload, deserialized into `T`.
 #[async_trait]
@@ -233,7 +233,7 @@ impl<Tx: Send + 'static> EventRouter<Tx> {
     }
 
     /// Routes `event_type` to `handler`, its payload read by `decoder`
-    /// (a format of [`formats`](crate::formats), or your own
+    /// (a format of [`formats`](crate::routing::formats), or your own
     /// [`PayloadDecoder`]).
     pub fn on_format<T, D, H>(self, event_type: &str, decoder: D, handler: H) -> Self
     where
@@ -272,7 +272,7 @@ impl<Tx: Send + 'static> EventRouter<Tx> {
     /// prost into `T` (plain, or in the Confluent wire format).
     ///
     /// ```
-    /// use inbox_core::router::{EventHandler, EventRouter};
+    /// use inbox_core::routing::router::{EventHandler, EventRouter};
     /// use inbox_core::{HandlerError, HandlerResult, Message};
     ///
     /// #[derive(Clone, PartialEq, prost::Message)]
@@ -300,7 +300,7 @@ impl<Tx: Send + 'static> EventRouter<Tx> {
         T: prost::Message + Default + Send + 'static,
         H: EventHandler<T, Tx> + 'static,
     {
-        self.add(event_type, None, crate::formats::Protobuf, handler)
+        self.add(event_type, None, crate::routing::formats::Protobuf, handler)
     }
 
     /// Routes `event_type` to `handler`, its payload Avro in the Confluent
@@ -310,13 +310,13 @@ impl<Tx: Send + 'static> EventRouter<Tx> {
     pub fn on_avro<T, S, H>(self, event_type: &str, schemas: S, handler: H) -> Self
     where
         T: DeserializeOwned + Send + 'static,
-        S: crate::formats::SchemaSource + 'static,
+        S: crate::routing::formats::SchemaSource + 'static,
         H: EventHandler<T, Tx> + 'static,
     {
         self.add(
             event_type,
             None,
-            crate::formats::Avro::new(schemas),
+            crate::routing::formats::Avro::new(schemas),
             handler,
         )
     }
@@ -521,13 +521,13 @@ mod tests {
         let r: EventRouter<Vec<String>> = EventRouter::new()
             .on_format::<OrderCreatedV2, _, _>(
                 "order.created",
-                crate::formats::Json,
+                crate::routing::formats::Json,
                 Record("json"),
             )
             .on_format_version::<OrderPbV2, _, _>(
                 "order.created",
                 "2",
-                crate::formats::Protobuf,
+                crate::routing::formats::Protobuf,
                 Record("pb"),
             );
         let mut tx = Vec::new();

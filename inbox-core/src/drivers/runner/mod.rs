@@ -35,10 +35,10 @@ pub use result::{BatchResult, ProcessError, ProcessResult, RunSummary};
 use crate::consumer::Consumer;
 use crate::decision::Policy;
 use crate::error::StoreError;
-use crate::handler::{Handler, NoHandler};
-use crate::metrics::{MetricEvent, Metrics, NoopMetrics};
 use crate::model::Message;
+use crate::observability::metrics::{MetricEvent, Metrics, NoopMetrics};
 use crate::outcome::Outcome;
+use crate::routing::handler::{Handler, NoHandler};
 use crate::store::{InboxStore, InboxTransaction};
 
 /// The runner, generic over the store, the consumer, the handler and the
@@ -243,9 +243,9 @@ where
     }
 
     /// Records `event` on the runner's metrics (a panic of theirs is
-    /// caught: [`record_safely`](crate::metrics::record_safely)).
+    /// caught: [`record_safely`](crate::observability::metrics::record_safely)).
     fn record(&self, event: MetricEvent) {
-        crate::metrics::record_safely(&self.metrics, event);
+        crate::observability::metrics::record_safely(&self.metrics, event);
     }
 
     /// The decision policy for `message`.
@@ -278,11 +278,14 @@ where
     M: Metrics,
 {
     let started = Instant::now();
-    let outcome = match crate::handler::run_guarded(handler, message, tx, timeout).await {
+    let outcome = match crate::routing::handler::run_guarded(handler, message, tx, timeout).await {
         Ok(result) => Outcome::from_result(&result),
         Err(failure) => Outcome::Failed(failure),
     };
-    crate::metrics::record_safely(metrics, MetricEvent::HandlerDuration(started.elapsed()));
+    crate::observability::metrics::record_safely(
+        metrics,
+        MetricEvent::HandlerDuration(started.elapsed()),
+    );
     // a success over a transaction the handler left aborted is its failure
     let outcome = crate::decision::after_run(outcome, tx.aborted().await);
     // a failure a transient database error caused is retried, uncounted

@@ -28,7 +28,7 @@ mod optimistic;
 mod savepoints;
 mod slots;
 
-use crate::assignment::PartitionKey;
+use crate::model::PartitionKey;
 use std::collections::HashMap;
 
 use tracing::Instrument;
@@ -36,10 +36,10 @@ use tracing::Instrument;
 use crate::consumer::Consumer;
 use crate::decision::{self, AckPoint, Policy};
 use crate::error::{PersistStage, StoreError, StoreErrorKind, ValidationError};
-use crate::handler::Handler;
 use crate::isolation::Isolation;
-use crate::metrics::{MetricEvent, Metrics};
 use crate::model::{Message, NewInboxRow, RowId};
+use crate::observability::metrics::{MetricEvent, Metrics};
+use crate::routing::handler::Handler;
 use crate::store::{Found, InboxStore, InboxTransaction};
 
 use super::message::store_ack;
@@ -130,7 +130,7 @@ where
         // a batch has many parents: each message's trace is linked
         #[cfg(feature = "otel")]
         for m in &messages {
-            crate::otel::link(&span, &m.headers);
+            crate::observability::otel::link(&span, &m.headers);
         }
         let result = self
             .process_batch_in_span(messages)

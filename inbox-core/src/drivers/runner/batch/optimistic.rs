@@ -10,10 +10,10 @@ use tokio::time::Instant;
 use crate::consumer::Consumer;
 use crate::decision::{self, Decision, RowState, Step, TxAction};
 use crate::error::{PersistStage, StoreError, StoreErrorKind};
-use crate::handler::Handler;
-use crate::metrics::{MetricEvent, Metrics};
 use crate::model::{InboxStatus, Message, RowId};
+use crate::observability::metrics::{MetricEvent, Metrics};
 use crate::outcome::{Outcome, OutcomeClass};
+use crate::routing::handler::Handler;
 use crate::store::{Found, InboxStore, InboxTransaction};
 
 use super::super::work::Work;

@@ -15,10 +15,10 @@
 use crate::consumer::Consumer;
 use crate::decision::{self, Decision, Policy, Tally};
 use crate::error::{PersistStage, StoreError, ValidationError};
-use crate::handler::Handler;
-use crate::metrics::Metrics;
 use crate::model::{InboxStatus, Message, NewInboxRow, RowId, storable_error};
+use crate::observability::metrics::Metrics;
 use crate::outcome::Outcome;
+use crate::routing::handler::Handler;
 use crate::store::{AttemptRecord, Found, InboxStore, InboxTransaction, LockResult};
 
 use super::work::Work;

@@ -8,9 +8,9 @@ use super::rules::{Unfinished, crash_failure};
 use super::{ClaimMode, Handled, Processor, ProcessorBatch, ProcessorError, Run, abandon, refused};
 use crate::attempts::{RowUpdate, row_update};
 use crate::error::{StoreError, StoreErrorKind};
-use crate::handler::Handler;
 use crate::model::{InboxRow, MemberId, RowId};
 use crate::outcome::{Failure, HandlerResult};
+use crate::routing::handler::Handler;
 use crate::store::{InboxStore, InboxTransaction, no_row_locks};
 
 impl<S, H> Processor<S, H>

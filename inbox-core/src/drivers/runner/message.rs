@@ -12,10 +12,10 @@ use tracing::Instrument;
 use crate::consumer::{Consumer, TxAck};
 use crate::decision::{self, AckPoint, Policy, Step, TxAction};
 use crate::error::{ConsumerError, PersistStage, StoreError, StoreErrorKind, ValidationError};
-use crate::handler::Handler;
-use crate::metrics::{MetricEvent, Metrics};
 use crate::model::{Message, NewInboxRow};
+use crate::observability::metrics::{MetricEvent, Metrics};
 use crate::outcome::{Outcome, OutcomeClass};
+use crate::routing::handler::Handler;
 use crate::store::{InboxStore, InboxTransaction};
 
 use super::budget::{Precount, record_failure};
@@ -58,14 +58,14 @@ where
         );
         // the producer's trace goes on in the handler's span
         #[cfg(feature = "otel")]
-        crate::otel::adopt_parent(&span, &message.headers);
+        crate::observability::otel::adopt_parent(&span, &message.headers);
         let result = self
             .process_message_in_span(message)
             .instrument(span.clone())
             .await;
         span.record(
             "outcome",
-            crate::metrics::tally_label(result.decision.tally),
+            crate::observability::metrics::tally_label(result.decision.tally),
         );
         result
     }

@@ -8,9 +8,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::consumer::Consumer;
 use crate::error::{ConsumerError, ValidationError};
-use crate::handler::Handler;
-use crate::metrics::Metrics;
 use crate::model::Message;
+use crate::observability::metrics::Metrics;
+use crate::routing::handler::Handler;
 use crate::store::InboxStore;
 
 use super::{BatchConfig, ProcessError, ProcessResult, RunSummary, Runner};

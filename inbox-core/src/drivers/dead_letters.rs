@@ -1,5 +1,5 @@
 //! Dead letters an operator can work with: list, show, replay, discard,
-//! and a retention for [`Maintenance`](crate::maintenance::Maintenance).
+//! and a retention for [`Maintenance`](crate::drivers::maintenance::Maintenance).
 //!
 //! A dead letter records a message the inbox gave up on (poison, or its
 //! failure budget spent) with the error, so its partition could move on.
@@ -13,7 +13,7 @@
 //! partition moved past the message.
 //!
 //! ```
-//! use inbox_core::dead_letters::{DeadLetterQuery, Replayed};
+//! use inbox_core::drivers::dead_letters::{DeadLetterQuery, Replayed};
 //! let query = DeadLetterQuery::new()
 //!     .consumer_group("billing")
 //!     .error_contains("unknown event type")
@@ -28,9 +28,9 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 
 use crate::error::{StoreError, ValidationError};
-use crate::handler::Handler;
 use crate::model::{InboxStatus, Message, NewInboxRow, Position, RowId};
 use crate::outcome::Outcome;
+use crate::routing::handler::Handler;
 use crate::store::{Found, InboxStore, InboxTransaction};
 
 /// One recorded dead letter.
@@ -454,12 +454,12 @@ where
     // failed handler's rollback takes them back with its writes.
     tx.complete(row).await?;
     tx.remove_dead_letter(id, GoneHow::Replayed).await?;
-    let outcome = crate::runner::run_handler(
+    let outcome = crate::drivers::runner::run_handler(
         handler,
         &message,
         &mut tx,
         options.handler_timeout,
-        &crate::metrics::NoopMetrics,
+        &crate::observability::metrics::NoopMetrics,
     )
     .await;
     if let Outcome::Failed(failure) = outcome {

@@ -30,7 +30,7 @@
 //! ```
 //! # async fn demo<S, H>(store: S, handler: H) -> Result<(), inbox_core::ValidationError>
 //! # where S: inbox_core::InboxStore, H: inbox_core::Handler<S::Tx> {
-//! use inbox_core::processor::{Processor, ProcessorConfig};
+//! use inbox_core::drivers::processor::{Processor, ProcessorConfig};
 //! use inbox_core::CancellationToken;
 //!
 //! let config = ProcessorConfig::new("processor-1")?;
@@ -50,9 +50,9 @@ use tracing::Instrument;
 
 use crate::attempts::{RowUpdate, row_update};
 use crate::error::{StoreError, StoreErrorKind, ValidationError};
-use crate::handler::Handler;
 use crate::model::{InboxRow, MemberId, RowId};
 use crate::outcome::{Failure, HandlerResult};
+use crate::routing::handler::Handler;
 use crate::store::{InboxStore, InboxTransaction};
 
 mod config;
@@ -123,7 +123,7 @@ where
             tx.savepoint().await?;
         }
         let message = row.message();
-        let result = crate::handler::run_guarded(
+        let result = crate::routing::handler::run_guarded(
             &self.handler,
             &message,
             &mut *tx,

@@ -25,7 +25,7 @@
 //!
 //! ```
 //! use inbox_core::keyed::Ordering;
-//! use inbox_core::runner::lanes::Lanes;
+//! use inbox_core::drivers::runner::lanes::Lanes;
 //! # use inbox_core::{Consumer, ConsumerError, Message};
 //! # struct Empty;
 //! # #[async_trait::async_trait]
@@ -39,7 +39,7 @@
 //! assert_eq!(lanes.lanes().len(), 4);
 //! ```
 
-use crate::assignment::PartitionKey;
+use crate::model::PartitionKey;
 use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;

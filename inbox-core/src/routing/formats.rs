@@ -1,4 +1,4 @@
-//! Payload formats: how a route of the [`EventRouter`](crate::router::EventRouter)
+//! Payload formats: how a route of the [`EventRouter`](crate::routing::router::EventRouter)
 //! turns a message's payload into its type.
 //!
 //! A message carries its payload as JSON ([`PayloadFormat::Json`], the
@@ -21,7 +21,7 @@
 //! bytes, to be replayed once the route reads it.
 //!
 //! ```
-//! use inbox_core::formats::{Json, PayloadDecoder};
+//! use inbox_core::routing::formats::{Json, PayloadDecoder};
 //! use inbox_core::Message;
 //!
 //! #[derive(serde::Deserialize)]
@@ -84,7 +84,7 @@ impl<T: DeserializeOwned + Send + 'static> PayloadDecoder<T> for Json {
 /// `bytes` are not framed so.
 ///
 /// ```
-/// use inbox_core::formats::confluent_frame;
+/// use inbox_core::routing::formats::confluent_frame;
 /// assert_eq!(confluent_frame(&[0, 0, 0, 1, 44, 9, 9]), Some((300, &[9u8, 9][..])));
 /// assert_eq!(confluent_frame(&[8, 1]), None);
 /// ```
@@ -249,7 +249,7 @@ pub mod avro {
     /// A fixed set of schemas by id (those a registry gave the writers).
     ///
     /// ```
-    /// use inbox_core::formats::Schemas;
+    /// use inbox_core::routing::formats::Schemas;
     /// let schemas = Schemas::new()
     ///     .with(1, r#"{"type": "record", "name": "Order", "fields": [{"name": "id", "type": "string"}]}"#)
     ///     .expect("an Avro schema");

@@ -22,7 +22,7 @@ use crate::strategy::AckStrategy;
 /// "not yet" for longer should say so (`HandlerResult::retry_uncounted`,
 /// which spends no budget) or turn the budget off
 /// ([`RunnerConfig::no_failure_budget`]); a dead letter is replayed after
-/// the fix (`inbox_core::dead_letters`).
+/// the fix (`inbox_core::drivers::dead_letters`).
 pub const DEFAULT_FAILURE_BUDGET: u32 = 10;
 
 /// How the runner behaves. [`RunnerConfig::new`] validates the consumer group

@@ -16,7 +16,7 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use inbox_core::maintenance::MaintenanceConfig;
+//! use inbox_core::drivers::maintenance::MaintenanceConfig;
 //!
 //! assert!(MaintenanceConfig::new(Duration::from_secs(3_600)).is_err(), "an hour is too short");
 //! let config = MaintenanceConfig::new(Duration::from_secs(14 * 24 * 3_600)).unwrap();
@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::dead_letters::DeadLetterStore;
+use crate::drivers::dead_letters::DeadLetterStore;
 use crate::error::{StoreError, ValidationError};
 use crate::store::InboxStore;
 

@@ -16,9 +16,10 @@ use std::collections::BTreeMap;
 
 use async_trait::async_trait;
 
-use crate::assignment::{PartitionKey, assign};
 use crate::consumer::TxAck;
 use crate::error::StoreError;
+use crate::group::assignment::assign;
+use crate::model::PartitionKey;
 
 /// A partition claimed by [`OffsetStore::claim_partition`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -114,7 +115,7 @@ pub trait OffsetStore: Send + Sync {
 }
 
 /// A consumer group's members, kept alive by heartbeats: what partition
-/// assignment ([`crate::assignment::assign`]) is computed over.
+/// assignment ([`crate::group::assignment::assign`]) is computed over.
 #[async_trait]
 pub trait MembershipStore: Send + Sync {
     /// Records a heartbeat of `member` in `consumer_group` (registering it

@@ -25,8 +25,8 @@
 //! .into_iter()
 //! .collect();
 //! let span = tracing::info_span!("inbox.message");
-//! inbox_core::otel::adopt_parent(&span, &headers);
-//! assert!(inbox_core::otel::current_context_headers().is_empty(), "no OpenTelemetry layer here");
+//! inbox_core::observability::otel::adopt_parent(&span, &headers);
+//! assert!(inbox_core::observability::otel::current_context_headers().is_empty(), "no OpenTelemetry layer here");
 //! ```
 
 use opentelemetry::global;

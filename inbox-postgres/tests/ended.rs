@@ -63,10 +63,12 @@ async fn rows(store: &PgStore, id: &str) -> i64 {
 
 /// Writes the invoice of its message, then, on the calls listed in
 /// `misbehave` (counted from 0 per message id), sends `ending` and returns
-/// `Ok` as if all went well (its own errors swallowed).
+/// `Ok` as if all went well (its own errors swallowed), or, when `fails`,
+/// an error.
 struct Ender {
     ending: &'static str,
     misbehave: usize,
+    fails: bool,
     calls: Calls,
     total: AtomicUsize,
 }
@@ -76,6 +78,18 @@ impl Ender {
         Arc::new(Self {
             ending,
             misbehave,
+            fails: false,
+            calls: Calls::default(),
+            total: AtomicUsize::new(0),
+        })
+    }
+
+    /// One that returns an error after its ending.
+    fn failing(ending: &'static str, misbehave: usize) -> Arc<Self> {
+        Arc::new(Self {
+            ending,
+            misbehave,
+            fails: true,
             calls: Calls::default(),
             total: AtomicUsize::new(0),
         })
@@ -91,6 +105,9 @@ impl Handler<PgTx> for Ender {
         tx.write_invoice(&m.message_id).await?;
         if call < self.misbehave && m.message_id.starts_with("bad") {
             let _ = tx.connection().execute_unprepared(self.ending).await;
+            if self.fails {
+                return Err(HandlerError::msg("failed after ending the transaction"));
+            }
         }
         if m.message_id.starts_with("leak") {
             // an error whose text the test's constraint refuses to store
@@ -508,6 +525,12 @@ async fn row_by_row_a_handler_that_ends_the_transaction_is_charged_alone() {
     }
 }
 
+/// What one processor batch came to.
+type OneBatch = Result<
+    inbox_core::drivers::processor::ProcessorBatch,
+    inbox_core::drivers::processor::ProcessorError,
+>;
+
 /// Lands `ids` and runs one processor batch over them, each `bad-*`
 /// handler sending `ending` on its first `misbehave` calls.
 async fn one_batch(
@@ -517,23 +540,62 @@ async fn one_batch(
     misbehave: usize,
     claim: ClaimMode,
     isolation: Isolation,
-) -> Result<
-    inbox_core::drivers::processor::ProcessorBatch,
-    inbox_core::drivers::processor::ProcessorError,
-> {
+) -> OneBatch {
     for id in ids {
         store
             .land(&NewInboxRow::for_message(&order(id), "billing", 3))
             .await;
     }
+    let handler = Ender::new(ending, misbehave);
+    run_one_batch(store, handler, claim, isolation).await
+}
+
+/// One processor batch over the landed rows, with `handler`.
+async fn run_one_batch(
+    store: &PgStore,
+    handler: Arc<Ender>,
+    claim: ClaimMode,
+    isolation: Isolation,
+) -> OneBatch {
     let mut config = ProcessorConfig::new("processor-1").unwrap_or_else(|e| panic!("{e}"));
     config.rules.backoff = inbox_core::Backoff::new(Duration::ZERO, Duration::ZERO, 1.0);
     config.claim = claim;
     config.isolation = isolation;
-    let handler = Ender::new(ending, misbehave);
     Processor::new(store.clone(), handler, config)
         .process_batch()
         .await
+}
+
+/// The processor, optimistic and with savepoints: a handler that runs a
+/// COMMIT of its own and then returns an error made the rows before it
+/// durable, so they are not run again (their effects once), and its row
+/// is charged one attempt. Before, the processor asked whether the
+/// transaction was still its own only after a success: after this failure
+/// it did not know of the COMMIT and ran the rows before it again in a new
+/// transaction, their effects twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_processor_does_not_run_again_what_a_failing_handlers_commit_made_durable() {
+    for claim in [ClaimMode::Lease, ClaimMode::RowLock] {
+        for isolation in [Isolation::Optimistic, Isolation::Savepoints] {
+            let case = format!("{claim:?}, {isolation:?}");
+            let store = store().await;
+            for id in ["ok-1", "bad-2", "ok-3"] {
+                store
+                    .land(&NewInboxRow::for_message(&order(id), "billing", 3))
+                    .await;
+            }
+            let batch = run_one_batch(&store, Ender::failing("COMMIT", 1), claim, isolation)
+                .await
+                .unwrap_or_else(|e| panic!("{case}: {e}"));
+            assert_eq!(store.invoices("ok-1").await, 1, "{case}: {batch:?}");
+            assert_eq!(store.invoices("ok-3").await, 1, "{case}: {batch:?}");
+            assert_eq!(
+                attempts(&store, "bad-2", "pending").await,
+                1,
+                "{case}: retried, one attempt counted: {batch:?}"
+            );
+        }
+    }
 }
 
 /// How many rows of `id` have `status` and one attempt made.

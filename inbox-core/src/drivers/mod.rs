@@ -8,10 +8,11 @@
 //! - [`maintenance`]: releases stale leases and deletes what has served.
 //! - [`dead_letters`]: lists, replays and discards what was given up.
 //!
-//! The shared pieces of one handler run and of one replay live here too,
-//! so the runner and the processor cannot drift apart.
+//! One handler run (`handler_run`) is shared by the runner, the processor
+//! and the dead-letter replay, so they cannot drift apart.
 
 pub mod dead_letters;
+mod handler_run;
 pub mod maintenance;
 pub mod processor;
 pub mod runner;

@@ -123,27 +123,16 @@ where
             tx.savepoint().await?;
         }
         let message = row.message();
-        let result = crate::routing::handler::run_guarded(
+        // a success over a transaction the handler left aborted is a failure
+        // of this row (never of the next one, whose statements would fail)
+        let result = crate::drivers::handler_run::run_handler_in(
             &self.handler,
             &message,
             &mut *tx,
             self.config.handler_timeout,
         )
-        .await;
-        // a success over a transaction the handler left aborted is a failure
-        // of this row (never of the next one, whose statements would fail)
-        let result = match result {
-            Ok(output) => {
-                let outcome = crate::outcome::Outcome::from_result(&output);
-                match crate::decision::after_run(outcome, tx.aborted().await) {
-                    crate::outcome::Outcome::Failed(Failure::Aborted(cause)) => {
-                        Err(Failure::Aborted(cause))
-                    }
-                    _ => Ok(output),
-                }
-            }
-            failed => failed,
-        };
+        .await
+        .result;
         // a failure a transient database error caused (asked before the
         // rollback clears it) is retried without spending the budget, up to
         // `transient_retries` in a row for the row

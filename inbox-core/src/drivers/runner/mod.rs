@@ -27,8 +27,6 @@ mod work;
 use crate::partition::Partitions;
 use std::time::Duration;
 
-use tokio::time::Instant;
-
 pub use config::{Backoff, BatchConfig, DEFAULT_FAILURE_BUDGET, RunnerConfig};
 pub use result::{BatchResult, ProcessError, ProcessResult, RunSummary};
 
@@ -277,17 +275,9 @@ where
     H: Handler<Tx>,
     M: Metrics,
 {
-    let started = Instant::now();
-    let outcome = match crate::routing::handler::run_guarded(handler, message, tx, timeout).await {
-        Ok(result) => Outcome::from_result(&result),
-        Err(failure) => Outcome::Failed(failure),
-    };
-    crate::observability::metrics::record_safely(
-        metrics,
-        MetricEvent::HandlerDuration(started.elapsed()),
-    );
-    // a success over a transaction the handler left aborted is its failure
-    let outcome = crate::decision::after_run(outcome, tx.aborted().await);
+    let run = crate::drivers::handler_run::run_handler_in(handler, message, tx, timeout).await;
+    crate::observability::metrics::record_safely(metrics, MetricEvent::HandlerDuration(run.took));
+    let outcome = run.into_outcome();
     // a failure a transient database error caused is retried, uncounted
     if outcome.class() == crate::outcome::OutcomeClass::Failure {
         return crate::decision::after_transient(outcome, tx.transient().await);

@@ -61,6 +61,7 @@ pub mod model;
 pub mod outcome;
 mod panics;
 pub mod partition;
+pub mod replay;
 pub mod store;
 pub mod strategy;
 

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use super::rules::{Unfinished, crash_failure};
+use super::rules::{Unfinished, crash_failure, replayed};
 use super::{ClaimMode, Handled, Processor, ProcessorBatch, ProcessorError, Run, abandon, refused};
 use crate::attempts::{RowUpdate, row_update};
 use crate::error::{StoreError, StoreErrorKind};
@@ -59,14 +59,16 @@ where
             ..ProcessorBatch::default()
         };
         let mut known: HashMap<RowId, Result<HandlerResult, Failure>> = HashMap::new();
-        let mut savepoints = self.state.savepoints_first();
-        if !savepoints && let Err(e) = tx.savepoint().await {
+        let mut mode = crate::replay::Replay::first(self.state.savepoints_first());
+        if !mode.savepoints()
+            && let Err(e) = tx.savepoint().await
+        {
             abandon(tx).await;
             return Err(e.into());
         }
         let results = loop {
             let step = match self
-                .run_handlers(&mut tx, &rows, savepoints, &mut known)
+                .run_handlers(&mut tx, &rows, mode.savepoints(), &mut known)
                 .await
             {
                 // a replay goes back to just after the lock: the rows stay
@@ -81,7 +83,7 @@ where
             };
             match step {
                 Ok(Handled::All(results)) => break results,
-                Ok(Handled::Replay) => savepoints = true,
+                Ok(Handled::Replay) => mode = replayed(mode),
                 Ok(Handled::Ended) => {
                     // a handler ended the transaction (its locks went with
                     // it): the replay locks the rows again in a new one,
@@ -95,7 +97,7 @@ where
                     };
                     (tx, rows) = again;
                     self.note_running(&mut tx, &rows).await;
-                    savepoints = true;
+                    mode = replayed(mode);
                 }
                 Err(e) => {
                     abandon(tx).await;

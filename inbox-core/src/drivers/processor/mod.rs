@@ -62,7 +62,7 @@ mod rules;
 pub use config::{
     ClaimMode, DeadLetterHook, ProcessorBatch, ProcessorConfig, ProcessorError, ProcessorSummary,
 };
-use rules::{BatchEnd, ProcessorState, is_failure};
+use rules::{BatchEnd, ProcessorState, is_failure, replayed};
 
 /// The processor (land and drain: the SPEC's batch processor), generic over
 /// the store and the handler: it claims due landed rows in batches and runs
@@ -250,19 +250,19 @@ where
         // Optimistic first (if configured): a failure rolls the batch back
         // and it is replayed with savepoints, the failed row's outcome kept.
         let mut known: HashMap<RowId, Result<HandlerResult, Failure>> = HashMap::new();
-        let mut savepoints = self.state.savepoints_first();
+        let mut mode = crate::replay::Replay::first(self.state.savepoints_first());
         let (tx, results) = loop {
             batch.transactions += 1;
             let mut tx = self.store.begin().await?;
             match self
-                .run_handlers(&mut tx, rows, savepoints, &mut known)
+                .run_handlers(&mut tx, rows, mode.savepoints(), &mut known)
                 .await
             {
                 Ok(Handled::All(results)) => break (tx, results),
                 // undone (or ended by a handler): a new transaction
                 Ok(Handled::Replay | Handled::Ended) => {
                     abandon(tx).await;
-                    savepoints = true;
+                    mode = replayed(mode);
                 }
                 Err(e) => {
                     abandon(tx).await;

@@ -224,6 +224,14 @@ pub(crate) fn crash_failure() -> Failure {
     )
 }
 
+/// The mode of the processor's attempt after one in `mode` had a failure
+/// to replay (the rule the batched runner shares, [`crate::replay`]): the
+/// processor may always take savepoints.
+pub(crate) fn replayed(mode: crate::replay::Replay) -> crate::replay::Replay {
+    mode.next(crate::replay::Ended::Failed, true)
+        .unwrap_or(crate::replay::Replay::Savepoints)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

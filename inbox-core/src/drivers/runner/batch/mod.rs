@@ -28,7 +28,6 @@ mod optimistic;
 mod savepoints;
 mod slots;
 
-use crate::model::PartitionKey;
 use std::collections::HashMap;
 
 use tracing::Instrument;
@@ -37,8 +36,9 @@ use crate::consumer::Consumer;
 use crate::decision::{self, AckPoint, Policy};
 use crate::error::{PersistStage, StoreError, StoreErrorKind, ValidationError};
 use crate::isolation::Isolation;
-use crate::model::{Message, NewInboxRow, RowId};
+use crate::model::{Message, NewInboxRow, PartitionKey, RowId};
 use crate::observability::metrics::{MetricEvent, Metrics};
+use crate::replay::{Ended, Replay};
 use crate::routing::handler::Handler;
 use crate::store::{Found, InboxStore, InboxTransaction};
 
@@ -75,36 +75,11 @@ enum Fate {
     Returned,
 }
 
-/// How the next attempt runs.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Mode {
-    /// The first attempt: no savepoints; the batch form of the handler when
-    /// it has one.
-    Optimistic,
-    /// A savepoint around each message.
-    Savepoints,
-    /// The store has no savepoints: optimistic replays, one message at a
-    /// time.
-    OptimisticReplays,
-}
-
 /// An attempt's open transaction: the open slots and the row of each key.
 struct Opened<Tx> {
     tx: Tx,
     open: Vec<usize>,
     state: HashMap<String, (RowId, Found)>,
-}
-
-/// What one attempt ended with.
-enum Attempt {
-    /// Committed (or failed for good): every slot is decided or returned.
-    Done,
-    /// A slot was decided apart: replay the rest.
-    Replay,
-    /// The batch-aware handler failed: replay one message at a time.
-    PerMessage,
-    /// The store has no savepoints: replay optimistically.
-    NoSavepoints,
 }
 
 impl<S, C, H, M> Runner<S, C, H, M>
@@ -199,7 +174,7 @@ where
         // transaction with a savepoint per handler when so configured (and
         // the store has savepoints). Each replay decides or returns at
         // least one slot, or changes the mode: the loop ends.
-        let mut mode = Mode::Optimistic;
+        let mut mode = Replay::first(false);
         // With a failure budget a failure is recorded apart after the
         // rollback: the replays stay optimistic.
         let savepoints = self.config.failure_budget.is_none()
@@ -209,26 +184,21 @@ where
                 .is_some_and(|b| b.isolation == Isolation::Savepoints);
         let mut transactions = 0;
         loop {
-            let attempt = match mode {
-                Mode::Optimistic | Mode::OptimisticReplays => {
-                    let batch_handler = mode == Mode::Optimistic;
+            let ended = match mode {
+                Replay::Optimistic | Replay::OneByOne => {
+                    let batch_handler = mode == Replay::Optimistic;
                     self.attempt(&mut slots, &mut transactions, batch_handler)
                         .await
                 }
-                Mode::Savepoints => {
+                Replay::Savepoints => {
                     self.attempt_with_savepoints(&mut slots, &mut transactions)
                         .await
                 }
             };
-            mode = match (attempt, mode) {
-                (Attempt::Done, _) => break,
-                (Attempt::NoSavepoints, _) => Mode::OptimisticReplays,
-                (Attempt::Replay | Attempt::PerMessage, Mode::OptimisticReplays) => {
-                    Mode::OptimisticReplays
-                }
-                (Attempt::Replay | Attempt::PerMessage, _) if savepoints => Mode::Savepoints,
-                (Attempt::Replay | Attempt::PerMessage, _) => Mode::OptimisticReplays,
-            };
+            match mode.next(ended, savepoints) {
+                Some(next) => mode = next,
+                None => break,
+            }
         }
         let len = slots.len();
         let result = self
@@ -345,7 +315,7 @@ where
         slots: &mut [Slot],
         mut tx: S::Tx,
         this_tx: &[usize],
-    ) -> Attempt {
+    ) -> Ended {
         let partitions = slots.iter().map(|s| s.partition + 1).max().unwrap_or(0);
         let mut stored = Vec::new();
         for p in 0..partitions {
@@ -372,21 +342,21 @@ where
                     let acked = slots[first].acked_before;
                     let work = Work::storage_failure(acked, PersistStage::Ack, e, None, None);
                     decide_and_return_rest(slots, first, work);
-                    return Attempt::Replay;
+                    return Ended::Failed;
                 }
                 fail_all(slots, PersistStage::Ack, e);
-                return Attempt::Done;
+                return Ended::Done;
             }
         }
         if let Err(e) = tx.commit().await {
             reopen(slots, this_tx);
             fail_all(slots, PersistStage::Commit, e);
-            return Attempt::Done;
+            return Ended::Done;
         }
         for k in stored {
             slots[k].acked_in_tx = true;
         }
-        Attempt::Done
+        Ended::Done
     }
 
     /// Opens an attempt over the open slots: begins the transaction and

@@ -13,6 +13,7 @@ use crate::error::{PersistStage, StoreError, StoreErrorKind};
 use crate::model::{InboxStatus, Message, RowId};
 use crate::observability::metrics::{MetricEvent, Metrics};
 use crate::outcome::{Outcome, OutcomeClass};
+use crate::replay::Ended;
 use crate::routing::handler::Handler;
 use crate::store::{Found, InboxStore, InboxTransaction};
 
@@ -20,7 +21,7 @@ use super::super::work::Work;
 use super::super::{Runner, abandon, panic_text, run_handler};
 
 use super::slots::{decide_and_return_rest, fail_all};
-use super::{Attempt, Fate, Opened, Slot};
+use super::{Fate, Opened, Slot};
 
 /// What phase A planned for an open slot.
 enum Planned {
@@ -42,14 +43,14 @@ where
         slots: &mut [Slot],
         transactions: &mut usize,
         batch_handler: bool,
-    ) -> Attempt {
+    ) -> Ended {
         let Some(Opened {
             mut tx,
             open,
             mut state,
         }) = self.open_attempt(slots, transactions).await
         else {
-            return Attempt::Done;
+            return Ended::Done;
         };
 
         // Phase A: plan every open slot (dead letters, locks).
@@ -61,7 +62,7 @@ where
                 if let Err(e) = tx.dead_letter(&slots[i].message, group, invalid).await {
                     abandon(tx).await;
                     fail_all(slots, PersistStage::DeadLetter, e);
-                    return Attempt::Done;
+                    return Ended::Done;
                 }
                 plans.push((i, Planned::Poison));
                 continue;
@@ -84,7 +85,7 @@ where
                 Step::Done(d) if d.holds_partition() => {
                     abandon(tx).await;
                     decide_and_return_rest(slots, i, Work::new(d, Some(row_id), None));
-                    return Attempt::Replay;
+                    return Ended::Failed;
                 }
                 Step::Done(d) => {
                     if found == Found::Inserted {
@@ -103,7 +104,7 @@ where
                     let e =
                         StoreError::new(StoreErrorKind::Other, "the decision asked to lock twice");
                     fail_all(slots, PersistStage::Lock, e);
-                    return Attempt::Done;
+                    return Ended::Done;
                 }
             }
         }
@@ -124,7 +125,7 @@ where
                     }
                     BatchCall::Failed => {
                         abandon(tx).await;
-                        return Attempt::PerMessage;
+                        return Ended::Failed;
                     }
                 }
             }
@@ -178,7 +179,7 @@ where
                             Work::new(d, Some(row_id), Some(outcome))
                         };
                         decide_and_return_rest(slots, i, work);
-                        return Attempt::Replay;
+                        return Ended::Failed;
                     }
                     if d.write_completion
                         && let Err(e) = tx.complete(row_id).await
@@ -270,14 +271,14 @@ pub(super) fn refused_alone_or_all(
     stage: PersistStage,
     e: StoreError,
     outcome: Option<Outcome>,
-) -> Attempt {
+) -> Ended {
     if decision::refused_data(stage, e.kind) {
         let work = Work::storage_failure(slots[i].acked_before, stage, e, None, outcome);
         decide_and_return_rest(slots, i, work);
-        return Attempt::Replay;
+        return Ended::Failed;
     }
     fail_all(slots, stage, e);
-    Attempt::Done
+    Ended::Done
 }
 
 /// Whether `outcome` may come from a handler that ended its transaction

@@ -8,6 +8,7 @@ use crate::decision::{self, RowState, Step, TxAction};
 use crate::error::{PersistStage, StoreError, StoreErrorKind};
 use crate::model::{InboxStatus, RowId};
 use crate::observability::metrics::Metrics;
+use crate::replay::Ended;
 use crate::routing::handler::Handler;
 use crate::store::{Found, InboxStore, InboxTransaction};
 
@@ -15,7 +16,7 @@ use super::super::work::Work;
 use super::super::{Runner, abandon, run_handler};
 
 use super::slots::{decide_and_return_rest, fail_all, reopen};
-use super::{Attempt, Fate, Opened, Slot};
+use super::{Fate, Opened, Slot};
 
 impl<S, C, H, M> Runner<S, C, H, M>
 where
@@ -36,14 +37,14 @@ where
         &mut self,
         slots: &mut [Slot],
         transactions: &mut usize,
-    ) -> Attempt {
+    ) -> Ended {
         let Some(Opened {
             mut tx,
             open,
             mut state,
         }) = self.open_attempt(slots, transactions).await
         else {
-            return Attempt::Done;
+            return Ended::Done;
         };
         let mut this_tx: Vec<usize> = Vec::with_capacity(open.len());
         for i in open {
@@ -61,7 +62,7 @@ where
                     abandon(tx).await;
                     reopen(slots, &this_tx);
                     if e.kind == StoreErrorKind::Unsupported {
-                        return Attempt::NoSavepoints;
+                        return Ended::NoSavepoints;
                     }
                     if e.kind == StoreErrorKind::Aborted
                         && matches!(slots[i].fate, Fate::Decided(_))
@@ -76,7 +77,7 @@ where
                                 .filter(|(key, _)| *key != own)
                                 .map(|(_, id)| id),
                         );
-                        return Attempt::Replay;
+                        return Ended::Failed;
                     }
                     return super::optimistic::refused_alone_or_all(slots, i, stage, e, None);
                 }
@@ -90,10 +91,10 @@ where
             abandon(tx).await;
             reopen(slots, &this_tx);
             if e.kind == StoreErrorKind::Unsupported {
-                return Attempt::NoSavepoints;
+                return Ended::NoSavepoints;
             }
             fail_all(slots, PersistStage::Insert, e);
-            return Attempt::Done;
+            return Ended::Done;
         }
         self.finish_attempt(slots, tx, &this_tx).await
     }

@@ -95,7 +95,7 @@ pub use outcome::{Failure, HandlerResult, Outcome, OutcomeClass};
 pub use routing::handler::{Handler, NoHandler, SkipTombstones};
 pub use store::{
     AttemptRecord, DueFilter, Found, InboxStore, InboxTransaction, LockResult, RowLocks, RowRef,
-    TxOffsets,
+    Savepoints, TxOffsets,
 };
 pub use strategy::{AckPolicy, AckStrategy};
 pub use tokio_util::sync::CancellationToken;

@@ -330,54 +330,12 @@ pub trait InboxTransaction: Send + Sized {
         None
     }
 
-    /// Marks a savepoint: what this transaction does after it can be undone
-    /// with [`rollback_to_savepoint`](Self::rollback_to_savepoint) while
-    /// what it did before stays (PostgreSQL: `SAVEPOINT`). One savepoint is
-    /// open at a time: taking one releases the one open before (in the same
-    /// round trip). The batched runner takes one before each handler when a
-    /// batch has to be replayed after a handler failure, so a second failure
-    /// does not cost another replay. A store may send it with the
-    /// transaction's next statement instead of at once (the same point in
-    /// the transaction: nothing ran in between), so a savepoint nothing
-    /// follows costs nothing (`PgTx` does). The default refuses
-    /// ([`StoreErrorKind::Unsupported`](crate::StoreErrorKind::Unsupported)):
-    /// the runner then replays optimistically instead.
-    async fn savepoint(&mut self) -> Result<(), StoreError> {
-        Err(StoreError::new(
-            crate::StoreErrorKind::Unsupported,
-            "this store has no savepoints",
-        ))
-    }
-
-    /// Undoes everything since the savepoint (rows inserted, locks taken,
-    /// the handler's writes); the savepoint stays open.
-    async fn rollback_to_savepoint(&mut self) -> Result<(), StoreError> {
-        Err(StoreError::new(
-            crate::StoreErrorKind::Unsupported,
-            "this store has no savepoints",
-        ))
-    }
-
-    /// Keeps everything since the savepoint and closes it: it can no
-    /// longer be rolled back to. A store may close it later, with the next
-    /// savepoint's statement or the commit (`PgTx` does, sending nothing).
-    async fn release_savepoint(&mut self) -> Result<(), StoreError> {
-        Err(StoreError::new(
-            crate::StoreErrorKind::Unsupported,
-            "this store has no savepoints",
-        ))
-    }
-
-    /// Deletes rows this transaction inserted and will not keep (rows of
-    /// messages that were decided apart or handed back after a multi-row
-    /// insert). The default refuses
-    /// ([`StoreErrorKind::Unsupported`](crate::StoreErrorKind::Unsupported)).
-    async fn discard_rows(&mut self, ids: &[RowId]) -> Result<(), StoreError> {
-        let _ = ids;
-        Err(StoreError::new(
-            crate::StoreErrorKind::Unsupported,
-            "this store cannot discard rows",
-        ))
+    /// This transaction's savepoints, if its store has them
+    /// ([`Savepoints`]); `None`, the default: the batched runner then
+    /// replays optimistically, one message at a time, and the failure
+    /// budget records a failure in a transaction of its own.
+    fn savepoints(&mut self) -> Option<&mut dyn Savepoints> {
+        None
     }
 
     /// This transaction's consumer offsets, if its store keeps them
@@ -387,6 +345,98 @@ pub trait InboxTransaction: Send + Sized {
     /// there (see [`no_offsets`]).
     fn offsets(&mut self) -> Option<&mut dyn TxOffsets> {
         None
+    }
+}
+
+/// A capability of a store's transaction: savepoints, and deleting the
+/// rows it inserted and will not keep. A store offers it by implementing
+/// this trait for its transaction and returning it from
+/// [`InboxTransaction::savepoints`]; the drivers take their way without
+/// savepoints when it answers `None`, before any call.
+#[async_trait]
+pub trait Savepoints: Send {
+    /// Marks a savepoint: what this transaction does after it can be undone
+    /// with [`rollback_to_savepoint`](Self::rollback_to_savepoint) while
+    /// what it did before stays (PostgreSQL: `SAVEPOINT`). One savepoint is
+    /// open at a time: taking one releases the one open before (in the same
+    /// round trip). The batched runner takes one before each handler when a
+    /// batch has to be replayed after a handler failure, so a second failure
+    /// does not cost another replay. A store may send it with the
+    /// transaction's next statement instead of at once (the same point in
+    /// the transaction: nothing ran in between), so a savepoint nothing
+    /// follows costs nothing (`PgTx` does).
+    async fn savepoint(&mut self) -> Result<(), StoreError>;
+
+    /// Undoes everything since the savepoint (rows inserted, locks taken,
+    /// the handler's writes); the savepoint stays open. A transaction the
+    /// handler ended has none left to return to:
+    /// [`StoreErrorKind::Aborted`](crate::StoreErrorKind::Aborted).
+    async fn rollback_to_savepoint(&mut self) -> Result<(), StoreError>;
+
+    /// Keeps everything since the savepoint and closes it: it can no
+    /// longer be rolled back to. A store may close it later, with the next
+    /// savepoint's statement or the commit (`PgTx` does, sending nothing).
+    async fn release_savepoint(&mut self) -> Result<(), StoreError>;
+
+    /// Deletes rows this transaction inserted and will not keep (rows of
+    /// messages that were decided apart or handed back after a multi-row
+    /// insert, in the batched runner's savepoint attempt).
+    async fn discard_rows(&mut self, ids: &[RowId]) -> Result<(), StoreError>;
+}
+
+/// The error of a savepoint asked of a transaction whose store has none
+/// ([`InboxTransaction::savepoints`] is `None`).
+pub fn no_savepoints() -> StoreError {
+    StoreError::new(
+        crate::StoreErrorKind::Unsupported,
+        "this store has no savepoints (InboxTransaction::savepoints)",
+    )
+}
+
+/// The drivers' calls on the savepoints of a transaction they know has
+/// them (they asked [`InboxTransaction::savepoints`] before choosing a way
+/// that needs them, or need them and fail without): a transaction without
+/// them fails with [`no_savepoints`].
+#[async_trait]
+pub(crate) trait NeedSavepoints {
+    /// [`Savepoints::savepoint`].
+    async fn savepoint(&mut self) -> Result<(), StoreError>;
+    /// [`Savepoints::rollback_to_savepoint`].
+    async fn rollback_to_savepoint(&mut self) -> Result<(), StoreError>;
+    /// [`Savepoints::release_savepoint`].
+    async fn release_savepoint(&mut self) -> Result<(), StoreError>;
+    /// [`Savepoints::discard_rows`].
+    async fn discard_rows(&mut self, ids: &[RowId]) -> Result<(), StoreError>;
+}
+
+#[async_trait]
+impl<T: InboxTransaction> NeedSavepoints for T {
+    async fn savepoint(&mut self) -> Result<(), StoreError> {
+        self.savepoints()
+            .ok_or_else(no_savepoints)?
+            .savepoint()
+            .await
+    }
+
+    async fn rollback_to_savepoint(&mut self) -> Result<(), StoreError> {
+        self.savepoints()
+            .ok_or_else(no_savepoints)?
+            .rollback_to_savepoint()
+            .await
+    }
+
+    async fn release_savepoint(&mut self) -> Result<(), StoreError> {
+        self.savepoints()
+            .ok_or_else(no_savepoints)?
+            .release_savepoint()
+            .await
+    }
+
+    async fn discard_rows(&mut self, ids: &[RowId]) -> Result<(), StoreError> {
+        self.savepoints()
+            .ok_or_else(no_savepoints)?
+            .discard_rows(ids)
+            .await
     }
 }
 

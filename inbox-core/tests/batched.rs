@@ -11,9 +11,9 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use inbox_core::{
     AckStrategy, BatchConfig, BatchResult, CountingMetrics, Counts, Handler, HandlerError,
-    HandlerResult, InboxStatus, Message, Runner, RunnerConfig,
+    HandlerResult, InboxStatus, Isolation, Message, Runner, RunnerConfig,
 };
-use inbox_testkit::{BrokerFault, MemBroker, MemStore, MemTx, StoreFault};
+use inbox_testkit::{BrokerFault, FaultyStore, FaultyTx, MemBroker, MemStore, MemTx, StoreFault};
 use proptest::prelude::*;
 use serde_json::json;
 
@@ -690,4 +690,87 @@ async fn at_most_once_poison_in_a_batch_is_not_lost() {
         "ok-1 was lost: AtMostOnce, acknowledged before its transaction failed"
     );
     assert_eq!(broker.acked("billing", "orders", 0), Some(3));
+}
+
+/// [`Flaky`] over a [`FaultyStore`](inbox_testkit::FaultyStore)'s
+/// transaction.
+struct OnFaulty(Arc<Flaky>);
+
+#[async_trait]
+impl Handler<FaultyTx<MemTx>> for OnFaulty {
+    type Output = HandlerResult;
+
+    async fn handle(
+        &self,
+        m: &Message,
+        tx: &mut FaultyTx<MemTx>,
+    ) -> Result<HandlerResult, HandlerError> {
+        self.0.handle(m, tx.inner_mut()).await
+    }
+}
+
+/// A store whose transactions offer no savepoints
+/// (`InboxTransaction::savepoints` is `None`): the batched runner set to
+/// `Isolation::Savepoints` takes its way without them (optimistic replays
+/// without the batch form), paying more transactions, and every message
+/// gets the outcome it gets over the same store with savepoints.
+#[tokio::test]
+async fn without_savepoints_a_batch_replays_optimistically_with_the_same_outcomes() {
+    let mut finals = Vec::new();
+    let mut transactions = Vec::new();
+    for savepoints in [true, false] {
+        let store = MemStore::new();
+        let broker = MemBroker::new();
+        for i in 0..12 {
+            broker.produce("orders", i % 3, order(&format!("o-{i}")));
+        }
+        // one failure on each partition, in the first batch
+        let handler = Arc::new(Flaky {
+            fails: [("o-2", 1), ("o-7", 2), ("o-9", 1)]
+                .into_iter()
+                .map(|(id, n)| (id.to_owned(), n))
+                .collect(),
+            ..Flaky::default()
+        });
+        let faulty = FaultyStore::new(store.clone());
+        let faulty = if savepoints {
+            faulty
+        } else {
+            faulty.without_savepoints()
+        };
+        let mut b = BatchConfig::new(100);
+        b.linger = std::time::Duration::ZERO;
+        b.isolation = Isolation::Savepoints;
+        let config = RunnerConfig::new("billing", "w-1")
+            .expect("config")
+            .no_failure_budget()
+            .batched(b);
+        let metrics = Arc::new(CountingMetrics::new());
+        let mut r = Runner::new(
+            faulty,
+            broker.consumer("billing"),
+            OnFaulty(handler),
+            config,
+        )
+        .with_metrics(metrics.clone());
+        let mut spent = 0;
+        for _ in 0..100 {
+            let batch = r.next_batch(b).await.expect("fetch");
+            if batch.is_empty() {
+                break;
+            }
+            let result = r.process_batch(batch).await;
+            check_no_ack_past_a_rewind(&result, &broker);
+            spent += result.transactions;
+        }
+        transactions.push(spent);
+        finals.push(final_state(&store, &broker, &metrics));
+    }
+    assert_eq!(finals[0], finals[1], "with savepoints, then without");
+    assert_eq!(finals[0].invoices.len(), 12);
+    assert!(finals[0].invoices.values().all(|n| *n == 1));
+    assert!(
+        transactions[1] > transactions[0],
+        "the replays without savepoints cost more transactions: {transactions:?}"
+    );
 }

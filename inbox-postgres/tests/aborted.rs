@@ -3,6 +3,7 @@
 //! nested transaction (whose statements are not seen) is checked before the
 //! commit.
 
+use inbox_core::Savepoints as _;
 use inbox_core::{InboxStore, InboxTransaction, StoreErrorKind};
 use inbox_postgres::sea_orm::{ConnectionTrait, TransactionTrait};
 use inbox_postgres::{PgNested, PgStore, PgTx};

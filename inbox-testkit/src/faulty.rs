@@ -9,7 +9,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use inbox_core::{
     AttemptRecord, HandlerError, InboxRow, InboxStore, InboxTransaction, LockResult, MemberId,
-    Message, NewInboxRow, RowId, RowRef, StoreError, TxAck, TxOffsets, ValidationError,
+    Message, NewInboxRow, RowId, RowRef, Savepoints, StoreError, TxAck, TxOffsets, ValidationError,
 };
 
 use crate::StoreFault;
@@ -29,6 +29,7 @@ fn take(faults: &Faults, point: StoreFault) -> Result<(), StoreError> {
 pub struct FaultyStore<S> {
     inner: S,
     faults: Faults,
+    savepoints: bool,
 }
 
 impl<S> FaultyStore<S> {
@@ -37,7 +38,17 @@ impl<S> FaultyStore<S> {
         Self {
             inner,
             faults: Arc::default(),
+            savepoints: true,
         }
+    }
+
+    /// The same store, its transactions offering no savepoints
+    /// ([`InboxTransaction::savepoints`] answers `None`), as a store
+    /// without them would: the drivers' ways without savepoints.
+    #[must_use]
+    pub fn without_savepoints(mut self) -> Self {
+        self.savepoints = false;
+        self
     }
 
     /// Makes the next `times` calls at `point` fail.
@@ -60,6 +71,7 @@ impl<S> FaultyStore<S> {
 pub struct FaultyTx<T> {
     inner: T,
     faults: Faults,
+    savepoints: bool,
 }
 
 impl<T> FaultyTx<T> {
@@ -88,6 +100,7 @@ impl<S: InboxStore> InboxStore for FaultyStore<S> {
         Ok(FaultyTx {
             inner: self.inner.begin().await?,
             faults: self.faults.clone(),
+            savepoints: self.savepoints,
         })
     }
 
@@ -146,20 +159,12 @@ impl<T: InboxTransaction> InboxTransaction for FaultyTx<T> {
         self.inner.insert_or_get_many(rows).await
     }
 
-    async fn savepoint(&mut self) -> Result<(), StoreError> {
-        self.inner.savepoint().await
-    }
-
-    async fn rollback_to_savepoint(&mut self) -> Result<(), StoreError> {
-        self.inner.rollback_to_savepoint().await
-    }
-
-    async fn release_savepoint(&mut self) -> Result<(), StoreError> {
-        self.inner.release_savepoint().await
-    }
-
-    async fn discard_rows(&mut self, ids: &[RowId]) -> Result<(), StoreError> {
-        self.inner.discard_rows(ids).await
+    fn savepoints(&mut self) -> Option<&mut dyn Savepoints> {
+        if self.savepoints {
+            self.inner.savepoints()
+        } else {
+            None
+        }
     }
 
     async fn write_outcomes(

@@ -10,8 +10,8 @@ use inbox_core::attempts::{Due, RowUpdate};
 use inbox_core::{
     AttemptRecord, DueFilter, Found, InboxRow, InboxStatus, InboxStore, InboxTransaction,
     LockResult, MemberId, MembershipStore, Message, NewInboxRow, OffsetHold, OffsetStore,
-    PartitionClaim, RowId, RowLocks, RowRef, StoreError, StoreErrorKind, TxAck, TxOffsets,
-    ValidationError,
+    PartitionClaim, RowId, RowLocks, RowRef, Savepoints, StoreError, StoreErrorKind, TxAck,
+    TxOffsets, ValidationError,
 };
 use sea_orm::{
     ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, DbErr, QueryResult,

@@ -5,6 +5,10 @@ use super::*;
 
 #[async_trait]
 impl InboxTransaction for PgTx {
+    fn savepoints(&mut self) -> Option<&mut dyn Savepoints> {
+        Some(self)
+    }
+
     fn offsets(&mut self) -> Option<&mut dyn TxOffsets> {
         Some(self)
     }
@@ -190,34 +194,6 @@ impl InboxTransaction for PgTx {
         Some(self)
     }
 
-    async fn savepoint(&mut self) -> Result<(), StoreError> {
-        // sent with the transaction's next statement (see `PgConn`); one
-        // savepoint open at a time (nesting hundreds of them would overflow
-        // PostgreSQL's subtransaction cache): the one open before is
-        // released in the same round trip
-        self.conn.savepoint().await.map_err(db)
-    }
-
-    async fn rollback_to_savepoint(&mut self) -> Result<(), StoreError> {
-        // a transaction the handler ended has no savepoint left: its failure
-        // is recorded in a transaction of its own
-        if let Some(ended) = self.conn.check_control().await {
-            return Err(StoreError::new(StoreErrorKind::Aborted, ended));
-        }
-        // ROLLBACK TO keeps the savepoint open.
-        self.conn.rollback_to_savepoint().await.map_err(db)
-    }
-
-    async fn release_savepoint(&mut self) -> Result<(), StoreError> {
-        self.conn.release_savepoint();
-        Ok(())
-    }
-
-    async fn discard_rows(&mut self, ids: &[RowId]) -> Result<(), StoreError> {
-        self.exec(discard(&self.sql, ids)).await?;
-        Ok(())
-    }
-
     async fn commit(mut self) -> Result<(), StoreError> {
         // PostgreSQL answers COMMIT of an aborted transaction with ROLLBACK
         // and no error: known here, it is reported as what it is
@@ -330,6 +306,37 @@ impl InboxTransaction for PgTx {
             StoreErrorKind::Other,
             "no form of the dead letter was tried",
         ))
+    }
+}
+
+#[async_trait]
+impl Savepoints for PgTx {
+    async fn savepoint(&mut self) -> Result<(), StoreError> {
+        // sent with the transaction's next statement (see `PgConn`); one
+        // savepoint open at a time (nesting hundreds of them would overflow
+        // PostgreSQL's subtransaction cache): the one open before is
+        // released in the same round trip
+        self.conn.savepoint().await.map_err(db)
+    }
+
+    async fn rollback_to_savepoint(&mut self) -> Result<(), StoreError> {
+        // a transaction the handler ended has no savepoint left: its failure
+        // is recorded in a transaction of its own
+        if let Some(ended) = self.conn.check_control().await {
+            return Err(StoreError::new(StoreErrorKind::Aborted, ended));
+        }
+        // ROLLBACK TO keeps the savepoint open.
+        self.conn.rollback_to_savepoint().await.map_err(db)
+    }
+
+    async fn release_savepoint(&mut self) -> Result<(), StoreError> {
+        self.conn.release_savepoint();
+        Ok(())
+    }
+
+    async fn discard_rows(&mut self, ids: &[RowId]) -> Result<(), StoreError> {
+        self.exec(discard(&self.sql, ids)).await?;
+        Ok(())
     }
 }
 

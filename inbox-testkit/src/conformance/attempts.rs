@@ -39,13 +39,16 @@ where
         };
         let mut tx = self.store.begin().await.map_err(&e)?;
         let r = tx.insert_or_get(&row).await.map_err(&e)?;
-        tx.savepoint().await.map_err(&e)?;
+        savepoints_in(C, &mut tx)?.savepoint().await.map_err(&e)?;
         let n = tx
             .record_attempt(r.id, &pending(true, Some("lost")))
             .await
             .map_err(&e)?;
         ensure(C, n == 1, || format!("first count gave {n}"))?;
-        tx.rollback_to_savepoint().await.map_err(&e)?;
+        savepoints_in(C, &mut tx)?
+            .rollback_to_savepoint()
+            .await
+            .map_err(&e)?;
         let n = tx
             .record_attempt(r.id, &pending(false, None))
             .await

@@ -143,14 +143,20 @@ where
         let kept_key = format!("{}-sp-kept-effect", self.prefix);
         let undone_key = format!("{}-sp-undone-effect", self.prefix);
         let mut tx = self.store.begin().await.map_err(&e)?;
-        tx.savepoint().await.map_err(&e)?;
+        savepoints_in(C, &mut tx)?.savepoint().await.map_err(&e)?;
         tx.insert_or_get(&kept).await.map_err(&e)?;
         self.fixture.write(&mut tx, &kept_key).await.map_err(&e)?;
-        tx.release_savepoint().await.map_err(&e)?;
-        tx.savepoint().await.map_err(&e)?;
+        savepoints_in(C, &mut tx)?
+            .release_savepoint()
+            .await
+            .map_err(&e)?;
+        savepoints_in(C, &mut tx)?.savepoint().await.map_err(&e)?;
         tx.insert_or_get(&undone).await.map_err(&e)?;
         self.fixture.write(&mut tx, &undone_key).await.map_err(&e)?;
-        tx.rollback_to_savepoint().await.map_err(&e)?;
+        savepoints_in(C, &mut tx)?
+            .rollback_to_savepoint()
+            .await
+            .map_err(&e)?;
         // the undone key is free again inside the same transaction
         let again = tx.insert_or_get(&undone).await.map_err(&e)?;
         ensure(C, again.found == Found::Inserted, || {

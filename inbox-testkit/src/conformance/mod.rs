@@ -89,6 +89,20 @@ pub(crate) fn store_err(check: &'static str) -> impl Fn(StoreError) -> Conforman
     move |e| fail(check, format!("store error: {e}"))
 }
 
+/// The savepoints `tx` offers: a store whose transactions have none fails
+/// the savepoint check `check` by name.
+pub(crate) fn savepoints_in<'t, T: inbox_core::InboxTransaction>(
+    check: &'static str,
+    tx: &'t mut T,
+) -> Result<&'t mut dyn inbox_core::Savepoints, ConformanceError> {
+    tx.savepoints().ok_or_else(|| {
+        fail(
+            check,
+            "the store's transactions have no savepoints (InboxTransaction::savepoints is None)",
+        )
+    })
+}
+
 static RUNS: AtomicU64 = AtomicU64::new(0);
 
 /// Calls `$crate::$callback!` with `{ args }` and every check's name, in

@@ -66,9 +66,12 @@ where
         let key = format!("{}-recovered", self.prefix);
         let mut tx = self.store.begin().await.map_err(&e)?;
         tx.insert_or_get(&row).await.map_err(&e)?;
-        tx.savepoint().await.map_err(&e)?;
+        savepoints_in(C, &mut tx)?.savepoint().await.map_err(&e)?;
         self.fixture.fail_statement(&mut tx).await;
-        tx.rollback_to_savepoint().await.map_err(&e)?;
+        savepoints_in(C, &mut tx)?
+            .rollback_to_savepoint()
+            .await
+            .map_err(&e)?;
         ensure(C, tx.aborted().await.is_none(), || {
             "still aborted after the rollback to the savepoint".into()
         })?;

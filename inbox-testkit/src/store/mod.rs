@@ -17,7 +17,7 @@ use inbox_core::attempts::{Due, RowUpdate};
 use inbox_core::{
     AttemptRecord, DueFilter, Found, InboxRow, InboxStatus, InboxStore, InboxTransaction,
     LockResult, MemberId, MembershipStore, Message, NewInboxRow, OffsetStore, PartitionClaim,
-    RowId, RowRef, StoreError, StoreErrorKind, TxAck, TxOffsets, ValidationError,
+    RowId, RowRef, Savepoints, StoreError, StoreErrorKind, TxAck, TxOffsets, ValidationError,
 };
 
 mod inbox;

@@ -5,6 +5,10 @@ use super::*;
 
 #[async_trait]
 impl InboxTransaction for MemTx {
+    fn savepoints(&mut self) -> Option<&mut dyn Savepoints> {
+        Some(self)
+    }
+
     fn offsets(&mut self) -> Option<&mut dyn TxOffsets> {
         Some(self)
     }
@@ -238,14 +242,33 @@ impl InboxTransaction for MemTx {
         Ok(before.saturating_add(i32::from(record.count)))
     }
 
+    async fn aborted(&mut self) -> Option<String> {
+        self.aborted.clone()
+    }
+
+    async fn dead_letter(
+        &mut self,
+        message: &Message,
+        consumer_group: &str,
+        error: &ValidationError,
+    ) -> Result<(), StoreError> {
+        self.usable()?;
+        self.store.state().take_fault(StoreFault::DeadLetter)?;
+        self.staged.push(Staged::DeadLetter(Box::new(DeadLetter {
+            message: message.clone(),
+            consumer_group: consumer_group.to_owned(),
+            error: error.clone(),
+        })));
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Savepoints for MemTx {
     async fn savepoint(&mut self) -> Result<(), StoreError> {
         self.usable()?;
         self.savepoint = Some((self.staged.len(), self.locks.len()));
         Ok(())
-    }
-
-    async fn aborted(&mut self) -> Option<String> {
-        self.aborted.clone()
     }
 
     async fn rollback_to_savepoint(&mut self) -> Result<(), StoreError> {
@@ -265,6 +288,14 @@ impl InboxTransaction for MemTx {
             s.row_locks.remove(&id);
         }
         Ok(())
+    }
+
+    async fn release_savepoint(&mut self) -> Result<(), StoreError> {
+        self.usable()?;
+        self.savepoint
+            .take()
+            .map(|_| ())
+            .ok_or_else(|| StoreError::new(StoreErrorKind::Other, "no savepoint is open"))
     }
 
     async fn discard_rows(&mut self, ids: &[RowId]) -> Result<(), StoreError> {
@@ -299,30 +330,6 @@ impl InboxTransaction for MemTx {
         for id in ids {
             s.row_locks.remove(id);
         }
-        Ok(())
-    }
-
-    async fn release_savepoint(&mut self) -> Result<(), StoreError> {
-        self.usable()?;
-        self.savepoint
-            .take()
-            .map(|_| ())
-            .ok_or_else(|| StoreError::new(StoreErrorKind::Other, "no savepoint is open"))
-    }
-
-    async fn dead_letter(
-        &mut self,
-        message: &Message,
-        consumer_group: &str,
-        error: &ValidationError,
-    ) -> Result<(), StoreError> {
-        self.usable()?;
-        self.store.state().take_fault(StoreFault::DeadLetter)?;
-        self.staged.push(Staged::DeadLetter(Box::new(DeadLetter {
-            message: message.clone(),
-            consumer_group: consumer_group.to_owned(),
-            error: error.clone(),
-        })));
         Ok(())
     }
 }

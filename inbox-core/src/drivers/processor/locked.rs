@@ -11,6 +11,7 @@ use crate::error::{StoreError, StoreErrorKind};
 use crate::model::{InboxRow, MemberId, RowId};
 use crate::outcome::{Failure, HandlerResult};
 use crate::routing::handler::Handler;
+use crate::store::NeedSavepoints as _;
 use crate::store::{InboxStore, InboxTransaction, no_row_locks};
 
 impl<S, H> Processor<S, H>

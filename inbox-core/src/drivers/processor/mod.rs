@@ -53,6 +53,7 @@ use crate::error::{StoreError, StoreErrorKind, ValidationError};
 use crate::model::{InboxRow, MemberId, RowId};
 use crate::outcome::{Failure, HandlerResult};
 use crate::routing::handler::Handler;
+use crate::store::NeedSavepoints as _;
 use crate::store::{InboxStore, InboxTransaction};
 
 mod config;

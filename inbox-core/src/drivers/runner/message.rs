@@ -16,6 +16,7 @@ use crate::model::{Message, NewInboxRow};
 use crate::observability::metrics::{MetricEvent, Metrics};
 use crate::outcome::{Outcome, OutcomeClass};
 use crate::routing::handler::Handler;
+use crate::store::NeedSavepoints as _;
 use crate::store::{InboxStore, InboxTransaction};
 
 use super::budget::{Precount, record_failure};
@@ -223,10 +224,15 @@ where
                 // recorded on the row. A new row (the common case) goes
                 // without, as does a store without savepoints: a failure
                 // is recorded in a transaction of its own.
-                let savepoint = if decision::savepoint_before_handler(policy, state) {
-                    match tx.savepoint().await {
+                let savepoints = if decision::savepoint_before_handler(policy, state) {
+                    tx.savepoints()
+                } else {
+                    None
+                };
+                let savepoint = match savepoints {
+                    None => false,
+                    Some(savepoints) => match savepoints.savepoint().await {
                         Ok(()) => true,
-                        Err(e) if e.kind == StoreErrorKind::Unsupported => false,
                         Err(e) => {
                             abandon(tx).await;
                             return Work::storage_failure(
@@ -237,9 +243,7 @@ where
                                 None,
                             );
                         }
-                    }
-                } else {
-                    false
+                    },
                 };
                 let outcome = run_handler(
                     handler,

@@ -40,6 +40,7 @@ use crate::model::{Message, NewInboxRow, PartitionKey, RowId};
 use crate::observability::metrics::{MetricEvent, Metrics};
 use crate::replay::{Ended, Replay};
 use crate::routing::handler::Handler;
+use crate::store::NeedSavepoints as _;
 use crate::store::{Found, InboxStore, InboxTransaction};
 
 use super::message::store_ack;
@@ -419,6 +420,11 @@ where
                 return None;
             }
         };
+        if tx.savepoints().is_none() {
+            abandon(tx).await;
+            fail_all(slots, PersistStage::Insert, refused);
+            return None;
+        }
         let mut state = HashMap::new();
         for i in 0..slots.len() {
             if !matches!(slots[i].fate, Fate::Open) || slots[i].invalid.is_some() {
@@ -430,11 +436,6 @@ where
             }
             if let Err(e) = tx.savepoint().await {
                 abandon(tx).await;
-                let e = if e.kind == StoreErrorKind::Unsupported {
-                    refused
-                } else {
-                    e
-                };
                 fail_all(slots, PersistStage::Insert, e);
                 return None;
             }

@@ -10,6 +10,7 @@ use crate::model::{InboxStatus, RowId};
 use crate::observability::metrics::Metrics;
 use crate::replay::Ended;
 use crate::routing::handler::Handler;
+use crate::store::NeedSavepoints as _;
 use crate::store::{Found, InboxStore, InboxTransaction};
 
 use super::super::work::Work;
@@ -46,6 +47,10 @@ where
         else {
             return Ended::Done;
         };
+        if tx.savepoints().is_none() {
+            abandon(tx).await;
+            return Ended::NoSavepoints;
+        }
         let mut this_tx: Vec<usize> = Vec::with_capacity(open.len());
         for i in open {
             // a message before it on its partition may have handed it back
@@ -61,9 +66,6 @@ where
                 Err((stage, e)) => {
                     abandon(tx).await;
                     reopen(slots, &this_tx);
-                    if e.kind == StoreErrorKind::Unsupported {
-                        return Ended::NoSavepoints;
-                    }
                     if e.kind == StoreErrorKind::Aborted
                         && matches!(slots[i].fate, Fate::Decided(_))
                     {
@@ -90,9 +92,6 @@ where
         {
             abandon(tx).await;
             reopen(slots, &this_tx);
-            if e.kind == StoreErrorKind::Unsupported {
-                return Ended::NoSavepoints;
-            }
             fail_all(slots, PersistStage::Insert, e);
             return Ended::Done;
         }

@@ -94,8 +94,8 @@ pub use observability::metrics::{
 pub use outcome::{Failure, HandlerResult, Outcome, OutcomeClass};
 pub use routing::handler::{Handler, NoHandler, SkipTombstones};
 pub use store::{
-    AttemptRecord, DueFilter, Found, InboxStore, InboxTransaction, LockResult, RowLocks, RowRef,
-    Savepoints, TxOffsets,
+    AttemptRecord, DueFilter, Found, InboxStore, InboxTransaction, LockResult, ProcessorStore,
+    ProcessorTx, RowLocks, RowRef, Savepoints, TxOffsets,
 };
 pub use strategy::{AckPolicy, AckStrategy};
 pub use tokio_util::sync::CancellationToken;

@@ -124,39 +124,42 @@ pub trait InboxStore: Send + Sync {
         Ok(())
     }
 
+    /// Brings a `failed` row back: `pending`, no attempts made, due now
+    /// (`last_error` is kept). `Ok(false)` when no `failed` row has this id.
+    /// The processor handles it next; a runner handles it when its
+    /// message is delivered again.
+    async fn requeue_failed(&self, id: RowId) -> Result<bool, StoreError>;
+}
+
+/// What the processor (land and drain) needs of a store: it claims due
+/// rows by lease and gives back what it cannot finish. A store offers the
+/// processor by implementing this trait, and [`ProcessorTx`] for its
+/// transactions (which then have [`Savepoints`] too: the processor replays
+/// a failed batch with a savepoint per row); a [`Processor`] over a store
+/// without it does not compile.
+///
+/// [`Processor`]: crate::drivers::processor::Processor
+#[async_trait]
+pub trait ProcessorStore: InboxStore<Tx: ProcessorTx> {
     /// Claims up to `limit` due rows for `member` and commits the claim (the
     /// lease): `pending`, unlocked, `attempts_made < max_attempts`,
     /// `scheduled_at <= now`, matching `filter`, oldest due first, skipping
     /// rows another transaction holds (`FOR UPDATE SKIP LOCKED`). The rows
     /// come back with `locked_by = member` and `locked_at = now`. Until
-    /// [`InboxTransaction::write_outcomes`] or
+    /// [`ProcessorTx::write_outcomes`] or
     /// [`release_stale_locks`](Self::release_stale_locks) unlocks them, no
     /// other processor claims them and a runner that meets one defers it.
-    /// The default refuses
-    /// ([`StoreErrorKind::Unsupported`](crate::StoreErrorKind::Unsupported)).
     async fn claim_due(
         &self,
         member: &MemberId,
         limit: usize,
         filter: &DueFilter,
-    ) -> Result<Vec<InboxRow>, StoreError> {
-        let _ = (member, limit, filter);
-        Err(StoreError::new(
-            crate::StoreErrorKind::Unsupported,
-            "this store has no processor support",
-        ))
-    }
+    ) -> Result<Vec<InboxRow>, StoreError>;
 
     /// Unlocks the rows of `ids` that `member` still holds, unchanged
     /// otherwise (a processor giving back a batch it could not finish);
     /// returns how many.
-    async fn release_claims(&self, member: &MemberId, ids: &[RowId]) -> Result<u64, StoreError> {
-        let _ = (member, ids);
-        Err(StoreError::new(
-            crate::StoreErrorKind::Unsupported,
-            "this store has no processor support",
-        ))
-    }
+    async fn release_claims(&self, member: &MemberId, ids: &[RowId]) -> Result<u64, StoreError>;
 
     /// The rows `member` may have been running when its process last
     /// stopped without writing their outcomes (a handler that aborted it,
@@ -175,19 +178,24 @@ pub trait InboxStore: Send + Sync {
         let _ = member;
         Ok(Vec::new())
     }
+}
 
-    /// Brings a `failed` row back: `pending`, no attempts made, due now
-    /// (`last_error` is kept). `Ok(false)` when no `failed` row has this id.
-    /// The processor handles it next; a runner handles it when its
-    /// message is delivered again. The default refuses
-    /// ([`StoreErrorKind::Unsupported`](crate::StoreErrorKind::Unsupported)).
-    async fn requeue_failed(&self, id: RowId) -> Result<bool, StoreError> {
-        let _ = id;
-        Err(StoreError::new(
-            crate::StoreErrorKind::Unsupported,
-            "this store cannot requeue failed rows",
-        ))
-    }
+/// What the processor needs of a store's transaction: its outcomes
+/// written on the rows it leased, and [`Savepoints`] (see
+/// [`ProcessorStore`]).
+#[async_trait]
+pub trait ProcessorTx: InboxTransaction + Savepoints {
+    /// Writes the processor's outcomes (see [`crate::attempts`]) in one
+    /// statement, each on its row only while `member` still holds it
+    /// (`locked_by = member`), unlocking it; returns how many rows were
+    /// written. Fewer than `updates.len()`: a row's lease was lost (released
+    /// as stale, maybe claimed by another processor), and the caller must
+    /// not commit.
+    async fn write_outcomes(
+        &mut self,
+        member: &MemberId,
+        updates: &[(RowId, crate::attempts::RowUpdate)],
+    ) -> Result<u64, StoreError>;
 }
 
 /// One open transaction: the inbox row's steps, and the handler's writes.
@@ -287,39 +295,12 @@ pub trait InboxTransaction: Send + Sized {
     /// budget governs the rows it counts, whatever budget they were landed
     /// with). With `count: false` and
     /// `status: Pending` on a `pending` row it only reads the count. Undone
-    /// with the transaction (or back to a savepoint), like every write. The
-    /// default refuses
-    /// ([`StoreErrorKind::Unsupported`](crate::StoreErrorKind::Unsupported)).
+    /// with the transaction (or back to a savepoint), like every write.
     async fn record_attempt(
         &mut self,
         id: RowId,
         record: &AttemptRecord<'_>,
-    ) -> Result<i32, StoreError> {
-        let _ = (id, record);
-        Err(StoreError::new(
-            crate::StoreErrorKind::Unsupported,
-            "this store cannot record attempts",
-        ))
-    }
-
-    /// Writes the processor's outcomes (see [`crate::attempts`]) in one
-    /// statement, each on its row only while `member` still holds it
-    /// (`locked_by = member`), unlocking it; returns how many rows were
-    /// written. Fewer than `updates.len()`: a row's lease was lost (released
-    /// as stale, maybe claimed by another processor), and the caller must
-    /// not commit. The default refuses
-    /// ([`StoreErrorKind::Unsupported`](crate::StoreErrorKind::Unsupported)).
-    async fn write_outcomes(
-        &mut self,
-        member: &MemberId,
-        updates: &[(RowId, crate::attempts::RowUpdate)],
-    ) -> Result<u64, StoreError> {
-        let _ = (member, updates);
-        Err(StoreError::new(
-            crate::StoreErrorKind::Unsupported,
-            "this store has no processor support",
-        ))
-    }
+    ) -> Result<i32, StoreError>;
 
     /// This transaction's row locks, if its store offers them
     /// ([`RowLocks`]: the processor's [`ClaimMode::RowLock`]); `None`, the
@@ -491,7 +472,7 @@ pub(crate) fn no_row_locks() -> StoreError {
 /// [`ClaimMode::RowLock`]: crate::drivers::processor::ClaimMode::RowLock
 #[async_trait]
 pub trait RowLocks: Send {
-    /// Takes up to `limit` due rows (as [`InboxStore::claim_due`] chooses
+    /// Takes up to `limit` due rows (as [`ProcessorStore::claim_due`] chooses
     /// them, and only the rows of `only` unless it is empty) by locking
     /// them in this transaction (`FOR UPDATE SKIP LOCKED`), writing
     /// nothing: no other processor takes them while the transaction is
@@ -507,7 +488,7 @@ pub trait RowLocks: Send {
     /// Notes, durably and outside this transaction, that `member` is about
     /// to run the handlers of rows `ids` in it (rows it locked with
     /// [`lock_due`](Self::lock_due)), so that if its process dies before
-    /// this transaction commits, [`InboxStore::take_unfinished`] knows.
+    /// this transaction commits, [`ProcessorStore::take_unfinished`] knows.
     /// Each note replaces `member`'s previous one; once this transaction
     /// commits the note means nothing. The default notes nothing.
     async fn note_running(&mut self, member: &MemberId, ids: &[RowId]) -> Result<(), StoreError> {
@@ -517,7 +498,7 @@ pub trait RowLocks: Send {
 
     /// Writes the processor's outcomes on rows this transaction locked with
     /// [`lock_due`](Self::lock_due), in one statement, as
-    /// [`write_outcomes`](InboxTransaction::write_outcomes) does for leased rows;
+    /// [`write_outcomes`](ProcessorTx::write_outcomes) does for leased rows;
     /// returns how many rows were written.
     async fn write_locked_outcomes(
         &mut self,

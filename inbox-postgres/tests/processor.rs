@@ -14,7 +14,7 @@ use async_trait::async_trait;
 use inbox_core::drivers::processor::{ClaimMode, Processor, ProcessorConfig};
 use inbox_core::{
     Backoff, CancellationToken, Handler, HandlerError, InboxStatus, InboxStore, Message,
-    NewInboxRow,
+    NewInboxRow, ProcessorStore,
 };
 use inbox_postgres::sea_orm::{ConnectionTrait, DbBackend, Statement};
 use inbox_postgres::{PgStore, PgTx, TableName};

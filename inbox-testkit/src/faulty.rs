@@ -9,7 +9,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use inbox_core::{
     AttemptRecord, HandlerError, InboxRow, InboxStore, InboxTransaction, LockResult, MemberId,
-    Message, NewInboxRow, RowId, RowRef, Savepoints, StoreError, TxAck, TxOffsets, ValidationError,
+    Message, NewInboxRow, ProcessorStore, ProcessorTx, RowId, RowRef, Savepoints, StoreError,
+    TxAck, TxOffsets, ValidationError,
 };
 
 use crate::StoreFault;
@@ -44,7 +45,8 @@ impl<S> FaultyStore<S> {
 
     /// The same store, its transactions offering no savepoints
     /// ([`InboxTransaction::savepoints`] answers `None`), as a store
-    /// without them would: the drivers' ways without savepoints.
+    /// without them would: the batched runner's way without savepoints.
+    /// The processor, which needs them ([`ProcessorTx`]), still has them.
     #[must_use]
     pub fn without_savepoints(mut self) -> Self {
         self.savepoints = false;
@@ -124,6 +126,13 @@ impl<S: InboxStore> InboxStore for FaultyStore<S> {
         self.inner.requeue_failed(id).await
     }
 
+    async fn delete_completed(&self, older_than: Duration, batch: u64) -> Result<u64, StoreError> {
+        self.inner.delete_completed(older_than, batch).await
+    }
+}
+
+#[async_trait]
+impl<S: ProcessorStore> ProcessorStore for FaultyStore<S> {
     async fn claim_due(
         &self,
         member: &MemberId,
@@ -137,8 +146,8 @@ impl<S: InboxStore> InboxStore for FaultyStore<S> {
         self.inner.release_claims(member, ids).await
     }
 
-    async fn delete_completed(&self, older_than: Duration, batch: u64) -> Result<u64, StoreError> {
-        self.inner.delete_completed(older_than, batch).await
+    async fn take_unfinished(&self, member: &MemberId) -> Result<Vec<RowId>, StoreError> {
+        self.inner.take_unfinished(member).await
     }
 }
 
@@ -165,15 +174,6 @@ impl<T: InboxTransaction> InboxTransaction for FaultyTx<T> {
         } else {
             None
         }
-    }
-
-    async fn write_outcomes(
-        &mut self,
-        member: &MemberId,
-        updates: &[(RowId, inbox_core::attempts::RowUpdate)],
-    ) -> Result<u64, StoreError> {
-        take(&self.faults, StoreFault::Complete)?;
-        self.inner.write_outcomes(member, updates).await
     }
 
     async fn record_attempt(
@@ -232,6 +232,40 @@ impl<T: InboxTransaction> InboxTransaction for FaultyTx<T> {
     ) -> Result<(), StoreError> {
         take(&self.faults, StoreFault::DeadLetter)?;
         self.inner.dead_letter(message, consumer_group, error).await
+    }
+}
+
+#[async_trait]
+impl<T: ProcessorTx> ProcessorTx for FaultyTx<T> {
+    async fn write_outcomes(
+        &mut self,
+        member: &MemberId,
+        updates: &[(RowId, inbox_core::attempts::RowUpdate)],
+    ) -> Result<u64, StoreError> {
+        take(&self.faults, StoreFault::Complete)?;
+        self.inner.write_outcomes(member, updates).await
+    }
+}
+
+/// The savepoints of what it wraps, always: the processor needs them
+/// ([`ProcessorTx`]); [`FaultyStore::without_savepoints`] hides them from
+/// the drivers that ask ([`InboxTransaction::savepoints`]).
+#[async_trait]
+impl<T: Savepoints + Send> Savepoints for FaultyTx<T> {
+    async fn savepoint(&mut self) -> Result<(), StoreError> {
+        self.inner.savepoint().await
+    }
+
+    async fn rollback_to_savepoint(&mut self) -> Result<(), StoreError> {
+        self.inner.rollback_to_savepoint().await
+    }
+
+    async fn release_savepoint(&mut self) -> Result<(), StoreError> {
+        self.inner.release_savepoint().await
+    }
+
+    async fn discard_rows(&mut self, ids: &[RowId]) -> Result<(), StoreError> {
+        self.inner.discard_rows(ids).await
     }
 }
 

@@ -4,7 +4,7 @@
 //! and the scenarios, which both use it, need not import each other.
 
 use async_trait::async_trait;
-use inbox_core::{HandlerError, InboxStore, InboxTransaction, MemberId, NewInboxRow};
+use inbox_core::{HandlerError, InboxTransaction, MemberId, NewInboxRow};
 
 /// A transaction a test handler can write an invoice through.
 #[async_trait]
@@ -31,7 +31,7 @@ impl WriteInvoice for crate::MemTx {
 /// What a store offers the scenarios beyond [`InboxStore`]: counting
 /// invoices and setting up rows as a processor would leave them.
 #[async_trait]
-pub trait ScenarioStore: InboxStore + Clone + 'static {
+pub trait ScenarioStore: inbox_core::ProcessorStore + Clone + 'static {
     /// Committed invoices for `order` (read as another connection would).
     async fn invoices(&self, order: &str) -> usize;
     /// Lands a committed `pending` row, through the store's own

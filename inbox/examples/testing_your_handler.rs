@@ -27,7 +27,7 @@ use transactional_inbox::testkit::{
 };
 use transactional_inbox::{
     DueFilter, Handler, InboxRow, InboxStore, MemberId, MembershipStore, Message, OffsetStore,
-    PartitionClaim, RowId, StoreError, TxAck,
+    PartitionClaim, ProcessorStore, RowId, StoreError, TxAck,
 };
 
 /// Where the handler writes: in production a `PgTx` (an INSERT through
@@ -86,19 +86,24 @@ impl InboxStore for AuditedStore {
     async fn delete_completed(&self, older_than: Duration, batch: u64) -> Result<u64, StoreError> {
         self.inner.delete_completed(older_than, batch).await
     }
+    async fn requeue_failed(&self, id: RowId) -> Result<bool, StoreError> {
+        self.inner.requeue_failed(id).await
+    }
+}
+
+#[async_trait]
+impl ProcessorStore for AuditedStore {
     async fn claim_due(
         &self,
-        worker: &MemberId,
+        member: &MemberId,
         limit: usize,
         filter: &DueFilter,
     ) -> Result<Vec<InboxRow>, StoreError> {
-        self.inner.claim_due(worker, limit, filter).await
+        self.inner.claim_due(member, limit, filter).await
     }
-    async fn release_claims(&self, worker: &MemberId, ids: &[RowId]) -> Result<u64, StoreError> {
-        self.inner.release_claims(worker, ids).await
-    }
-    async fn requeue_failed(&self, id: RowId) -> Result<bool, StoreError> {
-        self.inner.requeue_failed(id).await
+
+    async fn release_claims(&self, member: &MemberId, ids: &[RowId]) -> Result<u64, StoreError> {
+        self.inner.release_claims(member, ids).await
     }
 }
 

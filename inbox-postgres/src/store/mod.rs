@@ -10,8 +10,8 @@ use inbox_core::attempts::{Due, RowUpdate};
 use inbox_core::{
     AttemptRecord, DueFilter, Found, InboxRow, InboxStatus, InboxStore, InboxTransaction,
     LockResult, MemberId, MembershipStore, Message, NewInboxRow, OffsetHold, OffsetStore,
-    PartitionClaim, RowId, RowLocks, RowRef, Savepoints, StoreError, StoreErrorKind, TxAck,
-    TxOffsets, ValidationError,
+    PartitionClaim, ProcessorStore, ProcessorTx, RowId, RowLocks, RowRef, Savepoints, StoreError,
+    StoreErrorKind, TxAck, TxOffsets, ValidationError,
 };
 use sea_orm::{
     ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, DbErr, QueryResult,
@@ -557,6 +557,39 @@ impl InboxStore for PgStore {
         }
     }
 
+    async fn requeue_failed(&self, id: RowId) -> Result<bool, StoreError> {
+        let r = self
+            .standalone()
+            .execute_raw(stmt(&self.sql.requeue_failed, vec![id.into()]))
+            .await
+            .map_err(db)?;
+        Ok(r.rows_affected() == 1)
+    }
+
+    async fn delete_completed(&self, older_than: Duration, batch: u64) -> Result<u64, StoreError> {
+        let limit = i64::try_from(batch).unwrap_or(i64::MAX);
+        let r = self
+            .standalone()
+            .execute_raw(stmt(
+                &self.sql.delete_completed,
+                vec![secs(older_than), limit.into()],
+            ))
+            .await
+            .map_err(db)?;
+        Ok(r.rows_affected())
+    }
+
+    async fn discard_orphans(&self, ids: &[RowId]) -> Result<(), StoreError> {
+        self.standalone()
+            .execute_raw(discard(&self.sql, ids))
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl ProcessorStore for PgStore {
     async fn claim_due(
         &self,
         member: &MemberId,
@@ -605,36 +638,6 @@ impl InboxStore for PgStore {
             .await
             .map_err(db)?;
         rows.iter().map(|r| get(r, "id")).collect()
-    }
-
-    async fn requeue_failed(&self, id: RowId) -> Result<bool, StoreError> {
-        let r = self
-            .standalone()
-            .execute_raw(stmt(&self.sql.requeue_failed, vec![id.into()]))
-            .await
-            .map_err(db)?;
-        Ok(r.rows_affected() == 1)
-    }
-
-    async fn delete_completed(&self, older_than: Duration, batch: u64) -> Result<u64, StoreError> {
-        let limit = i64::try_from(batch).unwrap_or(i64::MAX);
-        let r = self
-            .standalone()
-            .execute_raw(stmt(
-                &self.sql.delete_completed,
-                vec![secs(older_than), limit.into()],
-            ))
-            .await
-            .map_err(db)?;
-        Ok(r.rows_affected())
-    }
-
-    async fn discard_orphans(&self, ids: &[RowId]) -> Result<(), StoreError> {
-        self.standalone()
-            .execute_raw(discard(&self.sql, ids))
-            .await
-            .map_err(db)?;
-        Ok(())
     }
 }
 

@@ -177,19 +177,6 @@ impl InboxTransaction for PgTx {
         get(&row, "attempts_made")
     }
 
-    async fn write_outcomes(
-        &mut self,
-        member: &MemberId,
-        updates: &[(RowId, RowUpdate)],
-    ) -> Result<u64, StoreError> {
-        self.write_with(
-            &self.sql.write_outcomes,
-            vec![member.as_str().into()],
-            updates,
-        )
-        .await
-    }
-
     fn row_locks(&mut self) -> Option<&mut dyn RowLocks> {
         Some(self)
     }
@@ -306,6 +293,22 @@ impl InboxTransaction for PgTx {
             StoreErrorKind::Other,
             "no form of the dead letter was tried",
         ))
+    }
+}
+
+#[async_trait]
+impl ProcessorTx for PgTx {
+    async fn write_outcomes(
+        &mut self,
+        member: &MemberId,
+        updates: &[(RowId, RowUpdate)],
+    ) -> Result<u64, StoreError> {
+        self.write_with(
+            &self.sql.write_outcomes,
+            vec![member.as_str().into()],
+            updates,
+        )
+        .await
     }
 }
 

@@ -5,7 +5,7 @@ use super::*;
 
 impl<S, F> Ctx<'_, S, F>
 where
-    S: InboxStore,
+    S: ProcessorStore,
     F: BusinessFixture<S::Tx>,
 {
     pub(super) async fn insert_many_matches_one_by_one(&self) -> Result<(), ConformanceError> {

@@ -13,7 +13,7 @@ use async_trait::async_trait;
 use inbox_core::{
     AttemptRecord, DueFilter, Found, InboxStatus, InboxStore, InboxTransaction, LockResult,
     MemberId, MembershipStore, Message, NewInboxRow, OffsetStore, PartitionClaim, PayloadFormat,
-    Position, StoreError, StoreErrorKind, TxAck, ValidationError,
+    Position, ProcessorStore, StoreError, StoreErrorKind, TxAck, ValidationError,
 };
 use serde_json::json;
 
@@ -143,7 +143,7 @@ macro_rules! __conformance_dispatch {
 
         impl<S, F> Ctx<'_, S, F>
         where
-            S: InboxStore + OffsetStore + MembershipStore,
+            S: ProcessorStore + OffsetStore + MembershipStore,
             F: BusinessFixture<S::Tx>,
         {
             /// Runs the check named `name`.
@@ -222,7 +222,7 @@ fn context<'a, S, F>(store: &'a S, fixture: &'a F) -> Ctx<'a, S, F> {
 /// The check's failure; an unknown name fails as the check `unknown`.
 pub async fn run_check<S, F>(store: &S, fixture: &F, name: &str) -> Result<(), ConformanceError>
 where
-    S: InboxStore + OffsetStore + MembershipStore,
+    S: ProcessorStore + OffsetStore + MembershipStore,
     F: BusinessFixture<S::Tx>,
 {
     context(store, fixture).run_named(name).await.map(|_| ())
@@ -240,7 +240,7 @@ pub async fn run_conformance<S, F>(
     fixture: &F,
 ) -> Result<ConformanceReport, ConformanceError>
 where
-    S: InboxStore + OffsetStore + MembershipStore,
+    S: ProcessorStore + OffsetStore + MembershipStore,
     F: BusinessFixture<S::Tx>,
 {
     let ctx = context(store, fixture);

@@ -6,7 +6,7 @@ use inbox_core::PartitionKey;
 
 impl<S, F> Ctx<'_, S, F>
 where
-    S: InboxStore + OffsetStore + MembershipStore,
+    S: ProcessorStore + OffsetStore + MembershipStore,
     F: BusinessFixture<S::Tx>,
 {
     /// Membership: a heartbeat registers its member and returns the live

@@ -48,6 +48,46 @@ impl InboxStore for MemStore {
         Ok(released)
     }
 
+    async fn requeue_failed(&self, id: RowId) -> Result<bool, StoreError> {
+        let mut s = self.state();
+        let now = s.now;
+        let locked = s.row_locks.contains_key(&id);
+        match s.rows.get_mut(&id) {
+            Some(row) if row.status == InboxStatus::Failed && !locked => {
+                row.status = InboxStatus::Pending;
+                row.attempts_made = 0;
+                row.scheduled_at = now;
+                row.updated_at = now;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    async fn delete_completed(&self, older_than: Duration, batch: u64) -> Result<u64, StoreError> {
+        let mut s = self.state();
+        let cutoff =
+            s.now - chrono::Duration::from_std(older_than).unwrap_or(chrono::Duration::MAX);
+        let doomed: Vec<RowId> = s
+            .rows
+            .values()
+            .filter(|r| r.status == InboxStatus::Completed)
+            .filter(|r| r.completed_at.is_some_and(|at| at <= cutoff))
+            .filter(|r| !s.row_locks.contains_key(&r.id))
+            .map(|r| r.id)
+            .take(usize::try_from(batch).unwrap_or(usize::MAX))
+            .collect();
+        for id in &doomed {
+            if let Some(row) = s.rows.remove(id) {
+                s.keys.remove(&(row.message_id, row.consumer_group));
+            }
+        }
+        Ok(doomed.len() as u64)
+    }
+}
+
+#[async_trait]
+impl ProcessorStore for MemStore {
     async fn claim_due(
         &self,
         member: &MemberId,
@@ -104,42 +144,5 @@ impl InboxStore for MemStore {
             }
         }
         Ok(released)
-    }
-
-    async fn requeue_failed(&self, id: RowId) -> Result<bool, StoreError> {
-        let mut s = self.state();
-        let now = s.now;
-        let locked = s.row_locks.contains_key(&id);
-        match s.rows.get_mut(&id) {
-            Some(row) if row.status == InboxStatus::Failed && !locked => {
-                row.status = InboxStatus::Pending;
-                row.attempts_made = 0;
-                row.scheduled_at = now;
-                row.updated_at = now;
-                Ok(true)
-            }
-            _ => Ok(false),
-        }
-    }
-
-    async fn delete_completed(&self, older_than: Duration, batch: u64) -> Result<u64, StoreError> {
-        let mut s = self.state();
-        let cutoff =
-            s.now - chrono::Duration::from_std(older_than).unwrap_or(chrono::Duration::MAX);
-        let doomed: Vec<RowId> = s
-            .rows
-            .values()
-            .filter(|r| r.status == InboxStatus::Completed)
-            .filter(|r| r.completed_at.is_some_and(|at| at <= cutoff))
-            .filter(|r| !s.row_locks.contains_key(&r.id))
-            .map(|r| r.id)
-            .take(usize::try_from(batch).unwrap_or(usize::MAX))
-            .collect();
-        for id in &doomed {
-            if let Some(row) = s.rows.remove(id) {
-                s.keys.remove(&(row.message_id, row.consumer_group));
-            }
-        }
-        Ok(doomed.len() as u64)
     }
 }

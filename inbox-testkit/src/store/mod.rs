@@ -17,7 +17,8 @@ use inbox_core::attempts::{Due, RowUpdate};
 use inbox_core::{
     AttemptRecord, DueFilter, Found, InboxRow, InboxStatus, InboxStore, InboxTransaction,
     LockResult, MemberId, MembershipStore, Message, NewInboxRow, OffsetStore, PartitionClaim,
-    RowId, RowRef, Savepoints, StoreError, StoreErrorKind, TxAck, TxOffsets, ValidationError,
+    ProcessorStore, ProcessorTx, RowId, RowRef, Savepoints, StoreError, StoreErrorKind, TxAck,
+    TxOffsets, ValidationError,
 };
 
 mod inbox;

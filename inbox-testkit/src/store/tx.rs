@@ -191,34 +191,6 @@ impl InboxTransaction for MemTx {
         Ok(())
     }
 
-    async fn write_outcomes(
-        &mut self,
-        member: &MemberId,
-        updates: &[(RowId, RowUpdate)],
-    ) -> Result<u64, StoreError> {
-        self.usable()?;
-        let held: Vec<RowId> = {
-            let mut s = self.store.state();
-            s.take_fault(StoreFault::Complete)?;
-            updates
-                .iter()
-                .filter(|(id, _)| {
-                    s.rows
-                        .get(id)
-                        .is_some_and(|r| r.locked_by.as_deref() == Some(member.as_str()))
-                })
-                .map(|(id, _)| *id)
-                .collect()
-        };
-        for (id, update) in updates {
-            if held.contains(id) {
-                self.staged
-                    .push(Staged::Outcome(*id, Box::new(update.clone())));
-            }
-        }
-        Ok(held.len() as u64)
-    }
-
     async fn record_attempt(
         &mut self,
         id: RowId,
@@ -260,6 +232,37 @@ impl InboxTransaction for MemTx {
             error: error.clone(),
         })));
         Ok(())
+    }
+}
+
+#[async_trait]
+impl ProcessorTx for MemTx {
+    async fn write_outcomes(
+        &mut self,
+        member: &MemberId,
+        updates: &[(RowId, RowUpdate)],
+    ) -> Result<u64, StoreError> {
+        self.usable()?;
+        let held: Vec<RowId> = {
+            let mut s = self.store.state();
+            s.take_fault(StoreFault::Complete)?;
+            updates
+                .iter()
+                .filter(|(id, _)| {
+                    s.rows
+                        .get(id)
+                        .is_some_and(|r| r.locked_by.as_deref() == Some(member.as_str()))
+                })
+                .map(|(id, _)| *id)
+                .collect()
+        };
+        for (id, update) in updates {
+            if held.contains(id) {
+                self.staged
+                    .push(Staged::Outcome(*id, Box::new(update.clone())));
+            }
+        }
+        Ok(held.len() as u64)
     }
 }
 

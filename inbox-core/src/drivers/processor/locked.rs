@@ -11,12 +11,11 @@ use crate::error::{StoreError, StoreErrorKind};
 use crate::model::{InboxRow, MemberId, RowId};
 use crate::outcome::{Failure, HandlerResult};
 use crate::routing::handler::Handler;
-use crate::store::NeedSavepoints as _;
-use crate::store::{InboxStore, InboxTransaction, no_row_locks};
+use crate::store::{InboxTransaction, ProcessorStore, Savepoints as _, no_row_locks};
 
 impl<S, H> Processor<S, H>
 where
-    S: InboxStore,
+    S: ProcessorStore,
     H: Handler<S::Tx>,
 {
     /// A batch taken by locking its rows in the transaction that works it
@@ -177,11 +176,7 @@ where
         }
         // those still leased by this member are given back first, so they
         // can be locked one at a time
-        if let Err(e) = self.store.release_claims(member, &unfinished).await
-            && e.kind != StoreErrorKind::Unsupported
-        {
-            return Err(e.into());
-        }
+        self.store.release_claims(member, &unfinished).await?;
         if let Unfinished::Charge(id) = plan {
             tracing::warn!(row = %id, "this member's process died while it ran this row alone: charged as a failure");
             return self.charge_crash(member, id).await.map(Some);

@@ -29,7 +29,7 @@
 //!
 //! ```
 //! # async fn demo<S, H>(store: S, handler: H) -> Result<(), inbox_core::ValidationError>
-//! # where S: inbox_core::InboxStore, H: inbox_core::Handler<S::Tx> {
+//! # where S: inbox_core::ProcessorStore, H: inbox_core::Handler<S::Tx> {
 //! use inbox_core::drivers::processor::{Processor, ProcessorConfig};
 //! use inbox_core::CancellationToken;
 //!
@@ -53,8 +53,7 @@ use crate::error::{StoreError, StoreErrorKind, ValidationError};
 use crate::model::{InboxRow, MemberId, RowId};
 use crate::outcome::{Failure, HandlerResult};
 use crate::routing::handler::Handler;
-use crate::store::NeedSavepoints as _;
-use crate::store::{InboxStore, InboxTransaction};
+use crate::store::{InboxTransaction, ProcessorStore, ProcessorTx as _, Savepoints as _};
 
 mod config;
 mod locked;
@@ -89,7 +88,7 @@ impl<S, H> std::fmt::Debug for Processor<S, H> {
 
 impl<S, H> Processor<S, H>
 where
-    S: InboxStore,
+    S: ProcessorStore,
     H: Handler<S::Tx>,
 {
     /// A processor calling `handler` for each claimed row.

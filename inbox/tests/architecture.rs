@@ -1,7 +1,8 @@
 //! docs/architecture.md kept true: each crate's dependencies (from `cargo
 //! metadata`) against the table "What each crate may depend on", and no
 //! two modules of a library crate importing each other, directly or round a
-//! circle (read from the `crate::` and `super::` paths of its sources).
+//! circle (read from the `crate::` and `super::` paths of its sources), and
+//! no source file over 800 lines outside its tests.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -398,4 +399,75 @@ fn the_core_rules_import_no_product() {
         Vec::<String>::new(),
         "inbox-core: a rule at the root imports a product (docs/architecture.md, \"The rooms of each crate\")"
     );
+}
+
+/// Every `.rs` file below `dir`.
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let entries = std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    for entry in entries {
+        let path = entry
+            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+            .path();
+        if path.is_dir() {
+            rust_files(&path, out);
+        } else if path.extension().is_some_and(|x| x == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+/// How many lines of `text` come before its unit tests (the first
+/// `#[cfg(test)]` at the start of a line: a file's tests are its last
+/// module).
+fn lines_outside_tests(text: &str) -> usize {
+    text.lines()
+        .take_while(|l| !l.starts_with("#[cfg(test)]"))
+        .count()
+}
+
+/// The files of the workspace's `src` folders longer than `limit` lines
+/// outside their tests.
+fn files_over(limit: usize) -> Vec<String> {
+    let mut long = Vec::new();
+    for krate in [
+        "inbox-core",
+        "inbox-postgres",
+        "inbox-kafka",
+        "inbox-testkit",
+        "inbox",
+        "xtask",
+        "runs",
+    ] {
+        let mut files = Vec::new();
+        rust_files(&root().join(krate).join("src"), &mut files);
+        for f in files {
+            let text =
+                std::fs::read_to_string(&f).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+            let n = lines_outside_tests(&text);
+            if n > limit {
+                long.push(format!("{} ({n} lines)", f.display()));
+            }
+        }
+    }
+    long
+}
+
+#[test]
+fn no_source_file_is_over_800_lines_outside_its_tests() {
+    assert_eq!(
+        files_over(800),
+        Vec::<String>::new(),
+        "split these by what they do (docs/architecture.md)"
+    );
+}
+
+#[test]
+fn the_length_check_counts_up_to_the_tests() {
+    assert_eq!(
+        lines_outside_tests("fn a() {}\n\nfn b() {}\n#[cfg(test)]\nmod tests {\n}\n"),
+        3
+    );
+    assert_eq!(lines_outside_tests("fn a() {}\n"), 1);
+    // a smaller limit finds the long files this workspace has
+    assert!(!files_over(300).is_empty());
 }

@@ -13,7 +13,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use inbox_core::outbox::{OutboxMessage, RelayConfig};
-use inbox_core::{CancellationToken, NoopMetrics, Runner};
+use inbox_core::{CancellationToken, NoopMetrics, PartitionKey, Runner};
 use inbox_kafka::{KafkaConfig, KafkaConsumer, run_relay};
 use inbox_postgres::PgStore;
 use inbox_testkit::apache::Cluster;
@@ -75,7 +75,7 @@ struct Running {
     consuming: tokio::task::JoinHandle<()>,
 }
 
-fn kafka(bootstrap: &[String], group: &str, partitions: Vec<(String, i32)>) -> KafkaConfig {
+fn kafka(bootstrap: &[String], group: &str, partitions: Vec<PartitionKey>) -> KafkaConfig {
     let mut k = KafkaConfig::new(bootstrap.to_vec(), group, partitions);
     k.connect_timeout = Duration::from_secs(3);
     k.request_timeout = Duration::from_secs(5);

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use inbox_core::outbox::{OutboxMessage, RelayConfig};
-use inbox_core::{CancellationToken, NoopMetrics, Runner};
+use inbox_core::{CancellationToken, NoopMetrics, PartitionKey, Runner};
 use inbox_kafka::{KafkaConfig, KafkaConsumer, run_relay};
 use inbox_postgres::PgStore;
 use inbox_testkit::kafka::Broker;
@@ -91,7 +91,7 @@ async fn a_frozen_broker_stops_nothing_for_good() {
         .topic("frozen", 2)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    let kafka = |group: &str, partitions: Vec<(String, i32)>| {
+    let kafka = |group: &str, partitions: Vec<PartitionKey>| {
         let mut k = KafkaConfig::new(vec![broker.address().to_owned()], group, partitions);
         k.connect_timeout = TIMEOUT;
         k.request_timeout = TIMEOUT;

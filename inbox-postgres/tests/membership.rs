@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use inbox_core::MembershipStore;
+use inbox_core::{MembershipStore, PartitionKey};
 use inbox_postgres::{PgStore, TableName};
 use inbox_testkit::pg::server;
 
@@ -25,7 +25,7 @@ async fn concurrent_publications_from_one_view_have_one_winner() {
             .published_assignment("billing")
             .await
             .unwrap_or_else(|e| panic!("{e}"));
-        let proposal = |member: &str| -> BTreeMap<(String, i32), String> {
+        let proposal = |member: &str| -> BTreeMap<PartitionKey, String> {
             [(("orders".to_owned(), round), member.to_owned())].into()
         };
         let (mine, theirs) = (proposal("member-a"), proposal("member-b"));

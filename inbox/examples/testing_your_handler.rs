@@ -27,7 +27,7 @@ use transactional_inbox::testkit::{
 };
 use transactional_inbox::{
     DueFilter, Handler, InboxRow, InboxStore, MemberId, MembershipStore, Message, OffsetStore,
-    PartitionClaim, ProcessorStore, RowId, StoreError, TxAck,
+    PartitionClaim, PartitionKey, ProcessorStore, RowId, StoreError, TxAck,
 };
 
 /// Where the handler writes: in production a `PgTx` (an INSERT through
@@ -146,14 +146,14 @@ impl MembershipStore for AuditedStore {
     async fn published_assignment(
         &self,
         group: &str,
-    ) -> Result<BTreeMap<(String, i32), String>, StoreError> {
+    ) -> Result<BTreeMap<PartitionKey, String>, StoreError> {
         self.inner.published_assignment(group).await
     }
     async fn publish_assignment(
         &self,
         group: &str,
-        previous: &BTreeMap<(String, i32), String>,
-        assignment: &BTreeMap<(String, i32), String>,
+        previous: &BTreeMap<PartitionKey, String>,
+        assignment: &BTreeMap<PartitionKey, String>,
     ) -> Result<bool, StoreError> {
         self.inner
             .publish_assignment(group, previous, assignment)

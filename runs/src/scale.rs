@@ -16,7 +16,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
-use inbox_core::{AckStrategy, BatchConfig, MembershipStore, NoopMetrics, RunnerConfig};
+use inbox_core::{
+    AckStrategy, BatchConfig, MembershipStore, NoopMetrics, PartitionKey, RunnerConfig,
+};
 use inbox_kafka::{GroupConfig, KafkaConfig, run_group};
 use inbox_postgres::sea_orm::ConnectionTrait;
 use inbox_postgres::{PgStore, TableName};
@@ -113,11 +115,11 @@ pub(crate) fn run() -> Result<()> {
     rt.block_on(scale())
 }
 
-async fn assignment(store: &PgStore) -> BTreeMap<(String, i32), String> {
+async fn assignment(store: &PgStore) -> BTreeMap<PartitionKey, String> {
     store.published_assignment(GROUP).await.unwrap_or_default()
 }
 
-fn show(a: &BTreeMap<(String, i32), String>) -> String {
+fn show(a: &BTreeMap<PartitionKey, String>) -> String {
     let mut by: BTreeMap<&str, Vec<i32>> = BTreeMap::new();
     for ((_, p), m) in a {
         by.entry(m.as_str()).or_default().push(*p);

@@ -15,7 +15,7 @@
 //! use std::collections::BTreeMap;
 //! use inbox_core::group::assignment::assign;
 //!
-//! let partitions: Vec<(String, i32)> = (0..4).map(|p| ("orders".to_owned(), p)).collect();
+//! let partitions: Vec<inbox_core::PartitionKey> = (0..4).map(|p| ("orders".to_owned(), p)).collect();
 //! let members = vec!["a".to_owned(), "b".to_owned()];
 //! let first = assign(&partitions, &members, &BTreeMap::new());
 //! assert_eq!(first.values().filter(|m| *m == "a").count(), 2);

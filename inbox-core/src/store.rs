@@ -136,7 +136,27 @@ pub trait InboxStore: Send + Sync {
 /// processor by implementing this trait, and [`ProcessorTx`] for its
 /// transactions (which then have [`Savepoints`] too: the processor replays
 /// a failed batch with a savepoint per row); a [`Processor`] over a store
-/// without it does not compile.
+/// without it does not compile:
+///
+/// ```compile_fail
+/// use inbox_core::drivers::processor::{Processor, ProcessorConfig};
+/// use inbox_core::{Handler, InboxStore};
+///
+/// fn drain<S: InboxStore, H: Handler<S::Tx>>(store: S, handler: H, config: ProcessorConfig) {
+///     let _ = Processor::new(store, handler, config); // S is no ProcessorStore
+/// }
+/// ```
+///
+/// while the same with the bound does:
+///
+/// ```
+/// use inbox_core::drivers::processor::{Processor, ProcessorConfig};
+/// use inbox_core::{Handler, ProcessorStore};
+///
+/// fn drain<S: ProcessorStore, H: Handler<S::Tx>>(store: S, handler: H, config: ProcessorConfig) {
+///     let _ = Processor::new(store, handler, config);
+/// }
+/// ```
 ///
 /// [`Processor`]: crate::drivers::processor::Processor
 #[async_trait]

@@ -167,7 +167,7 @@ pub trait ProcessorStore: InboxStore<Tx: ProcessorTx> {
     /// rows another transaction holds (`FOR UPDATE SKIP LOCKED`). The rows
     /// come back with `locked_by = member` and `locked_at = now`. Until
     /// [`ProcessorTx::write_outcomes`] or
-    /// [`release_stale_locks`](Self::release_stale_locks) unlocks them, no
+    /// [`release_stale_locks`](InboxStore::release_stale_locks) unlocks them, no
     /// other processor claims them and a runner that meets one defers it.
     async fn claim_due(
         &self,

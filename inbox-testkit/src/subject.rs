@@ -28,7 +28,7 @@ impl WriteInvoice for crate::MemTx {
     }
 }
 
-/// What a store offers the scenarios beyond [`InboxStore`]: counting
+/// What a store offers the scenarios beyond [`ProcessorStore`](inbox_core::ProcessorStore): counting
 /// invoices and setting up rows as a processor would leave them.
 #[async_trait]
 pub trait ScenarioStore: inbox_core::ProcessorStore + Clone + 'static {

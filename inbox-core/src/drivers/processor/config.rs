@@ -77,7 +77,7 @@ pub struct ProcessorConfig {
     /// handlers of a batch by row lock run, its rows are noted
     /// ([`RowLocks::note_running`](crate::store::RowLocks::note_running), one round trip on the store's
     /// side connection), so that the next start of this member charges the
-    /// job that killed it ([`InboxStore::take_unfinished`](crate::store::InboxStore::take_unfinished)). Default
+    /// job that killed it ([`ProcessorStore::take_unfinished`](crate::store::ProcessorStore::take_unfinished)). Default
     /// `true`; `false` saves that round trip (no-op jobs drained at 0.95x
     /// the rate without it, `cargo xtask bench` line
     /// `processor-noop-rowlock-uncounted`, same run, 3 rounds) and lets such

@@ -161,7 +161,7 @@ where
     }
 
     /// Asks once for the rows this member left unfinished when its process
-    /// last died ([`InboxStore::take_unfinished`]): one alone is the row it
+    /// last died ([`ProcessorStore::take_unfinished`]): one alone is the row it
     /// was running alone, which killed it: charged a counted failure
     /// without running it again (the batch of that charge is returned);
     /// several are suspects, run one at a time before any other batch.

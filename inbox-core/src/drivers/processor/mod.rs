@@ -4,7 +4,7 @@
 //!
 //! One batch, by lease ([`ClaimMode::Lease`]):
 //!
-//! 1. **claim** ([`InboxStore::claim_due`]): due, unlocked `pending` rows
+//! 1. **claim** ([`ProcessorStore::claim_due`]): due, unlocked `pending` rows
 //!    with attempts left, `FOR UPDATE SKIP LOCKED`, are leased to this
 //!    member (`locked_by`, `locked_at`) and the claim commits, so no other
 //!    processor takes them and a runner that meets one defers it;

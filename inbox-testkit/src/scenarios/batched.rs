@@ -81,9 +81,7 @@ pub async fn batched_matches_one_by_one<H: Harness>(h: &H) {
         let metrics = Arc::new(CountingMetrics::new());
         let mut cfg = config(group, AckStrategy::default());
         if let Some(n) = batch {
-            let mut b = inbox_core::BatchConfig::new(n);
-            b.linger = Duration::ZERO;
-            cfg = cfg.batched(b);
+            cfg = cfg.batched(batch_of(n));
         }
         let mut runner = Runner::new(store.clone(), topic.consumer(group).await, handler, cfg)
             .with_metrics(metrics.clone());
@@ -97,8 +95,7 @@ pub async fn batched_matches_one_by_one<H: Harness>(h: &H) {
                     }
                 }
                 Some(n) => {
-                    let mut b = inbox_core::BatchConfig::new(n);
-                    b.linger = Duration::ZERO;
+                    let b = batch_of(n);
                     let messages = poll_batch(&mut runner, b).await.unwrap_or_default();
                     if messages.is_empty() {
                         break;
@@ -233,13 +230,9 @@ pub async fn random_batches_match_one_by_one<H: Harness>(h: &H, seed: u64) -> us
             swallowed.iter().map(|(m, n)| (m.as_str(), *n)),
         );
         let metrics = Arc::new(CountingMetrics::new());
-        let mut b = inbox_core::BatchConfig::new(batch);
-        b.linger = Duration::ZERO;
+        let mut b = batch_of(batch);
         b.isolation = isolation(savepoints);
-        let mut cfg = config(&group, AckStrategy::default());
-        if batched {
-            cfg = cfg.batched(b);
-        }
+        let cfg = maybe_batched(config(&group, AckStrategy::default()), b, batched);
         let mut runner = Runner::new(store.clone(), topic.consumer(&group).await, handler, cfg)
             .with_metrics(metrics.clone());
         for _ in 0..1_000 {
@@ -325,8 +318,7 @@ pub async fn batched_exactly_once_under_faults<H: Harness>(h: &H, seed: u64) {
         .collect();
     let handler = FlakyById::new(budgets.iter().map(|(m, n)| (m.as_str(), *n)));
     let faulty = FaultyStore::new(store.clone());
-    let mut b = inbox_core::BatchConfig::new(usize::try_from(1 + roll(12)).unwrap_or(1));
-    b.linger = Duration::ZERO;
+    let mut b = batch_of(usize::try_from(1 + roll(12)).unwrap_or(1));
     b.isolation = isolation(roll(2) == 0);
     let make = async || {
         Runner::new(

@@ -64,12 +64,8 @@ pub async fn failure_budget_bounds_a_failing_message<H: Harness>(h: &H) {
                 [(bad.as_str(), 1_000), (flaky.as_str(), 2)],
                 [(swallows.as_str(), 2)],
             );
-            let mut b = inbox_core::BatchConfig::new(2);
-            b.linger = Duration::ZERO;
-            let mut cfg = config(&group, strategy).failure_budget(3);
-            if batched {
-                cfg = cfg.batched(b);
-            }
+            let b = batch_of(2);
+            let cfg = maybe_batched(config(&group, strategy).failure_budget(3), b, batched);
             let metrics = Arc::new(CountingMetrics::new());
             let mut runner = Runner::new(store.clone(), topic.consumer(&group).await, handler, cfg)
                 .with_metrics(metrics.clone());
@@ -128,12 +124,12 @@ pub async fn a_permanent_error_is_dead_lettered_at_once<H: Harness>(h: &H) {
         }
         let bad = id("bad");
         let handler = FlakyById::permanently([bad.as_str()]);
-        let mut b = inbox_core::BatchConfig::new(2);
-        b.linger = Duration::ZERO;
-        let mut cfg = config(&group, AckStrategy::default()).failure_budget(10);
-        if batched {
-            cfg = cfg.batched(b);
-        }
+        let b = batch_of(2);
+        let cfg = maybe_batched(
+            config(&group, AckStrategy::default()).failure_budget(10),
+            b,
+            batched,
+        );
         let metrics = Arc::new(CountingMetrics::new());
         let mut runner = Runner::new(store.clone(), topic.consumer(&group).await, handler, cfg)
             .with_metrics(metrics.clone());
@@ -173,8 +169,7 @@ pub async fn uncounted_retries_spend_no_budget<H: Harness>(h: &H) {
             } else {
                 ScriptedHandler::new([], Act::RetryUncounted)
             };
-            let mut b = inbox_core::BatchConfig::new(4);
-            b.linger = Duration::ZERO;
+            let b = batch_of(4);
             let mut cfg = config(&group, AckStrategy::default()).failure_budget(2);
             cfg.uncounted_retries = cap;
             if batched {
@@ -246,12 +241,12 @@ pub async fn failure_budget_governs_a_landed_row<H: Harness>(h: &H) {
         topic.produce(0, bad).await;
         topic.produce(0, order(&id("after"))).await;
         let handler = FlakyById::new([(id("landed").as_str(), 1_000)]);
-        let mut b = inbox_core::BatchConfig::new(4);
-        b.linger = Duration::ZERO;
-        let mut cfg = config(&group, AckStrategy::default()).failure_budget(3);
-        if batched {
-            cfg = cfg.batched(b);
-        }
+        let b = batch_of(4);
+        let cfg = maybe_batched(
+            config(&group, AckStrategy::default()).failure_budget(3),
+            b,
+            batched,
+        );
         let metrics = Arc::new(CountingMetrics::new());
         let mut runner = Runner::new(store.clone(), topic.consumer(&group).await, handler, cfg)
             .with_metrics(metrics.clone());
@@ -297,8 +292,7 @@ pub async fn failure_budget_bounds_a_crashing_handler<H: Harness>(h: &H) {
         topic.produce(0, order(&id("after"))).await;
         // the first three calls hang (each a crash), then success
         let handler = ScriptedHandler::new([Act::Hang, Act::Hang, Act::Hang], Act::Succeed);
-        let mut b = inbox_core::BatchConfig::new(10);
-        b.linger = Duration::ZERO;
+        let b = batch_of(10);
         let mut crashes = 0;
         for _restart in 0..12 {
             let mut cfg = config(&group, AckStrategy::default()).failure_budget(3);

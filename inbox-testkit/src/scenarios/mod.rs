@@ -155,6 +155,19 @@ fn config(group: &str, strategy: AckStrategy) -> RunnerConfig {
     c
 }
 
+/// A batch of up to `n` messages that does not linger for more (a
+/// scenario produces its messages before it starts).
+fn batch_of(n: usize) -> inbox_core::BatchConfig {
+    let mut b = inbox_core::BatchConfig::new(n);
+    b.linger = Duration::ZERO;
+    b
+}
+
+/// `cfg`, batched by `b` when `batched`.
+fn maybe_batched(cfg: RunnerConfig, b: inbox_core::BatchConfig, batched: bool) -> RunnerConfig {
+    if batched { cfg.batched(b) } else { cfg }
+}
+
 /// A runner of these scenarios.
 type ScenarioRunner<H> = Runner<
     <H as Harness>::Store,

@@ -56,8 +56,7 @@ pub async fn refused_data_becomes_poison<H: Harness>(h: &H) {
         let faulty = FaultyStore::new(store.clone());
         let handler = ScriptedHandler::new([], Act::Succeed);
         let mut cfg = config(group, AckStrategy::default());
-        let mut b = inbox_core::BatchConfig::new(10);
-        b.linger = Duration::ZERO;
+        let b = batch_of(10);
         if batched {
             cfg = cfg.batched(b);
         }
@@ -149,8 +148,7 @@ pub async fn one_refused_row_charges_only_itself<H: Harness>(h: &H) {
         // charged in the same batch and again after the failure)
         let before = id(1, 2);
         let handler = FlakyById::new([(before.as_str(), 1)]);
-        let mut b = inbox_core::BatchConfig::new(12);
-        b.linger = Duration::ZERO;
+        let mut b = batch_of(12);
         b.adaptive = adaptive;
         let cfg = config(&group, AckStrategy::default()).batched(b);
         let mut runner = Runner::new(store.clone(), topic.consumer(&group).await, handler, cfg);

@@ -342,10 +342,7 @@ where
         let r = row(&store, m, group).await.unwrap_or_else(|| panic!("{m}"));
         assert_eq!((r.status, r.locked_by), (InboxStatus::Pending, None), "{m}");
     }
-    let second = processor
-        .process_batch()
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+    let second = one_batch(&mut processor).await;
     assert_eq!(second.completed, 3);
     for m in &ids {
         assert_eq!(store.invoices(m).await, 1, "{m}: once");
@@ -370,10 +367,7 @@ where
     }
     let handler = ScriptedHandler::new([], Act::Succeed);
     let mut survivor = Processor::new(store.clone(), handler, config);
-    let before = survivor
-        .process_batch()
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+    let before = one_batch(&mut survivor).await;
     assert_eq!(before.claimed, 0, "the lease holds");
     let released = store
         .release_stale_locks(Duration::ZERO)
@@ -383,10 +377,7 @@ where
         released >= 3,
         "maintenance released the stale lease ({released})"
     );
-    let after = survivor
-        .process_batch()
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+    let after = one_batch(&mut survivor).await;
     assert_eq!(after.completed, 3);
     for m in &ids {
         assert_eq!(store.invoices(m).await, 1, "{m}: once");
@@ -454,10 +445,7 @@ where
     let started = std::time::Instant::now();
     let mut completed = 0;
     while completed < 3 {
-        let b = survivor
-            .process_batch()
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
+        let b = one_batch(&mut survivor).await;
         completed += b.completed;
         assert!(
             started.elapsed() < Duration::from_secs(10),
@@ -483,10 +471,7 @@ where
 {
     let group = "processor-lock-release";
     let (ids, mut processor) = releasing_leases(&store, group, ClaimMode::RowLock).await;
-    let batch = processor
-        .process_batch()
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+    let batch = one_batch(&mut processor).await;
     assert_eq!(
         (batch.claimed, batch.completed, batch.transactions),
         (3, 3, 1)
@@ -520,10 +505,7 @@ where
         FlakyById::new([(bad.as_str(), 1_000)]),
         config,
     );
-    processor
-        .process_batch()
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+    one_batch(&mut processor).await;
     store.land(&landed(&id("waiting"), group, 3)).await;
     let keep = MaintenanceConfig::new(Duration::from_secs(30 * 24 * 3_600))
         .unwrap_or_else(|e| panic!("{e}"));
@@ -639,4 +621,22 @@ where
             "{claim:?}"
         );
     }
+}
+
+/// One batch of `processor`, which does not fail.
+///
+/// # Panics
+///
+/// When it fails.
+async fn one_batch<S, H>(
+    processor: &mut inbox_core::drivers::processor::Processor<S, H>,
+) -> inbox_core::drivers::processor::ProcessorBatch
+where
+    S: inbox_core::ProcessorStore,
+    H: Handler<S::Tx>,
+{
+    processor
+        .process_batch()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
 }

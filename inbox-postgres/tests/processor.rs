@@ -499,3 +499,28 @@ async fn failures_before_and_after_a_write_in_one_batch() {
         }
     }
 }
+
+/// `FaultyStore` over PostgreSQL knows the rows a member left unfinished
+/// as the store itself does (it passes `take_unfinished` on: it used to
+/// answer the trait's default, none, so a processor over it never
+/// suspected or charged the rows of a member that died holding them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn faulty_store_knows_the_unfinished_rows_of_what_it_wraps() {
+    let stores = landed(3, 1).await;
+    let store = stores[0].clone();
+    let member = inbox_core::MemberId::new("dies-holding").unwrap_or_else(|e| panic!("{e}"));
+    let claimed = store
+        .claim_due(&member, 10, &inbox_core::DueFilter::default())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(claimed.len(), 3);
+    let mut leased: Vec<_> = claimed.iter().map(|r| r.id).collect();
+    leased.sort_unstable();
+    let faulty = inbox_testkit::FaultyStore::new(store.clone());
+    let mut unfinished = faulty
+        .take_unfinished(&member)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    unfinished.sort_unstable();
+    assert_eq!(unfinished, leased, "the rows it still holds by lease");
+}

@@ -89,18 +89,29 @@ pub(crate) fn store_err(check: &'static str) -> impl Fn(StoreError) -> Conforman
     move |e| fail(check, format!("store error: {e}"))
 }
 
+/// A capability a check needs of the store's transactions (`offered`,
+/// what [`InboxTransaction::savepoints`](inbox_core::InboxTransaction::savepoints)
+/// or [`offsets`](inbox_core::InboxTransaction::offsets) answered): a store
+/// without it fails the check `check` by name, `missing` saying what it lacks.
+pub(crate) fn needed<'t, X: ?Sized>(
+    check: &'static str,
+    offered: Option<&'t mut X>,
+    missing: &str,
+) -> Result<&'t mut X, ConformanceError> {
+    offered.ok_or_else(|| fail(check, missing))
+}
+
 /// The savepoints `tx` offers: a store whose transactions have none fails
 /// the savepoint check `check` by name.
 pub(crate) fn savepoints_in<'t, T: inbox_core::InboxTransaction>(
     check: &'static str,
     tx: &'t mut T,
 ) -> Result<&'t mut dyn inbox_core::Savepoints, ConformanceError> {
-    tx.savepoints().ok_or_else(|| {
-        fail(
-            check,
-            "the store's transactions have no savepoints (InboxTransaction::savepoints is None)",
-        )
-    })
+    needed(
+        check,
+        tx.savepoints(),
+        "the store's transactions have no savepoints (InboxTransaction::savepoints is None)",
+    )
 }
 
 static RUNS: AtomicU64 = AtomicU64::new(0);

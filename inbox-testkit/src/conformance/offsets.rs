@@ -250,10 +250,9 @@ fn in_tx<'t, T: InboxTransaction>(
     check: &'static str,
     tx: &'t mut T,
 ) -> Result<&'t mut dyn inbox_core::TxOffsets, ConformanceError> {
-    tx.offsets().ok_or_else(|| {
-        fail(
-            check,
-            "the store's transactions keep no offsets (InboxTransaction::offsets is None)",
-        )
-    })
+    needed(
+        check,
+        tx.offsets(),
+        "the store's transactions keep no offsets (InboxTransaction::offsets is None)",
+    )
 }

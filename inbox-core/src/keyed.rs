@@ -8,11 +8,13 @@
 //! one of the partition's *lanes* (a lane runs one message, or one batch,
 //! at a time, as a runner does) once no earlier record of its key is
 //! unfinished: one key's records run in offset order, one at a time;
-//! different keys run side by side, up to one per lane. A lane whose
-//! message is to be delivered again (rewound) gets that message back, and
-//! nothing else, once its hold has passed: the message keeps its key (the
-//! key's later records wait, buffered) and the other keys go on in the
-//! other lanes.
+//! different keys run side by side, up to one per lane. A message to be
+//! delivered again (rewound) goes back to its lane, which hands it out
+//! again once that message's own hold has passed; meanwhile the lane takes
+//! other keys' records. A failing message holds only its key (the key's
+//! later records wait, buffered): the partition's other keys go on in
+//! every lane, its own included, and the other records of a batch rewound
+//! with it are handed out again at once.
 //!
 //! The *watermark* is the lowest offset not yet finished: the stored
 //! offset may go up to it, never past it. A record finished above it is
@@ -46,7 +48,7 @@ use std::time::Instant;
 /// | | in order | side by side | costs |
 /// |---|---|---|---|
 /// | [`Partition`](Self::Partition) | the whole partition | partitions | one transaction at a time per partition |
-/// | [`Key`](Self::Key) | each key | keys of a partition, up to the concurrency | a connection per lane; a key's messages wait behind its failing one |
+/// | [`Key`](Self::Key) | each key | keys of a partition, up to the concurrency | a connection per lane; a key's messages wait behind its failing one (only they do) |
 /// | [`Unordered`](Self::Unordered) | nothing | any messages, up to the concurrency | no order at all |
 ///
 /// Under every ordering each message's effect happens once: the stored
@@ -127,7 +129,7 @@ enum State {
     Waiting,
     /// Handed to a lane, not acknowledged.
     Delivered(usize),
-    /// Rewound: to be handed to the same lane again.
+    /// Rewound: to be handed to the same lane again, not before its hold.
     Redeliver(usize),
     /// Acknowledged, above the watermark.
     Finished,
@@ -139,16 +141,17 @@ struct Entry<T> {
     bytes: usize,
     item: T,
     state: State,
+    /// Rewound and held: not handed out again before this.
+    held_until: Option<Instant>,
 }
 
 #[derive(Debug, Default)]
 struct Lane {
     /// Offsets handed to it and not acknowledged, in offset order.
     delivered: Vec<i64>,
-    /// Offsets rewound, to be handed back to it first, in offset order.
-    redeliver: VecDeque<i64>,
-    /// Its rewound messages are not handed back before this.
-    held_until: Option<Instant>,
+    /// Offsets rewound, to be handed back to it (each once its own hold
+    /// has passed).
+    redeliver: BTreeSet<i64>,
 }
 
 /// One partition's keys side by side (see the [module](self)).
@@ -231,6 +234,7 @@ impl<T: Clone> KeyedFlow<T> {
                 bytes,
                 item,
                 state: State::Waiting,
+                held_until: None,
             },
         );
         self.bytes = self.bytes.saturating_add(bytes);
@@ -238,32 +242,39 @@ impl<T: Clone> KeyedFlow<T> {
         true
     }
 
-    /// The next record for `lane` at `now`: its rewound record when it has
-    /// one (`None` while its hold lasts: a lane never passes its own
-    /// rewound record), else the lowest record whose key is free and that
-    /// is above what the lane holds unacknowledged (a lane's records are
+    /// The next record for `lane` at `now`: the lowest of its rewound
+    /// records whose hold has passed and of the records whose key is free,
+    /// above what the lane holds unacknowledged (a lane's records are
     /// handed out in offset order until it acknowledges them, so that its
-    /// cumulative acknowledgement means what a partition's does).
+    /// cumulative acknowledgement means what a partition's does). A
+    /// rewound record still held holds nothing but its key.
     pub fn next_for(&mut self, lane: usize, now: Instant) -> Option<(i64, T)> {
-        let l = self.lanes.get_mut(lane)?;
-        let offset = if l.redeliver.is_empty() {
-            let above = l
-                .delivered
-                .last()
-                .map_or(i64::MIN, |&o| o.saturating_add(1));
-            let offset = *self.ready.range(above..).next()?;
-            self.ready.remove(&offset);
-            offset
-        } else {
-            if l.held_until.is_some_and(|until| until > now) {
-                return None;
-            }
-            l.held_until = None;
-            l.redeliver.pop_front()?
+        let l = self.lanes.get(lane)?;
+        let above = l
+            .delivered
+            .last()
+            .map_or(i64::MIN, |&o| o.saturating_add(1));
+        let entries = &self.entries;
+        let own = l.redeliver.range(above..).copied().find(|o| {
+            entries
+                .get(o)
+                .is_none_or(|e| e.held_until.is_none_or(|until| until <= now))
+        });
+        let free = self.ready.range(above..).next().copied();
+        let offset = match (own, free) {
+            (Some(own), Some(free)) => own.min(free),
+            (own, free) => own.or(free)?,
         };
+        let l = self.lanes.get_mut(lane)?;
+        if own == Some(offset) {
+            l.redeliver.remove(&offset);
+        } else {
+            self.ready.remove(&offset);
+        }
         l.delivered.push(offset);
         let entry = self.entries.get_mut(&offset)?;
         entry.state = State::Delivered(lane);
+        entry.held_until = None;
         Some((offset, entry.item.clone()))
     }
 
@@ -283,32 +294,35 @@ impl<T: Clone> KeyedFlow<T> {
     }
 
     /// `lane`'s records from `offset` on are to be delivered again: they
-    /// are handed back to it, in order, before anything else, not before
-    /// `until` ([`hold`](Self::hold)) when it is held. Their keys stay
-    /// theirs.
+    /// are handed back to it, lowest first, each once its
+    /// [hold](Self::hold) (if any) has passed. Their keys stay theirs.
     pub fn rewind(&mut self, lane: usize, offset: i64) {
         let Some(l) = self.lanes.get_mut(lane) else {
             return;
         };
         let (back, kept): (Vec<i64>, Vec<i64>) = l.delivered.iter().partition(|&&o| o >= offset);
         l.delivered = kept;
-        for &o in back.iter().rev() {
-            l.redeliver.push_front(o);
+        for o in back {
+            l.redeliver.insert(o);
             if let Some(e) = self.entries.get_mut(&o) {
                 e.state = State::Redeliver(lane);
             }
         }
     }
 
-    /// Holds `lane`'s rewound records back until `until`.
-    pub fn hold(&mut self, lane: usize, until: Instant) -> bool {
-        match self.lanes.get_mut(lane) {
-            Some(l) => {
-                l.held_until = Some(l.held_until.map_or(until, |t| t.max(until)));
-                true
-            }
-            None => false,
+    /// Holds `lane`'s rewound record at `offset` back until `until` (the
+    /// lane takes other records meanwhile); `false` when there is no such
+    /// lane.
+    pub fn hold(&mut self, lane: usize, offset: i64, until: Instant) -> bool {
+        let Some(l) = self.lanes.get(lane) else {
+            return false;
+        };
+        if l.redeliver.contains(&offset)
+            && let Some(e) = self.entries.get_mut(&offset)
+        {
+            e.held_until = Some(e.held_until.map_or(until, |t| t.max(until)));
         }
+        true
     }
 
     /// Forgets everything in hand (the partition is read again from its
@@ -405,24 +419,78 @@ mod tests {
     #[test]
     fn a_rewound_message_comes_back_to_its_lane_after_its_hold_and_holds_only_its_key() {
         let now = Instant::now();
+        let later = now + Duration::from_secs(1);
         let mut f = KeyedFlow::new(FlowLimits::new(2));
-        for (o, k) in [(0, 1), (1, 1), (2, 2), (3, 3)] {
+        for (o, k) in [(0, 1), (1, 1), (2, 2), (3, 3), (4, 4)] {
             f.offer(o, key(k), 1, o);
         }
         assert_eq!(f.next_for(0, now), Some((0, 0)));
         f.rewind(0, 0);
-        assert!(f.hold(0, now + Duration::from_secs(1)));
-        // lane 0 waits for its own message; lane 1 goes on with other keys
-        assert_eq!(f.next_for(0, now), None);
-        assert_eq!(f.next_for(1, now), Some((2, 2)));
-        assert_eq!(f.ack(1, 2), None);
+        assert!(f.hold(0, 0, later));
+        // lane 0 goes on with another key while its message waits
+        assert_eq!(f.next_for(0, now), Some((2, 2)));
         assert_eq!(f.next_for(1, now), Some((3, 3)));
-        assert_eq!(f.ack(1, 3), None, "the watermark waits at the rewound 0");
-        assert_eq!(f.next_for(1, now), None, "key 1's offset 1 waits behind 0");
-        assert_eq!(f.next_for(0, now + Duration::from_secs(1)), Some((0, 0)));
+        assert_eq!(f.ack(0, 2), None, "the watermark waits at the rewound 0");
+        assert_eq!(f.ack(1, 3), None);
+        assert_eq!(f.next_for(1, now), Some((4, 4)));
+        assert_eq!(f.next_for(0, now), None, "key 1's offset 1 waits behind 0");
+        assert_eq!(f.next_for(1, later), None, "0 is lane 0's");
+        assert_eq!(f.ack(1, 4), None);
+        assert_eq!(f.next_for(0, later), Some((0, 0)));
         assert_eq!(f.ack(0, 0), Some((0, 0)));
         assert_eq!(f.next_for(1, now), Some((1, 1)));
-        assert_eq!(f.ack(1, 1), Some((3, 3)));
+        assert_eq!(f.ack(1, 1), Some((4, 4)));
+    }
+
+    /// As many failing keys as lanes: the other keys still run (before,
+    /// a lane waited for its own rewound record and nothing else, so two
+    /// failing keys stopped a partition of two lanes).
+    #[test]
+    fn failing_keys_in_every_lane_leave_the_other_keys_running() {
+        let now = Instant::now();
+        let later = now + Duration::from_secs(60);
+        let mut f = KeyedFlow::new(FlowLimits::new(2));
+        for o in 0..10 {
+            f.offer(o, key(u8::try_from(o).unwrap_or(0)), 1, o);
+        }
+        for lane in 0..2 {
+            let (o, _) = f.next_for(lane, now).unwrap_or_default();
+            f.rewind(lane, o);
+            assert!(f.hold(lane, o, later));
+        }
+        let mut ran = Vec::new();
+        while let Some((o, _)) = f.next_for(ran.len() % 2, now) {
+            f.ack(ran.len() % 2, o);
+            ran.push(o);
+        }
+        assert_eq!(ran, (2..10).collect::<Vec<_>>());
+        assert_eq!(f.lowest_unfinished(), Some(0));
+        assert_eq!(f.unfinished(), 2);
+    }
+
+    /// A batch rewound at its failing message: the other keys' records
+    /// rewound with it come back at once; only the failing one waits.
+    #[test]
+    fn a_rewound_batch_waits_only_for_its_held_message() {
+        let now = Instant::now();
+        let later = now + Duration::from_secs(60);
+        let mut f = KeyedFlow::new(FlowLimits::new(1));
+        for o in 0..4 {
+            f.offer(o, key(u8::try_from(o).unwrap_or(0)), 1, o);
+        }
+        for o in 0..3 {
+            assert_eq!(f.next_for(0, now), Some((o, o)));
+        }
+        f.rewind(0, 1);
+        assert!(f.hold(0, 1, later));
+        assert_eq!(f.next_for(0, now), Some((2, 2)), "not held");
+        assert_eq!(f.next_for(0, now), Some((3, 3)));
+        assert_eq!(f.next_for(0, later), None, "below what the lane holds");
+        assert_eq!(f.ack(0, 3), Some((0, 0)), "up to 1, unfinished");
+        assert_eq!(f.next_for(0, now), None, "held");
+        assert_eq!(f.next_for(0, later), Some((1, 1)));
+        assert_eq!(f.ack(0, 1), Some((3, 3)));
+        assert!(f.is_idle());
     }
 
     /// What is in hand, as the lanes' driver reads it: whether anything
@@ -559,8 +627,11 @@ mod tests {
         /// Every interleaving of offers, hand-outs, acknowledgements,
         /// rewinds and holds: the watermark never passes an unfinished
         /// offset, a key never runs twice at once, a key's first deliveries
-        /// come in offset order, and once every lane has finished what it
-        /// holds, everything offered is finished and below the watermark.
+        /// come in offset order, a rewound record comes back only to its
+        /// lane and not before its hold, a lane that gets nothing has
+        /// nothing it could take (a held record holds only its key), and
+        /// once every lane has finished what it holds, everything offered
+        /// is finished and below the watermark.
         #[test]
         fn the_watermark_never_passes_an_unfinished_offset(ops in proptest::collection::vec(op(), 1..200)) {
             let start = Instant::now();
@@ -570,6 +641,8 @@ mod tests {
             let mut offered: BTreeMap<i64, u8> = BTreeMap::new();
             let mut finished: BTreeSet<i64> = BTreeSet::new();
             let mut delivered: Vec<Vec<i64>> = vec![Vec::new(); 3];
+            // per lane, its rewound records and when each may come back
+            let mut rewound: Vec<BTreeMap<i64, Instant>> = vec![BTreeMap::new(); 3];
             let mut first_seen: HashSet<i64> = HashSet::new();
             let mut last_first: HashMap<u8, i64> = HashMap::new();
             let mut watermark: Option<i64> = None;
@@ -583,9 +656,35 @@ mod tests {
                         }
                     }
                     Op::Next { lane } => {
-                        if let Some((o, item)) = f.next_for(lane, now) {
+                        let got = f.next_for(lane, now);
+                        if got.is_none() {
+                            let above = delivered[lane].last().copied().unwrap_or(i64::MIN);
+                            let busy: HashSet<u8> = delivered.iter().flatten()
+                                .chain(rewound.iter().flat_map(BTreeMap::keys))
+                                .map(|o| offered[o]).collect();
+                            let due = rewound[lane].iter()
+                                .find(|&(&o, &until)| o > above && until <= now);
+                            prop_assert!(due.is_none(), "lane {} passes its due {:?}", lane, due);
+                            let mut heads: HashMap<u8, i64> = HashMap::new();
+                            for (&o, &k) in &offered {
+                                if !finished.contains(&o) {
+                                    heads.entry(k).or_insert(o);
+                                }
+                            }
+                            let free = heads.iter()
+                                .find(|&(k, &o)| !busy.contains(k) && o > above);
+                            prop_assert!(free.is_none(), "lane {} idle beside a free key {:?}", lane, free);
+                        }
+                        if let Some((o, item)) = got {
                             prop_assert_eq!(o, item);
                             prop_assert!(!finished.contains(&o));
+                            for (l, r) in rewound.iter().enumerate() {
+                                prop_assert!(l == lane || !r.contains_key(&o),
+                                    "lane {}'s rewound {} handed to lane {}", l, o, lane);
+                            }
+                            if let Some(until) = rewound[lane].remove(&o) {
+                                prop_assert!(until <= now, "{} handed out during its hold", o);
+                            }
                             let k = offered[&o];
                             // no other record of its key is in a lane
                             for (l, d) in delivered.iter().enumerate() {
@@ -627,11 +726,18 @@ mod tests {
                     Op::Rewind { lane } => {
                         if let Some(&from) = delivered[lane].first() {
                             f.rewind(lane, from);
-                            delivered[lane].clear();
+                            for o in delivered[lane].drain(..) {
+                                rewound[lane].insert(o, start);
+                            }
                         }
                     }
                     Op::Hold { lane } => {
-                        f.hold(lane, now + Duration::from_millis(5));
+                        let until = now + Duration::from_millis(5);
+                        let first = rewound[lane].iter_mut().next();
+                        if let Some((&o, held)) = first {
+                            *held = (*held).max(until);
+                            prop_assert!(f.hold(lane, o, until));
+                        }
                     }
                     Op::Pass => now += Duration::from_millis(3),
                 }

@@ -4,20 +4,28 @@
 //!
 //! Per partition it keeps, each only while it matters:
 //!
-//! - the offset being redelivered and how many times in a row (the
+//! - the offsets being redelivered and how many times each (the
 //!   redelivery backoff grows with it);
 //! - a message whose rewind failed (nothing later of the partition is
 //!   handled until its rewind succeeds);
-//! - the message whose data the database refused, how often and why (a
+//! - the messages whose data the database refused, how often and why (a
 //!   poison verdict after too many);
 //! - the first deliveries seen (the failure budget counts them before
 //!   their handler: a crash leaves no other trace);
-//! - the message whose handler asked for uncounted retries, and how many
+//! - the messages whose handler asked for uncounted retries, and how many
 //!   in a row;
 //! - the last offset of a batch whose COMMIT the database refused (its
 //!   messages are handled one at a time up to it).
 //!
 //! A partition with nothing learned takes no room.
+//!
+//! Counts are kept per offset, not per partition: under keys side by side
+//! ([`Ordering::Key`](crate::keyed::Ordering::Key)) a lane runs other keys'
+//! messages between two tries of a failing one, and those must not start
+//! its count over (its backoff would never grow, and a message refused by
+//! the database or retried uncounted would never reach its bound). At most
+//! [`MAX_OFFSETS`] offsets a partition are kept (the lowest forgotten
+//! first).
 //!
 //! ```
 //! use inbox_core::partition::Partitions;
@@ -28,38 +36,55 @@
 //! assert_eq!(parts.rewound(&key, 7), 1);
 //! assert_eq!(parts.rewound(&key, 7), 2);
 //! assert_eq!(parts.rewound(&key, 8), 1);
-//! parts.went_on(&key);
+//! // 7 is counted on while 8 waits beside it
+//! assert_eq!(parts.rewound(&key, 7), 3);
+//! parts.went_on(&key, 7);
+//! parts.went_on(&key, 8);
 //! assert!(parts.is_empty());
 //! ```
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use crate::decision;
 use crate::model::Message;
 use crate::model::PartitionKey;
 use crate::outcome::Outcome;
 
+/// Most offsets of one partition whose redeliveries, refusals or
+/// uncounted retries are kept, each; past it the lowest is forgotten (one
+/// per key failing at once, under keys side by side).
+pub const MAX_OFFSETS: usize = 1_024;
+
 /// The database's refusals of one message's data.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Refusal {
-    offset: i64,
     tries: u32,
     cause: String,
+}
+
+/// Counts `offset` once more in `map` (from 1), forgetting the lowest
+/// offset when the map is full; the count.
+fn count<V>(map: &mut BTreeMap<i64, V>, offset: i64, bump: impl FnOnce(Option<V>) -> V) -> &V {
+    let old = map.remove(&offset);
+    if map.len() >= MAX_OFFSETS {
+        map.pop_first();
+    }
+    map.entry(offset).or_insert(bump(old))
 }
 
 /// What is learned about one partition (see the [module](self)).
 #[derive(Debug, Clone, Default)]
 struct Learned {
-    /// The offset redelivered, and how many times in a row.
-    redelivery: Option<(i64, u32)>,
+    /// The offsets redelivered, and how many times each.
+    redelivery: BTreeMap<i64, u32>,
     /// A message whose rewind failed.
     unrewound: Option<Message>,
-    refused: Option<Refusal>,
+    refused: BTreeMap<i64, Refusal>,
     /// How many distinct offsets were seen first, and the highest.
     first_seen: Option<(usize, i64)>,
-    /// The offset whose handler asked for uncounted retries, and how
-    /// many in a row.
-    uncounted: Option<(i64, u32)>,
+    /// The offsets whose handler asked for uncounted retries, and how
+    /// many in a row each.
+    uncounted: BTreeMap<i64, u32>,
     /// The last offset of a batch refused at COMMIT.
     apart: Option<i64>,
 }
@@ -69,11 +94,11 @@ impl Learned {
     /// a partition seen has no suspects again until the runner starts
     /// over).
     fn is_empty(&self) -> bool {
-        self.redelivery.is_none()
+        self.redelivery.is_empty()
             && self.unrewound.is_none()
-            && self.refused.is_none()
+            && self.refused.is_empty()
             && self.first_seen.is_none()
-            && self.uncounted.is_none()
+            && self.uncounted.is_empty()
             && self.apart.is_none()
     }
 }
@@ -101,23 +126,19 @@ impl Partitions {
         }
     }
 
-    /// `offset` of `key` is to be delivered again: how many times in a row
-    /// it now has been (1 for an offset not redelivered just before).
+    /// `offset` of `key` is to be delivered again: how many times it now
+    /// has been since it last [went on](Self::went_on) (1 the first time).
     pub fn rewound(&mut self, key: &PartitionKey, offset: i64) -> u32 {
-        let entry = self.entry(key);
-        let times = match entry.redelivery {
-            Some((o, n)) if o == offset => n.saturating_add(1),
-            _ => 1,
-        };
-        entry.redelivery = Some((offset, times));
-        times
+        *count(&mut self.entry(key).redelivery, offset, |n| {
+            n.map_or(1, |n| n.saturating_add(1))
+        })
     }
 
-    /// `key` went on past what it redelivered: the run of redeliveries
-    /// ends.
-    pub fn went_on(&mut self, key: &PartitionKey) {
+    /// `offset` of `key` went on (it is not to be delivered again): its
+    /// run of redeliveries ends.
+    pub fn went_on(&mut self, key: &PartitionKey, offset: i64) {
         if let Some(l) = self.parts.get_mut(key) {
-            l.redelivery = None;
+            l.redelivery.remove(&offset);
         }
         self.tidy(key);
     }
@@ -125,7 +146,7 @@ impl Partitions {
     /// Whether a failure of `offset` (its handler's `outcome`) counts
     /// against the budget ([`decision::counts_attempt`]): the first `limit`
     /// retries in a row of one offset its handler asked not to count do
-    /// not; any other failure does (and ends the run).
+    /// not; any other failure of it does (and ends its run).
     pub fn failure_counts(
         &mut self,
         key: &PartitionKey,
@@ -134,12 +155,13 @@ impl Partitions {
         limit: u32,
     ) -> bool {
         let entry = self.entry(key);
-        let in_a_row = match entry.uncounted {
-            Some((o, n)) if o == offset => n,
-            _ => 0,
-        };
+        let in_a_row = entry.uncounted.get(&offset).copied().unwrap_or(0);
         let counted = decision::counts_attempt(Some(outcome), in_a_row, limit);
-        entry.uncounted = (!counted).then(|| (offset, in_a_row.saturating_add(1)));
+        if counted {
+            entry.uncounted.remove(&offset);
+        } else {
+            count(&mut entry.uncounted, offset, |_| in_a_row.saturating_add(1));
+        }
         self.tidy(key);
         counted
     }
@@ -167,33 +189,27 @@ impl Partitions {
     /// The database refused `offset`'s data (`cause`), once more; how many
     /// times in a row now.
     pub fn refused(&mut self, key: &PartitionKey, offset: i64, cause: String) -> u32 {
-        let entry = self.entry(key);
-        let tries = match &entry.refused {
-            Some(r) if r.offset == offset => r.tries.saturating_add(1),
-            _ => 1,
-        };
-        entry.refused = Some(Refusal {
-            offset,
-            tries,
+        count(&mut self.entry(key).refused, offset, |old| Refusal {
+            tries: old.map_or(1, |r| r.tries.saturating_add(1)),
             cause,
-        });
-        tries
+        })
+        .tries
     }
 
-    /// Something else than a refusal was decided on `key`: the count of
-    /// refusals ends.
-    pub fn not_refused(&mut self, key: &PartitionKey) {
+    /// Something else than a refusal was decided on `offset` of `key`: its
+    /// count of refusals ends.
+    pub fn not_refused(&mut self, key: &PartitionKey, offset: i64) {
         if let Some(l) = self.parts.get_mut(key) {
-            l.refused = None;
+            l.refused.remove(&offset);
         }
         self.tidy(key);
     }
 
     /// How many times in a row the database refused `offset`'s data, and
-    /// the last cause; `None` when it was not the last refused of `key`.
+    /// the last cause; `None` when it was not refused last time.
     pub fn refusals(&self, key: &PartitionKey, offset: i64) -> Option<(u32, &str)> {
-        let r = self.parts.get(key)?.refused.as_ref()?;
-        (r.offset == offset).then_some((r.tries, r.cause.as_str()))
+        let r = self.parts.get(key)?.refused.get(&offset)?;
+        Some((r.tries, r.cause.as_str()))
     }
 
     /// `message`'s rewind failed: nothing later of `key` is handled until
@@ -272,8 +288,29 @@ mod tests {
         assert_eq!(parts.rewound(&key(1), 5), 1, "another partition");
         assert_eq!(parts.rewound(&key(0), 5), 3);
         assert_eq!(parts.rewound(&key(0), 6), 1, "another offset");
-        parts.went_on(&key(0));
+        assert_eq!(
+            parts.rewound(&key(0), 5),
+            4,
+            "5 counts on while 6 waits beside it (keys side by side)"
+        );
+        parts.went_on(&key(0), 6);
         assert_eq!(parts.rewound(&key(0), 6), 1, "after going on");
+        assert_eq!(parts.rewound(&key(0), 5), 5, "5 did not go on");
+        parts.went_on(&key(0), 5);
+        parts.went_on(&key(0), 6);
+        parts.went_on(&key(1), 5);
+        assert!(parts.is_empty());
+    }
+
+    #[test]
+    fn the_lowest_offsets_are_forgotten_past_the_bound() {
+        let mut parts = Partitions::default();
+        let k = key(0);
+        for offset in 0..=i64::try_from(MAX_OFFSETS).unwrap_or(i64::MAX) {
+            assert_eq!(parts.rewound(&k, offset), 1);
+        }
+        assert_eq!(parts.rewound(&k, 1), 2, "kept");
+        assert_eq!(parts.rewound(&k, 0), 1, "the lowest, forgotten");
     }
 
     #[test]
@@ -302,6 +339,10 @@ mod tests {
             parts.failure_counts(&k, 4, &retry(false), 0),
             "no uncounted allowed"
         );
+        assert!(
+            parts.failure_counts(&k, 3, &retry(false), 2),
+            "3's run went on while 4 failed beside it: its third in a row"
+        );
         assert!(parts.is_empty());
     }
 
@@ -326,7 +367,7 @@ mod tests {
     }
 
     #[test]
-    fn refusals_are_counted_for_the_last_refused_offset() {
+    fn refusals_are_counted_per_offset() {
         let mut parts = Partitions::default();
         let k = key(0);
         assert_eq!(parts.refused(&k, 4, "a".into()), 1);
@@ -334,9 +375,15 @@ mod tests {
         assert_eq!(parts.refusals(&k, 4), Some((2, "b")));
         assert_eq!(parts.refusals(&k, 5), None);
         assert_eq!(parts.refused(&k, 5, "c".into()), 1);
-        assert_eq!(parts.refusals(&k, 4), None);
-        parts.not_refused(&k);
+        assert_eq!(
+            parts.refusals(&k, 4),
+            Some((2, "b")),
+            "kept while 5 is refused beside it"
+        );
+        parts.not_refused(&k, 5);
         assert_eq!(parts.refusals(&k, 5), None);
+        assert_eq!(parts.refused(&k, 4, "d".into()), 3);
+        parts.not_refused(&k, 4);
         assert!(parts.is_empty());
     }
 
@@ -390,7 +437,7 @@ mod tests {
                     let k = key(p);
                     match op {
                         0 => { target.rewound(&k, offset); }
-                        1 => target.went_on(&k),
+                        1 => target.went_on(&k, offset),
                         2 => { target.failure_counts(&k, offset, &retry(false), 2); }
                         3 => { target.refused(&k, offset, String::new()); }
                         4 => target.refused_at_commit(&k, offset),
@@ -406,11 +453,13 @@ mod tests {
             prop_assert_eq!(parts.rewound(&k, 9), lone.rewound(&k, 9));
             for p in 0..3 {
                 let k = key(p);
-                parts.went_on(&k);
-                parts.not_refused(&k);
+                for offset in (0..5).chain([9]) {
+                    parts.went_on(&k, offset);
+                    parts.not_refused(&k, offset);
+                    parts.failure_counts(&k, offset, &retry(true), 0);
+                }
                 parts.rewound_at_last(&k);
                 parts.handled_apart(&k, i64::MAX);
-                parts.failure_counts(&k, 0, &retry(true), 0);
             }
             prop_assert!(parts.is_empty());
         }

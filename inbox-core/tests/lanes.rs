@@ -351,3 +351,79 @@ async fn unordered_runs_one_keys_messages_side_by_side() {
     assert!(s.overlaps > 0, "one key's messages never ran side by side");
     assert!(s.calls.values().all(|&n| n == 1));
 }
+
+/// As many keys failing as there are lanes (a payment provider refusing
+/// four customers): the partition's other keys all finish, per message
+/// and batched, within a few handler times, while the failing keys wait
+/// out their backoff. Before, a lane waited for its own rewound message
+/// and took nothing else, so four failing keys stopped all four lanes
+/// until their budgets ran out.
+#[tokio::test(start_paused = true)]
+async fn as_many_failing_keys_as_lanes_leave_the_healthy_keys_running() {
+    for batch in [None, Some(5)] {
+        let store = MemStore::new();
+        // 200 messages of 20 keys on one partition: k0..k3 fail (their
+        // first messages, m0..m3, for ever), k4..k19 are healthy
+        let broker = keyed_broker(200, 1, 20);
+        let handler = Slow::new(&[("m0", 1_000), ("m1", 1_000), ("m2", 1_000), ("m3", 1_000)]);
+        let healthy = || {
+            let s = handler.seen();
+            s.started
+                .iter()
+                .filter(|(k, _)| !["k0", "k1", "k2", "k3"].contains(&k.as_str()))
+                .map(|(_, o)| o.len())
+                .sum::<usize>()
+                == 160
+        };
+        let started = tokio::time::Instant::now();
+        let met = run_lanes(&store, &broker, &handler, Ordering::Key, 4, batch, healthy).await;
+        let took = started.elapsed();
+        assert!(
+            met,
+            "batch {batch:?}: the healthy keys did not all run in 60 s"
+        );
+        // 160 messages of 10 to 40 ms over four lanes: about 2 s
+        assert!(
+            took < Duration::from_secs(5),
+            "batch {batch:?}: the healthy keys took {took:?}"
+        );
+        let s = handler.seen();
+        assert_eq!(s.overlaps, 0, "batch {batch:?}");
+        for k in ["k0", "k1", "k2", "k3"] {
+            assert!(
+                s.started[k].iter().all(|&o| o < 4),
+                "batch {batch:?}: {k}'s later messages ran before its failing one: {:?}",
+                s.started[k]
+            );
+        }
+        assert_eq!(
+            broker.acked("billing", "orders", 0).unwrap_or(0),
+            0,
+            "batch {batch:?}: the stored offset waits at the first failing message"
+        );
+    }
+}
+
+/// A failing message's redelivery backoff grows while its lane runs other
+/// keys between its tries (100 ms, 200 ms, 400 ms..: five tries in 4 s).
+/// The runner counted redeliveries per partition, so another key's message
+/// in between started the count over: a try every 100 ms, the budget spent
+/// in about a second.
+#[tokio::test(start_paused = true)]
+async fn a_failing_keys_backoff_grows_while_its_lane_runs_other_keys() {
+    let store = MemStore::new();
+    let broker = keyed_broker(400, 1, 20);
+    let handler = Slow::new(&[("m0", 1_000)]);
+    let start = tokio::time::Instant::now();
+    run_lanes(&store, &broker, &handler, Ordering::Key, 2, None, || {
+        start.elapsed() >= Duration::from_secs(4)
+    })
+    .await;
+    let s = handler.seen();
+    let tries = s.calls["m0"];
+    assert!(
+        (4..=6).contains(&tries),
+        "m0 tried {tries} times in 4 s; other keys' messages started: {}",
+        s.started.values().map(Vec::len).sum::<usize>()
+    );
+}

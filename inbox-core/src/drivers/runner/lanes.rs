@@ -17,7 +17,8 @@
 //!   through the shared consumer's own (epoch-guarded) `ack`, coalesced: a
 //!   watermark not yet written is replaced by a later one;
 //! - `rewind` and `hold` stay in the flow (the record keeps its lane and
-//!   its key, the other keys go on);
+//!   its key; the lane and the others go on with the other keys while it
+//!   waits out its hold);
 //! - a fenced partition, or one the shared consumer reads again from lower
 //!   down (its stored offset moved), is reset: what was in hand is
 //!   forgotten, the acknowledgements of what lanes still run are ignored,
@@ -555,12 +556,14 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
         })
     }
 
-    /// Holds this lane's rewound records of the partition until `until`;
-    /// the lane takes other partitions' records meanwhile.
+    /// Holds this lane's rewound record at `position` until `until`; the
+    /// lane takes other keys' records meanwhile (of its partition too).
     fn hold(&mut self, position: &Position, until: tokio::time::Instant) -> bool {
         let mut state = self.shared.state();
         match state.parts.get_mut(&position.partition_key()) {
-            Some(part) => part.flow.hold(self.index, until.into_std()),
+            Some(part) => part
+                .flow
+                .hold(self.index, position.offset, until.into_std()),
             None => false,
         }
     }

@@ -219,7 +219,7 @@ where
             Some(cause) => {
                 self.partitions.refused(&key, pos.offset, cause);
             }
-            None => self.partitions.not_refused(&key),
+            None => self.partitions.not_refused(&key, pos.offset),
         }
     }
 

@@ -181,7 +181,7 @@ where
                         delay
                     }
                 } else {
-                    self.partitions.went_on(&key);
+                    self.partitions.went_on(&key, pos.offset);
                     Duration::ZERO
                 }
             }

@@ -215,9 +215,71 @@ struct Running {
     owned: Vec<PartitionKey>,
     cancel: CancellationToken,
     tasks: Vec<Owned<u64>>,
+    /// Groups of partitions whose consumer could not connect (a leader
+    /// that cannot be reached): tried again at each heartbeat while the
+    /// others run.
+    pending: Vec<Vec<PartitionKey>>,
+}
+
+/// A runner's run, connected: it ends when its stop token fires, with the
+/// messages it handled.
+type Run = std::pin::Pin<Box<dyn Future<Output = u64> + Send>>;
+
+/// Connecting a group of partitions: its run, or why it could not start.
+type Connecting<'a> = std::pin::Pin<Box<dyn Future<Output = Result<Run, KafkaError>> + Send + 'a>>;
+
+/// Connects each of `groups` with `connect` and spawns the run it gives
+/// (stopped by `cancel`), each on its own: a group that cannot connect is
+/// given back with its error, to be tried again, and stops nothing already
+/// started. (They were connected all or nothing: one unreachable leader
+/// aborted the runners started before it mid-transaction, leaving their
+/// crash pre-counts behind, and kept every partition of the member
+/// unread.)
+async fn spawn_each<'a>(
+    groups: Vec<Vec<PartitionKey>>,
+    cancel: &CancellationToken,
+    mut connect: impl FnMut(Vec<PartitionKey>, CancellationToken) -> Connecting<'a>,
+) -> (Vec<Owned<u64>>, Vec<(Vec<PartitionKey>, KafkaError)>) {
+    let mut tasks = Vec::with_capacity(groups.len());
+    let mut failed = Vec::new();
+    for partitions in groups {
+        match connect(partitions.clone(), cancel.clone()).await {
+            Ok(run) => tasks.push(Owned(Some(tokio::spawn(run)))),
+            Err(e) => failed.push((partitions, e)),
+        }
+    }
+    (tasks, failed)
+}
+
+/// Logs the groups that could not connect; the groups, to be tried again.
+fn pending_of(
+    member: &str,
+    failed: Vec<(Vec<PartitionKey>, KafkaError)>,
+) -> Vec<Vec<PartitionKey>> {
+    failed
+        .into_iter()
+        .map(|(partitions, e)| {
+            tracing::warn!(member = %member, ?partitions, error = %e,
+                "connecting the consumer of these partitions failed; the others run, these are tried again at the next heartbeat");
+            partitions
+        })
+        .collect()
 }
 
 impl Running {
+    /// Connects the groups that could not connect before (see
+    /// [`spawn_each`]); those that still cannot stay pending.
+    async fn connect_pending<'a>(
+        &mut self,
+        member: &str,
+        connect: impl FnMut(Vec<PartitionKey>, CancellationToken) -> Connecting<'a>,
+    ) {
+        let groups = std::mem::take(&mut self.pending);
+        let (tasks, failed) = spawn_each(groups, &self.cancel, connect).await;
+        self.tasks.extend(tasks);
+        self.pending = pending_of(member, failed);
+    }
+
     /// Stops every runner (each finishes what it has in hand); the
     /// messages they handled.
     async fn stop(self) -> u64 {
@@ -463,6 +525,7 @@ where
                             owned,
                             cancel: CancellationToken::new(),
                             tasks: Vec::new(),
+                            pending: Vec::new(),
                         });
                     } else {
                         match start(&kafka, &group, owned, &store, &handler, &runner, &watched)
@@ -476,6 +539,9 @@ where
                             }
                         }
                     }
+                } else if let Some(r) = running.as_mut().filter(|r| !r.pending.is_empty()) {
+                    r.connect_pending(&me, connector(&kafka, &store, &handler, &runner, &watched))
+                        .await;
                 }
             }
             Err(e) => tracing::warn!(member = %me, error = %e, "heartbeat failed; trying again"),
@@ -566,22 +632,48 @@ where
         );
     }
     let cancel = CancellationToken::new();
-    let mut tasks = Vec::with_capacity(runners);
-    // a consumer that cannot connect drops (aborts) the ones started
-    // before it: nothing was handled yet, their claims are taken again
-    for partitions in deal(&owned, runners) {
-        let mut r = runner_over(kafka, partitions, store, handler, runner, metrics).await?;
-        let stop = cancel.clone();
-        // the configuration was checked before the group started
-        tasks.push(Owned(Some(tokio::spawn(async move {
-            r.run(stop).await.map_or(0, |summary| summary.messages)
-        }))));
+    let (tasks, mut failed) = spawn_each(
+        deal(&owned, runners),
+        &cancel,
+        connector(kafka, store, handler, runner, metrics),
+    )
+    .await;
+    if tasks.is_empty()
+        && let Some((_, e)) = failed.pop()
+    {
+        // nothing runs: the whole start is tried again
+        return Err(e);
     }
     Ok(Running {
         owned,
         cancel,
         tasks,
+        pending: pending_of(&group.member_id, failed),
     })
+}
+
+/// Connects a consumer and a runner over a group of partitions
+/// ([`runner_over`]), for [`spawn_each`].
+fn connector<'a, S, H>(
+    kafka: &'a KafkaConfig,
+    store: &'a S,
+    handler: &'a Arc<H>,
+    runner: &'a RunnerConfig,
+    metrics: &'a Arc<dyn Metrics>,
+) -> impl FnMut(Vec<PartitionKey>, CancellationToken) -> Connecting<'a>
+where
+    S: InboxStore + OffsetStore + Clone + 'static,
+    H: Handler<S::Tx> + 'static,
+{
+    move |partitions, stop| {
+        Box::pin(async move {
+            let mut r = runner_over(kafka, partitions, store, handler, runner, metrics).await?;
+            // the configuration was checked before the group started
+            let run: Run =
+                Box::pin(async move { r.run(stop).await.map_or(0, |summary| summary.messages) });
+            Ok(run)
+        })
+    }
 }
 
 /// One consumer claiming `owned` and `group.concurrency` lanes over it
@@ -666,6 +758,7 @@ where
         owned,
         cancel,
         tasks: vec![Owned(Some(task))],
+        pending: Vec::new(),
     })
 }
 
@@ -686,6 +779,72 @@ mod tests {
         assert_eq!(runners_for(8, 8, Some(5)), 4);
         assert_eq!(runners_for(8, 8, Some(1)), 1);
         assert_eq!(runners_for(0, 8, None), 1);
+    }
+
+    /// A connect that fails for the groups holding partition 1 (`fails`
+    /// times, then connects); the runs it gives wait for their stop and
+    /// count 1 each, so a run aborted instead of stopped counts nothing.
+    fn flaky_connect(
+        fails: usize,
+    ) -> impl FnMut(Vec<PartitionKey>, CancellationToken) -> Connecting<'static> {
+        let mut failures = 0;
+        move |partitions, stop| {
+            let fail = partitions.contains(&("t".to_owned(), 1)) && failures < fails;
+            if fail {
+                failures += 1;
+            }
+            Box::pin(async move {
+                if fail {
+                    return Err(KafkaError::Config(
+                        "the leader of t:1 cannot be reached".into(),
+                    ));
+                }
+                let run: Run = Box::pin(async move {
+                    stop.cancelled().await;
+                    1
+                });
+                Ok(run)
+            })
+        }
+    }
+
+    /// One group whose leader cannot be reached: the groups dealt before
+    /// and after it run (none aborted: each stops and counts its
+    /// messages), it is tried again while they run, and joins them once it
+    /// connects.
+    #[tokio::test]
+    async fn a_group_that_cannot_connect_holds_back_none_of_the_others() {
+        let cancel = CancellationToken::new();
+        let (tasks, failed) = spawn_each(deal(&keys(3), 3), &cancel, flaky_connect(2)).await;
+        assert_eq!(tasks.len(), 2, "t:0 and t:2 run");
+        let mut running = Running {
+            owned: keys(3),
+            cancel,
+            tasks,
+            pending: pending_of("m-1", failed),
+        };
+        assert_eq!(running.pending, vec![vec![("t".to_owned(), 1)]]);
+        assert!(!running.died(), "the others run on");
+        let mut connect = flaky_connect(2);
+        // the same connect: t:1 fails its first two tries, then connects
+        for (try_, pending) in [(1, 1), (2, 1), (3, 0)] {
+            running.connect_pending("m-1", &mut connect).await;
+            assert_eq!(running.pending.len(), pending, "try {try_}");
+        }
+        assert_eq!(running.tasks.len(), 3);
+        assert!(!running.died());
+        assert_eq!(running.stop().await, 3, "every run stopped, none aborted");
+    }
+
+    /// When no group connects, the start fails as a whole (tried again at
+    /// the next heartbeat).
+    #[tokio::test]
+    async fn no_group_connecting_starts_nothing() {
+        let cancel = CancellationToken::new();
+        let (tasks, failed) =
+            spawn_each(vec![vec![("t".to_owned(), 1)]], &cancel, flaky_connect(1)).await;
+        assert!(tasks.is_empty());
+        assert_eq!(failed.len(), 1);
     }
 
     #[test]

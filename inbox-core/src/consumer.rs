@@ -43,6 +43,25 @@ pub struct TxAck {
     pub expected_next: Option<i64>,
 }
 
+/// Whether a message may have been handed to a handler before this
+/// consumer started (by a process that crashed there, or by the partition's
+/// previous owner): the runner then counts its attempt before its handler
+/// (the *crash guard*: a message that kills the process spends its budget
+/// and is dead-lettered instead of stopping it again and again).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Suspect {
+    /// It cannot have been: it was written after this consumer started.
+    No,
+    /// It may have been.
+    Yes,
+    /// It may have been, unless a message of its key
+    /// ([`Message::key`]) was counted before its handler by this runner
+    /// since it started: one key's messages run one at a time, in offset
+    /// order, so only the first of a key not finished can have been
+    /// running ([`Ordering::Key`](crate::keyed::Ordering::Key)).
+    UnlessKeyCounted,
+}
+
 /// A source of messages with acknowledgement and rewind.
 #[async_trait]
 pub trait Consumer: Send {
@@ -90,6 +109,27 @@ pub trait Consumer: Send {
     fn hold(&mut self, position: &Position, until: tokio::time::Instant) -> bool {
         let _ = (position, until);
         false
+    }
+
+    /// Where `position`'s partition log ended when this consumer first read
+    /// from it: a record below it may have been handed to a handler before
+    /// this consumer started, a record at or past it cannot have been.
+    /// `None` (the default): not known.
+    fn log_end_at_start(&self, position: &Position) -> Option<i64> {
+        let _ = position;
+        None
+    }
+
+    /// Whether `message` may have been handed to a handler before this
+    /// consumer started, for a consumer that hands a partition's messages
+    /// out of offset order (the lanes of
+    /// [`Ordering::Key`](crate::keyed::Ordering::Key)), where a crash's
+    /// message need not be among the first delivered. `None` (the
+    /// default): the runner's own rule, a partition's first deliveries
+    /// (the first after the stored offset is the one that was running).
+    fn suspect(&self, message: &Message) -> Option<Suspect> {
+        let _ = message;
+        None
     }
 
     /// Told that storing an acknowledgement for `message`'s partition was

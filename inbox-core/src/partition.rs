@@ -82,6 +82,8 @@ struct Learned {
     refused: BTreeMap<i64, Refusal>,
     /// How many distinct offsets were seen first, and the highest.
     first_seen: Option<(usize, i64)>,
+    /// Keys one of whose messages was counted before its handler.
+    counted_keys: std::collections::HashSet<Vec<u8>>,
     /// The offsets whose handler asked for uncounted retries, and how
     /// many in a row each.
     uncounted: BTreeMap<i64, u32>,
@@ -98,6 +100,7 @@ impl Learned {
             && self.unrewound.is_none()
             && self.refused.is_empty()
             && self.first_seen.is_none()
+            && self.counted_keys.is_empty()
             && self.uncounted.is_empty()
             && self.apart.is_none()
     }
@@ -184,6 +187,27 @@ impl Partitions {
         if offset > highest {
             entry.first_seen = Some((seen.saturating_add(1), offset));
         }
+    }
+
+    /// A message of `key` with record key `record_key` was counted before
+    /// its handler (see [`Suspect::UnlessKeyCounted`](crate::Suspect)). At
+    /// most [`MAX_OFFSETS`] keys a partition are kept: past it they are
+    /// forgotten, and their next messages counted again (more
+    /// transactions, never fewer counts).
+    pub fn key_counted(&mut self, key: &PartitionKey, record_key: &[u8]) {
+        let keys = &mut self.entry(key).counted_keys;
+        if keys.len() >= MAX_OFFSETS {
+            keys.clear();
+        }
+        keys.insert(record_key.to_vec());
+    }
+
+    /// Whether a message of `record_key` was counted before its handler
+    /// ([`key_counted`](Self::key_counted)).
+    pub fn is_key_counted(&self, key: &PartitionKey, record_key: &[u8]) -> bool {
+        self.parts
+            .get(key)
+            .is_some_and(|l| l.counted_keys.contains(record_key))
     }
 
     /// The database refused `offset`'s data (`cause`), once more; how many

@@ -427,3 +427,97 @@ async fn a_failing_keys_backoff_grows_while_its_lane_runs_other_keys() {
         s.started.values().map(Vec::len).sum::<usize>()
     );
 }
+
+/// m1 runs for ever (a slow call: the stored offset stays at it) and m7
+/// stops the process (here: the runners are dropped as soon as it starts),
+/// every time. m7 is not among the first deliveries after the stored
+/// offset: the lanes hand m2.. out beside m1. Each restart counts m7's
+/// attempt before its handler (it may have been running when the process
+/// died: it is below where the log ended when the consumer started), so
+/// once its budget is spent it is dead-lettered without running, and the
+/// process stops dying. The runners counted only each lane's first
+/// deliveries: m7 ran, and stopped the process, at every restart.
+#[tokio::test(start_paused = true)]
+async fn a_message_that_stops_the_process_under_lanes_spends_its_budget() {
+    struct Crashing {
+        calls: Mutex<HashMap<String, u32>>,
+    }
+    #[async_trait]
+    impl<Tx: WriteInvoice + 'static> Handler<Tx> for Crashing {
+        type Output = ();
+        async fn handle(&self, message: &Message, tx: &mut Tx) -> Result<(), HandlerError> {
+            *self
+                .calls
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .entry(message.message_id.clone())
+                .or_default() += 1;
+            if ["m1", "m7"].contains(&message.message_id.as_str()) {
+                std::future::pending::<()>().await;
+            }
+            tx.write_invoice(&message.message_id).await?;
+            Ok(())
+        }
+    }
+    let store = MemStore::new();
+    let broker = keyed_broker(40, 1, 10);
+    let handler = Arc::new(Crashing {
+        calls: Mutex::default(),
+    });
+    let calls = |id: &str| {
+        handler
+            .calls
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(id)
+            .copied()
+            .unwrap_or(0)
+    };
+    let budget = RunnerConfig::new("billing", "w-1")
+        .expect("config")
+        .max_attempts;
+    let budget = u32::try_from(budget).unwrap_or(u32::MAX);
+    for _restart in 0..budget + 3 {
+        let before = calls("m7");
+        let shared = Lanes::new(broker.consumer("billing"), Ordering::Key, 4);
+        let mut tasks = Vec::new();
+        for lane in shared.lanes() {
+            let config = RunnerConfig::new("billing", "w-1").expect("config");
+            let mut runner = Runner::new(store.clone(), lane, handler.clone(), config);
+            let stop = CancellationToken::new();
+            tasks.push(tokio::spawn(async move {
+                runner.run(stop).await.expect("a valid configuration");
+            }));
+        }
+        let started = tokio::time::Instant::now();
+        while calls("m7") == before && started.elapsed() < Duration::from_secs(5) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // the process dies: nothing more of it runs or is written
+        for t in &tasks {
+            t.abort();
+        }
+        for t in tasks {
+            let _ = t.await;
+        }
+    }
+    assert!(
+        calls("m7") <= budget,
+        "m7 stopped the process {} times, its budget is {budget}",
+        calls("m7")
+    );
+    assert_eq!(
+        store.row("m7", "billing").map(|r| r.status),
+        Some(inbox_core::InboxStatus::Failed),
+        "m7 given up once its budget was spent"
+    );
+    let effects = store.business_rows("invoices");
+    for i in (0..40).filter(|i| ![1, 7].contains(i)) {
+        let id = format!("m{i}");
+        assert_eq!(
+            effects.iter().filter(|e| **e == id).count(),
+            1,
+            "{id}'s effect once"
+        );
+    }
+}

@@ -50,6 +50,10 @@ pub(crate) struct Partition {
     pub(crate) delivered: VecDeque<Fetched>,
     pub(crate) delivered_bytes: usize,
     pub(crate) high_watermark: i64,
+    /// The high watermark of the first fetch that answered: no record at
+    /// or past it can have been read (and handled) before this consumer
+    /// started (`inbox_core::Consumer::log_end_at_start`).
+    pub(crate) end_at_start: Option<i64>,
     pub(crate) fenced: bool,
     /// Stopped by [`OutOfRange::Stop`].
     pub(crate) stopped: bool,

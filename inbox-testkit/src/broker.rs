@@ -127,6 +127,7 @@ impl MemBroker {
             group: group.to_owned(),
             positions: HashMap::new(),
             held: HashMap::new(),
+            ends: HashMap::new(),
             cursor: 0,
             closed: false,
         }
@@ -190,6 +191,9 @@ pub struct MemConsumer {
     positions: HashMap<PartitionKey, i64>,
     /// Partitions held back until then ([`Consumer::hold`]).
     held: HashMap<PartitionKey, tokio::time::Instant>,
+    /// Where each partition's log ended when this consumer first read it
+    /// ([`Consumer::log_end_at_start`]).
+    ends: HashMap<PartitionKey, i64>,
     cursor: usize,
     closed: bool,
 }
@@ -254,6 +258,7 @@ impl Consumer for MemConsumer {
                 let message = s.topics[topic][usize::try_from(*partition).unwrap_or(0)]
                     [usize::try_from(position).unwrap_or(0)]
                 .clone();
+                self.ends.entry(key.clone()).or_insert(*len as i64);
                 self.positions.insert(key, position + 1);
                 self.cursor = index + 1;
                 s.deliveries += 1;
@@ -308,5 +313,9 @@ impl Consumer for MemConsumer {
     fn hold(&mut self, position: &Position, until: tokio::time::Instant) -> bool {
         self.held.insert(position.partition_key(), until);
         true
+    }
+
+    fn log_end_at_start(&self, position: &Position) -> Option<i64> {
+        self.ends.get(&position.partition_key()).copied()
     }
 }

@@ -116,6 +116,9 @@ impl<O: OffsetStore> KafkaConsumer<O> {
         };
         let p = &mut self.partitions[index];
         p.high_watermark = high_watermark;
+        if high_watermark >= 0 {
+            p.end_at_start.get_or_insert(high_watermark);
+        }
         let mut expected = p.next_fetch;
         // a fetch that continues the previous one reads on; so does one
         // whose first batch holds the requested offset (the broker answered

@@ -272,6 +272,7 @@ impl<O: OffsetStore> KafkaConsumer<O> {
                 delivered: VecDeque::new(),
                 delivered_bytes: 0,
                 high_watermark: next_fetch,
+                end_at_start: None,
                 fenced: false,
                 stopped: false,
                 held_until: None,
@@ -504,6 +505,13 @@ impl<O: OffsetStore> Consumer for KafkaConsumer<O> {
         self.tx_ack(message)
     }
 
+    fn log_end_at_start(&self, position: &Position) -> Option<i64> {
+        self.partitions
+            .iter()
+            .find(|p| p.topic == position.topic && p.partition == position.partition)?
+            .end_at_start
+    }
+
     fn hold(&mut self, position: &Position, until: Instant) -> bool {
         let found = self
             .partitions
@@ -640,6 +648,7 @@ mod tests {
             delivered: VecDeque::new(),
             delivered_bytes: 0,
             high_watermark: 0,
+            end_at_start: None,
             fenced: false,
             stopped: false,
             held_until: None,

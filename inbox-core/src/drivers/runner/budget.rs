@@ -12,7 +12,7 @@
 //!   counted before its handler runs, in a transaction of its own; a spent
 //!   budget then gives it up without running the handler again.
 
-use crate::consumer::Consumer;
+use crate::consumer::{Consumer, Suspect};
 use crate::decision::{self, Decision, Policy, Tally};
 use crate::error::{PersistStage, StoreError, ValidationError};
 use crate::model::{InboxStatus, Message, NewInboxRow, RowId, storable_error};
@@ -147,9 +147,13 @@ where
         self.config.batch.map_or(1, |b| b.max_messages.max(1))
     }
 
-    /// Whether `message` is among the first deliveries of its partition to
-    /// this runner (a crash before this runner started could have come from
-    /// it), under a policy that counts failures.
+    /// Whether `message`'s attempt is counted before its handler, under a
+    /// policy that counts failures: when its consumer can tell
+    /// ([`Consumer::suspect`]), when it may have been running before the
+    /// consumer started (unless its key is cleared by an earlier count);
+    /// otherwise when it is among the first deliveries of its partition to
+    /// this runner (a crash before this runner started came from the first
+    /// not finished, the first delivered).
     pub(super) fn is_suspect(&self, policy: Policy, message: &Message) -> bool {
         let Some(pos) = &message.position else {
             return false;
@@ -157,8 +161,27 @@ where
         if !decision::counts_failures(policy) {
             return false;
         }
-        self.partitions
-            .is_suspect(&pos.partition_key(), pos.offset, self.suspect_window())
+        match self.consumer.suspect(message) {
+            Some(Suspect::No) => false,
+            Some(Suspect::Yes) => true,
+            Some(Suspect::UnlessKeyCounted) => message
+                .key
+                .as_deref()
+                .is_none_or(|k| !self.partitions.is_key_counted(&pos.partition_key(), k)),
+            None => {
+                self.partitions
+                    .is_suspect(&pos.partition_key(), pos.offset, self.suspect_window())
+            }
+        }
+    }
+
+    /// Notes that `message`'s attempt was counted before its handler: under
+    /// [`Suspect::UnlessKeyCounted`], its key's later messages are not
+    /// suspects.
+    pub(super) fn note_counted(&mut self, message: &Message) {
+        if let (Some(pos), Some(key)) = (&message.position, message.key.as_deref()) {
+            self.partitions.key_counted(&pos.partition_key(), key);
+        }
     }
 
     /// Notes that `message` was handled, for [`is_suspect`](Self::is_suspect).

@@ -48,7 +48,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tokio::sync::Notify;
 
-use crate::consumer::{Consumer, TxAck};
+use crate::consumer::{Consumer, Suspect, TxAck};
 use crate::error::ConsumerError;
 use crate::keyed::{FlowLimits, KeyedFlow, Ordering};
 use crate::model::{Message, Position};
@@ -85,6 +85,10 @@ struct Part {
     fenced: bool,
     /// Told its stored offset moved: the shared consumer is to be told.
     moved: Option<Message>,
+    /// Where the partition's log ended when the shared consumer first read
+    /// it ([`Consumer::log_end_at_start`]): the records below it may have
+    /// been running before this member started.
+    end_at_start: Option<i64>,
 }
 
 impl Part {
@@ -96,6 +100,7 @@ impl Part {
             fence: None,
             fenced: false,
             moved: None,
+            end_at_start: None,
         }
     }
 }
@@ -290,6 +295,7 @@ impl<C: Consumer> Shared<C> {
             };
             let key = pos.partition_key();
             let owner = inner.transactional_ack(&message);
+            let end_at_start = inner.log_end_at_start(&pos);
             let full = {
                 let mut state = self.state();
                 let limits = self.limits;
@@ -303,6 +309,7 @@ impl<C: Consumer> Shared<C> {
                 if owner.is_some() {
                     part.owner = owner;
                 }
+                part.end_at_start = end_at_start.or(part.end_at_start);
                 if part.flow.has_room() {
                     let flow_key = self.ordering.flow_key(message.key.as_deref(), pos.offset);
                     let bytes = message.approximate_size();
@@ -553,6 +560,25 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
         Some(TxAck {
             position: pos.clone(),
             ..owner.clone()
+        })
+    }
+
+    /// The crash guard under lanes: a record handed out of offset order
+    /// need not be among the first delivered, so every record below where
+    /// the log ended when the shared consumer started may have been
+    /// running then. Under [`Ordering::Key`] only the first of a key not
+    /// finished can have been (the runner counts it, and clears its key);
+    /// otherwise any. `None` when the shared consumer cannot tell.
+    fn suspect(&self, message: &Message) -> Option<Suspect> {
+        let pos = message.position.as_ref()?;
+        let state = self.shared.state();
+        let end = state.parts.get(&pos.partition_key())?.end_at_start?;
+        Some(if pos.offset >= end {
+            Suspect::No
+        } else if self.shared.ordering == Ordering::Key && message.key.is_some() {
+            Suspect::UnlessKeyCounted
+        } else {
+            Suspect::Yes
         })
     }
 

@@ -168,7 +168,12 @@ where
         let mut precounted = false;
         if self.is_suspect(policy, message) {
             match self.count_before(policy, message).await {
-                Precount::Go { counted } => precounted = counted,
+                Precount::Go { counted } => {
+                    precounted = counted;
+                    if counted {
+                        self.note_counted(message);
+                    }
+                }
                 Precount::Done(work) => {
                     // delivered again (a storage failure, a row held
                     // elsewhere): still a first delivery, counted then

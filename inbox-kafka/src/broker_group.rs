@@ -488,6 +488,42 @@ pub(crate) async fn group_offsets(
         })
 }
 
+/// The consumer groups whose offsets a consumer of this process is copying
+/// to the coordinator now: one copy at a time per group, so copies waiting
+/// on a slow coordinator pin at most one database connection of a member
+/// (each copy holds its offsets' hold, a transaction, for up to
+/// [`COPY_DEADLINE`]), not one per consumer (up to
+/// `partitions_in_flight` of them: most of the pool, and the heartbeats
+/// waited for a connection).
+static COPYING: std::sync::Mutex<std::collections::BTreeSet<String>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+/// A group's turn to copy its offsets (see [`COPYING`]), given back when
+/// dropped.
+#[derive(Debug)]
+pub(crate) struct CopyTurn(String);
+
+impl CopyTurn {
+    /// `group`'s turn, unless another consumer of this process is copying
+    /// that group's offsets now.
+    pub(crate) fn take(group: &str) -> Option<Self> {
+        COPYING
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(group.to_owned())
+            .then(|| Self(group.to_owned()))
+    }
+}
+
+impl Drop for CopyTurn {
+    fn drop(&mut self) {
+        COPYING
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(&self.0);
+    }
+}
+
 /// The longest a copy of the offsets to the coordinator may take (and
 /// hold back claims of its partitions).
 pub(crate) const COPY_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
@@ -550,12 +586,14 @@ impl BrokerCommits {
     /// Starts a copy of `offsets` (as PostgreSQL holds them, under `hold`:
     /// no claim of those partitions completes until it is released) to the
     /// coordinator, those it does not hold yet; the hold is released when
-    /// the copy ends, at the latest after [`COPY_DEADLINE`].
+    /// the copy ends, at the latest after [`COPY_DEADLINE`], and the
+    /// group's `turn` given back after it.
     pub(crate) fn start(
         &mut self,
         hold: Box<dyn inbox_core::OffsetHold>,
         offsets: Vec<(String, i32, i64)>,
         metrics: &Arc<dyn inbox_core::Metrics>,
+        turn: CopyTurn,
     ) {
         self.last = Some(std::time::Instant::now());
         let offsets: Vec<(String, i32, i64)> = {
@@ -575,10 +613,12 @@ impl BrokerCommits {
         self.running = Some(tokio::spawn(async move {
             if offsets.is_empty() {
                 hold.release().await;
+                drop(turn);
                 return;
             }
             let done = tokio::time::timeout(COPY_DEADLINE, group.commit(&offsets)).await;
             hold.release().await;
+            drop(turn);
             let failed = match done {
                 Ok(Ok(())) => {
                     let mut held = committed
@@ -616,6 +656,22 @@ mod tests {
 
     /// A coordinator not ready is asked again until it answers; any other
     /// error ends at once; one never ready ends after [`COORDINATOR_WAIT`].
+    /// One copy at a time per group in a process; other groups copy
+    /// beside it; the turn comes back when the copy ends.
+    #[test]
+    fn a_group_copies_one_at_a_time() {
+        let first = CopyTurn::take("turns-a");
+        assert!(first.is_some());
+        assert!(
+            CopyTurn::take("turns-a").is_none(),
+            "a copy of turns-a runs"
+        );
+        let other = CopyTurn::take("turns-b");
+        assert!(other.is_some(), "another group copies beside it");
+        drop(first);
+        assert!(CopyTurn::take("turns-a").is_some(), "given back");
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_coordinator_not_ready_is_asked_again_within_a_bound() {
         let calls = std::sync::atomic::AtomicU32::new(0);

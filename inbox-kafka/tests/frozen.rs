@@ -38,7 +38,7 @@ async fn enqueue(store: &PgStore, topic: &str, from: usize, n: usize) {
         let id = format!("o-{i}");
         let event = OutboxMessage::json(topic, &json!({ "order": id }))
             .unwrap_or_else(|e| panic!("{e}"))
-            .key(format!("k{}", i % 4))
+            .key(format!("k{}", i % 16))
             .message_id(id)
             .header("event_type", "order.created");
         let tx = store.begin().await.unwrap_or_else(|e| panic!("{e}"));
@@ -198,4 +198,108 @@ async fn a_frozen_broker_stops_nothing_for_good() {
         .unwrap_or_else(|e| panic!("{e}"))
         .unwrap_or_else(|e| panic!("{e}"));
     consuming.await.unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// How many copies to the coordinator hold their offsets' hold (a
+/// transaction pinning a database connection) in `store`'s database now.
+async fn holds(store: &PgStore) -> i64 {
+    count(
+        store,
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND mode = 'ShareLock' \
+         AND granted AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        vec![],
+    )
+    .await
+    .unwrap_or(-1)
+}
+
+/// Four consumers of one group (a member's runners under
+/// `Ordering::Partition`) copy their offsets to a coordinator that stops
+/// answering: at most one copy at a time holds a database connection while
+/// it waits (up to its 10 s deadline). Each consumer's copy held one: four
+/// connections pinned, most of a small pool, the heartbeats waiting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_to_a_frozen_coordinator_pin_one_connection() {
+    const CONSUMERS: i32 = 4;
+    let store = fresh_store().await.unwrap_or_else(|e| panic!("{e}"));
+    let broker = Broker::start_new().unwrap_or_else(|e| panic!("{e}"));
+    let pid = broker
+        .pid()
+        .unwrap_or_else(|| panic!("the test's own broker"));
+    let topic = broker
+        .topic("copies", CONSUMERS)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let kafka = |group: &str, partitions: Vec<PartitionKey>| {
+        let mut k = KafkaConfig::new(vec![broker.address().to_owned()], group, partitions);
+        k.connect_timeout = TIMEOUT;
+        k.request_timeout = TIMEOUT;
+        k.fetch_timeout = TIMEOUT;
+        k.max_wait = Duration::from_millis(200);
+        k.broker_commit_interval = Some(Duration::from_millis(500));
+        k
+    };
+    let mut config = RelayConfig::new("relay-1").unwrap_or_else(|e| panic!("{e}"));
+    config.heartbeat = Duration::from_millis(200);
+    config.poll_interval = Duration::from_millis(100);
+    let cancel = CancellationToken::new();
+    let mut relay_kafka = kafka("relay", vec![]);
+    relay_kafka.broker_commit_interval = None;
+    let relay = tokio::spawn(run_relay(
+        relay_kafka,
+        config,
+        store.clone(),
+        Arc::new(NoopMetrics),
+        cancel.clone(),
+    ));
+    let mut consuming = Vec::new();
+    for p in 0..CONSUMERS {
+        let consumer =
+            KafkaConsumer::connect(kafka("billing", vec![(topic.clone(), p)]), store.clone())
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+        let mut runner = Runner::new(
+            store.clone(),
+            consumer,
+            ScriptedHandler::new([], Act::Succeed),
+            common::config("billing", inbox_core::AckStrategy::default()),
+        );
+        let cancel = cancel.clone();
+        consuming.push(tokio::spawn(async move {
+            while !cancel.is_cancelled() {
+                let _ = runner.process_one().await;
+            }
+        }));
+    }
+    // keys enough that every partition gets records
+    enqueue(&store, &topic, 0, 40).await;
+    until(
+        "the first 40 handled",
+        Duration::from_secs(60),
+        async || handled(&store).await == 40,
+    )
+    .await;
+    // what is stored is now ahead of what the coordinator holds: each
+    // consumer's next copy is due within its interval, and hangs
+    signal(pid, "-STOP");
+    let frozen = Instant::now();
+    let mut most = 0;
+    while frozen.elapsed() < Duration::from_secs(6) {
+        most = most.max(holds(&store).await);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    signal(pid, "-CONT");
+    cancel.cancel();
+    relay
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    for c in consuming {
+        c.await.unwrap_or_else(|e| panic!("{e}"));
+    }
+    assert!(
+        most >= 1,
+        "no copy waited on the frozen coordinator: the test saw nothing"
+    );
+    assert_eq!(most, 1, "copies holding a connection at once");
 }

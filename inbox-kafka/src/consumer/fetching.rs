@@ -407,6 +407,11 @@ impl<O: OffsetStore> KafkaConsumer<O> {
         if !broker.due(live) {
             return;
         }
+        // one copy of the group at a time in this process: tried again at
+        // the next poll when another consumer's copy runs
+        let Some(turn) = crate::broker_group::CopyTurn::take(&self.group) else {
+            return;
+        };
         let owned: Vec<(String, i32, i64)> = self
             .partitions
             .iter()
@@ -419,7 +424,7 @@ impl<O: OffsetStore> KafkaConsumer<O> {
         )
         .await;
         match held {
-            Ok(Ok((hold, offsets))) => broker.start(hold, offsets, &self.metrics),
+            Ok(Ok((hold, offsets))) => broker.start(hold, offsets, &self.metrics, turn),
             Ok(Err(e)) => {
                 broker.postpone();
                 tracing::warn!(group = %self.group, error = %e, "reading the offsets to copy to the group coordinator failed; tried again at the next interval");

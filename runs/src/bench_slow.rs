@@ -22,6 +22,13 @@
 //! the partitions' keys, per message and in batches of 10), and the same
 //! with no wait (`fast-*`): what side by side costs or gains when the
 //! handler only writes.
+//!
+//! `failing-keys` and `failing-keys-batched`: `slow-keys` and
+//! `slow-keys-batched` over [`FEW_KEYS`] keys of which a quarter fail on
+//! every message (key-0, key-4, ..., with the default failure budget and
+//! backoff); their rate is the healthy keys' effects', against the same
+//! lines with no failing key (`healthy-keys`, `healthy-keys-batched`): what
+//! a few failing keys cost the others.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -39,6 +46,8 @@ pub(crate) const KEY_CONCURRENCY: usize = 64;
 pub(crate) const PARTITIONS: i32 = 8;
 /// Distinct keys the producer writes.
 pub(crate) const KEYS: u64 = 1_000;
+/// Distinct keys of the `failing-keys` and `healthy-keys` lines.
+pub(crate) const FEW_KEYS: u64 = 200;
 /// The most messages a line with a wait takes (2,400 at 44 msg/s, one
 /// partition at a time, is under a minute).
 pub(crate) const MOST: u64 = 2_400;
@@ -57,11 +66,30 @@ pub(crate) struct Shape {
     /// `Some(n)`: `Ordering::Key` with concurrency `n` (and a pool of
     /// `n + 6` connections).
     pub(crate) keys: Option<usize>,
+    /// Distinct keys the producer writes.
+    pub(crate) distinct_keys: u64,
+    /// Every message of a quarter of the keys fails (key-0, key-4, ...).
+    pub(crate) failing: bool,
 }
 
 impl Shape {
     /// The shape of line `name`, if it is a slow line.
     pub(crate) fn of(name: &str) -> Option<Self> {
+        let few = |failing: bool, batch: Option<usize>| Self {
+            partitions_in_flight: 8,
+            batch,
+            wait: Duration::from_millis(20),
+            keys: Some(KEY_CONCURRENCY),
+            distinct_keys: FEW_KEYS,
+            failing,
+        };
+        match name {
+            "failing-keys" => return Some(few(true, None)),
+            "failing-keys-batched" => return Some(few(true, Some(10))),
+            "healthy-keys" => return Some(few(false, None)),
+            "healthy-keys-batched" => return Some(few(false, Some(10))),
+            _ => {}
+        }
         let (wait, rest) = if let Some(rest) = name.strip_prefix("slow-") {
             (Duration::from_millis(20), rest)
         } else {
@@ -80,8 +108,15 @@ impl Shape {
             batch,
             wait,
             keys,
+            distinct_keys: KEYS,
+            failing: false,
         })
     }
+}
+
+/// Whether key number `key` fails on every message in a failing line.
+fn fails(key: u64) -> bool {
+    key.is_multiple_of(4)
 }
 
 impl Shape {
@@ -93,17 +128,37 @@ impl Shape {
             messages.min(MOST)
         }
     }
+
+    /// How many of the line's `messages` ([`Shape::messages`]) have an
+    /// effect: all, or those of the keys that do not fail.
+    pub(crate) fn effects(&self, messages: u64) -> u64 {
+        let messages = self.messages(messages);
+        if !self.failing {
+            return messages;
+        }
+        let keys = self.distinct_keys.max(1);
+        (0..messages).filter(|i| !fails(i % keys)).count() as u64
+    }
 }
 
-/// The handler: one INSERT, then the wait.
+/// The handler: one INSERT, then the wait (or, for a failing key's
+/// message, an error at once).
 struct Slow {
     wait: Duration,
+    failing: bool,
 }
 
 #[async_trait]
 impl Handler<PgTx> for Slow {
     type Output = ();
     async fn handle(&self, m: &Message, tx: &mut PgTx) -> Result<(), HandlerError> {
+        let key = m.payload["key"].as_str().unwrap_or_default();
+        let number = key.strip_prefix("key-").and_then(|n| n.parse::<u64>().ok());
+        if self.failing && number.is_some_and(fails) {
+            return Err(HandlerError::msg(
+                "the payment provider refuses this customer",
+            ));
+        }
         tx.connection()
             .execute_raw(Statement::from_sql_and_values(
                 DbBackend::Postgres,
@@ -122,11 +177,11 @@ impl Handler<PgTx> for Slow {
     }
 }
 
-/// Writes `n` keyed records to `topic` with librdkafka.
-fn produce(broker: &str, topic: &str, n: u64) -> Result<()> {
+/// Writes `n` records of `keys` keys to `topic` with librdkafka.
+fn produce(broker: &str, topic: &str, n: u64, keys: u64) -> Result<()> {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/clients/librdkafka_keyed.py");
     let out = std::process::Command::new("python3")
-        .args([script, broker, topic, &n.to_string(), &KEYS.to_string()])
+        .args([script, broker, topic, &n.to_string(), &keys.to_string()])
         .output()
         .context("running python3 (librdkafka's producer): `cargo xtask bench` needs the confluent-kafka wheel")?;
     if !out.status.success() {
@@ -136,7 +191,7 @@ fn produce(broker: &str, topic: &str, n: u64) -> Result<()> {
         );
     }
     println!(
-        "NOTE librdkafka wrote {n} records with {KEYS} keys: {}",
+        "NOTE librdkafka wrote {n} records with {keys} keys: {}",
         String::from_utf8_lossy(&out.stdout).trim()
     );
     Ok(())
@@ -159,7 +214,7 @@ pub(crate) async fn run(url: &str, messages: u64, shape: Shape) -> Result<Durati
         .topic("slow", PARTITIONS)
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))?;
-    produce(broker.address(), &topic, messages)?;
+    produce(broker.address(), &topic, messages, shape.distinct_keys)?;
     let mut kafka = KafkaConfig::new(vec![broker.address().to_owned()], "bench", Vec::new());
     kafka.max_wait = inbox_testkit::kafka::TANSU_MAX_WAIT;
     let mut group = GroupConfig::new("bench-1", vec![topic.clone()]);
@@ -177,7 +232,10 @@ pub(crate) async fn run(url: &str, messages: u64, shape: Shape) -> Result<Durati
         kafka,
         group,
         store.clone(),
-        Arc::new(Slow { wait: shape.wait }),
+        Arc::new(Slow {
+            wait: shape.wait,
+            failing: shape.failing,
+        }),
         runner,
         Arc::new(inbox_core::NoopMetrics),
         cancel.clone(),
@@ -193,12 +251,14 @@ pub(crate) async fn run(url: &str, messages: u64, shape: Shape) -> Result<Durati
         Ok(row.try_get::<i64>("", "n")?)
     };
     let deadline = Instant::now() + Duration::from_secs(300);
-    let want = i64::try_from(messages)?;
+    // the failing keys' messages have no effect: the line ends when every
+    // healthy one has its own
+    let want = i64::try_from(shape.effects(messages))?;
     while count().await? < want {
         if Instant::now() > deadline || member.is_finished() {
             cancel.cancel();
             let done = count().await?;
-            bail!("{done} of {messages} effects (the member ended or 300 s passed)");
+            bail!("{done} of {want} effects (the member ended or 300 s passed)");
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

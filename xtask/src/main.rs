@@ -96,7 +96,8 @@ fn main() -> ExitCode {
         setup::postgres()?;
         setup::apache_kafka()?;
         match cli.command {
-            Cmd::Bench(_) => setup::tansu(),
+            // the slow and failing lines write with librdkafka
+            Cmd::Bench(_) => setup::tansu().and_then(|()| setup::librdkafka()),
             Cmd::Pooler(_) => setup::pgbouncer(),
             _ => Ok(()),
         }

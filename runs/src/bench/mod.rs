@@ -64,7 +64,12 @@
 //!   member over 8 partitions written by librdkafka with a handler that
 //!   waits 20 ms (or not at all) after its INSERT, one partition at a
 //!   time, partitions side by side, or keys side by side
-//!   (`Ordering::Key`, 64 at once; see `bench_slow`).
+//!   (`Ordering::Key`, 64 at once; see `bench_slow`);
+//! - `failing-keys`, `failing-keys-batched`: `slow-keys` over 200 keys, a
+//!   quarter failing on every message, rated by the healthy keys'
+//!   effects, against `healthy-keys`, `healthy-keys-batched` (no key
+//!   fails): what failing keys cost the others (target: at least 0.67,
+//!   the healthy messages within 1.5x the time).
 //!
 //! The processor and graphile lines also print the WAL their drain wrote,
 //! per job: bytes in all and, when the server has `pg_walinspect`
@@ -101,7 +106,7 @@ mod lines;
 use baselines::*;
 use lines::*;
 
-const LINES: [&str; 44] = [
+const LINES: [&str; 48] = [
     "omni-box",
     "floor",
     "raw-batch",
@@ -146,6 +151,10 @@ const LINES: [&str; 44] = [
     "slow-keys-batched",
     "fast-keys",
     "fast-keys-batched",
+    "failing-keys",
+    "healthy-keys",
+    "failing-keys-batched",
+    "healthy-keys-batched",
 ];
 const PARTITIONS: i32 = 4;
 const BATCH: usize = 100;
@@ -298,6 +307,8 @@ pub(crate) fn run(mut o: Options) -> Result<()> {
         ("slow-keys", "slow-serial"),
         ("slow-keys-batched", "slow-serial"),
         ("slow-keys", "fast-keys"),
+        ("failing-keys", "healthy-keys"),
+        ("failing-keys-batched", "healthy-keys-batched"),
         ("fast-partitions", "fast-serial"),
         ("fast-partitions-batched", "fast-serial"),
     ] {
@@ -495,7 +506,7 @@ pub(crate) fn line(args: &[String]) -> Result<()> {
     let count = if name.starts_with("relay-large") {
         crate::bench_outbox::large_events(messages)
     } else if let Some(shape) = slow {
-        shape.messages(messages)
+        shape.effects(messages)
     } else {
         messages
     };

@@ -524,3 +524,41 @@ async fn faulty_store_knows_the_unfinished_rows_of_what_it_wraps() {
     unfinished.sort_unstable();
     assert_eq!(unfinished, leased, "the rows it still holds by lease");
 }
+
+/// A processor's note of what it was running, restored from another
+/// cluster (a dump and restore, a logical move): its transaction id is in
+/// this server's future. `take_unfinished` suspects the noted rows (their
+/// fate cannot be told here) instead of failing: txid_status refused the
+/// id ("transaction ID ... is in the future") and every batch failed for
+/// ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_note_restored_from_another_cluster_is_suspected_not_an_error() {
+    let stores = landed(3, 1).await;
+    let store = stores[0].clone();
+    let ids: Vec<i64> = store
+        .connection()
+        .query_all_raw(inbox_postgres::sea_orm::Statement::from_string(
+            inbox_postgres::sea_orm::DbBackend::Postgres,
+            "SELECT id FROM inbox ORDER BY id",
+        ))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .iter()
+        .map(|r| r.try_get::<i64>("", "id").unwrap_or_else(|e| panic!("{e}")))
+        .collect();
+    assert_eq!(ids.len(), 3);
+    store
+        .connection()
+        .execute_unprepared(
+            "INSERT INTO inbox_processor_running (member_id, row_ids, xid) \
+             SELECT 'restored', array_agg(id ORDER BY id), txid_current() + 1000000 FROM inbox",
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let member = inbox_core::MemberId::new("restored").unwrap_or_else(|e| panic!("{e}"));
+    let unfinished = store
+        .take_unfinished(&member)
+        .await
+        .unwrap_or_else(|e| panic!("a note from another cluster's history: {e}"));
+    assert_eq!(unfinished, ids);
+}

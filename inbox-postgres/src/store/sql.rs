@@ -281,11 +281,19 @@ impl Sql {
             note_running: t.processor_running(),
             // the noted rows of a transaction that did not commit (aborted,
             // or still in progress in a backend that has not seen its client
-            // die), and the rows still leased by the member
+            // die), or whose fate this server cannot tell (an id from
+            // another cluster's history after a dump and restore or a
+            // logical move: txid_status refuses one in its future, answers
+            // NULL for one too old; suspected, as after a crash, never an
+            // error that fails every batch), and the rows still leased by
+            // the member
             take_unfinished: format!(
                 "WITH noted AS (DELETE FROM {r} WHERE member_id = $1 RETURNING row_ids, xid)
                  SELECT id FROM noted, unnest(noted.row_ids) AS id
-                  WHERE txid_status(noted.xid) IN ('aborted', 'in progress')
+                  WHERE COALESCE(
+                          CASE WHEN noted.xid < txid_snapshot_xmax(txid_current_snapshot())
+                               THEN txid_status(noted.xid) END,
+                          'unknown') IN ('aborted', 'in progress', 'unknown')
                  UNION
                  SELECT id FROM {q} WHERE locked_by = $1 AND status = 'pending'
                  ORDER BY id",

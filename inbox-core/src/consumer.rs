@@ -43,25 +43,6 @@ pub struct TxAck {
     pub expected_next: Option<i64>,
 }
 
-/// Whether a message may have been handed to a handler before this
-/// consumer started (by a process that crashed there, or by the partition's
-/// previous owner): the runner then counts its attempt before its handler
-/// (the *crash guard*: a message that kills the process spends its budget
-/// and is dead-lettered instead of stopping it again and again).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Suspect {
-    /// It cannot have been: it was written after this consumer started.
-    No,
-    /// It may have been.
-    Yes,
-    /// It may have been, unless a message of its key
-    /// ([`Message::key`]) was counted before its handler by this runner
-    /// since it started: one key's messages run one at a time, in offset
-    /// order, so only the first of a key not finished can have been
-    /// running ([`Ordering::Key`](crate::keyed::Ordering::Key)).
-    UnlessKeyCounted,
-}
-
 /// A source of messages with acknowledgement and rewind.
 #[async_trait]
 pub trait Consumer: Send {
@@ -101,7 +82,9 @@ pub trait Consumer: Send {
     }
 
     /// Holds the partition of `position` back: `next` delivers nothing more
-    /// from it before `until` (the other partitions go on). The runner
+    /// from it before `until` (the other partitions go on; a lane of
+    /// [`Ordering::Key`](crate::keyed::Ordering::Key) holds only the
+    /// message's key, the partition's other keys go on). The runner
     /// calls it after rewinding a message that is to wait out its
     /// redelivery backoff. `false` (the default): this consumer cannot hold
     /// one partition, and the runner waits before its next fetch instead,
@@ -121,15 +104,27 @@ pub trait Consumer: Send {
     }
 
     /// Whether `message` may have been handed to a handler before this
-    /// consumer started, for a consumer that hands a partition's messages
-    /// out of offset order (the lanes of
-    /// [`Ordering::Key`](crate::keyed::Ordering::Key)), where a crash's
-    /// message need not be among the first delivered. `None` (the
-    /// default): the runner's own rule, a partition's first deliveries
-    /// (the first after the stored offset is the one that was running).
-    fn suspect(&self, message: &Message) -> Option<Suspect> {
+    /// consumer started (by a process that died there, or by the
+    /// partition's previous owner), for a consumer that hands a
+    /// partition's messages out of offset order (the lanes of
+    /// [`Ordering::Key`](crate::keyed::Ordering::Key)), where the message
+    /// that stopped a process need not be among the first delivered: the
+    /// runner then counts its attempt before its handler (the *crash
+    /// guard*: a message that kills the process spends its budget instead
+    /// of stopping it again and again). `None` (the default): the runner's
+    /// own rule, a partition's first deliveries (the first after the
+    /// stored offset is the one that was running).
+    fn suspect(&self, message: &Message) -> Option<bool> {
         let _ = message;
         None
+    }
+
+    /// Told that `message`'s attempt was counted before its handler
+    /// ([`suspect`](Self::suspect)): a consumer that orders by key clears
+    /// the key's later messages (only the first of a key not finished can
+    /// have been running).
+    fn counted_before_handler(&mut self, message: &Message) {
+        let _ = message;
     }
 
     /// Told that storing an acknowledgement for `message`'s partition was

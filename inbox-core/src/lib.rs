@@ -72,7 +72,7 @@ pub mod observability;
 pub mod outbox;
 pub mod routing;
 
-pub use consumer::{Consumer, Suspect, TxAck};
+pub use consumer::{Consumer, TxAck};
 pub use drivers::runner::{
     Backoff, BatchConfig, BatchResult, DEFAULT_FAILURE_BUDGET, ProcessError, ProcessResult,
     RunSummary, Runner, RunnerConfig, panic_message,

@@ -82,8 +82,6 @@ struct Learned {
     refused: BTreeMap<i64, Refusal>,
     /// How many distinct offsets were seen first, and the highest.
     first_seen: Option<(usize, i64)>,
-    /// Keys one of whose messages was counted before its handler.
-    counted_keys: std::collections::HashSet<Vec<u8>>,
     /// The offsets whose handler asked for uncounted retries, and how
     /// many in a row each.
     uncounted: BTreeMap<i64, u32>,
@@ -100,7 +98,6 @@ impl Learned {
             && self.unrewound.is_none()
             && self.refused.is_empty()
             && self.first_seen.is_none()
-            && self.counted_keys.is_empty()
             && self.uncounted.is_empty()
             && self.apart.is_none()
     }
@@ -138,10 +135,11 @@ impl Partitions {
     }
 
     /// `offset` of `key` went on (it is not to be delivered again): its
-    /// run of redeliveries ends.
+    /// runs of redeliveries and of uncounted retries end.
     pub fn went_on(&mut self, key: &PartitionKey, offset: i64) {
         if let Some(l) = self.parts.get_mut(key) {
             l.redelivery.remove(&offset);
+            l.uncounted.remove(&offset);
         }
         self.tidy(key);
     }
@@ -187,27 +185,6 @@ impl Partitions {
         if offset > highest {
             entry.first_seen = Some((seen.saturating_add(1), offset));
         }
-    }
-
-    /// A message of `key` with record key `record_key` was counted before
-    /// its handler (see [`Suspect::UnlessKeyCounted`](crate::Suspect)). At
-    /// most [`MAX_OFFSETS`] keys a partition are kept: past it they are
-    /// forgotten, and their next messages counted again (more
-    /// transactions, never fewer counts).
-    pub fn key_counted(&mut self, key: &PartitionKey, record_key: &[u8]) {
-        let keys = &mut self.entry(key).counted_keys;
-        if keys.len() >= MAX_OFFSETS {
-            keys.clear();
-        }
-        keys.insert(record_key.to_vec());
-    }
-
-    /// Whether a message of `record_key` was counted before its handler
-    /// ([`key_counted`](Self::key_counted)).
-    pub fn is_key_counted(&self, key: &PartitionKey, record_key: &[u8]) -> bool {
-        self.parts
-            .get(key)
-            .is_some_and(|l| l.counted_keys.contains(record_key))
     }
 
     /// The database refused `offset`'s data (`cause`), once more; how many

@@ -521,3 +521,40 @@ async fn a_message_that_stops_the_process_under_lanes_spends_its_budget() {
         );
     }
 }
+
+/// The crash guard's facts are the partition's, shared by its lanes: the
+/// records already in the log when the consumer started are suspects, one
+/// written after it is not, and once one lane counted a record of a key
+/// before its handler, that key's later records are suspects for no lane.
+#[tokio::test(start_paused = true)]
+async fn a_key_counted_by_one_lane_is_cleared_for_every_lane() {
+    let broker = keyed_broker(4, 1, 2);
+    let shared = Lanes::new(broker.consumer("billing"), Ordering::Key, 2);
+    let mut lanes = shared.lanes();
+    let m0 = lanes[0].next().await.expect("next").expect("m0 (k0)");
+    let m1 = lanes[1].next().await.expect("next").expect("m1 (k1)");
+    assert_eq!(lanes[0].suspect(&m0), Some(true), "in the log at the start");
+    assert_eq!(lanes[1].suspect(&m1), Some(true));
+    lanes[0].counted_before_handler(&m0);
+    lanes[0].ack(&m0).await.expect("ack");
+    // k0's next record, m2, goes to lane 1 once it is free
+    lanes[1].ack(&m1).await.expect("ack");
+    let m2 = lanes[1].next().await.expect("next").expect("m2 (k0)");
+    assert_eq!(m2.message_id, "m2");
+    assert_eq!(
+        lanes[1].suspect(&m2),
+        Some(false),
+        "k0 was counted by lane 0"
+    );
+    let m3 = lanes[0].next().await.expect("next").expect("m3 (k1)");
+    assert_eq!(lanes[0].suspect(&m3), Some(true), "k1 was not counted");
+    broker.produce("orders", 0, keyed("m4", "k0"));
+    lanes[0].ack(&m3).await.expect("ack");
+    lanes[1].ack(&m2).await.expect("ack");
+    let m4 = lanes[0].next().await.expect("next").expect("m4");
+    assert_eq!(
+        lanes[0].suspect(&m4),
+        Some(false),
+        "written after the start"
+    );
+}

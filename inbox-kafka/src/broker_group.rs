@@ -488,8 +488,9 @@ pub(crate) async fn group_offsets(
         })
 }
 
-/// The consumer groups whose offsets a consumer of this process is copying
-/// to the coordinator now: one copy at a time per group, so copies waiting
+/// The consumer groups (with their brokers) whose offsets a consumer of
+/// this process is copying to the coordinator now: one copy at a time per
+/// group, so copies waiting
 /// on a slow coordinator pin at most one database connection of a member
 /// (each copy holds its offsets' hold, a transaction, for up to
 /// [`COPY_DEADLINE`]), not one per consumer (up to
@@ -504,8 +505,8 @@ static COPYING: std::sync::Mutex<std::collections::BTreeSet<String>> =
 pub(crate) struct CopyTurn(String);
 
 impl CopyTurn {
-    /// `group`'s turn, unless another consumer of this process is copying
-    /// that group's offsets now.
+    /// `group`'s turn (a group name with its brokers), unless another
+    /// consumer of this process is copying that group's offsets now.
     pub(crate) fn take(group: &str) -> Option<Self> {
         COPYING
             .lock()
@@ -654,8 +655,6 @@ mod tests {
         }
     }
 
-    /// A coordinator not ready is asked again until it answers; any other
-    /// error ends at once; one never ready ends after [`COORDINATOR_WAIT`].
     /// One copy at a time per group in a process; other groups copy
     /// beside it; the turn comes back when the copy ends.
     #[test]
@@ -672,6 +671,8 @@ mod tests {
         assert!(CopyTurn::take("turns-a").is_some(), "given back");
     }
 
+    /// A coordinator not ready is asked again until it answers; any other
+    /// error ends at once; one never ready ends after [`COORDINATOR_WAIT`].
     #[tokio::test(start_paused = true)]
     async fn a_coordinator_not_ready_is_asked_again_within_a_bound() {
         let calls = std::sync::atomic::AtomicU32::new(0);

@@ -540,8 +540,15 @@ where
                         }
                     }
                 } else if let Some(r) = running.as_mut().filter(|r| !r.pending.is_empty()) {
-                    r.connect_pending(&me, connector(&kafka, &store, &handler, &runner, &watched))
-                        .await;
+                    // a connect has its deadline (`connect_timeout`); a
+                    // stop does not wait for it
+                    tokio::select! {
+                        () = cancel.cancelled() => {}
+                        () = r.connect_pending(
+                            &me,
+                            connector(&kafka, &store, &handler, &runner, &watched),
+                        ) => {}
+                    }
                 }
             }
             Err(e) => tracing::warn!(member = %me, error = %e, "heartbeat failed; trying again"),

@@ -407,9 +407,10 @@ impl<O: OffsetStore> KafkaConsumer<O> {
         if !broker.due(live) {
             return;
         }
-        // one copy of the group at a time in this process: tried again at
-        // the next poll when another consumer's copy runs
-        let Some(turn) = crate::broker_group::CopyTurn::take(&self.group) else {
+        // one copy of the group (on these brokers) at a time in this
+        // process: tried again at the next poll when another's copy runs
+        let copying = format!("{}@{}", self.group, self.config.brokers.join(","));
+        let Some(turn) = crate::broker_group::CopyTurn::take(&copying) else {
             return;
         };
         let owned: Vec<(String, i32, i64)> = self

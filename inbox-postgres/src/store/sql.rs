@@ -281,12 +281,13 @@ impl Sql {
             note_running: t.processor_running(),
             // the noted rows of a transaction that did not commit (aborted,
             // or still in progress in a backend that has not seen its client
-            // die), or whose fate this server cannot tell (an id from
-            // another cluster's history after a dump and restore or a
-            // logical move: txid_status refuses one in its future, answers
-            // NULL for one too old; suspected, as after a crash, never an
-            // error that fails every batch), and the rows still leased by
-            // the member
+            // die), or whose fate this server cannot tell (txid_status
+            // refuses an id in its future, as a note restored from another
+            // cluster's history can hold, and answers NULL for one too old:
+            // suspected, as after a crash, never an error that fails every
+            // batch; a restored id below this server's next one is judged
+            // against this server's own transaction of that number), and
+            // the rows still leased by the member
             take_unfinished: format!(
                 "WITH noted AS (DELETE FROM {r} WHERE member_id = $1 RETURNING row_ids, xid)
                  SELECT id FROM noted, unnest(noted.row_ids) AS id

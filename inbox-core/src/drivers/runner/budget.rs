@@ -12,7 +12,7 @@
 //!   counted before its handler runs, in a transaction of its own; a spent
 //!   budget then gives it up without running the handler again.
 
-use crate::consumer::{Consumer, Suspect};
+use crate::consumer::Consumer;
 use crate::decision::{self, Decision, Policy, Tally};
 use crate::error::{PersistStage, StoreError, ValidationError};
 use crate::model::{InboxStatus, Message, NewInboxRow, RowId, storable_error};
@@ -150,10 +150,9 @@ where
     /// Whether `message`'s attempt is counted before its handler, under a
     /// policy that counts failures: when its consumer can tell
     /// ([`Consumer::suspect`]), when it may have been running before the
-    /// consumer started (unless its key is cleared by an earlier count);
-    /// otherwise when it is among the first deliveries of its partition to
-    /// this runner (a crash before this runner started came from the first
-    /// not finished, the first delivered).
+    /// consumer started; otherwise when it is among the first deliveries
+    /// of its partition to this runner (a crash before this runner started
+    /// came from the first not finished, the first delivered).
     pub(super) fn is_suspect(&self, policy: Policy, message: &Message) -> bool {
         let Some(pos) = &message.position else {
             return false;
@@ -162,25 +161,11 @@ where
             return false;
         }
         match self.consumer.suspect(message) {
-            Some(Suspect::No) => false,
-            Some(Suspect::Yes) => true,
-            Some(Suspect::UnlessKeyCounted) => message
-                .key
-                .as_deref()
-                .is_none_or(|k| !self.partitions.is_key_counted(&pos.partition_key(), k)),
+            Some(suspect) => suspect,
             None => {
                 self.partitions
                     .is_suspect(&pos.partition_key(), pos.offset, self.suspect_window())
             }
-        }
-    }
-
-    /// Notes that `message`'s attempt was counted before its handler: under
-    /// [`Suspect::UnlessKeyCounted`], its key's later messages are not
-    /// suspects.
-    pub(super) fn note_counted(&mut self, message: &Message) {
-        if let (Some(pos), Some(key)) = (&message.position, message.key.as_deref()) {
-            self.partitions.key_counted(&pos.partition_key(), key);
         }
     }
 

@@ -48,7 +48,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tokio::sync::Notify;
 
-use crate::consumer::{Consumer, Suspect, TxAck};
+use crate::consumer::{Consumer, TxAck};
 use crate::error::ConsumerError;
 use crate::keyed::{FlowLimits, KeyedFlow, Ordering};
 use crate::model::{Message, Position};
@@ -89,6 +89,10 @@ struct Part {
     /// it ([`Consumer::log_end_at_start`]): the records below it may have
     /// been running before this member started.
     end_at_start: Option<i64>,
+    /// Keys one of whose records below `end_at_start` was counted before
+    /// its handler (under [`Ordering::Key`] the key's later records are no
+    /// suspects); emptied once the watermark passes `end_at_start`.
+    counted_keys: HashSet<Vec<u8>>,
 }
 
 impl Part {
@@ -101,6 +105,7 @@ impl Part {
             fenced: false,
             moved: None,
             end_at_start: None,
+            counted_keys: HashSet::new(),
         }
     }
 }
@@ -512,9 +517,16 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
         {
             let mut state = self.shared.state();
             if let Some(part) = state.parts.get_mut(&key)
-                && let Some((_, mark)) = part.flow.ack(self.index, pos.offset)
+                && let Some((done, mark)) = part.flow.ack(self.index, pos.offset)
             {
                 part.watermark = Some(mark);
+                // every record below where the log ended at the start is
+                // finished: no suspect is left, nor any key to clear
+                if part.end_at_start.is_some_and(|end| done + 1 >= end)
+                    && !part.counted_keys.is_empty()
+                {
+                    part.counted_keys = HashSet::new();
+                }
             }
         }
         self.shared.changed.notify_waiters();
@@ -528,7 +540,8 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
     }
 
     /// Hands `message` (and what this lane holds of its partition after
-    /// it) back to this lane, first; its key stays held.
+    /// it) back to this lane, each once its own hold (if any) has passed;
+    /// its key stays held.
     async fn rewind(&mut self, message: &Message) -> Result<(), ConsumerError> {
         let Some(pos) = &message.position else {
             self.shared.state().loose.push_front(message.clone());
@@ -567,19 +580,39 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
     /// need not be among the first delivered, so every record below where
     /// the log ended when the shared consumer started may have been
     /// running then. Under [`Ordering::Key`] only the first of a key not
-    /// finished can have been (the runner counts it, and clears its key);
-    /// otherwise any. `None` when the shared consumer cannot tell.
-    fn suspect(&self, message: &Message) -> Option<Suspect> {
+    /// finished can have been: once one record of a key was counted
+    /// ([`counted_before_handler`](Consumer::counted_before_handler), by
+    /// any lane), its later ones are not suspects. `None` when the shared
+    /// consumer cannot tell.
+    fn suspect(&self, message: &Message) -> Option<bool> {
         let pos = message.position.as_ref()?;
         let state = self.shared.state();
-        let end = state.parts.get(&pos.partition_key())?.end_at_start?;
-        Some(if pos.offset >= end {
-            Suspect::No
-        } else if self.shared.ordering == Ordering::Key && message.key.is_some() {
-            Suspect::UnlessKeyCounted
-        } else {
-            Suspect::Yes
-        })
+        let part = state.parts.get(&pos.partition_key())?;
+        let end = part.end_at_start?;
+        Some(
+            pos.offset < end
+                && !(self.shared.ordering == Ordering::Key
+                    && message
+                        .key
+                        .as_ref()
+                        .is_some_and(|k| part.counted_keys.contains(k))),
+        )
+    }
+
+    /// Clears `message`'s key (see [`suspect`](Consumer::suspect)).
+    fn counted_before_handler(&mut self, message: &Message) {
+        let (Some(pos), Some(key)) = (&message.position, &message.key) else {
+            return;
+        };
+        if self.shared.ordering != Ordering::Key {
+            return;
+        }
+        let mut state = self.shared.state();
+        if let Some(part) = state.parts.get_mut(&pos.partition_key())
+            && part.end_at_start.is_some_and(|end| pos.offset < end)
+        {
+            part.counted_keys.insert(key.clone());
+        }
     }
 
     /// Holds this lane's rewound record at `position` until `until`; the

@@ -171,7 +171,7 @@ where
                 Precount::Go { counted } => {
                     precounted = counted;
                     if counted {
-                        self.note_counted(message);
+                        self.consumer.counted_before_handler(message);
                     }
                 }
                 Precount::Done(work) => {

@@ -416,3 +416,63 @@ async fn tombstones_and_binary_headers_reach_the_handler_or_skip_by_setting() {
         "only the first group's handler wrote for it"
     );
 }
+
+/// The crash guard's bound, on the harness's broker: where each
+/// partition's log ended when the consumer first read it (its first
+/// fetch's high watermark), unknown before that, and unchanged by records
+/// written afterwards (they cannot have run before the consumer started).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_log_end_at_the_start_is_the_first_fetch_s_high_watermark() {
+    use inbox_core::Consumer as _;
+    let env = env("log-end", 1).await;
+    let record = |id: &str| {
+        json_record(
+            &json!({ "order": id }),
+            &[("message_id", id), ("event_type", "order.created")],
+        )
+    };
+    env.broker
+        .produce(
+            &env.topic,
+            0,
+            vec![record("a"), record("b"), record("c")],
+            3,
+        )
+        .await
+        .expect("produce");
+    let mut consumer = KafkaConsumer::connect(env.kafka_config("billing"), env.store.clone())
+        .await
+        .expect("connect");
+    let position = inbox_core::Position::new(env.topic.clone(), 0, 0);
+    // the next record, waited for 30 s at most
+    async fn next(consumer: &mut impl inbox_core::Consumer) -> inbox_core::Message {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            if let Some(m) = consumer.next().await.expect("fetch") {
+                return m;
+            }
+            assert!(std::time::Instant::now() < deadline, "no record in 30 s");
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+    assert_eq!(consumer.log_end_at_start(&position), None, "not read yet");
+    let first = next(&mut consumer).await;
+    assert_eq!(first.message_id, "a");
+    assert_eq!(consumer.log_end_at_start(&position), Some(3));
+    env.broker
+        .produce(&env.topic, 0, vec![record("d")], 1)
+        .await
+        .expect("produce");
+    let mut seen = vec![first.message_id];
+    while seen.len() < 4 {
+        let m = next(&mut consumer).await;
+        consumer.ack(&m).await.expect("ack");
+        seen.push(m.message_id);
+    }
+    assert_eq!(seen, ["a", "b", "c", "d"]);
+    assert_eq!(
+        consumer.log_end_at_start(&position),
+        Some(3),
+        "d was written after the start"
+    );
+}

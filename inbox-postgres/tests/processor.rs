@@ -535,8 +535,10 @@ async fn faulty_store_knows_the_unfinished_rows_of_what_it_wraps() {
 async fn a_note_restored_from_another_cluster_is_suspected_not_an_error() {
     let stores = landed(3, 1).await;
     let store = stores[0].clone();
+    // standalone: the pooler run (PgBouncer keeps no prepared statement
+    // across transactions) runs this suite too
     let ids: Vec<i64> = store
-        .connection()
+        .standalone()
         .query_all_raw(inbox_postgres::sea_orm::Statement::from_string(
             inbox_postgres::sea_orm::DbBackend::Postgres,
             "SELECT id FROM inbox ORDER BY id",

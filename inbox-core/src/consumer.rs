@@ -21,7 +21,7 @@
 use async_trait::async_trait;
 
 use crate::error::ConsumerError;
-use crate::model::{Message, Position};
+use crate::model::{Message, PartitionKey, Position};
 
 /// An acknowledgement the runner stores inside the inbox transaction (see
 /// [`Consumer::transactional_ack`]): the partition's next offset, guarded by
@@ -141,4 +141,70 @@ pub trait Consumer: Send {
     fn offset_moved(&mut self, message: &Message) {
         let _ = message;
     }
+
+    /// Work on parked keys for the runner before any record (a consumer
+    /// that parks failing keys: [`Lanes`](crate::drivers::runner::lanes::Lanes)
+    /// under [`Ordering::Key`](crate::keyed::Ordering::Key)). `None`, the
+    /// default: none.
+    fn park_work(&mut self) -> Option<ParkWork> {
+        None
+    }
+
+    /// Whether `message` belongs to a parked key: the runner parks it
+    /// (appends it to its key's queue in the store, then acknowledges it)
+    /// instead of handling it. `false`, the default.
+    fn parks(&self, message: &Message) -> bool {
+        let _ = message;
+        false
+    }
+
+    /// Told which keys of `partition` are parked ([`ParkWork::Load`]).
+    fn parked_loaded(&mut self, partition: &PartitionKey, loaded: ParkLoad) {
+        let _ = (partition, loaded);
+    }
+
+    /// Told how the drain of `key` of `partition` ([`ParkWork::Drain`])
+    /// ended.
+    fn drained(&mut self, partition: &PartitionKey, key: &[u8], end: DrainEnd) {
+        let _ = (partition, key, end);
+    }
+}
+
+/// Work on parked keys a consumer hands its runner ([`Consumer::park_work`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ParkWork {
+    /// Read which keys of the partition are parked (none of its records is
+    /// handed out before): answer with [`Consumer::parked_loaded`].
+    Load(PartitionKey),
+    /// Run the first parked message of `key` of the partition, then answer
+    /// with [`Consumer::drained`].
+    Drain(PartitionKey, Vec<u8>),
+}
+
+/// What reading a partition's parked keys gave ([`Consumer::parked_loaded`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ParkLoad {
+    /// These keys are parked.
+    Keys(Vec<Vec<u8>>),
+    /// The store could not be read: asked again later.
+    Failed,
+    /// The store parks no key: the partition's failing keys are retried in
+    /// memory.
+    Off,
+}
+
+/// How the drain of a parked key ended ([`Consumer::drained`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DrainEnd {
+    /// No message of the key is parked: the key runs live again.
+    Empty,
+    /// Its first message is settled (handled, a duplicate, or failed and
+    /// dead-lettered) and gone from the queue: the next is due now.
+    Settled,
+    /// Its first message is to be run again, not before `until` (its
+    /// failure's backoff, or the store's after a store failure).
+    Retry {
+        /// When.
+        until: tokio::time::Instant,
+    },
 }

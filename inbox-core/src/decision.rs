@@ -176,6 +176,9 @@ pub enum Tally {
     /// The handler failed and the message's failure budget is spent: the
     /// row is `failed`, a dead letter records it, it is acknowledged.
     Exhausted,
+    /// Its key is parked: the message was written to the key's queue in
+    /// the store and acknowledged; it is handled when the queue drains.
+    Parked,
     /// Not decided: it was delivered past an earlier message of its
     /// partition whose rewind failed, so it is handed back (the rewind is
     /// retried and delivers them again). Not counted as a delivery.
@@ -674,6 +677,16 @@ pub fn refused_is_poison(tries: u32, limit: u32) -> bool {
 /// the earlier rewind, after which both are delivered again.
 pub fn on_handed_back() -> Decision {
     not_handled(false, AckPoint::Never, false, Tally::HandedBack)
+}
+
+/// The decision for a message of a parked key once it is written to its
+/// key's queue: commit that write, then acknowledge it (the watermark
+/// passes it; it is handled when the queue drains).
+pub fn on_parked() -> Decision {
+    Decision {
+        transaction: TxAction::Commit,
+        ..not_handled(false, AckPoint::AfterTx, false, Tally::Parked)
+    }
 }
 
 /// The one acknowledgement a batch writes for a partition, given the

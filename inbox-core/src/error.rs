@@ -289,6 +289,9 @@ pub enum PersistStage {
     Ack,
     /// Recording a counted attempt (the failure budget) on the row.
     Attempt,
+    /// Writing a message of a parked key to its queue, or reading or
+    /// removing one there.
+    Park,
 }
 
 impl fmt::Display for PersistStage {
@@ -302,6 +305,7 @@ impl fmt::Display for PersistStage {
             Self::DeadLetter => "dead-letter",
             Self::Ack => "acknowledgement",
             Self::Attempt => "attempt",
+            Self::Park => "park",
         })
     }
 }

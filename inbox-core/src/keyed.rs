@@ -40,7 +40,7 @@
 //! assert_eq!(flow.ack(1, 1), Some((2, "b2")));
 //! ```
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::Instant;
 
 /// In what order a member handles one partition's messages.
@@ -171,6 +171,9 @@ pub struct KeyedFlow<T> {
     bytes: usize,
     /// Entries not finished.
     unfinished: usize,
+    /// Keys whose records are not handed out for now (a parked key whose
+    /// queue is being drained: its live records wait until it ends).
+    blocked: HashSet<FlowKey>,
 }
 
 impl<T: Clone> KeyedFlow<T> {
@@ -185,6 +188,7 @@ impl<T: Clone> KeyedFlow<T> {
             lanes,
             bytes: 0,
             unfinished: 0,
+            blocked: HashSet::new(),
         }
     }
 
@@ -260,7 +264,15 @@ impl<T: Clone> KeyedFlow<T> {
                 .get(o)
                 .is_none_or(|e| e.held_until.is_none_or(|until| until <= now))
         });
-        let free = self.ready.range(above..).next().copied();
+        let blocked = &self.blocked;
+        let free = if blocked.is_empty() {
+            self.ready.range(above..).next().copied()
+        } else {
+            self.ready
+                .range(above..)
+                .find(|o| entries.get(o).is_none_or(|e| !blocked.contains(&e.key)))
+                .copied()
+        };
         let offset = match (own, free) {
             (Some(own), Some(free)) => own.min(free),
             (own, free) => own.or(free)?,
@@ -327,9 +339,33 @@ impl<T: Clone> KeyedFlow<T> {
 
     /// Forgets everything in hand (the partition is read again from its
     /// stored offset, or was fenced): acknowledgements of what was in hand
-    /// are ignored from now on.
+    /// are ignored from now on. Blocked keys stay blocked.
     pub fn reset(&mut self) {
+        let blocked = std::mem::take(&mut self.blocked);
         *self = Self::new(self.limits);
+        self.blocked = blocked;
+    }
+
+    /// Hands out none of `key`'s records until [`unblock`](Self::unblock)
+    /// (a parked key is being drained: its live records wait).
+    pub fn block(&mut self, key: FlowKey) {
+        self.blocked.insert(key);
+    }
+
+    /// Hands out `key`'s records again.
+    pub fn unblock(&mut self, key: &FlowKey) {
+        self.blocked.remove(key);
+    }
+
+    /// Whether a record of `key` is in hand (waiting, delivered or rewound,
+    /// not finished).
+    pub fn key_in_hand(&self, key: &FlowKey) -> bool {
+        self.behind.contains_key(key)
+    }
+
+    /// The key of the record at `offset`, while it is in hand.
+    pub fn key_of(&self, offset: i64) -> Option<&FlowKey> {
+        self.entries.get(&offset).map(|e| &e.key)
     }
 
     fn finish(&mut self, offset: i64) {

@@ -72,7 +72,7 @@ pub mod observability;
 pub mod outbox;
 pub mod routing;
 
-pub use consumer::{Consumer, TxAck};
+pub use consumer::{Consumer, DrainEnd, ParkLoad, ParkWork, TxAck};
 pub use drivers::runner::{
     Backoff, BatchConfig, BatchResult, DEFAULT_FAILURE_BUDGET, ProcessError, ProcessResult,
     RunSummary, Runner, RunnerConfig, panic_message,
@@ -94,8 +94,9 @@ pub use observability::metrics::{
 pub use outcome::{Failure, HandlerResult, Outcome, OutcomeClass};
 pub use routing::handler::{Handler, NoHandler, SkipTombstones};
 pub use store::{
-    AttemptRecord, DueFilter, Found, InboxStore, InboxTransaction, LockResult, ProcessorStore,
-    ProcessorTx, RowLocks, RowRef, Savepoints, TxOffsets,
+    AttemptRecord, DueFilter, Found, InboxStore, InboxTransaction, LockResult, ParkedKey,
+    ParkedMessage, ParkingTx, ProcessorStore, ProcessorTx, RowLocks, RowRef, Savepoints, TxOffsets,
+    no_parking,
 };
 pub use strategy::{AckPolicy, AckStrategy};
 pub use tokio_util::sync::CancellationToken;

@@ -129,6 +129,85 @@ pub trait InboxStore: Send + Sync {
     /// The processor handles it next; a runner handles it when its
     /// message is delivered again.
     async fn requeue_failed(&self, id: RowId) -> Result<bool, StoreError>;
+
+    /// Whether this store keeps the queues of parked keys ([`ParkingTx`],
+    /// [`parked_keys`](Self::parked_keys), [`parked_head`](Self::parked_head)):
+    /// keys side by side park a failing key only on a store that does.
+    /// `false`, the default.
+    fn parks_keys(&self) -> bool {
+        false
+    }
+
+    /// The keys of `partition` of `topic` with messages parked for
+    /// `consumer_group`, outside any transaction. The default: none.
+    async fn parked_keys(
+        &self,
+        consumer_group: &str,
+        topic: &str,
+        partition: i32,
+    ) -> Result<Vec<Vec<u8>>, StoreError> {
+        let _ = (consumer_group, topic, partition);
+        Ok(Vec::new())
+    }
+
+    /// The first (lowest offset) message parked for `key`, outside any
+    /// transaction. The default: none.
+    async fn parked_head(&self, key: &ParkedKey) -> Result<Option<ParkedMessage>, StoreError> {
+        let _ = key;
+        Ok(None)
+    }
+}
+
+/// A key of one partition whose messages are parked durably (keys side by
+/// side, [`Ordering::Key`](crate::keyed::Ordering::Key)): a key whose head
+/// message kept failing; its messages wait in the store, in offset order,
+/// while the partition's other keys go on and its stored offset passes
+/// them.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ParkedKey {
+    /// The consumer group.
+    pub consumer_group: String,
+    /// The topic.
+    pub topic: String,
+    /// The partition.
+    pub partition: i32,
+    /// The record key.
+    pub key: Vec<u8>,
+}
+
+/// One parked message, as the store keeps it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParkedMessage {
+    /// Its id in the store's queue.
+    pub id: i64,
+    /// The message, as it was delivered (payload, headers, key, position).
+    pub message: Message,
+    /// When it was parked.
+    pub parked_at: chrono::DateTime<chrono::Utc>,
+}
+
+/// A capability of a store's transaction: the queues of parked keys. A
+/// store offers it by implementing this trait for its transaction and
+/// returning it from [`InboxTransaction::parking`].
+#[async_trait]
+pub trait ParkingTx: Send {
+    /// Appends `message` (with a position and a key) to its key's queue
+    /// for `consumer_group`; a message already parked (the same position)
+    /// is left as it is.
+    async fn park(&mut self, message: &Message, consumer_group: &str) -> Result<(), StoreError>;
+
+    /// Removes the parked message `id` (its inbox row is settled: handled,
+    /// a duplicate, or failed and dead-lettered); no such message: nothing.
+    async fn unpark(&mut self, id: i64) -> Result<(), StoreError>;
+}
+
+/// The error of a store that parks no key
+/// ([`InboxTransaction::parking`] is `None`).
+pub fn no_parking() -> StoreError {
+    StoreError::new(
+        crate::error::StoreErrorKind::Unsupported,
+        "this store does not park keys (InboxTransaction::parking is None)",
+    )
 }
 
 /// What the processor (land and drain) needs of a store: it claims due
@@ -345,6 +424,12 @@ pub trait InboxTransaction: Send + Sized {
     /// a consumer that writes its acknowledgements in the transaction fails
     /// there (see [`no_offsets`]).
     fn offsets(&mut self) -> Option<&mut dyn TxOffsets> {
+        None
+    }
+
+    /// This transaction's queues of parked keys, if its store keeps them
+    /// ([`ParkingTx`]); `None`, the default.
+    fn parking(&mut self) -> Option<&mut dyn ParkingTx> {
         None
     }
 }

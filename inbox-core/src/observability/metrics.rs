@@ -209,6 +209,9 @@ pub struct Counts {
     pub dropped: u64,
     /// Messages whose failure budget was spent: `failed`, dead-lettered.
     pub exhausted: u64,
+    /// Messages of a parked key written to its queue in the store and
+    /// acknowledged (handled later, when the queue drains).
+    pub parked: u64,
 }
 
 impl Counts {
@@ -223,13 +226,14 @@ impl Counts {
             + self.terminal
             + self.poison
             + self.exhausted
+            + self.parked
     }
 }
 
 /// Counts events with atomics.
 #[derive(Debug, Default)]
 pub struct CountingMetrics {
-    counters: [AtomicU64; 15],
+    counters: [AtomicU64; 16],
 }
 
 impl CountingMetrics {
@@ -257,6 +261,7 @@ impl CountingMetrics {
             handler_runs: c(12),
             dropped: c(13),
             exhausted: c(14),
+            parked: c(15),
         }
     }
 }
@@ -275,6 +280,7 @@ impl Metrics for CountingMetrics {
                 Tally::Terminal => 7,
                 Tally::Poison => 8,
                 Tally::Exhausted => 14,
+                Tally::Parked => 15,
                 Tally::HandedBack => return,
             },
             MetricEvent::Acked => 9,
@@ -308,7 +314,7 @@ impl Metrics for CountingMetrics {
 /// | event | metric | labels |
 /// |---|---|---|
 /// | consumed | counter `inbox_consumed_total` | `group` |
-/// | each message's tally | counter `inbox_messages_total` | `group`, `outcome` (`processed`, `skipped`, `failed`, `duplicate`, `landed`, `deferred`, `terminal`, `poison`, `exhausted`) |
+/// | each message's tally | counter `inbox_messages_total` | `group`, `outcome` (`processed`, `skipped`, `failed`, `duplicate`, `landed`, `deferred`, `terminal`, `poison`, `exhausted`, `parked`) |
 /// | the same, by partition | counter `inbox_partition_messages_total` | `group`, `topic`, `partition`, `outcome` |
 /// | acknowledgements | counter `inbox_acks_total` | `group`, `result` (`ok`, `failed`) |
 /// | rewinds, dropped failures | counters `inbox_rewinds_total`, `inbox_dropped_total` | `group` |
@@ -368,6 +374,7 @@ pub fn tally_label(tally: Tally) -> &'static str {
         Tally::Terminal => "terminal",
         Tally::Poison => "poison",
         Tally::Exhausted => "exhausted",
+        Tally::Parked => "parked",
         Tally::HandedBack => "handed_back",
     }
 }

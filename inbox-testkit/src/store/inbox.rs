@@ -23,6 +23,51 @@ impl InboxStore for MemStore {
         })
     }
 
+    fn parks_keys(&self) -> bool {
+        true
+    }
+
+    async fn parked_keys(
+        &self,
+        consumer_group: &str,
+        topic: &str,
+        partition: i32,
+    ) -> Result<Vec<Vec<u8>>, StoreError> {
+        let mut s = self.state();
+        s.take_fault(StoreFault::Park)?;
+        let mut keys: Vec<Vec<u8>> = s
+            .parked
+            .values()
+            .filter(|p| p.group == consumer_group)
+            .filter_map(Parked::place)
+            .filter(|(t, p, _, _)| *t == topic && *p == partition)
+            .map(|(_, _, _, k)| k.to_vec())
+            .collect();
+        keys.sort();
+        keys.dedup();
+        Ok(keys)
+    }
+
+    async fn parked_head(&self, key: &ParkedKey) -> Result<Option<ParkedMessage>, StoreError> {
+        let mut s = self.state();
+        s.take_fault(StoreFault::Park)?;
+        let head = s
+            .parked
+            .iter()
+            .filter(|(_, p)| p.group == key.consumer_group)
+            .filter_map(|(&id, p)| Some((id, p, p.place()?)))
+            .filter(|(_, _, (t, part, _, k))| {
+                *t == key.topic && *part == key.partition && *k == key.key.as_slice()
+            })
+            .min_by_key(|(_, _, (_, _, offset, _))| *offset)
+            .map(|(id, p, _)| ParkedMessage {
+                id,
+                message: p.message.clone(),
+                parked_at: p.parked_at,
+            });
+        Ok(head)
+    }
+
     async fn find(
         &self,
         message_id: &str,

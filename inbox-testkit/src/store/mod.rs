@@ -20,6 +20,7 @@ use inbox_core::{
     ProcessorStore, ProcessorTx, RowId, RowRef, Savepoints, StoreError, StoreErrorKind, TxAck,
     TxOffsets, ValidationError,
 };
+use inbox_core::{ParkedKey, ParkedMessage, ParkingTx};
 
 mod inbox;
 mod offsets;
@@ -49,6 +50,8 @@ pub enum StoreFault {
     CommitLostAfterApply,
     /// `dead_letter` fails.
     DeadLetter,
+    /// Parking: `park`, `unpark`, `parked_keys` or `parked_head` fails.
+    Park,
     /// `store_ack` fails.
     Ack,
     /// `record_attempt` fails.
@@ -94,6 +97,30 @@ pub(crate) struct State {
     refused: std::collections::HashSet<String>,
     /// The outbox's rows.
     pub(crate) outbox: outbox::OutboxTable,
+    /// The queues of parked keys, by id.
+    parked: BTreeMap<i64, Parked>,
+    next_parked: i64,
+}
+
+/// A parked message as [`MemStore`] keeps it.
+#[derive(Debug, Clone)]
+struct Parked {
+    group: String,
+    message: Message,
+    parked_at: DateTime<Utc>,
+}
+
+impl Parked {
+    /// Its (topic, partition, offset) and key.
+    fn place(&self) -> Option<(&str, i32, i64, &[u8])> {
+        let pos = self.message.position.as_ref()?;
+        Some((
+            pos.topic.as_str(),
+            pos.partition,
+            pos.offset,
+            self.message.key.as_deref()?,
+        ))
+    }
 }
 
 /// Takes one armed fault at `point` from `faults`: the error the store
@@ -211,6 +238,8 @@ impl MemStore {
                 faults: HashMap::new(),
                 refused: std::collections::HashSet::new(),
                 outbox: outbox::OutboxTable::default(),
+                parked: BTreeMap::new(),
+                next_parked: 1,
             }),
         }
     }
@@ -235,6 +264,26 @@ impl MemStore {
     /// Clears every armed fault.
     pub fn clear_faults(&self) {
         self.state().faults.clear();
+    }
+
+    /// The parked messages, by queue (group, topic, partition, key) and
+    /// offset.
+    pub fn parked(&self) -> Vec<inbox_core::ParkedMessage> {
+        let s = self.state();
+        let mut all: Vec<_> = s
+            .parked
+            .iter()
+            .map(|(&id, p)| inbox_core::ParkedMessage {
+                id,
+                message: p.message.clone(),
+                parked_at: p.parked_at,
+            })
+            .collect();
+        all.sort_by(|a, b| {
+            let place = |m: &Message| (m.position.clone(), m.key.clone());
+            place(&a.message).cmp(&place(&b.message))
+        });
+        all
     }
 
     /// Moves the store's clock forward.
@@ -394,6 +443,8 @@ enum Staged {
     DeadLetter(Box<DeadLetter>),
     Ack((String, String, i32), i64),
     Outbox(Box<inbox_core::outbox::OutboxMessage>),
+    Park(Box<Message>, String),
+    Unpark(i64),
 }
 
 /// A transaction of [`MemStore`]. Dropping it without `commit` rolls back.

@@ -13,6 +13,10 @@ impl InboxTransaction for MemTx {
         Some(self)
     }
 
+    fn parking(&mut self) -> Option<&mut dyn ParkingTx> {
+        Some(self)
+    }
+
     async fn insert_or_get(&mut self, row: &NewInboxRow) -> Result<RowRef, StoreError> {
         self.usable()?;
         let mut s = self.store.state();
@@ -177,6 +181,33 @@ impl InboxTransaction for MemTx {
                 }
                 Staged::Outbox(message) => {
                     s.outbox.insert(*message, now);
+                }
+                Staged::Park(message, group) => {
+                    let place = |m: &Message| {
+                        m.position
+                            .as_ref()
+                            .map(|p| (p.topic.clone(), p.partition, p.offset))
+                    };
+                    let here = place(&message);
+                    let known = s
+                        .parked
+                        .values()
+                        .any(|p| p.group == group && place(&p.message) == here);
+                    if !known {
+                        let id = s.next_parked;
+                        s.next_parked += 1;
+                        s.parked.insert(
+                            id,
+                            Parked {
+                                group,
+                                message: *message,
+                                parked_at: now,
+                            },
+                        );
+                    }
+                }
+                Staged::Unpark(id) => {
+                    s.parked.remove(&id);
                 }
             }
         }
@@ -348,6 +379,32 @@ impl TxOffsets for MemTx {
         self.usable()?;
         let key = self.store.state().check_ack(ack)?;
         self.staged.push(Staged::Ack(key, ack.position.offset + 1));
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl ParkingTx for MemTx {
+    async fn park(&mut self, message: &Message, consumer_group: &str) -> Result<(), StoreError> {
+        self.usable()?;
+        self.store.state().take_fault(StoreFault::Park)?;
+        if message.position.is_none() || message.key.is_none() {
+            return Err(StoreError::new(
+                StoreErrorKind::Integrity,
+                "a parked message needs a position and a key",
+            ));
+        }
+        self.staged.push(Staged::Park(
+            Box::new(message.clone()),
+            consumer_group.to_owned(),
+        ));
+        Ok(())
+    }
+
+    async fn unpark(&mut self, id: i64) -> Result<(), StoreError> {
+        self.usable()?;
+        self.store.state().take_fault(StoreFault::Park)?;
+        self.staged.push(Staged::Unpark(id));
         Ok(())
     }
 }

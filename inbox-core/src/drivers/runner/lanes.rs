@@ -41,16 +41,16 @@
 //! ```
 
 use crate::model::PartitionKey;
-use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use tokio::sync::Notify;
 
-use crate::consumer::{Consumer, TxAck};
+use crate::consumer::{Consumer, DrainEnd, ParkLoad, ParkWork, TxAck};
 use crate::error::ConsumerError;
-use crate::keyed::{FlowLimits, KeyedFlow, Ordering};
+use crate::keyed::{FlowKey, FlowLimits, KeyedFlow, Ordering};
 use crate::model::{Message, Position};
 
 /// How long a lane with nothing to take waits for another lane's pull (or
@@ -63,6 +63,9 @@ const FULL_HOLD: Duration = Duration::from_millis(5);
 
 /// Most records one pull takes from the shared consumer.
 const PULL_MAX: usize = 512;
+
+/// Rewinds in a row after which a key is parked, by default.
+pub const DEFAULT_PARK_AFTER: u32 = 3;
 
 /// How long a pull waiting on the broker goes on once a lane left a
 /// watermark to write, before it stops waiting to write it (and then waits
@@ -93,10 +96,12 @@ struct Part {
     /// its handler (under [`Ordering::Key`] the key's later records are no
     /// suspects); emptied once the watermark passes `end_at_start`.
     counted_keys: HashSet<Vec<u8>>,
+    /// The partition's parked keys.
+    park: Parking,
 }
 
 impl Part {
-    fn new(limits: FlowLimits) -> Self {
+    fn new(limits: FlowLimits, parking: bool) -> Self {
         Self {
             flow: KeyedFlow::new(limits),
             owner: None,
@@ -106,8 +111,54 @@ impl Part {
             moved: None,
             end_at_start: None,
             counted_keys: HashSet::new(),
+            park: Parking {
+                load: if parking { Load::Due } else { Load::Off },
+                ..Parking::default()
+            },
         }
     }
+
+    /// Whether `message` (of this partition) belongs to a parked key.
+    fn parks(&self, message: &Message) -> bool {
+        self.park.load == Load::Loaded
+            && message
+                .key
+                .as_ref()
+                .is_some_and(|k| self.park.keys.contains_key(k))
+    }
+}
+
+/// Where reading a partition's parked keys stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+enum Load {
+    /// Not read yet: none of the partition's records is handed out.
+    #[default]
+    Due,
+    /// A lane's runner reads them.
+    Loading,
+    /// Read: the keys are known.
+    Loaded,
+    /// No parking (not asked for, or the store parks no key).
+    Off,
+}
+
+/// One partition's parked keys (see [`Lanes::with_parking`]).
+#[derive(Debug, Default)]
+struct Parking {
+    load: Load,
+    /// The parked keys.
+    keys: HashMap<Vec<u8>, ParkedKey>,
+    /// Per offset in hand, how many times it was rewound in a row.
+    rewinds: HashMap<i64, u32>,
+}
+
+/// A parked key.
+#[derive(Debug, Clone, Copy)]
+struct ParkedKey {
+    /// Its first parked message is not run again before this.
+    due: std::time::Instant,
+    /// A lane drains it now: its live records wait.
+    draining: bool,
 }
 
 #[derive(Debug, Default)]
@@ -148,7 +199,10 @@ impl State {
         let start = self.cursor % n.max(1);
         let Self { parts, stale, .. } = self;
         let pick = |i: usize, key: &PartitionKey, part: &mut Part| {
-            if part.fenced || stale.contains(&(lane, key.clone())) {
+            if part.fenced
+                || stale.contains(&(lane, key.clone()))
+                || matches!(part.park.load, Load::Due | Load::Loading)
+            {
                 return None;
             }
             part.flow.next_for(lane, now).map(|(_, m)| (i, m))
@@ -181,6 +235,9 @@ struct Shared<C> {
     marks_due: Notify,
     ordering: Ordering,
     limits: FlowLimits,
+    /// Rewinds in a row after which a record's key is parked (`None`: no
+    /// parking).
+    park_after: Option<u32>,
 }
 
 impl<C> Shared<C> {
@@ -304,10 +361,11 @@ impl<C: Consumer> Shared<C> {
             let full = {
                 let mut state = self.state();
                 let limits = self.limits;
+                let parking = self.park_after.is_some();
                 let part = state
                     .parts
                     .entry(key.clone())
-                    .or_insert_with(|| Part::new(limits));
+                    .or_insert_with(|| Part::new(limits, parking));
                 if part.fenced {
                     continue;
                 }
@@ -396,9 +454,40 @@ impl<C: Consumer> Lanes<C> {
                 marks_due: Notify::new(),
                 ordering,
                 limits,
+                park_after: (ordering == Ordering::Key).then_some(DEFAULT_PARK_AFTER),
             }),
             lanes: limits.lanes,
         }
+    }
+
+    /// Parks a key whose record was rewound `after` times in a row
+    /// (`None`: never; the default under [`Ordering::Key`] is 3, and no
+    /// parking under the other orderings). A parked key's records are
+    /// appended to its queue in the store ([`ParkingTx::park`](crate::ParkingTx::park)) and
+    /// acknowledged, so the partition's watermark passes them; the lanes
+    /// drain the queue, first message first, with the runner's backoff,
+    /// budget and dead letter; once it is empty the key runs live again.
+    /// A store that parks no key ([`InboxStore::parks_keys`](crate::InboxStore::parks_keys)) turns
+    /// it off. Call before [`lanes`](Self::lanes).
+    #[must_use]
+    pub fn with_parking(mut self, after: Option<u32>) -> Self {
+        let after = after
+            .map(|n| n.max(1))
+            .filter(|_| self.shared.ordering == Ordering::Key);
+        if let Some(shared) = Arc::get_mut(&mut self.shared) {
+            shared.park_after = after;
+        }
+        self
+    }
+
+    /// Keys parked now, over every partition (known to this member).
+    pub fn parked_keys(&self) -> usize {
+        self.shared
+            .state()
+            .parts
+            .values()
+            .map(|p| p.park.keys.len())
+            .sum()
     }
 
     /// The lanes, one consumer each for a runner of its own.
@@ -408,6 +497,7 @@ impl<C: Consumer> Lanes<C> {
                 index,
                 shared: self.shared.clone(),
                 gathering: false,
+                drain: None,
             })
             .collect()
     }
@@ -437,6 +527,10 @@ pub struct Lane<C> {
     /// Records were handed to it and not yet acknowledged or rewound (a
     /// batch is being gathered): `next` does not wait for more.
     gathering: bool,
+    /// The parked key this lane drains (its acknowledgements and rewinds
+    /// are the drain's, not the flow's), and the drained message's offset
+    /// once known.
+    drain: Option<(PartitionKey, Vec<u8>)>,
 }
 
 impl<C> std::fmt::Debug for Lane<C> {
@@ -451,6 +545,17 @@ impl<C> Lane<C> {
     /// This lane's number (from 0).
     pub fn index(&self) -> usize {
         self.index
+    }
+
+    /// Whether `message` is the parked message this lane drains (its
+    /// acknowledgement and rewind are not the flow's).
+    fn drains(&self, message: &Message) -> bool {
+        match (&self.drain, &message.position, &message.key) {
+            (Some((part, key)), Some(pos), Some(k)) => {
+                pos.topic == part.0 && pos.partition == part.1 && k == key
+            }
+            _ => false,
+        }
     }
 
     /// Whether the lane's acknowledgement or rewind of `key` is one from
@@ -509,6 +614,10 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
         let Some(pos) = &message.position else {
             return Ok(());
         };
+        if self.drains(message) {
+            // the drain's: the runner removes it from its queue
+            return Ok(());
+        }
         self.gathering = false;
         let key = pos.partition_key();
         if self.was_stale(&key) {
@@ -519,6 +628,7 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
             if let Some(part) = state.parts.get_mut(&key)
                 && let Some((done, mark)) = part.flow.ack(self.index, pos.offset)
             {
+                part.park.rewinds.retain(|&o, _| o > done);
                 part.watermark = Some(mark);
                 // every record below where the log ended at the start is
                 // finished: no suspect is left, nor any key to clear
@@ -547,13 +657,37 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
             self.shared.state().loose.push_front(message.clone());
             return Ok(());
         };
+        if self.drains(message) {
+            // the drain's: its key's queue keeps it
+            return Ok(());
+        }
         self.gathering = false;
         let key = pos.partition_key();
         if self.was_stale(&key) {
             return Ok(());
         }
+        let after = self.shared.park_after;
         if let Some(part) = self.shared.state().parts.get_mut(&key) {
             part.flow.rewind(self.index, pos.offset);
+            // a key whose record keeps coming back is parked: its records
+            // go to the store and the watermark passes them
+            if let (Some(after), Some(k), Load::Loaded) =
+                (after, message.key.as_ref(), part.park.load)
+            {
+                let n = part.park.rewinds.entry(pos.offset).or_insert(0);
+                *n = n.saturating_add(1);
+                if *n >= after && !part.park.keys.contains_key(k) {
+                    tracing::info!(topic = %pos.topic, partition = pos.partition, offset = pos.offset,
+                        rewinds = *n, "a key keeps failing: parked (its records wait in the store, the partition goes on)");
+                    part.park.keys.insert(
+                        k.clone(),
+                        ParkedKey {
+                            due: tokio::time::Instant::now().into_std(),
+                            draining: false,
+                        },
+                    );
+                }
+            }
         }
         Ok(())
     }
@@ -585,6 +719,11 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
     /// any lane), its later ones are not suspects. `None` when the shared
     /// consumer cannot tell.
     fn suspect(&self, message: &Message) -> Option<bool> {
+        if self.drains(message) {
+            // a parked message may have been running when the process
+            // died: each run is counted before it
+            return Some(true);
+        }
         let pos = message.position.as_ref()?;
         let state = self.shared.state();
         let part = state.parts.get(&pos.partition_key())?;
@@ -620,9 +759,23 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
     fn hold(&mut self, position: &Position, until: tokio::time::Instant) -> bool {
         let mut state = self.shared.state();
         match state.parts.get_mut(&position.partition_key()) {
-            Some(part) => part
-                .flow
-                .hold(self.index, position.offset, until.into_std()),
+            Some(part) => {
+                let parked = match part.flow.key_of(position.offset) {
+                    Some(FlowKey::Key(k)) => part.park.keys.get_mut(k),
+                    _ => None,
+                };
+                match parked {
+                    // parked now: handed out at once to be parked; its
+                    // queue's first message waits out the hold
+                    Some(p) => {
+                        p.due = p.due.max(until.into_std());
+                        true
+                    }
+                    None => part
+                        .flow
+                        .hold(self.index, position.offset, until.into_std()),
+                }
+            }
             None => false,
         }
     }
@@ -653,5 +806,105 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
         if let Some(part) = self.shared.state().parts.get_mut(&pos.partition_key()) {
             part.moved = Some(message.clone());
         }
+    }
+
+    /// A partition's parked keys to read (before any of its records is
+    /// handed out), else a parked key due to be drained whose records are
+    /// none in hand (they are blocked while it drains).
+    fn park_work(&mut self) -> Option<ParkWork> {
+        self.shared.park_after?;
+        let now = tokio::time::Instant::now().into_std();
+        let mut state = self.shared.state();
+        let State { parts, stale, .. } = &mut *state;
+        for (pk, part) in parts.iter_mut() {
+            if part.fenced || stale.contains(&(self.index, pk.clone())) {
+                continue;
+            }
+            match part.park.load {
+                Load::Due => {
+                    part.park.load = Load::Loading;
+                    return Some(ParkWork::Load(pk.clone()));
+                }
+                Load::Loading | Load::Off => continue,
+                Load::Loaded => {}
+            }
+            let Part { flow, park, .. } = part;
+            let due = park.keys.iter_mut().find(|(k, p)| {
+                !p.draining && p.due <= now && !flow.key_in_hand(&FlowKey::Key(k.to_vec()))
+            });
+            if let Some((k, p)) = due {
+                p.draining = true;
+                flow.block(FlowKey::Key(k.clone()));
+                self.drain = Some((pk.clone(), k.clone()));
+                return Some(ParkWork::Drain(pk.clone(), k.clone()));
+            }
+        }
+        None
+    }
+
+    fn parks(&self, message: &Message) -> bool {
+        let Some(pos) = &message.position else {
+            return false;
+        };
+        !self.drains(message)
+            && self
+                .shared
+                .state()
+                .parts
+                .get(&pos.partition_key())
+                .is_some_and(|part| part.parks(message))
+    }
+
+    fn parked_loaded(&mut self, partition: &PartitionKey, loaded: ParkLoad) {
+        {
+            let mut state = self.shared.state();
+            let Some(part) = state.parts.get_mut(partition) else {
+                return;
+            };
+            let now = tokio::time::Instant::now().into_std();
+            match loaded {
+                ParkLoad::Keys(keys) => {
+                    part.park.load = Load::Loaded;
+                    for k in keys {
+                        part.park.keys.entry(k).or_insert(ParkedKey {
+                            due: now,
+                            draining: false,
+                        });
+                    }
+                }
+                ParkLoad::Failed => part.park.load = Load::Due,
+                ParkLoad::Off => part.park.load = Load::Off,
+            }
+        }
+        self.shared.changed.notify_waiters();
+    }
+
+    fn drained(&mut self, partition: &PartitionKey, key: &[u8], end: DrainEnd) {
+        self.drain = None;
+        {
+            let mut state = self.shared.state();
+            let Some(part) = state.parts.get_mut(partition) else {
+                return;
+            };
+            part.flow.unblock(&FlowKey::Key(key.to_vec()));
+            match end {
+                DrainEnd::Empty => {
+                    part.park.keys.remove(key);
+                }
+                DrainEnd::Settled => {
+                    if let Some(p) = part.park.keys.get_mut(key) {
+                        p.draining = false;
+                        p.due = tokio::time::Instant::now().into_std();
+                    }
+                }
+                DrainEnd::Retry { until } => {
+                    if let Some(p) = part.park.keys.get_mut(key) {
+                        p.draining = false;
+                        p.due = until.into_std();
+                    }
+                }
+            }
+        }
+        self.shared.changed.notify_waiters();
     }
 }

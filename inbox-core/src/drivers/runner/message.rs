@@ -450,7 +450,7 @@ where
     }
 
     /// Carries out the broker side of a decision and reports it.
-    async fn settle(&mut self, message: Message, work: Work) -> ProcessResult {
+    pub(super) async fn settle(&mut self, message: Message, work: Work) -> ProcessResult {
         let Work {
             decision,
             row_id,

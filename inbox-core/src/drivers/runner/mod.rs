@@ -20,6 +20,7 @@ mod budget;
 pub mod config;
 pub mod lanes;
 mod message;
+mod parked;
 pub mod result;
 mod run;
 mod work;

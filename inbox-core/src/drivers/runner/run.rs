@@ -37,6 +37,20 @@ where
         let mut summary = RunSummary::default();
         let mut fetch_failures = 0u32;
         while !cancel.is_cancelled() {
+            // parked keys first: their partitions wait for the load, their
+            // queues for the drain (never raced with `cancel`: a drain
+            // half done is finished and told)
+            if let Some(work) = self.consumer.park_work() {
+                let (result, delay) = self.carry_park_work(work).await;
+                summary.messages += u64::from(result.is_some());
+                if !delay.is_zero() {
+                    tokio::select! {
+                        () = cancel.cancelled() => break,
+                        () = tokio::time::sleep(delay) => {}
+                    }
+                }
+                continue;
+            }
             let fetched = if self.config.batch.is_some() {
                 // Not raced with `cancel`: a batch half taken must not be
                 // dropped (its messages left this consumer); gathering is
@@ -60,7 +74,11 @@ where
                 }
                 Ok(mut messages) => {
                     fetch_failures = 0;
-                    let results = if self.config.batch.is_some() {
+                    // a parked key's record comes alone (see next_batch)
+                    let results = if self.consumer.parks(&messages[0]) {
+                        let message = messages.remove(0);
+                        vec![self.park_message(message).await]
+                    } else if self.config.batch.is_some() {
                         self.process_batch(messages).await.results
                     } else {
                         let message = messages.remove(0);
@@ -115,6 +133,16 @@ where
         let limit = self.batch_limit(batch);
         while messages.len() < limit && bytes < batch.max_bytes {
             match self.consumer.next().await {
+                Ok(Some(message)) if self.consumer.parks(&message) => {
+                    // a parked key's record is parked alone: first, it is
+                    // the batch; later, it is handed back for the next
+                    if messages.is_empty() {
+                        messages.push(message);
+                    } else {
+                        self.consumer.rewind(&message).await?;
+                    }
+                    break;
+                }
                 Ok(Some(message)) => {
                     bytes = bytes.saturating_add(message.approximate_size());
                     messages.push(message);
@@ -165,14 +193,7 @@ where
             Some(pos) => {
                 let key = pos.partition_key();
                 if result.rewound {
-                    let times = self.partitions.rewound(&key, pos.offset);
-                    // the handler's own retry time when it gave one
-                    let delay = crate::decision::redelivery_hold(
-                        result.outcome.as_ref(),
-                        chrono::Utc::now(),
-                        self.config.redelivery_backoff.delay(times),
-                        self.config.redelivery_backoff.max,
-                    );
+                    let delay = self.redelivery_delay(result);
                     // held back alone when the consumer can: the other
                     // partitions keep their pace
                     if !delay.is_zero() && self.consumer.hold(pos, Instant::now() + delay) {
@@ -189,5 +210,21 @@ where
             None => Duration::ZERO,
         };
         store_delay.max(redelivery_delay)
+    }
+
+    /// The redelivery backoff of rewound `result` (one more redelivery of
+    /// its offset in a row), or the handler's own retry time when it gave
+    /// one.
+    pub(super) fn redelivery_delay(&mut self, result: &ProcessResult) -> Duration {
+        let times = match &result.position {
+            Some(pos) => self.partitions.rewound(&pos.partition_key(), pos.offset),
+            None => 1,
+        };
+        crate::decision::redelivery_hold(
+            result.outcome.as_ref(),
+            chrono::Utc::now(),
+            self.config.redelivery_backoff.delay(times),
+            self.config.redelivery_backoff.max,
+        )
     }
 }

@@ -86,6 +86,19 @@ pub struct GroupConfig {
     /// database connection, so it is clamped to the store's pool size less
     /// one, with a warning. Default [`DEFAULT_CONCURRENCY`].
     pub concurrency: usize,
+    /// Under `Ordering::Key`: after how many tries in a row of one message
+    /// its key is *parked* (`None`: never). A parked key's records are
+    /// written to the inbox's `<table>_parked` table and acknowledged, so
+    /// the partition's stored offset passes them and its other keys go on;
+    /// the member drains the key's queue, first message first, with the
+    /// same backoff, failure budget and dead letter, and the key runs live
+    /// again once its queue is empty. Parked keys outlive the member: the
+    /// partition's next owner drains them. Default
+    /// `Some(`[`DEFAULT_PARK_AFTER`](inbox_core::drivers::runner::lanes::DEFAULT_PARK_AFTER)`)` (3).
+    /// `None` keeps a failing key's messages in memory instead: the stored
+    /// offset waits at the failing message and the records above it fill
+    /// the partition's buffer until the fetch pauses.
+    pub park_after: Option<u32>,
 }
 
 /// How many messages a member handles at once under
@@ -111,6 +124,7 @@ impl GroupConfig {
             partitions_in_flight: DEFAULT_PARTITIONS_IN_FLIGHT,
             ordering: inbox_core::keyed::Ordering::Partition,
             concurrency: DEFAULT_CONCURRENCY,
+            park_after: Some(inbox_core::drivers::runner::lanes::DEFAULT_PARK_AFTER),
         }
     }
 
@@ -721,7 +735,8 @@ where
     )
     .await?
     .with_metrics(metrics.clone());
-    let shared = inbox_core::drivers::runner::lanes::Lanes::new(consumer, group.ordering, lanes);
+    let shared = inbox_core::drivers::runner::lanes::Lanes::new(consumer, group.ordering, lanes)
+        .with_parking(group.park_after);
     let cancel = CancellationToken::new();
     let mut runners = Vec::with_capacity(lanes);
     for lane in shared.lanes() {

@@ -846,3 +846,125 @@ async fn a_fenced_lane_commits_nothing() {
         "a fenced member moved the stored offset"
     );
 }
+
+/// Fails each message whose id it was given that many times, writes an
+/// invoice otherwise, and notes which messages succeeded, in order.
+struct FailsSome {
+    fails: std::sync::Mutex<BTreeMap<String, u32>>,
+    done: std::sync::Mutex<Vec<String>>,
+}
+
+#[async_trait::async_trait]
+impl inbox_core::Handler<inbox_postgres::PgTx> for FailsSome {
+    type Output = ();
+    async fn handle(
+        &self,
+        message: &inbox_core::Message,
+        tx: &mut inbox_postgres::PgTx,
+    ) -> Result<(), inbox_core::HandlerError> {
+        use inbox_testkit::scenarios::WriteInvoice as _;
+        {
+            let mut fails = self.fails.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(n) = fails.get_mut(&message.message_id)
+                && *n > 0
+            {
+                *n -= 1;
+                return Err(inbox_core::HandlerError::msg("payment provider refused"));
+            }
+        }
+        tx.write_invoice(&message.message_id).await?;
+        self.done
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(message.message_id.clone());
+        Ok(())
+    }
+}
+
+/// A key that keeps failing, on Apache Kafka and PostgreSQL: after three
+/// tries its records go to `inbox_parked` and the stored offset passes
+/// them while the other keys finish; the queue then drains in key order
+/// (the failing message, then its key's later ones) and every effect
+/// happens once; nothing is left parked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_key_is_parked_in_postgres_and_drained_in_order() {
+    use inbox_core::drivers::runner::lanes::Lanes;
+    let env = env("parked-lanes", 1).await;
+    let records = (0..12)
+        .map(|i| {
+            let id = format!("p-{i}");
+            let mut r = inbox_testkit::kafka::json_record(
+                &serde_json::json!({ "order": id, "total": 10 }),
+                &[("message_id", &id), ("event_type", "order.created")],
+            );
+            r.key = Some(format!("k{}", i % 4).into_bytes());
+            r
+        })
+        .collect();
+    env.broker
+        .produce(&env.topic, 0, records, 3)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let handler = Arc::new(FailsSome {
+        fails: std::sync::Mutex::new([("p-0".to_owned(), 5)].into()),
+        done: std::sync::Mutex::default(),
+    });
+    let lanes = Lanes::new(env.consumer("billing").await, inbox_kafka::Ordering::Key, 2);
+    let cancel = CancellationToken::new();
+    let mut tasks = Vec::new();
+    for lane in lanes.lanes() {
+        let mut runner = inbox_core::Runner::new(
+            env.store.clone(),
+            lane,
+            handler.clone(),
+            config("billing", AckStrategy::default()),
+        );
+        let stop = cancel.clone();
+        tasks.push(tokio::spawn(async move { runner.run(stop).await }));
+    }
+    let parked = async || {
+        inbox_testkit::pg::count(&env.store, "SELECT count(*) FROM inbox_parked", vec![])
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+    };
+    wait_until(
+        "the stored offset past the parked key",
+        Duration::from_secs(30),
+        async || env.stored_offset("billing", 0).await == Some(12) && parked().await > 0,
+    )
+    .await;
+    assert!(
+        !handler
+            .done
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&"p-0".to_owned()),
+        "p-0 still fails while its key is parked"
+    );
+    wait_until(
+        "the parked key drained",
+        Duration::from_secs(60),
+        async || env.total_invoices().await == 12 && parked().await == 0,
+    )
+    .await;
+    cancel.cancel();
+    for t in tasks {
+        t.await.expect("join").expect("runner");
+    }
+    lanes.flush().await;
+    for i in 0..12 {
+        assert_eq!(env.invoices(&format!("p-{i}")).await, 1, "p-{i} once");
+    }
+    let done = handler
+        .done
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    let k0: Vec<&str> = done
+        .iter()
+        .map(String::as_str)
+        .filter(|id| ["p-0", "p-4", "p-8"].contains(id))
+        .collect();
+    assert_eq!(k0, ["p-0", "p-4", "p-8"], "k0 in offset order");
+    assert_eq!(env.stored_offset("billing", 0).await, Some(12));
+}

@@ -110,6 +110,11 @@ impl TableName {
         self.with_suffix("_dead_letters_gone")
     }
 
+    /// The queues of parked keys (`<table>_parked`), qualified.
+    pub fn parked(&self) -> String {
+        self.with_suffix("_parked")
+    }
+
     /// The processors' notes of the rows each is running
     /// (`<table>_processor_running`), qualified.
     pub fn processor_running(&self) -> String {
@@ -613,6 +618,38 @@ pub fn schema_steps(t: &TableName) -> Vec<SchemaStep> {
                 "DROP TABLE IF EXISTS {}",
                 t.processor_running()
             )],
+        ),
+        step(
+            "inbox_parked",
+            // Keys side by side park a key that keeps failing: its records
+            // wait here in offset order (the whole message, as the dead
+            // letters keep it) while the partition's stored offset passes
+            // them, and are drained first to last by the partition's owner.
+            vec![
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {} (
+    id             BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    consumer_group VARCHAR(255) NOT NULL,
+    topic          TEXT NOT NULL,
+    partition      INTEGER NOT NULL,
+    record_offset  BIGINT NOT NULL,
+    record_key     BYTEA NOT NULL,
+    message_id     TEXT NOT NULL,
+    message        JSONB NOT NULL,
+    raw            BYTEA,
+    parked_at      TIMESTAMPTZ NOT NULL DEFAULT now(),
+    CONSTRAINT {} UNIQUE (consumer_group, topic, partition, record_offset)
+)",
+                    t.parked(),
+                    t.index("parked_position"),
+                ),
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {} (consumer_group, topic, partition, record_key, record_offset)",
+                    t.index("parked_key"),
+                    t.parked(),
+                ),
+            ],
+            vec![format!("DROP TABLE IF EXISTS {}", t.parked())],
         ),
     ]
 }

@@ -139,6 +139,7 @@ async fn a_database_of_the_first_migration_reaches_the_current_schema() {
             "m20261130_000013_outbox_header_pairs_inbox",
             "m20261130_000014_inbox_dead_letter_replayers_inbox",
             "m20261130_000015_inbox_processor_running_inbox",
+            "m20261130_000016_inbox_parked_inbox",
         ]
     );
 
@@ -195,8 +196,15 @@ async fn a_database_of_the_first_migration_reaches_the_current_schema() {
         1,
         "the earlier read function gives the pairs as jsonb"
     );
-    // the newest steps first: the processors' notes go, then the
-    // replayers' tables
+    // the newest steps first: the parked keys' queues go, then the
+    // processors' notes, then the replayers' tables
+    let parked = "SELECT count(*) FROM information_schema.tables \
+         WHERE table_name = 'inbox_parked'";
+    assert_eq!(count(&old, parked).await, 1);
+    Current::down(&old, Some(1))
+        .await
+        .expect("the parked queues' step down");
+    assert_eq!(count(&old, parked).await, 0);
     let notes = "SELECT count(*) FROM information_schema.tables \
          WHERE table_name = 'inbox_processor_running'";
     assert_eq!(count(&old, notes).await, 1);

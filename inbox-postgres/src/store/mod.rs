@@ -10,8 +10,8 @@ use inbox_core::attempts::{Due, RowUpdate};
 use inbox_core::{
     AttemptRecord, DueFilter, Found, InboxRow, InboxStatus, InboxStore, InboxTransaction,
     LockResult, MemberId, MembershipStore, Message, NewInboxRow, OffsetHold, OffsetStore,
-    PartitionClaim, ProcessorStore, ProcessorTx, RowId, RowLocks, RowRef, Savepoints, StoreError,
-    StoreErrorKind, TxAck, TxOffsets, ValidationError,
+    ParkedKey, ParkedMessage, ParkingTx, PartitionClaim, ProcessorStore, ProcessorTx, RowId,
+    RowLocks, RowRef, Savepoints, StoreError, StoreErrorKind, TxAck, TxOffsets, ValidationError,
 };
 use sea_orm::{
     ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, DbErr, QueryResult,
@@ -516,6 +516,57 @@ impl InboxStore for PgStore {
             side: self.side.clone(),
             xid: None,
         })
+    }
+
+    fn parks_keys(&self) -> bool {
+        true
+    }
+
+    async fn parked_keys(
+        &self,
+        consumer_group: &str,
+        topic: &str,
+        partition: i32,
+    ) -> Result<Vec<Vec<u8>>, StoreError> {
+        let rows = self
+            .standalone()
+            .query_all_raw(stmt(
+                &self.sql.parked_keys,
+                vec![consumer_group.into(), topic.into(), partition.into()],
+            ))
+            .await
+            .map_err(db)?;
+        rows.iter().map(|r| get(r, "record_key")).collect()
+    }
+
+    async fn parked_head(&self, key: &ParkedKey) -> Result<Option<ParkedMessage>, StoreError> {
+        let row = self
+            .standalone()
+            .query_one_raw(stmt(
+                &self.sql.parked_head,
+                vec![
+                    key.consumer_group.clone().into(),
+                    key.topic.clone().into(),
+                    key.partition.into(),
+                    key.key.clone().into(),
+                ],
+            ))
+            .await
+            .map_err(db)?;
+        let Some(row) = row else { return Ok(None) };
+        let as_json: serde_json::Value = get(&row, "message")?;
+        let mut message: Message = serde_json::from_value(as_json).map_err(|e| {
+            StoreError::new(
+                StoreErrorKind::Data,
+                format!("a parked message could not be read back: {e}"),
+            )
+        })?;
+        message.raw = get(&row, "raw")?;
+        Ok(Some(ParkedMessage {
+            id: get(&row, "id")?,
+            message,
+            parked_at: get(&row, "parked_at")?,
+        }))
     }
 
     async fn find(

@@ -38,6 +38,10 @@ pub(super) struct Sql {
     pub(super) publish: String,
     pub(super) unpublish: String,
     pub(super) publish_lock: String,
+    pub(super) park: String,
+    pub(super) unpark: String,
+    pub(super) parked_keys: String,
+    pub(super) parked_head: String,
     /// The table the statements use.
     pub(super) table: TableName,
 }
@@ -408,6 +412,24 @@ impl Sql {
             hold_offsets: format!(
                 "SELECT pg_advisory_xact_lock_shared({class}, hashtext($1::text))::text AS held",
                 class = crate::schema::lock_class(&t.offsets()),
+            ),
+            park: format!(
+                "INSERT INTO {} (consumer_group, topic, partition, record_offset, record_key, message_id, message, raw)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+                 ON CONFLICT (consumer_group, topic, partition, record_offset) DO NOTHING",
+                t.parked()
+            ),
+            unpark: format!("DELETE FROM {} WHERE id = $1", t.parked()),
+            parked_keys: format!(
+                "SELECT DISTINCT record_key FROM {}
+                  WHERE consumer_group = $1 AND topic = $2 AND partition = $3",
+                t.parked()
+            ),
+            parked_head: format!(
+                "SELECT id, message, raw, parked_at FROM {}
+                  WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND record_key = $4
+                  ORDER BY record_offset LIMIT 1",
+                t.parked()
             ),
             // `$2`: [[topic, partition, epoch], ...]
             owned_offsets: format!(

@@ -13,6 +13,10 @@ impl InboxTransaction for PgTx {
         Some(self)
     }
 
+    fn parking(&mut self) -> Option<&mut dyn ParkingTx> {
+        Some(self)
+    }
+
     async fn insert_or_get(&mut self, row: &NewInboxRow) -> Result<RowRef, StoreError> {
         let found = self
             .query_one(stmt(
@@ -516,5 +520,39 @@ impl TxOffsets for PgTx {
                 ack.owner_epoch
             ),
         ))
+    }
+}
+
+#[async_trait]
+impl ParkingTx for PgTx {
+    async fn park(&mut self, message: &Message, consumer_group: &str) -> Result<(), StoreError> {
+        let (Some(pos), Some(key)) = (&message.position, &message.key) else {
+            return Err(StoreError::new(
+                StoreErrorKind::Integrity,
+                "a parked message needs a position and a key",
+            ));
+        };
+        let as_json = serde_json::to_value(message)
+            .map_err(|e| StoreError::new(StoreErrorKind::Other, e.to_string()))?;
+        self.exec(stmt(
+            &self.sql.park,
+            vec![
+                consumer_group.into(),
+                pos.topic.clone().into(),
+                pos.partition.into(),
+                pos.offset.into(),
+                key.clone().into(),
+                message.message_id.clone().into(),
+                as_json.into(),
+                message.raw.clone().into(),
+            ],
+        ))
+        .await?;
+        Ok(())
+    }
+
+    async fn unpark(&mut self, id: i64) -> Result<(), StoreError> {
+        self.exec(stmt(&self.sql.unpark, vec![id.into()])).await?;
+        Ok(())
     }
 }

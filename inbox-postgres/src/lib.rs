@@ -53,6 +53,7 @@ mod dead_letters;
 mod error;
 mod migration;
 mod outbox;
+mod parked;
 mod pooler;
 mod schema;
 mod status;
@@ -62,6 +63,7 @@ pub use conn::{PgConn, PgNested, SqlxConn};
 pub use error::{kind_of_sqlstate, map_db_err};
 pub use migration::{InboxMigration, inbox_migrations};
 pub use outbox::{BULK_KEYS, Outbox, OutboxCollector, OutboxConnection};
+pub use parked::{Discarded, ParkedKeyStatus};
 pub use pooler::Standalone;
 pub use schema::{
     MAX_TABLE_NAME, SchemaStep, TableName, create_statements, drop_statements, schema_steps,

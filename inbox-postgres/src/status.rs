@@ -1,5 +1,5 @@
 //! What an operator asks the database first: the groups' members and
-//! partitions, dead letters, and the outbox's backlog ([`PgStore::status`]),
+//! partitions, dead letters, parked keys, and the outbox's backlog ([`PgStore::status`]),
 //! and the outbox's pending or dead events ([`PgStore::outbox_events`]).
 //! The `inbox` command prints them.
 
@@ -81,6 +81,8 @@ pub struct Status {
     pub dead_letters: Vec<DeadLetterCount>,
     /// The outbox.
     pub outbox: OutboxStatus,
+    /// The parked keys (oldest first), with their queues' depth and age.
+    pub parked: Vec<crate::ParkedKeyStatus>,
 }
 
 /// An outbox event as [`PgStore::outbox_events`] lists it.
@@ -250,11 +252,13 @@ impl PgStore {
                 dead: 0,
             },
         };
+        let parked = self.parked_keys_status().await?;
         Ok(Status {
             members,
             partitions,
             dead_letters: dead,
             outbox,
+            parked,
         })
     }
 

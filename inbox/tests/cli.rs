@@ -861,3 +861,80 @@ async fn migrate_and_bulk_replay_and_discard_by_filters() {
     assert!(ok && out.contains("discarded 1 of 1"), "{out}{err}");
     assert_eq!(letters().await, Vec::new(), "none left");
 }
+
+/// `inbox parked` lists a parked key with its depth and first message,
+/// `inbox status` shows it, and `discard` moves its queue to the dead
+/// letters (nothing written without `--execute`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_command_lists_and_discards_a_parked_key() {
+    use transactional_inbox::{InboxStore as _, InboxTransaction as _, Message, Position};
+    let (url, store) = database().await;
+    let mut tx = store.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    for (id, offset) in [("o-5", 5), ("o-9", 9)] {
+        let mut m = Message::new(
+            id,
+            "orders",
+            "order.created",
+            serde_json::json!({ "id": id }),
+        );
+        m.key = Some(b"customer-7".to_vec());
+        m.position = Some(Position::new("orders", 2, offset));
+        tx.parking()
+            .expect("PgTx parks")
+            .park(&m, "billing")
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+
+    let (ok, listed, err) = inbox_json(&url, &["parked", "list", "--json"]).await;
+    assert!(ok, "{err}");
+    assert_eq!(listed.as_array().map(Vec::len), Some(1), "{listed}");
+    assert_eq!(listed[0]["key"], "customer-7");
+    assert_eq!(listed[0]["messages"], 2);
+    assert_eq!(listed[0]["first_offset"], 5);
+    assert_eq!(listed[0]["first_message_id"], "o-5");
+    let (ok, status, err) = inbox_json(&url, &["status", "--json"]).await;
+    assert!(ok, "{err}");
+    assert_eq!(status["parked"][0]["messages"], 2, "{status}");
+
+    let key = [
+        "parked",
+        "discard",
+        "--group",
+        "billing",
+        "--topic",
+        "orders",
+        "--partition",
+        "2",
+        "--key",
+        "customer-7",
+    ];
+    let (ok, plan, err) = inbox(&url, &key);
+    assert!(ok, "{err}");
+    assert!(plan.contains("would move 2"), "{plan}");
+    assert_eq!(
+        store.parked_keys_status().await.map(|k| k.len()).ok(),
+        Some(1)
+    );
+    let mut execute = key.to_vec();
+    execute.extend(["--execute", "--json"]);
+    let (ok, done, err) = inbox_json(&url, &execute).await;
+    assert!(ok, "{err}");
+    assert_eq!(done["removed"], 2, "{done}");
+    assert_eq!(done["dead_lettered"], 2, "{done}");
+    assert_eq!(
+        store.parked_keys_status().await.map(|k| k.len()).ok(),
+        Some(0)
+    );
+    let (ok, letters, err) = inbox_json(&url, &["dead-letters", "list", "--json"]).await;
+    assert!(ok, "{err}");
+    let ids: Vec<&str> = letters
+        .as_array()
+        .map(|a| a.iter().filter_map(|l| l["message_id"].as_str()).collect())
+        .unwrap_or_default();
+    assert_eq!(ids.len(), 2, "{letters}");
+    assert!(ids.contains(&"o-5") && ids.contains(&"o-9"), "{letters}");
+    let (ok, _, _) = inbox(&url, &key);
+    assert!(!ok, "no such parked key any more: exit code 3");
+}

@@ -45,6 +45,7 @@ type Failure = Box<dyn std::error::Error>;
 mod dead_letters;
 mod offsets;
 mod outbox;
+mod parked;
 mod status;
 
 #[allow(clippy::wildcard_imports)]
@@ -53,6 +54,8 @@ use dead_letters::*;
 use offsets::*;
 #[allow(clippy::wildcard_imports)]
 use outbox::*;
+#[allow(clippy::wildcard_imports)]
+use parked::*;
 #[allow(clippy::wildcard_imports)]
 use status::*;
 
@@ -103,6 +106,10 @@ enum Command {
     /// The outbox: pending and dead events, retry, release.
     #[command(subcommand)]
     Outbox(OutboxCommand),
+    /// Parked keys (keys side by side park a key that keeps failing): list
+    /// them, or discard one's queue into the dead letters.
+    #[command(subcommand)]
+    Parked(ParkedCommand),
     /// Members, partitions and their owners, dead letters, outbox backlog;
     /// with brokers (`--brokers` or `KAFKA_BROKERS`), each partition's log
     /// end and lag.
@@ -111,6 +118,33 @@ enum Command {
     /// date (every step idempotent: safe to run on every deploy, and beside
     /// a service's own sea-orm migrator that applies the same steps).
     Migrate,
+}
+
+#[derive(Subcommand, Debug)]
+enum ParkedCommand {
+    /// Every parked key with its queue's depth, first message and age,
+    /// oldest first.
+    List,
+    /// Move a parked key's messages to the dead letters (from where they
+    /// can be replayed); the key then runs live again. Without
+    /// `--execute`, only says how many would move.
+    Discard {
+        /// The consumer group.
+        #[arg(long)]
+        group: String,
+        /// The topic.
+        #[arg(long)]
+        topic: String,
+        /// The partition.
+        #[arg(long)]
+        partition: i32,
+        /// The key, as text (as `parked list` shows it).
+        #[arg(long)]
+        key: String,
+        /// Move them: without it, nothing is written.
+        #[arg(long)]
+        execute: bool,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -390,6 +424,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
         Command::Offsets(o) => offsets(o, &store, out).await,
         Command::DeadLetters(d) => dead_letters(d, &store, out).await,
         Command::Outbox(o) => outbox(o, &store, out).await,
+        Command::Parked(p) => parked(p, &store, out).await,
         Command::Status(brokers) => status(&brokers, &store, out).await,
         Command::Migrate => {
             store.migrate().await?;

@@ -93,6 +93,9 @@ pub(super) async fn status(
             d.group, d.count, d.replay_requested
         );
     }
+    if !status.parked.is_empty() {
+        print_parked(&status.parked);
+    }
     let o = &status.outbox;
     println!(
         "outbox: {} pending (oldest {} s), {} dead",

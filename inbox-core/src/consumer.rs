@@ -142,6 +142,13 @@ pub trait Consumer: Send {
         let _ = message;
     }
 
+    /// The partitions this consumer reads now (`Vec::new()`, the default:
+    /// it cannot tell). Keys side by side learn from it which partitions
+    /// to read parked keys of before any record of theirs arrives.
+    fn assigned(&self) -> Vec<PartitionKey> {
+        Vec::new()
+    }
+
     /// Work on parked keys for the runner before any record (a consumer
     /// that parks failing keys: [`Lanes`](crate::drivers::runner::lanes::Lanes)
     /// under [`Ordering::Key`](crate::keyed::Ordering::Key)). `None`, the
@@ -178,7 +185,15 @@ pub enum ParkWork {
     Load(PartitionKey),
     /// Run the first parked message of `key` of the partition, then answer
     /// with [`Consumer::drained`].
-    Drain(PartitionKey, Vec<u8>),
+    Drain {
+        /// The partition.
+        partition: PartitionKey,
+        /// The key.
+        key: Vec<u8>,
+        /// Tries of the key's first message in a row so far (its live
+        /// ones included): the redelivery backoff goes on from there.
+        tries: u32,
+    },
 }
 
 /// What reading a partition's parked keys gave ([`Consumer::parked_loaded`]).

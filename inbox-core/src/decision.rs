@@ -647,7 +647,7 @@ pub fn refused_data(stage: PersistStage, kind: StoreErrorKind) -> bool {
     matches!(kind, StoreErrorKind::Data | StoreErrorKind::Integrity)
         && matches!(
             stage,
-            PersistStage::Insert | PersistStage::Lock | PersistStage::Complete
+            PersistStage::Insert | PersistStage::Lock | PersistStage::Complete | PersistStage::Park
         )
 }
 

@@ -363,6 +363,20 @@ impl<T: Clone> KeyedFlow<T> {
         self.behind.contains_key(key)
     }
 
+    /// Whether a record of `key` is handed to a lane now (delivered, or
+    /// rewound to be handed back), not only waiting.
+    pub fn key_busy(&self, key: &FlowKey) -> bool {
+        if !self.behind.contains_key(key) {
+            return false;
+        }
+        self.lanes.iter().any(|l| {
+            l.delivered
+                .iter()
+                .chain(l.redeliver.iter())
+                .any(|o| self.entries.get(o).is_some_and(|e| &e.key == key))
+        })
+    }
+
     /// The key of the record at `offset`, while it is in hand.
     pub fn key_of(&self, offset: i64) -> Option<&FlowKey> {
         self.entries.get(&offset).map(|e| &e.key)
@@ -638,12 +652,30 @@ mod tests {
 
     #[derive(Debug, Clone)]
     enum Op {
-        Offer { key: u8, gap: u8 },
-        Next { lane: usize },
-        AckFirst { lane: usize },
-        AckAll { lane: usize },
-        Rewind { lane: usize },
-        Hold { lane: usize },
+        Offer {
+            key: u8,
+            gap: u8,
+        },
+        Next {
+            lane: usize,
+        },
+        AckFirst {
+            lane: usize,
+        },
+        AckAll {
+            lane: usize,
+        },
+        Rewind {
+            lane: usize,
+        },
+        Hold {
+            lane: usize,
+        },
+        /// Blocks the key, or unblocks it when blocked (a parked key's
+        /// drain).
+        Block {
+            key: u8,
+        },
         Pass,
     }
 
@@ -655,6 +687,7 @@ mod tests {
             1 => (0usize..3).prop_map(|lane| Op::AckAll { lane }),
             1 => (0usize..3).prop_map(|lane| Op::Rewind { lane }),
             1 => (0usize..3).prop_map(|lane| Op::Hold { lane }),
+            1 => (0u8..4).prop_map(|key| Op::Block { key }),
             1 => Just(Op::Pass),
         ]
     }
@@ -682,6 +715,7 @@ mod tests {
             let mut first_seen: HashSet<i64> = HashSet::new();
             let mut last_first: HashMap<u8, i64> = HashMap::new();
             let mut watermark: Option<i64> = None;
+            let mut blocked: HashSet<u8> = HashSet::new();
             for op in ops {
                 match op {
                     Op::Offer { key: k, gap } => {
@@ -708,7 +742,7 @@ mod tests {
                                 }
                             }
                             let free = heads.iter()
-                                .find(|&(k, &o)| !busy.contains(k) && o > above);
+                                .find(|&(k, &o)| !busy.contains(k) && !blocked.contains(k) && o > above);
                             prop_assert!(free.is_none(), "lane {} idle beside a free key {:?}", lane, free);
                         }
                         if let Some((o, item)) = got {
@@ -718,10 +752,15 @@ mod tests {
                                 prop_assert!(l == lane || !r.contains_key(&o),
                                     "lane {}'s rewound {} handed to lane {}", l, o, lane);
                             }
-                            if let Some(until) = rewound[lane].remove(&o) {
+                            let was_rewound = rewound[lane].remove(&o);
+                            if let Some(until) = was_rewound {
                                 prop_assert!(until <= now, "{} handed out during its hold", o);
                             }
                             let k = offered[&o];
+                            // a blocked key's records wait (but a lane's own
+                            // rewound one, already its, comes back)
+                            prop_assert!(!blocked.contains(&k) || was_rewound.is_some(),
+                                "blocked key {} handed out at {}", k, o);
                             // no other record of its key is in a lane
                             for (l, d) in delivered.iter().enumerate() {
                                 for x in d {
@@ -775,11 +814,30 @@ mod tests {
                             prop_assert!(f.hold(lane, o, until));
                         }
                     }
+                    Op::Block { key: k } => {
+                        if blocked.remove(&k) {
+                            f.unblock(&key(k));
+                        } else {
+                            blocked.insert(k);
+                            f.block(key(k));
+                        }
+                    }
                     Op::Pass => now += Duration::from_millis(3),
                 }
                 prop_assert_eq!(f.unfinished(), offered.len() - finished.len());
+                // a key is busy exactly while a record of it is in a lane
+                // (delivered, or rewound to come back)
+                for k in 0..4u8 {
+                    let in_lane = delivered.iter().flatten()
+                        .chain(rewound.iter().flat_map(BTreeMap::keys))
+                        .any(|o| offered[o] == k);
+                    prop_assert_eq!(f.key_busy(&key(k)), in_lane, "key {} busy", k);
+                }
             }
             // drain: every lane takes and finishes what it can
+            for k in blocked.drain() {
+                f.unblock(&key(k));
+            }
             now += Duration::from_secs(1);
             for _ in 0..1_000 {
                 let mut moved = false;

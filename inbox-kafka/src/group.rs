@@ -697,6 +697,10 @@ where
     }
 }
 
+/// How often a member with lanes reports how many keys it holds parked
+/// ([`MetricEvent::ParkedKeys`]).
+const PARKED_GAUGE_EVERY: Duration = Duration::from_secs(5);
+
 /// One consumer claiming `owned` and `group.concurrency` lanes over it
 /// (clamped to the pool less one), a runner each, in one task that writes
 /// the last watermarks once every lane has stopped. A lane that panics
@@ -746,6 +750,7 @@ where
         );
     }
     let stop = cancel.clone();
+    let metrics = metrics.clone();
     let task = tokio::spawn(async move {
         let mut set = tokio::task::JoinSet::new();
         let lanes_stop = stop.child_token();
@@ -755,7 +760,17 @@ where
         }
         let mut handled = 0;
         let mut panic = None;
-        while let Some(done) = set.join_next().await {
+        let mut gauge = tokio::time::interval(PARKED_GAUGE_EVERY);
+        loop {
+            let done = tokio::select! {
+                done = set.join_next() => done,
+                _ = gauge.tick() => {
+                    let keys = u64::try_from(shared.parked_keys()).unwrap_or(u64::MAX);
+                    inbox_core::record_safely(&*metrics, MetricEvent::ParkedKeys { keys });
+                    continue;
+                }
+            };
+            let Some(done) = done else { break };
             match done {
                 Ok(n) => handled += n,
                 Err(e) => {

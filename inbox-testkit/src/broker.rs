@@ -217,6 +217,17 @@ impl MemConsumer {
 
 #[async_trait]
 impl Consumer for MemConsumer {
+    fn assigned(&self) -> Vec<PartitionKey> {
+        let broker = self.broker.clone();
+        let s = broker.state();
+        s.topics
+            .iter()
+            .flat_map(|(t, parts)| {
+                (0..parts.len()).map(move |p| (t.clone(), i32::try_from(p).unwrap_or(i32::MAX)))
+            })
+            .collect()
+    }
+
     async fn next(&mut self) -> Result<Option<Message>, ConsumerError> {
         self.check_open()?;
         let broker = self.broker.clone();

@@ -140,6 +140,12 @@ pub enum MetricEvent {
         /// How long the oldest of them has waited (zero when none).
         oldest: Duration,
     },
+    /// How many keys a member's lanes hold parked now (keys side by side:
+    /// a key that kept failing, its records waiting in the store).
+    ParkedKeys {
+        /// The parked keys, over the member's partitions.
+        keys: u64,
+    },
 }
 
 /// Receives the runner's events. Every method has a no-op default.
@@ -291,6 +297,7 @@ impl Metrics for CountingMetrics {
             MetricEvent::Lag { .. }
             | MetricEvent::LagTime { .. }
             | MetricEvent::OutboxBacklog { .. }
+            | MetricEvent::ParkedKeys { .. }
             | MetricEvent::PartitionTally { .. }
             | MetricEvent::OffsetGap { .. }
             | MetricEvent::OffsetsSkipped { .. }
@@ -327,6 +334,7 @@ impl Metrics for CountingMetrics {
 /// | offsets not copied to the broker's group coordinator | counter `inbox_broker_commit_failures_total` | `group` |
 /// | outbox events published, dead-lettered | counters `inbox_outbox_published_total`, `inbox_outbox_dead_lettered_total` | `group` |
 /// | outbox backlog, age of its oldest event | gauges `inbox_outbox_pending`, `inbox_outbox_oldest_pending_seconds` | `group` |
+/// | keys parked now (keys side by side) | gauge `inbox_parked_keys` | `group` |
 ///
 /// Alert on `exhausted`, `poison` and `dropped` outcomes, gaps, out-of-range
 /// offsets, and a lag that grows (see `docs/operations.md`).
@@ -511,6 +519,11 @@ impl Metrics for FacadeMetrics {
                 ::metrics::gauge!("inbox_outbox_oldest_pending_seconds", "group" => group)
                     .set(oldest.as_secs_f64());
             }
+            MetricEvent::ParkedKeys { keys } => {
+                #[allow(clippy::cast_precision_loss)]
+                let keys = keys as f64;
+                ::metrics::gauge!("inbox_parked_keys", "group" => group).set(keys);
+            }
         }
     }
 }
@@ -549,6 +562,7 @@ mod facade_tests {
                 pending: 7,
                 oldest: Duration::from_secs(12),
             });
+            m.record(MetricEvent::ParkedKeys { keys: 4 });
         });
         type Found = (String, Vec<(String, String)>, DebugValue);
         let found: Vec<Found> = snapshotter
@@ -596,6 +610,10 @@ mod facade_tests {
         assert_eq!(
             get("inbox_outbox_pending", Some(("group", "billing"))),
             Some(&DebugValue::Gauge(7.0.into()))
+        );
+        assert_eq!(
+            get("inbox_parked_keys", Some(("group", "billing"))),
+            Some(&DebugValue::Gauge(4.0.into()))
         );
         assert_eq!(
             get("inbox_outbox_oldest_pending_seconds", None),

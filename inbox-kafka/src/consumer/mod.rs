@@ -505,6 +505,14 @@ impl<O: OffsetStore> Consumer for KafkaConsumer<O> {
         self.tx_ack(message)
     }
 
+    fn assigned(&self) -> Vec<inbox_core::PartitionKey> {
+        self.partitions
+            .iter()
+            .filter(|p| !p.fenced && !p.stopped)
+            .map(|p| (p.topic.clone(), p.partition))
+            .collect()
+    }
+
     fn log_end_at_start(&self, position: &Position) -> Option<i64> {
         self.partitions
             .iter()

@@ -159,6 +159,22 @@ struct ParkedKey {
     due: std::time::Instant,
     /// A lane drains it now: its live records wait.
     draining: bool,
+    /// Tries of its first message in a row (for the backoff).
+    tries: u32,
+    /// Drained once since this member knows it: only the first drain can
+    /// have been running when the process last died (a suspect).
+    drained_once: bool,
+}
+
+impl ParkedKey {
+    fn new(tries: u32) -> Self {
+        Self {
+            due: tokio::time::Instant::now().into_std(),
+            draining: false,
+            tries,
+            drained_once: false,
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -173,6 +189,19 @@ struct State {
     /// Messages without a position (nothing to order them by), for the
     /// next lane that asks.
     loose: VecDeque<Message>,
+    /// Whether the shared consumer's partitions were taken in (their
+    /// parked keys are read before any of their records arrives).
+    assigned_known: bool,
+}
+
+impl State {
+    /// Whether a partition's parked keys are still to be read (its records
+    /// are not handed out until then).
+    fn load_due(&self) -> bool {
+        self.parts
+            .values()
+            .any(|p| !p.fenced && p.park.load == Load::Due)
+    }
 }
 
 impl State {
@@ -306,6 +335,28 @@ impl<C: Consumer> Shared<C> {
         }
     }
 
+    /// Takes in the shared consumer's partitions once (with parking: a
+    /// partition whose parked keys wait and that gets no new record is
+    /// drained all the same), each with its ownership.
+    fn take_in_assigned(&self, inner: &C) {
+        if self.park_after.is_none() || self.state().assigned_known {
+            return;
+        }
+        let assigned = inner.assigned();
+        let mut state = self.state();
+        state.assigned_known = true;
+        for key in assigned {
+            if state.parts.contains_key(&key) {
+                continue;
+            }
+            let mut probe = Message::new("", key.0.as_str(), "", serde_json::Value::Null);
+            probe.position = Some(Position::new(key.0.clone(), key.1, 0));
+            let mut part = Part::new(self.limits, true);
+            part.owner = inner.transactional_ack(&probe);
+            state.parts.insert(key, part);
+        }
+    }
+
     /// The shared consumer's next record, waited for as long as its `next`
     /// waits; watermarks left meanwhile by the lanes are written
     /// [`MARKS_DUE_WAIT`] after they were left, the wait given up for it
@@ -335,6 +386,7 @@ impl<C: Consumer> Shared<C> {
     /// first record at most as long as its `next` does) and offers it; how
     /// many records were offered.
     async fn pull(&self, inner: &mut C, wait: bool) -> Result<usize, ConsumerError> {
+        self.take_in_assigned(inner);
         let mut offered = 0;
         let mut first = wait;
         for _ in 0..PULL_MAX {
@@ -577,12 +629,16 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
             let changed = self.shared.changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
-            if let Some(message) = self.shared.state().take(self.index) {
-                self.gathering = true;
-                return Ok(Some(message));
-            }
-            if pulled {
-                return Ok(None);
+            {
+                let mut state = self.shared.state();
+                if let Some(message) = state.take(self.index) {
+                    self.gathering = true;
+                    return Ok(Some(message));
+                }
+                // the runner reads a partition's parked keys first
+                if pulled || state.load_due() {
+                    return Ok(None);
+                }
             }
             match self.shared.inner.try_lock() {
                 Ok(mut inner) => {
@@ -679,13 +735,8 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
                 if *n >= after && !part.park.keys.contains_key(k) {
                     tracing::info!(topic = %pos.topic, partition = pos.partition, offset = pos.offset,
                         rewinds = *n, "a key keeps failing: parked (its records wait in the store, the partition goes on)");
-                    part.park.keys.insert(
-                        k.clone(),
-                        ParkedKey {
-                            due: tokio::time::Instant::now().into_std(),
-                            draining: false,
-                        },
-                    );
+                    let parked = ParkedKey::new(*n);
+                    part.park.keys.insert(k.clone(), parked);
                 }
             }
         }
@@ -720,9 +771,13 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
     /// consumer cannot tell.
     fn suspect(&self, message: &Message) -> Option<bool> {
         if self.drains(message) {
-            // a parked message may have been running when the process
-            // died: each run is counted before it
-            return Some(true);
+            // the first drain of a key this member learned of may have
+            // been running when the process died: counted before it
+            let pos = message.position.as_ref()?;
+            let key = message.key.as_ref()?;
+            let state = self.shared.state();
+            let parked = state.parts.get(&pos.partition_key())?.park.keys.get(key)?;
+            return Some(!parked.drained_once);
         }
         let pos = message.position.as_ref()?;
         let state = self.shared.state();
@@ -817,7 +872,9 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
         let mut state = self.shared.state();
         let State { parts, stale, .. } = &mut *state;
         for (pk, part) in parts.iter_mut() {
-            if part.fenced || stale.contains(&(self.index, pk.clone())) {
+            // a lane still holding records from before the partition's
+            // reset may be parking one: no drain decides on its key now
+            if part.fenced || stale.iter().any(|(_, k)| k == pk) {
                 continue;
             }
             match part.park.load {
@@ -829,14 +886,21 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
                 Load::Loaded => {}
             }
             let Part { flow, park, .. } = part;
+            // a key whose later records only wait (none handed out) is
+            // drained: they come after its whole queue, and are blocked
+            // until the drain ends
             let due = park.keys.iter_mut().find(|(k, p)| {
-                !p.draining && p.due <= now && !flow.key_in_hand(&FlowKey::Key(k.to_vec()))
+                !p.draining && p.due <= now && !flow.key_busy(&FlowKey::Key(k.to_vec()))
             });
             if let Some((k, p)) = due {
                 p.draining = true;
                 flow.block(FlowKey::Key(k.clone()));
                 self.drain = Some((pk.clone(), k.clone()));
-                return Some(ParkWork::Drain(pk.clone(), k.clone()));
+                return Some(ParkWork::Drain {
+                    partition: pk.clone(),
+                    key: k.clone(),
+                    tries: p.tries,
+                });
             }
         }
         None
@@ -865,10 +929,11 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
             match loaded {
                 ParkLoad::Keys(keys) => {
                     part.park.load = Load::Loaded;
+                    let tries = self.shared.park_after.unwrap_or(0);
                     for k in keys {
                         part.park.keys.entry(k).or_insert(ParkedKey {
                             due: now,
-                            draining: false,
+                            ..ParkedKey::new(tries)
                         });
                     }
                 }
@@ -887,20 +952,19 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
                 return;
             };
             part.flow.unblock(&FlowKey::Key(key.to_vec()));
-            match end {
-                DrainEnd::Empty => {
-                    part.park.keys.remove(key);
-                }
-                DrainEnd::Settled => {
-                    if let Some(p) = part.park.keys.get_mut(key) {
-                        p.draining = false;
-                        p.due = tokio::time::Instant::now().into_std();
-                    }
-                }
-                DrainEnd::Retry { until } => {
-                    if let Some(p) = part.park.keys.get_mut(key) {
-                        p.draining = false;
+            if let DrainEnd::Empty = end {
+                part.park.keys.remove(key);
+            } else if let Some(p) = part.park.keys.get_mut(key) {
+                p.draining = false;
+                p.drained_once = true;
+                match end {
+                    DrainEnd::Retry { until } => {
                         p.due = until.into_std();
+                        p.tries = p.tries.saturating_add(1);
+                    }
+                    DrainEnd::Settled | DrainEnd::Empty => {
+                        p.due = tokio::time::Instant::now().into_std();
+                        p.tries = 0;
                     }
                 }
             }

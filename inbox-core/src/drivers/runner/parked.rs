@@ -51,7 +51,11 @@ where
     ) -> (Option<ProcessResult>, Duration) {
         match work {
             ParkWork::Load(part) => (None, self.load_parked(&part).await),
-            ParkWork::Drain(part, key) => self.drain(part, key).await,
+            ParkWork::Drain {
+                partition,
+                key,
+                tries,
+            } => self.drain(partition, key, tries).await,
         }
     }
 
@@ -87,6 +91,7 @@ where
         &mut self,
         part: PartitionKey,
         key: Vec<u8>,
+        tries: u32,
     ) -> (Option<ProcessResult>, Duration) {
         let parked = ParkedKey {
             consumer_group: self.config.consumer_group.clone(),
@@ -115,7 +120,16 @@ where
         let result = self.process_message(head.message.clone()).await;
         let settled = result.acked && !result.rewound;
         if !settled {
-            let delay = self.redelivery_delay(&result);
+            // the backoff goes on from the key's tries (its live ones and
+            // earlier drains), whichever lane ran them
+            let delay = decision::redelivery_hold(
+                result.outcome.as_ref(),
+                chrono::Utc::now(),
+                self.config
+                    .redelivery_backoff
+                    .delay(tries.saturating_add(1)),
+                self.config.redelivery_backoff.max,
+            );
             let until = Instant::now() + delay;
             self.consumer
                 .drained(&part, &key, DrainEnd::Retry { until });
@@ -163,6 +177,13 @@ where
     /// Appends `message`, of a parked key, to its key's queue, then
     /// acknowledges it (a failure rewinds it, as any delivery's).
     pub(super) async fn park_message(&mut self, message: Message) -> ProcessResult {
+        // poison (invalid, or refused by the database too often, parking
+        // included) is dead-lettered as any delivery is: it has no effect
+        // to keep in its key's order
+        let group = &self.config.consumer_group;
+        if message.validate(group).is_err() || self.refused_poison(&message).is_some() {
+            return self.process_message(message).await;
+        }
         self.record(MetricEvent::Consumed);
         let work = match self.begin().await {
             Err(e) => Work::storage_failure(false, PersistStage::Begin, e, None, None),
@@ -185,6 +206,7 @@ where
             }
         };
         let result = self.settle(message, work).await;
+        self.note_result(&result);
         if result.acked {
             tracing::debug!(message_id = %result.message_id, "parked behind its key's failing message");
         } else if let Some(ProcessError::Persist(e)) = &result.error {

@@ -22,7 +22,11 @@
 //! carry keys (64 a partition), the consumer is a group member with
 //! `Ordering::Key` (8 at once, the stored offset a watermark), and each
 //! key's effects must also have been written in offset order (a sequence
-//! column; a key's next message starts only after the last committed).
+//! column; a key's next message starts only after the last committed);
+//! four keys of each partition fail every message's first two calls in a
+//! process, so they are parked (`park_after` 2) and drained from the
+//! store: the stored offset may pass their messages (the check counts a
+//! parked record as kept), and the run ends once no key is parked.
 //! It prints throughput,
 //! faults survived and the consumer's peak RSS over time, and exits
 //! non-zero on any breach.
@@ -105,11 +109,22 @@ fn fnv(text: &str) -> u64 {
 }
 
 /// Writes the effect; fails the first call (in this process) of
-/// `fail_percent` of the messages.
+/// `fail_percent` of the messages, and under `--keys` the first
+/// [`FAILING_KEY_CALLS`] calls of every message of the failing keys.
 struct SoakHandler {
     fail_percent: u64,
     failed: Mutex<HashSet<String>>,
+    /// Under `--keys`: calls so far of the failing keys' messages.
+    failing_keys: Option<Mutex<std::collections::HashMap<String, u32>>>,
 }
+
+/// Under `--keys`, keys `0..FAILING_KEYS` of each partition (of [`KEYS`])
+/// fail: each of their messages fails its first [`FAILING_KEY_CALLS`]
+/// calls in a process, so the key is parked after as many tries and its
+/// messages drained from the store.
+const FAILING_KEYS: i64 = 4;
+/// See [`FAILING_KEYS`]; the member parks a key after this many tries.
+const FAILING_KEY_CALLS: u32 = 2;
 
 #[async_trait]
 impl Handler<PgTx> for SoakHandler {
@@ -132,6 +147,18 @@ impl Handler<PgTx> for SoakHandler {
                 ],
             ))
             .await?;
+        if let Some(calls) = &self.failing_keys
+            && pos.offset % KEYS < FAILING_KEYS
+        {
+            let mut calls = calls.lock().map_err(|_| HandlerError::msg("poisoned"))?;
+            let n = calls.entry(m.message_id.clone()).or_insert(0);
+            *n += 1;
+            if *n <= FAILING_KEY_CALLS {
+                return Err(HandlerError::msg(
+                    "this customer's payment provider refuses",
+                ));
+            }
+        }
         if fnv(&m.message_id) % 100 < self.fail_percent
             && self
                 .failed
@@ -180,9 +207,11 @@ pub(crate) fn consumer(args: &[String]) -> Result<()> {
         let store = PgStore::connect(&url, TableName::new(None, TABLE)?)
             .await
             .context("connecting to PostgreSQL")?;
+        let keys = std::env::var_os(KEYS_ENV).is_some();
         let handler = Arc::new(SoakHandler {
             fail_percent,
             failed: Mutex::default(),
+            failing_keys: keys.then(Mutex::default),
         });
         let mut kafka = KafkaConfig::new(
             vec![brokers],
@@ -217,7 +246,6 @@ pub(crate) fn consumer(args: &[String]) -> Result<()> {
                 }
             });
         }
-        let keys = std::env::var_os(KEYS_ENV).is_some();
         // connecting fails while a server is down: try again
         while !cancel.is_cancelled() {
             let ran = if keys {
@@ -225,6 +253,7 @@ pub(crate) fn consumer(args: &[String]) -> Result<()> {
                 group.ordering = inbox_core::keyed::Ordering::Key;
                 group.concurrency = KEY_CONCURRENCY;
                 group.session_timeout = Duration::from_secs(3);
+                group.park_after = Some(FAILING_KEY_CALLS);
                 run_group(
                     kafka.clone(),
                     group,
@@ -334,14 +363,22 @@ impl ConsumerProcess {
 }
 
 /// Per partition, in one snapshot: the stored next offset and how many
-/// distinct records below it have their effect.
+/// distinct records below it have their effect or are parked (their key
+/// kept failing: they wait in the parked queue, the stored offset past
+/// them).
 async fn offsets_and_effects(store: &PgStore, topic: &str) -> Result<BTreeMap<i32, (i64, i64)>> {
     let sql = format!(
         "SELECT o.partition, o.next_offset,
-                (SELECT count(DISTINCT e.record_offset) FROM {EFFECTS} e
-                  WHERE e.partition = o.partition AND e.record_offset < o.next_offset) AS done
+                (SELECT count(*) FROM (
+                    SELECT e.record_offset FROM {EFFECTS} e
+                     WHERE e.partition = o.partition AND e.record_offset < o.next_offset
+                    UNION
+                    SELECT k.record_offset FROM {parked} k
+                     WHERE k.topic = o.topic AND k.partition = o.partition
+                       AND k.record_offset < o.next_offset) d) AS done
            FROM {} o WHERE o.consumer_group = $1 AND o.topic = $2 AND o.next_offset IS NOT NULL",
-        store.table().offsets()
+        store.table().offsets(),
+        parked = store.table().parked(),
     );
     let rows = store
         .connection()
@@ -531,6 +568,7 @@ async fn soak(o: Options) -> Result<()> {
     let mut last_report = Instant::now();
     let mut last_terminate = Instant::now();
     let mut next_fault = 0usize;
+    let mut most_parked = 0i64;
     let total = o.messages;
     loop {
         tokio::time::sleep(Duration::from_millis(250)).await;
@@ -563,6 +601,15 @@ async fn soak(o: Options) -> Result<()> {
         }
         if last_report.elapsed() >= Duration::from_secs(5) {
             last_report = Instant::now();
+            if o.keys {
+                let parked = scalar(
+                    &store,
+                    &format!("SELECT count(*) FROM {}", store.table().parked()),
+                )
+                .await
+                .unwrap_or(0);
+                most_parked = most_parked.max(parked);
+            }
             println!(
                 "  t={:>6.1} s  acknowledged {:>8}/{total}  {:>7.0} msg/s  consumer RSS {:>5.1} MiB  faults {}  backends killed {terminated}",
                 started.elapsed().as_secs_f64(),
@@ -573,7 +620,18 @@ async fn soak(o: Options) -> Result<()> {
             );
         }
         if progress >= total {
-            break;
+            // every record acknowledged; under --keys the parked keys'
+            // queues drain after that
+            let parked = scalar(
+                &store,
+                &format!("SELECT count(*) FROM {}", store.table().parked()),
+            )
+            .await
+            .unwrap_or(-1);
+            most_parked = most_parked.max(parked);
+            if parked == 0 {
+                break;
+            }
         }
         if last_progress.0.elapsed() > Duration::from_secs(180) {
             bail!("no progress for 180 s at {progress}/{total} (after {next_fault} faults)");
@@ -675,11 +733,29 @@ async fn soak(o: Options) -> Result<()> {
         "  effects                 {effects} rows, {distinct} messages: lost {lost}, doubled {doubled}"
     );
     println!("  dead letters            {dead} of {poison} poison records");
-    if o.keys {
+    let (parked_messages, parked_left) = if o.keys {
         println!(
             "  keys                    {KEYS} a partition, Ordering::Key, {KEY_CONCURRENCY} at once: {out_of_order} effects before an earlier offset of their key"
         );
-    }
+        let parked_messages = scalar(
+            &store,
+            &format!(
+                "SELECT count(*) FROM {EFFECTS} WHERE record_offset % {KEYS} < {FAILING_KEYS}"
+            ),
+        )
+        .await?;
+        let left = scalar(
+            &store,
+            &format!("SELECT count(*) FROM {}", store.table().parked()),
+        )
+        .await?;
+        println!(
+            "  failing keys            {FAILING_KEYS} a partition, each message failing its first {FAILING_KEY_CALLS} calls in a process: {parked_messages} effects of theirs, up to {most_parked} messages parked at once (sampled), {left} left parked"
+        );
+        (most_parked, left)
+    } else {
+        (0, 0)
+    };
     println!(
         "  offsets at the end      {}",
         if at_end {
@@ -709,6 +785,8 @@ async fn soak(o: Options) -> Result<()> {
         || effects != valid
         || dead != poison
         || out_of_order != 0
+        || parked_left != 0
+        || (o.keys && parked_messages == 0)
         || !at_end
         || next_fault != expected
     {

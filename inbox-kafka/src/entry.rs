@@ -237,6 +237,24 @@ impl InboxConsumer {
         self
     }
 
+    /// Under `Ordering::Key`: after how many tries in a row of one message
+    /// its key is parked in PostgreSQL, so the partition's other keys and
+    /// its stored offset go on (`None`: never; default 3; see
+    /// [`GroupConfig::park_after`]).
+    ///
+    /// ```
+    /// # fn f(consumer: inbox_kafka::InboxConsumer) -> inbox_kafka::InboxConsumer {
+    /// consumer
+    ///     .ordering(inbox_kafka::Ordering::Key)
+    ///     .park_after(Some(5)) // or None: a failing key waits in memory
+    /// # }
+    /// ```
+    #[must_use]
+    pub fn park_after(mut self, tries: Option<u32>) -> Self {
+        self.group.park_after = tries;
+        self
+    }
+
     /// How records become messages (default: JSON).
     #[must_use]
     pub fn decoder(mut self, decoder: impl Decode + 'static) -> Self {

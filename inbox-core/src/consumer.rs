@@ -165,6 +165,22 @@ pub trait Consumer: Send {
         false
     }
 
+    /// Up to `max` records of `message`'s (parked) key waiting behind it,
+    /// not handed out, in offset order: the runner parks them with it, in
+    /// its transaction. `Vec::new()`, the default: none.
+    fn waiting_behind(&self, message: &Message, max: usize) -> Vec<Message> {
+        let _ = (message, max);
+        Vec::new()
+    }
+
+    /// Told that the records at `offsets` (from
+    /// [`waiting_behind`](Self::waiting_behind)) were parked with `message`
+    /// in its committed transaction: they are finished, before `message`
+    /// is acknowledged.
+    fn parked_with(&mut self, message: &Message, offsets: &[i64]) {
+        let _ = (message, offsets);
+    }
+
     /// Told which keys of `partition` are parked ([`ParkWork::Load`]).
     fn parked_loaded(&mut self, partition: &PartitionKey, loaded: ParkLoad) {
         let _ = (partition, loaded);

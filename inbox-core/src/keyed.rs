@@ -377,6 +377,45 @@ impl<T: Clone> KeyedFlow<T> {
         })
     }
 
+    /// Up to `max` records of `key` waiting behind its record in hand
+    /// (not handed out), in offset order: what a lane parking that record
+    /// parks with it ([`finish_waiting`](Self::finish_waiting)).
+    pub fn waiting_of(&self, key: &FlowKey, max: usize) -> Vec<(i64, T)> {
+        self.behind.get(key).map_or_else(Vec::new, |later| {
+            later
+                .iter()
+                .take(max)
+                .filter_map(|o| self.entries.get(o).map(|e| (*o, e.item.clone())))
+                .collect()
+        })
+    }
+
+    /// The records `offsets` of `key` (from [`waiting_of`](Self::waiting_of),
+    /// in offset order) are finished without being handed out: they were
+    /// kept elsewhere (parked with their key's record in hand, in its
+    /// transaction). Only those still first in line behind the key's
+    /// record in hand are finished; the watermark moves with that
+    /// record's acknowledgement.
+    pub fn finish_waiting(&mut self, key: &FlowKey, offsets: &[i64]) {
+        for &o in offsets {
+            let Some(later) = self.behind.get_mut(key) else {
+                return;
+            };
+            if later.front() != Some(&o) {
+                return;
+            }
+            later.pop_front();
+            let Some(entry) = self.entries.get_mut(&o) else {
+                continue;
+            };
+            if entry.state == State::Waiting {
+                entry.state = State::Finished;
+                self.bytes = self.bytes.saturating_sub(entry.bytes);
+                self.unfinished = self.unfinished.saturating_sub(1);
+            }
+        }
+    }
+
     /// The key of the record at `offset`, while it is in hand.
     pub fn key_of(&self, offset: i64) -> Option<&FlowKey> {
         self.entries.get(&offset).map(|e| &e.key)
@@ -648,6 +687,38 @@ mod tests {
         assert_eq!(f.next_for(1, now), Some((3, 3)));
         assert_eq!(f.next_for(0, now), Some((1, 1)));
         assert_eq!(f.next_for(0, now), Some((2, 2)));
+    }
+
+    /// A parked key's records waiting behind its record in hand are
+    /// parked with it: finished without being handed out, and the
+    /// watermark passes them with that record's acknowledgement; only
+    /// those still first in line are.
+    #[test]
+    fn waiting_records_parked_with_their_keys_record_are_finished() {
+        let now = Instant::now();
+        let mut f = KeyedFlow::new(FlowLimits::new(2));
+        for (o, k) in [(0, 0), (1, 0), (2, 0), (3, 1), (4, 0)] {
+            f.offer(o, key(k), 1, o);
+        }
+        assert_eq!(f.next_for(0, now), Some((0, 0)));
+        assert_eq!(f.waiting_of(&key(0), 2), vec![(1, 1), (2, 2)]);
+        // not first in line: nothing
+        f.finish_waiting(&key(0), &[2]);
+        assert_eq!(f.unfinished(), 5);
+        f.finish_waiting(&key(0), &[1, 2]);
+        assert_eq!(f.unfinished(), 3);
+        assert_eq!(
+            f.ack(0, 0),
+            Some((2, 2)),
+            "the watermark passes the parked ones"
+        );
+        assert_eq!(f.next_for(1, now), Some((3, 3)));
+        assert_eq!(
+            f.next_for(0, now),
+            Some((4, 4)),
+            "key 0's next record, after them"
+        );
+        assert!(f.key_in_hand(&key(0)));
     }
 
     #[derive(Debug, Clone)]

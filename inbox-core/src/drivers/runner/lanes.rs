@@ -919,6 +919,40 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
                 .is_some_and(|part| part.parks(message))
     }
 
+    fn waiting_behind(&self, message: &Message, max: usize) -> Vec<Message> {
+        let (Some(pos), Some(key)) = (&message.position, &message.key) else {
+            return Vec::new();
+        };
+        let state = self.shared.state();
+        state
+            .parts
+            .get(&pos.partition_key())
+            .map(|part| {
+                part.flow
+                    .waiting_of(&FlowKey::Key(key.clone()), max)
+                    .into_iter()
+                    .map(|(_, m)| m)
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    fn parked_with(&mut self, message: &Message, offsets: &[i64]) {
+        let (Some(pos), Some(key)) = (&message.position, &message.key) else {
+            return;
+        };
+        let pk = pos.partition_key();
+        let mut state = self.shared.state();
+        if state.stale.contains(&(self.index, pk.clone())) {
+            // from before a reset: what was in hand is forgotten
+            return;
+        }
+        if let Some(part) = state.parts.get_mut(&pk) {
+            part.flow
+                .finish_waiting(&FlowKey::Key(key.clone()), offsets);
+        }
+    }
+
     fn parked_loaded(&mut self, partition: &PartitionKey, loaded: ParkLoad) {
         {
             let mut state = self.shared.state();

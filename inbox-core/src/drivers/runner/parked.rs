@@ -34,6 +34,10 @@ use crate::routing::handler::Handler;
 use crate::store::{InboxStore, InboxTransaction, ParkedKey, ParkedMessage, no_parking};
 
 use super::work::Work;
+
+/// Most records of a parked key parked in one transaction (the one handed
+/// out and those waiting behind it).
+const PARK_RUN: usize = 256;
 use super::{ProcessError, ProcessResult, Runner, abandon};
 
 impl<S, C, H, M> Runner<S, C, H, M>
@@ -185,14 +189,28 @@ where
             return self.process_message(message).await;
         }
         self.record(MetricEvent::Consumed);
+        // the key's records waiting behind it go in the same transaction
+        // (up to a poison one, which is dead-lettered when its turn comes)
+        let run: Vec<Message> = self
+            .consumer
+            .waiting_behind(&message, PARK_RUN)
+            .into_iter()
+            .take_while(|m| m.validate(group).is_ok() && self.refused_poison(m).is_none())
+            .collect();
+        let group = self.config.consumer_group.clone();
         let work = match self.begin().await {
             Err(e) => Work::storage_failure(false, PersistStage::Begin, e, None, None),
             Ok(mut tx) => {
-                let group = self.config.consumer_group.clone();
-                let parked = match tx.parking() {
-                    Some(parking) => parking.park(&message, &group).await,
-                    None => Err(no_parking()),
-                };
+                let mut parked = Ok(());
+                for m in std::iter::once(&message).chain(&run) {
+                    parked = match tx.parking() {
+                        Some(parking) => parking.park(m, &group).await,
+                        None => Err(no_parking()),
+                    };
+                    if parked.is_err() {
+                        break;
+                    }
+                }
                 match parked {
                     Err(e) => {
                         abandon(tx).await;
@@ -205,6 +223,17 @@ where
                 }
             }
         };
+        if work.decision.ack == decision::AckPoint::AfterTx && !run.is_empty() {
+            let offsets: Vec<i64> = run
+                .iter()
+                .filter_map(|m| m.position.as_ref().map(|p| p.offset))
+                .collect();
+            self.consumer.parked_with(&message, &offsets);
+            for _ in &run {
+                self.record(MetricEvent::Consumed);
+                self.record(MetricEvent::Tally(decision::Tally::Parked));
+            }
+        }
         let result = self.settle(message, work).await;
         self.note_result(&result);
         if result.acked {

@@ -968,3 +968,106 @@ async fn a_failing_key_is_parked_in_postgres_and_drained_in_order() {
     assert_eq!(k0, ["p-0", "p-4", "p-8"], "k0 in offset order");
     assert_eq!(env.stored_offset("billing", 0).await, Some(12));
 }
+
+/// A member whose partition was taken over drains nothing: its drain of a
+/// parked key (whose message now succeeds) is refused at the owner check
+/// and rolled back, the message stays parked, and the new owner's lanes
+/// drain it, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_member_drains_nothing_and_the_new_owner_does() {
+    use inbox_core::drivers::runner::lanes::Lanes;
+    let env = env("parked-fenced", 1).await;
+    let records = (0..8)
+        .map(|i| {
+            let id = format!("f-{i}");
+            let mut r = inbox_testkit::kafka::json_record(
+                &serde_json::json!({ "order": id, "total": 10 }),
+                &[("message_id", &id), ("event_type", "order.created")],
+            );
+            r.key = Some(format!("k{}", i % 2).into_bytes());
+            r
+        })
+        .collect();
+    env.broker
+        .produce(&env.topic, 0, records, 3)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let parked = async || {
+        inbox_testkit::pg::count(&env.store, "SELECT count(*) FROM inbox_parked", vec![])
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+    };
+    let spawn = |lanes: &Lanes<_>, handler: &Arc<FailsSome>, stop: &CancellationToken| {
+        lanes
+            .lanes()
+            .into_iter()
+            .map(|lane| {
+                let mut runner = inbox_core::Runner::new(
+                    env.store.clone(),
+                    lane,
+                    handler.clone(),
+                    config("billing", AckStrategy::default()),
+                );
+                let stop = stop.clone();
+                tokio::spawn(async move { runner.run(stop).await })
+            })
+            .collect::<Vec<_>>()
+    };
+    // f-0 (k0) fails for a long while: k0 is parked, with backoff between
+    // its drains
+    let first = Arc::new(FailsSome {
+        fails: std::sync::Mutex::new([("f-0".to_owned(), 1_000)].into()),
+        done: std::sync::Mutex::default(),
+    });
+    let old = Lanes::new(env.consumer("billing").await, inbox_kafka::Ordering::Key, 2);
+    let old_stop = CancellationToken::new();
+    let old_tasks = spawn(&old, &first, &old_stop);
+    wait_until(
+        "k0 parked, the rest done",
+        Duration::from_secs(30),
+        async || parked().await == 4 && env.total_invoices().await == 4,
+    )
+    .await;
+    // another member takes the partition (its epoch moves), then f-0
+    // would succeed: the old member's drains are refused
+    let new = Lanes::new(env.consumer("billing").await, inbox_kafka::Ordering::Key, 2);
+    first
+        .fails
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clear();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(env.invoices("f-0").await, 0, "a fenced member drained f-0");
+    assert_eq!(parked().await, 4, "a fenced member unparked");
+    old_stop.cancel();
+    for t in old_tasks {
+        t.await.expect("join").expect("runner");
+    }
+    old.flush().await;
+    let healed = Arc::new(FailsSome {
+        fails: std::sync::Mutex::default(),
+        done: std::sync::Mutex::default(),
+    });
+    let new_stop = CancellationToken::new();
+    let new_tasks = spawn(&new, &healed, &new_stop);
+    wait_until(
+        "the new owner drains k0",
+        Duration::from_secs(30),
+        async || parked().await == 0 && env.total_invoices().await == 8,
+    )
+    .await;
+    new_stop.cancel();
+    for t in new_tasks {
+        t.await.expect("join").expect("runner");
+    }
+    new.flush().await;
+    for i in 0..8 {
+        assert_eq!(env.invoices(&format!("f-{i}")).await, 1, "f-{i} once");
+    }
+    let done = healed
+        .done
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    assert_eq!(done, ["f-0", "f-2", "f-4", "f-6"], "k0 drained in order");
+}

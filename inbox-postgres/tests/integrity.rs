@@ -590,3 +590,60 @@ async fn a_dead_letter_the_database_refuses_is_recorded_smaller() {
     .await;
     assert_eq!(kept, 1, "recorded with its ids and error");
 }
+
+/// Parking a message again at its position does nothing (a redelivery);
+/// another message at a parked position (the topic made again) is refused
+/// with an integrity error, never dropped; the parked message reads back
+/// whole (its raw bytes too).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parked_position_keeps_its_message_and_refuses_another() {
+    use inbox_core::{InboxTransaction as _, ParkedKey, Position};
+    let store = store().await;
+    let at = |id: &str| {
+        let mut m = order(id);
+        m.key = Some(b"k7".to_vec());
+        m.position = Some(Position::new("orders", 1, 42));
+        m.raw = Some(b"raw bytes".to_vec());
+        m
+    };
+    for _ in 0..2 {
+        let mut tx = store.begin().await.unwrap_or_else(|e| panic!("{e}"));
+        tx.parking()
+            .expect("PgTx parks")
+            .park(&at("p-1"), "billing")
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+    }
+    let mut tx = store.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let refused = tx
+        .parking()
+        .expect("PgTx parks")
+        .park(&at("p-2"), "billing")
+        .await;
+    assert_eq!(
+        refused.map_err(|e| e.kind),
+        Err(StoreErrorKind::Integrity),
+        "another message at a parked position"
+    );
+    drop(tx);
+    let key = ParkedKey {
+        consumer_group: "billing".into(),
+        topic: "orders".into(),
+        partition: 1,
+        key: b"k7".to_vec(),
+    };
+    let head = store
+        .parked_head(&key)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .expect("parked");
+    assert_eq!(head.message, at("p-1"), "read back whole");
+    assert_eq!(
+        store
+            .parked_keys("billing", "orders", 1)
+            .await
+            .unwrap_or_else(|e| panic!("{e}")),
+        vec![b"k7".to_vec()]
+    );
+}

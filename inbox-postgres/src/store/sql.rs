@@ -39,6 +39,7 @@ pub(super) struct Sql {
     pub(super) unpublish: String,
     pub(super) publish_lock: String,
     pub(super) park: String,
+    pub(super) parked_at: String,
     pub(super) unpark: String,
     pub(super) parked_keys: String,
     pub(super) parked_head: String,
@@ -416,7 +417,13 @@ impl Sql {
             park: format!(
                 "INSERT INTO {} (consumer_group, topic, partition, record_offset, record_key, message_id, message, raw)
                  VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
-                 ON CONFLICT (consumer_group, topic, partition, record_offset) DO NOTHING",
+                 ON CONFLICT (consumer_group, topic, partition, record_offset) DO NOTHING
+                 RETURNING id",
+                t.parked()
+            ),
+            parked_at: format!(
+                "SELECT message_id FROM {}
+                  WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND record_offset = $4",
                 t.parked()
             ),
             unpark: format!("DELETE FROM {} WHERE id = $1", t.parked()),

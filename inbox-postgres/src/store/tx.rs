@@ -534,21 +534,49 @@ impl ParkingTx for PgTx {
         };
         let as_json = serde_json::to_value(message)
             .map_err(|e| StoreError::new(StoreErrorKind::Other, e.to_string()))?;
-        self.exec(stmt(
-            &self.sql.park,
-            vec![
-                consumer_group.into(),
-                pos.topic.clone().into(),
-                pos.partition.into(),
-                pos.offset.into(),
-                key.clone().into(),
-                message.message_id.clone().into(),
-                as_json.into(),
-                message.raw.clone().into(),
-            ],
-        ))
-        .await?;
-        Ok(())
+        let inserted = self
+            .query_one(stmt(
+                &self.sql.park,
+                vec![
+                    consumer_group.into(),
+                    pos.topic.clone().into(),
+                    pos.partition.into(),
+                    pos.offset.into(),
+                    key.clone().into(),
+                    message.message_id.clone().into(),
+                    as_json.into(),
+                    message.raw.clone().into(),
+                ],
+            ))
+            .await?;
+        if inserted.is_some() {
+            return Ok(());
+        }
+        // parked already: the same message (delivered again), or another
+        // one at its position (the topic made again): that one is refused,
+        // never dropped
+        let there = self
+            .query_one(stmt(
+                &self.sql.parked_at,
+                vec![
+                    consumer_group.into(),
+                    pos.topic.clone().into(),
+                    pos.partition.into(),
+                    pos.offset.into(),
+                ],
+            ))
+            .await?;
+        let id: Option<String> = there.as_ref().map(|r| get(r, "message_id")).transpose()?;
+        match id {
+            Some(id) if id != message.message_id => Err(StoreError::new(
+                StoreErrorKind::Integrity,
+                format!(
+                    "another message ({id}) is parked at {}:{}@{}",
+                    pos.topic, pos.partition, pos.offset
+                ),
+            )),
+            _ => Ok(()),
+        }
     }
 
     async fn unpark(&mut self, id: i64) -> Result<(), StoreError> {

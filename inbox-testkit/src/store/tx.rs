@@ -387,11 +387,31 @@ impl TxOffsets for MemTx {
 impl ParkingTx for MemTx {
     async fn park(&mut self, message: &Message, consumer_group: &str) -> Result<(), StoreError> {
         self.usable()?;
-        self.store.state().take_fault(StoreFault::Park)?;
-        if message.position.is_none() || message.key.is_none() {
+        let mut s = self.store.state();
+        s.take_fault(StoreFault::Park)?;
+        let Some(pos) = &message.position else {
             return Err(StoreError::new(
                 StoreErrorKind::Integrity,
                 "a parked message needs a position and a key",
+            ));
+        };
+        if message.key.is_none() {
+            return Err(StoreError::new(
+                StoreErrorKind::Integrity,
+                "a parked message needs a position and a key",
+            ));
+        }
+        // another message parked at its position is refused, never dropped
+        let other = s.parked.values().any(|p| {
+            p.group == consumer_group
+                && p.message.position.as_ref() == Some(pos)
+                && p.message.message_id != message.message_id
+        });
+        drop(s);
+        if other {
+            return Err(StoreError::new(
+                StoreErrorKind::Integrity,
+                "another message is parked at this position",
             ));
         }
         self.staged.push(Staged::Park(

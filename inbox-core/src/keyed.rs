@@ -719,6 +719,9 @@ mod tests {
             "key 0's next record, after them"
         );
         assert!(f.key_in_hand(&key(0)));
+        assert_eq!(f.key_of(4), Some(&key(0)));
+        assert_eq!(f.ack(0, 4), None, "3 is unfinished");
+        assert!(!f.key_in_hand(&key(0)), "nothing of key 0 is left in hand");
     }
 
     #[derive(Debug, Clone)]

@@ -12,7 +12,7 @@ use inbox_core::drivers::runner::lanes::{DEFAULT_PARK_AFTER, Lanes};
 use inbox_core::keyed::Ordering;
 use inbox_core::{
     BatchConfig, CancellationToken, Consumer, ConsumerError, Handler, HandlerError, Message,
-    Position, Runner, RunnerConfig,
+    ParkLoad, ParkWork, Position, Runner, RunnerConfig,
 };
 use inbox_testkit::scenarios::WriteInvoice;
 use inbox_testkit::{MemBroker, MemStore};
@@ -759,5 +759,40 @@ async fn a_poison_record_of_a_parked_key_is_dead_lettered_not_parked() {
             .iter()
             .any(|d| d.message.message_id == "m4"),
         "the poison record is a dead letter"
+    );
+}
+
+/// The record whose rewind parks its key is handed out again at once, to
+/// be parked (its hold is its queue's: the drain waits it out), not after
+/// its backoff.
+#[tokio::test(start_paused = true)]
+async fn the_record_that_parks_its_key_is_parked_at_once() {
+    let broker = keyed_broker(2, 1, 1);
+    let shared = Lanes::new(broker.consumer("billing"), Ordering::Key, 1).with_parking(Some(1));
+    let mut lane = shared.lanes().remove(0);
+    assert_eq!(
+        lane.next().await.expect("next"),
+        None,
+        "the parked keys first"
+    );
+    let Some(ParkWork::Load(part)) = lane.park_work() else {
+        panic!("a load first");
+    };
+    lane.parked_loaded(&part, ParkLoad::Keys(Vec::new()));
+    let m0 = lane.next().await.expect("next").expect("m0");
+    assert!(!lane.parks(&m0));
+    lane.rewind(&m0).await.expect("rewind");
+    let pos = m0.position.clone().expect("a position");
+    assert!(lane.hold(&pos, tokio::time::Instant::now() + Duration::from_secs(60)));
+    let again = lane.next().await.expect("next").expect("m0 at once");
+    assert_eq!(again.message_id, "m0");
+    assert!(lane.parks(&again), "its key is parked");
+    assert_eq!(
+        lane.waiting_behind(&again, 10)
+            .iter()
+            .map(|m| m.message_id.as_str())
+            .collect::<Vec<_>>(),
+        ["m1"],
+        "its key's next record waits behind it"
     );
 }

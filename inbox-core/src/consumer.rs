@@ -176,9 +176,11 @@ pub trait Consumer: Send {
     /// Told that the records at `offsets` (from
     /// [`waiting_behind`](Self::waiting_behind)) were parked with `message`
     /// in its committed transaction: they are finished, before `message`
-    /// is acknowledged.
-    fn parked_with(&mut self, message: &Message, offsets: &[i64]) {
+    /// is acknowledged. How many it finished (none, the default; or those
+    /// still waiting, when the partition was not reset meanwhile).
+    fn parked_with(&mut self, message: &Message, offsets: &[i64]) -> usize {
         let _ = (message, offsets);
+        0
     }
 
     /// Told which keys of `partition` are parked ([`ParkWork::Load`]).

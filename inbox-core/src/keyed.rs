@@ -395,14 +395,15 @@ impl<T: Clone> KeyedFlow<T> {
     /// kept elsewhere (parked with their key's record in hand, in its
     /// transaction). Only those still first in line behind the key's
     /// record in hand are finished; the watermark moves with that
-    /// record's acknowledgement.
-    pub fn finish_waiting(&mut self, key: &FlowKey, offsets: &[i64]) {
+    /// record's acknowledgement. How many were finished.
+    pub fn finish_waiting(&mut self, key: &FlowKey, offsets: &[i64]) -> usize {
+        let mut finished = 0;
         for &o in offsets {
             let Some(later) = self.behind.get_mut(key) else {
-                return;
+                break;
             };
             if later.front() != Some(&o) {
-                return;
+                break;
             }
             later.pop_front();
             let Some(entry) = self.entries.get_mut(&o) else {
@@ -412,8 +413,10 @@ impl<T: Clone> KeyedFlow<T> {
                 entry.state = State::Finished;
                 self.bytes = self.bytes.saturating_sub(entry.bytes);
                 self.unfinished = self.unfinished.saturating_sub(1);
+                finished += 1;
             }
         }
+        finished
     }
 
     /// The key of the record at `offset`, while it is in hand.
@@ -703,9 +706,9 @@ mod tests {
         assert_eq!(f.next_for(0, now), Some((0, 0)));
         assert_eq!(f.waiting_of(&key(0), 2), vec![(1, 1), (2, 2)]);
         // not first in line: nothing
-        f.finish_waiting(&key(0), &[2]);
+        assert_eq!(f.finish_waiting(&key(0), &[2]), 0);
         assert_eq!(f.unfinished(), 5);
-        f.finish_waiting(&key(0), &[1, 2]);
+        assert_eq!(f.finish_waiting(&key(0), &[1, 2]), 2);
         assert_eq!(f.unfinished(), 3);
         assert_eq!(
             f.ack(0, 0),

@@ -796,3 +796,48 @@ async fn the_record_that_parks_its_key_is_parked_at_once() {
         "its key's next record waits behind it"
     );
 }
+
+/// A record the store refuses to park (another message is parked at its
+/// position: a topic made again) ends the run parked with its key's
+/// record, alone: the records before it are parked, its refusal is its
+/// own (dead-lettered as refused data once it is refused often enough),
+/// and nothing before it is charged for it. Before, the whole run's
+/// transaction failed and its first record was charged the refusal, so a
+/// good message was dead-lettered in the refused one's place.
+#[tokio::test(start_paused = true)]
+async fn a_record_refused_at_its_park_is_refused_alone() {
+    use inbox_core::{InboxStore as _, InboxTransaction as _};
+    let store = MemStore::new();
+    let broker = keyed_broker(8, 1, 2);
+    let mut ghost = keyed("ghost", "k0");
+    ghost.position = Some(Position::new("orders", 0, 4));
+    let mut tx = store.begin().await.expect("begin");
+    tx.parking()
+        .expect("parking")
+        .park(&ghost, "billing")
+        .await
+        .expect("park");
+    tx.commit().await.expect("commit");
+    // the ghost (an old topic's message, parked and never handled) keeps
+    // failing too, so it stays in k0's queue
+    let handler = Slow::new(&[("m0", u32::MAX), ("ghost", u32::MAX)]);
+    let met = run_lanes(&store, &broker, &handler, Ordering::Key, 2, None, || {
+        broker.acked("billing", "orders", 0) == Some(8)
+    })
+    .await;
+    assert!(met, "not all acknowledged in 60 s");
+    let letters: Vec<String> = store
+        .dead_letters()
+        .into_iter()
+        .map(|d| d.message.message_id)
+        .collect();
+    assert_eq!(letters, ["m4"], "only the refused record is a dead letter");
+    let parked: Vec<String> = store
+        .parked()
+        .into_iter()
+        .map(|p| p.message.message_id)
+        .collect();
+    for id in ["m0", "m2", "m6", "ghost"] {
+        assert!(parked.contains(&id.to_owned()), "{id} parked: {parked:?}");
+    }
+}

@@ -697,10 +697,6 @@ where
     }
 }
 
-/// How often a member with lanes reports how many keys it holds parked
-/// ([`MetricEvent::ParkedKeys`]).
-const PARKED_GAUGE_EVERY: Duration = Duration::from_secs(5);
-
 /// One consumer claiming `owned` and `group.concurrency` lanes over it
 /// (clamped to the pool less one), a runner each, in one task that writes
 /// the last watermarks once every lane has stopped. A lane that panics
@@ -760,7 +756,8 @@ where
         }
         let mut handled = 0;
         let mut panic = None;
-        let mut gauge = tokio::time::interval(PARKED_GAUGE_EVERY);
+        // how many keys the lanes hold parked, every 5 s
+        let mut gauge = tokio::time::interval(Duration::from_secs(5));
         loop {
             let done = tokio::select! {
                 done = set.join_next() => done,

@@ -997,17 +997,17 @@ async fn a_fenced_member_drains_nothing_and_the_new_owner_does() {
             .await
             .unwrap_or_else(|e| panic!("{e}"))
     };
+    // drains every 100 ms at most, for as long as it fails (no budget)
+    let mut cfg = config("billing", AckStrategy::default()).no_failure_budget();
+    cfg.redelivery_backoff.initial = Duration::from_millis(10);
+    cfg.redelivery_backoff.max = Duration::from_millis(100);
     let spawn = |lanes: &Lanes<_>, handler: &Arc<FailsSome>, stop: &CancellationToken| {
         lanes
             .lanes()
             .into_iter()
             .map(|lane| {
-                let mut runner = inbox_core::Runner::new(
-                    env.store.clone(),
-                    lane,
-                    handler.clone(),
-                    config("billing", AckStrategy::default()),
-                );
+                let mut runner =
+                    inbox_core::Runner::new(env.store.clone(), lane, handler.clone(), cfg.clone());
                 let stop = stop.clone();
                 tokio::spawn(async move { runner.run(stop).await })
             })
@@ -1036,7 +1036,21 @@ async fn a_fenced_member_drains_nothing_and_the_new_owner_does() {
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .clear();
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // the old member tries f-0 again (its handler now succeeds, so it
+    // notes it before the commit), and its commit is refused
+    wait_until(
+        "the old member tried f-0 again",
+        Duration::from_secs(30),
+        async || {
+            first
+                .done
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains(&"f-0".to_owned())
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(env.invoices("f-0").await, 0, "a fenced member drained f-0");
     assert_eq!(parked().await, 4, "a fenced member unparked");
     old_stop.cancel();

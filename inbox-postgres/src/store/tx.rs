@@ -568,14 +568,20 @@ impl ParkingTx for PgTx {
             .await?;
         let id: Option<String> = there.as_ref().map(|r| get(r, "message_id")).transpose()?;
         match id {
-            Some(id) if id != message.message_id => Err(StoreError::new(
+            Some(id) if id == message.message_id => Ok(()),
+            Some(id) => Err(StoreError::new(
                 StoreErrorKind::Integrity,
                 format!(
                     "another message ({id}) is parked at {}:{}@{}",
                     pos.topic, pos.partition, pos.offset
                 ),
             )),
-            _ => Ok(()),
+            // removed (drained) between the two statements: tried again,
+            // never taken as parked
+            None => Err(StoreError::new(
+                StoreErrorKind::Serialization,
+                "the parked row at this position vanished while parking; tried again",
+            )),
         }
     }
 

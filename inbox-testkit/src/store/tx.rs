@@ -106,6 +106,24 @@ impl InboxTransaction for MemTx {
         let mut s = store.state();
         s.take_fault(StoreFault::Commit)?;
         let lost_after_apply = s.take_fault(StoreFault::CommitLostAfterApply);
+        // another message parked at a position meanwhile: refused whole,
+        // as PostgreSQL's unique position does
+        let conflict = self.staged.iter().any(|op| {
+            matches!(op, Staged::Park(m, g) if s.parked.values().any(|p| {
+                &p.group == g
+                    && p.message.position == m.position
+                    && p.message.message_id != m.message_id
+            }))
+        });
+        if conflict {
+            drop(s);
+            self.staged.clear();
+            self.finish();
+            return Err(StoreError::new(
+                StoreErrorKind::Integrity,
+                "another message is parked at this position",
+            ));
+        }
         let now = s.now;
         for op in self.staged.drain(..) {
             match op {

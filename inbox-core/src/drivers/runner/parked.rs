@@ -198,18 +198,16 @@ where
             .take_while(|m| m.validate(group).is_ok() && self.refused_poison(m).is_none())
             .collect();
         let group = self.config.consumer_group.clone();
+        let mut in_run = 0;
         let work = match self.begin().await {
             Err(e) => Work::storage_failure(false, PersistStage::Begin, e, None, None),
             Ok(mut tx) => {
-                let mut parked = Ok(());
-                for m in std::iter::once(&message).chain(&run) {
-                    parked = match tx.parking() {
-                        Some(parking) => parking.park(m, &group).await,
-                        None => Err(no_parking()),
-                    };
-                    if parked.is_err() {
-                        break;
-                    }
+                let parked = match tx.parking() {
+                    Some(parking) => parking.park(&message, &group).await,
+                    None => Err(no_parking()),
+                };
+                if parked.is_ok() {
+                    in_run = park_run(&mut tx, &run, &group).await;
                 }
                 match parked {
                     Err(e) => {
@@ -223,15 +221,24 @@ where
                 }
             }
         };
+        let run = run.get(..in_run).unwrap_or_default();
         if work.decision.ack == decision::AckPoint::AfterTx && !run.is_empty() {
             let offsets: Vec<i64> = run
                 .iter()
                 .filter_map(|m| m.position.as_ref().map(|p| p.offset))
                 .collect();
-            self.consumer.parked_with(&message, &offsets);
-            for _ in &run {
+            let finished = self.consumer.parked_with(&message, &offsets);
+            let partition = message.position.as_ref().map(|p| p.partition);
+            for _ in 0..finished {
                 self.record(MetricEvent::Consumed);
                 self.record(MetricEvent::Tally(decision::Tally::Parked));
+                if let Some(partition) = partition {
+                    self.record(MetricEvent::PartitionTally {
+                        partition,
+                        tally: decision::Tally::Parked,
+                    });
+                }
+                self.record(MetricEvent::Acked);
             }
         }
         let result = self.settle(message, work).await;
@@ -243,4 +250,35 @@ where
         }
         result
     }
+}
+
+/// Parks `run` (records of the key waiting behind the one just parked) in
+/// `tx`, each after a savepoint: the first one the store refuses (another
+/// message at its position, say) ends the run there, rolled back alone, and
+/// is parked on its own turn, where its refusal is its own (never charged
+/// to the record before it). How many were parked; none without savepoints.
+async fn park_run<T: InboxTransaction>(tx: &mut T, run: &[Message], group: &str) -> usize {
+    let mut parked = 0;
+    for m in run {
+        let Some(savepoints) = tx.savepoints() else {
+            break;
+        };
+        if savepoints.savepoint().await.is_err() {
+            break;
+        }
+        let done = match tx.parking() {
+            Some(parking) => parking.park(m, group).await,
+            None => Err(no_parking()),
+        };
+        if done.is_err() {
+            if let Some(savepoints) = tx.savepoints() {
+                // a failed rollback leaves the transaction aborted: its
+                // COMMIT fails, and the whole park is tried again
+                let _ = savepoints.rollback_to_savepoint().await;
+            }
+            break;
+        }
+        parked += 1;
+    }
+    parked
 }

@@ -50,6 +50,9 @@ use inbox_testkit::kafka::{Broker, json_record, raw_record};
 use inbox_testkit::pg::PgServer;
 
 use crate::sql::scalar;
+
+mod checks;
+use checks::{check_no_ack_before_effect, keys_out_of_order, offsets_and_effects};
 use serde_json::json;
 
 const GROUP: &str = "soak";
@@ -362,80 +365,6 @@ impl ConsumerProcess {
     }
 }
 
-/// Per partition, in one snapshot: the stored next offset and how many
-/// distinct records below it have their effect or are parked (their key
-/// kept failing: they wait in the parked queue, the stored offset past
-/// them).
-async fn offsets_and_effects(store: &PgStore, topic: &str) -> Result<BTreeMap<i32, (i64, i64)>> {
-    let sql = format!(
-        "SELECT o.partition, o.next_offset,
-                (SELECT count(*) FROM (
-                    SELECT e.record_offset FROM {EFFECTS} e
-                     WHERE e.partition = o.partition AND e.record_offset < o.next_offset
-                    UNION
-                    SELECT k.record_offset FROM {parked} k
-                     WHERE k.topic = o.topic AND k.partition = o.partition
-                       AND k.record_offset < o.next_offset) d) AS done
-           FROM {} o WHERE o.consumer_group = $1 AND o.topic = $2 AND o.next_offset IS NOT NULL",
-        store.table().offsets(),
-        parked = store.table().parked(),
-    );
-    let rows = store
-        .connection()
-        .query_all_raw(Statement::from_sql_and_values(
-            DbBackend::Postgres,
-            sql,
-            [GROUP.into(), topic.into()],
-        ))
-        .await?;
-    rows.iter()
-        .map(|r| {
-            Ok((
-                r.try_get::<i32>("", "partition")?,
-                (
-                    r.try_get::<i64>("", "next_offset")?,
-                    r.try_get::<i64>("", "done")?,
-                ),
-            ))
-        })
-        .collect()
-}
-
-/// Checks that no stored offset is past a message whose effect is missing;
-/// the number of records acknowledged.
-async fn check_no_ack_before_effect(store: &PgStore, topic: &str) -> Result<Option<i64>> {
-    let Ok(now) = offsets_and_effects(store, topic).await else {
-        return Ok(None); // the database is down: checked next time
-    };
-    for (p, (next, done)) in &now {
-        let valid = next - poison_below(*next);
-        if *done != valid {
-            bail!(
-                "partition {p}: acknowledged up to offset {next} ({valid} valid records) but {done} effects exist"
-            );
-        }
-    }
-    Ok(Some(now.values().map(|(next, _)| next).sum()))
-}
-
-/// Under `--keys`: how many effects were written after the effect of a
-/// later offset of their key (a key's messages run one at a time in
-/// offset order, so each key's effects, in the order they were written,
-/// have rising offsets).
-async fn keys_out_of_order(store: &PgStore) -> Result<i64> {
-    scalar(
-        store,
-        &format!(
-            "SELECT count(*) FROM (
-               SELECT record_offset, lag(record_offset) OVER
-                 (PARTITION BY partition, record_offset % {KEYS} ORDER BY seq) AS before
-               FROM {EFFECTS}) e
-             WHERE e.before >= e.record_offset"
-        ),
-    )
-    .await
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Fault {
     Postgres,
@@ -733,7 +662,7 @@ async fn soak(o: Options) -> Result<()> {
         "  effects                 {effects} rows, {distinct} messages: lost {lost}, doubled {doubled}"
     );
     println!("  dead letters            {dead} of {poison} poison records");
-    let (parked_messages, parked_left) = if o.keys {
+    let (parked_ever, parked_left) = if o.keys {
         println!(
             "  keys                    {KEYS} a partition, Ordering::Key, {KEY_CONCURRENCY} at once: {out_of_order} effects before an earlier offset of their key"
         );
@@ -752,7 +681,17 @@ async fn soak(o: Options) -> Result<()> {
         println!(
             "  failing keys            {FAILING_KEYS} a partition, each message failing its first {FAILING_KEY_CALLS} calls in a process: {parked_messages} effects of theirs, up to {most_parked} messages parked at once (sampled), {left} left parked"
         );
-        (most_parked, left)
+        // every message ever parked took an id: none, and nothing was
+        let ever = scalar(
+            &store,
+            &format!(
+                "SELECT coalesce(pg_sequence_last_value(pg_get_serial_sequence('{}', 'id')), 0)",
+                store.table().parked().replace('\'', "''")
+            ),
+        )
+        .await?;
+        println!("  parked ever             {ever} messages (the parked queue's id sequence)");
+        (ever, left)
     } else {
         (0, 0)
     };
@@ -786,7 +725,7 @@ async fn soak(o: Options) -> Result<()> {
         || dead != poison
         || out_of_order != 0
         || parked_left != 0
-        || (o.keys && parked_messages == 0)
+        || (o.keys && parked_ever == 0)
         || !at_end
         || next_fault != expected
     {

@@ -40,6 +40,10 @@
 //! assert_eq!(lanes.lanes().len(), 4);
 //! ```
 
+mod parking;
+
+use parking::{Load, Parking};
+
 use crate::model::PartitionKey;
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -117,64 +121,6 @@ impl Part {
             },
         }
     }
-
-    /// Whether `message` (of this partition) belongs to a parked key.
-    fn parks(&self, message: &Message) -> bool {
-        self.park.load == Load::Loaded
-            && message
-                .key
-                .as_ref()
-                .is_some_and(|k| self.park.keys.contains_key(k))
-    }
-}
-
-/// Where reading a partition's parked keys stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-enum Load {
-    /// Not read yet: none of the partition's records is handed out.
-    #[default]
-    Due,
-    /// A lane's runner reads them.
-    Loading,
-    /// Read: the keys are known.
-    Loaded,
-    /// No parking (not asked for, or the store parks no key).
-    Off,
-}
-
-/// One partition's parked keys (see [`Lanes::with_parking`]).
-#[derive(Debug, Default)]
-struct Parking {
-    load: Load,
-    /// The parked keys.
-    keys: HashMap<Vec<u8>, ParkedKey>,
-    /// Per offset in hand, how many times it was rewound in a row.
-    rewinds: HashMap<i64, u32>,
-}
-
-/// A parked key.
-#[derive(Debug, Clone, Copy)]
-struct ParkedKey {
-    /// Its first parked message is not run again before this.
-    due: std::time::Instant,
-    /// A lane drains it now: its live records wait.
-    draining: bool,
-    /// Tries of its first message in a row (for the backoff).
-    tries: u32,
-    /// Drained once since this member knows it: only the first drain can
-    /// have been running when the process last died (a suspect).
-    drained_once: bool,
-}
-
-impl ParkedKey {
-    fn new(tries: u32) -> Self {
-        Self {
-            due: tokio::time::Instant::now().into_std(),
-            draining: false,
-            tries,
-            drained_once: false,
-        }
-    }
 }
 
 #[derive(Debug, Default)]
@@ -192,16 +138,6 @@ struct State {
     /// Whether the shared consumer's partitions were taken in (their
     /// parked keys are read before any of their records arrives).
     assigned_known: bool,
-}
-
-impl State {
-    /// Whether a partition's parked keys are still to be read (its records
-    /// are not handed out until then).
-    fn load_due(&self) -> bool {
-        self.parts
-            .values()
-            .any(|p| !p.fenced && p.park.load == Load::Due)
-    }
 }
 
 impl State {
@@ -332,28 +268,6 @@ impl<C: Consumer> Shared<C> {
                     }
                 }
             }
-        }
-    }
-
-    /// Takes in the shared consumer's partitions once (with parking: a
-    /// partition whose parked keys wait and that gets no new record is
-    /// drained all the same), each with its ownership.
-    fn take_in_assigned(&self, inner: &C) {
-        if self.park_after.is_none() || self.state().assigned_known {
-            return;
-        }
-        let assigned = inner.assigned();
-        let mut state = self.state();
-        state.assigned_known = true;
-        for key in assigned {
-            if state.parts.contains_key(&key) {
-                continue;
-            }
-            let mut probe = Message::new("", key.0.as_str(), "", serde_json::Value::Null);
-            probe.position = Some(Position::new(key.0.clone(), key.1, 0));
-            let mut part = Part::new(self.limits, true);
-            part.owner = inner.transactional_ack(&probe);
-            state.parts.insert(key, part);
         }
     }
 
@@ -725,20 +639,7 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
         let after = self.shared.park_after;
         if let Some(part) = self.shared.state().parts.get_mut(&key) {
             part.flow.rewind(self.index, pos.offset);
-            // a key whose record keeps coming back is parked: its records
-            // go to the store and the watermark passes them
-            if let (Some(after), Some(k), Load::Loaded) =
-                (after, message.key.as_ref(), part.park.load)
-            {
-                let n = part.park.rewinds.entry(pos.offset).or_insert(0);
-                *n = n.saturating_add(1);
-                if *n >= after && !part.park.keys.contains_key(k) {
-                    tracing::info!(topic = %pos.topic, partition = pos.partition, offset = pos.offset,
-                        rewinds = *n, "a key keeps failing: parked (its records wait in the store, the partition goes on)");
-                    let parked = ParkedKey::new(*n);
-                    part.park.keys.insert(k.clone(), parked);
-                }
-            }
+            part.note_rewind(after, message, pos);
         }
         Ok(())
     }
@@ -814,23 +715,7 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
     fn hold(&mut self, position: &Position, until: tokio::time::Instant) -> bool {
         let mut state = self.shared.state();
         match state.parts.get_mut(&position.partition_key()) {
-            Some(part) => {
-                let parked = match part.flow.key_of(position.offset) {
-                    Some(FlowKey::Key(k)) => part.park.keys.get_mut(k),
-                    _ => None,
-                };
-                match parked {
-                    // parked now: handed out at once to be parked; its
-                    // queue's first message waits out the hold
-                    Some(p) => {
-                        p.due = p.due.max(until.into_std());
-                        true
-                    }
-                    None => part
-                        .flow
-                        .hold(self.index, position.offset, until.into_std()),
-                }
-            }
+            Some(part) => part.hold(self.index, position.offset, until.into_std()),
             None => false,
         }
     }
@@ -863,146 +748,27 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
         }
     }
 
-    /// A partition's parked keys to read (before any of its records is
-    /// handed out), else a parked key due to be drained whose records are
-    /// none in hand (they are blocked while it drains).
     fn park_work(&mut self) -> Option<ParkWork> {
-        self.shared.park_after?;
-        let now = tokio::time::Instant::now().into_std();
-        let mut state = self.shared.state();
-        let State { parts, stale, .. } = &mut *state;
-        for (pk, part) in parts.iter_mut() {
-            // a lane still holding records from before the partition's
-            // reset may be parking one: no drain decides on its key now
-            if part.fenced || stale.iter().any(|(_, k)| k == pk) {
-                continue;
-            }
-            match part.park.load {
-                Load::Due => {
-                    part.park.load = Load::Loading;
-                    return Some(ParkWork::Load(pk.clone()));
-                }
-                Load::Loading | Load::Off => continue,
-                Load::Loaded => {}
-            }
-            let Part { flow, park, .. } = part;
-            // a key whose later records only wait (none handed out) is
-            // drained: they come after its whole queue, and are blocked
-            // until the drain ends
-            let due = park.keys.iter_mut().find(|(k, p)| {
-                !p.draining && p.due <= now && !flow.key_busy(&FlowKey::Key(k.to_vec()))
-            });
-            if let Some((k, p)) = due {
-                p.draining = true;
-                flow.block(FlowKey::Key(k.clone()));
-                self.drain = Some((pk.clone(), k.clone()));
-                return Some(ParkWork::Drain {
-                    partition: pk.clone(),
-                    key: k.clone(),
-                    tries: p.tries,
-                });
-            }
-        }
-        None
+        self.next_park_work()
     }
 
     fn parks(&self, message: &Message) -> bool {
-        let Some(pos) = &message.position else {
-            return false;
-        };
-        !self.drains(message)
-            && self
-                .shared
-                .state()
-                .parts
-                .get(&pos.partition_key())
-                .is_some_and(|part| part.parks(message))
+        self.is_parked(message)
     }
 
     fn waiting_behind(&self, message: &Message, max: usize) -> Vec<Message> {
-        let (Some(pos), Some(key)) = (&message.position, &message.key) else {
-            return Vec::new();
-        };
-        let state = self.shared.state();
-        state
-            .parts
-            .get(&pos.partition_key())
-            .map(|part| {
-                part.flow
-                    .waiting_of(&FlowKey::Key(key.clone()), max)
-                    .into_iter()
-                    .map(|(_, m)| m)
-                    .collect()
-            })
-            .unwrap_or_default()
+        self.waiting_of(message, max)
     }
 
-    fn parked_with(&mut self, message: &Message, offsets: &[i64]) {
-        let (Some(pos), Some(key)) = (&message.position, &message.key) else {
-            return;
-        };
-        let pk = pos.partition_key();
-        let mut state = self.shared.state();
-        if state.stale.contains(&(self.index, pk.clone())) {
-            // from before a reset: what was in hand is forgotten
-            return;
-        }
-        if let Some(part) = state.parts.get_mut(&pk) {
-            part.flow
-                .finish_waiting(&FlowKey::Key(key.clone()), offsets);
-        }
+    fn parked_with(&mut self, message: &Message, offsets: &[i64]) -> usize {
+        self.finish_parked_with(message, offsets)
     }
 
     fn parked_loaded(&mut self, partition: &PartitionKey, loaded: ParkLoad) {
-        {
-            let mut state = self.shared.state();
-            let Some(part) = state.parts.get_mut(partition) else {
-                return;
-            };
-            let now = tokio::time::Instant::now().into_std();
-            match loaded {
-                ParkLoad::Keys(keys) => {
-                    part.park.load = Load::Loaded;
-                    let tries = self.shared.park_after.unwrap_or(0);
-                    for k in keys {
-                        part.park.keys.entry(k).or_insert(ParkedKey {
-                            due: now,
-                            ..ParkedKey::new(tries)
-                        });
-                    }
-                }
-                ParkLoad::Failed => part.park.load = Load::Due,
-                ParkLoad::Off => part.park.load = Load::Off,
-            }
-        }
-        self.shared.changed.notify_waiters();
+        self.loaded(partition, loaded);
     }
 
     fn drained(&mut self, partition: &PartitionKey, key: &[u8], end: DrainEnd) {
-        self.drain = None;
-        {
-            let mut state = self.shared.state();
-            let Some(part) = state.parts.get_mut(partition) else {
-                return;
-            };
-            part.flow.unblock(&FlowKey::Key(key.to_vec()));
-            if let DrainEnd::Empty = end {
-                part.park.keys.remove(key);
-            } else if let Some(p) = part.park.keys.get_mut(key) {
-                p.draining = false;
-                p.drained_once = true;
-                match end {
-                    DrainEnd::Retry { until } => {
-                        p.due = until.into_std();
-                        p.tries = p.tries.saturating_add(1);
-                    }
-                    DrainEnd::Settled | DrainEnd::Empty => {
-                        p.due = tokio::time::Instant::now().into_std();
-                        p.tries = 0;
-                    }
-                }
-            }
-        }
-        self.shared.changed.notify_waiters();
+        self.drain_ended(partition, key, end);
     }
 }

@@ -65,14 +65,21 @@ pub struct KafkaPublisher {
 }
 
 /// The idempotent producer's state (the Java client's, since Kafka 3.0 by
-/// default): its id and epoch (InitProducerId), and per partition the next
-/// record's sequence number and the append in doubt, so that an append
-/// retried after a timeout or a cut connection is sent again exactly as it
-/// was (same records, same base sequence) and the broker writes it once.
+/// default): its id and epoch (InitProducerId), and per partition the
+/// producer id its sequences belong to, the next record's sequence number
+/// and the append in doubt, so that an append retried after a timeout or a
+/// cut connection is sent again exactly as it was (same producer, records
+/// and base sequence) and the broker writes it once.
+///
+/// A partition whose sequence the broker refuses starts over alone: it
+/// takes a new producer id, while every other partition goes on with the
+/// id its sequences (and its append in doubt) belong to, so a broker
+/// restart that leaves many partitions in doubt writes none of them twice.
 #[derive(Debug, Default)]
 struct Idempotence {
-    /// `None`: to be asked for; `Some(None)`: the brokers gave none (the
-    /// appends go without, as before: not idempotent).
+    /// The id a partition starting (or starting over) takes. `None`: to be
+    /// asked for; `Some(None)`: the brokers gave none (the appends go
+    /// without, as before: not idempotent).
     producer: Option<Option<(i64, i16)>>,
     /// After a failed InitProducerId, not asked again before then (and
     /// why it failed, what the appends meanwhile fail with).
@@ -80,9 +87,25 @@ struct Idempotence {
     partitions: HashMap<PartitionKey, Sequenced>,
 }
 
+impl Idempotence {
+    /// `key`'s sequences start over: it forgets them (and its append in
+    /// doubt), and when its producer id is the current one, a new one is
+    /// asked for. The other partitions keep their id, sequences and
+    /// appends in doubt.
+    fn start_over(&mut self, key: &PartitionKey) {
+        if let Some(seq) = self.partitions.remove(key)
+            && self.producer == Some(Some(seq.producer))
+        {
+            self.producer = None;
+        }
+    }
+}
+
 /// One partition's sequence numbers.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Sequenced {
+    /// The producer id and epoch the sequences belong to.
+    producer: (i64, i16),
     /// The sequence of the next record appended.
     next: i32,
     /// An append whose outcome is not known (no answer, an error): its
@@ -304,7 +327,6 @@ impl KafkaPublisher {
                 let mut state = self.state();
                 state.producer = Some(Some((id, epoch)));
                 state.ask_after = None;
-                state.partitions.clear();
                 Ok(Some((id, epoch)))
             }
             Ok(None) => refused(&"the brokers serve no InitProducerId version 2 to 4"),
@@ -326,13 +348,45 @@ impl KafkaPublisher {
         }
     }
 
-    /// Starts the producer over: a new id (and sequences from 0) at the
-    /// next append.
-    fn start_over(&self, why: &str) {
-        tracing::warn!(%why, "the idempotent producer starts over with a new producer id");
+    /// Starts `key`'s sequences over: its next append takes a producer id
+    /// none of its appends used (a new one when the current is its own),
+    /// and sequences from 0. The other partitions keep theirs.
+    fn start_over(&self, key: &PartitionKey, why: &str) {
+        tracing::warn!(%why, "a partition of the idempotent producer starts over with a new producer id");
+        self.state().start_over(key);
+    }
+
+    /// The producer id and epoch of `key`'s sequences, and the first
+    /// sequence of an append of `rows` (the append in doubt's again when
+    /// these are its rows, the partition's next otherwise), now in doubt;
+    /// `None`: not idempotent.
+    async fn sequence(
+        &self,
+        key: &PartitionKey,
+        rows: &[i64],
+    ) -> Result<Option<((i64, i16), i32)>, PublishError> {
+        let known = self.state().partitions.contains_key(key);
+        let current = if known { None } else { self.producer().await? };
         let mut state = self.state();
-        state.producer = None;
-        state.partitions.clear();
+        let seq = match (state.partitions.contains_key(key), current) {
+            (true, _) => state.partitions.get_mut(key),
+            (false, Some(producer)) => {
+                Some(state.partitions.entry(key.clone()).or_insert(Sequenced {
+                    producer,
+                    next: 0,
+                    doubt: None,
+                }))
+            }
+            (false, None) => None,
+        };
+        Ok(seq.map(|seq| {
+            let base = match &seq.doubt {
+                Some((base, ids)) if ids[..] == rows[..] => *base,
+                _ => seq.next,
+            };
+            seq.doubt = Some((base, rows.to_vec()));
+            (seq.producer, base)
+        }))
     }
 
     async fn append(
@@ -345,36 +399,26 @@ impl KafkaPublisher {
         at: i64,
     ) -> Result<(), PublishError> {
         use rskafka::protocol::error::Error as Code;
-        let producer = self.producer().await?;
-        let key = (topic.to_owned(), partition);
-        let count = i32::try_from(records.len()).unwrap_or(i32::MAX);
-        // the append's first sequence: the one in doubt when this is it
-        // again, the partition's next otherwise
-        let base = match producer {
-            None => -1,
-            Some(_) => {
-                let mut state = self.state();
-                let seq = state.partitions.entry(key.clone()).or_default();
-                let base = match &seq.doubt {
-                    Some((base, ids)) if ids[..] == rows[..] => *base,
-                    _ => seq.next,
-                };
-                seq.doubt = Some((base, rows.to_vec()));
-                base
-            }
-        };
-        let (producer_id, producer_epoch) = producer.unwrap_or((-1, -1));
-        // written: the partition's next sequence follows it
-        let settled = || {
-            if producer.is_some() {
-                let mut state = self.state();
-                let seq = state.partitions.entry(key.clone()).or_default();
-                seq.doubt = None;
-                seq.next = base.wrapping_add(count);
-            }
-        };
         let Some(last) = records.len().checked_sub(1) else {
             return Ok(());
+        };
+        let key = (topic.to_owned(), partition);
+        let count = i32::try_from(records.len()).unwrap_or(i32::MAX);
+        let sequenced = self.sequence(&key, rows).await?;
+        let ((producer_id, producer_epoch), base) = sequenced.unwrap_or(((-1, -1), -1));
+        // the append's fate known: written (the partition's next sequence
+        // follows it) or refused for what it holds (nothing written, its
+        // sequences not used); a retry is never this append again
+        let known = |written: bool| {
+            if sequenced.is_some()
+                && let Some(seq) = self.state().partitions.get_mut(&key)
+                && seq.producer == (producer_id, producer_epoch)
+            {
+                seq.doubt = None;
+                if written {
+                    seq.next = base.wrapping_add(count);
+                }
+            }
         };
         let request = ProduceRequest {
             transactional_id: NullableString(None),
@@ -439,7 +483,7 @@ impl KafkaPublisher {
         match error {
             // a duplicate is the append in doubt, written before: done
             None | Some(Code::DuplicateSequenceNumber) => {
-                settled();
+                known(true);
                 Ok(())
             }
             Some(
@@ -448,7 +492,7 @@ impl KafkaPublisher {
                 | Code::InvalidProducerEpoch
                 | Code::ProducerFenced),
             ) => {
-                self.start_over(&format!("{topic}:{partition}: {e}"));
+                self.start_over(&key, &format!("{topic}:{partition}: {e}"));
                 Err(PublishError::new(
                     PublishErrorKind::Unavailable,
                     format!("the broker refused the append's sequence on {topic}:{partition}: {e}"),
@@ -456,6 +500,13 @@ impl KafkaPublisher {
             }
             Some(e) => {
                 let kind = kind_of(e);
+                if matches!(
+                    kind,
+                    PublishErrorKind::Refused | PublishErrorKind::UnknownTopic
+                ) {
+                    // the broker validates an append before it writes
+                    known(false);
+                }
                 if kind != PublishErrorKind::Refused {
                     // the leader may have moved: connect again next time
                     leader.forget().await;
@@ -661,16 +712,19 @@ impl Publisher for KafkaPublisher {
                 let rest = records.split_off(ids.len());
                 split.push(std::mem::replace(&mut records, rest));
             } else {
-                self.start_over(&format!(
-                    "{topic}:{partition}: the append in doubt is not what comes next"
-                ));
+                self.start_over(
+                    &(topic.to_owned(), partition),
+                    &format!("{topic}:{partition}: the append in doubt is not what comes next"),
+                );
             }
         }
         split.extend(appends(records, self.max_request_bytes, |(_, r)| {
             size_of(r)
         }));
         // in order, one append after the other: a failed one stops the
-        // rest (what went is published again with the same ids)
+        // rest, and says how many rows the appends before it wrote (marked
+        // by the relay, never sent again)
+        let mut acknowledged = 0;
         for append in split {
             let (ids, records): (Vec<i64>, Vec<Record>) = append.into_iter().unzip();
             let numbered = records
@@ -682,7 +736,9 @@ impl Publisher for KafkaPublisher {
                 })
                 .collect();
             self.append(&leader, topic, partition, &ids, numbered, now)
-                .await?;
+                .await
+                .map_err(|e| e.after_acknowledging(acknowledged))?;
+            acknowledged += ids.len();
         }
         Ok(())
     }
@@ -746,6 +802,43 @@ mod tests {
         ] {
             assert!(init_refused_for_good(e), "{e:?} is for good");
         }
+    }
+
+    /// One partition's refused sequence starts only that partition over:
+    /// the others keep their producer id and their appends in doubt, to be
+    /// sent again exactly as they were (was: every partition's doubt
+    /// cleared, their rows re-sent under a new id, written twice).
+    #[test]
+    fn a_partition_starts_over_alone() {
+        let key = |p: i32| ("t".to_owned(), p);
+        let mut state = Idempotence {
+            producer: Some(Some((7, 0))),
+            ..Idempotence::default()
+        };
+        for p in 0..3 {
+            state.partitions.insert(
+                key(p),
+                Sequenced {
+                    producer: (7, 0),
+                    next: 10,
+                    doubt: Some((10, vec![i64::from(p)])),
+                },
+            );
+        }
+        state.start_over(&key(1));
+        assert!(!state.partitions.contains_key(&key(1)));
+        assert_eq!(state.producer, None, "a new id for partition 1");
+        for p in [0, 2] {
+            let seq = &state.partitions[&key(p)];
+            assert_eq!(seq.producer, (7, 0));
+            assert_eq!(seq.doubt, Some((10, vec![i64::from(p)])), "still in doubt");
+        }
+        // once partition 1 has the new id, another partition still on the
+        // old one starting over asks for none
+        state.producer = Some(Some((8, 0)));
+        state.start_over(&key(0));
+        assert_eq!(state.producer, Some(Some((8, 0))));
+        assert!(state.partitions.contains_key(&key(2)));
     }
 
     #[test]

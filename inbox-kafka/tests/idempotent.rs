@@ -10,20 +10,24 @@
 mod common;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use inbox_core::outbox::{OutboxMessage, Relay, RelayConfig};
+use inbox_kafka::DEFAULT_MAX_REQUEST_BYTES;
 use inbox_kafka::{KafkaConfig, KafkaPublisher};
+use inbox_postgres::PgStore;
 use inbox_testkit::kafka::Broker;
 use inbox_testkit::pg::fresh_store;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-/// A TCP proxy in front of a broker that, when armed, forwards the next
-/// produce request and then cuts that connection, its answer dropped.
+/// A TCP proxy in front of a broker that, when armed, lets a number of
+/// produce requests pass, forwards the next one and then cuts that
+/// connection, its answer dropped.
 struct CuttingProxy {
-    armed: Arc<AtomicBool>,
+    /// Produce requests to let pass before the cut; -1: not armed.
+    armed: Arc<AtomicI64>,
     cuts: Arc<AtomicUsize>,
 }
 
@@ -43,7 +47,7 @@ async fn frame(from: &mut (impl AsyncReadExt + Unpin)) -> Option<Vec<u8>> {
 impl CuttingProxy {
     /// Listens on `listener`, forwarding each connection to `broker`.
     fn start(listener: TcpListener, broker: String) -> Self {
-        let armed = Arc::new(AtomicBool::new(false));
+        let armed = Arc::new(AtomicI64::new(-1));
         let cuts = Arc::new(AtomicUsize::new(0));
         let (a, c) = (Arc::clone(&armed), Arc::clone(&cuts));
         tokio::spawn(async move {
@@ -71,7 +75,13 @@ impl CuttingProxy {
                     while let Some(f) = frame(&mut client_r).await {
                         // api key: the first two bytes after the length
                         let produce = f.len() >= 6 && f[4] == 0 && f[5] == 0;
-                        if produce && armed.swap(false, Ordering::SeqCst) {
+                        let cut = produce
+                            && armed
+                                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                                    (n >= 0).then_some(n - 1)
+                                })
+                                .is_ok_and(|n| n == 0);
+                        if cut {
                             cuts.fetch_add(1, Ordering::SeqCst);
                             blackhole.store(true, Ordering::SeqCst);
                             let _ = up_w.write_all(&f).await;
@@ -90,10 +100,23 @@ impl CuttingProxy {
         });
         Self { armed, cuts }
     }
+
+    /// Cuts the connection of the produce request after the next `pass`.
+    fn arm(&self, pass: i64) {
+        self.armed.store(pass, Ordering::SeqCst);
+    }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_append_retried_after_a_cut_connection_is_written_once() {
+/// A broker behind a cutting proxy, and a fresh store.
+struct World {
+    broker: Broker,
+    proxy: CuttingProxy,
+    /// The proxy's address: the one the broker advertises.
+    front: String,
+    store: PgStore,
+}
+
+async fn world() -> World {
     let listener = TcpListener::bind("127.0.0.1:0")
         .await
         .unwrap_or_else(|e| panic!("{e}"));
@@ -109,74 +132,166 @@ async fn an_append_retried_after_a_cut_connection_is_written_once() {
             .unwrap_or_else(|| panic!("started here"))
             .to_owned(),
     );
-    let topic = broker
-        .topic("idempotent", 1)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
     let store = fresh_store().await.unwrap_or_else(|e| panic!("{e}"));
-    let mut kafka = KafkaConfig::new(vec![front.clone()], "relay", vec![]);
-    kafka.connect_timeout = Duration::from_secs(5);
-    kafka.request_timeout = Duration::from_secs(5);
-    let publisher = KafkaPublisher::connect(&kafka)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    let mut config = RelayConfig::new("relay-1").unwrap_or_else(|e| panic!("{e}"));
-    config.retry =
-        inbox_core::Backoff::new(Duration::from_millis(50), Duration::from_millis(200), 2.0);
-    let mut relay = Relay::new(store.clone(), publisher, config);
-    relay
-        .hold(&(0..inbox_core::outbox::SLOTS).collect::<Vec<_>>())
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    let ids: Vec<String> = (0..30).map(|i| format!("e-{i:02}")).collect();
-    let events: Vec<OutboxMessage> = ids
-        .iter()
-        .map(|id| {
-            OutboxMessage::new(&topic, "{}")
-                .key(format!("k{}", id.len() % 3))
-                .message_id(id.clone())
-        })
-        .collect();
-    {
+    World {
+        broker,
+        proxy,
+        front,
+        store,
+    }
+}
+
+impl World {
+    /// A publisher through the proxy, its appends at most `request_bytes`.
+    async fn relay(&self, request_bytes: usize) -> Relay<PgStore, KafkaPublisher> {
+        let mut kafka = KafkaConfig::new(vec![self.front.clone()], "relay", vec![]);
+        kafka.connect_timeout = Duration::from_secs(5);
+        kafka.request_timeout = Duration::from_secs(5);
+        let publisher = KafkaPublisher::connect(&kafka)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .with_max_request_bytes(request_bytes);
+        let mut config = RelayConfig::new("relay-1").unwrap_or_else(|e| panic!("{e}"));
+        config.retry =
+            inbox_core::Backoff::new(Duration::from_millis(50), Duration::from_millis(200), 2.0);
+        let mut relay = Relay::new(self.store.clone(), publisher, config);
+        relay
+            .hold(&(0..inbox_core::outbox::SLOTS).collect::<Vec<_>>())
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        relay
+    }
+
+    async fn enqueue(&self, events: &[OutboxMessage]) {
         use inbox_core::{InboxStore as _, InboxTransaction as _};
-        let tx = store.begin().await.unwrap_or_else(|e| panic!("{e}"));
-        store
+        let tx = self.store.begin().await.unwrap_or_else(|e| panic!("{e}"));
+        self.store
             .outbox()
-            .enqueue_many(tx.connection(), &events)
+            .enqueue_many(tx.connection(), events)
             .await
             .unwrap_or_else(|e| panic!("{e}"));
         tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
     }
-    // the first append's answer is lost with its connection
-    proxy.armed.store(true, Ordering::SeqCst);
-    let mut published = 0u64;
-    let want = u64::try_from(ids.len()).unwrap_or(0);
+
+    /// The message ids librdkafka reads from `topic`'s partition 0, in
+    /// order.
+    fn on_broker(&self, topic: &str) -> Vec<String> {
+        let read = common::librdkafka("librdkafka_consume.py", &[&self.front, topic, "0"]);
+        read.as_array()
+            .unwrap_or_else(|| panic!("{read}"))
+            .iter()
+            .map(|r| {
+                r["headers"]
+                    .as_array()
+                    .and_then(|h| h.iter().find(|p| p[0] == "message_id"))
+                    .and_then(|p| p[1].as_str())
+                    .unwrap_or_default()
+                    .to_owned()
+            })
+            .collect()
+    }
+}
+
+/// Rounds until `want` rows are published and `dead` dead-lettered (at
+/// most 50); what was published and dead-lettered.
+async fn rounds(relay: &mut Relay<PgStore, KafkaPublisher>, want: u64, dead: u64) -> (u64, u64) {
+    let (mut published, mut dead_lettered) = (0, 0);
     for _ in 0..50 {
-        published += relay
-            .round()
-            .await
-            .unwrap_or_else(|e| panic!("{e}"))
-            .published;
-        if published == want {
+        let round = relay.round().await.unwrap_or_else(|e| panic!("{e}"));
+        published += round.published;
+        dead_lettered += round.dead_lettered;
+        if (published, dead_lettered) == (want, dead) {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert_eq!(proxy.cuts.load(Ordering::SeqCst), 1, "one connection cut");
-    assert_eq!(published, want, "all marked sent");
-    let read = common::librdkafka("librdkafka_consume.py", &[&front, &topic, "0"]);
-    let on_broker: Vec<String> = read
-        .as_array()
-        .unwrap_or_else(|| panic!("{read}"))
-        .iter()
-        .map(|r| {
-            r["headers"]
-                .as_array()
-                .and_then(|h| h.iter().find(|p| p[0] == "message_id"))
-                .and_then(|p| p[1].as_str())
-                .unwrap_or_default()
-                .to_owned()
+    (published, dead_lettered)
+}
+
+fn events(topic: &str, ids: &[String], key: impl Fn(usize) -> String) -> Vec<OutboxMessage> {
+    ids.iter()
+        .enumerate()
+        .map(|(i, id)| {
+            OutboxMessage::new(topic, "{}")
+                .key(key(i))
+                .message_id(id.clone())
         })
-        .collect();
-    assert_eq!(on_broker, ids, "each event once, in order, none twice");
+        .collect()
+}
+
+/// `count` events on one partition, appends of at most `request_bytes`,
+/// the produce request after the first `pass` cut (written, its answer
+/// lost): each event is marked, and librdkafka reads it once, in order.
+async fn cut_once(prefix: &str, request_bytes: usize, count: usize, pass: i64) {
+    let w = world().await;
+    let topic = w
+        .broker
+        .topic(prefix, 1)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut relay = w.relay(request_bytes).await;
+    let ids: Vec<String> = (0..count).map(|i| format!("e-{i:02}")).collect();
+    w.enqueue(&events(&topic, &ids, |i| format!("k{}", i % 3)))
+        .await;
+    w.proxy.arm(pass);
+    let want = u64::try_from(ids.len()).unwrap_or(0);
+    let (published, _) = rounds(&mut relay, want, 0).await;
+    assert_eq!(w.proxy.cuts.load(Ordering::SeqCst), 1, "one connection cut");
+    assert_eq!(published, want, "all marked sent");
+    assert_eq!(
+        w.on_broker(&topic),
+        ids,
+        "each event once, in order, none twice"
+    );
+}
+
+/// The first append's answer is lost with its connection: the relay
+/// sends it again exactly as it was, and the broker keeps it once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_append_retried_after_a_cut_connection_is_written_once() {
+    cut_once("idempotent", DEFAULT_MAX_REQUEST_BYTES, 30, 0).await;
+}
+
+/// A round sent as several appends (a small request size: about three
+/// events an append) whose second append is written and its answer lost
+/// with the connection: the first append, acknowledged, is marked and
+/// never sent again, and the second is sent again exactly as it was (the
+/// broker keeps it once). Was: the whole partition retried, the
+/// acknowledged append written twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_split_round_cut_at_its_second_append_writes_each_event_once() {
+    cut_once("split-cut", 160, 12, 1).await;
+}
+
+/// A round split in appends under a topic's `max.message.bytes` of 4096
+/// (set by librdkafka's admin client): six small events, one too large,
+/// three more. The broker refuses the large one's append after taking
+/// the first two; the relay marks those, dead-letters the large event and
+/// publishes the three after it. librdkafka reads each small event once.
+/// Was: the round's rows all sent again one by one, the six first ones
+/// written twice (under a new producer id).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_after_acknowledged_appends_writes_each_event_once() {
+    let w = world().await;
+    let topic = format!("split-refused-{}", std::process::id());
+    let created = common::librdkafka(
+        "librdkafka_topic.py",
+        &[&w.front, &topic, "1", "max.message.bytes=4096"],
+    );
+    assert_eq!(created["created"], topic.as_str());
+    let mut relay = w.relay(160).await;
+    let small = |i: usize| format!("e-{i:02}");
+    let mut all: Vec<OutboxMessage> = Vec::new();
+    let ids: Vec<String> = (0..6).chain(7..10).map(small).collect();
+    all.extend(events(&topic, &ids[..6], |i| format!("k{i}")));
+    all.push(
+        OutboxMessage::new(&topic, "x".repeat(5_000))
+            .key("large")
+            .message_id("too-large"),
+    );
+    all.extend(events(&topic, &ids[6..], |i| format!("k{}", i + 7)));
+    w.enqueue(&all).await;
+    let (published, dead) = rounds(&mut relay, 9, 1).await;
+    assert_eq!((published, dead), (9, 1), "nine sent, the large one dead");
+    assert_eq!(w.on_broker(&topic), ids, "each small event once, in order");
 }

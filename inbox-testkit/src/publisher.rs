@@ -1,5 +1,5 @@
 //! An in-memory broker for the relay: topics with partitions, appends all or
-//! nothing, and faults at the points where a real broker fails (a partition
+//! nothing (a batch as one append, or as several of a bounded size), and faults at the points where a real broker fails (a partition
 //! unavailable, a record refused, a topic that does not exist).
 
 use inbox_core::PartitionKey;
@@ -30,10 +30,13 @@ struct State {
     topics: HashMap<String, Vec<Vec<Published>>>,
     /// Message ids refused in any append.
     refused: HashSet<String>,
-    /// Per partition, the failures its next appends meet, in order.
-    faults: HashMap<PartitionKey, VecDeque<PublishErrorKind>>,
+    /// Per partition, what its next appends meet, in order (`None`: taken).
+    faults: HashMap<PartitionKey, VecDeque<Option<PublishErrorKind>>>,
     /// Appends asked for, taken or not.
     appends: u64,
+    /// The most rows one append carries: a larger batch goes as several
+    /// appends, in order (`None`: one append).
+    append_rows: Option<usize>,
 }
 
 /// An in-memory [`Publisher`]: what a relay published, per partition, in
@@ -103,7 +106,17 @@ impl MemPublisher {
     pub fn fail_next(&self, topic: &str, partition: i32, kind: PublishErrorKind, times: usize) {
         let mut s = self.state();
         let queue = s.faults.entry((topic.to_owned(), partition)).or_default();
-        queue.extend(std::iter::repeat_n(kind, times));
+        queue.extend(std::iter::repeat_n(Some(kind), times));
+    }
+
+    /// The next `pass` appends to `topic`/`partition` are taken (unless
+    /// refused), then one fails with `kind`: a failure in the middle of a
+    /// batch sent as several appends ([`with_append_rows`](Self::with_append_rows)).
+    pub fn fail_after(&self, topic: &str, partition: i32, pass: usize, kind: PublishErrorKind) {
+        let mut s = self.state();
+        let queue = s.faults.entry((topic.to_owned(), partition)).or_default();
+        queue.extend(std::iter::repeat_n(None, pass));
+        queue.push_back(Some(kind));
     }
 
     /// What `topic`/`partition` holds, in append order.
@@ -131,29 +144,30 @@ impl MemPublisher {
     pub fn appends(&self) -> u64 {
         self.state().appends
     }
+
+    /// Sends a batch as appends of at most `rows` rows, one after the
+    /// other, as a Kafka publisher does under its request size: a fault or
+    /// refusal at a later append leaves the earlier ones written, and the
+    /// error says how many rows they held
+    /// ([`PublishError::acknowledged`]).
+    #[must_use]
+    pub fn with_append_rows(self, rows: usize) -> Self {
+        self.state().append_rows = Some(rows.max(1));
+        self
+    }
 }
 
-#[async_trait]
-impl Publisher for MemPublisher {
-    async fn partitions(&self, topic: &str) -> Result<i32, PublishError> {
-        match self.state().topics.get(topic) {
-            Some(parts) => Ok(i32::try_from(parts.len()).unwrap_or(i32::MAX)),
-            None => Err(PublishError::new(
-                PublishErrorKind::UnknownTopic,
-                format!("no topic {topic:?}"),
-            )),
-        }
-    }
-
-    async fn publish(
-        &self,
+impl State {
+    /// One append: all of `rows` or none.
+    fn append(
+        &mut self,
         topic: &str,
         partition: i32,
         rows: &[&OutboxRow],
     ) -> Result<(), PublishError> {
-        let mut s = self.state();
+        let s = self;
         s.appends += 1;
-        if let Some(kind) = s
+        if let Some(Some(kind)) = s
             .faults
             .get_mut(&(topic.to_owned(), partition))
             .and_then(VecDeque::pop_front)
@@ -191,6 +205,36 @@ impl Publisher for MemPublisher {
             payload: r.message.payload.clone(),
             headers: r.message.headers.clone(),
         }));
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Publisher for MemPublisher {
+    async fn partitions(&self, topic: &str) -> Result<i32, PublishError> {
+        match self.state().topics.get(topic) {
+            Some(parts) => Ok(i32::try_from(parts.len()).unwrap_or(i32::MAX)),
+            None => Err(PublishError::new(
+                PublishErrorKind::UnknownTopic,
+                format!("no topic {topic:?}"),
+            )),
+        }
+    }
+
+    async fn publish(
+        &self,
+        topic: &str,
+        partition: i32,
+        rows: &[&OutboxRow],
+    ) -> Result<(), PublishError> {
+        let mut s = self.state();
+        let per_append = s.append_rows.unwrap_or(rows.len()).max(1);
+        let mut acknowledged = 0;
+        for append in rows.chunks(per_append) {
+            s.append(topic, partition, append)
+                .map_err(|e| e.after_acknowledging(acknowledged))?;
+            acknowledged += append.len();
+        }
         Ok(())
     }
 }

@@ -494,15 +494,29 @@ pub struct PublishError {
     pub kind: PublishErrorKind,
     /// The broker's or client's words.
     pub message: String,
+    /// How many rows at the head of the batch the broker acknowledged
+    /// before the failure (a publisher that sends a batch as several
+    /// appends, in order): the relay marks them published and never sends
+    /// them again. 0 by default.
+    pub acknowledged: usize,
 }
 
 impl PublishError {
-    /// A failure of `kind`.
+    /// A failure of `kind`, no row acknowledged.
     pub fn new(kind: PublishErrorKind, message: impl Into<String>) -> Self {
         Self {
             kind,
             message: message.into(),
+            acknowledged: 0,
         }
+    }
+
+    /// The same failure, after the broker acknowledged the batch's first
+    /// `rows` rows.
+    #[must_use]
+    pub fn after_acknowledging(mut self, rows: usize) -> Self {
+        self.acknowledged = rows;
+        self
     }
 }
 
@@ -533,8 +547,12 @@ pub trait Publisher: Send + Sync {
     /// How many partitions `topic` has.
     async fn partitions(&self, topic: &str) -> Result<i32, PublishError>;
 
-    /// Publishes `rows` to `topic`/`partition`, in order, as one append:
-    /// all of them or none (the broker's acknowledgement is for the batch).
+    /// Publishes `rows` to `topic`/`partition`, in order. A publisher that
+    /// sends them as several appends (a request size limit) and fails at a
+    /// later one says how many rows lead the batch acknowledged
+    /// ([`PublishError::acknowledged`]): those are marked published and
+    /// never sent again; the rest are retried, or looked at one by one
+    /// after a refusal.
     async fn publish(
         &self,
         topic: &str,

@@ -302,10 +302,16 @@ where
             while let Some(Some(more)) = appends.next().now_or_never() {
                 ready.push(more);
             }
+            // an append acknowledged whole, and the rows leading a failed
+            // one that the broker took (never sent again)
             let sent: Vec<i64> = ready
                 .iter()
-                .filter(|(_, result)| result.is_ok())
-                .flat_map(|(i, _)| groups[*i].1.iter().map(|r| r.id))
+                .flat_map(|(i, result)| {
+                    let batch = &groups[*i].1;
+                    batch[..acknowledged(batch.len(), result)]
+                        .iter()
+                        .map(|r| r.id)
+                })
                 .collect();
             verdicts.extend(ready);
             self.mark_or_defer(defer, &claims, sent, &mut deferred, &mut round)
@@ -315,6 +321,9 @@ where
         let mut sent: Vec<i64> = Vec::new();
         for (i, result) in verdicts {
             let (key, batch) = &groups[i];
+            // what the broker did not take: looked at one by one, or
+            // retried (the acknowledged head is marked above)
+            let batch = &batch[acknowledged(batch.len(), &result)..];
             match self.state.verdict(key, &result, now) {
                 AppendVerdict::Sent => self.state.sent(key),
                 AppendVerdict::Refused => {
@@ -674,5 +683,15 @@ where
             tracing::warn!(member = %me, error = %e, "leaving the relay group failed; the session timeout ends it");
         }
         Ok(summary)
+    }
+}
+
+/// How many rows leading a batch of `len` the append's `result` says the
+/// broker took: all when it succeeded, the acknowledged head (at most the
+/// batch) when it failed.
+fn acknowledged(len: usize, result: &Result<(), PublishError>) -> usize {
+    match result {
+        Ok(()) => len,
+        Err(e) => e.acknowledged.min(len),
     }
 }

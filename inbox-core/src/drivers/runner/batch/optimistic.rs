@@ -158,8 +158,12 @@ where
                     };
                     let d = decision::after_handler(policy, row, outcome.class());
                     if d.transaction == TxAction::Rollback || d.holds_partition() {
+                        // a handler that committed on its own and then
+                        // failed (an error, a timeout, a panic) keeps its
+                        // failure, but what it committed is durable too
+                        let ended = ended(&outcome) || tx.committed_by_handler().await;
                         abandon(tx).await;
-                        if ended(&outcome) {
+                        if ended {
                             // the rows inserted for the handlers not run yet
                             // are durable if the handler committed
                             self.orphans.extend(plans.filter_map(|(_, p)| match p {

@@ -245,6 +245,51 @@ async fn a_failure_after_acknowledged_appends_retries_only_the_rest() {
     );
 }
 
+/// The store fails the mark of rows the broker took: the round ends with
+/// the store's error, and the rows stay in flight, marked at the next
+/// round (or flush), never published again (was: left pending, published
+/// a second time by the next round). Plain and pipelined rounds.
+#[tokio::test]
+async fn a_failed_mark_publishes_nothing_twice() {
+    for pipelined in [false, true] {
+        let store = MemStore::new();
+        let broker = MemPublisher::new();
+        broker.create_topic("orders", 2);
+        for i in 0..6 {
+            store
+                .enqueue(event("orders", &format!("k{i}"), &format!("e{i}")))
+                .expect("valid");
+        }
+        // pipelined, reads of 3 are full: their marks wait for the next
+        // read, which fails
+        let mut relay = Relay::new(
+            store.clone(),
+            broker.clone(),
+            config(if pipelined { 3 } else { 100 }),
+        );
+        relay.hold(&all_slots()).await.expect("claims");
+        let round = if pipelined {
+            relay.round_pipelined().await.expect("round");
+            store.fail_next(inbox_testkit::StoreFault::MarkSent, 1);
+            relay.round_pipelined().await
+        } else {
+            store.fail_next(inbox_testkit::StoreFault::MarkSent, 1);
+            relay.round().await
+        };
+        assert!(round.is_err(), "the store's error: {round:?}");
+        for _ in 0..5 {
+            relay.round().await.expect("round");
+        }
+        relay.flush().await.expect("flush");
+        assert_eq!(pending(&store), 0, "{:?}", statuses(&store));
+        assert_eq!(
+            broker.all("orders").len(),
+            6,
+            "pipelined {pipelined}: nothing published twice"
+        );
+    }
+}
+
 #[tokio::test]
 async fn a_relay_whose_slots_were_taken_over_marks_nothing() {
     let store = MemStore::new();

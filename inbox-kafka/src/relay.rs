@@ -88,6 +88,45 @@ struct Idempotence {
 }
 
 impl Idempotence {
+    /// An append of `rows` to `key` begins: the producer id and epoch its
+    /// sequences belong to (a partition met for the first time takes
+    /// `current`, from 0), its first sequence (the append in doubt's again
+    /// when these are its rows, the partition's next otherwise; now in
+    /// doubt), and whether it is the append in doubt sent again. `None`:
+    /// the partition has no sequences and there is no current id.
+    fn begin_append(
+        &mut self,
+        key: &PartitionKey,
+        current: Option<(i64, i16)>,
+        rows: &[i64],
+    ) -> Option<((i64, i16), i32, bool)> {
+        let seq = match (self.partitions.contains_key(key), current) {
+            (true, _) => self.partitions.get_mut(key)?,
+            (false, Some(producer)) => self.partitions.entry(key.clone()).or_insert(Sequenced {
+                producer,
+                next: 0,
+                doubt: None,
+                short_reads: 0,
+            }),
+            (false, None) => return None,
+        };
+        let (base, again) = match &seq.doubt {
+            Some((base, ids)) if ids[..] == rows[..] => (*base, true),
+            _ => (seq.next, false),
+        };
+        seq.doubt = Some((base, rows.to_vec()));
+        Some((seq.producer, base, again))
+    }
+
+    /// Notes a read of `key` that held only the head of its append in
+    /// doubt; how many in a row.
+    fn read_short(&mut self, key: &PartitionKey) -> u32 {
+        self.partitions.get_mut(key).map_or(0, |seq| {
+            seq.short_reads += 1;
+            seq.short_reads
+        })
+    }
+
     /// `key`'s sequences start over: it forgets them (and its append in
     /// doubt), and when its producer id is the current one, a new one is
     /// asked for. The other partitions keep their id, sequences and
@@ -112,7 +151,16 @@ struct Sequenced {
     /// first sequence and its rows. The next append to the partition is
     /// this one again, or the producer starts over with a new id.
     doubt: Option<(i32, Vec<i64>)>,
+    /// Reads that held only the head of the append in doubt since its
+    /// fate was last known (see [`MAX_SHORT_READS`]).
+    short_reads: u32,
 }
+
+/// How many reads holding only the head of an append in doubt the
+/// partition waits for the whole of it before it starts over (a read is
+/// cut by its size and by the other partitions' rows; the next one
+/// usually holds it all).
+const MAX_SHORT_READS: u32 = 10;
 
 /// InitProducerId for a producer that is idempotent, not transactional
 /// (versions 2 to 4, the flexible ones: tansu 0.6 closes the connection on
@@ -356,37 +404,18 @@ impl KafkaPublisher {
         self.state().start_over(key);
     }
 
-    /// The producer id and epoch of `key`'s sequences, and the first
-    /// sequence of an append of `rows` (the append in doubt's again when
-    /// these are its rows, the partition's next otherwise), now in doubt;
-    /// `None`: not idempotent.
+    /// The producer id and epoch of `key`'s sequences, the first
+    /// sequence of an append of `rows`, now in doubt, and whether it is the
+    /// append in doubt sent again ([`Idempotence::begin_append`]); `None`:
+    /// not idempotent.
     async fn sequence(
         &self,
         key: &PartitionKey,
         rows: &[i64],
-    ) -> Result<Option<((i64, i16), i32)>, PublishError> {
+    ) -> Result<Option<((i64, i16), i32, bool)>, PublishError> {
         let known = self.state().partitions.contains_key(key);
         let current = if known { None } else { self.producer().await? };
-        let mut state = self.state();
-        let seq = match (state.partitions.contains_key(key), current) {
-            (true, _) => state.partitions.get_mut(key),
-            (false, Some(producer)) => {
-                Some(state.partitions.entry(key.clone()).or_insert(Sequenced {
-                    producer,
-                    next: 0,
-                    doubt: None,
-                }))
-            }
-            (false, None) => None,
-        };
-        Ok(seq.map(|seq| {
-            let base = match &seq.doubt {
-                Some((base, ids)) if ids[..] == rows[..] => *base,
-                _ => seq.next,
-            };
-            seq.doubt = Some((base, rows.to_vec()));
-            (seq.producer, base)
-        }))
+        Ok(self.state().begin_append(key, current, rows))
     }
 
     async fn append(
@@ -405,7 +434,8 @@ impl KafkaPublisher {
         let key = (topic.to_owned(), partition);
         let count = i32::try_from(records.len()).unwrap_or(i32::MAX);
         let sequenced = self.sequence(&key, rows).await?;
-        let ((producer_id, producer_epoch), base) = sequenced.unwrap_or(((-1, -1), -1));
+        let ((producer_id, producer_epoch), base, again) =
+            sequenced.unwrap_or(((-1, -1), -1, false));
         // the append's fate known: written (the partition's next sequence
         // follows it) or refused for what it holds (nothing written, its
         // sequences not used); a retry is never this append again
@@ -415,6 +445,7 @@ impl KafkaPublisher {
                 && seq.producer == (producer_id, producer_epoch)
             {
                 seq.doubt = None;
+                seq.short_reads = 0;
                 if written {
                     seq.next = base.wrapping_add(count);
                 }
@@ -500,11 +531,12 @@ impl KafkaPublisher {
             }
             Some(e) => {
                 let kind = kind_of(e);
-                if matches!(
-                    kind,
-                    PublishErrorKind::Refused | PublishErrorKind::UnknownTopic
-                ) {
-                    // the broker validates an append before it writes
+                if kind == PublishErrorKind::Refused && !again {
+                    // the broker validates an append before it writes it:
+                    // refused at its first send, it was not written. Sent
+                    // again, the validation comes before the broker's
+                    // check for a duplicate (a limit lowered meanwhile):
+                    // the first send may be written, the doubt stays
                     known(false);
                 }
                 if kind != PublishErrorKind::Refused {
@@ -679,20 +711,29 @@ impl Publisher for KafkaPublisher {
         rows: &[&OutboxRow],
     ) -> Result<(), PublishError> {
         let now = chrono::Utc::now().timestamp_millis();
-        let records: Vec<(i64, Record)> = rows.iter().map(|r| (r.id, record_of(r))).collect();
-        if let Some((_, big)) = records
+        let mut records: Vec<(i64, Record)> = rows.iter().map(|r| (r.id, record_of(r))).collect();
+        // an event larger than the topic takes is refused without being
+        // sent; the rows before it go first (an append in doubt among them
+        // is sent again as it was), and the refusal says they were taken
+        let too_large = records
             .iter()
-            .find(|(_, r)| size_of(r) > self.max_record_bytes)
-        {
-            return Err(PublishError::new(
-                PublishErrorKind::Refused,
-                format!(
-                    "the event is {} bytes, the topic takes at most {}",
-                    size_of(big),
-                    self.max_record_bytes
-                ),
-            ));
+            .position(|(_, r)| size_of(r) > self.max_record_bytes)
+            .map(|k| {
+                let size = size_of(&records[k].1);
+                records.truncate(k);
+                PublishError::new(
+                    PublishErrorKind::Refused,
+                    format!(
+                        "the event is {size} bytes, the topic takes at most {}",
+                        self.max_record_bytes
+                    ),
+                )
+                .after_acknowledging(k)
+            });
+        if records.is_empty() {
+            return too_large.map_or(Ok(()), Err);
         }
+        let key = (topic.to_owned(), partition);
         let leader = self.leader(topic, partition).await;
         // the append in doubt on this partition first, exactly as it was
         // sent (its rows lead these, in order); rows that do not start with
@@ -701,19 +742,29 @@ impl Publisher for KafkaPublisher {
         let doubt = self
             .state()
             .partitions
-            .get(&(topic.to_owned(), partition))
+            .get(&key)
             .and_then(|s| s.doubt.as_ref().map(|(_, ids)| ids.clone()));
         let mut split: Vec<Vec<(i64, Record)>> = Vec::new();
-        let mut records = records;
         if let Some(ids) = doubt {
-            let leads = records.len() >= ids.len()
-                && records.iter().zip(&ids).all(|((id, _), want)| id == want);
-            if leads {
+            let same = records.iter().zip(&ids).all(|((id, _), want)| id == want);
+            if same && records.len() >= ids.len() {
                 let rest = records.split_off(ids.len());
                 split.push(std::mem::replace(&mut records, rest));
+            } else if same && self.state().read_short(&key) <= MAX_SHORT_READS {
+                // a read cut before the append in doubt's end (its size
+                // limit, another partition's rows first): it waits to be
+                // sent whole, as it was
+                return Err(PublishError::new(
+                    PublishErrorKind::Unavailable,
+                    format!(
+                        "{topic}:{partition}: {} of the {} rows of the append in doubt were read; it is sent again whole",
+                        records.len(),
+                        ids.len()
+                    ),
+                ));
             } else {
                 self.start_over(
-                    &(topic.to_owned(), partition),
+                    &key,
                     &format!("{topic}:{partition}: the append in doubt is not what comes next"),
                 );
             }
@@ -740,7 +791,7 @@ impl Publisher for KafkaPublisher {
                 .map_err(|e| e.after_acknowledging(acknowledged))?;
             acknowledged += ids.len();
         }
-        Ok(())
+        too_large.map_or(Ok(()), Err)
     }
 }
 
@@ -822,6 +873,7 @@ mod tests {
                     producer: (7, 0),
                     next: 10,
                     doubt: Some((10, vec![i64::from(p)])),
+                    short_reads: 0,
                 },
             );
         }
@@ -833,6 +885,19 @@ mod tests {
             assert_eq!(seq.producer, (7, 0));
             assert_eq!(seq.doubt, Some((10, vec![i64::from(p)])), "still in doubt");
         }
+        // once partition 1 has the new id, another partition still on the
+        // old one starting over asks for none
+        // a partition in doubt sends its append again under its own id,
+        // with its base; partition 1 begins from 0 under the new one
+        let current = Some((8, 0));
+        assert_eq!(
+            state.begin_append(&key(2), current, &[2]),
+            Some(((7, 0), 10, true))
+        );
+        assert_eq!(
+            state.begin_append(&key(1), current, &[5, 6]),
+            Some(((8, 0), 0, false))
+        );
         // once partition 1 has the new id, another partition still on the
         // old one starting over asks for none
         state.producer = Some(Some((8, 0)));

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use inbox_core::outbox::{OutboxMessage, Relay, RelayConfig};
-use inbox_kafka::DEFAULT_MAX_REQUEST_BYTES;
+use inbox_kafka::{DEFAULT_MAX_RECORD_BYTES, DEFAULT_MAX_REQUEST_BYTES};
 use inbox_kafka::{KafkaConfig, KafkaPublisher};
 use inbox_postgres::PgStore;
 use inbox_testkit::kafka::Broker;
@@ -144,13 +144,24 @@ async fn world() -> World {
 impl World {
     /// A publisher through the proxy, its appends at most `request_bytes`.
     async fn relay(&self, request_bytes: usize) -> Relay<PgStore, KafkaPublisher> {
+        self.relay_with(request_bytes, DEFAULT_MAX_RECORD_BYTES)
+            .await
+    }
+
+    /// The same, refusing events larger than `record_bytes` unsent.
+    async fn relay_with(
+        &self,
+        request_bytes: usize,
+        record_bytes: usize,
+    ) -> Relay<PgStore, KafkaPublisher> {
         let mut kafka = KafkaConfig::new(vec![self.front.clone()], "relay", vec![]);
         kafka.connect_timeout = Duration::from_secs(5);
         kafka.request_timeout = Duration::from_secs(5);
         let publisher = KafkaPublisher::connect(&kafka)
             .await
             .unwrap_or_else(|e| panic!("{e}"))
-            .with_max_request_bytes(request_bytes);
+            .with_max_request_bytes(request_bytes)
+            .with_max_record_bytes(record_bytes);
         let mut config = RelayConfig::new("relay-1").unwrap_or_else(|e| panic!("{e}"));
         config.retry =
             inbox_core::Backoff::new(Duration::from_millis(50), Duration::from_millis(200), 2.0);
@@ -291,6 +302,42 @@ async fn a_refusal_after_acknowledged_appends_writes_each_event_once() {
     );
     all.extend(events(&topic, &ids[6..], |i| format!("k{}", i + 7)));
     w.enqueue(&all).await;
+    let (published, dead) = rounds(&mut relay, 9, 1).await;
+    assert_eq!((published, dead), (9, 1), "nine sent, the large one dead");
+    assert_eq!(w.on_broker(&topic), ids, "each small event once, in order");
+}
+
+/// An append in doubt (written, its answer lost with the connection) and,
+/// in the next round, an event larger than the relay's
+/// `max_record_bytes` after it: the append in doubt is sent again as it
+/// was (the broker keeps it once), the large event is dead-lettered
+/// unsent, the events after it go. Was: the whole round refused for the
+/// large event, then each row sent alone, the rows in doubt first under a
+/// new producer id: written twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_append_in_doubt_before_a_too_large_event_is_written_once() {
+    let w = world().await;
+    let topic = w
+        .broker
+        .topic("doubt-large", 1)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut relay = w.relay_with(DEFAULT_MAX_REQUEST_BYTES, 4096).await;
+    let small = |i: usize| format!("e-{i:02}");
+    let ids: Vec<String> = (0..6).chain(7..10).map(small).collect();
+    w.enqueue(&events(&topic, &ids[..6], |i| format!("k{i}")))
+        .await;
+    w.proxy.arm(0);
+    let first = relay.round().await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(first.published, 0, "the answer was lost: {first:?}");
+    assert_eq!(w.proxy.cuts.load(Ordering::SeqCst), 1);
+    let mut rest = vec![
+        OutboxMessage::new(&topic, "x".repeat(5_000))
+            .key("large")
+            .message_id("too-large"),
+    ];
+    rest.extend(events(&topic, &ids[6..], |i| format!("k{}", i + 7)));
+    w.enqueue(&rest).await;
     let (published, dead) = rounds(&mut relay, 9, 1).await;
     assert_eq!((published, dead), (9, 1), "nine sent, the large one dead");
     assert_eq!(w.on_broker(&topic), ids, "each small event once, in order");

@@ -489,6 +489,7 @@ pub trait OutboxStore: Send + Sync {
 /// Why the broker did not take a batch.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{kind:?}: {message}")]
+#[non_exhaustive]
 pub struct PublishError {
     /// What kind of failure.
     pub kind: PublishErrorKind,

@@ -56,6 +56,8 @@ pub enum StoreFault {
     Ack,
     /// `record_attempt` fails.
     Attempt,
+    /// The outbox's `mark_sent` fails (nothing marked).
+    MarkSent,
 }
 
 /// A dead letter the store recorded.

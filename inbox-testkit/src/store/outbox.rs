@@ -14,7 +14,7 @@ use inbox_core::outbox::{
 };
 use inbox_core::{StoreError, StoreErrorKind, ValidationError};
 
-use super::{MemStore, MemTx};
+use super::{MemStore, MemTx, StoreFault};
 
 /// Where an outbox row of [`MemStore`] is.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -217,6 +217,7 @@ impl OutboxStore for MemStore {
             .map(|c| c.slot)
             .collect();
         let mut s = self.state();
+        s.take_fault(StoreFault::MarkSent)?;
         let now = s.now;
         let mut marked = 0;
         for id in ids {

@@ -188,12 +188,17 @@ where
     ///
     /// # Errors
     ///
-    /// The store's (the rows stay pending and are published again, with
-    /// the same ids).
+    /// The store's: the marks stay in flight, written at the next
+    /// `flush` or round (their rows are not published again by this
+    /// relay).
     pub async fn flush(&mut self) -> Result<RelayRound, StoreError> {
         let mut round = std::mem::take(&mut self.carried);
         if let Some(f) = self.in_flight.take() {
-            self.mark(&f.claims, &f.ids, &mut round).await?;
+            if let Err(e) = self.mark(&f.claims, &f.ids, &mut round).await {
+                self.in_flight = Some(f);
+                self.carried = round;
+                return Err(e);
+            }
             if round.unmarked > 0 {
                 self.drop_stale_claims().await?;
             }
@@ -222,7 +227,16 @@ where
             self.store
                 .mark_sent(&self.config.group, &previous.claims, &previous.ids)
         );
-        self.count_marks(previous.ids.len(), marked?, round);
+        let marked = match marked {
+            Ok(marked) => marked,
+            Err(e) => {
+                // still acknowledged, still unmarked: kept for the next try
+                self.in_flight = Some(previous);
+                self.carried = std::mem::take(round);
+                return Err(e);
+            }
+        };
+        self.count_marks(previous.ids.len(), marked, round);
         let mut rows = match read {
             Ok(rows) => rows,
             Err(e) => {
@@ -297,6 +311,11 @@ where
         let mut verdicts: Vec<(usize, Result<(), PublishError>)> = Vec::new();
         // acknowledged rows whose mark waits for the next round's read
         let mut deferred: Vec<i64> = Vec::new();
+        // a mark the store failed: every append still running is waited
+        // for all the same (dropped, an append acknowledged in part would
+        // be sent again), and what the broker took is kept in flight, to
+        // be marked before the next read, never published again
+        let mut mark_failed: Option<StoreError> = None;
         while let Some(first) = appends.next().await {
             let mut ready = vec![first];
             while let Some(Some(more)) = appends.next().now_or_never() {
@@ -314,10 +333,20 @@ where
                 })
                 .collect();
             verdicts.extend(ready);
-            self.mark_or_defer(defer, &claims, sent, &mut deferred, &mut round)
-                .await?;
+            if mark_failed.is_some() {
+                deferred.extend(sent);
+            } else if let Err(e) = self
+                .mark_or_defer(defer, &claims, &sent, &mut deferred, &mut round)
+                .await
+            {
+                deferred.extend(sent);
+                mark_failed = Some(e);
+            }
         }
         drop(appends);
+        if let Some(e) = mark_failed {
+            return Err(self.keep_in_flight(claims, deferred, round, e));
+        }
         let mut sent: Vec<i64> = Vec::new();
         for (i, result) in verdicts {
             let (key, batch) = &groups[i];
@@ -343,8 +372,13 @@ where
                 }
             }
         }
-        self.mark_or_defer(defer, &claims, sent, &mut deferred, &mut round)
-            .await?;
+        if let Err(e) = self
+            .mark_or_defer(defer, &claims, &sent, &mut deferred, &mut round)
+            .await
+        {
+            deferred.extend(sent);
+            return Err(self.keep_in_flight(claims, deferred, round, e));
+        }
         if round.unmarked > 0 {
             self.drop_stale_claims().await?;
         }
@@ -411,16 +445,34 @@ where
         &self,
         defer: bool,
         claims: &[SlotClaim],
-        sent: Vec<i64>,
+        sent: &[i64],
         deferred: &mut Vec<i64>,
         round: &mut RelayRound,
     ) -> Result<(), StoreError> {
         if defer {
-            deferred.extend(sent);
+            deferred.extend_from_slice(sent);
             Ok(())
         } else {
-            self.mark(claims, &sent, round).await
+            self.mark(claims, sent, round).await
         }
+    }
+
+    /// A round ends with the store's `error` after the broker took `ids`
+    /// unmarked: they stay in flight (left out of the next read, marked
+    /// before it or at [`flush`](Self::flush)), and what `round` counted
+    /// is carried to the next.
+    fn keep_in_flight(
+        &mut self,
+        claims: Vec<SlotClaim>,
+        ids: Vec<i64>,
+        round: RelayRound,
+        error: StoreError,
+    ) -> StoreError {
+        if !ids.is_empty() {
+            self.in_flight = Some(InFlight { claims, ids });
+        }
+        self.carried = round;
+        error
     }
 
     /// Adds to `round` that `marked` of `sent` rows were marked (the rest

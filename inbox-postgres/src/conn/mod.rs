@@ -70,6 +70,27 @@ impl Session {
             .map_err(|_| DbErr::Custom("the transaction has ended".to_owned()))
     }
 
+    /// The first column of the first row of `sql` (no parameters), sent
+    /// in the simple query protocol: one exchange, which a transaction
+    /// pooler cannot route to two servers (the extended protocol's parse,
+    /// bind and execute can be, once the session is outside a transaction,
+    /// after a handler's own `COMMIT`). `None`: no row, or SQL NULL.
+    async fn probe<T>(&self, sql: &str) -> Result<Option<T>, DbErr>
+    where
+        T: for<'r> sqlx::Decode<'r, sqlx::Postgres> + sqlx::Type<sqlx::Postgres>,
+    {
+        use sqlx::Row as _;
+        let mut conn = self.live().await?;
+        let row = sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
+            .fetch_optional(&mut **conn)
+            .await
+            .map_err(sqlx_error_to_query_err)?;
+        row.map(|r| r.try_get::<Option<T>, _>(0))
+            .transpose()
+            .map(Option::flatten)
+            .map_err(sqlx_error_to_query_err)
+    }
+
     async fn execute_raw(&self, stmt: &Statement) -> Result<ExecResult, DbErr> {
         let mut conn = self.live().await?;
         query(stmt)
@@ -444,16 +465,8 @@ impl PgConn {
         let xid = if aborted {
             None
         } else {
-            match self
-                .session
-                .query_one_raw(&Statement::from_string(
-                    DbBackend::Postgres,
-                    "SELECT txid_current() AS xid",
-                ))
-                .await
-            {
-                Ok(Some(row)) => row.try_get::<i64>("", "xid").ok(),
-                Ok(None) => None,
+            match self.session.probe::<i64>("SELECT txid_current()").await {
+                Ok(xid) => xid,
                 Err(e) => {
                     let _ = self.watch::<()>(Err(e));
                     None
@@ -496,10 +509,7 @@ impl PgConn {
         } else {
             let now = self
                 .session
-                .query_one_raw(&Statement::from_string(
-                    DbBackend::Postgres,
-                    "SELECT txid_current_if_assigned() AS xid",
-                ))
+                .probe::<i64>("SELECT txid_current_if_assigned()")
                 .await;
             match now {
                 Err(e) => {
@@ -507,9 +517,7 @@ impl PgConn {
                     let _ = self.watch::<()>(Err(e));
                     return None;
                 }
-                Ok(row) => {
-                    let now: Option<i64> =
-                        row.and_then(|r| r.try_get::<Option<i64>>("", "xid").ok().flatten());
+                Ok(now) => {
                     (now != xid).then(|| {
                         "the handler ended the inbox's transaction (COMMIT, ROLLBACK, END, ABORT, PREPARE TRANSACTION or AND CHAIN of its own): what it wrote is not the inbox's"
                             .to_owned()
@@ -564,22 +572,13 @@ impl PgConn {
                 _ => return false,
             }
         };
+        // the id is ours, a number: written into the statement, so that
+        // it goes in the simple protocol, whole to one server
         let status = self
             .session
-            .query_one_raw(&Statement::from_sql_and_values(
-                DbBackend::Postgres,
-                "SELECT txid_status($1) AS status",
-                [xid.into()],
-            ))
+            .probe::<String>(&format!("SELECT txid_status({xid})"))
             .await;
-        matches!(
-            status
-                .ok()
-                .flatten()
-                .and_then(|r| r.try_get::<Option<String>>("", "status").ok().flatten())
-                .as_deref(),
-            Some("committed")
-        )
+        matches!(status.ok().flatten().as_deref(), Some("committed"))
     }
 
     /// The error that left the transaction aborted, if a statement did.

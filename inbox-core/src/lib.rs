@@ -94,7 +94,7 @@ pub use observability::metrics::{
 pub use outcome::{Failure, HandlerResult, Outcome, OutcomeClass};
 pub use routing::handler::{Handler, NoHandler, SkipTombstones};
 pub use store::{
-    AttemptRecord, DueFilter, Found, InboxStore, InboxTransaction, LockResult, ParkedKey,
+    AttemptRecord, DueFilter, Found, InboxStore, InboxTransaction, LockResult, LogStart, ParkedKey,
     ParkedMessage, ParkingTx, ProcessorStore, ProcessorTx, RowLocks, RowRef, Savepoints, TxOffsets,
     no_parking,
 };

@@ -81,6 +81,19 @@ pub struct DueFilter {
     pub event_types: Vec<String>,
 }
 
+/// Where a partition's log starts: the first offset the broker still
+/// holds (Kafka's ListOffsets, earliest). A record below it can never be
+/// delivered again, whatever a consumer does with its offsets.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct LogStart {
+    /// The topic.
+    pub topic: String,
+    /// The partition.
+    pub partition: i32,
+    /// The first offset the broker holds.
+    pub offset: i64,
+}
+
 /// The store: opens transactions and runs maintenance.
 #[async_trait]
 pub trait InboxStore: Send + Sync {
@@ -111,6 +124,37 @@ pub trait InboxStore: Send + Sync {
     /// Deletes at most `batch` completed rows completed more than
     /// `older_than` ago; returns how many.
     async fn delete_completed(&self, older_than: Duration, batch: u64) -> Result<u64, StoreError>;
+
+    /// Deletes at most `batch` completed rows completed more than
+    /// `older_than` ago whose record can never be delivered again: read
+    /// from a partition of `starts` at an offset below that partition's
+    /// log start. Returns how many. The default deletes nothing: a store
+    /// that keeps no row's position.
+    async fn delete_completed_below(
+        &self,
+        starts: &[LogStart],
+        older_than: Duration,
+        batch: u64,
+    ) -> Result<u64, StoreError> {
+        let _ = (starts, older_than, batch);
+        Ok(0)
+    }
+
+    /// Deletes at most `batch` completed rows completed more than
+    /// `older_than` ago, except those read from a topic of `kept`: the
+    /// rows whose retention no broker fact decides (no position, or a
+    /// topic maintenance has no log start for). Returns how many. The
+    /// default is [`delete_completed`](Self::delete_completed): a store
+    /// that keeps no row's position.
+    async fn delete_completed_except(
+        &self,
+        kept: &[String],
+        older_than: Duration,
+        batch: u64,
+    ) -> Result<u64, StoreError> {
+        let _ = kept;
+        self.delete_completed(older_than, batch).await
+    }
 
     /// Deletes the rows `ids`, outside any transaction; ids with no row are
     /// left alone. The runner calls it with the rows a batch's transaction

@@ -324,7 +324,10 @@ impl InboxConsumer {
             }
         });
         let maintaining = self.maintenance.map(|config| {
-            let maintenance = Maintenance::new(store.clone(), config);
+            // a completed row stays while its record can be delivered
+            let starts = crate::KafkaLogStarts::new(self.kafka.clone(), self.group.topics.clone());
+            let maintenance =
+                Maintenance::new(store.clone(), config).with_log_starts(Arc::new(starts));
             let cancel = cancel.clone();
             tokio::spawn(async move { maintenance.run(cancel).await })
         });

@@ -73,6 +73,7 @@ mod error;
 mod fetch;
 mod group;
 mod health;
+mod log_starts;
 mod offsets;
 mod partition;
 mod relay;
@@ -90,6 +91,7 @@ pub use group::{
 };
 pub use health::{HealthHandle, PartitionHealth};
 pub use inbox_core::keyed::Ordering;
+pub use log_starts::KafkaLogStarts;
 pub use offsets::{
     MovedOffset, OffsetTarget, PartitionOffsets, log_bounds, move_offsets, plan_offsets,
     read_offsets, topic_partitions,

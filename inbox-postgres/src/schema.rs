@@ -651,6 +651,32 @@ pub fn schema_steps(t: &TableName) -> Vec<SchemaStep> {
             ],
             vec![format!("DROP TABLE IF EXISTS {}", t.parked())],
         ),
+        step(
+            "inbox_positions",
+            // Where each row's message was read: maintenance deletes a
+            // completed row only once its record is below its partition's
+            // log start (it can never be delivered again).
+            vec![
+                format!(
+                    "ALTER TABLE {q} ADD COLUMN IF NOT EXISTS topic TEXT,
+                                     ADD COLUMN IF NOT EXISTS partition INTEGER,
+                                     ADD COLUMN IF NOT EXISTS record_offset BIGINT"
+                ),
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {q} (topic, partition, record_offset)
+                      WHERE status = 'completed' AND topic IS NOT NULL",
+                    t.index("completed_position")
+                ),
+            ],
+            vec![
+                format!("DROP INDEX IF EXISTS {}", t.index("completed_position")),
+                format!(
+                    "ALTER TABLE {q} DROP COLUMN IF EXISTS topic,
+                                     DROP COLUMN IF EXISTS partition,
+                                     DROP COLUMN IF EXISTS record_offset"
+                ),
+            ],
+        ),
     ]
 }
 

@@ -140,6 +140,7 @@ async fn a_database_of_the_first_migration_reaches_the_current_schema() {
             "m20261130_000014_inbox_dead_letter_replayers_inbox",
             "m20261130_000015_inbox_processor_running_inbox",
             "m20261130_000016_inbox_parked_inbox",
+            "m20261130_000017_inbox_positions_inbox",
         ]
     );
 
@@ -196,8 +197,15 @@ async fn a_database_of_the_first_migration_reaches_the_current_schema() {
         1,
         "the earlier read function gives the pairs as jsonb"
     );
-    // the newest steps first: the parked keys' queues go, then the
-    // processors' notes, then the replayers' tables
+    // the newest steps first: the rows' positions go, then the parked
+    // keys' queues, then the processors' notes, then the replayers' tables
+    let positions = "SELECT count(*) FROM information_schema.columns \
+         WHERE table_name = 'inbox' AND column_name IN ('topic', 'partition', 'record_offset')";
+    assert_eq!(count(&old, positions).await, 3);
+    Current::down(&old, Some(1))
+        .await
+        .expect("the positions' step down");
+    assert_eq!(count(&old, positions).await, 0);
     let parked = "SELECT count(*) FROM information_schema.tables \
          WHERE table_name = 'inbox_parked'";
     assert_eq!(count(&old, parked).await, 1);

@@ -9,9 +9,18 @@
 //! **Retention is the deduplication window.** A message whose row was
 //! deleted is new again: if the broker delivers it after that (a consumer
 //! group reset, a replay, a producer that retried late), its effect happens
-//! twice. So the retention must outlive the broker's retention of the topic
-//! and any producer retry window. [`MaintenanceConfig::new`] refuses a
-//! retention shorter than [`MIN_RETENTION`] (one day) unless
+//! twice. With the broker's facts ([`Maintenance::with_log_starts`], which
+//! the Kafka consumer sets up), a completed row of a record read from a
+//! broker goes only once its record is below its partition's log start,
+//! when it can never be delivered again, and is older than the retention
+//! (a producer's late retry writes a new record: the retention covers that
+//! window). A topic kept longer than the retention, a compacted topic (kept
+//! for ever) or an offset reset to the earliest then doubles nothing.
+//! [`MaintenanceConfig::max_retention`] caps that at a time if you choose.
+//! Without broker facts the retention alone decides, and must outlive the
+//! broker's retention of the topic and any producer retry window.
+//! [`MaintenanceConfig::new`] refuses a retention shorter than
+//! [`MIN_RETENTION`] (one day) unless
 //! [`MaintenanceConfig::allow_short_retention`] says you know.
 //!
 //! ```
@@ -44,8 +53,15 @@ pub struct MaintenanceConfig {
     /// longer than any batch a healthy processor takes, handler timeouts
     /// included. Default 5 minutes.
     pub stale_after: Duration,
-    /// Completed rows older than this are deleted.
+    /// Completed rows older than this are deleted; with broker facts
+    /// ([`Maintenance::with_log_starts`]), a row read from a partition they
+    /// cover only once its record is also below the partition's log start.
     pub retention: Duration,
+    /// With broker facts, completed rows older than this are deleted even
+    /// while their record can still be delivered (a compacted topic's rows
+    /// would otherwise stay for ever): its redelivery after that is handled
+    /// again. `None` (the default): no cap.
+    pub max_retention: Option<Duration>,
     /// Rows deleted per statement. Default 1,000.
     pub delete_batch: u64,
     /// Most delete statements per run (the rest waits for the next run).
@@ -81,6 +97,7 @@ impl MaintenanceConfig {
             interval: Duration::from_secs(60),
             stale_after: Duration::from_secs(300),
             retention,
+            max_retention: None,
             delete_batch: 1_000,
             max_batches_per_run: 100,
         }
@@ -94,11 +111,31 @@ pub struct MaintenanceReport {
     pub released: u64,
     /// Completed rows deleted.
     pub deleted: u64,
+    /// Of those, rows whose record is below its partition's log start
+    /// ([`Maintenance::with_log_starts`]).
+    pub deleted_below_log_start: u64,
     /// Sent outbox events deleted ([`Maintenance::with_outbox`]).
     pub outbox_deleted: u64,
     /// Dead letters past their retention deleted
     /// ([`Maintenance::with_dead_letters`]).
     pub dead_letters_deleted: u64,
+}
+
+/// Where the partitions of some topics start (Kafka's ListOffsets,
+/// earliest): the broker facts that decide when a completed row can go.
+/// `inbox_kafka::KafkaLogStarts` asks a Kafka cluster.
+#[async_trait::async_trait]
+pub trait LogStarts: Send + Sync {
+    /// The topics it answers for.
+    fn topics(&self) -> Vec<String>;
+
+    /// The log start of every partition of [`topics`](Self::topics).
+    ///
+    /// # Errors
+    ///
+    /// Why the broker could not tell (its words): maintenance then deletes
+    /// none of those topics' rows this run.
+    async fn log_starts(&self) -> Result<Vec<crate::store::LogStart>, String>;
 }
 
 /// Deletes old dead letters (any [`DeadLetterStore`], kept without its
@@ -122,6 +159,7 @@ pub struct Maintenance<S> {
     config: MaintenanceConfig,
     outbox: Option<(std::sync::Arc<dyn crate::outbox::OutboxStore>, Duration)>,
     dead_letters: Option<(std::sync::Arc<dyn DeadLetterRetention>, Duration)>,
+    log_starts: Option<std::sync::Arc<dyn LogStarts>>,
 }
 
 impl<S> std::fmt::Debug for Maintenance<S> {
@@ -130,6 +168,7 @@ impl<S> std::fmt::Debug for Maintenance<S> {
             .field("config", &self.config)
             .field("outbox", &self.outbox.is_some())
             .field("dead_letters", &self.dead_letters.as_ref().map(|(_, d)| d))
+            .field("log_starts", &self.log_starts.as_ref().map(|l| l.topics()))
             .finish_non_exhaustive()
     }
 }
@@ -142,7 +181,20 @@ impl<S: InboxStore> Maintenance<S> {
             config,
             outbox: None,
             dead_letters: None,
+            log_starts: None,
         }
+    }
+
+    /// Deletes a completed row of a topic `log_starts` answers for only
+    /// once its record is below its partition's log start (it can never be
+    /// delivered again) and it is older than the retention, or older than
+    /// [`MaintenanceConfig::max_retention`] if set. When the broker cannot
+    /// tell, none of those rows go that run. Rows of other topics, and
+    /// rows with no position, go by the retention as before.
+    #[must_use]
+    pub fn with_log_starts(mut self, log_starts: std::sync::Arc<dyn LogStarts>) -> Self {
+        self.log_starts = Some(log_starts);
+        self
     }
 
     /// Also deletes dead letters recorded more than `retention` ago, in the
@@ -188,9 +240,39 @@ impl<S: InboxStore> Maintenance<S> {
             .release_stale_locks(self.config.stale_after)
             .await?;
         let batch = self.config.delete_batch.max(1);
-        let deleted = self
-            .in_batches(|| self.store.delete_completed(self.config.retention, batch))
-            .await?;
+        let retention = self.config.retention;
+        let (deleted, deleted_below_log_start) = match &self.log_starts {
+            None => (
+                self.in_batches(|| self.store.delete_completed(retention, batch))
+                    .await?,
+                0,
+            ),
+            Some(source) => {
+                let kept = source.topics();
+                let mut deleted = self
+                    .in_batches(|| self.store.delete_completed_except(&kept, retention, batch))
+                    .await?;
+                let below = match source.log_starts().await {
+                    Ok(starts) => {
+                        self.in_batches(|| {
+                            self.store.delete_completed_below(&starts, retention, batch)
+                        })
+                        .await?
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, topics = ?kept, "the brokers did not tell where the partitions start: no row of these topics is deleted this run");
+                        0
+                    }
+                };
+                deleted += below;
+                if let Some(cap) = self.config.max_retention {
+                    deleted += self
+                        .in_batches(|| self.store.delete_completed(cap, batch))
+                        .await?;
+                }
+                (deleted, below)
+            }
+        };
         let mut outbox_deleted = 0;
         if let Some((outbox, retention)) = &self.outbox {
             outbox_deleted = self
@@ -208,6 +290,7 @@ impl<S: InboxStore> Maintenance<S> {
         Ok(MaintenanceReport {
             released,
             deleted,
+            deleted_below_log_start,
             outbox_deleted,
             dead_letters_deleted,
         })
@@ -243,6 +326,7 @@ impl<S: InboxStore> Maintenance<S> {
                 Ok(r) => {
                     total.released += r.released;
                     total.deleted += r.deleted;
+                    total.deleted_below_log_start += r.deleted_below_log_start;
                     total.outbox_deleted += r.outbox_deleted;
                     total.dead_letters_deleted += r.dead_letters_deleted;
                     if r.released > 0 {

@@ -525,6 +525,11 @@ pub struct NewInboxRow {
     /// `pending` to land it, `completed` when the handler runs in the same
     /// transaction (a failure rolls the row back with the handler's writes).
     pub status: InboxStatus,
+    /// Where the message was read (topic, partition, offset), when it came
+    /// from a broker: maintenance keeps a completed row while its record
+    /// can still be delivered (see
+    /// [`Maintenance::with_log_starts`](crate::drivers::maintenance::Maintenance::with_log_starts)).
+    pub position: Option<Position>,
 }
 
 impl NewInboxRow {
@@ -543,6 +548,7 @@ impl NewInboxRow {
             },
             max_attempts,
             status: InboxStatus::Pending,
+            position: message.position.clone(),
         }
     }
 

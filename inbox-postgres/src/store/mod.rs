@@ -630,6 +630,49 @@ impl InboxStore for PgStore {
         Ok(r.rows_affected())
     }
 
+    async fn delete_completed_below(
+        &self,
+        starts: &[inbox_core::LogStart],
+        older_than: Duration,
+        batch: u64,
+    ) -> Result<u64, StoreError> {
+        if starts.is_empty() {
+            return Ok(0);
+        }
+        let limit = i64::try_from(batch).unwrap_or(i64::MAX);
+        let starts = serde_json::to_string(starts)
+            .map_err(|e| StoreError::new(StoreErrorKind::Other, e.to_string()))?;
+        let r = self
+            .standalone()
+            .execute_raw(stmt(
+                &self.sql.delete_completed_below,
+                vec![secs(older_than), limit.into(), starts.into()],
+            ))
+            .await
+            .map_err(db)?;
+        Ok(r.rows_affected())
+    }
+
+    async fn delete_completed_except(
+        &self,
+        kept: &[String],
+        older_than: Duration,
+        batch: u64,
+    ) -> Result<u64, StoreError> {
+        let limit = i64::try_from(batch).unwrap_or(i64::MAX);
+        let kept = serde_json::to_string(kept)
+            .map_err(|e| StoreError::new(StoreErrorKind::Other, e.to_string()))?;
+        let r = self
+            .standalone()
+            .execute_raw(stmt(
+                &self.sql.delete_completed_except,
+                vec![secs(older_than), limit.into(), kept.into()],
+            ))
+            .await
+            .map_err(db)?;
+        Ok(r.rows_affected())
+    }
+
     async fn discard_orphans(&self, ids: &[RowId]) -> Result<(), StoreError> {
         self.standalone()
             .execute_raw(discard(&self.sql, ids))

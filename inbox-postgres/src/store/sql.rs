@@ -27,6 +27,8 @@ pub(super) struct Sql {
     pub(super) find: String,
     pub(super) release: String,
     pub(super) delete_completed: String,
+    pub(super) delete_completed_below: String,
+    pub(super) delete_completed_except: String,
     pub(super) dead_letter: String,
     pub(super) store_ack: String,
     pub(super) read_partition: String,
@@ -149,8 +151,9 @@ impl Sql {
             insert_or_get: format!(
                 "WITH ins AS (
                     INSERT INTO {q} (message_id, consumer_group, source, event_type, payload, body,
-                                     max_attempts, status, completed_at)
-                    VALUES ($1, $2, $3, $4, $5, $8, $6, $7, CASE WHEN $7 = 'completed' THEN now() END)
+                                     max_attempts, status, completed_at, topic, partition, record_offset)
+                    VALUES ($1, $2, $3, $4, $5, $8, $6, $7, CASE WHEN $7 = 'completed' THEN now() END,
+                            $9, $10, $11)
                     ON CONFLICT (message_id, consumer_group) DO NOTHING
                     RETURNING id, status)
                  SELECT id, status, TRUE AS inserted FROM ins
@@ -170,13 +173,15 @@ impl Sql {
                 "WITH input AS (
                     SELECT e.ord, e.v->>'m' AS message_id, e.v->>'s' AS source, e.v->>'e' AS event_type,
                            e.v->'p' AS payload, decode(e.v->>'b', 'base64') AS body,
-                           (e.v->>'a')::int AS max_attempts, e.v->>'t' AS status
+                           (e.v->>'a')::int AS max_attempts, e.v->>'t' AS status,
+                           e.v->>'tp' AS topic, (e.v->>'pt')::int AS partition,
+                           (e.v->>'o')::bigint AS record_offset
                       FROM jsonb_array_elements($1::text::jsonb) WITH ORDINALITY AS e(v, ord)),
                  ins AS (
                     INSERT INTO {q} (message_id, consumer_group, source, event_type, payload, body,
-                                     max_attempts, status, completed_at)
+                                     max_attempts, status, completed_at, topic, partition, record_offset)
                     SELECT message_id, $2, source, event_type, payload, body, max_attempts, status,
-                           CASE WHEN status = 'completed' THEN now() END
+                           CASE WHEN status = 'completed' THEN now() END, topic, partition, record_offset
                       FROM input ORDER BY ord
                     ON CONFLICT (message_id, consumer_group) DO NOTHING
                     RETURNING id, message_id, status)
@@ -321,6 +326,33 @@ impl Sql {
                 "DELETE FROM {q} WHERE id IN (
                     SELECT id FROM {q}
                      WHERE status = 'completed' AND completed_at <= now() - make_interval(secs => $1)
+                     ORDER BY completed_at
+                     LIMIT $2
+                     FOR UPDATE SKIP LOCKED)"
+            ),
+            // below each partition's log start ($3: a JSON array of
+            // {{topic, partition, offset}}), by the position index
+            delete_completed_below: format!(
+                "DELETE FROM {q} WHERE id IN (
+                    SELECT r.id
+                      FROM jsonb_to_recordset($3::text::jsonb) AS s(topic text, partition int, \"offset\" bigint)
+                      CROSS JOIN LATERAL (
+                        SELECT id FROM {q}
+                         WHERE status = 'completed' AND topic = s.topic AND partition = s.partition
+                           AND record_offset < s.\"offset\"
+                           AND completed_at <= now() - make_interval(secs => $1)
+                         LIMIT $2
+                         FOR UPDATE SKIP LOCKED) AS r
+                     LIMIT $2)"
+            ),
+            // the rows no broker fact decides: no position, or a topic not
+            // among $3 (a JSON array of names)
+            delete_completed_except: format!(
+                "DELETE FROM {q} WHERE id IN (
+                    SELECT id FROM {q}
+                     WHERE status = 'completed' AND completed_at <= now() - make_interval(secs => $1)
+                       AND (topic IS NULL
+                            OR topic NOT IN (SELECT jsonb_array_elements_text($3::text::jsonb)))
                      ORDER BY completed_at
                      LIMIT $2
                      FOR UPDATE SKIP LOCKED)"

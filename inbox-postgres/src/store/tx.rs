@@ -30,6 +30,9 @@ impl InboxTransaction for PgTx {
                     row.max_attempts.into(),
                     row.status.as_str().into(),
                     row.body.clone().into(),
+                    row.position.as_ref().map(|p| p.topic.clone()).into(),
+                    row.position.as_ref().map(|p| p.partition).into(),
+                    row.position.as_ref().map(|p| p.offset).into(),
                 ],
             ))
             .await?;
@@ -68,6 +71,13 @@ impl InboxTransaction for PgTx {
             b: Option<String>,
             a: i32,
             t: &'a str,
+            // where the message was read
+            #[serde(skip_serializing_if = "Option::is_none")]
+            tp: Option<&'a str>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            pt: Option<i32>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            o: Option<i64>,
         }
         let input: Vec<Input<'_>> = rows
             .iter()
@@ -79,6 +89,9 @@ impl InboxTransaction for PgTx {
                 b: r.body.as_deref().map(|b| BASE64.encode(b)),
                 a: r.max_attempts,
                 t: r.status.as_str(),
+                tp: r.position.as_ref().map(|p| p.topic.as_str()),
+                pt: r.position.as_ref().map(|p| p.partition),
+                o: r.position.as_ref().map(|p| p.offset),
             })
             .collect();
         let input = serde_json::to_string(&input)

@@ -18,6 +18,7 @@ where
             body: None,
             max_attempts: 3,
             status: InboxStatus::Pending,
+            position: None,
         }
     }
 

@@ -95,6 +95,7 @@ macro_rules! processor_scenario_tests {
             processor_never_completes_a_row_it_no_longer_holds
             processor_lease_expires_after_a_member_dies
             retention_deletes_only_completed_rows_past_the_cutoff
+            retention_keeps_rows_whose_record_can_still_be_delivered
             processor_charges_the_row_that_aborted
             processor_clamps_retry_times_a_store_cannot_hold
             processor_hands_binary_payloads_over_as_landed

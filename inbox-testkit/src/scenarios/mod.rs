@@ -44,6 +44,8 @@ mod budget;
 pub use budget::*;
 mod processor;
 pub use processor::*;
+mod retention;
+pub use retention::*;
 mod as_tests;
 
 /// One scripted behaviour of [`ScriptedHandler`]. Every call first writes an

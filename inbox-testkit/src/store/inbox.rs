@@ -110,24 +110,33 @@ impl InboxStore for MemStore {
     }
 
     async fn delete_completed(&self, older_than: Duration, batch: u64) -> Result<u64, StoreError> {
-        let mut s = self.state();
-        let cutoff =
-            s.now - chrono::Duration::from_std(older_than).unwrap_or(chrono::Duration::MAX);
-        let doomed: Vec<RowId> = s
-            .rows
-            .values()
-            .filter(|r| r.status == InboxStatus::Completed)
-            .filter(|r| r.completed_at.is_some_and(|at| at <= cutoff))
-            .filter(|r| !s.row_locks.contains_key(&r.id))
-            .map(|r| r.id)
-            .take(usize::try_from(batch).unwrap_or(usize::MAX))
-            .collect();
-        for id in &doomed {
-            if let Some(row) = s.rows.remove(id) {
-                s.keys.remove(&(row.message_id, row.consumer_group));
-            }
-        }
-        Ok(doomed.len() as u64)
+        Ok(self.delete_completed_where(older_than, batch, |_| true))
+    }
+
+    async fn delete_completed_below(
+        &self,
+        starts: &[inbox_core::LogStart],
+        older_than: Duration,
+        batch: u64,
+    ) -> Result<u64, StoreError> {
+        Ok(self.delete_completed_where(older_than, batch, |at| {
+            at.is_some_and(|p| {
+                starts.iter().any(|s| {
+                    s.topic == p.topic && s.partition == p.partition && p.offset < s.offset
+                })
+            })
+        }))
+    }
+
+    async fn delete_completed_except(
+        &self,
+        kept: &[String],
+        older_than: Duration,
+        batch: u64,
+    ) -> Result<u64, StoreError> {
+        Ok(self.delete_completed_where(older_than, batch, |at| {
+            at.is_none_or(|p| !kept.contains(&p.topic))
+        }))
     }
 }
 
@@ -189,5 +198,38 @@ impl ProcessorStore for MemStore {
             }
         }
         Ok(released)
+    }
+}
+
+impl MemStore {
+    /// Deletes at most `batch` completed rows completed more than
+    /// `older_than` ago whose position (where their message was read)
+    /// `doomed` accepts; how many.
+    fn delete_completed_where(
+        &self,
+        older_than: Duration,
+        batch: u64,
+        doomed: impl Fn(Option<&inbox_core::Position>) -> bool,
+    ) -> u64 {
+        let mut s = self.state();
+        let cutoff =
+            s.now - chrono::Duration::from_std(older_than).unwrap_or(chrono::Duration::MAX);
+        let ids: Vec<RowId> = s
+            .rows
+            .values()
+            .filter(|r| r.status == InboxStatus::Completed)
+            .filter(|r| r.completed_at.is_some_and(|at| at <= cutoff))
+            .filter(|r| !s.row_locks.contains_key(&r.id))
+            .filter(|r| doomed(s.positions.get(&r.id)))
+            .map(|r| r.id)
+            .take(usize::try_from(batch).unwrap_or(usize::MAX))
+            .collect();
+        for id in &ids {
+            s.positions.remove(id);
+            if let Some(row) = s.rows.remove(id) {
+                s.keys.remove(&(row.message_id, row.consumer_group));
+            }
+        }
+        ids.len() as u64
     }
 }

@@ -79,6 +79,9 @@ pub(crate) struct State {
     next_row: RowId,
     next_tx: TxId,
     rows: BTreeMap<RowId, InboxRow>,
+    /// Where each row's message was read (set at the insert; an id whose
+    /// insert rolled back has no row and is never looked at).
+    positions: HashMap<RowId, inbox_core::Position>,
     keys: HashMap<Key, RowId>,
     /// Uncommitted inserts: key -> (tx, row id).
     reserved: HashMap<Key, (TxId, RowId)>,
@@ -227,6 +230,7 @@ impl MemStore {
                 next_row: 1,
                 next_tx: 1,
                 rows: BTreeMap::new(),
+                positions: HashMap::new(),
                 keys: HashMap::new(),
                 reserved: HashMap::new(),
                 row_locks: HashMap::new(),

@@ -54,6 +54,9 @@ impl InboxTransaction for MemTx {
         s.next_row += 1;
         s.reserved.insert(key, (self.id, id));
         s.row_locks.insert(id, self.id);
+        if let Some(position) = &row.position {
+            s.positions.insert(id, position.clone());
+        }
         let now = s.now;
         drop(s);
         self.locks.push(id);

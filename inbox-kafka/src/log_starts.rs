@@ -1,0 +1,120 @@
+//! Where each partition of some topics starts, asked of the brokers: the
+//! facts maintenance keeps a completed row by while its record can still
+//! be delivered ([`Maintenance::with_log_starts`]).
+//!
+//! [`Maintenance::with_log_starts`]: inbox_core::drivers::maintenance::Maintenance::with_log_starts
+
+use async_trait::async_trait;
+use inbox_core::LogStart;
+use inbox_core::drivers::maintenance::LogStarts;
+use rskafka::client::partition::{OffsetAt, UnknownTopicHandling};
+use tokio::sync::OnceCell;
+
+use crate::error::within;
+use crate::{KafkaConfig, KafkaError, Tls};
+
+/// The log start of every partition of `topics` (ListOffsets, earliest),
+/// asked of `kafka`'s brokers at each maintenance run, each request within
+/// the configuration's deadlines. The client connects at the first run.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use std::time::Duration;
+/// use inbox_core::drivers::maintenance::{Maintenance, MaintenanceConfig};
+/// use inbox_kafka::{KafkaConfig, KafkaLogStarts};
+///
+/// # fn wire(store: inbox_testkit::MemStore) {
+/// let kafka = KafkaConfig::new(vec!["localhost:9092".into()], "billing", vec!["orders".into()]);
+/// let maintenance = Maintenance::new(store, MaintenanceConfig::new(Duration::from_secs(86_400)).unwrap())
+///     .with_log_starts(Arc::new(KafkaLogStarts::new(kafka, vec!["orders".into()])));
+/// # }
+/// ```
+pub struct KafkaLogStarts {
+    kafka: KafkaConfig,
+    topics: Vec<String>,
+    client: OnceCell<rskafka::client::Client>,
+}
+
+impl std::fmt::Debug for KafkaLogStarts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaLogStarts")
+            .field("topics", &self.topics)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KafkaLogStarts {
+    /// The log starts of `topics`, asked of `kafka`'s brokers (with its
+    /// security; its group is not used).
+    pub fn new(kafka: KafkaConfig, topics: Vec<String>) -> Self {
+        Self {
+            kafka,
+            topics,
+            client: OnceCell::new(),
+        }
+    }
+
+    async fn client(&self) -> Result<&rskafka::client::Client, KafkaError> {
+        self.client
+            .get_or_try_init(|| async {
+                let tls = self
+                    .kafka
+                    .tls
+                    .as_ref()
+                    .map(Tls::client_config)
+                    .transpose()?;
+                self.kafka.client_with(tls).await
+            })
+            .await
+    }
+
+    async fn ask(&self) -> Result<Vec<LogStart>, KafkaError> {
+        let client = self.client().await?;
+        let listed = within(
+            "listing the topics",
+            self.kafka.request_timeout,
+            client.list_topics(),
+        )
+        .await?;
+        let mut starts = Vec::new();
+        for topic in &self.topics {
+            let Some(t) = listed.iter().find(|t| &t.name == topic) else {
+                // a topic gone: none of its records can come again, but
+                // a topic made again under its name would start from 0;
+                // its rows stay until the broker says where it starts
+                continue;
+            };
+            for &partition in &t.partitions {
+                let pc = within(
+                    "connecting to the partition's leader",
+                    self.kafka.connect_timeout,
+                    client.partition_client(topic.clone(), partition, UnknownTopicHandling::Error),
+                )
+                .await?;
+                let offset = within(
+                    "asking where the partition starts",
+                    self.kafka.request_timeout,
+                    pc.get_offset(OffsetAt::Earliest),
+                )
+                .await?;
+                starts.push(LogStart {
+                    topic: topic.clone(),
+                    partition,
+                    offset,
+                });
+            }
+        }
+        Ok(starts)
+    }
+}
+
+#[async_trait]
+impl LogStarts for KafkaLogStarts {
+    fn topics(&self) -> Vec<String> {
+        self.topics.clone()
+    }
+
+    async fn log_starts(&self) -> Result<Vec<LogStart>, String> {
+        self.ask().await.map_err(|e| e.to_string())
+    }
+}

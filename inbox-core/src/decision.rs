@@ -1022,6 +1022,19 @@ mod tests {
         }
     }
 
+    /// A parked record's write to its key's queue commits, and only then
+    /// is it acknowledged (never in the transaction, never before it); its
+    /// handler has not run and nothing is rewound.
+    #[test]
+    fn a_parked_record_commits_its_write_then_is_acknowledged() {
+        let d = on_parked();
+        assert_eq!(d.transaction, TxAction::Commit);
+        assert_eq!(d.ack, AckPoint::AfterTx);
+        assert_eq!(d.tally, Tally::Parked);
+        assert!(!d.handler_ran && !d.rewind && !d.processed && !d.duplicate);
+        assert!(!d.holds_partition());
+    }
+
     #[test]
     fn a_transient_database_error_is_an_uncounted_retry() {
         use crate::outcome::Failure as F;

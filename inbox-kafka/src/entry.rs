@@ -171,8 +171,10 @@ impl InboxConsumer {
         })
     }
 
-    /// This process's member id, unique in the group and stable across
-    /// restarts (a pod name): its partitions come back to it.
+    /// This process's member id, unique in the group. It need not be
+    /// stable; a stable one (a pod name) gets its partitions back at once
+    /// after a restart, a new one its share once the old id's session has
+    /// lapsed.
     ///
     /// # Errors
     ///
@@ -252,6 +254,33 @@ impl InboxConsumer {
     #[must_use]
     pub fn park_after(mut self, tries: Option<u32>) -> Self {
         self.group.park_after = tries;
+        self
+    }
+
+    /// After how many failed attempts a message is failed and
+    /// dead-lettered (default [`DEFAULT_FAILURE_BUDGET`], 10); at least 1
+    /// ([`RunnerConfig::failure_budget`]).
+    ///
+    /// [`DEFAULT_FAILURE_BUDGET`]: inbox_core::DEFAULT_FAILURE_BUDGET
+    #[must_use]
+    pub fn failure_budget(mut self, attempts: u32) -> Self {
+        self.runner = self.runner.failure_budget(attempts);
+        self
+    }
+
+    /// No failure budget: a failing message is delivered again for ever,
+    /// its partition (or key) waiting ([`RunnerConfig::no_failure_budget`]).
+    #[must_use]
+    pub fn no_failure_budget(mut self) -> Self {
+        self.runner = self.runner.no_failure_budget();
+        self
+    }
+
+    /// The longest a handler may run before its run is failed (default
+    /// 30 s; [`RunnerConfig::handler_timeout`]).
+    #[must_use]
+    pub fn handler_timeout(mut self, timeout: Duration) -> Self {
+        self.runner.handler_timeout = timeout;
         self
     }
 

@@ -41,8 +41,10 @@ use crate::{KafkaConfig, KafkaConsumer, KafkaError};
 #[non_exhaustive]
 #[derive(Debug, Clone)]
 pub struct GroupConfig {
-    /// This member's id (unique in the group, stable across its restarts
-    /// is not needed).
+    /// This member's id, unique in the group. It need not be stable: a
+    /// stable one (a pod name) gets its partitions back at once after a
+    /// restart; a new one gets its share once the old id's session has
+    /// lapsed.
     pub member_id: String,
     /// The topics whose partitions the group shares.
     pub topics: Vec<String>,

@@ -52,10 +52,11 @@
 //! runner, [`run_relay`].
 //!
 //! - Decoding: [`JsonDecoder`] by default, or any [`Decode`] / closure.
-//! - Poison records (not JSON, not an object, empty, oversized, a required
-//!   header missing, a header that is not UTF-8) become dead letters with
-//!   their raw bytes, committed in the same transaction; the partition goes
-//!   on.
+//! - Poison records (not JSON, not an object, oversized, a required
+//!   header missing; a header that is not UTF-8 only under
+//!   [`BinaryHeaders::Poison`]: by default it is kept as bytes) become dead
+//!   letters with their raw bytes, committed in the same transaction; the
+//!   partition goes on. A record without a value is a tombstone, handled.
 //! - Fencing: claiming a partition bumps its owner epoch; every offset write
 //!   checks it; a consumer whose epoch is stale has its transaction fail and
 //!   stops reading the partition ([`KafkaConsumer::fenced_partitions`]).

@@ -133,7 +133,7 @@ pub enum MetricEvent {
     /// An outbox relay dead-lettered an event the broker refused.
     OutboxDeadLettered,
     /// The outbox's backlog as a relay last read it (every
-    /// `RelayConfig::backlog_interval`).
+    /// `RelayConfig::backlog_every`).
     OutboxBacklog {
         /// Events waiting to be published.
         pending: u64,

@@ -38,7 +38,9 @@ pub struct RunnerConfig {
     pub strategy: AckStrategy,
     /// The longest a handler may run before it counts as failed. Default 30 s.
     pub handler_timeout: Duration,
-    /// Attempt budget written to new rows (processor only). Default 5.
+    /// Attempt budget written to new rows (the processor's, for rows it
+    /// runs). Default 10, the failure budget's
+    /// ([`DEFAULT_FAILURE_BUDGET`]).
     pub max_attempts: i32,
     /// Backoff after consecutive storage or fetch failures.
     pub store_backoff: Backoff,

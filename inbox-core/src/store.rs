@@ -141,18 +141,15 @@ pub trait InboxStore: Send + Sync {
     }
 
     /// Deletes at most `batch` completed rows completed more than
-    /// `older_than` ago, except those read from a topic of `kept`: the
-    /// rows whose retention no broker fact decides (no position, or a
-    /// topic maintenance has no log start for). Returns how many. The
+    /// `older_than` ago that keep no position (where their message was
+    /// read): the rows no broker fact can decide. Returns how many. The
     /// default is [`delete_completed`](Self::delete_completed): a store
     /// that keeps no row's position.
-    async fn delete_completed_except(
+    async fn delete_completed_unplaced(
         &self,
-        kept: &[String],
         older_than: Duration,
         batch: u64,
     ) -> Result<u64, StoreError> {
-        let _ = kept;
         self.delete_completed(older_than, batch).await
     }
 

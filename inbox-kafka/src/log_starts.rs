@@ -68,6 +68,26 @@ impl KafkaLogStarts {
             .await
     }
 
+    async fn log_start(
+        &self,
+        client: &rskafka::client::Client,
+        topic: &str,
+        partition: i32,
+    ) -> Result<i64, KafkaError> {
+        let pc = within(
+            "connecting to the partition's leader",
+            self.kafka.connect_timeout,
+            client.partition_client(topic.to_owned(), partition, UnknownTopicHandling::Error),
+        )
+        .await?;
+        within(
+            "asking where the partition starts",
+            self.kafka.request_timeout,
+            pc.get_offset(OffsetAt::Earliest),
+        )
+        .await
+    }
+
     async fn ask(&self) -> Result<Vec<LogStart>, KafkaError> {
         let client = self.client().await?;
         let listed = within(
@@ -79,29 +99,26 @@ impl KafkaLogStarts {
         let mut starts = Vec::new();
         for topic in &self.topics {
             let Some(t) = listed.iter().find(|t| &t.name == topic) else {
-                // a topic gone: none of its records can come again, but
-                // a topic made again under its name would start from 0;
-                // its rows stay until the broker says where it starts
+                // a topic gone: none of its records can come again, but a
+                // topic made again under its name would start from 0; its
+                // rows stay until the broker says where it starts (or
+                // `max_retention` takes them)
+                tracing::warn!(%topic, "the brokers do not know this topic: its completed rows are kept (MaintenanceConfig::max_retention bounds them)");
                 continue;
             };
             for &partition in &t.partitions {
-                let pc = within(
-                    "connecting to the partition's leader",
-                    self.kafka.connect_timeout,
-                    client.partition_client(topic.clone(), partition, UnknownTopicHandling::Error),
-                )
-                .await?;
-                let offset = within(
-                    "asking where the partition starts",
-                    self.kafka.request_timeout,
-                    pc.get_offset(OffsetAt::Earliest),
-                )
-                .await?;
-                starts.push(LogStart {
-                    topic: topic.clone(),
-                    partition,
-                    offset,
-                });
+                // one partition that cannot tell (its leader moving) keeps
+                // only its own rows this run
+                match self.log_start(client, topic, partition).await {
+                    Ok(offset) => starts.push(LogStart {
+                        topic: topic.clone(),
+                        partition,
+                        offset,
+                    }),
+                    Err(e) => {
+                        tracing::warn!(%topic, partition, error = %e, "where the partition starts is not known this run: its completed rows are kept");
+                    }
+                }
             }
         }
         Ok(starts)

@@ -17,7 +17,8 @@
 //! window). A topic kept longer than the retention, a compacted topic (kept
 //! for ever) or an offset reset to the earliest then doubles nothing.
 //! [`MaintenanceConfig::max_retention`] caps that at a time if you choose.
-//! Without broker facts the retention alone decides, and must outlive the
+//! Without broker facts (and for rows that keep no position) the
+//! retention alone decides, and must outlive the
 //! broker's retention of the topic and any producer retry window.
 //! [`MaintenanceConfig::new`] refuses a retention shorter than
 //! [`MIN_RETENTION`] (one day) unless
@@ -106,6 +107,7 @@ impl MaintenanceConfig {
 
 /// What one run did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct MaintenanceReport {
     /// Leases released.
     pub released: u64,
@@ -189,8 +191,12 @@ impl<S: InboxStore> Maintenance<S> {
     /// once its record is below its partition's log start (it can never be
     /// delivered again) and it is older than the retention, or older than
     /// [`MaintenanceConfig::max_retention`] if set. When the broker cannot
-    /// tell, none of those rows go that run. Rows of other topics, and
-    /// rows with no position, go by the retention as before.
+    /// tell, none of those rows go that run. A row of a topic `log_starts`
+    /// does not answer for stays (another consumer group's maintenance
+    /// sharing the table decides it, or the cap); rows with no position go
+    /// by the retention as before. A `Maintenance` without log starts on
+    /// the same table deletes every completed row by the retention: give
+    /// every process's maintenance the same facts.
     #[must_use]
     pub fn with_log_starts(mut self, log_starts: std::sync::Arc<dyn LogStarts>) -> Self {
         self.log_starts = Some(log_starts);
@@ -250,7 +256,7 @@ impl<S: InboxStore> Maintenance<S> {
             Some(source) => {
                 let kept = source.topics();
                 let mut deleted = self
-                    .in_batches(|| self.store.delete_completed_except(&kept, retention, batch))
+                    .in_batches(|| self.store.delete_completed_unplaced(retention, batch))
                     .await?;
                 let below = match source.log_starts().await {
                     Ok(starts) => {

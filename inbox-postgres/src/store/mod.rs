@@ -653,20 +653,17 @@ impl InboxStore for PgStore {
         Ok(r.rows_affected())
     }
 
-    async fn delete_completed_except(
+    async fn delete_completed_unplaced(
         &self,
-        kept: &[String],
         older_than: Duration,
         batch: u64,
     ) -> Result<u64, StoreError> {
         let limit = i64::try_from(batch).unwrap_or(i64::MAX);
-        let kept = serde_json::to_string(kept)
-            .map_err(|e| StoreError::new(StoreErrorKind::Other, e.to_string()))?;
         let r = self
             .standalone()
             .execute_raw(stmt(
-                &self.sql.delete_completed_except,
-                vec![secs(older_than), limit.into(), kept.into()],
+                &self.sql.delete_completed_unplaced,
+                vec![secs(older_than), limit.into()],
             ))
             .await
             .map_err(db)?;

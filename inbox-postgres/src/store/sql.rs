@@ -28,7 +28,7 @@ pub(super) struct Sql {
     pub(super) release: String,
     pub(super) delete_completed: String,
     pub(super) delete_completed_below: String,
-    pub(super) delete_completed_except: String,
+    pub(super) delete_completed_unplaced: String,
     pub(super) dead_letter: String,
     pub(super) store_ack: String,
     pub(super) read_partition: String,
@@ -155,7 +155,20 @@ impl Sql {
                     VALUES ($1, $2, $3, $4, $5, $8, $6, $7, CASE WHEN $7 = 'completed' THEN now() END,
                             $9, $10, $11)
                     ON CONFLICT (message_id, consumer_group) DO NOTHING
-                    RETURNING id, status)
+                    RETURNING id, status),
+                 -- a record of a message already here, read elsewhere: the
+                 -- row keeps the highest offset of its partition, and no
+                 -- position (retention by age) once read in two partitions
+                 moved AS (
+                    UPDATE {q} SET
+                           topic = CASE WHEN topic = $9 AND partition = $10 THEN topic END,
+                           partition = CASE WHEN topic = $9 AND partition = $10 THEN partition END,
+                           record_offset = CASE WHEN topic = $9 AND partition = $10
+                                                THEN GREATEST(record_offset, $11) END
+                     WHERE message_id = $1 AND consumer_group = $2 AND NOT EXISTS (SELECT 1 FROM ins)
+                       AND topic IS NOT NULL AND $9::text IS NOT NULL
+                       AND (topic <> $9 OR partition <> $10 OR record_offset < $11)
+                    RETURNING id)
                  SELECT id, status, TRUE AS inserted FROM ins
                  UNION ALL
                  SELECT id, status, FALSE FROM {q}
@@ -192,10 +205,30 @@ impl Sql {
             // Existing rows by key, with a fresh snapshot (so a row that a
             // concurrent transaction committed while the insert waited on its
             // key is seen).
+            // (`$1`: each key with the position of its record, as
+            // `insert_or_get_many` takes them; a position moves as in
+            // `insert_or_get`)
             get_many: format!(
-                "SELECT id, message_id, status, FALSE AS inserted FROM {q}
+                "WITH input AS (
+                    SELECT e.v->>'m' AS message_id, e.v->>'tp' AS topic,
+                           (e.v->>'pt')::int AS partition, (e.v->>'o')::bigint AS record_offset
+                      FROM jsonb_array_elements($1::text::jsonb) AS e(v)),
+                 moved AS (
+                    UPDATE {q} AS r SET
+                           topic = CASE WHEN r.topic = i.topic AND r.partition = i.partition THEN r.topic END,
+                           partition = CASE WHEN r.topic = i.topic AND r.partition = i.partition
+                                            THEN r.partition END,
+                           record_offset = CASE WHEN r.topic = i.topic AND r.partition = i.partition
+                                                THEN GREATEST(r.record_offset, i.record_offset) END
+                      FROM input i
+                     WHERE r.consumer_group = $2 AND r.message_id = i.message_id
+                       AND r.topic IS NOT NULL AND i.topic IS NOT NULL
+                       AND (r.topic <> i.topic OR r.partition <> i.partition
+                            OR r.record_offset < i.record_offset)
+                    RETURNING r.id)
+                 SELECT id, message_id, status, FALSE AS inserted FROM {q}
                   WHERE consumer_group = $2
-                    AND message_id IN (SELECT jsonb_array_elements_text($1::text::jsonb))"
+                    AND message_id IN (SELECT message_id FROM input)"
             ),
             get: format!(
                 "SELECT id, status, FALSE AS inserted FROM {q} WHERE message_id = $1 AND consumer_group = $2"
@@ -345,14 +378,12 @@ impl Sql {
                          FOR UPDATE SKIP LOCKED) AS r
                      LIMIT $2)"
             ),
-            // the rows no broker fact decides: no position, or a topic not
-            // among $3 (a JSON array of names)
-            delete_completed_except: format!(
+            // the rows no broker fact can decide: no position
+            delete_completed_unplaced: format!(
                 "DELETE FROM {q} WHERE id IN (
                     SELECT id FROM {q}
                      WHERE status = 'completed' AND completed_at <= now() - make_interval(secs => $1)
-                       AND (topic IS NULL
-                            OR topic NOT IN (SELECT jsonb_array_elements_text($3::text::jsonb)))
+                       AND topic IS NULL
                      ORDER BY completed_at
                      LIMIT $2
                      FOR UPDATE SKIP LOCKED)"

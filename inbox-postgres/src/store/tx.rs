@@ -116,11 +116,26 @@ impl InboxTransaction for PgTx {
                 None => None,
             });
         }
-        let missing: Vec<&str> = rows
+        #[derive(serde::Serialize)]
+        struct Key<'a> {
+            m: &'a str,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            tp: Option<&'a str>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            pt: Option<i32>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            o: Option<i64>,
+        }
+        let missing: Vec<Key<'_>> = rows
             .iter()
             .zip(&refs)
             .filter(|(_, r)| r.is_none())
-            .map(|(row, _)| row.message_id.as_str())
+            .map(|(row, _)| Key {
+                m: &row.message_id,
+                tp: row.position.as_ref().map(|p| p.topic.as_str()),
+                pt: row.position.as_ref().map(|p| p.partition),
+                o: row.position.as_ref().map(|p| p.offset),
+            })
             .collect();
         if !missing.is_empty() {
             let keys = serde_json::to_string(&missing)

@@ -128,15 +128,12 @@ impl InboxStore for MemStore {
         }))
     }
 
-    async fn delete_completed_except(
+    async fn delete_completed_unplaced(
         &self,
-        kept: &[String],
         older_than: Duration,
         batch: u64,
     ) -> Result<u64, StoreError> {
-        Ok(self.delete_completed_where(older_than, batch, |at| {
-            at.is_none_or(|p| !kept.contains(&p.topic))
-        }))
+        Ok(self.delete_completed_where(older_than, batch, |at| at.is_none()))
     }
 }
 

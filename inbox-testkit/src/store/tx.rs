@@ -31,6 +31,18 @@ impl InboxTransaction for MemTx {
         let key = (row.message_id.clone(), row.consumer_group.clone());
         if let Some(id) = s.keys.get(&key).copied() {
             let status = s.rows.get(&id).map_or(InboxStatus::Pending, |r| r.status);
+            // as PostgreSQL's store (at once, not staged: a position only
+            // ever moves to what can still be delivered)
+            if let Some(at) = &row.position
+                && let Some(kept) = s.positions.get(&id)
+            {
+                let same = kept.topic == at.topic && kept.partition == at.partition;
+                if same && at.offset > kept.offset {
+                    s.positions.insert(id, at.clone());
+                } else if !same {
+                    s.positions.remove(&id);
+                }
+            }
             return Ok(RowRef {
                 id,
                 found: Found::Existing(status),

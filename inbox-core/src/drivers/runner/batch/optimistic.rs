@@ -160,8 +160,12 @@ where
                     if d.transaction == TxAction::Rollback || d.holds_partition() {
                         // a handler that committed on its own and then
                         // failed (an error, a timeout, a panic) keeps its
-                        // failure, but what it committed is durable too
-                        let ended = ended(&outcome) || tx.committed_by_handler().await;
+                        // failure, but what it committed is durable too.
+                        // Whether it committed may not be known (the
+                        // server's answer lost): the rows are discarded
+                        // whenever the transaction is not the runner's any
+                        // more (ids with no row are left alone)
+                        let ended = ended(&outcome) || tx.aborted().await.is_some();
                         abandon(tx).await;
                         if ended {
                             // the rows inserted for the handlers not run yet

@@ -24,7 +24,7 @@ use crate::{KafkaConfig, KafkaError, Tls};
 /// use inbox_kafka::{KafkaConfig, KafkaLogStarts};
 ///
 /// # fn wire(store: inbox_testkit::MemStore) {
-/// let kafka = KafkaConfig::new(vec!["localhost:9092".into()], "billing", vec!["orders".into()]);
+/// let kafka = KafkaConfig::new(vec!["localhost:9092".into()], "billing", vec![]);
 /// let maintenance = Maintenance::new(store, MaintenanceConfig::new(Duration::from_secs(86_400)).unwrap())
 ///     .with_log_starts(Arc::new(KafkaLogStarts::new(kafka, vec!["orders".into()])));
 /// # }

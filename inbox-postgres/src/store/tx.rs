@@ -71,13 +71,8 @@ impl InboxTransaction for PgTx {
             b: Option<String>,
             a: i32,
             t: &'a str,
-            // where the message was read
-            #[serde(skip_serializing_if = "Option::is_none")]
-            tp: Option<&'a str>,
-            #[serde(skip_serializing_if = "Option::is_none")]
-            pt: Option<i32>,
-            #[serde(skip_serializing_if = "Option::is_none")]
-            o: Option<i64>,
+            #[serde(flatten)]
+            at: ReadAt<'a>,
         }
         let input: Vec<Input<'_>> = rows
             .iter()
@@ -89,9 +84,7 @@ impl InboxTransaction for PgTx {
                 b: r.body.as_deref().map(|b| BASE64.encode(b)),
                 a: r.max_attempts,
                 t: r.status.as_str(),
-                tp: r.position.as_ref().map(|p| p.topic.as_str()),
-                pt: r.position.as_ref().map(|p| p.partition),
-                o: r.position.as_ref().map(|p| p.offset),
+                at: ReadAt::of(r),
             })
             .collect();
         let input = serde_json::to_string(&input)
@@ -119,12 +112,8 @@ impl InboxTransaction for PgTx {
         #[derive(serde::Serialize)]
         struct Key<'a> {
             m: &'a str,
-            #[serde(skip_serializing_if = "Option::is_none")]
-            tp: Option<&'a str>,
-            #[serde(skip_serializing_if = "Option::is_none")]
-            pt: Option<i32>,
-            #[serde(skip_serializing_if = "Option::is_none")]
-            o: Option<i64>,
+            #[serde(flatten)]
+            at: ReadAt<'a>,
         }
         let missing: Vec<Key<'_>> = rows
             .iter()
@@ -132,9 +121,7 @@ impl InboxTransaction for PgTx {
             .filter(|(_, r)| r.is_none())
             .map(|(row, _)| Key {
                 m: &row.message_id,
-                tp: row.position.as_ref().map(|p| p.topic.as_str()),
-                pt: row.position.as_ref().map(|p| p.partition),
-                o: row.position.as_ref().map(|p| p.offset),
+                at: ReadAt::of(row),
             })
             .collect();
         if !missing.is_empty() {
@@ -424,6 +411,30 @@ impl PgTx {
                 )
             })?;
         row_ref(&again)
+    }
+}
+
+/// Where a row's message was read, as the JSON inputs of
+/// `insert_or_get_many` and `get_many` carry it (`tp`, `pt`, `o`; left out
+/// for a message with no position).
+#[derive(serde::Serialize)]
+struct ReadAt<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tp: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pt: Option<i32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    o: Option<i64>,
+}
+
+impl<'a> ReadAt<'a> {
+    fn of(row: &'a NewInboxRow) -> Self {
+        let at = row.position.as_ref();
+        Self {
+            tp: at.map(|p| p.topic.as_str()),
+            pt: at.map(|p| p.partition),
+            o: at.map(|p| p.offset),
+        }
     }
 }
 

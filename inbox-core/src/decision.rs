@@ -457,6 +457,15 @@ pub fn counts_attempt(outcome: Option<&Outcome>, uncounted_in_a_row: u32, cap: u
     }
 }
 
+/// Whether a failure that would not count ([`counts_attempt`]) counts all
+/// the same because its message has been retried without counting for
+/// `elapsed` (since its first uncounted retry, as the store noted it: see
+/// [`InboxTransaction::note_uncounted`](crate::InboxTransaction::note_uncounted)),
+/// at or past `bound`. `None`: the store keeps no such note.
+pub fn counts_uncounted(elapsed: Option<std::time::Duration>, bound: std::time::Duration) -> bool {
+    elapsed.is_some_and(|e| e >= bound)
+}
+
 /// The whole table in one call: the steps a driver takes for a row found in
 /// `row`, with `outcome` when the handler runs (ignored otherwise).
 pub fn decide(policy: Policy, row: RowState, outcome: OutcomeClass) -> Decision {
@@ -663,6 +672,18 @@ pub fn refused_at_commit(kind: StoreErrorKind) -> bool {
         kind,
         StoreErrorKind::Data | StoreErrorKind::Integrity | StoreErrorKind::Other
     )
+}
+
+/// Whether a COMMIT that failed with `kind` after a handler that did not
+/// fail is charged to the message as a retry that does not count: the
+/// server failed it for reasons it calls its own
+/// ([`StoreErrorKind::Resource`]: a full disk, an I/O error, an internal
+/// error). An extension's complaint about the data comes in the same class
+/// (XX000), and retrying it fails the same way: charged this way, it counts
+/// once its message has been retried for `uncounted_retries_for`
+/// ([`counts_uncounted`]), instead of holding its partition for good.
+pub fn charged_uncounted_at_commit(kind: StoreErrorKind) -> bool {
+    kind == StoreErrorKind::Resource
 }
 
 /// Whether a message refused `tries` times (see [`refused_data`]) is now
@@ -1083,6 +1104,32 @@ mod tests {
             0,
             100
         ));
+    }
+
+    #[test]
+    fn the_server_s_own_failures_at_commit_are_uncounted_retries_bounded_in_time() {
+        use StoreErrorKind as K;
+        assert!(charged_uncounted_at_commit(K::Resource));
+        for k in [
+            K::Connection,
+            K::Timeout,
+            K::Serialization,
+            K::Fenced,
+            K::Aborted,
+            K::Data,
+            K::Integrity,
+            K::Other,
+        ] {
+            assert!(!charged_uncounted_at_commit(k), "{k:?}");
+        }
+        let bound = std::time::Duration::from_secs(900);
+        assert!(!counts_uncounted(None, bound), "no note, no bound in time");
+        assert!(!counts_uncounted(
+            Some(bound - std::time::Duration::from_millis(1)),
+            bound
+        ));
+        assert!(counts_uncounted(Some(bound), bound));
+        assert!(counts_uncounted(Some(bound * 2), bound));
     }
 
     #[test]

@@ -130,7 +130,8 @@ pub enum Failure {
     /// against the failure budget (`retry_uncounted`, `retry(..).at(..)`):
     /// the runner holds the message's partition until `at` (bounded by the
     /// redelivery backoff's maximum), and an uncounted retry spends no
-    /// budget (up to `RunnerConfig::uncounted_retries` in a row).
+    /// budget (up to `RunnerConfig::uncounted_retries` in a row, and for
+    /// `RunnerConfig::uncounted_retries_for`).
     RetryLater {
         /// The handler's message.
         reason: Option<String>,

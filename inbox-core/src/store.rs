@@ -442,6 +442,22 @@ pub trait InboxTransaction: Send + Sized {
         record: &AttemptRecord<'_>,
     ) -> Result<i32, StoreError>;
 
+    /// Notes on row `id` that its message is being retried without
+    /// counting (a transient or resource failure of the database, a retry
+    /// its handler asked not to count), unless that is noted already; how
+    /// long ago, by the store's clock, the first such retry was noted. The
+    /// note stays across restarts, so that past
+    /// [`RunnerConfig::uncounted_retries_for`](crate::drivers::runner::RunnerConfig::uncounted_retries_for)
+    /// each retry counts ([`decision::counts_uncounted`](crate::decision::counts_uncounted)).
+    /// Undone with the transaction, like every write; cleared when the row
+    /// is replayed from the dead letters. `None`, the default: the store
+    /// keeps no such note, and uncounted retries are bounded only by how
+    /// many come in a row.
+    async fn note_uncounted(&mut self, id: RowId) -> Result<Option<Duration>, StoreError> {
+        let _ = id;
+        Ok(None)
+    }
+
     /// This transaction's row locks, if its store offers them
     /// ([`RowLocks`]: the processor's [`ClaimMode::RowLock`]); `None`, the
     /// default: the processor claims by lease.

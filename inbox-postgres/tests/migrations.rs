@@ -141,6 +141,7 @@ async fn a_database_of_the_first_migration_reaches_the_current_schema() {
             "m20261130_000015_inbox_processor_running_inbox",
             "m20261130_000016_inbox_parked_inbox",
             "m20261130_000017_inbox_positions_inbox",
+            "m20261130_000018_inbox_uncounted_since_inbox",
         ]
     );
 
@@ -197,8 +198,16 @@ async fn a_database_of_the_first_migration_reaches_the_current_schema() {
         1,
         "the earlier read function gives the pairs as jsonb"
     );
-    // the newest steps first: the rows' positions go, then the parked
-    // keys' queues, then the processors' notes, then the replayers' tables
+    // the newest steps first: the uncounted retries' note goes, then the
+    // rows' positions, then the parked keys' queues, then the processors'
+    // notes, then the replayers' tables
+    let uncounted = "SELECT count(*) FROM information_schema.columns \
+         WHERE table_name = 'inbox' AND column_name = 'uncounted_since'";
+    assert_eq!(count(&old, uncounted).await, 1);
+    Current::down(&old, Some(1))
+        .await
+        .expect("the uncounted note's step down");
+    assert_eq!(count(&old, uncounted).await, 0);
     let positions = "SELECT count(*) FROM information_schema.columns \
          WHERE table_name = 'inbox' AND column_name IN ('topic', 'partition', 'record_offset')";
     assert_eq!(count(&old, positions).await, 3);

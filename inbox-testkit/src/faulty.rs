@@ -185,6 +185,11 @@ impl<T: InboxTransaction> InboxTransaction for FaultyTx<T> {
         self.inner.record_attempt(id, record).await
     }
 
+    async fn note_uncounted(&mut self, id: RowId) -> Result<Option<Duration>, StoreError> {
+        take(&self.faults, StoreFault::Attempt)?;
+        self.inner.note_uncounted(id).await
+    }
+
     async fn lock(&mut self, id: RowId, member: &MemberId) -> Result<LockResult, StoreError> {
         take(&self.faults, StoreFault::Lock)?;
         self.inner.lock(id, member).await

@@ -692,6 +692,18 @@ pub fn schema_steps(t: &TableName) -> Vec<SchemaStep> {
                 ),
             ],
         ),
+        step(
+            "inbox_uncounted_since",
+            // When a message's uncounted retries began (a transient or
+            // resource failure, a retry the handler asked not to count):
+            // past a bound in time each retry counts, across restarts.
+            vec![format!(
+                "ALTER TABLE {q} ADD COLUMN IF NOT EXISTS uncounted_since TIMESTAMPTZ"
+            )],
+            vec![format!(
+                "ALTER TABLE {q} DROP COLUMN IF EXISTS uncounted_since"
+            )],
+        ),
     ]
 }
 

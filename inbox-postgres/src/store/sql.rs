@@ -14,6 +14,7 @@ pub(super) struct Sql {
     pub(super) lock: String,
     pub(super) complete: String,
     pub(super) record_attempt: String,
+    pub(super) note_uncounted: String,
     pub(super) requeue_failed: String,
     pub(super) claim_due: String,
     pub(super) release_claims: String,
@@ -254,8 +255,16 @@ impl Sql {
                   WHERE id = $1
                   RETURNING attempts_made"
             ),
+            // the time a message's uncounted retries began, kept from the
+            // first; how long ago, by the database's clock
+            note_uncounted: format!(
+                "UPDATE {q} SET uncounted_since = COALESCE(uncounted_since, now())
+                  WHERE id = $1
+                  RETURNING EXTRACT(EPOCH FROM now() - uncounted_since)::float8 AS elapsed"
+            ),
             requeue_failed: format!(
                 "UPDATE {q} SET status = 'pending', attempts_made = 0, scheduled_at = now(),
+                        uncounted_since = NULL,
                         locked_at = NULL, locked_by = NULL, updated_at = now()
                   WHERE id = $1 AND status = 'failed'"
             ),

@@ -196,6 +196,18 @@ impl InboxTransaction for PgTx {
         get(&row, "attempts_made")
     }
 
+    async fn note_uncounted(&mut self, id: RowId) -> Result<Option<Duration>, StoreError> {
+        let row = self
+            .query_one(stmt(&self.sql.note_uncounted, vec![id.into()]))
+            .await?
+            .ok_or_else(|| StoreError::new(StoreErrorKind::Other, format!("no inbox row {id}")))?;
+        let elapsed: f64 = get(&row, "elapsed")?;
+        // a clock set back since the note reads as no time at all
+        Ok(Some(
+            Duration::try_from_secs_f64(elapsed).unwrap_or(Duration::ZERO),
+        ))
+    }
+
     fn row_locks(&mut self) -> Option<&mut dyn RowLocks> {
         Some(self)
     }

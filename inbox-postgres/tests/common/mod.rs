@@ -13,7 +13,9 @@ use inbox_core::{
     Runner,
 };
 use inbox_postgres::PgStore;
+use inbox_postgres::sea_orm::ConnectionTrait;
 use inbox_testkit::MemBroker;
+use inbox_testkit::pg::fresh_store;
 use serde_json::json;
 
 /// An `order.created` message for order `id` on topic `orders`.
@@ -35,6 +37,16 @@ impl Calls {
         let n = calls.entry(m.message_id.clone()).or_insert(0);
         *n += 1;
         *n
+    }
+
+    /// How many calls `id` has had.
+    pub fn of(&self, id: &str) -> usize {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(id)
+            .copied()
+            .unwrap_or(0)
     }
 }
 
@@ -123,4 +135,37 @@ pub async fn row_of(store: &PgStore, group: &str, id: &str) -> (String, i64) {
         .unwrap_or_else(|e| panic!("{e}"))
         .unwrap_or_else(|| panic!("{id} has a row"));
     (row.status.as_str().to_owned(), i64::from(row.attempts_made))
+}
+
+/// A store whose invoices table refuses an order starting with `bad` at
+/// COMMIT, raising with `errcode` (empty: a plain exception) while
+/// `condition` (SQL) holds: a constraint trigger, deferred; the table
+/// `disk_full` is there for conditions to look at.
+pub async fn refusing_store_when(errcode: &str, condition: &str) -> PgStore {
+    let store = fresh_store().await.unwrap_or_else(|e| panic!("{e}"));
+    let raise = if errcode.is_empty() {
+        "RAISE EXCEPTION 'order % refused at commit', NEW.order_id".to_owned()
+    } else {
+        format!(
+            "RAISE EXCEPTION 'order % refused at commit', NEW.order_id USING ERRCODE = '{errcode}'"
+        )
+    };
+    for sql in [
+        "CREATE TABLE disk_full (since TIMESTAMPTZ NOT NULL DEFAULT now())".to_owned(),
+        format!(
+            "CREATE FUNCTION refuse_bad() RETURNS trigger LANGUAGE plpgsql AS $$ \
+             BEGIN IF NEW.order_id LIKE 'bad%' AND ({condition}) THEN {raise}; END IF; \
+             RETURN NULL; END $$"
+        ),
+        "CREATE CONSTRAINT TRIGGER refuse_bad AFTER INSERT ON invoices \
+         DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse_bad()"
+            .to_owned(),
+    ] {
+        store
+            .connection()
+            .execute_unprepared(&sql)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+    store
 }

@@ -103,6 +103,7 @@ impl InboxStore for MemStore {
                 row.attempts_made = 0;
                 row.scheduled_at = now;
                 row.updated_at = now;
+                s.uncounted_since.remove(&id);
                 Ok(true)
             }
             _ => Ok(false),

@@ -82,6 +82,9 @@ pub(crate) struct State {
     /// Where each row's message was read (set at the insert; an id whose
     /// insert rolled back has no row and is never looked at).
     positions: HashMap<RowId, inbox_core::Position>,
+    /// When each row's uncounted retries began
+    /// ([`InboxTransaction::note_uncounted`]).
+    uncounted_since: HashMap<RowId, DateTime<Utc>>,
     keys: HashMap<Key, RowId>,
     /// Uncommitted inserts: key -> (tx, row id).
     reserved: HashMap<Key, (TxId, RowId)>,
@@ -231,6 +234,7 @@ impl MemStore {
                 next_tx: 1,
                 rows: BTreeMap::new(),
                 positions: HashMap::new(),
+                uncounted_since: HashMap::new(),
                 keys: HashMap::new(),
                 reserved: HashMap::new(),
                 row_locks: HashMap::new(),
@@ -451,6 +455,7 @@ enum Staged {
     Outbox(Box<inbox_core::outbox::OutboxMessage>),
     Park(Box<Message>, String),
     Unpark(i64),
+    Uncounted(RowId, DateTime<Utc>),
 }
 
 /// A transaction of [`MemStore`]. Dropping it without `commit` rolls back.

@@ -175,6 +175,9 @@ impl InboxTransaction for MemTx {
                         row.updated_at = now;
                     }
                 }
+                Staged::Uncounted(id, since) => {
+                    s.uncounted_since.entry(id).or_insert(since);
+                }
                 Staged::Outcome(id, u) => {
                     if let Some(row) = s.rows.get_mut(&id) {
                         row.status = u.status;
@@ -276,6 +279,35 @@ impl InboxTransaction for MemTx {
             error: record.error.map(str::to_owned),
         });
         Ok(before.saturating_add(i32::from(record.count)))
+    }
+
+    async fn note_uncounted(&mut self, id: RowId) -> Result<Option<Duration>, StoreError> {
+        self.usable()?;
+        let (committed, now, exists) = {
+            let s = self.store.state();
+            (
+                s.uncounted_since.get(&id).copied(),
+                s.now,
+                s.rows.contains_key(&id),
+            )
+        };
+        let staged = self.staged.iter().rev().find_map(|op| match op {
+            Staged::Uncounted(at, since) if *at == id => Some(*since),
+            _ => None,
+        });
+        let inserted = self
+            .staged
+            .iter()
+            .any(|op| matches!(op, Staged::Insert(row) if row.id == id));
+        if !exists && !inserted {
+            return Err(StoreError::new(
+                StoreErrorKind::Other,
+                format!("no inbox row {id}"),
+            ));
+        }
+        let since = staged.or(committed).unwrap_or(now);
+        self.staged.push(Staged::Uncounted(id, since));
+        Ok(Some((now - since).to_std().unwrap_or(Duration::ZERO)))
     }
 
     async fn aborted(&mut self) -> Option<String> {

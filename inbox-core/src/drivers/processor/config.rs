@@ -70,6 +70,14 @@ pub struct ProcessorConfig {
     /// each after `store_backoff`, before they count all the same. Default
     /// 100.
     pub transient_retries: u32,
+    /// How long one row's transaction may fail at COMMIT for the server's
+    /// own reasons (SQLSTATE classes 53, 58, XX: a full disk, or an
+    /// extension's XX000 about the row's data) and be retried without
+    /// spending an attempt, from the first such failure (noted on the row,
+    /// across restarts, see
+    /// [`InboxTransaction::note_uncounted`](crate::InboxTransaction::note_uncounted)),
+    /// before each counts. Default 15 minutes.
+    pub uncounted_retries_for: Duration,
     /// How the batch is taken. Default [`ClaimMode::RowLock`] (formerly
     /// [`ClaimMode::Lease`]).
     pub claim: ClaimMode,
@@ -102,6 +110,7 @@ impl ProcessorConfig {
             store_backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(30), 2.0),
             isolation: Isolation::Optimistic,
             transient_retries: 100,
+            uncounted_retries_for: Duration::from_secs(15 * 60),
             claim: ClaimMode::default(),
             count_crashes: true,
         })

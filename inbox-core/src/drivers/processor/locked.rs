@@ -279,13 +279,21 @@ where
             if let Some(e) = broken {
                 batch.refused.push((row.id, e));
             }
-            let refusal =
+            // what is written instead when the row's transaction is refused
+            // or failed: its handler writes are gone with it (`Err`: the
+            // server failed it for reasons of its own, decided below)
+            let instead: Option<Result<Result<HandlerResult, Failure>, StoreError>> =
                 match Self::write(&mut tx, claim, member, &[(row.id, update.clone())]).await {
                     Ok(1) => match tx.commit().await {
                         Ok(()) => None,
-                        Err(e) if crate::decision::refused_at_commit(e.kind) => Some(format!(
-                            "the database refused the row's transaction at COMMIT: {e}"
-                        )),
+                        Err(e) if crate::decision::refused_at_commit(e.kind) => {
+                            Some(Ok(Err(Failure::Error(format!(
+                                "the database refused the row's transaction at COMMIT: {e}"
+                            )))))
+                        }
+                        Err(e) if crate::decision::charged_uncounted_at_commit(e.kind) => {
+                            Some(Err(e))
+                        }
                         Err(e) => return Err(e.into()),
                     },
                     Ok(_) => {
@@ -297,31 +305,63 @@ where
                     }
                     Err(e) if refused(&e) => {
                         abandon(tx).await;
-                        Some(format!("the store refused this row's outcome: {e}"))
+                        Some(Ok(Err(Failure::Error(format!(
+                            "the store refused this row's outcome: {e}"
+                        )))))
                     }
                     Err(e) => {
                         abandon(tx).await;
                         return Err(e.into());
                     }
                 };
-            if let Some(reason) = refusal {
-                // the row's handler writes are gone with its transaction: the
-                // refusal is its counted failure, written in a transaction of
-                // its own, so it alone is charged and it ends within its
-                // attempts instead of being refused at every batch
-                tracing::warn!(message_id = %row.message_id, %reason, "counted as a failure of this row");
+            if let Some(instead) = instead {
+                // the refusal is its failure, written in a transaction of its
+                // own, so it alone is charged and it ends within its attempts
+                // instead of being refused at every batch
+                batch.transactions += 1;
+                let Some(mut tx) = self.begin_for(claim, row.id, false).await? else {
+                    continue;
+                };
+                let result = match instead {
+                    Ok(result) => result,
+                    // failed for the server's own reasons: retried without
+                    // counting until the row has been retried so for
+                    // `uncounted_retries_for` (noted on it, across
+                    // restarts: the handler's success in between does not
+                    // start it over), then counted
+                    Err(e) => {
+                        let elapsed = match tx.note_uncounted(row.id).await {
+                            Ok(elapsed) => elapsed,
+                            Err(e) => {
+                                abandon(tx).await;
+                                return Err(e.into());
+                            }
+                        };
+                        if crate::decision::counts_uncounted(
+                            elapsed,
+                            self.config.uncounted_retries_for,
+                        ) {
+                            Err(Failure::Error(format!(
+                                "the database failed the row's transaction at COMMIT for longer than uncounted_retries_for: {e}"
+                            )))
+                        } else {
+                            Ok(self.state.transient_retry(
+                                row.id,
+                                &e.to_string(),
+                                chrono::Utc::now(),
+                            ))
+                        }
+                    }
+                };
+                tracing::warn!(message_id = %row.message_id, ?result, "the row's transaction was refused: charged to this row");
                 let sample = self.state.sample();
                 (update, _) = row_update(
-                    &Err(Failure::Error(reason)),
+                    &result,
                     row.attempts_made,
                     row.max_attempts,
                     sample,
                     &self.config.rules,
                 );
-                batch.transactions += 1;
-                let Some(mut tx) = self.begin_for(claim, row.id, false).await? else {
-                    continue;
-                };
                 if Self::write(&mut tx, claim, member, &[(row.id, update.clone())]).await? != 1 {
                     abandon(tx).await;
                     return Err(ProcessorError::LeaseLost {

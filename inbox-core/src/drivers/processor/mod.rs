@@ -322,11 +322,16 @@ where
         }
         match tx.commit().await {
             Ok(()) => {}
-            Err(e) if crate::decision::refused_at_commit(e.kind) => {
+            Err(e)
+                if crate::decision::refused_at_commit(e.kind)
+                    || crate::decision::charged_uncounted_at_commit(e.kind) =>
+            {
                 // the database refused the batch's transaction for what it
-                // holds (a deferred constraint of a handler's writes): all of
-                // it is gone, and committing it again fails the same way. Row
-                // by row, so only the row whose writes it refuses is charged
+                // holds (a deferred constraint of a handler's writes), or
+                // failed it for reasons it calls its own (an extension's
+                // XX000 about one row's data comes that way): all of it is
+                // gone, and committing it again may fail the same way. Row
+                // by row, so only the row whose writes fail is charged
                 tracing::warn!(error = %e, "the database refused the batch's transaction at COMMIT; handling its rows one at a time");
                 return self
                     .work_row_by_row(member, rows, batch.transactions, claim)

@@ -33,9 +33,23 @@ pub(super) fn failure_text(outcome: Option<&Outcome>) -> String {
     storable_error(&text)
 }
 
+/// Whether a failure counts against the budget, as far as the runner's
+/// memory can tell ([`Runner::counts_failure`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Counts {
+    /// It counts.
+    Yes,
+    /// It does not, unless its message has been retried without counting
+    /// for this long already (noted on its row, across restarts:
+    /// [`decision::counts_uncounted`]).
+    UnlessUncountedFor(std::time::Duration),
+}
+
 /// Records a counted failure of `message` on its row `id` inside `tx`
 /// (already rolled back to before the handler, or fresh): one attempt more
-/// unless `precounted`, the error; when that spends the budget, the row
+/// unless `precounted` or the failure does not count (`counts`: an
+/// uncounted retry is noted on the row instead, and counts once it has
+/// lasted its bound), the error; when that spends the budget, the row
 /// `failed` and a dead letter. The decision to commit `tx` with.
 #[allow(clippy::too_many_arguments)]
 pub(super) async fn record_failure<T: InboxTransaction>(
@@ -45,9 +59,23 @@ pub(super) async fn record_failure<T: InboxTransaction>(
     consumer_group: &str,
     id: RowId,
     precounted: bool,
-    counted: bool,
+    counts: Counts,
     outcome: Option<&Outcome>,
 ) -> Result<Decision, (PersistStage, StoreError)> {
+    let counted = match counts {
+        Counts::Yes => true,
+        Counts::UnlessUncountedFor(bound) => {
+            let elapsed = tx
+                .note_uncounted(id)
+                .await
+                .map_err(|e| (PersistStage::Attempt, e))?;
+            let counted = decision::counts_uncounted(elapsed, bound);
+            if counted {
+                tracing::warn!(message_id = %message.message_id, ?bound, "retried without counting for longer than its bound: this retry counts against the failure budget");
+            }
+            counted
+        }
+    };
     let error = failure_text(outcome);
     let record = AttemptRecord {
         status: InboxStatus::Pending,
@@ -127,17 +155,24 @@ where
     M: Metrics,
 {
     /// Whether `message`'s failure `outcome` counts against the failure
-    /// budget ([`decision::counts_attempt`]), noting an uncounted retry.
-    pub(super) fn counts_failure(&mut self, message: &Message, outcome: &Outcome) -> bool {
-        let Some(pos) = &message.position else {
-            return decision::counts_attempt(Some(outcome), 0, self.config.uncounted_retries);
+    /// budget ([`decision::counts_attempt`]), noting an uncounted retry; one
+    /// that does not count here still counts once its message has been
+    /// retried uncounted for `uncounted_retries_for` ([`Counts`]).
+    pub(super) fn counts_failure(&mut self, message: &Message, outcome: &Outcome) -> Counts {
+        let counted = match &message.position {
+            None => decision::counts_attempt(Some(outcome), 0, self.config.uncounted_retries),
+            Some(pos) => self.partitions.failure_counts(
+                &pos.partition_key(),
+                pos.offset,
+                outcome,
+                self.config.uncounted_retries,
+            ),
         };
-        self.partitions.failure_counts(
-            &pos.partition_key(),
-            pos.offset,
-            outcome,
-            self.config.uncounted_retries,
-        )
+        if counted {
+            Counts::Yes
+        } else {
+            Counts::UnlessUncountedFor(self.config.uncounted_retries_for)
+        }
     }
 
     /// How many of each partition's first deliveries are counted before

@@ -71,6 +71,17 @@ pub struct RunnerConfig {
     /// a handler that never stops asking is still bounded. Counted in the
     /// runner's memory (a restart starts again from zero).
     pub uncounted_retries: u32,
+    /// How long one message may be retried without counting, from its
+    /// first uncounted retry, before each retry counts against the failure
+    /// budget all the same. Default 15 minutes. Kept on the message's row
+    /// by the store's clock (`uncounted_since`, see
+    /// [`InboxTransaction::note_uncounted`](crate::InboxTransaction::note_uncounted)),
+    /// so it holds across restarts and members. It bounds what a count in
+    /// a row cannot: a failure the database reports as its own (SQLSTATE
+    /// class XX, which extensions also raise for bad data: PostGIS for an
+    /// invalid geometry) at a handler's statement or at COMMIT, retried
+    /// by every member that takes the partition.
+    pub uncounted_retries_for: Duration,
 }
 
 /// How a batched runner gathers a batch: up to `max_messages` messages the
@@ -215,6 +226,7 @@ impl RunnerConfig {
             refused_data_tries: 3,
             failure_budget: Some(DEFAULT_FAILURE_BUDGET),
             uncounted_retries: 100,
+            uncounted_retries_for: Duration::from_secs(15 * 60),
         })
     }
 

@@ -347,8 +347,8 @@ where
             TxAction::Commit => {
                 let work = self.finish_tx(acked_before, tx, message, work).await;
                 match (ran, refused_at_commit(&work)) {
-                    (Some(state), Some(cause)) => {
-                        self.charge_refused_commit(policy, state, message, work, cause)
+                    (Some(state), Some((cause, counted))) => {
+                        self.charge_refused_commit(policy, state, message, work, cause, counted)
                             .await
                     }
                     _ => work,
@@ -362,10 +362,14 @@ where
     }
 
     /// A transaction whose handler succeeded and whose COMMIT the database
-    /// refused for what it holds: the message's failure, decided and
-    /// counted as a handler failure (with a failure budget, recorded in a
-    /// transaction of its own: the refused one is gone), so that it is
-    /// parked within the budget instead of refused at every delivery.
+    /// refused for what it holds (`counted`), or failed for reasons it
+    /// calls its own ([`decision::charged_uncounted_at_commit`]): the
+    /// message's failure, decided and charged as a handler failure (with a
+    /// failure budget, recorded in a transaction of its own: the refused one
+    /// is gone), so that it is parked within the budget instead of refused
+    /// at every delivery. One that does not count is retried as an
+    /// uncounted retry, counted once it lasts `uncounted_retries_for`;
+    /// without a failure budget it stays the storage failure it was.
     async fn charge_refused_commit(
         &mut self,
         policy: Policy,
@@ -373,11 +377,25 @@ where
         message: &Message,
         refused: Work,
         cause: String,
+        counted: bool,
     ) -> Work {
-        tracing::warn!(message_id = %message.message_id, %cause, "the database refused the message's transaction at COMMIT; charged as a handler failure");
-        let outcome = Outcome::Failed(crate::outcome::Failure::Aborted(format!(
-            "the database refused the transaction at COMMIT: {cause}"
-        )));
+        let failure = if counted {
+            crate::outcome::Failure::Aborted(format!(
+                "the database refused the transaction at COMMIT: {cause}"
+            ))
+        } else if decision::counts_failures(policy) {
+            crate::outcome::Failure::RetryLater {
+                reason: Some(format!(
+                    "the database failed the transaction at COMMIT: {cause}"
+                )),
+                at: None,
+                counted: false,
+            }
+        } else {
+            return refused;
+        };
+        tracing::warn!(message_id = %message.message_id, %cause, counted, "the database refused the message's transaction at COMMIT; charged as a handler failure");
+        let outcome = Outcome::Failed(failure);
         let decision = decision::after_handler(policy, state, OutcomeClass::Failure);
         if decision::counts_failures(policy) {
             return self
@@ -592,8 +610,9 @@ pub(super) async fn store_ack<T: InboxTransaction>(
 
 /// The cause of a COMMIT the database refused for what the transaction
 /// holds (see [`decision::refused_at_commit`]), after a handler that did not
-/// fail.
-fn refused_at_commit(work: &Work) -> Option<String> {
+/// fail, and whether it counts (not when the server failed it for reasons
+/// of its own: [`decision::charged_uncounted_at_commit`]).
+fn refused_at_commit(work: &Work) -> Option<(String, bool)> {
     if work
         .outcome
         .as_ref()
@@ -602,10 +621,10 @@ fn refused_at_commit(work: &Work) -> Option<String> {
         return None;
     }
     match &work.error {
-        Some(ProcessError::Persist(e))
-            if e.stage == PersistStage::Commit && decision::refused_at_commit(e.source.kind) =>
-        {
-            Some(e.source.cause.clone())
+        Some(ProcessError::Persist(e)) if e.stage == PersistStage::Commit => {
+            let counted = decision::refused_at_commit(e.source.kind);
+            (counted || decision::charged_uncounted_at_commit(e.source.kind))
+                .then(|| (e.source.cause.clone(), counted))
         }
         _ => None,
     }

@@ -218,7 +218,8 @@ where
             // writes it refused is found by handling them one at a time
             if let (Some(pos), Some(ProcessError::Persist(e))) = (&r.position, &r.error)
                 && e.stage == PersistStage::Commit
-                && decision::refused_at_commit(e.source.kind)
+                && (decision::refused_at_commit(e.source.kind)
+                    || decision::charged_uncounted_at_commit(e.source.kind))
             {
                 self.partitions
                     .refused_at_commit(&pos.partition_key(), pos.offset);

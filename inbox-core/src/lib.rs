@@ -81,7 +81,7 @@ pub use error::{
     ConsumerError, Error, HandlerError, InboxPersistError, PersistStage, Result, StoreError,
     StoreErrorKind, ValidationError,
 };
-pub use group::offsets::{MembershipStore, OffsetHold, OffsetStore, PartitionClaim};
+pub use group::offsets::{MembershipStore, OffsetStore, PartitionClaim};
 pub use headers::Headers;
 pub use isolation::Isolation;
 pub use model::{

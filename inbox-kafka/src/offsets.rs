@@ -456,11 +456,13 @@ pub async fn move_offsets<O: OffsetStore>(
     Ok(moved)
 }
 
-/// Copies the moved offsets to the group coordinator (as members do), under
-/// the hold of [`OffsetStore::hold_owned`] with the move's own claims, so
+/// Copies the moved offsets to the group coordinator (as members do), those
+/// the move's own claims still hold ([`OffsetStore::owned_offsets`]), so
 /// Kafka's tools see the group where PostgreSQL has it at once rather than
-/// at its old, higher offsets until a member's next copy. A failure is a
-/// warning: PostgreSQL holds the moved offsets, the next owner copies them.
+/// at its old, higher offsets until a member's next copy. A member's copy
+/// made before the move that lands after this one is copied again by that
+/// member once it has landed (its epoch moved). A failure is a warning:
+/// PostgreSQL holds the moved offsets, the next owner copies them.
 async fn copy_moved<O: OffsetStore>(
     dialer: Arc<crate::wire::Dialer>,
     group: &str,
@@ -468,13 +470,12 @@ async fn copy_moved<O: OffsetStore>(
     claimed: &[(String, i32, i64)],
 ) {
     let copied = async {
-        let (hold, offsets) = store.hold_owned(group, claimed).await?;
+        let offsets = store.owned_offsets(group, claimed).await?;
         let done = tokio::time::timeout(
             crate::broker_group::COPY_DEADLINE,
             crate::broker_group::BrokerGroup::new(dialer, group).commit(&offsets),
         )
         .await;
-        hold.release().await;
         Ok::<_, inbox_core::StoreError>(match done {
             Ok(result) => result.map_err(|e| e.to_string()),
             Err(_) => Err("the group coordinator did not answer in time".to_owned()),

@@ -13,13 +13,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
 use std::time::Duration;
 
+use common::frame;
 use inbox_core::outbox::{OutboxMessage, Relay, RelayConfig};
 use inbox_kafka::{DEFAULT_MAX_RECORD_BYTES, DEFAULT_MAX_REQUEST_BYTES};
 use inbox_kafka::{KafkaConfig, KafkaPublisher};
 use inbox_postgres::PgStore;
 use inbox_testkit::kafka::Broker;
 use inbox_testkit::pg::fresh_store;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
 /// A TCP proxy in front of a broker that, when armed, lets a number of
@@ -29,19 +30,6 @@ struct CuttingProxy {
     /// Produce requests to let pass before the cut; -1: not armed.
     armed: Arc<AtomicI64>,
     cuts: Arc<AtomicUsize>,
-}
-
-/// One Kafka frame (its 4-byte length and body) from `from`; `None` at
-/// the end of the stream.
-async fn frame(from: &mut (impl AsyncReadExt + Unpin)) -> Option<Vec<u8>> {
-    let mut len = [0u8; 4];
-    from.read_exact(&mut len).await.ok()?;
-    let n = usize::try_from(u32::from_be_bytes(len)).ok()?;
-    let mut body = vec![0u8; n];
-    from.read_exact(&mut body).await.ok()?;
-    let mut out = len.to_vec();
-    out.extend(body);
-    Some(out)
 }
 
 impl CuttingProxy {
@@ -117,21 +105,8 @@ struct World {
 }
 
 async fn world() -> World {
-    let listener = TcpListener::bind("127.0.0.1:0")
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    let front = listener
-        .local_addr()
-        .unwrap_or_else(|e| panic!("{e}"))
-        .to_string();
-    let broker = Broker::start_advertised(&front).unwrap_or_else(|e| panic!("{e}"));
-    let proxy = CuttingProxy::start(
-        listener,
-        broker
-            .listen_address()
-            .unwrap_or_else(|| panic!("started here"))
-            .to_owned(),
-    );
+    let (broker, listener, front, back) = common::broker_behind_a_proxy().await;
+    let proxy = CuttingProxy::start(listener, back);
     let store = fresh_store().await.unwrap_or_else(|e| panic!("{e}"));
     World {
         broker,

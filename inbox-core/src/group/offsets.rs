@@ -30,23 +30,6 @@ pub struct PartitionClaim {
     pub owner_epoch: i64,
 }
 
-/// Partitions kept as [`OffsetStore::hold_owned`] found them, until
-/// released.
-#[async_trait]
-pub trait OffsetHold: Send {
-    /// Lets claims of the held partitions go on.
-    async fn release(self: Box<Self>);
-}
-
-/// A hold that holds nothing (the default [`OffsetStore::hold_owned`]).
-#[derive(Debug, Clone, Copy)]
-struct NoHold;
-
-#[async_trait]
-impl OffsetHold for NoHold {
-    async fn release(self: Box<Self>) {}
-}
-
 /// Stored offsets with owner epochs.
 #[async_trait]
 pub trait OffsetStore: Send + Sync {
@@ -83,20 +66,20 @@ pub trait OffsetStore: Send + Sync {
 
     /// Of `owned` (topic, partition, and the owner epoch this member holds
     /// it by), those whose epoch is still the partition's, with their stored
-    /// next offsets (a partition with none stored is left out), kept so
-    /// until the [`OffsetHold`] is released: no claim of them (a
-    /// rebalance's, `inbox offsets move`'s) completes meanwhile. What a
-    /// member copies to the broker's group coordinator under the hold is
-    /// never an offset its epoch no longer holds, and never lands after a
-    /// newer owner's copy. The hold stops no acknowledgement.
+    /// next offsets (a partition with none stored is left out): what a
+    /// member copies to the broker's group coordinator. Read without holding
+    /// anything (no database connection waits on the broker): a claim may
+    /// come between this read and the copy's landing, so the member asks
+    /// again after its copy and, for a partition claimed meanwhile, copies
+    /// what the store holds then (its copy may have landed after the new
+    /// owner's).
     ///
-    /// The default reads each partition ([`Self::read_partition`]) and
-    /// holds nothing (a claim between the read and the copy is not seen).
-    async fn hold_owned(
+    /// The default reads each partition ([`Self::read_partition`]).
+    async fn owned_offsets(
         &self,
         consumer_group: &str,
         owned: &[(String, i32, i64)],
-    ) -> Result<(Box<dyn OffsetHold>, Vec<(String, i32, i64)>), StoreError> {
+    ) -> Result<Vec<(String, i32, i64)>, StoreError> {
         let mut held = Vec::with_capacity(owned.len());
         for (topic, partition, epoch) in owned {
             if let Some(PartitionClaim {
@@ -110,7 +93,7 @@ pub trait OffsetStore: Send + Sync {
                 held.push((topic.clone(), *partition, next));
             }
         }
-        Ok((Box::new(NoHold), held))
+        Ok(held)
     }
 }
 

@@ -389,29 +389,43 @@ impl<O: OffsetStore> KafkaConsumer<O> {
 
     /// When a copy to the group coordinator is due, starts one of the
     /// offsets PostgreSQL holds for the partitions whose epoch this
-    /// consumer still holds there, under a hold that keeps any claim of
-    /// them waiting until the copy ends: a member fenced by a claim it has
-    /// not seen yet (`inbox offsets move`, a rebalance) copies nothing of
-    /// those partitions, and never overwrites the new owner's copy.
+    /// consumer still holds there (a member fenced by a claim it has not
+    /// seen yet, `inbox offsets move`'s or a rebalance's, copies nothing of
+    /// those partitions). Nothing is held in the database while the copy
+    /// waits on the broker, so a claim can come before the copy lands:
+    /// once it has landed (or while it may still land, after no answer),
+    /// the partitions whose epoch moved since are copied again with what
+    /// PostgreSQL holds then, so a late copy never leaves the coordinator
+    /// ahead of it.
     pub(super) async fn copy_offsets(&mut self) {
         let Some(broker) = self.broker.as_mut() else {
             return;
         };
-        let live = || {
-            self.partitions
-                .iter()
-                .filter(|p| !p.fenced)
-                .filter_map(|p| p.stored.map(|o| (p.topic.clone(), p.partition, o)))
-                .collect()
-        };
-        if !broker.due(live) {
+        if broker.busy() {
             return;
         }
-        // one copy of the group (on these brokers) at a time in this
-        // process: tried again at the next poll when another's copy runs
-        let copying = format!("{}@{}", self.group, self.config.brokers.join(","));
-        let Some(turn) = crate::broker_group::CopyTurn::take(&copying) else {
-            return;
+        let landed = broker.landed().await;
+        let again = if landed.0.is_empty() {
+            Vec::new()
+        } else {
+            let checked = tokio::time::timeout(
+                crate::broker_group::COPY_DEADLINE,
+                claimed_since(&self.store, &self.group, &landed),
+            )
+            .await;
+            match checked {
+                Ok(Ok(again)) => again,
+                Ok(Err(e)) => {
+                    tracing::warn!(group = %self.group, error = %e, "checking the offsets copied to the group coordinator failed; checked again at the next copy");
+                    self.keep_in_doubt(landed);
+                    return;
+                }
+                Err(_) => {
+                    tracing::warn!(group = %self.group, "checking the offsets copied to the group coordinator took too long; checked again at the next copy");
+                    self.keep_in_doubt(landed);
+                    return;
+                }
+            }
         };
         let owned: Vec<(String, i32, i64)> = self
             .partitions
@@ -419,21 +433,65 @@ impl<O: OffsetStore> KafkaConsumer<O> {
             .filter(|p| !p.fenced && p.stored.is_some())
             .map(|p| (p.topic.clone(), p.partition, p.epoch))
             .collect();
-        let held = tokio::time::timeout(
-            crate::broker_group::COPY_DEADLINE,
-            self.store.hold_owned(&self.group, &owned),
-        )
-        .await;
-        match held {
-            Ok(Ok((hold, offsets))) => broker.start(hold, offsets, &self.metrics, turn),
-            Ok(Err(e)) => {
-                broker.postpone();
-                tracing::warn!(group = %self.group, error = %e, "reading the offsets to copy to the group coordinator failed; tried again at the next interval");
+        let live = || {
+            self.partitions
+                .iter()
+                .filter(|p| !p.fenced)
+                .filter_map(|p| p.stored.map(|o| (p.topic.clone(), p.partition, p.epoch, o)))
+                .collect()
+        };
+        let Some(broker) = self.broker.as_mut() else {
+            return;
+        };
+        let due = broker.due(live);
+        if !due && again.is_empty() {
+            return;
+        }
+        // one copy of the group (on these brokers) at a time in this
+        // process: tried again at the next poll when another's copy runs
+        let copying = format!("{}@{}", self.group, self.config.brokers.join(","));
+        let Some(turn) = crate::broker_group::CopyTurn::take(&copying) else {
+            self.keep_in_doubt(landed);
+            return;
+        };
+        let offsets = if due {
+            let read = tokio::time::timeout(
+                crate::broker_group::COPY_DEADLINE,
+                self.store.owned_offsets(&self.group, &owned),
+            )
+            .await;
+            match read {
+                Ok(Ok(offsets)) => with_epochs(offsets, &owned),
+                Ok(Err(e)) => {
+                    tracing::warn!(group = %self.group, error = %e, "reading the offsets to copy to the group coordinator failed; tried again at the next interval");
+                    if let Some(broker) = self.broker.as_mut() {
+                        broker.postpone();
+                    }
+                    Vec::new()
+                }
+                Err(_) => {
+                    tracing::warn!(group = %self.group, "reading the offsets to copy to the group coordinator took too long; tried again at the next interval");
+                    if let Some(broker) = self.broker.as_mut() {
+                        broker.postpone();
+                    }
+                    Vec::new()
+                }
             }
-            Err(_) => {
-                broker.postpone();
-                tracing::warn!(group = %self.group, "reading the offsets to copy to the group coordinator took too long; tried again at the next interval");
-            }
+        } else {
+            Vec::new()
+        };
+        if offsets.is_empty() && again.is_empty() {
+            return;
+        }
+        if let Some(broker) = self.broker.as_mut() {
+            broker.start(offsets, again, &self.metrics, turn);
+        }
+    }
+
+    /// `landed` stays to be checked at the next copy.
+    fn keep_in_doubt(&mut self, landed: crate::broker_group::Landed) {
+        if let Some(broker) = self.broker.as_mut() {
+            broker.check_later(landed);
         }
     }
 
@@ -487,4 +545,46 @@ impl<O: OffsetStore> KafkaConsumer<O> {
             expected_next: p.stored,
         })
     }
+}
+
+/// Of the partitions a copy wrote (`landed`: topic, partition, the epoch
+/// it was copied under), those claimed since (their epoch moved), with
+/// what the store holds for them now (topic, partition, epoch, next
+/// offset): to be copied again, since the copy may have landed after the
+/// new owner's.
+async fn claimed_since<O: OffsetStore>(
+    store: &O,
+    group: &str,
+    landed: &crate::broker_group::Landed,
+) -> Result<Vec<(String, i32, i64, i64)>, inbox_core::StoreError> {
+    let held = store.owned_offsets(group, &landed.0).await?;
+    let mut again = Vec::new();
+    for (topic, partition, _) in &landed.0 {
+        if held.iter().any(|(t, p, _)| (t, p) == (topic, partition)) {
+            continue;
+        }
+        if let Some(inbox_core::PartitionClaim {
+            next_offset: Some(next),
+            owner_epoch,
+        }) = store.read_partition(group, topic, *partition).await?
+        {
+            again.push((topic.clone(), *partition, owner_epoch, next));
+        }
+    }
+    Ok(again)
+}
+
+/// `offsets` (topic, partition, next offset) with the epochs of `owned`
+/// they were read under.
+fn with_epochs(
+    offsets: Vec<(String, i32, i64)>,
+    owned: &[(String, i32, i64)],
+) -> Vec<(String, i32, i64, i64)> {
+    offsets
+        .into_iter()
+        .filter_map(|(t, p, o)| {
+            let epoch = owned.iter().find(|(ot, op, _)| (ot, op) == (&t, &p))?.2;
+            Some((t, p, epoch, o))
+        })
+        .collect()
 }

@@ -278,3 +278,36 @@ pub fn pairs(list: &[(&str, &str)]) -> Vec<(String, String)> {
         .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
         .collect()
 }
+
+/// One Kafka frame (its 4-byte length and body) from `from`; `None` at
+/// the end of the stream.
+pub async fn frame(from: &mut (impl tokio::io::AsyncReadExt + Unpin)) -> Option<Vec<u8>> {
+    let mut len = [0u8; 4];
+    from.read_exact(&mut len).await.ok()?;
+    let n = usize::try_from(u32::from_be_bytes(len)).ok()?;
+    let mut body = vec![0u8; n];
+    from.read_exact(&mut body).await.ok()?;
+    let mut out = len.to_vec();
+    out.extend(body);
+    Some(out)
+}
+
+/// A broker of its own that advertises the address of a listener the test
+/// holds (for a proxy of the test's own in front of it): the broker, the
+/// listener, its address (the one clients use) and where the broker
+/// listens (where the proxy forwards to).
+pub async fn broker_behind_a_proxy() -> (Broker, tokio::net::TcpListener, String, String) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let front = listener
+        .local_addr()
+        .unwrap_or_else(|e| panic!("{e}"))
+        .to_string();
+    let broker = Broker::start_advertised(&front).unwrap_or_else(|e| panic!("{e}"));
+    let back = broker
+        .listen_address()
+        .unwrap_or_else(|| panic!("started here"))
+        .to_owned();
+    (broker, listener, front, back)
+}

@@ -9,9 +9,9 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use inbox_core::attempts::{Due, RowUpdate};
 use inbox_core::{
     AttemptRecord, DueFilter, Found, InboxRow, InboxStatus, InboxStore, InboxTransaction,
-    LockResult, MemberId, MembershipStore, Message, NewInboxRow, OffsetHold, OffsetStore,
-    ParkedKey, ParkedMessage, ParkingTx, PartitionClaim, ProcessorStore, ProcessorTx, RowId,
-    RowLocks, RowRef, Savepoints, StoreError, StoreErrorKind, TxAck, TxOffsets, ValidationError,
+    LockResult, MemberId, MembershipStore, Message, NewInboxRow, OffsetStore, ParkedKey,
+    ParkedMessage, ParkingTx, PartitionClaim, ProcessorStore, ProcessorTx, RowId, RowLocks, RowRef,
+    Savepoints, StoreError, StoreErrorKind, TxAck, TxOffsets, ValidationError,
 };
 use sea_orm::{
     ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, DbErr, QueryResult,

@@ -217,60 +217,34 @@ impl OffsetStore for PgStore {
         .await
     }
 
-    async fn hold_owned(
+    async fn owned_offsets(
         &self,
         consumer_group: &str,
         owned: &[(String, i32, i64)],
-    ) -> Result<(Box<dyn OffsetHold>, Vec<(String, i32, i64)>), StoreError> {
-        let tx = self.db.begin().await.map_err(db)?;
-        let held = async {
-            tx.query_one_raw(stmt(&self.sql.hold_offsets, vec![consumer_group.into()]))
-                .await
-                .map_err(db)?;
-            let list: Vec<serde_json::Value> = owned
-                .iter()
-                .map(|(t, p, e)| serde_json::json!([t, p, e]))
-                .collect();
-            let rows = tx
-                .query_all_raw(stmt(
-                    &self.sql.owned_offsets,
-                    vec![
-                        consumer_group.into(),
-                        serde_json::Value::Array(list).to_string().into(),
-                    ],
+    ) -> Result<Vec<(String, i32, i64)>, StoreError> {
+        let list: Vec<serde_json::Value> = owned
+            .iter()
+            .map(|(t, p, e)| serde_json::json!([t, p, e]))
+            .collect();
+        let rows = self
+            .standalone()
+            .query_all_raw(stmt(
+                &self.sql.owned_offsets,
+                vec![
+                    consumer_group.into(),
+                    serde_json::Value::Array(list).to_string().into(),
+                ],
+            ))
+            .await
+            .map_err(db)?;
+        rows.iter()
+            .map(|r| {
+                Ok((
+                    get(r, "topic")?,
+                    get(r, "partition")?,
+                    get(r, "next_offset")?,
                 ))
-                .await
-                .map_err(db)?;
-            rows.iter()
-                .map(|r| {
-                    Ok((
-                        get(r, "topic")?,
-                        get(r, "partition")?,
-                        get(r, "next_offset")?,
-                    ))
-                })
-                .collect::<Result<Vec<(String, i32, i64)>, StoreError>>()
-        }
-        .await;
-        match held {
-            Ok(held) => Ok((Box::new(PgHold(tx)), held)),
-            Err(e) => {
-                let _ = tx.rollback().await;
-                Err(e)
-            }
-        }
-    }
-}
-
-/// The transaction holding a group's advisory lock shared
-/// ([`OffsetStore::hold_owned`]): released by its rollback.
-pub(super) struct PgHold(sea_orm::DatabaseTransaction);
-
-#[async_trait]
-impl OffsetHold for PgHold {
-    async fn release(self: Box<Self>) {
-        if let Err(e) = self.0.rollback().await {
-            tracing::debug!(error = %e, "ending the offsets' hold failed (the server ends it with the connection)");
-        }
+            })
+            .collect()
     }
 }

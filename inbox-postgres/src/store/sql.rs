@@ -21,7 +21,6 @@ pub(super) struct Sql {
     pub(super) write_outcomes: Outcomes,
     pub(super) write_locked_outcomes: Outcomes,
     pub(super) lock_due: String,
-    pub(super) hold_offsets: String,
     pub(super) owned_offsets: String,
     pub(super) note_running: String,
     pub(super) take_unfinished: String,
@@ -468,23 +467,16 @@ impl Sql {
                         SELECT e->>'t', (e->>'p')::int FROM jsonb_array_elements($2::text::jsonb) AS e)",
                 t.assignments()
             ),
-            // A claim waits for a member's copy of its offsets to the
-            // group coordinator (`hold_owned`: the group's advisory lock
-            // shared) to finish, so that copy never lands after the new
-            // owner's.
+            // A claim waits for nothing: a member's copy of its offsets
+            // to the group coordinator holds no lock (it checks its epochs
+            // again after the copy, see `OffsetStore::owned_offsets`).
             claim: format!(
-                "WITH l AS (SELECT pg_advisory_xact_lock({class}, hashtext($1::text)))
-                 INSERT INTO {o} AS o (consumer_group, topic, partition, owner_epoch)
-                 SELECT $1::text, $2::text, $3::int, 1 FROM l
+                "INSERT INTO {o} AS o (consumer_group, topic, partition, owner_epoch)
+                 VALUES ($1, $2, $3, 1)
                  ON CONFLICT (consumer_group, topic, partition)
                  DO UPDATE SET owner_epoch = o.owner_epoch + 1, updated_at = now()
                  RETURNING next_offset, owner_epoch",
                 o = t.offsets(),
-                class = crate::schema::lock_class(&t.offsets()),
-            ),
-            hold_offsets: format!(
-                "SELECT pg_advisory_xact_lock_shared({class}, hashtext($1::text))::text AS held",
-                class = crate::schema::lock_class(&t.offsets()),
             ),
             park: format!(
                 "INSERT INTO {} (consumer_group, topic, partition, record_offset, record_key, message_id, message, raw)

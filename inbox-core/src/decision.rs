@@ -678,12 +678,15 @@ pub fn refused_at_commit(kind: StoreErrorKind) -> bool {
 /// fail is charged to the message as a retry that does not count: the
 /// server failed it for reasons it calls its own
 /// ([`StoreErrorKind::Resource`]: a full disk, an I/O error, an internal
-/// error). An extension's complaint about the data comes in the same class
-/// (XX000), and retrying it fails the same way: charged this way, it counts
-/// once its message has been retried for `uncounted_retries_for`
-/// ([`counts_uncounted`]), instead of holding its partition for good.
+/// error), or cancelled it ([`StoreErrorKind::Timeout`]: a
+/// `statement_timeout` or `lock_timeout` in a deferred trigger). An
+/// extension's complaint about the data comes in the same class (XX000),
+/// and a trigger slow on one row's data is slow every time: retrying either
+/// fails the same way, so charged this way it counts once its message has
+/// been retried for `uncounted_retries_for` ([`counts_uncounted`]),
+/// instead of holding its partition for good.
 pub fn charged_uncounted_at_commit(kind: StoreErrorKind) -> bool {
-    kind == StoreErrorKind::Resource
+    matches!(kind, StoreErrorKind::Resource | StoreErrorKind::Timeout)
 }
 
 /// Whether a message refused `tries` times (see [`refused_data`]) is now
@@ -1110,9 +1113,9 @@ mod tests {
     fn the_server_s_own_failures_at_commit_are_uncounted_retries_bounded_in_time() {
         use StoreErrorKind as K;
         assert!(charged_uncounted_at_commit(K::Resource));
+        assert!(charged_uncounted_at_commit(K::Timeout));
         for k in [
             K::Connection,
-            K::Timeout,
             K::Serialization,
             K::Fenced,
             K::Aborted,

@@ -449,8 +449,8 @@ pub trait InboxTransaction: Send + Sized {
     /// note stays across restarts, so that past
     /// [`RunnerConfig::uncounted_retries_for`](crate::drivers::runner::RunnerConfig::uncounted_retries_for)
     /// each retry counts ([`decision::counts_uncounted`](crate::decision::counts_uncounted)).
-    /// Undone with the transaction, like every write; cleared when the row
-    /// is replayed from the dead letters. `None`, the default: the store
+    /// Undone with the transaction, like every write; cleared by
+    /// [`InboxStore::requeue_failed`]. `None`, the default: the store
     /// keeps no such note, and uncounted retries are bounded only by how
     /// many come in a row.
     async fn note_uncounted(&mut self, id: RowId) -> Result<Option<Duration>, StoreError> {

@@ -340,3 +340,44 @@ async fn the_processor_handles_the_others_and_bounds_an_internal_error_at_commit
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_processor_bounds_an_internal_error_in_a_handler_in_time() {
+    for claim in [ClaimMode::Lease, ClaimMode::RowLock] {
+        let store = shape_checking_store().await;
+        common::land(&store, "billing", &ORDERS, 3).await;
+        let mut config = ProcessorConfig::new("processor-1").unwrap_or_else(|e| panic!("{e}"));
+        config.rules.backoff = Backoff::new(Duration::ZERO, Duration::ZERO, 1.0);
+        config.store_backoff = Backoff::new(Duration::ZERO, Duration::ZERO, 1.0);
+        // no bound in a row: only the bound in time
+        config.transient_retries = u32::MAX;
+        config.uncounted_retries_for = Duration::from_millis(300);
+        config.claim = claim;
+        let handler = std::sync::Arc::new(ChecksShape::default());
+        let mut processor = Processor::new(store.clone(), handler.clone(), config);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        let mut batches = 0;
+        while row_of(&store, "billing", "bad-1").await.0 != "failed"
+            && tokio::time::Instant::now() < deadline
+        {
+            batches += 1;
+            if let Err(e) = processor.process_batch().await {
+                panic!("{claim:?}, batch {batches}: {e}");
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(
+            row_of(&store, "billing", "bad-1").await,
+            ("failed".to_owned(), 3),
+            "{claim:?}: failed within its attempts"
+        );
+        assert!(
+            handler.calls.of("bad-1") > 3,
+            "{claim:?}: retried without counting first ({} calls)",
+            handler.calls.of("bad-1")
+        );
+        for id in &ORDERS[1..] {
+            assert_eq!(store.invoices(id).await, 1, "{claim:?}: {id} handled once");
+        }
+    }
+}

@@ -224,6 +224,7 @@ impl MemStore {
             .collect();
         for id in &ids {
             s.positions.remove(id);
+            s.uncounted_since.remove(id);
             if let Some(row) = s.rows.remove(id) {
                 s.keys.remove(&(row.message_id, row.consumer_group));
             }

@@ -250,7 +250,7 @@ where
             let Some(mut tx) = self.begin_for(claim, row.id, true).await? else {
                 continue;
             };
-            let result = match self.handle_row(&mut tx, row, true).await {
+            let mut result = match self.handle_row(&mut tx, row, true).await {
                 Ok(Run::Kept(result)) => result,
                 Ok(Run::Ended(result)) => {
                     // the handler ended the transaction: its outcome is
@@ -268,6 +268,17 @@ where
                     return Err(e.into());
                 }
             };
+            if let Err(e) = self
+                .bound_uncounted(
+                    &mut tx,
+                    std::slice::from_ref(row),
+                    std::slice::from_mut(&mut result),
+                )
+                .await
+            {
+                abandon(tx).await;
+                return Err(e.into());
+            }
             let sample = self.state.sample();
             let (mut update, broken) = row_update(
                 &result,

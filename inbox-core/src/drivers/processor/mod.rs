@@ -283,10 +283,14 @@ where
         mut tx: S::Tx,
         member: &MemberId,
         rows: &[InboxRow],
-        results: Vec<Result<HandlerResult, Failure>>,
+        mut results: Vec<Result<HandlerResult, Failure>>,
         mut batch: ProcessorBatch,
         claim: ClaimMode,
     ) -> Result<ProcessorBatch, ProcessorError> {
+        if let Err(e) = self.bound_uncounted(&mut tx, rows, &mut results).await {
+            abandon(tx).await;
+            return Err(e.into());
+        }
         self.state.outcomes_written(results.iter().any(is_failure));
         let updates = self.updates(rows, results, &mut batch);
         // nothing rolls back to a savepoint from here: released, one the
@@ -410,6 +414,37 @@ where
             updates.push((row.id, update));
         }
         updates
+    }
+
+    /// The results that are retries not counted (a transient database
+    /// failure, a handler's `retry_uncounted`) are noted on their rows in
+    /// `tx` ([`InboxTransaction::note_uncounted`]: the first one's time,
+    /// across restarts); a row retried so for `uncounted_retries_for`
+    /// already gets a counted failure instead, so it ends within its
+    /// attempts.
+    async fn bound_uncounted(
+        &self,
+        tx: &mut S::Tx,
+        rows: &[InboxRow],
+        results: &mut [Result<HandlerResult, Failure>],
+    ) -> Result<(), StoreError> {
+        for (row, result) in rows.iter().zip(results.iter_mut()) {
+            let Ok(r) = result else { continue };
+            if r.success || r.count_as_attempt {
+                continue;
+            }
+            let elapsed = tx.note_uncounted(row.id).await?;
+            let bound = self.config.uncounted_retries_for;
+            if crate::decision::counts_uncounted(elapsed, bound) {
+                tracing::warn!(message_id = %row.message_id, ?bound, "retried without counting for longer than its bound: this retry counts");
+                *result = Err(Failure::Error(format!(
+                    "retried without counting for longer than uncounted_retries_for ({} s): {}",
+                    bound.as_secs(),
+                    r.message.as_deref().unwrap_or("no reason given")
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Writes `updates` on rows held by `claim`.

@@ -20,7 +20,9 @@ use crate::strategy::AckStrategy;
 /// handle (a new event type, a payload that no longer deserializes) stops
 /// its partition for half a minute, not for ever. A failure that means
 /// "not yet" for longer should say so (`HandlerResult::retry_uncounted`,
-/// which spends no budget) or turn the budget off
+/// which spends no budget for up to
+/// [`uncounted_retries_for`](RunnerConfig::uncounted_retries_for), 15
+/// minutes by default) or turn the budget off
 /// ([`RunnerConfig::no_failure_budget`]); a dead letter is replayed after
 /// the fix (`inbox_core::drivers::dead_letters`).
 pub const DEFAULT_FAILURE_BUDGET: u32 = 10;

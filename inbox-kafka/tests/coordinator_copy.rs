@@ -184,7 +184,8 @@ async fn a_copy_answered_late_holds_nothing_and_never_leaves_the_coordinator_ahe
     // nothing of the member is held in PostgreSQL meanwhile
     let advisory = count(
         &env.store,
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'",
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' \
+         AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
         vec![],
     )
     .await

@@ -48,7 +48,8 @@ async fn owned_offsets_gives_what_the_epoch_holds_and_holds_nothing() {
     // claim goes on at once
     let locks = inbox_testkit::pg::count(
         &store,
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'",
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' \
+         AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
         vec![],
     )
     .await

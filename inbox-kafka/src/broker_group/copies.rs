@@ -6,11 +6,15 @@
 //! A claim (a rebalance's, `inbox offsets move`'s) can therefore come
 //! between the read and the copy's landing, and the copy may land after
 //! the new owner's (with an offset that may be higher than what PostgreSQL
-//! holds after a move back). So every copy is checked once it has landed:
-//! the partitions whose epoch moved since are copied again with what the
-//! store holds now ([`Landed`]). A copy that got no answer (a timeout, a
-//! cut connection) may land later still: its partitions stay in doubt for
-//! [`DOUBT_FOR`], checked at every copy until then.
+//! holds after a move back). So every copy is checked: once after it was
+//! answered, and at every interval until [`DOUBT_FOR`] after its deadline
+//! when it got no answer (it may still land). A partition whose epoch moved
+//! since, or whose offset is now lower than the copy's, is copied again
+//! with what the store holds then. The copies to check are kept per group
+//! for the whole process ([`CHECKS`]), so a consumer dropped while its copy
+//! is on its way (fenced, its runner stopped) leaves them to the group's
+//! next consumer here; and a full copy every [`REFRESH_EVERY`] intervals
+//! overwrites what a process that died before it could check left.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -56,25 +60,36 @@ impl Drop for CopyTurn {
 /// The longest a copy of the offsets to the coordinator is waited for.
 pub(crate) const COPY_DEADLINE: Duration = Duration::from_secs(10);
 
-/// How long the partitions of a copy that got no answer stay in doubt
-/// (checked at every copy, copied again when claimed since): the request
-/// may still be applied by the coordinator after its deadline.
+/// How long after its deadline a copy that got no answer is still checked:
+/// the coordinator may apply it later (a request read before a cut
+/// connection, a coordinator that answers late).
 pub(crate) const DOUBT_FOR: Duration = Duration::from_secs(30);
 
-/// Every how many copies the offsets are copied whether or not they
-/// changed since this consumer last copied them (what the coordinator holds
-/// may have been changed by another: a late copy of a member that died).
+/// Every how many intervals every offset a member holds is copied, changed
+/// or not since this consumer last copied it.
 const REFRESH_EVERY: u32 = 12;
 
-/// A partition as copied: topic, partition, and the owner epoch the copy
-/// was made under.
-pub(crate) type Copied = (String, i32, i64);
+/// A partition as copied: topic, partition, the owner epoch the copy was
+/// made under, and the offset copied.
+pub(crate) type Copied = (String, i32, i64, i64);
 
-/// The partitions of the copies that have landed (or may still land), to
-/// be checked against the store: any whose epoch moved since was claimed
-/// during or after the copy, and gets what the store holds now.
-#[derive(Debug, Default, PartialEq, Eq)]
-pub(crate) struct Landed(pub(crate) Vec<Copied>);
+/// The copies to check, per group (with its brokers), in this process:
+/// each with the time until which it is checked.
+static CHECKS: std::sync::Mutex<std::collections::BTreeMap<String, Vec<(Copied, Instant)>>> =
+    std::sync::Mutex::new(std::collections::BTreeMap::new());
+
+/// Runs `f` on the checks of `key`.
+fn checks<T>(key: &str, f: impl FnOnce(&mut Vec<(Copied, Instant)>) -> T) -> T {
+    let mut all = CHECKS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let entry = all.entry(key.to_owned()).or_default();
+    let out = f(entry);
+    if entry.is_empty() {
+        all.remove(key);
+    }
+    out
+}
 
 /// Copies a consumer's stored offsets to its group at the coordinator, at
 /// most every `interval`, in a task of its own (the consumer never waits
@@ -82,34 +97,31 @@ pub(crate) struct Landed(pub(crate) Vec<Copied>);
 /// [`MetricEvent::BrokerCommitFailed`](inbox_core::MetricEvent::BrokerCommitFailed).
 pub(crate) struct BrokerCommits {
     group: Arc<BrokerGroup>,
+    /// The group with its brokers: the key of its turn and its checks.
+    key: String,
     interval: Duration,
     last: Option<Instant>,
-    /// The running copy: whether it was answered.
-    running: Option<tokio::task::JoinHandle<bool>>,
-    /// What the running copy writes.
-    writing: Vec<Copied>,
-    /// Partitions of copies that got no answer, and until when they are
-    /// in doubt.
-    doubt: HashMap<PartitionKey, (i64, Instant)>,
+    last_full: Option<Instant>,
+    last_check: Option<Instant>,
+    running: Option<tokio::task::JoinHandle<()>>,
     /// What the coordinator holds, as far as this consumer committed it:
     /// the epoch it was copied under and the offset.
     committed: Arc<std::sync::Mutex<HashMap<PartitionKey, (i64, i64)>>>,
-    /// Copies started, for [`REFRESH_EVERY`].
-    copies: u32,
     failures: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl BrokerCommits {
-    pub(crate) fn new(group: Arc<BrokerGroup>, interval: Duration) -> Self {
+    /// Copies of `group`'s offsets, `key` naming it with its brokers.
+    pub(crate) fn new(group: Arc<BrokerGroup>, key: String, interval: Duration) -> Self {
         Self {
             group,
+            key,
             interval,
             last: None,
+            last_full: None,
+            last_check: None,
             running: None,
-            writing: Vec::new(),
-            doubt: HashMap::new(),
             committed: Arc::default(),
-            copies: 0,
             failures: Arc::default(),
         }
     }
@@ -119,68 +131,55 @@ impl BrokerCommits {
         self.failures.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Whether a copy is running.
+    /// The group's turn to copy, unless another consumer of this process
+    /// copies it now.
+    pub(crate) fn turn(&self) -> Option<CopyTurn> {
+        CopyTurn::take(&self.key)
+    }
+
+    /// Whether this consumer's copy is running.
     pub(crate) fn busy(&self) -> bool {
         self.running.as_ref().is_some_and(|t| !t.is_finished())
     }
 
-    /// What is to be checked now (none while a copy runs): the partitions
-    /// of the copy that just ended, and those still in doubt.
-    pub(crate) async fn landed(&mut self) -> Landed {
-        if self.busy() {
-            return Landed::default();
+    /// The copies of the group to check now, at most once an interval
+    /// (none: not yet, or nothing to check).
+    pub(crate) fn due_checks(&mut self) -> Vec<Copied> {
+        if self
+            .last_check
+            .is_some_and(|at| at.elapsed() < self.interval)
+        {
+            return Vec::new();
         }
+        self.last_check = Some(Instant::now());
+        checks(&self.key, |c| {
+            c.iter().map(|(copied, _)| copied.clone()).collect()
+        })
+    }
+
+    /// `checked` were checked (and what was overtaken copied again): those
+    /// no longer in doubt are done.
+    pub(crate) fn checked(&self, checked: &[Copied]) {
         let now = Instant::now();
-        if let Some(task) = self.running.take() {
-            let answered = task.await.unwrap_or(false);
-            let written = std::mem::take(&mut self.writing);
-            if answered {
-                // checked once, now; a doubt of the same epoch ends
-                for (t, p, e) in &written {
-                    let key = (t.clone(), *p);
-                    if self.doubt.get(&key).is_some_and(|(d, _)| d == e) {
-                        self.doubt.remove(&key);
-                    }
-                }
-                let mut landed = written;
-                landed.extend(self.doubting(now));
-                landed.sort();
-                landed.dedup();
-                return Landed(landed);
-            }
-            for (t, p, e) in written {
-                self.doubt.insert((t, p), (e, now + DOUBT_FOR));
-            }
-        }
-        Landed(self.doubting(now))
+        checks(&self.key, |c| {
+            c.retain(|(copied, until)| *until > now || !checked.contains(copied));
+        });
     }
 
-    /// The partitions in doubt now (those whose doubt ended are dropped).
-    fn doubting(&mut self, now: Instant) -> Vec<Copied> {
-        self.doubt.retain(|_, (_, until)| *until > now);
-        self.doubt
-            .iter()
-            .map(|((t, p), (e, _))| (t.clone(), *p, *e))
-            .collect()
-    }
-
-    /// `landed` could not be checked (the store did not answer): kept in
-    /// doubt, checked at the next copy.
-    pub(crate) fn check_later(&mut self, landed: Landed) {
-        let until = Instant::now() + DOUBT_FOR;
-        for (t, p, e) in landed.0 {
-            self.doubt.entry((t, p)).or_insert((e, until));
-        }
+    /// Whether a full copy is due (every [`REFRESH_EVERY`] intervals).
+    fn full_due(&self) -> bool {
+        self.last_full
+            .is_none_or(|at| at.elapsed() >= self.interval * REFRESH_EVERY)
     }
 
     /// Whether a copy is due: the interval has passed, and some of the
     /// offsets `stored` gives (topic, partition, owner epoch, next offset)
-    /// are not what this consumer last copied, or a refresh is due.
-    pub(crate) fn due(&self, stored: impl FnOnce() -> Vec<(String, i32, i64, i64)>) -> bool {
+    /// are not what this consumer last copied, or a full copy is due.
+    pub(crate) fn due(&self, stored: impl FnOnce() -> Vec<Copied>) -> bool {
         if self.busy() || self.last.is_some_and(|at| at.elapsed() < self.interval) {
             return false;
         }
-        if self.copies % REFRESH_EVERY == REFRESH_EVERY - 1 {
+        if self.full_due() {
             return !stored().is_empty();
         }
         let committed = self
@@ -192,38 +191,40 @@ impl BrokerCommits {
             .any(|(t, p, e, o)| committed.get(&(t, p)) != Some(&(e, o)))
     }
 
-    /// A copy that could not start (the offsets could not be read): the
-    /// next is tried after the interval.
+    /// A copy that could not start (the offsets could not be read, or
+    /// there were none): the next is tried after the interval.
     pub(crate) fn postpone(&mut self) {
         self.last = Some(Instant::now());
     }
 
     /// Starts a copy of `offsets` (topic, partition, owner epoch, next
     /// offset, as the store holds them) to the coordinator: those this
-    /// consumer did not copy already (all of them at a refresh), and
-    /// `again` (partitions claimed since an earlier copy landed, with what
-    /// the store holds now) in any case. The group's `turn` is given back
-    /// when it ends, at the latest after [`COPY_DEADLINE`].
+    /// consumer did not copy already (all of them when a full copy is
+    /// due), and `again` (copies overtaken by a claim or a move, with what
+    /// the store holds now) in any case. Each is to be checked (see the
+    /// [module](self)). The group's `turn` is given back when it ends, at
+    /// the latest after [`COPY_DEADLINE`].
     pub(crate) fn start(
         &mut self,
-        offsets: Vec<(String, i32, i64, i64)>,
-        again: Vec<(String, i32, i64, i64)>,
+        offsets: Vec<Copied>,
+        again: Vec<Copied>,
         metrics: &Arc<dyn inbox_core::Metrics>,
         turn: CopyTurn,
     ) {
-        let refresh = self.copies % REFRESH_EVERY == REFRESH_EVERY - 1;
-        self.copies = self.copies.wrapping_add(1);
-        self.last = Some(Instant::now());
-        let mut offsets: Vec<(String, i32, i64, i64)> = {
+        let full = self.full_due() && !offsets.is_empty();
+        let now = Instant::now();
+        self.last = Some(now);
+        if full {
+            self.last_full = Some(now);
+        }
+        let mut offsets: Vec<Copied> = {
             let committed = self
                 .committed
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             offsets
                 .into_iter()
-                .filter(|(t, p, e, o)| {
-                    refresh || committed.get(&(t.clone(), *p)) != Some(&(*e, *o))
-                })
+                .filter(|(t, p, e, o)| full || committed.get(&(t.clone(), *p)) != Some(&(*e, *o)))
                 .collect()
         };
         for a in again {
@@ -231,19 +232,19 @@ impl BrokerCommits {
                 offsets.push(a);
             }
         }
-        self.writing = offsets
-            .iter()
-            .map(|(t, p, e, _)| (t.clone(), *p, *e))
-            .collect();
+        if offsets.is_empty() {
+            return;
+        }
+        let until = now + COPY_DEADLINE + DOUBT_FOR;
+        checks(&self.key, |c| {
+            c.extend(offsets.iter().map(|copied| (copied.clone(), until)));
+        });
+        let key = self.key.clone();
         let group = Arc::clone(&self.group);
         let committed = Arc::clone(&self.committed);
         let failures = Arc::clone(&self.failures);
         let metrics = Arc::clone(metrics);
         self.running = Some(tokio::spawn(async move {
-            if offsets.is_empty() {
-                drop(turn);
-                return true;
-            }
             let pairs: Vec<(String, i32, i64)> = offsets
                 .iter()
                 .map(|(t, p, _, o)| (t.clone(), *p, *o))
@@ -252,13 +253,23 @@ impl BrokerCommits {
             drop(turn);
             let failed = match done {
                 Ok(Ok(())) => {
+                    // applied before it was answered: checked once more,
+                    // then done
+                    let answered = Instant::now();
+                    checks(&key, |c| {
+                        for (copied, until) in c.iter_mut() {
+                            if offsets.contains(copied) {
+                                *until = answered.min(*until);
+                            }
+                        }
+                    });
                     let mut held = committed
                         .lock()
                         .unwrap_or_else(std::sync::PoisonError::into_inner);
                     for (t, p, e, o) in offsets {
                         held.insert((t, p), (e, o));
                     }
-                    return true;
+                    return;
                 }
                 Ok(Err(e)) => e.to_string(),
                 Err(_) => format!("no answer within {} s", COPY_DEADLINE.as_secs()),
@@ -270,7 +281,6 @@ impl BrokerCommits {
                 metrics.as_ref(),
                 inbox_core::MetricEvent::BrokerCommitFailed,
             );
-            false
         }));
     }
 }

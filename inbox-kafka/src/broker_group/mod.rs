@@ -490,7 +490,7 @@ pub(crate) async fn group_offsets(
 
 mod copies;
 
-pub(crate) use copies::{BrokerCommits, COPY_DEADLINE, CopyTurn, Landed};
+pub(crate) use copies::{BrokerCommits, COPY_DEADLINE, Copied};
 
 #[cfg(test)]
 mod tests {

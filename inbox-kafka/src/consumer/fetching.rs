@@ -392,11 +392,10 @@ impl<O: OffsetStore> KafkaConsumer<O> {
     /// consumer still holds there (a member fenced by a claim it has not
     /// seen yet, `inbox offsets move`'s or a rebalance's, copies nothing of
     /// those partitions). Nothing is held in the database while the copy
-    /// waits on the broker, so a claim can come before the copy lands:
-    /// once it has landed (or while it may still land, after no answer),
-    /// the partitions whose epoch moved since are copied again with what
-    /// PostgreSQL holds then, so a late copy never leaves the coordinator
-    /// ahead of it.
+    /// waits on the broker, so a claim can come before the copy lands: the
+    /// group's copies are checked (see `broker_group::copies`) and those a
+    /// claim or a move overtook are copied again with what PostgreSQL holds
+    /// then, so a late copy never leaves the coordinator ahead of it.
     pub(super) async fn copy_offsets(&mut self) {
         let Some(broker) = self.broker.as_mut() else {
             return;
@@ -404,26 +403,29 @@ impl<O: OffsetStore> KafkaConsumer<O> {
         if broker.busy() {
             return;
         }
-        let landed = broker.landed().await;
-        let again = if landed.0.is_empty() {
+        let to_check = broker.due_checks();
+        let again = if to_check.is_empty() {
             Vec::new()
         } else {
             let checked = tokio::time::timeout(
                 crate::broker_group::COPY_DEADLINE,
-                claimed_since(&self.store, &self.group, &landed),
+                overtaken(&self.store, &self.group, &to_check),
             )
             .await;
             match checked {
-                Ok(Ok(again)) => again,
+                Ok(Ok(again)) => {
+                    if let Some(broker) = self.broker.as_ref() {
+                        broker.checked(&to_check);
+                    }
+                    again
+                }
                 Ok(Err(e)) => {
-                    tracing::warn!(group = %self.group, error = %e, "checking the offsets copied to the group coordinator failed; checked again at the next copy");
-                    self.keep_in_doubt(landed);
-                    return;
+                    tracing::warn!(group = %self.group, error = %e, "checking the offsets copied to the group coordinator failed; checked again at the next interval");
+                    Vec::new()
                 }
                 Err(_) => {
-                    tracing::warn!(group = %self.group, "checking the offsets copied to the group coordinator took too long; checked again at the next copy");
-                    self.keep_in_doubt(landed);
-                    return;
+                    tracing::warn!(group = %self.group, "checking the offsets copied to the group coordinator took too long; checked again at the next interval");
+                    Vec::new()
                 }
             }
         };
@@ -449,9 +451,8 @@ impl<O: OffsetStore> KafkaConsumer<O> {
         }
         // one copy of the group (on these brokers) at a time in this
         // process: tried again at the next poll when another's copy runs
-        let copying = format!("{}@{}", self.group, self.config.brokers.join(","));
-        let Some(turn) = crate::broker_group::CopyTurn::take(&copying) else {
-            self.keep_in_doubt(landed);
+        // (what was overtaken is found again at the next check)
+        let Some(turn) = broker.turn() else {
             return;
         };
         let offsets = if due {
@@ -464,35 +465,24 @@ impl<O: OffsetStore> KafkaConsumer<O> {
                 Ok(Ok(offsets)) => with_epochs(offsets, &owned),
                 Ok(Err(e)) => {
                     tracing::warn!(group = %self.group, error = %e, "reading the offsets to copy to the group coordinator failed; tried again at the next interval");
-                    if let Some(broker) = self.broker.as_mut() {
-                        broker.postpone();
-                    }
                     Vec::new()
                 }
                 Err(_) => {
                     tracing::warn!(group = %self.group, "reading the offsets to copy to the group coordinator took too long; tried again at the next interval");
-                    if let Some(broker) = self.broker.as_mut() {
-                        broker.postpone();
-                    }
                     Vec::new()
                 }
             }
         } else {
             Vec::new()
         };
+        let Some(broker) = self.broker.as_mut() else {
+            return;
+        };
         if offsets.is_empty() && again.is_empty() {
+            broker.postpone();
             return;
         }
-        if let Some(broker) = self.broker.as_mut() {
-            broker.start(offsets, again, &self.metrics, turn);
-        }
-    }
-
-    /// `landed` stays to be checked at the next copy.
-    fn keep_in_doubt(&mut self, landed: crate::broker_group::Landed) {
-        if let Some(broker) = self.broker.as_mut() {
-            broker.check_later(landed);
-        }
+        broker.start(offsets, again, &self.metrics, turn);
     }
 
     /// Stores partition `index`'s offset at `end` when the offsets from
@@ -547,20 +537,28 @@ impl<O: OffsetStore> KafkaConsumer<O> {
     }
 }
 
-/// Of the partitions a copy wrote (`landed`: topic, partition, the epoch
-/// it was copied under), those claimed since (their epoch moved), with
-/// what the store holds for them now (topic, partition, epoch, next
-/// offset): to be copied again, since the copy may have landed after the
-/// new owner's.
-async fn claimed_since<O: OffsetStore>(
+/// Of the copies `checked` (topic, partition, the epoch it was copied
+/// under, the offset), those a claim or a move overtook: the partition's
+/// epoch moved since, or its stored offset is now below the copy's (a move
+/// claims, then stores the lower offset under its own epoch). With what the
+/// store holds for them now (topic, partition, epoch, next offset): to be
+/// copied again, since the copy may have landed after the new owner's.
+async fn overtaken<O: OffsetStore>(
     store: &O,
     group: &str,
-    landed: &crate::broker_group::Landed,
-) -> Result<Vec<(String, i32, i64, i64)>, inbox_core::StoreError> {
-    let held = store.owned_offsets(group, &landed.0).await?;
-    let mut again = Vec::new();
-    for (topic, partition, _) in &landed.0 {
-        if held.iter().any(|(t, p, _)| (t, p) == (topic, partition)) {
+    checked: &[crate::broker_group::Copied],
+) -> Result<Vec<crate::broker_group::Copied>, inbox_core::StoreError> {
+    let epochs: Vec<(String, i32, i64)> = checked
+        .iter()
+        .map(|(t, p, e, _)| (t.clone(), *p, *e))
+        .collect();
+    let held = store.owned_offsets(group, &epochs).await?;
+    let mut again: Vec<crate::broker_group::Copied> = Vec::new();
+    for (topic, partition, _, copied) in checked {
+        let still = held
+            .iter()
+            .any(|(t, p, next)| (t, p) == (topic, partition) && next >= copied);
+        if still || again.iter().any(|(t, p, ..)| (t, p) == (topic, partition)) {
             continue;
         }
         if let Some(inbox_core::PartitionClaim {
@@ -587,4 +585,68 @@ fn with_epochs(
             Some((t, p, epoch, o))
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use inbox_core::{OffsetStore, Position, TxAck};
+    use inbox_testkit::MemStore;
+
+    use super::overtaken;
+
+    async fn store_at(store: &MemStore, epoch: i64, expected: Option<i64>, next: i64) {
+        store
+            .store_ack(&TxAck {
+                consumer_group: "billing".into(),
+                position: Position::new("orders", 0, next - 1),
+                owner_epoch: epoch,
+                expected_next: expected,
+            })
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// A copy is overtaken when its partition was claimed since, or when
+    /// its offset is now above what the store holds under the same epoch
+    /// (a move claims, then stores the lower offset: a member that read
+    /// between the two copied the old offset under the move's epoch).
+    #[tokio::test]
+    async fn a_copy_is_overtaken_by_a_claim_or_a_lower_offset() {
+        let store = MemStore::new();
+        let first = store
+            .claim_partition("billing", "orders", 0)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        store_at(&store, first.owner_epoch, None, 10).await;
+        let copied = |epoch, offset| vec![("orders".to_owned(), 0, epoch, offset)];
+        let check = |c: Vec<(String, i32, i64, i64)>| {
+            let store = store.clone();
+            async move {
+                overtaken(&store, "billing", &c)
+                    .await
+                    .unwrap_or_else(|e| panic!("{e}"))
+            }
+        };
+        assert!(check(copied(first.owner_epoch, 10)).await.is_empty());
+        assert!(
+            check(copied(first.owner_epoch, 7)).await.is_empty(),
+            "a lower copy is behind, never ahead"
+        );
+        // the move claims: the old epoch's copy is overtaken
+        let moved = store
+            .claim_partition("billing", "orders", 0)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            check(copied(first.owner_epoch, 10)).await,
+            copied(moved.owner_epoch, 10)
+        );
+        // a copy read between the claim and the lower offset's store
+        store_at(&store, moved.owner_epoch, Some(10), 3).await;
+        assert_eq!(
+            check(copied(moved.owner_epoch, 10)).await,
+            copied(moved.owner_epoch, 3)
+        );
+        assert!(check(copied(moved.owner_epoch, 3)).await.is_empty());
+    }
 }

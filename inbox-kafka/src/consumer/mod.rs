@@ -176,6 +176,7 @@ impl<O: OffsetStore> KafkaConsumer<O> {
                     Arc::clone(&dialer),
                     config.consumer_group.clone(),
                 )),
+                format!("{}@{}", config.consumer_group, config.brokers.join(",")),
                 every,
             )
         });

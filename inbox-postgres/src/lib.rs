@@ -71,6 +71,7 @@ pub use schema::{
 pub use sea_orm;
 pub use sea_orm_migration;
 pub use status::{
-    DeadLetterCount, MemberStatus, OutboxEvent, OutboxEvents, OutboxStatus, PartitionStatus, Status,
+    DeadLetterCount, MemberStatus, OutboxEvent, OutboxEvents, OutboxStatus, PartitionStatus,
+    Status, UNPLACED_COUNTED,
 };
 pub use store::{Claim, DEFAULT_POOL_SIZE, PgStore, PgTx};

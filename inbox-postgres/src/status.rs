@@ -83,7 +83,17 @@ pub struct Status {
     pub outbox: OutboxStatus,
     /// The parked keys (oldest first), with their queues' depth and age.
     pub parked: Vec<crate::ParkedKeyStatus>,
+    /// Completed rows that keep no record position (written before
+    /// migration step 17, landed without one, or read again from another
+    /// partition), counted up to [`UNPLACED_COUNTED`]: maintenance
+    /// deletes them by its retention alone, so a record of theirs
+    /// delivered again after that is handled again.
+    pub unplaced_completed: i64,
 }
+
+/// Up to how many completed rows without a position [`PgStore::status`]
+/// counts (one more: "more than that").
+pub const UNPLACED_COUNTED: i64 = 10_000;
 
 /// An outbox event as [`PgStore::outbox_events`] lists it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -253,12 +263,31 @@ impl PgStore {
             },
         };
         let parked = self.parked_keys_status().await?;
+        // bounded: along the partial index of those rows
+        let unplaced = self
+            .standalone()
+            .query_one_raw(stmt(
+                &format!(
+                    "SELECT count(*) AS n FROM (SELECT 1 FROM {} \
+                      WHERE status = 'completed' AND topic IS NULL LIMIT {}) u",
+                    t.qualified(),
+                    UNPLACED_COUNTED + 1
+                ),
+                vec![],
+            ))
+            .await
+            .map_err(db)?;
+        let unplaced_completed = match unplaced {
+            Some(r) => get(&r, "n")?,
+            None => 0,
+        };
         Ok(Status {
             members,
             partitions,
             dead_letters: dead,
             outbox,
             parked,
+            unplaced_completed,
         })
     }
 

@@ -44,6 +44,11 @@ use crate::store::InboxStore;
 /// The shortest retention [`MaintenanceConfig::new`] accepts: one day.
 pub const MIN_RETENTION: Duration = Duration::from_secs(24 * 3_600);
 
+/// How long one run waits for the broker facts
+/// ([`Maintenance::with_log_starts`]) before it deletes none of the rows
+/// they decide, that run.
+pub const LOG_STARTS_DEADLINE: Duration = Duration::from_secs(60);
+
 /// How maintenance runs.
 #[non_exhaustive]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,7 +66,11 @@ pub struct MaintenanceConfig {
     /// With broker facts, completed rows older than this are deleted even
     /// while their record can still be delivered (a compacted topic's rows
     /// would otherwise stay for ever): its redelivery after that is handled
-    /// again. `None` (the default): no cap.
+    /// again. `None` (the default): no cap. Set it with
+    /// [`with_max_retention`](Self::with_max_retention), which refuses a cap
+    /// shorter than `retention`; a shorter one set on the field is taken as
+    /// `retention` (the cap never deletes a row inside the deduplication
+    /// window).
     pub max_retention: Option<Duration>,
     /// Rows deleted per statement. Default 1,000.
     pub delete_batch: u64,
@@ -88,6 +97,27 @@ impl MaintenanceConfig {
             });
         }
         Ok(Self::allow_short_retention(retention))
+    }
+
+    /// The same configuration with completed rows deleted once older than
+    /// `cap` whatever the broker says ([`MaintenanceConfig::max_retention`]).
+    ///
+    /// # Errors
+    ///
+    /// [`ValidationError::Config`] when `cap` is shorter than the
+    /// retention: it would delete rows inside the deduplication window.
+    pub fn with_max_retention(mut self, cap: Duration) -> Result<Self, ValidationError> {
+        if cap < self.retention {
+            return Err(ValidationError::Config {
+                reason: format!(
+                    "a max_retention of {} s is shorter than the retention of {} s: it would delete rows inside the deduplication window",
+                    cap.as_secs(),
+                    self.retention.as_secs()
+                ),
+            });
+        }
+        self.max_retention = Some(cap);
+        Ok(self)
     }
 
     /// Maintenance keeping completed rows for `retention`, however short
@@ -258,7 +288,17 @@ impl<S: InboxStore> Maintenance<S> {
                 let mut deleted = self
                     .in_batches(|| self.store.delete_completed_unplaced(retention, batch))
                     .await?;
-                let below = match source.log_starts().await {
+                // a deadline for the whole answer: brokers that answer
+                // nothing must not stall the run (each partition has its
+                // own, and there may be many)
+                let asked = tokio::time::timeout(LOG_STARTS_DEADLINE, source.log_starts()).await;
+                let asked = asked.unwrap_or_else(|_| {
+                    Err(format!(
+                        "no answer within {} s",
+                        LOG_STARTS_DEADLINE.as_secs()
+                    ))
+                });
+                let below = match asked {
                     Ok(starts) => {
                         self.in_batches(|| {
                             self.store.delete_completed_below(&starts, retention, batch)
@@ -271,7 +311,7 @@ impl<S: InboxStore> Maintenance<S> {
                     }
                 };
                 deleted += below;
-                if let Some(cap) = self.config.max_retention {
+                if let Some(cap) = self.config.max_retention.map(|c| c.max(retention)) {
                     deleted += self
                         .in_batches(|| self.store.delete_completed(cap, batch))
                         .await?;

@@ -86,3 +86,96 @@ async fn frozen_brokers_stall_no_run() {
         "kept while the brokers cannot tell"
     );
 }
+
+/// Where topic `orders` starts: partition 0 at offset 1.
+struct StartsAtOne;
+
+#[async_trait::async_trait]
+impl LogStarts for StartsAtOne {
+    fn topics(&self) -> Vec<String> {
+        vec!["orders".to_owned()]
+    }
+    async fn log_starts(&self) -> Result<Vec<LogStart>, String> {
+        Ok(vec![LogStart {
+            topic: "orders".to_owned(),
+            partition: 0,
+            offset: 1,
+        }])
+    }
+}
+
+/// A message written twice by its producer (offsets 0 and 2) and read in
+/// one batch keeps the later record's position: once the log starts at 1,
+/// record 2 can still be delivered, so its row stays (it was kept at 0 and
+/// deleted, and record 2 delivered again would have been handled twice).
+/// Optimistic and with savepoints.
+#[tokio::test]
+async fn a_message_read_twice_in_one_batch_keeps_its_later_record() {
+    use inbox_core::{BatchConfig, Isolation, Runner, RunnerConfig};
+    use inbox_testkit::MemBroker;
+    use inbox_testkit::scenarios::{Act, ScriptedHandler};
+
+    for isolation in [Isolation::Optimistic, Isolation::Savepoints] {
+        let store = MemStore::new();
+        let broker = MemBroker::new();
+        let order = |id: &str| {
+            Message::new(
+                id,
+                "orders",
+                "order.created",
+                serde_json::json!({ "order": id }),
+            )
+        };
+        for id in ["twice", "other", "twice"] {
+            broker.produce("orders", 0, order(id));
+        }
+        let mut batch = BatchConfig::new(10);
+        batch.linger = Duration::ZERO;
+        batch.isolation = isolation;
+        let config = RunnerConfig::new("billing", "worker-1")
+            .unwrap_or_else(|e| panic!("{e}"))
+            .no_failure_budget()
+            .batched(batch);
+        let mut runner = Runner::new(
+            store.clone(),
+            broker.consumer("billing"),
+            ScriptedHandler::new([], Act::Succeed),
+            config,
+        );
+        let messages = runner
+            .next_batch(batch)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(messages.len(), 3, "{isolation:?}: one batch");
+        runner.process_batch(messages).await;
+        assert_eq!(
+            broker.acked("billing", "orders", 0),
+            Some(3),
+            "{isolation:?}"
+        );
+        for id in ["twice", "other"] {
+            let row = store
+                .find(id, "billing")
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert!(row.is_some(), "{isolation:?}: {id} handled");
+        }
+        let report = Maintenance::new(
+            store.clone(),
+            MaintenanceConfig::allow_short_retention(Duration::ZERO),
+        )
+        .with_log_starts(Arc::new(StartsAtOne))
+        .run_once()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            store
+                .find("twice", "billing")
+                .await
+                .unwrap_or_else(|e| panic!("{e}"))
+                .is_some(),
+            "{isolation:?}: its record at 2 can still come: {report:?}"
+        );
+        assert_eq!(report.deleted_below_log_start, 0, "{isolation:?}");
+    }
+}

@@ -88,6 +88,33 @@ impl Position {
     pub fn partition_key(&self) -> PartitionKey {
         (self.topic.clone(), self.partition)
     }
+
+    /// Where a row whose message was read at `kept` keeps it once the same
+    /// message is read again at `again` (a producer's retry wrote it
+    /// twice): the later offset of the same partition, so the row stays
+    /// while that record can still be delivered; no position when read
+    /// from another partition (the row then goes by age); unchanged when
+    /// `again` has none. A row with no position keeps none.
+    ///
+    /// ```
+    /// use inbox_core::Position;
+    ///
+    /// let at = |partition, offset| Some(Position::new("orders", partition, offset));
+    /// assert_eq!(Position::kept(at(0, 5).as_ref(), at(0, 9).as_ref()), at(0, 9));
+    /// assert_eq!(Position::kept(at(0, 9).as_ref(), at(0, 5).as_ref()), at(0, 9));
+    /// assert_eq!(Position::kept(at(0, 5).as_ref(), at(1, 9).as_ref()), None);
+    /// assert_eq!(Position::kept(at(0, 5).as_ref(), None), at(0, 5));
+    /// assert_eq!(Position::kept(None, at(0, 9).as_ref()), None);
+    /// ```
+    pub fn kept(kept: Option<&Self>, again: Option<&Self>) -> Option<Self> {
+        match (kept, again) {
+            (Some(k), Some(a)) if k.topic == a.topic && k.partition == a.partition => {
+                Some(if a.offset > k.offset { a } else { k }.clone())
+            }
+            (Some(_), Some(_)) | (None, _) => None,
+            (Some(k), None) => Some(k.clone()),
+        }
+    }
 }
 
 impl fmt::Display for Position {

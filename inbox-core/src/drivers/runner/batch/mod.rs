@@ -36,7 +36,7 @@ use crate::consumer::Consumer;
 use crate::decision::{self, AckPoint, Policy};
 use crate::error::{PersistStage, StoreError, StoreErrorKind, ValidationError};
 use crate::isolation::Isolation;
-use crate::model::{Message, NewInboxRow, PartitionKey, RowId};
+use crate::model::{Message, NewInboxRow, PartitionKey, Position, RowId};
 use crate::observability::metrics::{MetricEvent, Metrics};
 use crate::replay::{Ended, Replay};
 use crate::routing::handler::Handler;
@@ -440,7 +440,7 @@ where
                 fail_all(slots, PersistStage::Insert, e);
                 return None;
             }
-            match tx.insert_or_get(&self.new_row(&slots[i])).await {
+            match tx.insert_or_get(&self.new_row(slots, i)).await {
                 Ok(r) => {
                     state.insert(key, (r.id, r.found));
                 }
@@ -490,15 +490,29 @@ where
         Some(Opened { tx, open, state })
     }
 
-    /// The inbox row of `slot`'s message, with the status its handling
-    /// inserts it with.
-    fn new_row(&self, slot: &Slot) -> NewInboxRow {
-        NewInboxRow::for_message(
+    /// The inbox row of `slots[i]`'s message, with the status its handling
+    /// inserts it with, and the position it keeps: the same message read
+    /// again later in the batch (a producer's retry, an open valid slot)
+    /// moves it as a delivery in a later batch would ([`Position::kept`]),
+    /// so the row is not deleted while that later record can come.
+    fn new_row(&self, slots: &[Slot], i: usize) -> NewInboxRow {
+        let slot = &slots[i];
+        let mut row = NewInboxRow::for_message(
             &slot.message,
             &self.config.consumer_group,
             self.config.max_attempts,
         )
-        .with_status(decision::insert_status(slot.policy))
+        .with_status(decision::insert_status(slot.policy));
+        for later in &slots[i + 1..] {
+            if later.message.message_id == slot.message.message_id
+                && matches!(later.fate, Fate::Open)
+                && later.invalid.is_none()
+            {
+                row.position =
+                    Position::kept(row.position.as_ref(), later.message.position.as_ref());
+            }
+        }
+        row
     }
 
     /// One multi-row insert-or-get for the distinct keys of the open valid
@@ -516,7 +530,7 @@ where
             let key = s.message.message_id.as_str();
             if s.invalid.is_none() && !keys.contains(&key) {
                 keys.push(key);
-                rows.push(self.new_row(s));
+                rows.push(self.new_row(slots, i));
             }
         }
         if rows.is_empty() {

@@ -10,7 +10,6 @@ pub(super) struct Sql {
     pub(super) insert_or_get_many: String,
     pub(super) get_many: String,
     pub(super) discard: String,
-    pub(super) get: String,
     pub(super) lock: String,
     pub(super) complete: String,
     pub(super) record_attempt: String,
@@ -147,7 +146,8 @@ impl Sql {
             // One round trip: insert, or return the existing row. When a
             // concurrent transaction inserted the key and commits while we
             // wait, the statement's snapshot cannot see its row and returns
-            // nothing; `get` then reads it with a fresh snapshot.
+            // nothing; `get_many` then reads it with a fresh snapshot (and moves its
+            // position).
             insert_or_get: format!(
                 "WITH ins AS (
                     INSERT INTO {q} (message_id, consumer_group, source, event_type, payload, body,
@@ -229,9 +229,6 @@ impl Sql {
                  SELECT id, message_id, status, FALSE AS inserted FROM {q}
                   WHERE consumer_group = $2
                     AND message_id IN (SELECT message_id FROM input)"
-            ),
-            get: format!(
-                "SELECT id, status, FALSE AS inserted FROM {q} WHERE message_id = $1 AND consumer_group = $2"
             ),
             discard: format!(
                 "DELETE FROM {q} WHERE id IN (SELECT (jsonb_array_elements_text($1::jsonb))::bigint)"

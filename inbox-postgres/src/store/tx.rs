@@ -109,12 +109,6 @@ impl InboxTransaction for PgTx {
                 None => None,
             });
         }
-        #[derive(serde::Serialize)]
-        struct Key<'a> {
-            m: &'a str,
-            #[serde(flatten)]
-            at: ReadAt<'a>,
-        }
         let missing: Vec<Key<'_>> = rows
             .iter()
             .zip(&refs)
@@ -407,13 +401,17 @@ impl PgTx {
     /// Reads a row that insert-or-get could not see (a concurrent
     /// transaction committed it while this one waited on its key).
     async fn get_again(&self, row: &NewInboxRow) -> Result<RowRef, StoreError> {
+        // through `get_many`, so the row's position moves as in the insert
+        // (whose snapshot could not see a row a concurrent insert committed)
+        let key = serde_json::to_string(&[Key {
+            m: &row.message_id,
+            at: ReadAt::of(row),
+        }])
+        .map_err(|e| StoreError::new(StoreErrorKind::Other, e.to_string()))?;
         let again = self
             .query_one(stmt(
-                &self.sql.get,
-                vec![
-                    row.message_id.clone().into(),
-                    row.consumer_group.clone().into(),
-                ],
+                &self.sql.get_many,
+                vec![key.into(), row.consumer_group.clone().into()],
             ))
             .await?
             .ok_or_else(|| {
@@ -424,6 +422,14 @@ impl PgTx {
             })?;
         row_ref(&again)
     }
+}
+
+/// A row's key with where its message was read, as `get_many` takes it.
+#[derive(serde::Serialize)]
+struct Key<'a> {
+    m: &'a str,
+    #[serde(flatten)]
+    at: ReadAt<'a>,
 }
 
 /// Where a row's message was read, as the JSON inputs of

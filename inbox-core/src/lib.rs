@@ -92,6 +92,7 @@ pub use observability::metrics::{
     CountingMetrics, Counts, MetricEvent, Metrics, NoopMetrics, record_safely, topic_label,
 };
 pub use outcome::{Failure, HandlerResult, Outcome, OutcomeClass};
+pub use routing::closures::{event_fn, handler_fn};
 pub use routing::handler::{Handler, NoHandler, SkipTombstones};
 pub use store::{
     AttemptRecord, DueFilter, Found, InboxStore, InboxTransaction, LockResult, LogStart, ParkedKey,

@@ -408,15 +408,8 @@ impl HandlerError {
         error: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
     ) -> Self {
         let error = error.into();
-        let mut message = error.to_string();
-        let mut cause = error.source();
-        while let Some(c) = cause {
-            message.push_str(": ");
-            message.push_str(&c.to_string());
-            cause = c.source();
-        }
         Self {
-            message,
+            message: with_causes(error.as_ref()),
             source: Some(error),
             permanent: false,
         }
@@ -443,10 +436,30 @@ impl fmt::Debug for HandlerError {
     }
 }
 
+/// `error`'s display followed by each of its causes (`source()`), as
+/// `anyhow` prints with `{:#}`: what `last_error` and the logs keep.
+fn with_causes(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut message = error.to_string();
+    let mut cause = error.source();
+    while let Some(c) = cause {
+        let text = c.to_string();
+        // an error that repeats its cause's text in its own says it once
+        if !message.ends_with(&text) {
+            message.push_str(": ");
+            message.push_str(&text);
+        }
+        cause = c.source();
+    }
+    message
+}
+
 impl<E: std::error::Error + Send + Sync + 'static> From<E> for HandlerError {
+    /// Its message is the error's display with its causes (the source
+    /// chain): `last_error` and the logs carry the cause, not only the top
+    /// line.
     fn from(error: E) -> Self {
         Self {
-            message: error.to_string(),
+            message: with_causes(&error),
             source: Some(Box::new(error)),
             permanent: false,
         }
@@ -515,6 +528,50 @@ pub enum RouteError {
 #[cfg(test)]
 mod tests {
     use super::HandlerError;
+
+    /// An error that wraps another, as `thiserror`'s `#[source]` does.
+    #[derive(Debug)]
+    struct Wrapped(&'static str, Option<Box<Wrapped>>);
+
+    impl std::fmt::Display for Wrapped {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.0)
+        }
+    }
+
+    impl std::error::Error for Wrapped {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            self.1.as_deref().map(|e| e as _)
+        }
+    }
+
+    #[test]
+    fn a_question_mark_keeps_the_causes_in_the_message() {
+        let handle = || -> Result<(), HandlerError> {
+            Err(Wrapped(
+                "billing order o-1",
+                Some(Box::new(Wrapped(
+                    "calling the payment provider",
+                    Some(Box::new(Wrapped("connection refused", None))),
+                ))),
+            ))?;
+            Ok(())
+        };
+        let e = handle()
+            .err()
+            .unwrap_or_else(|| HandlerError::msg("no error"));
+        assert_eq!(
+            e.to_string(),
+            "billing order o-1: calling the payment provider: connection refused"
+        );
+        assert!(e.source().is_some(), "the error itself is kept");
+        // a cause its error already names is said once
+        let e = HandlerError::from(Wrapped(
+            "query failed: deadlock detected",
+            Some(Box::new(Wrapped("deadlock detected", None))),
+        ));
+        assert_eq!(e.to_string(), "query failed: deadlock detected");
+    }
 
     #[test]
     fn an_anyhow_error_becomes_a_handler_error_with_its_causes() {

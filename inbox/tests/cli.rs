@@ -270,6 +270,17 @@ async fn the_command_shows_and_moves_a_groups_offsets() {
         err.contains("nobody") || err.contains("authentication") || err.contains("role"),
         "{err}"
     );
+    // under --json the error is a JSON document
+    let (ok, _, err) = inbox(&wrong_url, &["status", "--json"]);
+    assert!(!ok);
+    let doc: serde_json::Value =
+        serde_json::from_str(err.trim()).unwrap_or_else(|e| panic!("{e}: {err}"));
+    assert!(
+        doc["error"]
+            .as_str()
+            .is_some_and(|e| !e.contains("s3cret-pw")),
+        "{doc}"
+    );
 }
 
 /// Invoices `ok-` orders; the others fail until `fixed`, and `bad-` ones
@@ -483,6 +494,21 @@ async fn the_command_works_with_dead_letters_the_outbox_and_status() {
     assert!(
         ok && text.contains("warning: 1 completed rows keep no record position"),
         "{text}{err}"
+    );
+    // --check: the dead letters and the dead outbox event need an operator
+    let checked = std::process::Command::new(env!("CARGO_BIN_EXE_inbox"))
+        .args(["status", "--check", "--json"])
+        .env("DATABASE_URL", &url)
+        .output()
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(checked.status.code(), Some(6), "needs an operator");
+    let doc: serde_json::Value = serde_json::from_slice(&checked.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&checked.stdout)));
+    assert_eq!(doc["check"]["ok"], false, "{doc}");
+    let problems = doc["check"]["problems"].to_string();
+    assert!(
+        problems.contains("group billing: 2 dead letters") && problems.contains("outbox: 1 dead"),
+        "{problems}"
     );
 
     // list, filtered; show with the headers in order

@@ -71,11 +71,14 @@ mod exit {
     pub(crate) const NOT_YET: u8 = 4;
     /// A replay refused, or the letter discarded or gone meanwhile.
     pub(crate) const NOT_REPLAYED: u8 = 5;
+    /// `status --check`: something needs an operator.
+    pub(crate) const NEEDS_AN_OPERATOR: u8 = 6;
 }
 
 const EXIT_CODES: &str = "Exit codes: 0 done; 1 failed (the database or a broker, refused input); \
 2 usage error; 3 not found (no such dead letter or outbox event); \
-4 replay asked for, not done within --wait; 5 replay refused, or the letter discarded or gone.";
+4 replay asked for, not done within --wait; 5 replay refused, or the letter discarded or gone; \
+6 status --check found something that needs an operator.";
 
 #[derive(Parser, Debug)]
 #[command(
@@ -113,11 +116,30 @@ enum Command {
     /// Members, partitions and their owners, dead letters, outbox backlog;
     /// with brokers (`--brokers` or `KAFKA_BROKERS`), each partition's log
     /// end and lag.
-    Status(Brokers),
+    Status(StatusArgs),
     /// Create the inbox's and the outbox's tables, or bring them up to
     /// date (every step idempotent: safe to run on every deploy, and beside
     /// a service's own sea-orm migrator that applies the same steps).
     Migrate,
+}
+
+/// `inbox status`'s arguments.
+#[derive(Args, Debug)]
+struct StatusArgs {
+    #[command(flatten)]
+    brokers: Brokers,
+    /// Exit with code 6 when something needs an operator (dead letters,
+    /// dead outbox events, parked keys, replays asked for with no replayer
+    /// running, a partition behind that has not moved for
+    /// `--stalled-after`): for cron and alerting. The reasons are printed
+    /// (under `--json`, as `check.problems`).
+    #[arg(long)]
+    check: bool,
+    /// With `--check`: how long a partition may be behind without its
+    /// stored offset moving before it is stalled, in seconds (needs
+    /// brokers, for the lag).
+    #[arg(long, default_value_t = 300, value_name = "SECONDS")]
+    stalled_after: u64,
 }
 
 #[derive(Subcommand, Debug)]
@@ -402,10 +424,17 @@ enum Mechanism {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
+    let json = cli.json;
     match run(cli).await {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("inbox: {e}");
+            // under --json the error is a document too (on stderr, so a
+            // pipe reading stdout sees no half document)
+            if json {
+                eprintln!("{}", json!({ "error": e.to_string() }));
+            } else {
+                eprintln!("inbox: {e}");
+            }
             ExitCode::from(exit::FAILED)
         }
     }
@@ -425,7 +454,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
         Command::DeadLetters(d) => dead_letters(d, &store, out).await,
         Command::Outbox(o) => outbox(o, &store, out).await,
         Command::Parked(p) => parked(p, &store, out).await,
-        Command::Status(brokers) => status(&brokers, &store, out).await,
+        Command::Status(args) => status(&args, &store, out).await,
         Command::Migrate => {
             store.migrate().await?;
             let steps: Vec<String> =

@@ -8,10 +8,11 @@ use transactional_inbox::PartitionKey;
 pub(super) const RELAY_SLOTS: &str = "__outbox_slots";
 
 pub(super) async fn status(
-    brokers: &Brokers,
+    args: &StatusArgs,
     store: &PgStore,
     out: Out,
 ) -> Result<ExitCode, Failure> {
+    let brokers = &args.brokers;
     let status = store.status().await?;
     // the log's end of each partition, when brokers are given
     let topics: Vec<PartitionKey> = status
@@ -33,6 +34,16 @@ pub(super) async fn status(
     }
     let end_of = |p: &PartitionStatus| ends.get(&(p.topic.clone(), p.partition)).copied();
     let lag_of = |p: &PartitionStatus| Some((end_of(p)? - p.next_offset?).max(0));
+    let problems = if args.check {
+        problems(&status, &lag_of, args.stalled_after)
+    } else {
+        Vec::new()
+    };
+    let code = if problems.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(exit::NEEDS_AN_OPERATOR)
+    };
     if out.json {
         let mut doc = serde_json::to_value(&status)?;
         if let Some(list) = doc["partitions"].as_array_mut() {
@@ -41,8 +52,11 @@ pub(super) async fn status(
                 value["lag"] = json!(lag_of(p));
             }
         }
+        if args.check {
+            doc["check"] = json!({ "ok": problems.is_empty(), "problems": problems });
+        }
         out.doc(&doc);
-        return Ok(ExitCode::SUCCESS);
+        return Ok(code);
     }
     println!("members");
     for m in &status.members {
@@ -117,5 +131,64 @@ pub(super) async fn status(
             "warning: {n} completed rows keep no record position: maintenance deletes them by its retention alone, and a record of theirs delivered again after that is handled again (see docs/operations.md, Retention)"
         );
     }
-    Ok(ExitCode::SUCCESS)
+    if args.check {
+        if problems.is_empty() {
+            println!("check: nothing needs an operator");
+        }
+        for p in &problems {
+            println!("check: {p}");
+        }
+    }
+    Ok(code)
+}
+
+/// What `status --check` finds that needs an operator.
+fn problems(
+    status: &transactional_inbox::postgres::Status,
+    lag_of: &dyn Fn(&PartitionStatus) -> Option<i64>,
+    stalled_after: u64,
+) -> Vec<String> {
+    let mut problems = Vec::new();
+    for d in &status.dead_letters {
+        if d.count > 0 {
+            problems.push(format!("group {}: {} dead letters", d.group, d.count));
+        }
+        if d.replay_requested > 0 && !d.replayer_running {
+            problems.push(format!(
+                "group {}: {} replays asked for and no replayer running",
+                d.group, d.replay_requested
+            ));
+        }
+    }
+    if status.outbox.dead > 0 {
+        problems.push(format!("outbox: {} dead events", status.outbox.dead));
+    }
+    for k in &status.parked {
+        problems.push(format!(
+            "group {}: key {:?} of {}:{} parked with {} messages since {}",
+            k.group,
+            k.key,
+            k.topic,
+            k.partition,
+            k.messages,
+            k.parked_since.to_rfc3339()
+        ));
+    }
+    let now = chrono::Utc::now();
+    for p in &status.partitions {
+        let still = (now - p.updated_at).num_seconds();
+        if p.topic != RELAY_SLOTS
+            && lag_of(p).is_some_and(|lag| lag > 0)
+            && u64::try_from(still).is_ok_and(|s| s > stalled_after)
+        {
+            problems.push(format!(
+                "group {}: {}:{} is {} records behind and its offset has not moved for {still} s",
+                p.group,
+                p.topic,
+                p.partition,
+                lag_of(p).unwrap_or(0)
+            ));
+        }
+    }
+    problems
 }

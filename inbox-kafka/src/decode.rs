@@ -94,6 +94,15 @@ pub struct JsonDecoder {
     /// Whether a record without any of them is poison (default false: the
     /// id falls back to `topic:partition:offset`).
     pub require_message_id: bool,
+    /// Whether the id from a header is scoped by the record's topic
+    /// (`<topic>/<id>`). The inbox deduplicates by id within a consumer
+    /// group across every topic it reads, so two topics whose producers
+    /// reuse the same ids (each counting from 1) would have the second
+    /// message taken for a duplicate of the first. Default false: ids are
+    /// unique across topics (a UUID per event, the outbox's ids). Set it
+    /// before the group's first message: switching it makes every message
+    /// already handled a new one once.
+    pub scope_ids_by_topic: bool,
     /// Header holding the event type. Default `event_type`.
     pub event_type_header: String,
     /// Payload field holding the event type when the header is absent.
@@ -121,6 +130,7 @@ impl Default for JsonDecoder {
         Self {
             message_id_headers: vec!["message_id".into(), "event_id".into()],
             require_message_id: false,
+            scope_ids_by_topic: false,
             event_type_header: "event_type".into(),
             event_type_field: "event_type".into(),
             event_types_by_topic: BTreeMap::new(),
@@ -197,6 +207,20 @@ impl JsonDecoder {
         self
     }
 
+    /// The same decoder scoping the ids from headers by topic
+    /// ([`JsonDecoder::scope_ids_by_topic`]): for producers that reuse ids
+    /// across the topics a group reads.
+    ///
+    /// ```
+    /// use inbox_kafka::JsonDecoder;
+    /// assert!(JsonDecoder::default().with_ids_scoped_by_topic().scope_ids_by_topic);
+    /// ```
+    #[must_use]
+    pub fn with_ids_scoped_by_topic(mut self) -> Self {
+        self.scope_ids_by_topic = true;
+        self
+    }
+
     /// The event type of a record: its header, then (JSON only) the
     /// payload's field, then the topic's, then the default.
     fn event_type(
@@ -229,6 +253,9 @@ impl JsonDecoder {
         headers: &Headers,
     ) -> Result<String, ValidationError> {
         if let Some(id) = self.message_id_headers.iter().find_map(|h| headers.get(h)) {
+            if self.scope_ids_by_topic {
+                return Ok(format!("{}/{id}", record.topic));
+            }
             return Ok(id.to_owned());
         }
         if self.require_message_id {
@@ -494,6 +521,31 @@ mod tests {
             (Some("t"), Some("c"), Some("z"), Some("2"))
         );
         assert_eq!(m.position, Some(Position::new("orders", 2, 41)));
+    }
+
+    /// Ids scoped by topic: the same header id on two topics gives two
+    /// ids (producers that each count from 1); the position fallback is
+    /// unique by itself and stays as it was.
+    #[test]
+    fn ids_can_be_scoped_by_topic() {
+        let headers = h(&[("message_id", b"7"), ("event_type", b"x")]);
+        let scoped = JsonDecoder {
+            scope_ids_by_topic: true,
+            ..JsonDecoder::default()
+        };
+        let m = scoped
+            .decode(&view(Some(br#"{"a": 1}"#), &headers))
+            .expect("decodes");
+        assert_eq!(m.message_id, "orders/7");
+        let m = JsonDecoder::default()
+            .decode(&view(Some(br#"{"a": 1}"#), &headers))
+            .expect("decodes");
+        assert_eq!(m.message_id, "7", "not scoped by default");
+        let none = h(&[("event_type", b"x")]);
+        let m = scoped
+            .decode(&view(Some(br#"{"a": 1}"#), &none))
+            .expect("decodes");
+        assert_eq!(m.message_id, "orders:2:41");
     }
 
     #[test]

@@ -494,6 +494,85 @@ mod with_store {
         Ok((url, store))
     }
 
+    /// Runs `handler` over `messages` as the inbox does in production, on
+    /// `store` (a [`fresh_store`] with your tables): each message in its
+    /// transaction with its inbox row and its acknowledgement, through the
+    /// in-memory broker (partition 0 of its source topic, in order), a
+    /// failed one delivered again (at once, within the default failure
+    /// budget, then dead-lettered), a duplicate found done. Until every
+    /// message is acknowledged, or 10,000 deliveries. The result of each
+    /// delivery, in order: a handler's test asserts on them and on its own
+    /// tables.
+    ///
+    /// # Errors
+    ///
+    /// A [`HarnessError`] when the runner stops with an error (the store
+    /// failing outside a message's handling).
+    ///
+    /// ```no_run
+    /// # async fn t() {
+    /// use inbox_core::{HandlerError, Message, handler_fn};
+    /// use inbox_postgres::PgTx;
+    /// use inbox_postgres::sea_orm::ConnectionTrait;
+    /// use inbox_testkit::pg::{fresh_store, handle};
+    ///
+    /// let store = fresh_store().await.expect("a PostgreSQL");
+    /// let billing = handler_fn(|m: &Message, tx: &mut PgTx| {
+    ///     Box::pin(async move {
+    ///         let sql = format!("INSERT INTO invoices (order_id) VALUES ('{}')", m.message_id);
+    ///         tx.connection().execute_unprepared(&sql).await?;
+    ///         Ok::<_, HandlerError>(())
+    ///     })
+    /// });
+    /// let order = Message::new("o-1", "orders", "order.created", serde_json::json!({ "order": "o-1" }));
+    /// let results = handle(&store, billing, [order.clone(), order]).await.expect("ran");
+    /// assert!(results[0].processed && results[1].duplicate);
+    /// # }
+    /// ```
+    pub async fn handle<H>(
+        store: &PgStore,
+        handler: H,
+        messages: impl IntoIterator<Item = inbox_core::Message>,
+    ) -> Result<Vec<inbox_core::ProcessResult>, HarnessError>
+    where
+        H: inbox_core::Handler<PgTx>,
+    {
+        let broker = crate::MemBroker::new();
+        let mut ends: std::collections::BTreeMap<String, i64> = Default::default();
+        for m in messages {
+            let topic = m.source.clone();
+            broker.produce(&topic, 0, m);
+            *ends.entry(topic).or_default() += 1;
+        }
+        let mut config = inbox_core::RunnerConfig::new("tests", "test-1")
+            .map_err(|e| HarnessError(e.to_string()))?;
+        let fast = inbox_core::Backoff::new(
+            std::time::Duration::from_millis(1),
+            std::time::Duration::from_millis(5),
+            2.0,
+        );
+        config.redelivery_backoff = fast;
+        config.store_backoff = fast;
+        let mut runner =
+            inbox_core::Runner::new(store.clone(), broker.consumer("tests"), handler, config);
+        let done = |broker: &crate::MemBroker| {
+            ends.iter()
+                .all(|(t, end)| broker.acked("tests", t, 0) == Some(*end))
+        };
+        let mut results = Vec::new();
+        for _ in 0..10_000 {
+            if done(&broker) {
+                break;
+            }
+            match runner.process_one().await {
+                Ok(Some(r)) => results.push(r),
+                Ok(None) => tokio::time::sleep(std::time::Duration::from_millis(2)).await,
+                Err(e) => return Err(HarnessError(e.to_string())),
+            }
+        }
+        Ok(results)
+    }
+
     /// Counts rows with a `SELECT count(*) ...` on the pool (another
     /// connection than any open transaction).
     ///

@@ -396,7 +396,8 @@ impl HandlerError {
     /// An error from any boxed error, `anyhow::Error` and `eyre::Report`
     /// included (they convert into a box but are not `std::error::Error`
     /// themselves, so `?` cannot take them): `.map_err(HandlerError::from_boxed)?`.
-    /// Its message is the error's display with its causes (`{:#}`).
+    /// Its message is the error's display with its causes, as `{:#}`
+    /// prints them (a cause its error already ends with said once).
     ///
     /// ```
     /// use inbox_core::HandlerError;

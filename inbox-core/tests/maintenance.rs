@@ -87,7 +87,7 @@ async fn frozen_brokers_stall_no_run() {
     );
 }
 
-/// Where topic `orders` starts: partition 0 at offset 1.
+/// Where topic `orders` starts: partition 0 at offset 1, partition 1 at 0.
 struct StartsAtOne;
 
 #[async_trait::async_trait]
@@ -96,11 +96,18 @@ impl LogStarts for StartsAtOne {
         vec!["orders".to_owned()]
     }
     async fn log_starts(&self) -> Result<Vec<LogStart>, String> {
-        Ok(vec![LogStart {
-            topic: "orders".to_owned(),
-            partition: 0,
-            offset: 1,
-        }])
+        Ok(vec![
+            LogStart {
+                topic: "orders".to_owned(),
+                partition: 0,
+                offset: 1,
+            },
+            LogStart {
+                topic: "orders".to_owned(),
+                partition: 1,
+                offset: 0,
+            },
+        ])
     }
 }
 
@@ -108,6 +115,8 @@ impl LogStarts for StartsAtOne {
 /// one batch keeps the later record's position: once the log starts at 1,
 /// record 2 can still be delivered, so its row stays (it was kept at 0 and
 /// deleted, and record 2 delivered again would have been handled twice).
+/// A message read in two partitions of one batch keeps no position: it
+/// goes by age (here a retention of zero), not by one partition's log.
 /// Optimistic and with savepoints.
 #[tokio::test]
 async fn a_message_read_twice_in_one_batch_keeps_its_later_record() {
@@ -126,9 +135,10 @@ async fn a_message_read_twice_in_one_batch_keeps_its_later_record() {
                 serde_json::json!({ "order": id }),
             )
         };
-        for id in ["twice", "other", "twice"] {
+        for id in ["twice", "other", "twice", "spread"] {
             broker.produce("orders", 0, order(id));
         }
+        broker.produce("orders", 1, order("spread"));
         let mut batch = BatchConfig::new(10);
         batch.linger = Duration::ZERO;
         batch.isolation = isolation;
@@ -146,11 +156,11 @@ async fn a_message_read_twice_in_one_batch_keeps_its_later_record() {
             .next_batch(batch)
             .await
             .unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(messages.len(), 3, "{isolation:?}: one batch");
+        assert_eq!(messages.len(), 5, "{isolation:?}: one batch");
         runner.process_batch(messages).await;
         assert_eq!(
             broker.acked("billing", "orders", 0),
-            Some(3),
+            Some(4),
             "{isolation:?}"
         );
         for id in ["twice", "other"] {
@@ -177,5 +187,13 @@ async fn a_message_read_twice_in_one_batch_keeps_its_later_record() {
             "{isolation:?}: its record at 2 can still come: {report:?}"
         );
         assert_eq!(report.deleted_below_log_start, 0, "{isolation:?}");
+        assert!(
+            store
+                .find("spread", "billing")
+                .await
+                .unwrap_or_else(|e| panic!("{e}"))
+                .is_none(),
+            "{isolation:?}: read in two partitions, it went by age: {report:?}"
+        );
     }
 }

@@ -43,6 +43,10 @@ impl std::fmt::Debug for KafkaLogStarts {
     }
 }
 
+/// How long one maintenance run asks where the partitions start, in all:
+/// within `LOG_STARTS_DEADLINE` (60 s), so what was told by then is used.
+const ASK_BUDGET: std::time::Duration = std::time::Duration::from_secs(45);
+
 impl KafkaLogStarts {
     /// The log starts of `topics`, asked of `kafka`'s brokers (with its
     /// security; its group is not used).
@@ -89,6 +93,7 @@ impl KafkaLogStarts {
     }
 
     async fn ask(&self) -> Result<Vec<LogStart>, KafkaError> {
+        let asked = std::time::Instant::now();
         let client = self.client().await?;
         let listed = within(
             "listing the topics",
@@ -107,16 +112,28 @@ impl KafkaLogStarts {
                 continue;
             };
             for &partition in &t.partitions {
+                // what was asked within the budget is told, so one slow
+                // cluster with many partitions still lets rows go (the
+                // partitions not asked keep theirs this run)
+                let Some(left) = ASK_BUDGET.checked_sub(asked.elapsed()) else {
+                    tracing::warn!(%topic, partition, "where the partitions start was asked for longer than its budget: the partitions not asked keep their completed rows this run");
+                    return Ok(starts);
+                };
                 // one partition that cannot tell (its leader moving) keeps
                 // only its own rows this run
-                match self.log_start(client, topic, partition).await {
-                    Ok(offset) => starts.push(LogStart {
+                let told =
+                    tokio::time::timeout(left, self.log_start(client, topic, partition)).await;
+                match told {
+                    Ok(Ok(offset)) => starts.push(LogStart {
                         topic: topic.clone(),
                         partition,
                         offset,
                     }),
-                    Err(e) => {
+                    Ok(Err(e)) => {
                         tracing::warn!(%topic, partition, error = %e, "where the partition starts is not known this run: its completed rows are kept");
+                    }
+                    Err(_) => {
+                        tracing::warn!(%topic, partition, "where the partition starts was not told within the run's budget: its completed rows are kept");
                     }
                 }
             }

@@ -31,18 +31,7 @@ impl InboxTransaction for MemTx {
         let key = (row.message_id.clone(), row.consumer_group.clone());
         if let Some(id) = s.keys.get(&key).copied() {
             let status = s.rows.get(&id).map_or(InboxStatus::Pending, |r| r.status);
-            // as PostgreSQL's store (at once, not staged: a position only
-            // ever moves to what can still be delivered)
-            if let Some(at) = &row.position
-                && let Some(kept) = s.positions.get(&id)
-            {
-                let same = kept.topic == at.topic && kept.partition == at.partition;
-                if same && at.offset > kept.offset {
-                    s.positions.insert(id, at.clone());
-                } else if !same {
-                    s.positions.remove(&id);
-                }
-            }
+            move_position(&mut s, id, row.position.as_ref());
             return Ok(RowRef {
                 id,
                 found: Found::Existing(status),
@@ -51,7 +40,9 @@ impl InboxTransaction for MemTx {
         if let Some((owner, id)) = s.reserved.get(&key).copied() {
             // Inserted by an open transaction: another one holds the row (as
             // PostgreSQL would make us wait, then see it); this one sees its
-            // own insert.
+            // own insert. Its position moves as PostgreSQL's read after a
+            // raced insert moves it.
+            move_position(&mut s, id, row.position.as_ref());
             let status = if owner == self.id {
                 self.staged_status(id).unwrap_or(InboxStatus::Pending)
             } else {
@@ -491,5 +482,23 @@ impl ParkingTx for MemTx {
         self.store.state().take_fault(StoreFault::Park)?;
         self.staged.push(Staged::Unpark(id));
         Ok(())
+    }
+}
+
+/// Row `id`'s message read again at `at`: its position moves as
+/// PostgreSQL's store moves it ([`inbox_core::Position::kept`]), at once,
+/// not staged (a position only ever moves to what can still be
+/// delivered, or goes).
+fn move_position(s: &mut State, id: RowId, at: Option<&inbox_core::Position>) {
+    if at.is_none() {
+        return;
+    }
+    match inbox_core::Position::kept(s.positions.get(&id), at) {
+        Some(kept) => {
+            s.positions.insert(id, kept);
+        }
+        None => {
+            s.positions.remove(&id);
+        }
     }
 }

@@ -36,7 +36,7 @@ use crate::consumer::Consumer;
 use crate::decision::{self, AckPoint, Policy};
 use crate::error::{PersistStage, StoreError, StoreErrorKind, ValidationError};
 use crate::isolation::Isolation;
-use crate::model::{Message, NewInboxRow, PartitionKey, Position, RowId};
+use crate::model::{Message, NewInboxRow, PartitionKey, RowId};
 use crate::observability::metrics::{MetricEvent, Metrics};
 use crate::replay::{Ended, Replay};
 use crate::routing::handler::Handler;
@@ -440,7 +440,14 @@ where
                 fail_all(slots, PersistStage::Insert, e);
                 return None;
             }
-            match tx.insert_or_get(&self.new_row(slots, i)).await {
+            let inserted = match tx.insert_or_get(&self.new_row(&slots[i])).await {
+                Ok(r) => self
+                    .move_to_later_records(slots, i, &mut tx)
+                    .await
+                    .map(|()| r),
+                Err(e) => Err(e),
+            };
+            match inserted {
                 Ok(r) => {
                     state.insert(key, (r.id, r.found));
                 }
@@ -490,29 +497,40 @@ where
         Some(Opened { tx, open, state })
     }
 
-    /// The inbox row of `slots[i]`'s message, with the status its handling
-    /// inserts it with, and the position it keeps: the same message read
-    /// again later in the batch (a producer's retry, an open valid slot)
-    /// moves it as a delivery in a later batch would ([`Position::kept`]),
-    /// so the row is not deleted while that later record can come.
-    fn new_row(&self, slots: &[Slot], i: usize) -> NewInboxRow {
-        let slot = &slots[i];
-        let mut row = NewInboxRow::for_message(
+    /// The inbox row of `slot`'s message, with the status its handling
+    /// inserts it with.
+    fn new_row(&self, slot: &Slot) -> NewInboxRow {
+        NewInboxRow::for_message(
             &slot.message,
             &self.config.consumer_group,
             self.config.max_attempts,
         )
-        .with_status(decision::insert_status(slot.policy));
+        .with_status(decision::insert_status(slot.policy))
+    }
+
+    /// The same message read again later in the batch than `slots[i]`
+    /// (a producer's retry, whatever becomes of that copy): each such
+    /// record moves the row's position as a delivery in a later batch
+    /// would (the later offset of the same partition, none once read in
+    /// two: [`Position::kept`](crate::Position::kept), which the store
+    /// applies), so the row is not
+    /// deleted while that later record can come.
+    async fn move_to_later_records(
+        &self,
+        slots: &[Slot],
+        i: usize,
+        tx: &mut S::Tx,
+    ) -> Result<(), StoreError> {
+        let first = &slots[i].message;
         for later in &slots[i + 1..] {
-            if later.message.message_id == slot.message.message_id
-                && matches!(later.fate, Fate::Open)
-                && later.invalid.is_none()
+            if later.message.message_id == first.message_id
+                && later.message.position.is_some()
+                && later.message.position != first.position
             {
-                row.position =
-                    Position::kept(row.position.as_ref(), later.message.position.as_ref());
+                tx.insert_or_get(&self.new_row(later)).await?;
             }
         }
-        row
+        Ok(())
     }
 
     /// One multi-row insert-or-get for the distinct keys of the open valid
@@ -525,12 +543,14 @@ where
     ) -> Result<HashMap<String, (RowId, Found)>, StoreError> {
         let mut rows: Vec<NewInboxRow> = Vec::new();
         let mut keys: Vec<&str> = Vec::new();
+        let mut firsts: Vec<usize> = Vec::new();
         for &i in open {
             let s = &slots[i];
             let key = s.message.message_id.as_str();
             if s.invalid.is_none() && !keys.contains(&key) {
                 keys.push(key);
-                rows.push(self.new_row(slots, i));
+                firsts.push(i);
+                rows.push(self.new_row(s));
             }
         }
         if rows.is_empty() {
@@ -542,6 +562,9 @@ where
                 StoreErrorKind::Other,
                 "insert_or_get_many returned a result count unlike the rows'",
             ));
+        }
+        for i in firsts {
+            self.move_to_later_records(slots, i, tx).await?;
         }
         Ok(keys
             .into_iter()

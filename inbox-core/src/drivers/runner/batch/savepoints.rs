@@ -123,7 +123,7 @@ where
             None => {
                 // its row was discarded after an earlier occurrence failed
                 let r = tx
-                    .insert_or_get(&self.new_row(slots, i))
+                    .insert_or_get(&self.new_row(&slots[i]))
                     .await
                     .map_err(|e| (PersistStage::Insert, e))?;
                 (r.id, r.found)

@@ -194,8 +194,9 @@ async fn a_copy_answered_late_holds_nothing_and_never_leaves_the_coordinator_ahe
 
     // the operator moves the group back to 3: at once, and its own copy
     // reaches the coordinator
+    // well under the 10 s the old hold kept a claim waiting
     let moved = tokio::time::timeout(
-        Duration::from_secs(5),
+        Duration::from_secs(9),
         inbox_kafka::move_offsets(
             &env.kafka_config("billing"),
             &env.store,
@@ -217,6 +218,9 @@ async fn a_copy_answered_late_holds_nothing_and_never_leaves_the_coordinator_ahe
         .await,
         "released"
     );
+    // forwarded once released: let the coordinator apply it before
+    // looking (else the loop could read 3 before the late copy landed)
+    tokio::time::sleep(Duration::from_secs(1)).await;
     // the member goes on polling: it finds its copy landed under an epoch
     // that moved, and copies what PostgreSQL holds
     let want = serde_json::json!({"0": 3});

@@ -201,14 +201,14 @@ async fn a_frozen_broker_stops_nothing_for_good() {
 }
 
 /// How many sessions of `store`'s database have sat in an open
-/// transaction for over a second (a copy to the coordinator holding a
-/// connection while it waits; the runners' and the relay's own
-/// transactions sit there for milliseconds).
+/// transaction for over three seconds (a copy to the coordinator holding a
+/// connection while it waits, up to 10 s; the runners' and the relay's own
+/// transactions sit there for milliseconds, a loaded machine's for longer).
 async fn holds(store: &PgStore) -> i64 {
     count(
         store,
         "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-           AND state LIKE 'idle in transaction%' AND state_change < now() - interval '1 second'",
+           AND state LIKE 'idle in transaction%' AND state_change < now() - interval '3 seconds'",
         vec![],
     )
     .await
@@ -312,7 +312,7 @@ async fn copies_to_a_frozen_coordinator_hold_nothing_in_postgresql() {
     }
     assert_eq!(most, 0, "sessions holding something while copies wait");
     assert!(
-        slowest_claim < Duration::from_secs(2),
+        slowest_claim < Duration::from_secs(5),
         "a claim of the group waited {slowest_claim:?} for a copy"
     );
 }

@@ -34,7 +34,7 @@ use inbox_core::{
 use inbox_postgres::sea_orm::ConnectionTrait;
 use inbox_postgres::{PgStore, PgTx};
 use inbox_testkit::MemBroker;
-use inbox_testkit::pg::fresh_store;
+use inbox_testkit::pg::{count, fresh_store};
 use inbox_testkit::scenarios::{Act, ScenarioStore, ScriptedHandler, WriteInvoice};
 
 const ORDERS: [&str; 7] = ["bad-1", "ok-2", "ok-3", "ok-4", "ok-5", "ok-6", "ok-7"];
@@ -191,7 +191,8 @@ async fn an_internal_error_in_a_handler_counts_once_retried_for_its_bound() {
         let store = shape_checking_store().await;
         let broker = orders();
         let handler = std::sync::Arc::new(ChecksShape::default());
-        let within = Duration::from_millis(700);
+        // long enough for an uncounted retry on a loaded machine
+        let within = Duration::from_secs(2);
         let mut runner = Runner::new(
             store.clone(),
             broker.consumer("billing"),
@@ -214,8 +215,10 @@ async fn an_internal_error_in_a_handler_counts_once_retried_for_its_bound() {
             started.elapsed() >= within,
             "{how}: retried without counting for its bound first"
         );
+        // the budget's attempts, and at least one retry that did not count
+        // (a loaded machine runs few in the bound)
         assert!(
-            handler.calls.of("bad-1") > 2 * BUDGET as usize,
+            handler.calls.of("bad-1") > BUDGET as usize,
             "{how}: uncounted retries before the counted ones: {} calls",
             handler.calls.of("bad-1")
         );
@@ -234,16 +237,28 @@ async fn the_bound_in_time_holds_across_a_restart() {
         first.clone(),
         config(Mode::PerMessage, Duration::from_secs(3600)),
     );
-    let started = tokio::time::Instant::now();
-    drive(
-        &mut runner,
-        &broker,
-        Mode::PerMessage,
-        7,
-        Duration::from_secs(10),
-        || started.elapsed() > Duration::from_millis(1200) && first.calls.of("bad-1") >= 5,
-    )
-    .await;
+    // until the row's note is over 1.5 s old (by the database's clock, which
+    // the second runner's bound reads too)
+    let noted_long_ago = "SELECT count(*) FROM inbox WHERE message_id = 'bad-1' \
+                          AND uncounted_since < now() - interval '1500 milliseconds'";
+    for _ in 0..100 {
+        drive(
+            &mut runner,
+            &broker,
+            Mode::PerMessage,
+            7,
+            Duration::from_millis(200),
+            || false,
+        )
+        .await;
+        if count(&store, noted_long_ago, vec![])
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            == 1
+        {
+            break;
+        }
+    }
     drop(runner);
     assert_eq!(dead_letters(&store, "bad-1").await, 0, "not given up yet");
     let (_, attempts) = row_of(&store, "billing", "bad-1").await;

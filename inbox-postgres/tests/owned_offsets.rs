@@ -56,7 +56,7 @@ async fn owned_offsets_gives_what_the_epoch_holds_and_holds_nothing() {
     .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(locks, 0, "no advisory lock held");
     let claim = tokio::time::timeout(
-        Duration::from_secs(5),
+        Duration::from_secs(9),
         store.claim_partition("billing", "orders", 0),
     )
     .await

@@ -44,8 +44,18 @@ async fn a_raced_insert_moves_the_position_too() {
             found
         }
     });
-    // B waits on A's key
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // B waits on A's key (a backend of this database waiting for a lock)
+    let waiting = "SELECT count(*) FROM pg_stat_activity \
+                   WHERE datname = current_database() AND wait_event_type = 'Lock'";
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while count(&store, waiting, vec![])
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        == 0
+    {
+        assert!(tokio::time::Instant::now() < deadline, "B never waited");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert!(!b.is_finished(), "B waits for A");
     a.commit().await.unwrap_or_else(|e| panic!("{e}"));
     let found = b.await.unwrap_or_else(|e| panic!("{e}"));

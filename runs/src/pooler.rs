@@ -38,7 +38,7 @@ const SUITES: &[&[&str]] = &[
         "--test",
         "membership",
         "--test",
-        "offsets_hold",
+        "owned_offsets",
         "--test",
         "transient",
         "--test",

@@ -175,7 +175,7 @@ async fn a_member_fenced_by_a_move_copies_nothing_to_the_coordinator() {
     // its next poll, once it sees that copy overtaken by the move's claim
     let want = serde_json::json!({"0": 3});
     let mut seen = committed(&env, "billing");
-    for _ in 0..20 {
+    for _ in 0..40 {
         if seen == want {
             break;
         }

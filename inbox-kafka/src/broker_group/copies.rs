@@ -142,9 +142,12 @@ impl BrokerCommits {
         self.running.as_ref().is_some_and(|t| !t.is_finished())
     }
 
-    /// The copies of the group to check now, at most once an interval
-    /// (none: not yet, or nothing to check).
-    pub(crate) fn due_checks(&mut self) -> Vec<Copied> {
+    /// The copies of the group to check now, of the partitions `mine`
+    /// (those this consumer reads, and so its store keeps: another
+    /// consumer of the same group name in this process may keep its
+    /// offsets elsewhere), at most once an interval (none: not yet, or
+    /// nothing to check).
+    pub(crate) fn due_checks(&mut self, mine: &[PartitionKey]) -> Vec<Copied> {
         if self
             .last_check
             .is_some_and(|at| at.elapsed() < self.interval)
@@ -153,7 +156,10 @@ impl BrokerCommits {
         }
         self.last_check = Some(Instant::now());
         checks(&self.key, |c| {
-            c.iter().map(|(copied, _)| copied.clone()).collect()
+            c.iter()
+                .filter(|((t, p, ..), _)| mine.iter().any(|(mt, mp)| (mt, mp) == (t, p)))
+                .map(|(copied, _)| copied.clone())
+                .collect()
         })
     }
 

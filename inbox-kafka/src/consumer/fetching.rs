@@ -403,7 +403,7 @@ impl<O: OffsetStore> KafkaConsumer<O> {
         if broker.busy() {
             return;
         }
-        let to_check = broker.due_checks();
+        let to_check = broker.due_checks(&self.config.partitions);
         let again = if to_check.is_empty() {
             Vec::new()
         } else {

@@ -374,3 +374,121 @@ async fn a_rolling_restart_loses_and_doubles_nothing() {
     run.settle(enqueued, Duration::from_secs(60)).await;
     run.stop().await;
 }
+
+/// A partition whose only replica's node is down when the consumer starts
+/// (its leader cannot be reached) holds back none of the others: the
+/// consumer connects, reads and handles the other partitions, and takes
+/// the offline one in once its node is back. Before, the connect failed
+/// whole after its timeout, and a group member's lanes read none of the
+/// member's partitions while that one leader was down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_offline_partition_holds_back_none_of_the_others() {
+    use rskafka::client::partition::{Compression, UnknownTopicHandling};
+    let mut cluster = cluster().lock().await;
+    let store = fresh_store().await.unwrap_or_else(|e| panic!("{e}"));
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let topic = format!("offline-{nanos}");
+    cluster
+        .create_topic_with(&topic, PARTITIONS, 1)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let leaders: Vec<i32> = (0..PARTITIONS)
+        .map(|p| cluster.leader(&topic, p).unwrap_or_else(|e| panic!("{e}")))
+        .collect();
+    let down = leaders[0];
+    let online: Vec<i32> = (0..PARTITIONS)
+        .filter(|&p| leaders[usize::try_from(p).unwrap_or(0)] != down)
+        .collect();
+    assert!(!online.is_empty(), "the partitions' leaders: {leaders:?}");
+    // five records on every partition while every node is up
+    let client = cluster.client().await.unwrap_or_else(|e| panic!("{e}"));
+    for p in 0..PARTITIONS {
+        let records = (0..5)
+            .map(|i| {
+                let id = format!("p{p}-{i}");
+                inbox_testkit::kafka::json_record(
+                    &json!({ "order": id }),
+                    &[("message_id", &id), ("event_type", "order.created")],
+                )
+            })
+            .collect();
+        client
+            .partition_client(topic.clone(), p, UnknownTopicHandling::Retry)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .produce(records, Compression::NoCompression)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    cluster.stop(down).unwrap_or_else(|e| panic!("{e}"));
+    let group = format!("offline-{nanos}");
+    let mut config = kafka(
+        &cluster.bootstrap(),
+        &group,
+        (0..PARTITIONS).map(|p| (topic.clone(), p)).collect(),
+    );
+    config.broker_commit_interval = None;
+    config.fetch_backoff =
+        inbox_core::Backoff::new(Duration::from_millis(200), Duration::from_secs(1), 2.0);
+    let consumer = KafkaConsumer::connect(config, store.clone())
+        .await
+        .unwrap_or_else(|e| panic!("the consumer connects with one leader down: {e}"));
+    let pending = consumer.pending_partitions();
+    assert!(
+        pending.contains(&(topic.clone(), 0)),
+        "partition 0 waits for its leader: {pending:?}"
+    );
+    let mut runner = Runner::new(
+        store.clone(),
+        consumer,
+        ScriptedHandler::new([], Act::Succeed),
+        common::config(&group, inbox_core::AckStrategy::default()),
+    );
+    let cancel = CancellationToken::new();
+    let consuming = tokio::spawn({
+        let cancel = cancel.clone();
+        async move {
+            while !cancel.is_cancelled() {
+                let _ = runner.process_one().await;
+            }
+            runner
+        }
+    });
+    let handled = async || {
+        sql(
+            &store,
+            "SELECT count(*) FROM inbox WHERE status = 'completed'",
+        )
+        .await
+    };
+    let online_records = 5 * i64::try_from(online.len()).unwrap_or(0);
+    until(
+        "the online partitions handled with one leader down",
+        Duration::from_secs(30),
+        async || handled().await == online_records,
+    )
+    .await;
+    assert_eq!(
+        handled().await,
+        online_records,
+        "nothing of the offline partition"
+    );
+    cluster.restart(down).unwrap_or_else(|e| panic!("{e}"));
+    until(
+        "every record handled once its node is back",
+        Duration::from_secs(90),
+        async || handled().await == 5 * i64::from(PARTITIONS),
+    )
+    .await;
+    cancel.cancel();
+    let mut runner = consuming.await.unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        runner.consumer_mut().pending_partitions().is_empty(),
+        "every partition joined"
+    );
+    cluster
+        .wait_in_sync(&[&topic], Duration::from_secs(60))
+        .unwrap_or_else(|e| panic!("{e}"));
+}

@@ -1,7 +1,6 @@
 //! The Kafka consumer: fetch per partition, offsets in PostgreSQL.
 
 use inbox_core::PartitionKey;
-use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,12 +10,11 @@ use inbox_core::{
     StoreErrorKind, TxAck,
 };
 use rskafka::client::Client;
-use rskafka::client::partition::{OffsetAt, UnknownTopicHandling};
+use rskafka::client::partition::OffsetAt;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use crate::broker_group::{BrokerCommits, BrokerGroup, group_offsets};
-use crate::committed::CommittedFetch;
+use crate::broker_group::{BrokerCommits, BrokerGroup};
 pub use crate::config::{KafkaConfig, OutOfRange, StartPosition};
 use crate::decode::{RecordView, decode_or_poison};
 pub use crate::error::KafkaError;
@@ -26,6 +24,9 @@ use crate::partition::{FetchResult, Inflight, MAX_KEPT_RECORDS, Partition};
 use crate::security::Tls;
 
 mod fetching;
+mod joining;
+
+use joining::{Pending, claim_one};
 
 /// Counts offsets `from..to` of `p` as holding nothing to deliver
 /// (transaction markers, aborted or compacted records): normal, not a gap.
@@ -110,7 +111,12 @@ pub struct KafkaConsumer<O> {
     /// Woken by every fetch task that finishes.
     fetched: Arc<Notify>,
     /// The connection the partition clients share (`None` in unit tests).
-    _client: Option<Client>,
+    client: Option<Arc<Client>>,
+    /// Partitions whose leader could not be reached yet: tried again (see
+    /// [`joining`]) while the others are read.
+    pending: Vec<Pending>,
+    /// How the consumer's own connections reach the brokers.
+    dialer: Arc<crate::wire::Dialer>,
     /// This consumer's id in `config.health`.
     reporter: u64,
     /// The stored offsets copied to the group coordinator (`None`: off).
@@ -180,112 +186,50 @@ impl<O: OffsetStore> KafkaConsumer<O> {
                 every,
             )
         });
-        let mut adopted = None;
+        let client = Arc::new(client);
+        let fetched = Arc::new(Notify::new());
+        let mut pending: Vec<Pending> = config
+            .partitions
+            .iter()
+            .map(|(topic, partition)| {
+                Pending::attempt(&client, &config, topic, *partition, &fetched)
+            })
+            .collect();
         let mut partitions = Vec::with_capacity(config.partitions.len());
-        for (topic, partition) in &config.partitions {
-            let pc = within(
-                &format!("connecting to the leader of {topic}:{partition}"),
-                config.connect_timeout,
-                client.partition_client(topic.clone(), *partition, UnknownTopicHandling::Retry),
-            )
-            .await?;
-            let claim = store
-                .claim_partition(&config.consumer_group, topic, *partition)
-                .await?;
-            // every lookup of where to start has the connection's deadline
-            // (a broker that answers nothing fails the connect, never hangs it)
-            let limit = config.connect_timeout;
-            let lookup = |what: &str| format!("{what} of {topic}:{partition}");
-            let next_fetch = match claim.next_offset {
-                Some(o) => o,
-                None => match &config.start {
-                    StartPosition::Earliest => {
-                        within(
-                            &lookup("the earliest offset"),
-                            limit,
-                            pc.get_offset(OffsetAt::Earliest),
-                        )
-                        .await?
+        let mut adopted = None;
+        let mut last_error = None;
+        for p in &mut pending {
+            // the partitions' leaders are reached side by side, each within
+            // the connect timeout; one that cannot be reached is tried again
+            // while the others are read
+            match p.finished().await {
+                Some(Ok(pc)) => {
+                    let claimed = claim_one(
+                        &config,
+                        &store,
+                        &dialer,
+                        reporter,
+                        pc,
+                        &p.topic,
+                        p.partition,
+                        &mut adopted,
+                    )
+                    .await;
+                    match claimed {
+                        Ok(partition) => partitions.push(partition),
+                        Err(e @ KafkaError::Offsets(_)) => return Err(e),
+                        Err(e) => last_error = Some(p.failed(e, &config)),
                     }
-                    StartPosition::Latest => {
-                        within(
-                            &lookup("the latest offset"),
-                            limit,
-                            pc.get_offset(OffsetAt::Latest),
-                        )
-                        .await?
-                    }
-                    StartPosition::Timestamp(t) => {
-                        let found = async {
-                            let bounds = crate::offsets::bounds(&pc).await?;
-                            crate::offsets::offset_at_time(&pc, *t, &config, bounds).await
-                        };
-                        within(&lookup("the offset at a time"), limit, found).await?
-                    }
-                    StartPosition::GroupOffsets(group) => {
-                        // read once, for every partition, when the first
-                        // partition without a stored offset needs them
-                        if adopted.is_none() {
-                            adopted = Some(
-                                deadline(
-                                    &format!("the offsets of Kafka group {group:?}"),
-                                    limit,
-                                    group_offsets(Arc::clone(&dialer), group, &config.partitions),
-                                )
-                                .await?,
-                            );
-                        }
-                        let theirs = adopted
-                            .as_ref()
-                            .and_then(|a| a.get(&(topic.clone(), *partition)));
-                        match theirs {
-                            Some(o) => *o,
-                            None => {
-                                within(
-                                    &lookup("the earliest offset"),
-                                    limit,
-                                    pc.get_offset(OffsetAt::Earliest),
-                                )
-                                .await?
-                            }
-                        }
-                    }
-                },
-            };
-            tracing::info!(%topic, partition, epoch = claim.owner_epoch, next_fetch, "partition claimed");
-            config
-                .health
-                .claimed(reporter, topic, *partition, next_fetch);
-            partitions.push(Partition {
-                client: Arc::new(CommittedFetch::new(
-                    pc,
-                    Arc::clone(&dialer),
-                    topic.clone(),
-                    *partition,
-                    config.read_committed,
-                )),
-                topic: topic.clone(),
-                partition: *partition,
-                epoch: claim.owner_epoch,
-                next_fetch,
-                buffer: VecDeque::new(),
-                buffered_bytes: 0,
-                delivered: VecDeque::new(),
-                delivered_bytes: 0,
-                high_watermark: next_fetch,
-                end_at_start: None,
-                fenced: false,
-                stopped: false,
-                held_until: None,
-                fetch_errors: 0,
-                inflight: None,
-                stored: claim.next_offset,
-                resync: false,
-                start: next_fetch,
-                read_on: None,
-                markers: None,
-                label: inbox_core::topic_label(topic),
-            });
+                }
+                Some(Err(e)) => last_error = Some(p.failed(e, &config)),
+                None => {}
+            }
+        }
+        pending.retain(|p| p.failures > 0);
+        if partitions.is_empty()
+            && let Some(e) = last_error
+        {
+            return Err(e);
         }
         Ok(Self {
             group: config.consumer_group.clone(),
@@ -295,8 +239,10 @@ impl<O: OffsetStore> KafkaConsumer<O> {
             metrics: Arc::new(NoopMetrics),
             store,
             stats: ConsumerStats::default(),
-            fetched: Arc::new(Notify::new()),
-            _client: Some(client),
+            fetched,
+            client: Some(client),
+            dialer,
+            pending,
             reporter,
             broker,
         })
@@ -361,6 +307,7 @@ impl<O: OffsetStore> Consumer for KafkaConsumer<O> {
         // hanging partition holds back no other. Wait for fetches at most
         // one broker wait and a grace before answering `None`.
         let deadline = Instant::now() + self.config.max_wait + FETCH_GRACE;
+        self.join_pending().await;
         for index in 0..self.partitions.len() {
             if self.partitions[index].markers.is_some() {
                 self.store_past_markers(index).await;
@@ -553,6 +500,7 @@ mod tests {
     use super::*;
     use crate::fetch::Fetch;
     use crate::wire::{Fetched, Record};
+    use std::collections::VecDeque;
 
     /// A partition at a fake broker: its records, or an error on every fetch.
     struct Fake {
@@ -708,16 +656,19 @@ mod tests {
             .iter()
             .map(|p| (p.topic.clone(), p.partition))
             .collect();
+        let config = KafkaConfig::new(Vec::new(), "billing", keys);
         KafkaConsumer {
             group: "billing".into(),
-            config: KafkaConfig::new(Vec::new(), "billing", keys),
+            dialer: Arc::new(config.dialer(None)),
+            config,
             partitions,
             cursor: 0,
             metrics: Arc::new(NoopMetrics),
             store: NoOffsets,
             stats: ConsumerStats::default(),
             fetched: Arc::new(Notify::new()),
-            _client: None,
+            client: None,
+            pending: Vec::new(),
             reporter: 0,
             broker: None,
         }

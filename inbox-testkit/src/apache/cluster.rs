@@ -483,6 +483,22 @@ impl Cluster {
     /// A [`HarnessError`] when the cluster refuses.
     pub async fn create_topic(&self, name: &str, partitions: i32) -> Result<(), HarnessError> {
         let replicas = i16::try_from(self.plan.nodes.len().min(3)).unwrap_or(3);
+        self.create_topic_with(name, partitions, replicas).await
+    }
+
+    /// Creates `name` with `partitions` of `replicas` replicas each (1: a
+    /// partition is offline while its one node is down), and waits until
+    /// every partition has a leader.
+    ///
+    /// # Errors
+    ///
+    /// A [`HarnessError`] when the cluster refuses.
+    pub async fn create_topic_with(
+        &self,
+        name: &str,
+        partitions: i32,
+        replicas: i16,
+    ) -> Result<(), HarnessError> {
         let client = self.client().await?;
         client
             .controller_client()

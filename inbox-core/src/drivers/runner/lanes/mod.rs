@@ -135,9 +135,10 @@ struct State {
     /// Messages without a position (nothing to order them by), for the
     /// next lane that asks.
     loose: VecDeque<Message>,
-    /// Whether the shared consumer's partitions were taken in (their
-    /// parked keys are read before any of their records arrives).
-    assigned_known: bool,
+    /// How many of the shared consumer's partitions were taken in when
+    /// it last told them (their parked keys are read before any of their
+    /// records arrives; a partition that joins later is taken in then).
+    assigned_seen: Option<usize>,
 }
 
 impl State {

@@ -111,16 +111,21 @@ impl State {
 }
 
 impl<C: Consumer> Shared<C> {
-    /// Takes in the shared consumer's partitions once (with parking: a
+    /// Takes in the shared consumer's partitions (with parking: a
     /// partition whose parked keys wait and that gets no new record is
-    /// drained all the same), each with its ownership.
+    /// drained all the same), each with its ownership: at the first pull,
+    /// and again whenever the consumer reads another number of them (a
+    /// partition whose leader was reached late joins).
     pub(super) fn take_in_assigned(&self, inner: &C) {
-        if self.park_after.is_none() || self.state().assigned_known {
+        if self.park_after.is_none() {
             return;
         }
         let assigned = inner.assigned();
         let mut state = self.state();
-        state.assigned_known = true;
+        if state.assigned_seen == Some(assigned.len()) {
+            return;
+        }
+        state.assigned_seen = Some(assigned.len());
         for key in assigned {
             if state.parts.contains_key(&key) {
                 continue;

@@ -145,6 +145,16 @@ struct Entry<T> {
     held_until: Option<Instant>,
 }
 
+/// One key's records in hand and behind them.
+#[derive(Debug, Default)]
+struct Line {
+    /// Records in hand: ready, delivered or rewound (more than one only
+    /// in the one lane that follows the key: see [`KeyedFlow::next_for`]).
+    in_hand: usize,
+    /// Its later records, not handed out, in offset order.
+    later: VecDeque<i64>,
+}
+
 #[derive(Debug, Default)]
 struct Lane {
     /// Offsets handed to it and not acknowledged, in offset order.
@@ -160,9 +170,9 @@ pub struct KeyedFlow<T> {
     limits: FlowLimits,
     /// Every record offered and not yet below the watermark.
     entries: BTreeMap<i64, Entry<T>>,
-    /// Per key with a record in hand (ready, delivered or rewound), its
-    /// later records, in offset order.
-    behind: HashMap<FlowKey, VecDeque<i64>>,
+    /// Per key with a record in hand (ready, delivered or rewound): how
+    /// many, and its later records, in offset order.
+    behind: HashMap<FlowKey, Line>,
     /// Records whose key is free, for the next lane that asks, lowest
     /// offset first.
     ready: BTreeSet<i64>,
@@ -225,9 +235,15 @@ impl<T: Clone> KeyedFlow<T> {
             return false;
         }
         match self.behind.get_mut(&key) {
-            Some(later) => later.push_back(offset),
+            Some(line) => line.later.push_back(offset),
             None => {
-                self.behind.insert(key.clone(), VecDeque::new());
+                self.behind.insert(
+                    key.clone(),
+                    Line {
+                        in_hand: 1,
+                        later: VecDeque::new(),
+                    },
+                );
                 self.ready.insert(offset);
             }
         }
@@ -247,11 +263,14 @@ impl<T: Clone> KeyedFlow<T> {
     }
 
     /// The next record for `lane` at `now`: the lowest of its rewound
-    /// records whose hold has passed and of the records whose key is free,
-    /// above what the lane holds unacknowledged (a lane's records are
-    /// handed out in offset order until it acknowledges them, so that its
-    /// cumulative acknowledgement means what a partition's does). A
-    /// rewound record still held holds nothing but its key.
+    /// records whose hold has passed, of the records whose key is free,
+    /// and of the next records of the keys the lane holds (a lane
+    /// gathering a batch *follows* a key: its next record joins the same
+    /// batch, after the one before it), above what the lane holds
+    /// unacknowledged (a lane's records are handed out in offset order
+    /// until it acknowledges them, so that its cumulative acknowledgement
+    /// means what a partition's does). A rewound record still held holds
+    /// nothing but its key.
     pub fn next_for(&mut self, lane: usize, now: Instant) -> Option<(i64, T)> {
         let l = self.lanes.get(lane)?;
         let above = l
@@ -273,16 +292,35 @@ impl<T: Clone> KeyedFlow<T> {
                 .find(|o| entries.get(o).is_none_or(|e| !blocked.contains(&e.key)))
                 .copied()
         };
-        let offset = match (own, free) {
-            (Some(own), Some(free)) => own.min(free),
-            (own, free) => own.or(free)?,
-        };
-        let l = self.lanes.get_mut(lane)?;
-        if own == Some(offset) {
-            l.redeliver.remove(&offset);
+        let behind = &self.behind;
+        let follow = l
+            .delivered
+            .iter()
+            .filter_map(|o| entries.get(o))
+            .filter(|e| !blocked.contains(&e.key))
+            .filter_map(|e| Some((behind.get(&e.key)?.later.front().copied()?, &e.key)))
+            .filter(|&(o, _)| o >= above)
+            .min_by_key(|&(o, _)| o);
+        let offset = [own, free, follow.map(|(o, _)| o)]
+            .into_iter()
+            .flatten()
+            .min()?;
+        if let Some((o, key)) = follow
+            && o == offset
+        {
+            let key = key.clone();
+            if let Some(line) = self.behind.get_mut(&key) {
+                line.later.pop_front();
+                line.in_hand += 1;
+            }
+        } else if own == Some(offset) {
+            if let Some(l) = self.lanes.get_mut(lane) {
+                l.redeliver.remove(&offset);
+            }
         } else {
             self.ready.remove(&offset);
         }
+        let l = self.lanes.get_mut(lane)?;
         l.delivered.push(offset);
         let entry = self.entries.get_mut(&offset)?;
         entry.state = State::Delivered(lane);
@@ -307,17 +345,40 @@ impl<T: Clone> KeyedFlow<T> {
 
     /// `lane`'s records from `offset` on are to be delivered again: they
     /// are handed back to it, lowest first, each once its
-    /// [hold](Self::hold) (if any) has passed. Their keys stay theirs.
+    /// [hold](Self::hold) (if any) has passed. Their keys stay theirs. A
+    /// record of a key the lane holds a lower record of (it followed the
+    /// key) goes back behind that one instead: it waits for it.
     pub fn rewind(&mut self, lane: usize, offset: i64) {
         let Some(l) = self.lanes.get_mut(lane) else {
             return;
         };
         let (back, kept): (Vec<i64>, Vec<i64>) = l.delivered.iter().partition(|&&o| o >= offset);
         l.delivered = kept;
+        let mut held: HashSet<FlowKey> = l
+            .delivered
+            .iter()
+            .chain(l.redeliver.iter())
+            .filter_map(|o| self.entries.get(o).map(|e| e.key.clone()))
+            .collect();
+        let mut waits: Vec<(FlowKey, i64)> = Vec::new();
         for o in back {
-            l.redeliver.insert(o);
-            if let Some(e) = self.entries.get_mut(&o) {
+            let Some(e) = self.entries.get_mut(&o) else {
+                continue;
+            };
+            if held.contains(&e.key) {
+                e.state = State::Waiting;
+                waits.push((e.key.clone(), o));
+            } else {
+                held.insert(e.key.clone());
                 e.state = State::Redeliver(lane);
+                l.redeliver.insert(o);
+            }
+        }
+        // highest first, each to the front: they keep their offset order
+        for (key, o) in waits.into_iter().rev() {
+            if let Some(line) = self.behind.get_mut(&key) {
+                line.in_hand = line.in_hand.saturating_sub(1);
+                line.later.push_front(o);
             }
         }
     }
@@ -381,8 +442,8 @@ impl<T: Clone> KeyedFlow<T> {
     /// (not handed out), in offset order: what a lane parking that record
     /// parks with it ([`finish_waiting`](Self::finish_waiting)).
     pub fn waiting_of(&self, key: &FlowKey, max: usize) -> Vec<(i64, T)> {
-        self.behind.get(key).map_or_else(Vec::new, |later| {
-            later
+        self.behind.get(key).map_or_else(Vec::new, |line| {
+            line.later
                 .iter()
                 .take(max)
                 .filter_map(|o| self.entries.get(o).map(|e| (*o, e.item.clone())))
@@ -399,13 +460,13 @@ impl<T: Clone> KeyedFlow<T> {
     pub fn finish_waiting(&mut self, key: &FlowKey, offsets: &[i64]) -> usize {
         let mut finished = 0;
         for &o in offsets {
-            let Some(later) = self.behind.get_mut(key) else {
+            let Some(line) = self.behind.get_mut(key) else {
                 break;
             };
-            if later.front() != Some(&o) {
+            if line.later.front() != Some(&o) {
                 break;
             }
-            later.pop_front();
+            line.later.pop_front();
             let Some(entry) = self.entries.get_mut(&o) else {
                 continue;
             };
@@ -435,8 +496,17 @@ impl<T: Clone> KeyedFlow<T> {
         self.bytes = self.bytes.saturating_sub(entry.bytes);
         self.unfinished = self.unfinished.saturating_sub(1);
         let key = entry.key.clone();
-        match self.behind.get_mut(&key).and_then(VecDeque::pop_front) {
+        let Some(line) = self.behind.get_mut(&key) else {
+            return;
+        };
+        line.in_hand = line.in_hand.saturating_sub(1);
+        if line.in_hand > 0 {
+            // the lane following the key holds its next one already
+            return;
+        }
+        match line.later.pop_front() {
             Some(next) => {
+                line.in_hand = 1;
                 self.ready.insert(next);
             }
             None => {
@@ -582,6 +652,36 @@ mod tests {
         assert_eq!(f.next_for(0, now), None, "held");
         assert_eq!(f.next_for(0, later), Some((1, 1)));
         assert_eq!(f.ack(0, 1), Some((3, 3)));
+        assert!(f.is_idle());
+    }
+
+    /// A lane gathering a batch follows the key it holds: the key's next
+    /// records join its batch in offset order, no other lane gets them,
+    /// and when the batch is rewound at the key's first record the later
+    /// ones wait behind it again (they do not come back before it).
+    #[test]
+    fn a_lane_follows_its_key_and_a_rewind_keeps_the_key_in_order() {
+        let now = Instant::now();
+        let later = now + Duration::from_secs(1);
+        let mut f = KeyedFlow::new(FlowLimits::new(2));
+        for (o, k) in [(0, 1), (1, 1), (2, 2), (3, 1)] {
+            f.offer(o, key(k), 1, o);
+        }
+        assert_eq!(f.next_for(0, now), Some((0, 0)));
+        assert_eq!(f.next_for(0, now), Some((1, 1)), "follows key 1");
+        assert_eq!(f.next_for(1, now), Some((2, 2)), "key 1 is lane 0's");
+        assert_eq!(f.next_for(1, now), None);
+        assert_eq!(f.next_for(0, now), Some((3, 3)));
+        f.rewind(0, 0);
+        assert!(f.hold(0, 0, later));
+        assert_eq!(f.next_for(0, now), None, "1 and 3 wait behind the held 0");
+        assert_eq!(f.next_for(1, later), None, "and never in another lane");
+        assert_eq!(f.next_for(0, later), Some((0, 0)));
+        assert_eq!(f.next_for(0, later), Some((1, 1)));
+        assert_eq!(f.ack(0, 1), Some((1, 1)), "up to 2, unfinished");
+        // key 1 has nothing in a lane now: its next is free for any lane
+        assert_eq!(f.next_for(1, later), Some((3, 3)));
+        assert_eq!(f.ack(1, 3), Some((3, 3)));
         assert!(f.is_idle());
     }
 
@@ -838,12 +938,20 @@ mod tests {
                             // rewound one, already its, comes back)
                             prop_assert!(!blocked.contains(&k) || was_rewound.is_some(),
                                 "blocked key {} handed out at {}", k, o);
-                            // no other record of its key is in a lane
+                            // no record of its key is in another lane (the
+                            // lane may follow its key: its next one joins
+                            // the lane's batch)
                             for (l, d) in delivered.iter().enumerate() {
                                 for x in d {
-                                    prop_assert!(offered[x] != k || l == lane && *x == o,
+                                    prop_assert!(offered[x] != k || l == lane && *x != o,
                                         "key {} runs twice: {} and {}", k, x, o);
                                 }
+                            }
+                            // every earlier record of its key is finished, or
+                            // runs before it in this lane
+                            for (&x, &xk) in offered.range(..o) {
+                                prop_assert!(xk != k || finished.contains(&x) || delivered[lane].contains(&x),
+                                    "key {}'s {} handed out before its {}", k, o, x);
                             }
                             if first_seen.insert(o) {
                                 if let Some(&prev) = last_first.get(&k) {
@@ -878,8 +986,13 @@ mod tests {
                     Op::Rewind { lane } => {
                         if let Some(&from) = delivered[lane].first() {
                             f.rewind(lane, from);
+                            // a key's lowest comes back to the lane; its
+                            // later ones wait behind it
+                            let mut keys: HashSet<u8> = rewound[lane].keys().map(|o| offered[o]).collect();
                             for o in delivered[lane].drain(..) {
-                                rewound[lane].insert(o, start);
+                                if keys.insert(offered[&o]) {
+                                    rewound[lane].insert(o, start);
+                                }
                             }
                         }
                     }

@@ -71,17 +71,21 @@ pub enum Ordering {
 
 impl Ordering {
     /// What orders the record at `offset` with key `key` under this
-    /// ordering ([`Partition`](Self::Partition) orders like
-    /// [`Key`](Self::Key) here: its driver never asks).
+    /// ordering: under [`Partition`](Self::Partition) one key for the whole
+    /// partition (its records one at a time, in offset order, as one
+    /// key's), under [`Key`](Self::Key) its key (a keyless record orders
+    /// with nothing), under [`Unordered`](Self::Unordered) nothing.
     ///
     /// ```
     /// use inbox_core::keyed::{FlowKey, Ordering};
     /// assert_eq!(Ordering::Key.flow_key(Some(b"a"), 7), FlowKey::Key(b"a".to_vec()));
     /// assert_eq!(Ordering::Key.flow_key(None, 7), FlowKey::Alone(7));
     /// assert_eq!(Ordering::Unordered.flow_key(Some(b"a"), 7), FlowKey::Alone(7));
+    /// assert_eq!(Ordering::Partition.flow_key(Some(b"a"), 7), Ordering::Partition.flow_key(None, 8));
     /// ```
     pub fn flow_key(self, key: Option<&[u8]>, offset: i64) -> FlowKey {
         match (self, key) {
+            (Self::Partition, _) => FlowKey::Key(Vec::new()),
             (Self::Unordered, _) | (_, None) => FlowKey::Alone(offset),
             (_, Some(key)) => FlowKey::Key(key.to_vec()),
         }

@@ -514,6 +514,19 @@ impl<C> Lane<C> {
         self.index
     }
 
+    /// What the crash guard counts `message` under: once one record of it
+    /// below the log's end at the start was counted before its handler,
+    /// its later ones are no suspects. Its key under [`Ordering::Key`],
+    /// the whole partition (one key) under [`Ordering::Partition`];
+    /// nothing under `Unordered` (each record is a suspect).
+    fn guard_key<'m>(&self, message: &'m Message) -> Option<&'m [u8]> {
+        match self.shared.ordering {
+            Ordering::Key => message.key.as_deref(),
+            Ordering::Partition => Some(&[]),
+            Ordering::Unordered => None,
+        }
+    }
+
     /// Whether `message` is the parked message this lane drains (its
     /// acknowledgement and rewind are not the flow's).
     fn drains(&self, message: &Message) -> bool {
@@ -687,27 +700,23 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
         let end = part.end_at_start?;
         Some(
             pos.offset < end
-                && !(self.shared.ordering == Ordering::Key
-                    && message
-                        .key
-                        .as_ref()
-                        .is_some_and(|k| part.counted_keys.contains(k))),
+                && !self
+                    .guard_key(message)
+                    .is_some_and(|k| part.counted_keys.contains(k)),
         )
     }
 
     /// Clears `message`'s key (see [`suspect`](Consumer::suspect)).
     fn counted_before_handler(&mut self, message: &Message) {
-        let (Some(pos), Some(key)) = (&message.position, &message.key) else {
+        let (Some(pos), Some(key)) = (&message.position, self.guard_key(message)) else {
             return;
         };
-        if self.shared.ordering != Ordering::Key {
-            return;
-        }
+        let key = key.to_vec();
         let mut state = self.shared.state();
         if let Some(part) = state.parts.get_mut(&pos.partition_key())
             && part.end_at_start.is_some_and(|end| pos.offset < end)
         {
-            part.counted_keys.insert(key.clone());
+            part.counted_keys.insert(key);
         }
     }
 

@@ -542,6 +542,14 @@ impl<T: Clone> KeyedFlow<T> {
             .collect()
     }
 
+    /// Whether `lane` holds records handed to it and not yet acknowledged
+    /// or rewound.
+    pub fn lane_holds(&self, lane: usize) -> bool {
+        self.lanes
+            .get(lane)
+            .is_some_and(|l| !l.delivered.is_empty())
+    }
+
     /// The lowest offset in hand and not finished (`None`: none).
     pub fn lowest_unfinished(&self) -> Option<i64> {
         self.entries

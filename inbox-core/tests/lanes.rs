@@ -281,6 +281,69 @@ async fn keys_run_side_by_side_each_key_in_order_each_message_once() {
     }
 }
 
+/// `Ordering::Partition` over lanes (a partition is one key), in batches:
+/// each partition in offset order, one batch at a time, each message once,
+/// and the partitions side by side in different lanes. A lane's batch
+/// holds one partition's records: before, a lane gathering a batch took
+/// every partition's next record (each a free key), so one lane held all
+/// of them and the others waited.
+#[tokio::test(start_paused = true)]
+async fn partitions_as_keys_batch_one_partition_a_lane_side_by_side() {
+    let store = MemStore::new();
+    // key k<j> is partition j's: per key is per partition
+    let broker = keyed_broker(200, 4, 4);
+    let handler = Slow::new(&[]);
+    run_lanes(
+        &store,
+        &broker,
+        &handler,
+        Ordering::Partition,
+        4,
+        Some(10),
+        || (0..4).all(|p| broker.acked("billing", "orders", p) == Some(50)),
+    )
+    .await;
+    assert_eq!(store.business_count("invoices"), 200);
+    let s = handler.seen();
+    assert_eq!(s.overlaps, 0, "a partition ran twice at once");
+    for (key, offsets) in &s.started {
+        assert_eq!(offsets.len(), 50, "{key}");
+        assert!(
+            offsets.windows(2).all(|w| w[0] < w[1]),
+            "{key} out of order: {offsets:?}"
+        );
+    }
+    assert!(s.calls.values().all(|&n| n == 1), "a message handled twice");
+    assert!(
+        s.most_in_flight >= 3,
+        "partitions side by side: at most {} handlers at once",
+        s.most_in_flight
+    );
+}
+
+/// Under `Ordering::Partition` a lane gathering a batch (taking records
+/// without acknowledging) gets only the partition it holds; another lane
+/// gets the other partition. Before, it got every partition's next
+/// record in turn (each partition a free key).
+#[tokio::test(start_paused = true)]
+async fn a_lane_gathering_under_partition_order_takes_one_partition() {
+    let broker = keyed_broker(10, 2, 2);
+    let shared = Lanes::new(broker.consumer("billing"), Ordering::Partition, 2);
+    let mut lanes = shared.lanes();
+    let mut first = lanes.remove(0);
+    let mut taken = Vec::new();
+    for _ in 0..4 {
+        let m = first.next().await.expect("next").expect("a record");
+        taken.push(m.position.expect("a position").partition);
+    }
+    assert!(
+        taken.iter().all(|&p| p == taken[0]),
+        "one lane's batch, one partition: {taken:?}"
+    );
+    let other = lanes[0].next().await.expect("next").expect("a record");
+    assert_ne!(other.position.expect("a position").partition, taken[0]);
+}
+
 /// With one lane (what `Ordering::Partition` does per partition), the
 /// same messages run one at a time.
 #[tokio::test(start_paused = true)]
@@ -840,4 +903,87 @@ async fn a_record_refused_at_its_park_is_refused_alone() {
     for id in ["m0", "m2", "m6", "ghost"] {
         assert!(parked.contains(&id.to_owned()), "{id} parked: {parked:?}");
     }
+}
+
+/// Sees, in each handler call, whether the broker's stored offset of the
+/// message's partition is already past the message.
+struct StoredFirst {
+    broker: MemBroker,
+    calls: Mutex<Vec<(i64, Option<i64>)>>,
+}
+
+#[async_trait]
+impl<Tx: WriteInvoice + 'static> Handler<Tx> for StoredFirst {
+    type Output = ();
+    async fn handle(&self, message: &Message, tx: &mut Tx) -> Result<(), HandlerError> {
+        let pos = message.position.clone().expect("a position");
+        let stored = self.broker.acked("billing", "orders", pos.partition);
+        self.calls
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push((pos.offset, stored));
+        tx.write_invoice(&message.message_id).await?;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        Ok(())
+    }
+}
+
+/// At most once over lanes (`Ordering::Partition`, synchronous acks): the
+/// stored offset is past each message before its handler runs, while one
+/// lane's pull may wait on a broker that answers nothing. (Here the
+/// shared consumer is free at each acknowledgement, so the lanes' usual
+/// write stores it in time as well: this holds the property, it does not
+/// tell the two apart.)
+#[tokio::test(start_paused = true)]
+async fn at_most_once_over_lanes_stores_the_offset_before_the_handler() {
+    let store = MemStore::new();
+    // one record on partition 0, 39 on partition 1: the lane done with
+    // partition 0 pulls while the other acknowledges
+    let broker = MemBroker::new();
+    broker.produce("orders", 0, keyed("m0", "k0"));
+    for i in 1..40 {
+        broker.produce("orders", 1, keyed(&format!("m{i}"), "k1"));
+    }
+    let handler = Arc::new(StoredFirst {
+        broker: broker.clone(),
+        calls: Mutex::default(),
+    });
+    // once its records are read the broker answers nothing: a pull holds
+    // the shared consumer, so the usual write of a watermark waits for it
+    let shared = Lanes::new(Frozen(broker.consumer("billing")), Ordering::Partition, 2)
+        .with_synchronous_acks(true);
+    let cancel = CancellationToken::new();
+    let mut tasks = Vec::new();
+    for lane in shared.lanes() {
+        let config = RunnerConfig::new("billing", "w-1")
+            .expect("config")
+            .with_strategy(inbox_core::AckStrategy::AtMostOnce);
+        let mut runner = Runner::new(store.clone(), lane, handler.clone(), config);
+        let stop = cancel.clone();
+        tasks.push(tokio::spawn(async move {
+            runner.run(stop).await.expect("a valid configuration");
+        }));
+    }
+    let started = tokio::time::Instant::now();
+    while store.business_count("invoices") < 40 && started.elapsed() < Duration::from_secs(60) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    cancel.cancel();
+    for t in tasks {
+        t.await.expect("a lane's runner stopped");
+    }
+    let calls = handler
+        .calls
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone();
+    assert_eq!(calls.len(), 40);
+    let early: Vec<_> = calls
+        .iter()
+        .filter(|(offset, stored)| stored.is_none_or(|s| s <= *offset))
+        .collect();
+    assert!(
+        early.is_empty(),
+        "handlers ran before their offset was stored: {early:?}"
+    );
 }

@@ -371,6 +371,16 @@ where
 {
     kafka.check_group(&runner)?;
     group.validate()?;
+    if runner.strategy.commits_before() && group.ordering != inbox_core::keyed::Ordering::Partition
+    {
+        // the stored offset is the lowest unfinished message: one of
+        // another key still running keeps it below a message acknowledged
+        // before its handler, which a crash would then run again
+        return Err(KafkaError::Config(format!(
+            "AckStrategy::AtMostOnce needs Ordering::Partition, not {:?}: with keys side by side the stored offset cannot pass a message before its handler runs",
+            group.ordering
+        )));
+    }
     let client = kafka.client().await?;
     // a misspelled topic is an error now, not a member that owns nothing
     let known: Vec<String> = client
@@ -614,7 +624,8 @@ where
         None
     };
     let shared = inbox_core::drivers::runner::lanes::Lanes::new(consumer, group.ordering, lanes)
-        .with_parking(parking);
+        .with_parking(parking)
+        .with_synchronous_acks(runner.strategy.commits_before());
     let cancel = CancellationToken::new();
     let mut runners = Vec::with_capacity(lanes);
     for lane in shared.lanes() {

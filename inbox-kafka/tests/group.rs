@@ -522,6 +522,8 @@ struct Gated {
     opened: std::sync::atomic::AtomicBool,
     running: std::sync::atomic::AtomicUsize,
     most: std::sync::atomic::AtomicUsize,
+    /// Handlers waiting at the gate now.
+    held: std::sync::atomic::AtomicUsize,
 }
 
 #[async_trait::async_trait]
@@ -539,7 +541,9 @@ impl inbox_core::Handler<inbox_postgres::PgTx> for Gated {
         if on_zero && !self.opened.load(SeqCst) {
             let opened = self.open.notified();
             if !self.opened.load(SeqCst) {
+                self.held.fetch_add(1, SeqCst);
                 opened.await;
+                self.held.fetch_sub(1, SeqCst);
             }
         }
         let result = self.inner.handle(message, tx).await;
@@ -569,18 +573,22 @@ async fn a_held_partition_does_not_hold_back_the_others() {
             opened: std::sync::atomic::AtomicBool::new(false),
             running: std::sync::atomic::AtomicUsize::new(0),
             most: std::sync::atomic::AtomicUsize::new(0),
+            held: std::sync::atomic::AtomicUsize::new(0),
         });
         let mut group = GroupConfig::new("member-a", vec![env.topic.clone()]);
         group.heartbeat = Duration::from_millis(100);
         group.session_timeout = Duration::from_millis(800);
         group.partitions_in_flight = in_flight;
+        // held past every wait below: no timeout lets a message pass
+        let mut runner = config("billing", AckStrategy::default());
+        runner.handler_timeout = Duration::from_secs(120);
         let cancel = CancellationToken::new();
         let task = tokio::spawn(run_group(
             env.kafka_config("billing"),
             group,
             env.store.clone(),
             gated.clone(),
-            config("billing", AckStrategy::default()),
+            runner,
             Arc::new(NoopMetrics),
             cancel.clone(),
         ));
@@ -594,7 +602,12 @@ async fn a_held_partition_does_not_hold_back_the_others() {
         if in_flight == 1 {
             // one lane: held in partition 0 (before or after it read
             // partition 1), it passes nothing while held
-            tokio::time::sleep(Duration::from_secs(3)).await;
+            wait_until(
+                "the lane held at the gate",
+                Duration::from_secs(30),
+                async || gated.held.load(std::sync::atomic::Ordering::SeqCst) == 1,
+            )
+            .await;
             let before = env.total_invoices().await;
             assert!(before < 20, "partition 0 is held");
             tokio::time::sleep(Duration::from_secs(1)).await;
@@ -664,6 +677,7 @@ async fn a_held_partition_holds_back_none_of_the_others_past_the_lanes() {
         opened: std::sync::atomic::AtomicBool::new(false),
         running: std::sync::atomic::AtomicUsize::new(0),
         most: std::sync::atomic::AtomicUsize::new(0),
+        held: std::sync::atomic::AtomicUsize::new(0),
     });
     let mut group = GroupConfig::new("member-a", vec![env.topic.clone()]);
     group.heartbeat = Duration::from_millis(100);
@@ -882,6 +896,7 @@ async fn a_fenced_lane_commits_nothing() {
         opened: std::sync::atomic::AtomicBool::new(false),
         running: std::sync::atomic::AtomicUsize::new(0),
         most: std::sync::atomic::AtomicUsize::new(0),
+        held: std::sync::atomic::AtomicUsize::new(0),
     });
     let lanes = Lanes::new(env.consumer("billing").await, inbox_kafka::Ordering::Key, 4);
     let cancel = CancellationToken::new();

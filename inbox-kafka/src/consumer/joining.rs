@@ -1,18 +1,23 @@
-//! Partitions joining the consumer: each partition's leader is reached on
-//! its own, within the connect timeout, and claimed once reached. A
-//! partition whose leader cannot be reached (a broker down, a partition
-//! offline) stays *pending* and is tried again, with the fetch backoff,
-//! while the consumer reads the others: one unreachable leader holds back
-//! no other partition (it used to fail the whole connect, and with it
-//! every partition of a group member's lanes).
+//! Partitions joining the consumer. Every partition is claimed in the
+//! store when the consumer connects (its owner epoch moves: a previous
+//! owner is fenced), then its leader is reached and its start found by a
+//! task of its own, within the connect timeout. A partition whose leader
+//! cannot be reached (a broker down, a partition offline) stays *pending*:
+//! its task is started again, with the fetch backoff, while the consumer
+//! reads the others. One unreachable leader holds back no other partition
+//! (it used to fail the whole connect, and with it every partition of a
+//! group member's lanes). Collecting a finished task never waits, so
+//! `next()` stays cancel-safe.
 
 use std::collections::{HashMap, VecDeque};
+use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
-use inbox_core::{OffsetStore, PartitionKey};
+use inbox_core::{OffsetStore, PartitionClaim, PartitionKey};
 use rskafka::client::Client;
 use rskafka::client::partition::{OffsetAt, PartitionClient, UnknownTopicHandling};
-use tokio::sync::Notify;
+use tokio::sync::{Notify, OnceCell};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -24,15 +29,36 @@ use crate::error::KafkaError;
 use crate::partition::Partition;
 use crate::wire::Dialer;
 
-/// A partition not joined yet: its leader is being reached, or is to be
-/// tried again at `retry_at`.
+/// How long `connect` waits for the other partitions once one has joined:
+/// a leader that cannot be reached delays the reachable ones this long at
+/// most, not the whole connect timeout.
+const JOIN_GRACE: Duration = Duration::from_secs(1);
+
+/// What a partition's task finds: its leader's client and where to start.
+type Reached = Result<(PartitionClient, i64), KafkaError>;
+
+/// What every partition's task shares: the client, the configuration, the
+/// consumer's own connections, and a Kafka group's offsets, read once
+/// for every partition that starts from them.
+#[derive(Clone)]
+pub(crate) struct Joining {
+    pub(crate) client: Arc<Client>,
+    pub(crate) config: Arc<KafkaConfig>,
+    pub(crate) dialer: Arc<Dialer>,
+    pub(crate) adopted: Arc<OnceCell<HashMap<PartitionKey, i64>>>,
+    /// Woken when a task ends.
+    pub(crate) woken: Arc<Notify>,
+}
+
+/// A partition claimed and not joined yet.
 pub(crate) struct Pending {
-    pub(crate) topic: String,
-    pub(crate) partition: i32,
-    /// Reaching the leader, within the connect timeout.
-    attempt: Option<JoinHandle<Result<PartitionClient, KafkaError>>>,
-    /// Failed attempts in a row (0: none failed yet).
-    pub(crate) failures: u32,
+    topic: String,
+    partition: i32,
+    claim: PartitionClaim,
+    /// Reaching the leader and finding the start.
+    attempt: Option<JoinHandle<Reached>>,
+    /// Failed attempts in a row.
+    failures: u32,
     retry_at: Instant,
 }
 
@@ -45,183 +71,77 @@ impl Drop for Pending {
 }
 
 impl Pending {
-    /// `topic`:`partition`, its leader being reached by a task of its own
-    /// (which wakes `woken` when it ends).
-    pub(crate) fn attempt(
-        client: &Arc<Client>,
-        config: &KafkaConfig,
+    /// `topic`:`partition`, claimed (`claim`), its task started.
+    pub(crate) fn start(
+        joining: &Joining,
         topic: &str,
         partition: i32,
-        woken: &Arc<Notify>,
+        claim: PartitionClaim,
     ) -> Self {
         let mut p = Self {
             topic: topic.to_owned(),
             partition,
+            claim,
             attempt: None,
             failures: 0,
             retry_at: Instant::now(),
         };
-        p.start(client, config, woken);
+        p.attempt = Some(p.spawn(joining));
         p
     }
 
-    fn start(&mut self, client: &Arc<Client>, config: &KafkaConfig, woken: &Arc<Notify>) {
-        let client = Arc::clone(client);
-        let woken = Arc::clone(woken);
-        let (topic, partition, limit) =
-            (self.topic.clone(), self.partition, config.connect_timeout);
+    fn spawn(&self, joining: &Joining) -> JoinHandle<Reached> {
+        let j = joining.clone();
+        let (topic, partition) = (self.topic.clone(), self.partition);
+        let stored = self.claim.next_offset;
         let again = self.failures > 0;
-        self.attempt = Some(tokio::spawn(async move {
-            let reached = within(
-                &format!("connecting to the leader of {topic}:{partition}"),
-                limit,
-                async {
-                    if again {
-                        // the client keeps the metadata it last read, and a
-                        // partition without a leader in it (-1) does not
-                        // make it read them again: a fresh listing does
-                        client.list_topics().await?;
-                    }
-                    client
-                        .partition_client(topic.clone(), partition, UnknownTopicHandling::Retry)
-                        .await
-                },
-            )
-            .await;
-            woken.notify_one();
+        tokio::spawn(async move {
+            let reached = reach(&j, &topic, partition, stored, again).await;
+            j.woken.notify_one();
             reached
-        }));
-    }
-
-    /// The attempt's answer, waiting for it (`None`: no attempt running).
-    pub(crate) async fn finished(&mut self) -> Option<Result<PartitionClient, KafkaError>> {
-        let attempt = self.attempt.take()?;
-        Some(match attempt.await {
-            Ok(reached) => reached,
-            Err(e) => Err(KafkaError::Config(format!(
-                "connecting to the leader of {}:{}: {e}",
-                self.topic, self.partition
-            ))),
         })
     }
-
-    /// Counts a failed attempt (`e`, given back) and when to try again.
-    pub(crate) fn failed(&mut self, e: KafkaError, config: &KafkaConfig) -> KafkaError {
-        self.failures = self.failures.saturating_add(1);
-        let pause = config.fetch_backoff.delay(self.failures);
-        self.retry_at = Instant::now() + pause;
-        tracing::warn!(topic = %self.topic, partition = self.partition, error = %e,
-            retry_in_ms = pause.as_millis(),
-            "the partition's leader cannot be reached; the other partitions are read, this one is tried again");
-        e
-    }
 }
 
-impl<O: OffsetStore> KafkaConsumer<O> {
-    /// The partitions still pending (their leader not reached yet).
-    pub fn pending_partitions(&self) -> Vec<PartitionKey> {
-        self.pending
-            .iter()
-            .map(|p| (p.topic.clone(), p.partition))
-            .collect()
-    }
-
-    /// Joins the pending partitions whose leader was reached since, and
-    /// starts another attempt for those whose pause has passed; never
-    /// waits on the broker (a claim and, for a partition with no stored
-    /// offset, the start lookup, each within its deadline).
-    pub(super) async fn join_pending(&mut self) {
-        if self.pending.is_empty() {
-            return;
-        }
-        let Some(client) = self.client.clone() else {
-            return;
-        };
-        let now = Instant::now();
-        let mut i = 0;
-        while i < self.pending.len() {
-            let p = &mut self.pending[i];
-            if p.attempt.is_none() {
-                if p.retry_at <= now {
-                    p.start(&client, &self.config, &self.fetched);
-                }
-                i += 1;
-                continue;
-            }
-            if !p.attempt.as_ref().is_some_and(JoinHandle::is_finished) {
-                i += 1;
-                continue;
-            }
-            let reached = p.finished().await;
-            let (topic, partition) = (p.topic.clone(), p.partition);
-            let joined = match reached {
-                Some(Ok(pc)) => {
-                    claim_one(
-                        &self.config,
-                        &self.store,
-                        &self.dialer,
-                        self.reporter,
-                        pc,
-                        &topic,
-                        partition,
-                        &mut None,
-                    )
-                    .await
-                }
-                Some(Err(e)) => Err(e),
-                None => {
-                    i += 1;
-                    continue;
-                }
-            };
-            match joined {
-                Ok(joined) => {
-                    tracing::info!(%topic, partition, "the partition's leader is reached: the partition joins");
-                    self.pending.remove(i);
-                    self.partitions.push(joined);
-                }
-                Err(e) => {
-                    self.pending[i].failed(e, &self.config);
-                    i += 1;
-                }
-            }
-        }
-    }
-}
-
-/// Claims `topic`:`partition`, reached through `pc`, in `store`, and
-/// finds where it starts: its stored offset, or the configured start (each
-/// lookup within the connect timeout). `adopted`: a Kafka group's offsets,
-/// read once for every partition that needs them.
-#[allow(clippy::too_many_arguments)]
-pub(super) async fn claim_one<O: OffsetStore>(
-    config: &KafkaConfig,
-    store: &O,
-    dialer: &Arc<Dialer>,
-    reporter: u64,
-    pc: PartitionClient,
+/// Reaches `topic`:`partition`'s leader and finds where to start: `stored`,
+/// or the configured start (each step within the connect timeout). `again`:
+/// the metadata are read afresh first (the client keeps the ones it last
+/// read, and a partition without a leader in them does not make it read
+/// them again).
+async fn reach(
+    j: &Joining,
     topic: &str,
     partition: i32,
-    adopted: &mut Option<HashMap<PartitionKey, i64>>,
-) -> Result<Partition, KafkaError> {
-    let claim = store
-        .claim_partition(&config.consumer_group, topic, partition)
-        .await?;
-    // every lookup of where to start has the connection's deadline (a
-    // broker that answers nothing fails the join, never hangs it)
-    let limit = config.connect_timeout;
-    let lookup = |what: &str| format!("{what} of {topic}:{partition}");
-    let next_fetch = match claim.next_offset {
-        Some(o) => o,
-        None => match &config.start {
-            StartPosition::Earliest => {
-                within(
-                    &lookup("the earliest offset"),
-                    limit,
-                    pc.get_offset(OffsetAt::Earliest),
-                )
-                .await?
+    stored: Option<i64>,
+    again: bool,
+) -> Reached {
+    let limit = j.config.connect_timeout;
+    let pc = within(
+        &format!("connecting to the leader of {topic}:{partition}"),
+        limit,
+        async {
+            if again {
+                j.client.list_topics().await?;
             }
+            j.client
+                .partition_client(topic.to_owned(), partition, UnknownTopicHandling::Retry)
+                .await
+        },
+    )
+    .await?;
+    let lookup = |what: &str| format!("{what} of {topic}:{partition}");
+    let earliest = async || {
+        within(
+            &lookup("the earliest offset"),
+            limit,
+            pc.get_offset(OffsetAt::Earliest),
+        )
+        .await
+    };
+    let next_fetch = match stored {
+        Some(o) => o,
+        None => match &j.config.start {
+            StartPosition::Earliest => earliest().await?,
             StartPosition::Latest => {
                 within(
                     &lookup("the latest offset"),
@@ -233,53 +153,149 @@ pub(super) async fn claim_one<O: OffsetStore>(
             StartPosition::Timestamp(t) => {
                 let found = async {
                     let bounds = crate::offsets::bounds(&pc).await?;
-                    crate::offsets::offset_at_time(&pc, *t, config, bounds).await
+                    crate::offsets::offset_at_time(&pc, *t, &j.config, bounds).await
                 };
                 within(&lookup("the offset at a time"), limit, found).await?
             }
             StartPosition::GroupOffsets(group) => {
-                if adopted.is_none() {
-                    *adopted = Some(
+                let what = format!("the offsets of Kafka group {group:?}");
+                let adopted = j
+                    .adopted
+                    .get_or_try_init(|| {
                         deadline(
-                            &format!("the offsets of Kafka group {group:?}"),
+                            &what,
                             limit,
-                            group_offsets(Arc::clone(dialer), group, &config.partitions),
+                            group_offsets(Arc::clone(&j.dialer), group, &j.config.partitions),
                         )
-                        .await?,
-                    );
-                }
-                let theirs = adopted
-                    .as_ref()
-                    .and_then(|a| a.get(&(topic.to_owned(), partition)).copied());
-                match theirs {
-                    Some(o) => o,
-                    None => {
-                        within(
-                            &lookup("the earliest offset"),
-                            limit,
-                            pc.get_offset(OffsetAt::Earliest),
-                        )
-                        .await?
-                    }
+                    })
+                    .await?;
+                match adopted.get(&(topic.to_owned(), partition)) {
+                    Some(o) => *o,
+                    None => earliest().await?,
                 }
             }
         },
     };
-    tracing::info!(%topic, partition, epoch = claim.owner_epoch, next_fetch, "partition claimed");
-    config
-        .health
-        .claimed(reporter, topic, partition, next_fetch);
-    Ok(Partition {
+    Ok((pc, next_fetch))
+}
+
+impl<O: OffsetStore> KafkaConsumer<O> {
+    /// The partitions claimed whose leader is not reached yet.
+    pub fn pending_partitions(&self) -> Vec<PartitionKey> {
+        self.pending
+            .iter()
+            .map(|p| (p.topic.clone(), p.partition))
+            .collect()
+    }
+
+    /// Joins the pending partitions whose task ended well, counts those
+    /// whose task failed (tried again after the fetch backoff) and, when
+    /// `retry`, starts again the tasks whose pause has passed. Never waits:
+    /// a task is collected only once it has ended. The last failure seen.
+    pub(super) fn join_pending(&mut self, retry: bool) -> Option<KafkaError> {
+        let joining = self.joining.clone()?;
+        let mut failure = None;
+        let now = Instant::now();
+        let mut i = 0;
+        while i < self.pending.len() {
+            let p = &mut self.pending[i];
+            let ended = p.attempt.as_ref().is_some_and(JoinHandle::is_finished);
+            if !ended {
+                if retry && p.attempt.is_none() && p.retry_at <= now {
+                    p.attempt = Some(p.spawn(&joining));
+                }
+                i += 1;
+                continue;
+            }
+            let reached = p.attempt.take().and_then(ended_answer).unwrap_or_else(|| {
+                Err(KafkaError::Config(format!(
+                    "reaching the leader of {}:{} ended without an answer",
+                    p.topic, p.partition
+                )))
+            });
+            match reached {
+                Ok((pc, next_fetch)) => {
+                    let p = self.pending.remove(i);
+                    tracing::info!(topic = %p.topic, partition = p.partition,
+                        epoch = p.claim.owner_epoch, next_fetch, "partition joined");
+                    self.config
+                        .health
+                        .claimed(self.reporter, &p.topic, p.partition, next_fetch);
+                    let joined = partition(&joining, &p, pc, next_fetch);
+                    self.partitions.push(joined);
+                }
+                Err(e) => {
+                    p.failures = p.failures.saturating_add(1);
+                    let pause = self.config.fetch_backoff.delay(p.failures);
+                    p.retry_at = now + pause;
+                    tracing::warn!(topic = %p.topic, partition = p.partition, error = %e,
+                        retry_in_ms = pause.as_millis(),
+                        "the partition's leader cannot be reached; the other partitions are read, this one is tried again");
+                    failure = Some(e);
+                    i += 1;
+                }
+            }
+        }
+        failure
+    }
+
+    /// Waits (at `connect`) for the partitions' first attempts: until each
+    /// has ended, or one partition has joined and [`JOIN_GRACE`] has
+    /// passed (the rest join from `next()`). An error when every attempt
+    /// ended and none joined.
+    pub(super) async fn join_first(&mut self) -> Result<(), KafkaError> {
+        let mut joined_at: Option<Instant> = None;
+        let mut last = None;
+        loop {
+            let woken = Arc::clone(&self.fetched);
+            let wake = woken.notified();
+            if let Some(e) = self.join_pending(false) {
+                last = Some(e);
+            }
+            let running = self.pending.iter().any(|p| p.attempt.is_some());
+            if !self.partitions.is_empty() {
+                let at = *joined_at.get_or_insert_with(Instant::now);
+                if !running || at.elapsed() >= JOIN_GRACE {
+                    return Ok(());
+                }
+            } else if !running {
+                return Err(last
+                    .unwrap_or_else(|| KafkaError::Config("no partition could be joined".into())));
+            }
+            // a task ending wakes this; the grace is looked at again
+            let _ = tokio::time::timeout(Duration::from_millis(100), wake).await;
+        }
+    }
+}
+
+/// The answer of a task that has ended (`is_finished`): taken without
+/// waiting.
+fn ended_answer(handle: JoinHandle<Reached>) -> Option<Reached> {
+    let waker = std::task::Waker::noop();
+    let mut cx = std::task::Context::from_waker(waker);
+    let mut handle = handle;
+    match std::pin::Pin::new(&mut handle).poll(&mut cx) {
+        std::task::Poll::Ready(Ok(reached)) => Some(reached),
+        std::task::Poll::Ready(Err(e)) => Some(Err(KafkaError::Config(format!(
+            "reaching a partition's leader: {e}"
+        )))),
+        std::task::Poll::Pending => None,
+    }
+}
+
+/// The joined partition `p`, read through `pc` from `next_fetch`.
+fn partition(joining: &Joining, p: &Pending, pc: PartitionClient, next_fetch: i64) -> Partition {
+    Partition {
         client: Arc::new(CommittedFetch::new(
             pc,
-            Arc::clone(dialer),
-            topic.to_owned(),
-            partition,
-            config.read_committed,
+            Arc::clone(&joining.dialer),
+            p.topic.clone(),
+            p.partition,
+            joining.config.read_committed,
         )),
-        topic: topic.to_owned(),
-        partition,
-        epoch: claim.owner_epoch,
+        topic: p.topic.clone(),
+        partition: p.partition,
+        epoch: p.claim.owner_epoch,
         next_fetch,
         buffer: VecDeque::new(),
         buffered_bytes: 0,
@@ -292,11 +308,11 @@ pub(super) async fn claim_one<O: OffsetStore>(
         held_until: None,
         fetch_errors: 0,
         inflight: None,
-        stored: claim.next_offset,
+        stored: p.claim.next_offset,
         resync: false,
         start: next_fetch,
         read_on: None,
         markers: None,
-        label: inbox_core::topic_label(topic),
-    })
+        label: inbox_core::topic_label(&p.topic),
+    }
 }

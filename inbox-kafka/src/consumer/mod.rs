@@ -9,7 +9,6 @@ use inbox_core::{
     Consumer, ConsumerError, Message, MetricEvent, Metrics, NoopMetrics, OffsetStore, Position,
     StoreErrorKind, TxAck,
 };
-use rskafka::client::Client;
 use rskafka::client::partition::OffsetAt;
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -26,7 +25,7 @@ use crate::security::Tls;
 mod fetching;
 mod joining;
 
-use joining::{Pending, claim_one};
+use joining::{Joining, Pending};
 
 /// Counts offsets `from..to` of `p` as holding nothing to deliver
 /// (transaction markers, aborted or compacted records): normal, not a gap.
@@ -110,13 +109,11 @@ pub struct KafkaConsumer<O> {
     stats: ConsumerStats,
     /// Woken by every fetch task that finishes.
     fetched: Arc<Notify>,
-    /// The connection the partition clients share (`None` in unit tests).
-    client: Option<Arc<Client>>,
-    /// Partitions whose leader could not be reached yet: tried again (see
-    /// [`joining`]) while the others are read.
+    /// What the partitions' joining tasks share (`None` in unit tests).
+    joining: Option<Joining>,
+    /// Partitions claimed whose leader is not reached yet: tried again
+    /// (see [`joining`]) while the others are read.
     pending: Vec<Pending>,
-    /// How the consumer's own connections reach the brokers.
-    dialer: Arc<crate::wire::Dialer>,
     /// This consumer's id in `config.health`.
     reporter: u64,
     /// The stored offsets copied to the group coordinator (`None`: off).
@@ -186,66 +183,39 @@ impl<O: OffsetStore> KafkaConsumer<O> {
                 every,
             )
         });
-        let client = Arc::new(client);
         let fetched = Arc::new(Notify::new());
-        let mut pending: Vec<Pending> = config
-            .partitions
-            .iter()
-            .map(|(topic, partition)| {
-                Pending::attempt(&client, &config, topic, *partition, &fetched)
-            })
-            .collect();
-        let mut partitions = Vec::with_capacity(config.partitions.len());
-        let mut adopted = None;
-        let mut last_error = None;
-        for p in &mut pending {
-            // the partitions' leaders are reached side by side, each within
-            // the connect timeout; one that cannot be reached is tried again
-            // while the others are read
-            match p.finished().await {
-                Some(Ok(pc)) => {
-                    let claimed = claim_one(
-                        &config,
-                        &store,
-                        &dialer,
-                        reporter,
-                        pc,
-                        &p.topic,
-                        p.partition,
-                        &mut adopted,
-                    )
-                    .await;
-                    match claimed {
-                        Ok(partition) => partitions.push(partition),
-                        Err(e @ KafkaError::Offsets(_)) => return Err(e),
-                        Err(e) => last_error = Some(p.failed(e, &config)),
-                    }
-                }
-                Some(Err(e)) => last_error = Some(p.failed(e, &config)),
-                None => {}
-            }
+        let joining = Joining {
+            client: Arc::new(client),
+            config: Arc::new(config.clone()),
+            dialer,
+            adopted: Arc::new(tokio::sync::OnceCell::new()),
+            woken: Arc::clone(&fetched),
+        };
+        // every partition claimed first (its previous owner fenced), then
+        // the leaders reached side by side
+        let mut pending = Vec::with_capacity(config.partitions.len());
+        for (topic, partition) in &config.partitions {
+            let claim = store
+                .claim_partition(&config.consumer_group, topic, *partition)
+                .await?;
+            pending.push(Pending::start(&joining, topic, *partition, claim));
         }
-        pending.retain(|p| p.failures > 0);
-        if partitions.is_empty()
-            && let Some(e) = last_error
-        {
-            return Err(e);
-        }
-        Ok(Self {
+        let mut consumer = Self {
             group: config.consumer_group.clone(),
             config,
-            partitions,
+            partitions: Vec::new(),
             cursor: 0,
             metrics: Arc::new(NoopMetrics),
             store,
             stats: ConsumerStats::default(),
             fetched,
-            client: Some(client),
-            dialer,
+            joining: Some(joining),
             pending,
             reporter,
             broker,
-        })
+        };
+        consumer.join_first().await?;
+        Ok(consumer)
     }
 
     /// The same consumer reporting lag, gaps and fencing to `metrics`.
@@ -307,7 +277,7 @@ impl<O: OffsetStore> Consumer for KafkaConsumer<O> {
         // hanging partition holds back no other. Wait for fetches at most
         // one broker wait and a grace before answering `None`.
         let deadline = Instant::now() + self.config.max_wait + FETCH_GRACE;
-        self.join_pending().await;
+        self.join_pending(true);
         for index in 0..self.partitions.len() {
             if self.partitions[index].markers.is_some() {
                 self.store_past_markers(index).await;
@@ -656,18 +626,16 @@ mod tests {
             .iter()
             .map(|p| (p.topic.clone(), p.partition))
             .collect();
-        let config = KafkaConfig::new(Vec::new(), "billing", keys);
         KafkaConsumer {
             group: "billing".into(),
-            dialer: Arc::new(config.dialer(None)),
-            config,
+            config: KafkaConfig::new(Vec::new(), "billing", keys),
             partitions,
             cursor: 0,
             metrics: Arc::new(NoopMetrics),
             store: NoOffsets,
             stats: ConsumerStats::default(),
             fetched: Arc::new(Notify::new()),
-            client: None,
+            joining: None,
             pending: Vec::new(),
             reporter: 0,
             broker: None,

@@ -135,10 +135,14 @@ struct State {
     /// Messages without a position (nothing to order them by), for the
     /// next lane that asks.
     loose: VecDeque<Message>,
-    /// How many of the shared consumer's partitions were taken in when
-    /// it last told them (their parked keys are read before any of their
-    /// records arrives; a partition that joins later is taken in then).
-    assigned_seen: Option<usize>,
+    /// The shared consumer's partitions as it last told them (their
+    /// parked keys are read before any of their records arrives; a
+    /// partition that joins later is taken in then).
+    assigned_seen: Option<Vec<PartitionKey>>,
+    /// Flushes that took the watermarks to write, and flushes that ended
+    /// (one at a time: a flush holds the shared consumer).
+    flushes_started: u64,
+    flushes_ended: u64,
 }
 
 impl State {
@@ -154,8 +158,12 @@ impl State {
     }
 
     /// The next record for `lane`: one without a position first, else the
-    /// next of any partition's flow, round-robin.
-    fn take(&mut self, lane: usize) -> Option<Message> {
+    /// next of any partition's flow, round-robin. `own_partitions`: a lane
+    /// holding records takes only more of their partitions (under
+    /// [`Ordering::Partition`] a batch is one partition's, as a partition
+    /// runner's was: a slow partition's batch holds no other partition's
+    /// records, and the other lanes take those).
+    fn take(&mut self, lane: usize, own_partitions: bool) -> Option<Message> {
         if let Some(message) = self.loose.pop_front() {
             return Some(message);
         }
@@ -164,7 +172,11 @@ impl State {
         let n = self.parts.len();
         let start = self.cursor % n.max(1);
         let Self { parts, stale, .. } = self;
+        let holding = own_partitions && parts.values().any(|p| p.flow.lane_holds(lane));
         let pick = |i: usize, key: &PartitionKey, part: &mut Part| {
+            if holding && !part.flow.lane_holds(lane) {
+                return None;
+            }
             if part.fenced
                 || stale.contains(&(lane, key.clone()))
                 || matches!(part.park.load, Load::Due | Load::Loading)
@@ -204,6 +216,11 @@ struct Shared<C> {
     /// Rewinds in a row after which a record's key is parked (`None`: no
     /// parking).
     park_after: Option<u32>,
+    /// A lane's acknowledgement returns once the watermark it moved is
+    /// stored (at most once: the offset is stored before the handler runs).
+    synchronous: bool,
+    /// Told when a flush ended.
+    flushed: Notify,
 }
 
 impl<C> Shared<C> {
@@ -236,6 +253,7 @@ impl<C: Consumer> Shared<C> {
                     marks.push((key.clone(), m));
                 }
             }
+            state.flushes_started += 1;
             (fences, moves, marks)
         };
         for m in &fences {
@@ -270,6 +288,8 @@ impl<C: Consumer> Shared<C> {
                 }
             }
         }
+        self.state().flushes_ended += 1;
+        self.flushed.notify_waiters();
     }
 
     /// The shared consumer's next record, waited for as long as its `next`
@@ -400,8 +420,9 @@ impl<C> Clone for Lanes<C> {
 
 impl<C: Consumer> Lanes<C> {
     /// `lanes` lanes (at least 1) over `consumer`, ordering its partitions'
-    /// messages by `ordering` (with [`Ordering::Partition`], as by key: a
-    /// driver that wants partition order runs no lanes).
+    /// messages by `ordering` (with [`Ordering::Partition`] a partition is
+    /// one key: one lane at a time holds it, and a lane gathering a batch
+    /// takes only the partition it holds).
     pub fn new(consumer: C, ordering: Ordering, lanes: usize) -> Self {
         Self::with_limits(consumer, ordering, FlowLimits::new(lanes))
     }
@@ -422,6 +443,8 @@ impl<C: Consumer> Lanes<C> {
                 ordering,
                 limits,
                 park_after: (ordering == Ordering::Key).then_some(DEFAULT_PARK_AFTER),
+                synchronous: false,
+                flushed: Notify::new(),
             }),
             lanes: limits.lanes,
         }
@@ -443,6 +466,21 @@ impl<C: Consumer> Lanes<C> {
             .filter(|_| self.shared.ordering == Ordering::Key);
         if let Some(shared) = Arc::get_mut(&mut self.shared) {
             shared.park_after = after;
+        }
+        self
+    }
+
+    /// The same lanes with acknowledgements that return once the
+    /// watermark they moved is stored, or with the error that kept it
+    /// from being stored (for `AckStrategy::AtMostOnce`, which stores the
+    /// offset before the handler runs; under [`Ordering::Partition`] a
+    /// lane's acknowledgement moves its partition's watermark past the
+    /// message). Off by default: the watermark is written when the shared
+    /// consumer is free, coalesced.
+    #[must_use]
+    pub fn with_synchronous_acks(mut self, on: bool) -> Self {
+        if let Some(shared) = Arc::get_mut(&mut self.shared) {
+            shared.synchronous = on;
         }
         self
     }
@@ -545,6 +583,46 @@ impl<C> Lane<C> {
     }
 }
 
+impl<C: Consumer> Lane<C> {
+    /// Waits until a flush that began after this lane's watermark of `key`
+    /// was left has ended (it wrote it, or failed to): by this lane when
+    /// the shared consumer is free, else by the pull holding it, told to
+    /// give way. Ok when the stored offset is past `pos`.
+    async fn stored(&self, key: &PartitionKey, pos: &Position) -> Result<(), ConsumerError> {
+        let after = self.shared.state().flushes_started;
+        loop {
+            let flushed = self.shared.flushed.notified();
+            if self.shared.state().flushes_ended > after {
+                break;
+            }
+            if let Ok(mut inner) = self.shared.inner.try_lock() {
+                self.shared.flush(&mut inner).await;
+                continue;
+            }
+            self.shared.marks_due.notify_one();
+            let _ = tokio::time::timeout(Duration::from_millis(50), flushed).await;
+        }
+        let state = self.shared.state();
+        let part = state.parts.get(key);
+        if part.is_some_and(|p| p.fenced) {
+            return Err(ConsumerError::Fenced(
+                "the partition is another consumer's".into(),
+            ));
+        }
+        let past = part.is_some_and(|p| {
+            p.watermark.is_none() && p.flow.lowest_unfinished().is_none_or(|o| o > pos.offset)
+        });
+        if past {
+            Ok(())
+        } else {
+            Err(ConsumerError::Ack(format!(
+                "the offset past {}:{}@{} is not stored",
+                pos.topic, pos.partition, pos.offset
+            )))
+        }
+    }
+}
+
 #[async_trait]
 impl<C: Consumer + 'static> Consumer for Lane<C> {
     /// The flow's next record for this lane; when there is none, a pull
@@ -559,7 +637,9 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
             changed.as_mut().enable();
             {
                 let mut state = self.shared.state();
-                if let Some(message) = state.take(self.index) {
+                if let Some(message) =
+                    state.take(self.index, self.shared.ordering == Ordering::Partition)
+                {
                     self.gathering = true;
                     return Ok(Some(message));
                 }
@@ -624,7 +704,9 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
             }
         }
         self.shared.changed.notify_waiters();
-        if let Ok(mut inner) = self.shared.inner.try_lock() {
+        if self.shared.synchronous {
+            return self.stored(&key, pos).await;
+        } else if let Ok(mut inner) = self.shared.inner.try_lock() {
             self.shared.flush(&mut inner).await;
         } else {
             // the holder may be waiting on the broker: it writes it soon

@@ -114,7 +114,7 @@ impl<C: Consumer> Shared<C> {
     /// Takes in the shared consumer's partitions (with parking: a
     /// partition whose parked keys wait and that gets no new record is
     /// drained all the same), each with its ownership: at the first pull,
-    /// and again whenever the consumer reads another number of them (a
+    /// and again whenever the consumer reads another set of them (a
     /// partition whose leader was reached late joins).
     pub(super) fn take_in_assigned(&self, inner: &C) {
         if self.park_after.is_none() {
@@ -122,10 +122,10 @@ impl<C: Consumer> Shared<C> {
         }
         let assigned = inner.assigned();
         let mut state = self.state();
-        if state.assigned_seen == Some(assigned.len()) {
+        if state.assigned_seen.as_ref() == Some(&assigned) {
             return;
         }
-        state.assigned_seen = Some(assigned.len());
+        state.assigned_seen = Some(assigned.clone());
         for key in assigned {
             if state.parts.contains_key(&key) {
                 continue;

@@ -136,7 +136,7 @@ where
 {
     config.check_group(&runner)?;
     config.health.assigned(Some(config.partitions.clone()));
-    let groups = group::deal(&config.partitions, members);
+    let groups = deal(&config.partitions, members);
     // the members stop together: one that dies stops the others
     let cancel = cancel.child_token();
     let mut tasks = tokio::task::JoinSet::new();
@@ -174,4 +174,18 @@ where
         Some(e) => Err(KafkaError::RunnerDied(e)),
         None => Ok(summaries.into_iter().flatten().collect()),
     }
+}
+
+/// `owned` dealt out round-robin among `runners` groups (at least one, at
+/// most one per partition: none empty unless `owned` is).
+pub(crate) fn deal(
+    owned: &[inbox_core::PartitionKey],
+    runners: usize,
+) -> Vec<Vec<inbox_core::PartitionKey>> {
+    let runners = runners.clamp(1, owned.len().max(1));
+    let mut groups = vec![Vec::new(); runners];
+    for (i, p) in owned.iter().enumerate() {
+        groups[i % runners].push(p.clone());
+    }
+    groups
 }

@@ -41,6 +41,7 @@
 //! ```
 
 mod parking;
+mod synchronous;
 
 use parking::{Load, Parking};
 
@@ -470,21 +471,6 @@ impl<C: Consumer> Lanes<C> {
         self
     }
 
-    /// The same lanes with acknowledgements that return once the
-    /// watermark they moved is stored, or with the error that kept it
-    /// from being stored (for `AckStrategy::AtMostOnce`, which stores the
-    /// offset before the handler runs; under [`Ordering::Partition`] a
-    /// lane's acknowledgement moves its partition's watermark past the
-    /// message). Off by default: the watermark is written when the shared
-    /// consumer is free, coalesced.
-    #[must_use]
-    pub fn with_synchronous_acks(mut self, on: bool) -> Self {
-        if let Some(shared) = Arc::get_mut(&mut self.shared) {
-            shared.synchronous = on;
-        }
-        self
-    }
-
     /// Keys parked now, over every partition (known to this member).
     pub fn parked_keys(&self) -> usize {
         self.shared
@@ -552,19 +538,6 @@ impl<C> Lane<C> {
         self.index
     }
 
-    /// What the crash guard counts `message` under: once one record of it
-    /// below the log's end at the start was counted before its handler,
-    /// its later ones are no suspects. Its key under [`Ordering::Key`],
-    /// the whole partition (one key) under [`Ordering::Partition`];
-    /// nothing under `Unordered` (each record is a suspect).
-    fn guard_key<'m>(&self, message: &'m Message) -> Option<&'m [u8]> {
-        match self.shared.ordering {
-            Ordering::Key => message.key.as_deref(),
-            Ordering::Partition => Some(&[]),
-            Ordering::Unordered => None,
-        }
-    }
-
     /// Whether `message` is the parked message this lane drains (its
     /// acknowledgement and rewind are not the flow's).
     fn drains(&self, message: &Message) -> bool {
@@ -580,46 +553,6 @@ impl<C> Lane<C> {
     /// before the partition's reset (and so ignored, and forgotten).
     fn was_stale(&self, key: &PartitionKey) -> bool {
         self.shared.state().stale.remove(&(self.index, key.clone()))
-    }
-}
-
-impl<C: Consumer> Lane<C> {
-    /// Waits until a flush that began after this lane's watermark of `key`
-    /// was left has ended (it wrote it, or failed to): by this lane when
-    /// the shared consumer is free, else by the pull holding it, told to
-    /// give way. Ok when the stored offset is past `pos`.
-    async fn stored(&self, key: &PartitionKey, pos: &Position) -> Result<(), ConsumerError> {
-        let after = self.shared.state().flushes_started;
-        loop {
-            let flushed = self.shared.flushed.notified();
-            if self.shared.state().flushes_ended > after {
-                break;
-            }
-            if let Ok(mut inner) = self.shared.inner.try_lock() {
-                self.shared.flush(&mut inner).await;
-                continue;
-            }
-            self.shared.marks_due.notify_one();
-            let _ = tokio::time::timeout(Duration::from_millis(50), flushed).await;
-        }
-        let state = self.shared.state();
-        let part = state.parts.get(key);
-        if part.is_some_and(|p| p.fenced) {
-            return Err(ConsumerError::Fenced(
-                "the partition is another consumer's".into(),
-            ));
-        }
-        let past = part.is_some_and(|p| {
-            p.watermark.is_none() && p.flow.lowest_unfinished().is_none_or(|o| o > pos.offset)
-        });
-        if past {
-            Ok(())
-        } else {
-            Err(ConsumerError::Ack(format!(
-                "the offset past {}:{}@{} is not stored",
-                pos.topic, pos.partition, pos.offset
-            )))
-        }
     }
 }
 

@@ -430,6 +430,9 @@ async fn an_offline_partition_holds_back_none_of_the_others() {
         (0..PARTITIONS).map(|p| (topic.clone(), p)).collect(),
     );
     config.broker_commit_interval = None;
+    // the online partitions' first attempts must answer within it on a
+    // loaded machine (the stopped node may have been the active controller)
+    config.connect_timeout = Duration::from_secs(10);
     config.fetch_backoff =
         inbox_core::Backoff::new(Duration::from_millis(200), Duration::from_secs(1), 2.0);
     let consumer = KafkaConsumer::connect(config, store.clone())

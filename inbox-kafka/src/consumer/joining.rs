@@ -158,17 +158,17 @@ async fn reach(
                 within(&lookup("the offset at a time"), limit, found).await?
             }
             StartPosition::GroupOffsets(group) => {
-                let what = format!("the offsets of Kafka group {group:?}");
-                let adopted = j
-                    .adopted
-                    .get_or_try_init(|| {
-                        deadline(
-                            &what,
-                            limit,
-                            group_offsets(Arc::clone(&j.dialer), group, &j.config.partitions),
-                        )
-                    })
-                    .await?;
+                // one read for every partition; each waits for it at most
+                // the connect timeout (a failed read is not kept: the next
+                // attempt reads again)
+                let adopted = deadline(
+                    &format!("the offsets of Kafka group {group:?}"),
+                    limit,
+                    j.adopted.get_or_try_init(|| {
+                        group_offsets(Arc::clone(&j.dialer), group, &j.config.partitions)
+                    }),
+                )
+                .await?;
                 match adopted.get(&(topic.to_owned(), partition)) {
                     Some(o) => *o,
                     None => earliest().await?,
@@ -207,12 +207,20 @@ impl<O: OffsetStore> KafkaConsumer<O> {
                 i += 1;
                 continue;
             }
-            let reached = p.attempt.take().and_then(ended_answer).unwrap_or_else(|| {
-                Err(KafkaError::Config(format!(
-                    "reaching the leader of {}:{} ended without an answer",
-                    p.topic, p.partition
-                )))
-            });
+            let Some(handle) = p.attempt.take() else {
+                i += 1;
+                continue;
+            };
+            let reached = match ended_answer(handle) {
+                Ok(reached) => reached,
+                Err(handle) => {
+                    // not given now (the caller's cooperative budget is
+                    // spent): looked at again next time
+                    p.attempt = Some(handle);
+                    i += 1;
+                    continue;
+                }
+            };
             match reached {
                 Ok((pc, next_fetch)) => {
                     let p = self.pending.remove(i);
@@ -268,18 +276,19 @@ impl<O: OffsetStore> KafkaConsumer<O> {
     }
 }
 
-/// The answer of a task that has ended (`is_finished`): taken without
-/// waiting.
-fn ended_answer(handle: JoinHandle<Reached>) -> Option<Reached> {
+/// The answer of a task that has ended (`is_finished`), taken without
+/// waiting; the handle back when tokio does not give it now (its
+/// cooperative budget for this poll is spent).
+fn ended_answer(handle: JoinHandle<Reached>) -> Result<Reached, JoinHandle<Reached>> {
     let waker = std::task::Waker::noop();
     let mut cx = std::task::Context::from_waker(waker);
     let mut handle = handle;
     match std::pin::Pin::new(&mut handle).poll(&mut cx) {
-        std::task::Poll::Ready(Ok(reached)) => Some(reached),
-        std::task::Poll::Ready(Err(e)) => Some(Err(KafkaError::Config(format!(
+        std::task::Poll::Ready(Ok(reached)) => Ok(reached),
+        std::task::Poll::Ready(Err(e)) => Ok(Err(KafkaError::Config(format!(
             "reaching a partition's leader: {e}"
         )))),
-        std::task::Poll::Pending => None,
+        std::task::Poll::Pending => Err(handle),
     }
 }
 

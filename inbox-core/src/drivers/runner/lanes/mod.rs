@@ -42,6 +42,7 @@
 
 mod parking;
 mod synchronous;
+mod taking;
 
 use parking::{Load, Parking};
 
@@ -103,6 +104,9 @@ struct Part {
     counted_keys: HashSet<Vec<u8>>,
     /// The partition's parked keys.
     park: Parking,
+    /// The next offset this member last stored for it (with synchronous
+    /// acknowledgements: what a lane's acknowledgement waits for).
+    stored_next: Option<i64>,
 }
 
 impl Part {
@@ -116,6 +120,7 @@ impl Part {
             moved: None,
             end_at_start: None,
             counted_keys: HashSet::new(),
+            stored_next: None,
             park: Parking {
                 load: if parking { Load::Due } else { Load::Off },
                 ..Parking::default()
@@ -157,51 +162,6 @@ impl State {
             part.watermark = None;
         }
     }
-
-    /// The next record for `lane`: one without a position first, else the
-    /// next of any partition's flow, round-robin. `own_partitions`: a lane
-    /// holding records takes only more of their partitions (under
-    /// [`Ordering::Partition`] a batch is one partition's, as a partition
-    /// runner's was: a slow partition's batch holds no other partition's
-    /// records, and the other lanes take those).
-    fn take(&mut self, lane: usize, own_partitions: bool) -> Option<Message> {
-        if let Some(message) = self.loose.pop_front() {
-            return Some(message);
-        }
-        // tokio's clock, as the runner's holds (paused in tests)
-        let now = tokio::time::Instant::now().into_std();
-        let n = self.parts.len();
-        let start = self.cursor % n.max(1);
-        let Self { parts, stale, .. } = self;
-        let holding = own_partitions && parts.values().any(|p| p.flow.lane_holds(lane));
-        let pick = |i: usize, key: &PartitionKey, part: &mut Part| {
-            if holding && !part.flow.lane_holds(lane) {
-                return None;
-            }
-            if part.fenced
-                || stale.contains(&(lane, key.clone()))
-                || matches!(part.park.load, Load::Due | Load::Loading)
-            {
-                return None;
-            }
-            part.flow.next_for(lane, now).map(|(_, m)| (i, m))
-        };
-        let found = parts
-            .iter_mut()
-            .enumerate()
-            .skip(start)
-            .find_map(|(i, (key, part))| pick(i, key, part))
-            .or_else(|| {
-                parts
-                    .iter_mut()
-                    .enumerate()
-                    .take(start)
-                    .find_map(|(i, (key, part))| pick(i, key, part))
-            });
-        let (i, message) = found?;
-        self.cursor = i + 1;
-        Some(message)
-    }
 }
 
 struct Shared<C> {
@@ -219,7 +179,7 @@ struct Shared<C> {
     park_after: Option<u32>,
     /// A lane's acknowledgement returns once the watermark it moved is
     /// stored (at most once: the offset is stored before the handler runs).
-    synchronous: bool,
+    synchronous: std::sync::atomic::AtomicBool,
     /// Told when a flush ended.
     flushed: Notify,
 }
@@ -265,7 +225,14 @@ impl<C: Consumer> Shared<C> {
         }
         for (key, m) in marks {
             match inner.ack(&m).await {
-                Ok(()) => {}
+                Ok(()) => {
+                    if let (Some(part), Some(pos)) =
+                        (self.state().parts.get_mut(&key), m.position.as_ref())
+                    {
+                        let next = pos.offset.saturating_add(1);
+                        part.stored_next = Some(part.stored_next.map_or(next, |s| s.max(next)));
+                    }
+                }
                 Err(ConsumerError::Fenced(why)) => {
                     tracing::warn!(topic = %key.0, partition = key.1, %why,
                         "partition fenced while storing its watermark: another consumer owns it");
@@ -444,7 +411,7 @@ impl<C: Consumer> Lanes<C> {
                 ordering,
                 limits,
                 park_after: (ordering == Ordering::Key).then_some(DEFAULT_PARK_AFTER),
-                synchronous: false,
+                synchronous: std::sync::atomic::AtomicBool::new(false),
                 flushed: Notify::new(),
             }),
             lanes: limits.lanes,
@@ -637,7 +604,11 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
             }
         }
         self.shared.changed.notify_waiters();
-        if self.shared.synchronous {
+        if self
+            .shared
+            .synchronous
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
             return self.stored(&key, pos).await;
         } else if let Ok(mut inner) = self.shared.inner.try_lock() {
             self.shared.flush(&mut inner).await;

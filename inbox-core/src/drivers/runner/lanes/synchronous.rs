@@ -3,7 +3,6 @@
 //! (`AckStrategy::AtMostOnce`), and what the crash guard counts a record
 //! under.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use super::{Lane, Lanes};
@@ -21,10 +20,11 @@ impl<C: Consumer> Lanes<C> {
     /// message). Off by default: the watermark is written when the shared
     /// consumer is free, coalesced.
     #[must_use]
-    pub fn with_synchronous_acks(mut self, on: bool) -> Self {
-        if let Some(shared) = Arc::get_mut(&mut self.shared) {
-            shared.synchronous = on;
-        }
+    pub fn with_synchronous_acks(self, on: bool) -> Self {
+        // taken by the lanes handed out before too
+        self.shared
+            .synchronous
+            .store(on, std::sync::atomic::Ordering::Relaxed);
         self
     }
 }
@@ -74,9 +74,11 @@ impl<C: Consumer> Lane<C> {
                 "the partition is another consumer's".into(),
             ));
         }
-        let past = part.is_some_and(|p| {
-            p.watermark.is_none() && p.flow.lowest_unfinished().is_none_or(|o| o > pos.offset)
-        });
+        // stored by this flush or an earlier one (another lane's later
+        // watermark may be waiting already: that is no failure of this one)
+        let past = part
+            .and_then(|p| p.stored_next)
+            .is_some_and(|next| next > pos.offset);
         if past {
             Ok(())
         } else {

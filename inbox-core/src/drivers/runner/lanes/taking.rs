@@ -1,0 +1,52 @@
+//! Which record a lane takes next, over the partitions' flows.
+
+use super::parking::Load;
+use super::{Part, State};
+use crate::model::{Message, PartitionKey};
+
+impl State {
+    /// The next record for `lane`: one without a position first, else the
+    /// next of any partition's flow, round-robin. `own_partitions`: a lane
+    /// holding records takes only more of their partitions (under
+    /// [`Ordering::Partition`] a batch is one partition's, as a partition
+    /// runner's was: a slow partition's batch holds no other partition's
+    /// records, and the other lanes take those).
+    pub(super) fn take(&mut self, lane: usize, own_partitions: bool) -> Option<Message> {
+        if let Some(message) = self.loose.pop_front() {
+            return Some(message);
+        }
+        // tokio's clock, as the runner's holds (paused in tests)
+        let now = tokio::time::Instant::now().into_std();
+        let n = self.parts.len();
+        let start = self.cursor % n.max(1);
+        let Self { parts, stale, .. } = self;
+        let holding = own_partitions && parts.values().any(|p| p.flow.lane_holds(lane));
+        let pick = |i: usize, key: &PartitionKey, part: &mut Part| {
+            if holding && !part.flow.lane_holds(lane) {
+                return None;
+            }
+            if part.fenced
+                || stale.contains(&(lane, key.clone()))
+                || matches!(part.park.load, Load::Due | Load::Loading)
+            {
+                return None;
+            }
+            part.flow.next_for(lane, now).map(|(_, m)| (i, m))
+        };
+        let found = parts
+            .iter_mut()
+            .enumerate()
+            .skip(start)
+            .find_map(|(i, (key, part))| pick(i, key, part))
+            .or_else(|| {
+                parts
+                    .iter_mut()
+                    .enumerate()
+                    .take(start)
+                    .find_map(|(i, (key, part))| pick(i, key, part))
+            });
+        let (i, message) = found?;
+        self.cursor = i + 1;
+        Some(message)
+    }
+}

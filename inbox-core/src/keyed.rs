@@ -347,6 +347,20 @@ impl<T: Clone> KeyedFlow<T> {
         self.advance()
     }
 
+    /// Whether acknowledging `lane`'s records up to `offset` moves the
+    /// watermark to `offset` (or past it, over records finished before):
+    /// the record at `offset` is handed to `lane`, and every record below
+    /// it is finished or handed to `lane` too (what a lane holding a whole
+    /// partition can store the offset of inside its own transaction).
+    pub fn ack_reaches(&self, lane: usize, offset: i64) -> bool {
+        let mine = |e: &Entry<T>| e.state == State::Delivered(lane);
+        self.entries.get(&offset).is_some_and(mine)
+            && self
+                .entries
+                .range(..offset)
+                .all(|(_, e)| e.state == State::Finished || mine(e))
+    }
+
     /// `lane`'s records from `offset` on are to be delivered again: they
     /// are handed back to it, lowest first, each once its
     /// [hold](Self::hold) (if any) has passed. Their keys stay theirs. A
@@ -889,7 +903,9 @@ mod tests {
         /// lane and not before its hold, a lane that gets nothing has
         /// nothing it could take (a held record holds only its key), and
         /// once every lane has finished what it holds, everything offered
-        /// is finished and below the watermark.
+        /// is finished and below the watermark. An acknowledgement said to
+        /// reach its offset moves the watermark there (or past it, over
+        /// records finished before).
         #[test]
         fn the_watermark_never_passes_an_unfinished_offset(ops in proptest::collection::vec(op(), 1..200)) {
             let start = Instant::now();
@@ -982,10 +998,21 @@ mod tests {
                             _ => delivered[lane].last().copied(),
                         };
                         if let Some(upto) = upto {
+                            // whether the watermark moves to `upto` exactly:
+                            // everything below it finished or this lane's
+                            let reaches = offered.range(..upto).all(|(o, _)| {
+                                finished.contains(o) || delivered[lane].contains(o)
+                            });
+                            prop_assert_eq!(f.ack_reaches(lane, upto), reaches);
                             delivered[lane].retain(|&o| {
                                 if o <= upto { finished.insert(o); false } else { true }
                             });
-                            if let Some((w, item)) = f.ack(lane, upto) {
+                            let moved = f.ack(lane, upto);
+                            if reaches {
+                                prop_assert!(moved.as_ref().is_some_and(|m| m.0 >= upto),
+                                    "acknowledged to {} said to reach it: {:?}", upto, moved);
+                            }
+                            if let Some((w, item)) = moved {
                                 prop_assert_eq!(w, item);
                                 for (&o, _) in offered.range(..=w) {
                                     prop_assert!(finished.contains(&o), "watermark {} passes unfinished {}", w, o);

@@ -88,6 +88,10 @@ struct Part {
     owner: Option<TxAck>,
     /// The watermark to acknowledge at the shared consumer.
     watermark: Option<Message>,
+    /// A lane's transaction stored the partition's offset past this
+    /// message: the shared consumer is to be told
+    /// ([`Consumer::acked_in_transaction`]).
+    told: Option<Message>,
     /// Told fenced: the shared consumer is to be told (`Some`), then
     /// nothing more of the partition is handed out.
     fence: Option<Message>,
@@ -115,6 +119,7 @@ impl Part {
             flow: KeyedFlow::new(limits),
             owner: None,
             watermark: None,
+            told: None,
             fence: None,
             fenced: false,
             moved: None,
@@ -126,6 +131,19 @@ impl Part {
                 ..Parking::default()
             },
         }
+    }
+
+    /// Finishes `lane`'s records up to `offset` in the flow; where the
+    /// watermark moved to, if it did.
+    fn finish(&mut self, lane: usize, offset: i64) -> Option<Message> {
+        let (done, mark) = self.flow.ack(lane, offset)?;
+        self.park.rewinds.retain(|&o, _| o > done);
+        // every record below where the log ended at the start is
+        // finished: no suspect is left, nor any key to clear
+        if self.end_at_start.is_some_and(|end| done + 1 >= end) && !self.counted_keys.is_empty() {
+            self.counted_keys = HashSet::new();
+        }
+        Some(mark)
     }
 }
 
@@ -160,6 +178,9 @@ impl State {
             }
             part.flow.reset();
             part.watermark = None;
+            // read again by the shared consumer: what it last stored is
+            // what its ownership says
+            part.stored_next = None;
         }
     }
 }
@@ -198,25 +219,32 @@ impl<C: Consumer> Shared<C> {
     /// Carries out what is pending at the shared consumer: fences, moved
     /// offsets, watermarks.
     async fn flush(&self, inner: &mut C) {
-        let (fences, moves, marks) = {
+        let (told, fences, moves, marks) = {
             let mut state = self.state();
+            let mut told = Vec::new();
             let mut fences = Vec::new();
             let mut moves = Vec::new();
             let mut marks = Vec::new();
             for (key, part) in &mut state.parts {
+                if let Some(m) = part.told.take() {
+                    told.push(m);
+                }
                 if let Some(m) = part.fence.take() {
                     fences.push(m);
                 }
                 if let Some(m) = part.moved.take() {
                     moves.push(m);
                 }
-                if let Some(m) = part.watermark.take() {
+                if let Some(m) = part.mark_to_write() {
                     marks.push((key.clone(), m));
                 }
             }
             state.flushes_started += 1;
-            (fences, moves, marks)
+            (told, fences, moves, marks)
         };
+        for m in &told {
+            inner.acked_in_transaction(m);
+        }
         for m in &fences {
             inner.fenced(m);
         }
@@ -587,21 +615,10 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
         if self.was_stale(&key) {
             return Ok(());
         }
+        if let Some(part) = self.shared.state().parts.get_mut(&key)
+            && let Some(mark) = part.finish(self.index, pos.offset)
         {
-            let mut state = self.shared.state();
-            if let Some(part) = state.parts.get_mut(&key)
-                && let Some((done, mark)) = part.flow.ack(self.index, pos.offset)
-            {
-                part.park.rewinds.retain(|&o, _| o > done);
-                part.watermark = Some(mark);
-                // every record below where the log ended at the start is
-                // finished: no suspect is left, nor any key to clear
-                if part.end_at_start.is_some_and(|end| done + 1 >= end)
-                    && !part.counted_keys.is_empty()
-                {
-                    part.counted_keys = HashSet::new();
-                }
-            }
+            part.watermark = Some(mark);
         }
         self.shared.changed.notify_waiters();
         if self
@@ -644,10 +661,19 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
         Ok(())
     }
 
-    /// `None`: a lane acknowledges after the transaction (the watermark is
-    /// not this message's offset).
-    fn transactional_ack(&self, _message: &Message) -> Option<TxAck> {
-        None
+    /// Under [`Ordering::Partition`], when this lane holds every record of
+    /// the partition not finished up to `message` (the watermark moves to
+    /// it): the partition's offset past it, stored in the lane's own
+    /// transaction. `None` otherwise: the lane acknowledges after the
+    /// transaction (the watermark is not this message's offset).
+    fn transactional_ack(&self, message: &Message) -> Option<TxAck> {
+        self.tx_ack(message)
+    }
+
+    /// Finishes the records up to `message` whose offset the lane's
+    /// transaction stored; the shared consumer is told at the next flush.
+    fn acked_in_transaction(&mut self, message: &Message) {
+        self.stored_in_transaction(message);
     }
 
     /// The partition's ownership as the shared consumer gave it, for

@@ -1,12 +1,13 @@
 //! What the lanes do beyond the flow's plan for one ordering or one
 //! strategy: acknowledgements that wait until the watermark is stored
-//! (`AckStrategy::AtMostOnce`), and what the crash guard counts a record
-//! under.
+//! (`AckStrategy::AtMostOnce`), a partition's offset stored in the
+//! transaction of the lane holding it ([`Ordering::Partition`]), and what
+//! the crash guard counts a record under.
 
 use std::time::Duration;
 
-use super::{Lane, Lanes};
-use crate::consumer::Consumer;
+use super::{Lane, Lanes, Part};
+use crate::consumer::{Consumer, TxAck};
 use crate::error::ConsumerError;
 use crate::keyed::Ordering;
 use crate::model::{Message, PartitionKey, Position};
@@ -41,6 +42,89 @@ impl<C> Lane<C> {
             Ordering::Partition => Some(&[]),
             Ordering::Unordered => None,
         }
+    }
+}
+
+impl Part {
+    /// The watermark to write, taken: none when a lane's transaction
+    /// stored the offset past it already.
+    pub(super) fn mark_to_write(&mut self) -> Option<Message> {
+        let stored = self.stored_next;
+        self.watermark.take().filter(|m| {
+            m.position
+                .as_ref()
+                .zip(stored)
+                .is_none_or(|(pos, next)| next <= pos.offset)
+        })
+    }
+}
+
+impl<C> Lane<C> {
+    /// The acknowledgement of `message` to store in this lane's
+    /// transaction: under [`Ordering::Partition`] only (a partition is one
+    /// key, held by one lane at a time), when acknowledging this lane's
+    /// records up to `message` moves the watermark to it (or past it), with the
+    /// partition's ownership and the next offset this member last stored
+    /// (by a lane's transaction or a flush) or its shared consumer did.
+    pub(super) fn tx_ack(&self, message: &Message) -> Option<TxAck> {
+        if self.shared.ordering != Ordering::Partition || self.drains(message) {
+            return None;
+        }
+        let pos = message.position.as_ref()?;
+        let key = pos.partition_key();
+        let state = self.shared.state();
+        if state.stale.contains(&(self.index, key.clone())) {
+            return None;
+        }
+        let part = state.parts.get(&key).filter(|p| !p.fenced)?;
+        let owner = part.owner.as_ref()?;
+        if !part.flow.ack_reaches(self.index, pos.offset) {
+            return None;
+        }
+        Some(TxAck {
+            position: pos.clone(),
+            expected_next: part.stored_next.max(owner.expected_next),
+            ..owner.clone()
+        })
+    }
+
+    /// A transaction of this lane stored the offset past `message` (see
+    /// [`tx_ack`](Self::tx_ack)) and committed: its records up to it are
+    /// finished, the stored offset is noted, and the shared consumer is
+    /// told at the next flush (a watermark still to be written below it
+    /// is not).
+    pub(super) fn stored_in_transaction(&mut self, message: &Message) {
+        let Some(pos) = &message.position else {
+            return;
+        };
+        if self.drains(message) {
+            return;
+        }
+        self.gathering = false;
+        let key = pos.partition_key();
+        if self.was_stale(&key) {
+            return;
+        }
+        if let Some(part) = self.shared.state().parts.get_mut(&key) {
+            let next = pos.offset.saturating_add(1);
+            part.stored_next = Some(part.stored_next.map_or(next, |s| s.max(next)));
+            if part
+                .told
+                .as_ref()
+                .and_then(|m| m.position.as_ref())
+                .is_none_or(|p| p.offset < pos.offset)
+            {
+                part.told = Some(message.clone());
+            }
+            // beyond it only if records above were finished otherwise
+            // (the flush writes no watermark at or below the stored one)
+            if let Some(mark) = part.finish(self.index, pos.offset) {
+                part.watermark = Some(mark);
+            }
+        }
+        self.shared.changed.notify_waiters();
+        // the holder of the shared consumer tells it soon
+        self.shared.marks_due.notify_one();
     }
 }
 

@@ -11,9 +11,10 @@
 //! 3. computes [`assign`] over the live members from the published
 //!    assignment (every member computes the same one) and publishes it when
 //!    it changed;
-//! 4. when its own partitions changed: stops its runner (the message or
-//!    batch in hand is finished and acknowledged), then starts a new
-//!    consumer on its new partitions, which claims them (their owner epoch
+//! 4. when its own partitions changed: stops its lanes (the messages or
+//!    batches in hand are finished and acknowledged), then starts a new
+//!    consumer and lanes on its new partitions (one shape for every
+//!    [`Ordering`](inbox_core::keyed::Ordering)), which claims them (their owner epoch
 //!    moves, so a previous owner that is still alive, a paused zombie, is
 //!    fenced and can acknowledge nothing).
 //!
@@ -60,14 +61,15 @@ pub struct GroupConfig {
     /// Default `false`: a misspelled topic is an error, not a member that
     /// silently owns nothing.
     pub wait_for_topics: bool,
-    /// How many of this member's partitions are handled side by side: its
-    /// partitions are dealt out (round-robin) among up to this many
-    /// runners, each with its own consumer, its own transactions and its
-    /// own failure budget, rewinds and fencing, so a slow or failing
-    /// partition delays only the partitions dealt to the same runner (none,
-    /// while the member owns no more partitions than this). Each runner
-    /// holds one database connection while it handles a message or a
-    /// batch, so the number is clamped to the store's pool size less one
+    /// Under `Ordering::Partition`: how many of this member's partitions
+    /// are handled side by side. The member's one consumer feeds up to
+    /// this many lanes (at most one per partition), each a runner with its
+    /// own transactions, failure budget, rewinds and fencing; a partition
+    /// is one key, held by one lane at a time, and a lane that finishes
+    /// takes whichever partition has a message ready, so a slow or failing
+    /// partition holds back no other. Each lane holds one database
+    /// connection while it handles a message or a batch, so the number is
+    /// clamped to the store's pool size less one
     /// ([`InboxStore::pool_size`](inbox_core::InboxStore::pool_size)), with
     /// a warning. Default [`DEFAULT_PARTITIONS_IN_FLIGHT`]; 1: one
     /// transaction at a time over every partition (the former behaviour).
@@ -75,13 +77,14 @@ pub struct GroupConfig {
     /// In what order a partition's messages are handled
     /// ([`Ordering::Partition`](inbox_core::keyed::Ordering::Partition),
     /// the default: one at a time per partition, partitions side by side).
-    /// With [`Ordering::Key`](inbox_core::keyed::Ordering::Key) (or
-    /// `Unordered`) one consumer over every owned partition feeds
-    /// [`concurrency`](Self::concurrency) runners ("lanes"): different keys
-    /// of a partition run side by side, one key's messages one at a time in
-    /// offset order; the stored offset is the lowest message not finished,
-    /// and what is delivered again above it is found by its inbox row.
-    /// `partitions_in_flight` is then not used.
+    /// Every ordering runs the same way: one consumer over every owned
+    /// partition feeds runners ("lanes"). With
+    /// [`Ordering::Key`](inbox_core::keyed::Ordering::Key) (or
+    /// `Unordered`) there are [`concurrency`](Self::concurrency) of them:
+    /// different keys of a partition run side by side, one key's messages
+    /// one at a time in offset order; the stored offset is the lowest
+    /// message not finished, and what is delivered again above it is found
+    /// by its inbox row. `partitions_in_flight` is then not used.
     pub ordering: inbox_core::keyed::Ordering,
     /// Under `Ordering::Key` or `Unordered`: how many messages (or batches)
     /// the member handles at once, over all its partitions. Each holds a
@@ -231,71 +234,9 @@ struct Running {
     owned: Vec<PartitionKey>,
     cancel: CancellationToken,
     tasks: Vec<Owned<u64>>,
-    /// Groups of partitions whose consumer could not connect (a leader
-    /// that cannot be reached): tried again at each heartbeat while the
-    /// others run.
-    pending: Vec<Vec<PartitionKey>>,
-}
-
-/// A runner's run, connected: it ends when its stop token fires, with the
-/// messages it handled.
-type Run = std::pin::Pin<Box<dyn Future<Output = u64> + Send>>;
-
-/// Connecting a group of partitions: its run, or why it could not start.
-type Connecting<'a> = std::pin::Pin<Box<dyn Future<Output = Result<Run, KafkaError>> + Send + 'a>>;
-
-/// Connects each of `groups` with `connect` and spawns the run it gives
-/// (stopped by `cancel`), each on its own: a group that cannot connect is
-/// given back with its error, to be tried again, and stops nothing already
-/// started. (They were connected all or nothing: one unreachable leader
-/// aborted the runners started before it mid-transaction, leaving their
-/// crash pre-counts behind, and kept every partition of the member
-/// unread.)
-async fn spawn_each<'a>(
-    groups: Vec<Vec<PartitionKey>>,
-    cancel: &CancellationToken,
-    mut connect: impl FnMut(Vec<PartitionKey>, CancellationToken) -> Connecting<'a>,
-) -> (Vec<Owned<u64>>, Vec<(Vec<PartitionKey>, KafkaError)>) {
-    let mut tasks = Vec::with_capacity(groups.len());
-    let mut failed = Vec::new();
-    for partitions in groups {
-        match connect(partitions.clone(), cancel.clone()).await {
-            Ok(run) => tasks.push(Owned(Some(tokio::spawn(run)))),
-            Err(e) => failed.push((partitions, e)),
-        }
-    }
-    (tasks, failed)
-}
-
-/// Logs the groups that could not connect; the groups, to be tried again.
-fn pending_of(
-    member: &str,
-    failed: Vec<(Vec<PartitionKey>, KafkaError)>,
-) -> Vec<Vec<PartitionKey>> {
-    failed
-        .into_iter()
-        .map(|(partitions, e)| {
-            tracing::warn!(member = %member, ?partitions, error = %e,
-                "connecting the consumer of these partitions failed; the others run, these are tried again at the next heartbeat");
-            partitions
-        })
-        .collect()
 }
 
 impl Running {
-    /// Connects the groups that could not connect before (see
-    /// [`spawn_each`]); those that still cannot stay pending.
-    async fn connect_pending<'a>(
-        &mut self,
-        member: &str,
-        connect: impl FnMut(Vec<PartitionKey>, CancellationToken) -> Connecting<'a>,
-    ) {
-        let groups = std::mem::take(&mut self.pending);
-        let (tasks, failed) = spawn_each(groups, &self.cancel, connect).await;
-        self.tasks.extend(tasks);
-        self.pending = pending_of(member, failed);
-    }
-
     /// Stops every runner (each finishes what it has in hand); the
     /// messages they handled.
     async fn stop(self) -> u64 {
@@ -349,14 +290,6 @@ impl Running {
         }
         (why.unwrap_or_else(|| "no task".to_owned()), handled)
     }
-}
-
-/// How many runners a member with `owned` partitions runs side by side:
-/// `wanted`, at most one per partition, at most the store's pool less one
-/// (`pool`: its size, when it has one), at least one.
-fn runners_for(owned: usize, wanted: usize, pool: Option<usize>) -> usize {
-    let by_pool = pool.map_or(usize::MAX, |p| p.saturating_sub(1));
-    wanted.min(owned).min(by_pool).max(1)
 }
 
 /// A consumer claiming `partitions` (`kafka`'s own are replaced) and a
@@ -540,7 +473,6 @@ where
                             owned,
                             cancel: CancellationToken::new(),
                             tasks: Vec::new(),
-                            pending: Vec::new(),
                         });
                     } else {
                         match start(&kafka, &group, owned, &store, &handler, &runner, &watched)
@@ -553,16 +485,6 @@ where
                                 summary.changes.pop();
                             }
                         }
-                    }
-                } else if let Some(r) = running.as_mut().filter(|r| !r.pending.is_empty()) {
-                    // a connect has its deadline (`connect_timeout`); a
-                    // stop does not wait for it
-                    tokio::select! {
-                        () = cancel.cancelled() => {}
-                        () = r.connect_pending(
-                            &me,
-                            connector(&kafka, &store, &handler, &runner, &watched),
-                        ) => {}
                     }
                 }
             }
@@ -623,9 +545,26 @@ async fn next_assignment<S: MembershipStore>(
     .await?)
 }
 
-/// Consumers claiming `owned` and runners over them, spawned: the
-/// partitions dealt out among up to `group.partitions_in_flight` runners
-/// (see [`runners_for`]).
+/// How many lanes a member with `owned` partitions runs, and how many
+/// its settings ask for: under [`Ordering::Partition`](inbox_core::keyed::Ordering::Partition)
+/// `partitions_in_flight`, at most one per partition (a partition is one
+/// key: one lane at a time); under the others `concurrency`. At most the
+/// store's pool less one (`pool`: its size, when it has one), at least one.
+fn lanes_for(group: &GroupConfig, owned: usize, pool: Option<usize>) -> (usize, usize) {
+    let wanted = match group.ordering {
+        inbox_core::keyed::Ordering::Partition => group.partitions_in_flight.min(owned),
+        _ => group.concurrency,
+    }
+    .max(1);
+    let by_pool = pool.map_or(usize::MAX, |p| p.saturating_sub(1));
+    (wanted.min(by_pool).max(1), wanted)
+}
+
+/// One consumer claiming `owned` and lanes over it (see [`lanes_for`]), a
+/// runner each, in one task that writes the last watermarks once every
+/// lane has stopped: the member's one shape for every ordering (under
+/// `Ordering::Partition` a partition is one key). A lane that panics
+/// stops the others, and the task ends with its panic.
 async fn start<S, H>(
     kafka: &KafkaConfig,
     group: &GroupConfig,
@@ -640,91 +579,20 @@ where
     H: Handler<S::Tx> + 'static,
 {
     let pool = store.pool_size();
-    if group.ordering != inbox_core::keyed::Ordering::Partition {
-        return start_lanes(kafka, group, owned, store, handler, runner, metrics).await;
-    }
-    let runners = runners_for(owned.len(), group.partitions_in_flight, pool);
-    if runners < group.partitions_in_flight.min(owned.len()) {
+    let (lanes, wanted) = lanes_for(group, owned.len(), pool);
+    if lanes < wanted {
+        let setting = if group.ordering == inbox_core::keyed::Ordering::Partition {
+            "partitions_in_flight"
+        } else {
+            "concurrency"
+        };
         tracing::warn!(
             member = %group.member_id,
-            partitions_in_flight = group.partitions_in_flight,
-            pool_size = pool,
-            runners,
-            "partitions_in_flight is above the store's pool size less one: {runners} runners side by side (raise the pool size to handle more)"
-        );
-    }
-    let cancel = CancellationToken::new();
-    let (tasks, mut failed) = spawn_each(
-        crate::deal(&owned, runners),
-        &cancel,
-        connector(kafka, store, handler, runner, metrics),
-    )
-    .await;
-    if tasks.is_empty()
-        && let Some((_, e)) = failed.pop()
-    {
-        // nothing runs: the whole start is tried again
-        return Err(e);
-    }
-    Ok(Running {
-        owned,
-        cancel,
-        tasks,
-        pending: pending_of(&group.member_id, failed),
-    })
-}
-
-/// Connects a consumer and a runner over a group of partitions
-/// ([`runner_over`]), for [`spawn_each`].
-fn connector<'a, S, H>(
-    kafka: &'a KafkaConfig,
-    store: &'a S,
-    handler: &'a Arc<H>,
-    runner: &'a RunnerConfig,
-    metrics: &'a Arc<dyn Metrics>,
-) -> impl FnMut(Vec<PartitionKey>, CancellationToken) -> Connecting<'a>
-where
-    S: InboxStore + OffsetStore + Clone + 'static,
-    H: Handler<S::Tx> + 'static,
-{
-    move |partitions, stop| {
-        Box::pin(async move {
-            let mut r = runner_over(kafka, partitions, store, handler, runner, metrics).await?;
-            // the configuration was checked before the group started
-            let run: Run =
-                Box::pin(async move { r.run(stop).await.map_or(0, |summary| summary.messages) });
-            Ok(run)
-        })
-    }
-}
-
-/// One consumer claiming `owned` and `group.concurrency` lanes over it
-/// (clamped to the pool less one), a runner each, in one task that writes
-/// the last watermarks once every lane has stopped. A lane that panics
-/// stops the others, and the task ends with its panic.
-async fn start_lanes<S, H>(
-    kafka: &KafkaConfig,
-    group: &GroupConfig,
-    owned: Vec<PartitionKey>,
-    store: &S,
-    handler: &Arc<H>,
-    runner: &RunnerConfig,
-    metrics: &Arc<dyn Metrics>,
-) -> Result<Running, KafkaError>
-where
-    S: InboxStore + OffsetStore + Clone + 'static,
-    H: Handler<S::Tx> + 'static,
-{
-    let pool = store.pool_size();
-    let by_pool = pool.map_or(usize::MAX, |p| p.saturating_sub(1));
-    let lanes = group.concurrency.min(by_pool).max(1);
-    if lanes < group.concurrency {
-        tracing::warn!(
-            member = %group.member_id,
-            concurrency = group.concurrency,
+            setting,
+            wanted,
             pool_size = pool,
             lanes,
-            "concurrency is above the store's pool size less one: {lanes} messages at once (raise the pool size to handle more)"
+            "{setting} is above the store's pool size less one: {lanes} at once (raise the pool size to handle more)"
         );
     }
     let consumer = KafkaConsumer::connect(
@@ -736,8 +604,16 @@ where
     )
     .await?
     .with_metrics(metrics.clone());
+    // parking is for failing keys: under `Ordering::Partition` the key
+    // is the whole partition, which waits for its failing message
+    let parking = if group.ordering == inbox_core::keyed::Ordering::Key {
+        group.park_after
+    } else {
+        None
+    };
     let shared = inbox_core::drivers::runner::lanes::Lanes::new(consumer, group.ordering, lanes)
-        .with_parking(group.park_after);
+        .with_parking(parking)
+        .with_synchronous_acks(runner.strategy.commits_before());
     let cancel = CancellationToken::new();
     let mut runners = Vec::with_capacity(lanes);
     for lane in shared.lanes() {
@@ -793,93 +669,39 @@ where
         owned,
         cancel,
         tasks: vec![Owned(Some(task))],
-        pending: Vec::new(),
     })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use inbox_core::keyed::Ordering as Order;
+
+    fn group(ordering: Order) -> GroupConfig {
+        let mut g = GroupConfig::new("m-1", vec!["t".to_owned()]);
+        g.ordering = ordering;
+        g.partitions_in_flight = 8;
+        g.concurrency = 16;
+        g
+    }
 
     fn keys(n: i32) -> Vec<PartitionKey> {
         (0..n).map(|p| ("t".to_owned(), p)).collect()
     }
 
     #[test]
-    fn runners_are_bounded_by_partitions_setting_and_pool() {
-        assert_eq!(runners_for(8, 8, None), 8);
-        assert_eq!(runners_for(3, 8, None), 3);
-        assert_eq!(runners_for(8, 2, None), 2);
+    fn lanes_are_bounded_by_the_ordering_setting_partitions_and_pool() {
+        let partition = group(Order::Partition);
+        assert_eq!(lanes_for(&partition, 8, None), (8, 8));
+        assert_eq!(lanes_for(&partition, 3, None), (3, 3), "one a partition");
+        assert_eq!(lanes_for(&partition, 0, None), (1, 1));
         // the pool less one connection
-        assert_eq!(runners_for(8, 8, Some(5)), 4);
-        assert_eq!(runners_for(8, 8, Some(1)), 1);
-        assert_eq!(runners_for(0, 8, None), 1);
-    }
-
-    /// A connect that fails for the groups holding partition 1 (`fails`
-    /// times, then connects); the runs it gives wait for their stop and
-    /// count 1 each, so a run aborted instead of stopped counts nothing.
-    fn flaky_connect(
-        fails: usize,
-    ) -> impl FnMut(Vec<PartitionKey>, CancellationToken) -> Connecting<'static> {
-        let mut failures = 0;
-        move |partitions, stop| {
-            let fail = partitions.contains(&("t".to_owned(), 1)) && failures < fails;
-            if fail {
-                failures += 1;
-            }
-            Box::pin(async move {
-                if fail {
-                    return Err(KafkaError::Config(
-                        "the leader of t:1 cannot be reached".into(),
-                    ));
-                }
-                let run: Run = Box::pin(async move {
-                    stop.cancelled().await;
-                    1
-                });
-                Ok(run)
-            })
-        }
-    }
-
-    /// One group whose leader cannot be reached: the groups dealt before
-    /// and after it run (none aborted: each stops and counts its
-    /// messages), it is tried again while they run, and joins them once it
-    /// connects.
-    #[tokio::test]
-    async fn a_group_that_cannot_connect_holds_back_none_of_the_others() {
-        let cancel = CancellationToken::new();
-        let (tasks, failed) = spawn_each(crate::deal(&keys(3), 3), &cancel, flaky_connect(2)).await;
-        assert_eq!(tasks.len(), 2, "t:0 and t:2 run");
-        let mut running = Running {
-            owned: keys(3),
-            cancel,
-            tasks,
-            pending: pending_of("m-1", failed),
-        };
-        assert_eq!(running.pending, vec![vec![("t".to_owned(), 1)]]);
-        assert!(!running.died(), "the others run on");
-        let mut connect = flaky_connect(2);
-        // the same connect: t:1 fails its first two tries, then connects
-        for (try_, pending) in [(1, 1), (2, 1), (3, 0)] {
-            running.connect_pending("m-1", &mut connect).await;
-            assert_eq!(running.pending.len(), pending, "try {try_}");
-        }
-        assert_eq!(running.tasks.len(), 3);
-        assert!(!running.died());
-        assert_eq!(running.stop().await, 3, "every run stopped, none aborted");
-    }
-
-    /// When no group connects, the start fails as a whole (tried again at
-    /// the next heartbeat).
-    #[tokio::test]
-    async fn no_group_connecting_starts_nothing() {
-        let cancel = CancellationToken::new();
-        let (tasks, failed) =
-            spawn_each(vec![vec![("t".to_owned(), 1)]], &cancel, flaky_connect(1)).await;
-        assert!(tasks.is_empty());
-        assert_eq!(failed.len(), 1);
+        assert_eq!(lanes_for(&partition, 8, Some(5)), (4, 8));
+        assert_eq!(lanes_for(&partition, 8, Some(1)), (1, 8));
+        let key = group(Order::Key);
+        assert_eq!(lanes_for(&key, 3, None), (16, 16), "keys of 3 partitions");
+        assert_eq!(lanes_for(&key, 3, Some(10)), (9, 16));
+        assert_eq!(lanes_for(&group(Order::Unordered), 1, None), (16, 16));
     }
 
     #[test]

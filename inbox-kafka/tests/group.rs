@@ -555,7 +555,7 @@ impl inbox_core::Handler<inbox_postgres::PgTx> for Gated {
 /// One member owning two partitions handles them side by side (the
 /// default `partitions_in_flight`): while partition 0's handler is held,
 /// every message of partition 1 is handled; once it is let go, partition
-/// 0's are too, each once. With `partitions_in_flight = 1` (one runner over
+/// 0's are too, each once. With `partitions_in_flight = 1` (one lane over
 /// both, the former behaviour) one message runs at a time and nothing
 /// passes the held handler.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -600,7 +600,7 @@ async fn a_held_partition_does_not_hold_back_the_others() {
             n
         };
         if in_flight == 1 {
-            // one runner: held in partition 0 (before or after it read
+            // one lane: held in partition 0 (before or after it read
             // partition 1), it passes nothing while held
             wait_until(
                 "the lane held at the gate",
@@ -614,7 +614,7 @@ async fn a_held_partition_does_not_hold_back_the_others() {
             assert_eq!(
                 env.total_invoices().await,
                 before,
-                "one runner over both partitions: nothing passes the held handler"
+                "one lane over both partitions: nothing passes the held handler"
             );
             assert_eq!(
                 gated.most.load(std::sync::atomic::Ordering::SeqCst),
@@ -654,6 +654,78 @@ async fn a_held_partition_does_not_hold_back_the_others() {
                 assert_eq!(env.invoices(&format!("side-{i}-p{p}")).await, 1);
             }
         }
+    }
+}
+
+/// More partitions than `partitions_in_flight`: a held partition holds
+/// back none of the others. Three partitions over two lanes, partition 0's
+/// handler held: partitions 1 and 2 are both handled meanwhile (a lane
+/// takes whichever partition has a message ready). Before, the partitions
+/// were dealt round-robin to two runners, and partition 2, dealt with the
+/// held partition 0, waited behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_partition_holds_back_none_of_the_others_past_the_lanes() {
+    let env = env("lanes", 3).await;
+    for p in 0..3 {
+        let ids: Vec<String> = (0..10).map(|i| format!("lane-{i}-p{p}")).collect();
+        let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+        env.produce_orders(p, &refs).await;
+    }
+    let gated = Arc::new(Gated {
+        inner: ScriptedHandler::new([], Act::Succeed),
+        open: Arc::new(tokio::sync::Notify::new()),
+        opened: std::sync::atomic::AtomicBool::new(false),
+        running: std::sync::atomic::AtomicUsize::new(0),
+        most: std::sync::atomic::AtomicUsize::new(0),
+        held: std::sync::atomic::AtomicUsize::new(0),
+    });
+    let mut group = GroupConfig::new("member-a", vec![env.topic.clone()]);
+    group.heartbeat = Duration::from_millis(100);
+    group.session_timeout = Duration::from_millis(800);
+    group.partitions_in_flight = 2;
+    // held past the wait below: no timeout lets another partition pass
+    let mut runner = config("billing", AckStrategy::default());
+    runner.handler_timeout = Duration::from_secs(120);
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(run_group(
+        env.kafka_config("billing"),
+        group,
+        env.store.clone(),
+        gated.clone(),
+        runner,
+        Arc::new(NoopMetrics),
+        cancel.clone(),
+    ));
+    let handled = async |p: i32| {
+        let mut n = 0;
+        for i in 0..10 {
+            n += env.invoices(&format!("lane-{i}-p{p}")).await;
+        }
+        n
+    };
+    wait_until(
+        "partitions 1 and 2 handled while partition 0 is held",
+        Duration::from_secs(25),
+        async || handled(1).await == 10 && handled(2).await == 10,
+    )
+    .await;
+    assert_eq!(handled(0).await, 0, "partition 0 is held");
+    gated
+        .opened
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    gated.open.notify_waiters();
+    wait_until("all 30 orders", Duration::from_secs(30), async || {
+        env.total_invoices().await >= 30
+    })
+    .await;
+    cancel.cancel();
+    task.await.expect("join").expect("member");
+    assert!(
+        gated.most.load(std::sync::atomic::Ordering::SeqCst) <= 2,
+        "at most two lanes at once"
+    );
+    for p in 0..3 {
+        assert_eq!(handled(p).await, 10, "partition {p}: each once");
     }
 }
 

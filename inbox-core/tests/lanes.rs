@@ -322,6 +322,9 @@ async fn partitions_as_keys_batch_one_partition_a_lane_side_by_side() {
     );
 }
 
+/// Per partition: the owner epoch, and the next offset last stored.
+type Claims = HashMap<i32, (i64, Option<i64>)>;
+
 /// A consumer that keeps its offsets in the store, as the Kafka one does:
 /// it claims each partition it reads and hands out acknowledgements to
 /// store in the inbox transaction under its epoch; it counts those it
@@ -329,15 +332,32 @@ async fn partitions_as_keys_batch_one_partition_a_lane_side_by_side() {
 struct InStore {
     inner: MemConsumer,
     store: MemStore,
-    /// Per partition: the epoch, and the next offset last stored.
-    claims: HashMap<i32, (i64, Option<i64>)>,
+    /// Per partition: the epoch, and the next offset last stored (the
+    /// test may change it, as a consumer reading its stored offset again).
+    claims: Arc<Mutex<Claims>>,
     apart: Arc<AtomicUsize>,
+    /// Acknowledgements written apart wait for a permit, when set.
+    gate: Option<Arc<tokio::sync::Semaphore>>,
 }
 
 impl InStore {
+    fn new(broker: &MemBroker, store: &MemStore) -> Self {
+        Self {
+            inner: broker.consumer("billing"),
+            store: store.clone(),
+            claims: Arc::default(),
+            apart: Arc::default(),
+            gate: None,
+        }
+    }
+
+    fn claims(&self) -> std::sync::MutexGuard<'_, Claims> {
+        self.claims.lock().expect("claims")
+    }
+
     fn tx_ack_of(&self, message: &Message) -> Option<TxAck> {
         let pos = message.position.clone()?;
-        let &(owner_epoch, expected_next) = self.claims.get(&pos.partition)?;
+        let (owner_epoch, expected_next) = *self.claims().get(&pos.partition)?;
         Some(TxAck {
             consumer_group: "billing".into(),
             position: pos,
@@ -348,7 +368,7 @@ impl InStore {
 
     fn stored(&mut self, message: &Message) {
         if let Some(pos) = &message.position
-            && let Some(claim) = self.claims.get_mut(&pos.partition)
+            && let Some(claim) = self.claims().get_mut(&pos.partition)
         {
             claim.1 = Some(pos.offset + 1);
         }
@@ -362,19 +382,22 @@ impl Consumer for InStore {
             return Ok(None);
         };
         if let Some(pos) = &m.position
-            && !self.claims.contains_key(&pos.partition)
+            && !self.claims().contains_key(&pos.partition)
         {
             let claim = self
                 .store
                 .claim_partition("billing", &pos.topic, pos.partition)
                 .await
                 .map_err(|e| ConsumerError::Fetch(e.to_string()))?;
-            self.claims
+            self.claims()
                 .insert(pos.partition, (claim.owner_epoch, claim.next_offset));
         }
         Ok(Some(m))
     }
     async fn ack(&mut self, message: &Message) -> Result<(), ConsumerError> {
+        if let Some(gate) = &self.gate {
+            gate.acquire().await.expect("gate").forget();
+        }
         let ack = self
             .tx_ack_of(message)
             .ok_or_else(|| ConsumerError::Ack("not claimed".into()))?;
@@ -412,13 +435,8 @@ async fn a_lane_holding_a_partition_stores_its_offset_in_its_transaction() {
         let store = MemStore::new();
         let broker = keyed_broker(200, 4, 4);
         let handler = Slow::new(&[]);
-        let apart = Arc::new(AtomicUsize::new(0));
-        let consumer = InStore {
-            inner: broker.consumer("billing"),
-            store: store.clone(),
-            claims: HashMap::new(),
-            apart: apart.clone(),
-        };
+        let consumer = InStore::new(&broker, &store);
+        let apart = consumer.apart.clone();
         let done = run_lanes_over(
             consumer,
             &store,
@@ -444,6 +462,102 @@ async fn a_lane_holding_a_partition_stores_its_offset_in_its_transaction() {
             "{batch:?}: acknowledgements written apart from the inbox transaction"
         );
     }
+}
+
+/// A watermark written through the shared consumer (a message
+/// acknowledged after its transaction: a failure under `commit_on_failed`)
+/// and a lane's transaction storing the next offset would both expect the
+/// same stored offset: while the write is under way the next record of the
+/// partition is acknowledged after its transaction too, and once it is
+/// written the lane's transaction stores the offset again, expecting the
+/// one written. Before, the lane's transaction expected the offset from
+/// before the write: one of the two was refused (the offset moved).
+#[tokio::test(start_paused = true)]
+async fn a_lane_stores_no_offset_in_its_transaction_while_a_watermark_is_written() {
+    let store = MemStore::new();
+    let broker = keyed_broker(3, 1, 1);
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let mut consumer = InStore::new(&broker, &store);
+    consumer.gate = Some(gate.clone());
+    let shared = Lanes::new(consumer, Ordering::Partition, 2);
+    let mut lanes = shared.lanes();
+    let mut second = lanes.pop().expect("a lane");
+    let mut first = lanes.pop().expect("a lane");
+    let m0 = first.next().await.expect("next").expect("m0");
+    assert!(
+        first.transactional_ack(&m0).is_some(),
+        "nothing is written: in the transaction"
+    );
+    // acknowledged after its transaction: the write waits at the gate
+    let writing = tokio::spawn(async move { first.ack(&m0).await });
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let m1 = second.next().await.expect("next").expect("m1");
+    assert_eq!(m1.position.as_ref().map(|p| p.offset), Some(1));
+    assert_eq!(
+        second.transactional_ack(&m1),
+        None,
+        "stored in the transaction while the watermark of m0 is written"
+    );
+    gate.add_permits(1);
+    writing
+        .await
+        .expect("join")
+        .expect("m0's watermark written");
+    assert_eq!(store.acked("billing", "orders", 0), Some(1));
+    let ack = second
+        .transactional_ack(&m1)
+        .expect("in the transaction again");
+    assert_eq!(ack.expected_next, Some(1), "expects the offset written");
+}
+
+/// Under `Ordering::Partition` a lane's transaction expects the stored
+/// offset as the shared consumer last read it, after every pull: a
+/// consumer that read its stored offset again (it moved, and no record
+/// was delivered again to say so) is believed at the next pull. Before,
+/// the ownership was taken only from records pulled, and a lane expecting
+/// the old offset was refused again and again.
+#[tokio::test(start_paused = true)]
+async fn a_stored_offset_read_again_is_expected_after_the_next_pull() {
+    let store = MemStore::new();
+    let broker = keyed_broker(1, 1, 1);
+    let consumer = InStore::new(&broker, &store);
+    let claims = consumer.claims.clone();
+    let shared = Lanes::new(consumer, Ordering::Partition, 1);
+    let mut lane = shared.lanes().remove(0);
+    let m0 = lane.next().await.expect("next").expect("m0");
+    let before = lane.transactional_ack(&m0).expect("in the transaction");
+    assert_eq!(before.expected_next, None);
+    // the consumer read its stored offset again: 1 (m0 stored already)
+    claims
+        .lock()
+        .expect("claims")
+        .insert(0, (before.owner_epoch, Some(1)));
+    assert!(lane.next().await.expect("next").is_none(), "nothing more");
+    let after = lane.transactional_ack(&m0).expect("in the transaction");
+    assert_eq!(after.expected_next, Some(1), "the offset read again");
+    assert_eq!(after.position.offset, 0, "stores 1 again, never lower");
+}
+
+/// A lane's transaction that stored its partition's offset is told to
+/// the shared consumer at once when it is free (its health, lag and
+/// buffer follow the stored offset). Before, it waited for the next pull,
+/// which a lane with records in hand need not make for minutes: the
+/// member looked stalled.
+#[tokio::test(start_paused = true)]
+async fn the_shared_consumer_learns_an_offset_stored_in_a_transaction_at_once() {
+    let store = MemStore::new();
+    let broker = keyed_broker(2, 1, 1);
+    let consumer = InStore::new(&broker, &store);
+    let claims = consumer.claims.clone();
+    let shared = Lanes::new(consumer, Ordering::Partition, 1);
+    let mut lane = shared.lanes().remove(0);
+    let m0 = lane.next().await.expect("next").expect("m0");
+    assert!(lane.transactional_ack(&m0).is_some());
+    lane.acked_in_transaction(&m0);
+    assert_eq!(
+        claims.lock().expect("claims").get(&0).map(|c| c.1),
+        Some(Some(1))
+    );
 }
 
 /// Under `Ordering::Partition` a lane gathering a batch (taking records

@@ -11,11 +11,14 @@
 //!   what it pulled (a partition whose flow is full is rewound and held:
 //!   its fetch pauses);
 //! - a lane's transaction checks the partition's epoch
-//!   ([`Consumer::owner_check`]) and acknowledges after its commit
-//!   ([`Consumer::transactional_ack`] is `None`): a lane's `ack` finishes
-//!   the record in the flow, and the watermark, when it moved, is written
-//!   through the shared consumer's own (epoch-guarded) `ack`, coalesced: a
-//!   watermark not yet written is replaced by a later one;
+//!   ([`Consumer::owner_check`]) and acknowledges after its commit: a
+//!   lane's `ack` finishes the record in the flow, and the watermark, when
+//!   it moved, is written through the shared consumer's own
+//!   (epoch-guarded) `ack`, coalesced: a watermark not yet written is
+//!   replaced by a later one. Under [`Ordering::Partition`] the lane
+//!   holding a partition stores its offset in its own transaction instead
+//!   ([`Consumer::transactional_ack`]), as a runner with a consumer of its
+//!   own does;
 //! - `rewind` and `hold` stay in the flow (the record keeps its lane and
 //!   its key; the lane and the others go on with the other keys while it
 //!   waits out its hold);
@@ -41,7 +44,7 @@
 //! ```
 
 mod parking;
-mod synchronous;
+mod storing;
 mod taking;
 
 use parking::{Load, Parking};
@@ -88,6 +91,10 @@ struct Part {
     owner: Option<TxAck>,
     /// The watermark to acknowledge at the shared consumer.
     watermark: Option<Message>,
+    /// A flush is writing a watermark of the partition now (a lane's
+    /// transaction does not store the offset meanwhile: both would expect
+    /// the same stored one).
+    writing: bool,
     /// A lane's transaction stored the partition's offset past this
     /// message: the shared consumer is to be told
     /// ([`Consumer::acked_in_transaction`]).
@@ -119,6 +126,7 @@ impl Part {
             flow: KeyedFlow::new(limits),
             owner: None,
             watermark: None,
+            writing: false,
             told: None,
             fence: None,
             fenced: false,
@@ -216,78 +224,6 @@ impl<C> Shared<C> {
 }
 
 impl<C: Consumer> Shared<C> {
-    /// Carries out what is pending at the shared consumer: fences, moved
-    /// offsets, watermarks.
-    async fn flush(&self, inner: &mut C) {
-        let (told, fences, moves, marks) = {
-            let mut state = self.state();
-            let mut told = Vec::new();
-            let mut fences = Vec::new();
-            let mut moves = Vec::new();
-            let mut marks = Vec::new();
-            for (key, part) in &mut state.parts {
-                if let Some(m) = part.told.take() {
-                    told.push(m);
-                }
-                if let Some(m) = part.fence.take() {
-                    fences.push(m);
-                }
-                if let Some(m) = part.moved.take() {
-                    moves.push(m);
-                }
-                if let Some(m) = part.mark_to_write() {
-                    marks.push((key.clone(), m));
-                }
-            }
-            state.flushes_started += 1;
-            (told, fences, moves, marks)
-        };
-        for m in &told {
-            inner.acked_in_transaction(m);
-        }
-        for m in &fences {
-            inner.fenced(m);
-        }
-        for m in &moves {
-            inner.offset_moved(m);
-        }
-        for (key, m) in marks {
-            match inner.ack(&m).await {
-                Ok(()) => {
-                    if let (Some(part), Some(pos)) =
-                        (self.state().parts.get_mut(&key), m.position.as_ref())
-                    {
-                        let next = pos.offset.saturating_add(1);
-                        part.stored_next = Some(part.stored_next.map_or(next, |s| s.max(next)));
-                    }
-                }
-                Err(ConsumerError::Fenced(why)) => {
-                    tracing::warn!(topic = %key.0, partition = key.1, %why,
-                        "partition fenced while storing its watermark: another consumer owns it");
-                    inner.fenced(&m);
-                    let mut state = self.state();
-                    state.reset(&key);
-                    if let Some(part) = state.parts.get_mut(&key) {
-                        part.fenced = true;
-                    }
-                }
-                Err(e) => {
-                    // kept (unless a later one came meanwhile): a reset
-                    // here could let the watermark pass records in flight;
-                    // a stored offset that moved is read again by the
-                    // consumer, and what it delivers again resets the flow
-                    tracing::warn!(topic = %key.0, partition = key.1, error = %e,
-                        "storing the watermark failed; tried again with the next");
-                    if let Some(part) = self.state().parts.get_mut(&key) {
-                        part.watermark.get_or_insert(m);
-                    }
-                }
-            }
-        }
-        self.state().flushes_ended += 1;
-        self.flushed.notify_waiters();
-    }
-
     /// The shared consumer's next record, waited for as long as its `next`
     /// waits; watermarks left meanwhile by the lanes are written
     /// [`MARKS_DUE_WAIT`] after they were left, the wait given up for it
@@ -386,6 +322,7 @@ impl<C: Consumer> Shared<C> {
                 break;
             }
         }
+        self.refresh_owners(inner);
         Ok(offered)
     }
 }

@@ -276,6 +276,35 @@ impl<O: OffsetStore> KafkaConsumer<O> {
     }
 }
 
+/// An error naming each of `configured` that its topic, listed in
+/// `topics`, does not have (a topic not listed is not checked: it may be
+/// created meanwhile).
+pub(super) fn missing_partitions(
+    configured: &[PartitionKey],
+    topics: &[rskafka::topic::Topic],
+) -> Result<(), KafkaError> {
+    let missing: Vec<String> = configured
+        .iter()
+        .filter_map(|(topic, partition)| {
+            let listed = topics.iter().find(|t| &t.name == topic)?;
+            (!listed.partitions.contains(partition)).then(|| {
+                format!(
+                    "{topic}:{partition} (the topic has {} partitions)",
+                    listed.partitions.len()
+                )
+            })
+        })
+        .collect();
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(KafkaError::Config(format!(
+            "no such partition: {}",
+            missing.join(", ")
+        )))
+    }
+}
+
 /// The answer of a task that has ended (`is_finished`), taken without
 /// waiting; the handle back when tokio does not give it now (its
 /// cooperative budget for this poll is spent).
@@ -323,5 +352,30 @@ fn partition(joining: &Joining, p: &Pending, pc: PartitionClient, next_fetch: i6
         read_on: None,
         markers: None,
         label: inbox_core::topic_label(&p.topic),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::missing_partitions;
+    use rskafka::topic::Topic;
+
+    #[test]
+    fn a_partition_its_topic_does_not_have_is_named() {
+        let topics = vec![Topic {
+            name: "orders".into(),
+            partitions: [0, 1].into_iter().collect(),
+        }];
+        let key = |t: &str, p: i32| (t.to_owned(), p);
+        assert!(missing_partitions(&[key("orders", 0), key("orders", 1)], &topics).is_ok());
+        // a topic not listed may be created meanwhile: not checked
+        assert!(missing_partitions(&[key("later", 5)], &topics).is_ok());
+        let refused = missing_partitions(&[key("orders", 1), key("orders", 7)], &topics)
+            .expect_err("partition 7 does not exist");
+        let why = refused.to_string();
+        assert!(
+            why.contains("orders:7") && why.contains("2 partitions") && !why.contains("orders:1"),
+            "{why}"
+        );
     }
 }

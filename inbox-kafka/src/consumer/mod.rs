@@ -171,6 +171,14 @@ impl<O: OffsetStore> KafkaConsumer<O> {
         }
         let tls = config.tls.as_ref().map(Tls::client_config).transpose()?;
         let client = config.client_with(tls.clone()).await?;
+        // a partition its topic does not have is a configuration error, not
+        // one left pending for ever (a listing that fails or times out
+        // checks nothing: the partitions are reached one by one then)
+        if let Ok(Ok(topics)) =
+            tokio::time::timeout(config.connect_timeout, client.list_topics()).await
+        {
+            joining::missing_partitions(&config.partitions, &topics)?;
+        }
         let reporter = config.health.reporter();
         let dialer = Arc::new(config.dialer(tls));
         let broker = config.broker_commit_interval.map(|every| {

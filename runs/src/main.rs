@@ -202,6 +202,7 @@ mod tests {
             "--no-faults",
             "--synchronous-commit-off",
             "--keys",
+            "--group",
         ] {
             assert!(soak.contains(flag), "soak --help lacks {flag}: {soak}");
         }

@@ -191,7 +191,13 @@ fn test() -> Result<()> {
         &["bench", "--smoke"],
         &["scale"],
         &["soak", "--messages", "20000"],
-        &["soak", "--messages", "10000", "--synchronous-commit-off"],
+        &[
+            "soak",
+            "--messages",
+            "10000",
+            "--synchronous-commit-off",
+            "--group",
+        ],
         &["soak", "--messages", "40000", "--keys"],
     ] {
         println!("$ cargo xtask {}", run.join(" "));

@@ -26,7 +26,10 @@
 //! four keys of each partition fail every message's first two calls in a
 //! process, so they are parked (`park_after` 2) and drained from the
 //! store: the stored offset may pass their messages (the check counts a
-//! parked record as kept), and the run ends once no key is parked.
+//! parked record as kept), and the run ends once no key is parked. With
+//! `--group` the consumer is a group member with `Ordering::Partition`
+//! (one consumer and lanes, each lane holding a partition storing its
+//! offset in its own transaction) instead of `run_partitioned`'s runners.
 //! It prints throughput,
 //! faults survived and the consumer's peak RSS over time, and exits
 //! non-zero on any breach.
@@ -84,6 +87,12 @@ pub(crate) struct Options {
     /// also be in offset order.
     #[arg(long)]
     pub(crate) keys: bool,
+    /// The consumer is a group member with `Ordering::Partition` (one
+    /// consumer and lanes, each lane holding a partition storing its
+    /// offset in its own transaction) instead of `run_partitioned`'s
+    /// runners. Not with `--keys`.
+    #[arg(long, conflicts_with = "keys")]
+    pub(crate) group: bool,
 }
 
 /// Under `--keys`, a record's key within its partition: `offset % KEYS`.
@@ -92,6 +101,8 @@ const KEYS: i64 = 64;
 const KEY_CONCURRENCY: usize = 8;
 /// Set for the consumer process under `--keys`.
 const KEYS_ENV: &str = "SOAK_KEYS";
+/// Set for the consumer process under `--group`.
+const GROUP_ENV: &str = "SOAK_GROUP";
 
 fn is_poison(offset: i64) -> bool {
     offset % POISON_EVERY == POISON_EVERY / 2
@@ -211,6 +222,7 @@ pub(crate) fn consumer(args: &[String]) -> Result<()> {
             .await
             .context("connecting to PostgreSQL")?;
         let keys = std::env::var_os(KEYS_ENV).is_some();
+        let member = std::env::var_os(GROUP_ENV).is_some();
         let handler = Arc::new(SoakHandler {
             fail_percent,
             failed: Mutex::default(),
@@ -251,12 +263,14 @@ pub(crate) fn consumer(args: &[String]) -> Result<()> {
         }
         // connecting fails while a server is down: try again
         while !cancel.is_cancelled() {
-            let ran = if keys {
+            let ran = if keys || member {
                 let mut group = GroupConfig::new(format!("soak-{}", std::process::id()), vec![topic.clone()]);
-                group.ordering = inbox_core::keyed::Ordering::Key;
-                group.concurrency = KEY_CONCURRENCY;
                 group.session_timeout = Duration::from_secs(3);
-                group.park_after = Some(FAILING_KEY_CALLS);
+                if keys {
+                    group.ordering = inbox_core::keyed::Ordering::Key;
+                    group.concurrency = KEY_CONCURRENCY;
+                    group.park_after = Some(FAILING_KEY_CALLS);
+                }
                 run_group(
                     kafka.clone(),
                     group,
@@ -316,6 +330,9 @@ impl ConsumerProcess {
         let mut command = Command::new(exe);
         if o.keys {
             command.env(KEYS_ENV, "1");
+        }
+        if o.group {
+            command.env(GROUP_ENV, "1");
         }
         let child = command
             .args(["soak-consumer", topic, &o.fail_percent.to_string()])
@@ -436,6 +453,8 @@ async fn soak(o: Options) -> Result<()> {
         },
         if o.keys {
             "; keyed records, a group member with Ordering::Key"
+        } else if o.group {
+            "; a group member with Ordering::Partition (lanes)"
         } else {
             ""
         }

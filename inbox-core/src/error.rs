@@ -337,6 +337,12 @@ pub enum ConsumerError {
     /// This consumer no longer owns the partition (another took it over).
     #[error("fenced: {0}")]
     Fenced(String),
+    /// The partition's stored offset is not the one this consumer last
+    /// stored: it moved under it (the database lost commits, or an
+    /// operator moved it). Nothing was stored; the consumer reads the
+    /// partition again from the stored offset.
+    #[error("the stored offset moved: {0}")]
+    OffsetMoved(String),
     /// The consumer is gone (crashed or closed).
     #[error("consumer closed: {0}")]
     Closed(String),

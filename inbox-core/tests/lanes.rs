@@ -13,7 +13,7 @@ use inbox_core::drivers::runner::lanes::{DEFAULT_PARK_AFTER, Lanes};
 use inbox_core::keyed::Ordering;
 use inbox_core::{
     BatchConfig, CancellationToken, Consumer, ConsumerError, Handler, HandlerError, Message,
-    OffsetStore, ParkLoad, ParkWork, Position, Runner, RunnerConfig, TxAck,
+    OffsetStore, ParkLoad, ParkWork, Position, Runner, RunnerConfig, StoreErrorKind, TxAck,
 };
 use inbox_testkit::scenarios::WriteInvoice;
 use inbox_testkit::{MemBroker, MemConsumer, MemStore};
@@ -336,6 +336,8 @@ struct InStore {
     /// test may change it, as a consumer reading its stored offset again).
     claims: Arc<Mutex<Claims>>,
     apart: Arc<AtomicUsize>,
+    /// Acknowledgements tried apart (written or refused).
+    tried: Arc<AtomicUsize>,
     /// Acknowledgements written apart wait for a permit, when set.
     gate: Option<Arc<tokio::sync::Semaphore>>,
 }
@@ -347,6 +349,7 @@ impl InStore {
             store: store.clone(),
             claims: Arc::default(),
             apart: Arc::default(),
+            tried: Arc::default(),
             gate: None,
         }
     }
@@ -401,10 +404,12 @@ impl Consumer for InStore {
         let ack = self
             .tx_ack_of(message)
             .ok_or_else(|| ConsumerError::Ack("not claimed".into()))?;
-        self.store
-            .store_ack(&ack)
-            .await
-            .map_err(|e| ConsumerError::Ack(e.to_string()))?;
+        self.tried.fetch_add(1, AtomicOrdering::Relaxed);
+        self.store.store_ack(&ack).await.map_err(|e| match e.kind {
+            StoreErrorKind::OffsetMoved => ConsumerError::OffsetMoved(e.to_string()),
+            StoreErrorKind::Fenced => ConsumerError::Fenced(e.to_string()),
+            _ => ConsumerError::Ack(e.to_string()),
+        })?;
         self.apart.fetch_add(1, AtomicOrdering::Relaxed);
         self.stored(message);
         Ok(())
@@ -557,6 +562,64 @@ async fn the_shared_consumer_learns_an_offset_stored_in_a_transaction_at_once() 
     assert_eq!(
         claims.lock().expect("claims").get(&0).map(|c| c.1),
         Some(Some(1))
+    );
+}
+
+/// A watermark refused because the stored offset moved under it (the
+/// database lost commits) is dropped, and the partition's flow starts
+/// over: the consumer reads it again from the stored offset. Before, the
+/// watermark was kept and written again at the next flush, which, once
+/// the consumer had read the moved offset, stored it past records whose
+/// effects were lost.
+#[tokio::test(start_paused = true)]
+async fn a_watermark_refused_as_moved_is_dropped_and_the_flow_starts_over() {
+    let store = MemStore::new();
+    let broker = keyed_broker(4, 1, 2);
+    let consumer = InStore::new(&broker, &store);
+    let (claims, tried) = (consumer.claims.clone(), consumer.tried.clone());
+    let shared = Lanes::new(consumer, Ordering::Key, 1).with_parking(None);
+    let mut lane = shared.lanes().remove(0);
+    let m0 = lane.next().await.expect("next").expect("m0");
+    assert_eq!(shared.in_hand(), 4);
+    // the consumer believes 3 stored; the store holds nothing: moved
+    let epoch = claims.lock().expect("claims")[&0].0;
+    claims.lock().expect("claims").insert(0, (epoch, Some(3)));
+    lane.ack(&m0)
+        .await
+        .expect("the watermark is left to the flush");
+    assert_eq!(tried.load(AtomicOrdering::Relaxed), 1, "written at once");
+    assert_eq!(shared.in_hand(), 0, "the flow starts over");
+    shared.flush().await;
+    assert_eq!(tried.load(AtomicOrdering::Relaxed), 1, "not written again");
+    assert_eq!(store.acked("billing", "orders", 0), None);
+}
+
+/// A record below the stored offset (delivered again) stores that offset
+/// again in its lane's transaction, and the shared consumer is told that
+/// offset, not the record's: before, it was told the record's, its stored
+/// offset went back, and the next transaction was refused as moved.
+#[tokio::test(start_paused = true)]
+async fn a_record_below_the_stored_offset_tells_the_stored_offset() {
+    let store = MemStore::new();
+    let broker = keyed_broker(1, 1, 1);
+    let consumer = InStore::new(&broker, &store);
+    let claims = consumer.claims.clone();
+    let shared = Lanes::new(consumer, Ordering::Partition, 1);
+    let mut lane = shared.lanes().remove(0);
+    let m0 = lane.next().await.expect("next").expect("m0");
+    let epoch = claims.lock().expect("claims")[&0].0;
+    claims.lock().expect("claims").insert(0, (epoch, Some(3)));
+    assert!(
+        lane.next().await.expect("next").is_none(),
+        "a pull: read again"
+    );
+    let ack = lane.transactional_ack(&m0).expect("in the transaction");
+    assert_eq!((ack.position.offset, ack.expected_next), (2, Some(3)));
+    lane.acked_in_transaction(&m0);
+    assert_eq!(
+        claims.lock().expect("claims")[&0].1,
+        Some(3),
+        "not moved back"
     );
 }
 

@@ -191,6 +191,7 @@ fn test() -> Result<()> {
         &["bench", "--smoke"],
         &["scale"],
         &["soak", "--messages", "20000"],
+        &["soak", "--messages", "10000", "--synchronous-commit-off"],
         &[
             "soak",
             "--messages",

@@ -36,11 +36,13 @@ impl ProcessError {
     /// Whether the stored offset of the message's partition was not where
     /// the consumer left it (see [`StoreErrorKind::OffsetMoved`]).
     pub fn is_offset_moved(&self) -> bool {
-        matches!(
-            self,
-            Self::Persist(InboxPersistError { source, .. })
-                if source.kind == StoreErrorKind::OffsetMoved
-        )
+        match self {
+            Self::Persist(InboxPersistError { source, .. }) => {
+                source.kind == StoreErrorKind::OffsetMoved
+            }
+            Self::Ack(e) => matches!(e, ConsumerError::OffsetMoved(_)),
+            _ => false,
+        }
     }
 }
 

@@ -137,19 +137,33 @@ impl<C: Consumer> Lane<C> {
         }
         self.gathering = false;
         let key = pos.partition_key();
-        if self.was_stale(&key) {
-            return;
-        }
+        // committed, so stored: noted even by a lane whose records of the
+        // partition were forgotten meanwhile (they are not finished here)
+        let stale = self.was_stale(&key);
         // the shared consumer is told now when it is free (its health
         // and lag follow at once), else at the next flush
         let mut inner = self.shared.inner.try_lock().ok();
         if let Some(part) = self.shared.state().parts.get_mut(&key) {
-            let next = pos.offset.saturating_add(1);
-            part.stored_next = Some(part.stored_next.map_or(next, |s| s.max(next)));
-            let told = match part.told.take() {
-                Some(m) if m.position.as_ref().is_some_and(|p| p.offset > pos.offset) => m,
+            // past the message, or what the transaction expected when the
+            // message was below it (see `tx_ack`)
+            let expected = part.owner.as_ref().and_then(|o| o.expected_next);
+            let stored = [
+                Some(pos.offset.saturating_add(1)),
+                part.stored_next,
+                expected,
+            ]
+            .into_iter()
+            .flatten()
+            .max()
+            .unwrap_or(0);
+            part.stored_next = Some(stored);
+            let mut told = match part.told.take() {
+                Some(m) if m.position.as_ref().is_some_and(|p| p.offset >= stored - 1) => m,
                 _ => message.clone(),
             };
+            if let Some(p) = told.position.as_mut() {
+                p.offset = p.offset.max(stored - 1);
+            }
             match inner.as_mut() {
                 Some(inner) => inner.acked_in_transaction(&told),
                 None => part.told = Some(told),
@@ -161,7 +175,7 @@ impl<C: Consumer> Lane<C> {
                 part.watermark = None;
             }
             // one above it only when records above were finished otherwise
-            if let Some(mark) = part.finish(self.index, pos.offset).filter(past) {
+            if !stale && let Some(mark) = part.finish(self.index, pos.offset).filter(past) {
                 part.watermark = Some(mark);
             }
         }
@@ -237,11 +251,15 @@ impl<C: Consumer> Shared<C> {
                     fences.push(m);
                 }
                 if let Some(m) = part.moved.take() {
-                    moves.push(m);
+                    moves.push((key.clone(), m));
                 }
                 if let Some(m) = part.mark_to_write() {
                     part.writing = true;
-                    marks.push((key.clone(), m));
+                    marks.push(Writing {
+                        state: &self.state,
+                        key: key.clone(),
+                        mark: Some(m),
+                    });
                 }
             }
             state.flushes_started += 1;
@@ -253,14 +271,21 @@ impl<C: Consumer> Shared<C> {
         for m in &fences {
             inner.fenced(m);
         }
-        for m in &moves {
+        for (key, m) in &moves {
+            // read again from the stored offset: what was in hand is
+            // forgotten (what is delivered again is found by its inbox
+            // row), and no watermark from before is written
             inner.offset_moved(m);
+            self.state().reset(key);
         }
-        for (key, m) in marks {
-            let _writing = Writing {
-                state: &self.state,
-                key: &key,
+        for mut writing in marks {
+            let Some(m) = writing.mark.take() else {
+                continue;
             };
+            let key = writing.key.clone();
+            if moves.iter().any(|(k, _)| *k == key) {
+                continue;
+            }
             match inner.ack(&m).await {
                 Ok(()) => {
                     if let (Some(part), Some(pos)) =
@@ -280,16 +305,21 @@ impl<C: Consumer> Shared<C> {
                         part.fenced = true;
                     }
                 }
+                Err(ConsumerError::OffsetMoved(why)) => {
+                    // the shared consumer reads the partition again from
+                    // the stored offset: a watermark from before is never
+                    // written over records whose effects were lost
+                    tracing::warn!(topic = %key.0, partition = key.1, %why,
+                        "the stored offset moved under the watermark: the partition's flow starts over");
+                    self.state().reset(&key);
+                }
                 Err(e) => {
                     // kept (unless a later one came meanwhile): a reset
-                    // here could let the watermark pass records in flight;
-                    // a stored offset that moved is read again by the
-                    // consumer, and what it delivers again resets the flow
+                    // here could let the watermark pass records in flight
+                    // (the consumer goes on from where it fetched)
                     tracing::warn!(topic = %key.0, partition = key.1, error = %e,
                         "storing the watermark failed; tried again with the next");
-                    if let Some(part) = self.state().parts.get_mut(&key) {
-                        part.watermark.get_or_insert(m);
-                    }
+                    writing.mark = Some(m);
                 }
             }
         }
@@ -298,11 +328,14 @@ impl<C: Consumer> Shared<C> {
     }
 }
 
-/// Clears a partition's [`Part::writing`] when its watermark's write ended
-/// (or was dropped).
+/// A watermark a flush took to write: when it is dropped, its partition's
+/// [`Part::writing`] is cleared, and a mark still held (not written: its
+/// write failed, or the flush was dropped before it) is left to write
+/// again unless a later one came meanwhile.
 struct Writing<'a> {
     state: &'a Mutex<State>,
-    key: &'a PartitionKey,
+    key: PartitionKey,
+    mark: Option<Message>,
 }
 
 impl Drop for Writing<'_> {
@@ -311,8 +344,11 @@ impl Drop for Writing<'_> {
             .state
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(part) = state.parts.get_mut(self.key) {
+        if let Some(part) = state.parts.get_mut(&self.key) {
             part.writing = false;
+            if let Some(m) = self.mark.take() {
+                part.watermark.get_or_insert(m);
+            }
         }
     }
 }

@@ -50,7 +50,10 @@ pub trait Consumer: Send {
     async fn next(&mut self) -> Result<Option<Message>, ConsumerError>;
 
     /// Acknowledges `message` (and, cumulatively, everything before it on its
-    /// partition).
+    /// partition). A consumer keeping its offsets in a store answers
+    /// [`ConsumerError::Fenced`] when another owns the partition, and
+    /// [`ConsumerError::OffsetMoved`] when the stored offset is not the one
+    /// it last stored (it reads the partition again from there).
     async fn ack(&mut self, message: &Message) -> Result<(), ConsumerError>;
 
     /// Goes back so `message` is the next one delivered on its partition.

@@ -388,7 +388,7 @@ impl<O: OffsetStore> Consumer for KafkaConsumer<O> {
                 StoreErrorKind::Fenced => ConsumerError::Fenced(e.cause),
                 StoreErrorKind::OffsetMoved => {
                     self.offset_moved(message);
-                    ConsumerError::OffsetMoved(e.to_string())
+                    ConsumerError::OffsetMoved(e.cause)
                 }
                 _ => ConsumerError::Ack(e.to_string()),
             });

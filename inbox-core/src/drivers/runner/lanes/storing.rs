@@ -251,7 +251,10 @@ impl<C: Consumer> Shared<C> {
                     fences.push(m);
                 }
                 if let Some(m) = part.moved.take() {
+                    // reset below: its watermark is never written
                     moves.push((key.clone(), m));
+                    part.watermark = None;
+                    continue;
                 }
                 if let Some(m) = part.mark_to_write() {
                     part.writing = true;
@@ -283,9 +286,6 @@ impl<C: Consumer> Shared<C> {
                 continue;
             };
             let key = writing.key.clone();
-            if moves.iter().any(|(k, _)| *k == key) {
-                continue;
-            }
             match inner.ack(&m).await {
                 Ok(()) => {
                     if let (Some(part), Some(pos)) =
@@ -329,9 +329,9 @@ impl<C: Consumer> Shared<C> {
 }
 
 /// A watermark a flush took to write: when it is dropped, its partition's
-/// [`Part::writing`] is cleared, and a mark still held (not written: its
-/// write failed, or the flush was dropped before it) is left to write
-/// again unless a later one came meanwhile.
+/// [`Part::writing`] is cleared, and a mark still held (its write failed,
+/// or the flush was dropped before it was tried; not one whose write was
+/// under way) is left to write again unless a later one came meanwhile.
 struct Writing<'a> {
     state: &'a Mutex<State>,
     key: PartitionKey,

@@ -146,6 +146,51 @@ impl Shape {
 struct Slow {
     wait: Duration,
     failing: bool,
+    /// Per partition, when its last handler ended, and the gaps between
+    /// one handler's end and the next one's start in the same partition:
+    /// what each message costs beside its handler (the transaction's
+    /// statements and commit, the hand-over to the next record).
+    gaps: std::sync::Mutex<(std::collections::HashMap<i32, Instant>, Vec<Duration>)>,
+}
+
+impl Slow {
+    /// Notes the gap since the partition's last handler ended.
+    fn started(&self, m: &Message) {
+        let Some(pos) = &m.position else { return };
+        let mut gaps = self
+            .gaps
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(end) = gaps.0.get(&pos.partition).copied() {
+            gaps.1.push(end.elapsed());
+        }
+    }
+
+    /// Notes the end of the partition's handler.
+    fn ended(&self, m: &Message) {
+        let Some(pos) = &m.position else { return };
+        let mut gaps = self
+            .gaps
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        gaps.0.insert(pos.partition, Instant::now());
+    }
+
+    /// The gaps' median and 90th percentile, in milliseconds.
+    fn gap_figures(&self) -> Option<(f64, f64)> {
+        let mut gaps = self
+            .gaps
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .1
+            .clone();
+        if gaps.is_empty() {
+            return None;
+        }
+        gaps.sort();
+        let at = |q: f64| gaps[((gaps.len() - 1) as f64 * q) as usize].as_secs_f64() * 1000.0;
+        Some((at(0.5), at(0.9)))
+    }
 }
 
 #[async_trait]
@@ -159,6 +204,7 @@ impl Handler<PgTx> for Slow {
                 "the payment provider refuses this customer",
             ));
         }
+        self.started(m);
         tx.connection()
             .execute_raw(Statement::from_sql_and_values(
                 DbBackend::Postgres,
@@ -173,6 +219,7 @@ impl Handler<PgTx> for Slow {
         if !self.wait.is_zero() {
             tokio::time::sleep(self.wait).await;
         }
+        self.ended(m);
         Ok(())
     }
 }
@@ -228,14 +275,16 @@ pub(crate) async fn run(url: &str, messages: u64, shape: Shape) -> Result<Durati
         runner = runner.batched(BatchConfig::new(n));
     }
     let cancel = CancellationToken::new();
+    let handler = Arc::new(Slow {
+        wait: shape.wait,
+        failing: shape.failing,
+        gaps: std::sync::Mutex::default(),
+    });
     let member = tokio::spawn(run_group(
         kafka,
         group,
         store.clone(),
-        Arc::new(Slow {
-            wait: shape.wait,
-            failing: shape.failing,
-        }),
+        handler.clone(),
         runner,
         Arc::new(inbox_core::NoopMetrics),
         cancel.clone(),
@@ -264,6 +313,11 @@ pub(crate) async fn run(url: &str, messages: u64, shape: Shape) -> Result<Durati
     }
     cancel.cancel();
     member.await??;
+    if let Some((median, p90)) = handler.gap_figures() {
+        println!(
+            "NOTE between one handler's end and the next one's start in a partition: median {median:.1} ms, p90 {p90:.1} ms"
+        );
+    }
     check(&db, want).await
 }
 

@@ -543,6 +543,52 @@ async fn a_stored_offset_read_again_is_expected_after_the_next_pull() {
     assert_eq!(after.position.offset, 0, "stores 1 again, never lower");
 }
 
+/// A lane's transaction checks the epoch under which the lane took its
+/// records, not the one the shared consumer holds when it commits: the
+/// partition claimed again meanwhile (another member owned it between)
+/// fences it. Before, both the offset stored in the transaction and the
+/// owner check took the epoch of the moment of the commit, so a
+/// transaction begun under the old claim committed under the new one.
+/// The lane's next records are taken under the new epoch.
+#[tokio::test(start_paused = true)]
+async fn a_lane_checks_the_epoch_it_took_its_records_under() {
+    let store = MemStore::new();
+    let broker = keyed_broker(2, 1, 1);
+    let consumer = InStore::new(&broker, &store);
+    let claims = consumer.claims.clone();
+    let shared = Lanes::new(consumer, Ordering::Partition, 2);
+    let mut lanes = shared.lanes();
+    let mut other = lanes.pop().expect("lane 1");
+    let mut lane = lanes.pop().expect("lane 0");
+    let m0 = lane.next().await.expect("next").expect("m0");
+    let taken = lane.transactional_ack(&m0).expect("in the transaction");
+    // the partition is claimed again (as after another member held it)
+    let claim = store
+        .claim_partition("billing", "orders", 0)
+        .await
+        .expect("claimed again");
+    assert!(claim.owner_epoch > taken.owner_epoch);
+    claims
+        .lock()
+        .expect("claims")
+        .insert(0, (claim.owner_epoch, claim.next_offset));
+    // the other lane finds nothing to take and pulls: the shared
+    // consumer's ownership is read again
+    assert!(other.next().await.expect("next").is_none());
+    let stored = lane.transactional_ack(&m0).expect("in the transaction");
+    let checked = lane.owner_check(&m0).expect("an owner");
+    assert_eq!(stored.owner_epoch, taken.owner_epoch, "the offset stored");
+    assert_eq!(checked.owner_epoch, taken.owner_epoch, "the owner check");
+    let refused = store.store_ack(&stored).await.expect_err("fenced");
+    assert_eq!(refused.kind, StoreErrorKind::Fenced);
+    // finished (as after the runner's rollback and rewind), its next
+    // records are taken under the claim made again
+    lane.ack(&m0).await.expect("finished");
+    let m1 = lane.next().await.expect("next").expect("m1");
+    let next = lane.transactional_ack(&m1).expect("in the transaction");
+    assert_eq!(next.owner_epoch, claim.owner_epoch);
+}
+
 /// A lane's transaction that stored its partition's offset is told to
 /// the shared consumer at once when it is free (its health, lag and
 /// buffer follow the stored offset). Before, it waited for the next pull,

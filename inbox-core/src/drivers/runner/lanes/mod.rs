@@ -118,6 +118,11 @@ struct Part {
     /// The next offset this member last stored for it (with synchronous
     /// acknowledgements: what a lane's acknowledgement waits for).
     stored_next: Option<i64>,
+    /// Per lane: the owner epoch when it took its first record of the
+    /// partition still in its hands. Its transactions check that epoch,
+    /// not the one the shared consumer holds by the time they commit: a
+    /// claim made again meanwhile fences them.
+    lane_epochs: HashMap<usize, i64>,
 }
 
 impl Part {
@@ -134,6 +139,7 @@ impl Part {
             end_at_start: None,
             counted_keys: HashSet::new(),
             stored_next: None,
+            lane_epochs: HashMap::new(),
             park: Parking {
                 load: if parking { Load::Due } else { Load::Off },
                 ..Parking::default()
@@ -614,13 +620,16 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
     }
 
     /// The partition's ownership as the shared consumer gave it, for
-    /// `message`: every lane's transaction checks the epoch.
+    /// `message`: every lane's transaction checks the epoch (the one the
+    /// lane took its records under).
     fn owner_check(&self, message: &Message) -> Option<TxAck> {
         let pos = message.position.as_ref()?;
         let state = self.shared.state();
-        let owner = state.parts.get(&pos.partition_key())?.owner.as_ref()?;
+        let part = state.parts.get(&pos.partition_key())?;
+        let owner = part.owner.as_ref()?;
         Some(TxAck {
             position: pos.clone(),
+            owner_epoch: self.epoch_of(part, message, owner),
             ..owner.clone()
         })
     }

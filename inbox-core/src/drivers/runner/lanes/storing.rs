@@ -119,8 +119,22 @@ impl<C: Consumer> Lane<C> {
         Some(TxAck {
             position,
             expected_next,
+            owner_epoch: self.epoch_of(part, message, owner),
             ..owner.clone()
         })
+    }
+
+    /// The epoch `message`'s transaction checks: the one this lane took
+    /// its records of the partition under, or the partition's owner's now
+    /// for a parked key's message it drains (or one it took none for).
+    pub(super) fn epoch_of(&self, part: &Part, message: &Message, owner: &TxAck) -> i64 {
+        if self.drains(message) || !part.flow.lane_holds(self.index) {
+            return owner.owner_epoch;
+        }
+        part.lane_epochs
+            .get(&self.index)
+            .copied()
+            .unwrap_or(owner.owner_epoch)
     }
 
     /// A transaction of this lane stored the offset past `message` (see

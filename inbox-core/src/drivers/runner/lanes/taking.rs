@@ -31,7 +31,14 @@ impl State {
             {
                 return None;
             }
-            part.flow.next_for(lane, now).map(|(_, m)| (i, m))
+            let held = part.flow.lane_holds(lane);
+            let (_, message) = part.flow.next_for(lane, now)?;
+            // the ownership the lane's transactions check while it holds
+            // records of the partition
+            if let (false, Some(owner)) = (held, &part.owner) {
+                part.lane_epochs.insert(lane, owner.owner_epoch);
+            }
+            Some((i, message))
         };
         let found = parts
             .iter_mut()

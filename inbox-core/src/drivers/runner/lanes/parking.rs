@@ -2,6 +2,7 @@
 //! partition are parked, when each is due to be drained, and what a lane
 //! hands its runner for them ([`Consumer::park_work`]).
 
+use super::storing::ownership;
 #[allow(clippy::wildcard_imports)]
 use super::*;
 
@@ -130,10 +131,8 @@ impl<C: Consumer> Shared<C> {
             if state.parts.contains_key(&key) {
                 continue;
             }
-            let mut probe = Message::new("", key.0.as_str(), "", serde_json::Value::Null);
-            probe.position = Some(Position::new(key.0.clone(), key.1, 0));
             let mut part = Part::new(self.limits, true);
-            part.owner = inner.transactional_ack(&probe);
+            part.owner = ownership(inner, &key);
             state.parts.insert(key, part);
         }
     }

@@ -73,13 +73,19 @@ impl<C: Consumer> Shared<C> {
         }
         let mut state = self.state();
         for (key, part) in &mut state.parts {
-            let mut probe = Message::new("", key.0.as_str(), "", serde_json::Value::Null);
-            probe.position = Some(Position::new(key.0.clone(), key.1, 0));
-            if let Some(owner) = inner.transactional_ack(&probe) {
+            if let Some(owner) = ownership(inner, key) {
                 part.owner = Some(owner);
             }
         }
     }
+}
+
+/// Partition `key`'s ownership as `inner` holds it now (asked with a
+/// message at its offset 0: the position is the caller's to replace).
+pub(super) fn ownership<C: Consumer>(inner: &C, key: &PartitionKey) -> Option<TxAck> {
+    let mut probe = Message::new("", key.0.as_str(), "", serde_json::Value::Null);
+    probe.position = Some(Position::new(key.0.clone(), key.1, 0));
+    inner.transactional_ack(&probe)
 }
 
 impl<C: Consumer> Lane<C> {

@@ -543,6 +543,28 @@ async fn a_stored_offset_read_again_is_expected_after_the_next_pull() {
     assert_eq!(after.position.offset, 0, "stores 1 again, never lower");
 }
 
+/// Only under `Ordering::Partition` does a lane store its partition's
+/// offset in its transaction: under `Key` (and `Unordered`) the lanes
+/// share a partition, so its watermark is written apart, after the
+/// commits, even for a record whose acknowledgement would move it.
+#[tokio::test(start_paused = true)]
+async fn lanes_sharing_a_partition_store_no_offset_in_their_transactions() {
+    for ordering in [Ordering::Key, Ordering::Unordered] {
+        let store = MemStore::new();
+        let broker = keyed_broker(1, 1, 1);
+        let consumer = InStore::new(&broker, &store);
+        // no parked keys to read first
+        let shared = Lanes::new(consumer, ordering, 2).with_parking(None);
+        let mut lane = shared.lanes().remove(0);
+        let m0 = lane.next().await.expect("next").expect("m0");
+        assert!(lane.owner_check(&m0).is_some(), "{ordering:?}: owned");
+        assert!(
+            lane.transactional_ack(&m0).is_none(),
+            "{ordering:?}: stored in the transaction"
+        );
+    }
+}
+
 /// A lane's transaction checks the epoch under which the lane took its
 /// records, not the one the shared consumer holds when it commits: the
 /// partition claimed again meanwhile (another member owned it between)

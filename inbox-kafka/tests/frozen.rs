@@ -24,14 +24,6 @@ use serde_json::json;
 
 const TIMEOUT: Duration = Duration::from_secs(2);
 
-fn signal(pid: u32, signal: &str) {
-    let status = std::process::Command::new("kill")
-        .args([signal, &pid.to_string()])
-        .status()
-        .unwrap_or_else(|e| panic!("kill {signal}: {e}"));
-    assert!(status.success(), "kill {signal} {pid}");
-}
-
 async fn enqueue(store: &PgStore, topic: &str, from: usize, n: usize) {
     use inbox_core::{InboxStore as _, InboxTransaction as _};
     for i in from..from + n {
@@ -150,7 +142,7 @@ async fn a_frozen_broker_stops_nothing_for_good() {
     .await;
 
     // frozen: nothing answers, the connections stay open
-    signal(pid, "-STOP");
+    common::signal(pid, "-STOP");
     enqueue(&store, &topic, 20, 20).await;
     let frozen = Instant::now();
     let mut worst_round = Duration::ZERO;
@@ -163,7 +155,7 @@ async fn a_frozen_broker_stops_nothing_for_good() {
         let last = Duration::from_millis(polled.load(Ordering::SeqCst));
         worst_poll = worst_poll.max(started.elapsed().saturating_sub(last));
     }
-    signal(pid, "-CONT");
+    common::signal(pid, "-CONT");
     assert_eq!(
         worst_round,
         Duration::ZERO,
@@ -286,7 +278,7 @@ async fn copies_to_a_frozen_coordinator_hold_nothing_in_postgresql() {
     .await;
     // what is stored is now ahead of what the coordinator holds: each
     // consumer's next copy is due within its interval, and hangs
-    signal(pid, "-STOP");
+    common::signal(pid, "-STOP");
     let frozen = Instant::now();
     let mut most = 0;
     let mut slowest_claim = Duration::ZERO;
@@ -301,7 +293,7 @@ async fn copies_to_a_frozen_coordinator_hold_nothing_in_postgresql() {
         slowest_claim = slowest_claim.max(asked.elapsed());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    signal(pid, "-CONT");
+    common::signal(pid, "-CONT");
     cancel.cancel();
     relay
         .await

@@ -526,6 +526,20 @@ struct Gated {
     held: std::sync::atomic::AtomicUsize,
 }
 
+impl Gated {
+    /// Closed, over a handler that succeeds.
+    fn closed() -> Arc<Self> {
+        Arc::new(Self {
+            inner: ScriptedHandler::new([], Act::Succeed),
+            open: Arc::new(tokio::sync::Notify::new()),
+            opened: std::sync::atomic::AtomicBool::new(false),
+            running: std::sync::atomic::AtomicUsize::new(0),
+            most: std::sync::atomic::AtomicUsize::new(0),
+            held: std::sync::atomic::AtomicUsize::new(0),
+        })
+    }
+}
+
 #[async_trait::async_trait]
 impl inbox_core::Handler<inbox_postgres::PgTx> for Gated {
     type Output = inbox_core::HandlerResult;
@@ -567,14 +581,7 @@ async fn a_held_partition_does_not_hold_back_the_others() {
             let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
             env.produce_orders(p, &refs).await;
         }
-        let gated = Arc::new(Gated {
-            inner: ScriptedHandler::new([], Act::Succeed),
-            open: Arc::new(tokio::sync::Notify::new()),
-            opened: std::sync::atomic::AtomicBool::new(false),
-            running: std::sync::atomic::AtomicUsize::new(0),
-            most: std::sync::atomic::AtomicUsize::new(0),
-            held: std::sync::atomic::AtomicUsize::new(0),
-        });
+        let gated = Gated::closed();
         let mut group = GroupConfig::new("member-a", vec![env.topic.clone()]);
         group.heartbeat = Duration::from_millis(100);
         group.session_timeout = Duration::from_millis(800);
@@ -671,14 +678,7 @@ async fn a_held_partition_holds_back_none_of_the_others_past_the_lanes() {
         let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
         env.produce_orders(p, &refs).await;
     }
-    let gated = Arc::new(Gated {
-        inner: ScriptedHandler::new([], Act::Succeed),
-        open: Arc::new(tokio::sync::Notify::new()),
-        opened: std::sync::atomic::AtomicBool::new(false),
-        running: std::sync::atomic::AtomicUsize::new(0),
-        most: std::sync::atomic::AtomicUsize::new(0),
-        held: std::sync::atomic::AtomicUsize::new(0),
-    });
+    let gated = Gated::closed();
     let mut group = GroupConfig::new("member-a", vec![env.topic.clone()]);
     group.heartbeat = Duration::from_millis(100);
     group.session_timeout = Duration::from_millis(800);
@@ -727,6 +727,94 @@ async fn a_held_partition_holds_back_none_of_the_others_past_the_lanes() {
     for p in 0..3 {
         assert_eq!(handled(p).await, 10, "partition {p}: each once");
     }
+}
+
+/// A broker frozen (`kill -STOP`) while a lane holds a partition keeps
+/// none of what the member fetched from being handled and stored: the
+/// lane holding partition 0 stores its offset in each message's own
+/// transaction, in PostgreSQL, so its ten messages are handled and their
+/// offset stored while nothing answers at the broker; after `kill -CONT`
+/// the member goes on, each message once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_broker_keeps_no_fetched_message_from_being_handled_and_stored() {
+    static OWN: std::sync::OnceLock<inbox_testkit::kafka::Broker> = std::sync::OnceLock::new();
+    let broker = OWN.get_or_init(|| {
+        inbox_testkit::kafka::Broker::start_new().unwrap_or_else(|e| panic!("{e}"))
+    });
+    let pid = broker
+        .pid()
+        .unwrap_or_else(|| panic!("the test's own broker"));
+    let env = common::env_on(broker, "frozen-lanes", 2).await;
+    for p in 0..2 {
+        let ids: Vec<String> = (0..10).map(|i| format!("frozen-{i}-p{p}")).collect();
+        let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+        env.produce_orders(p, &refs).await;
+    }
+    let gated = Gated::closed();
+    let mut group = GroupConfig::new("member-a", vec![env.topic.clone()]);
+    group.heartbeat = Duration::from_millis(100);
+    group.session_timeout = Duration::from_millis(800);
+    let mut kafka = env.kafka_config("billing");
+    kafka.connect_timeout = Duration::from_secs(2);
+    kafka.request_timeout = Duration::from_secs(2);
+    kafka.fetch_timeout = Duration::from_secs(2);
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(run_group(
+        kafka,
+        group,
+        env.store.clone(),
+        gated.clone(),
+        config("billing", AckStrategy::default()),
+        Arc::new(NoopMetrics),
+        cancel.clone(),
+    ));
+    let handled = async |p: i32| {
+        let mut n = 0;
+        for i in 0..10 {
+            n += env.invoices(&format!("frozen-{i}-p{p}")).await;
+        }
+        n
+    };
+    wait_until(
+        "partition 1 handled while partition 0 waits at the gate",
+        Duration::from_secs(60),
+        async || {
+            handled(1).await == 10 && gated.held.load(std::sync::atomic::Ordering::SeqCst) == 1
+        },
+    )
+    .await;
+    common::signal(pid, "-STOP");
+    gated
+        .opened
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    gated.open.notify_waiters();
+    let stored = wait_until_within(Duration::from_secs(15), async || {
+        handled(0).await == 10 && env.stored_offset("billing", 0).await == Some(10)
+    })
+    .await;
+    let (done, offset) = (handled(0).await, env.stored_offset("billing", 0).await);
+    common::signal(pid, "-CONT");
+    assert!(
+        stored,
+        "while the broker was frozen: {done} of partition 0's 10 handled, its stored offset {offset:?}"
+    );
+    cancel.cancel();
+    task.await.expect("join").expect("member");
+    for p in 0..2 {
+        assert_eq!(handled(p).await, 10, "partition {p}: each once");
+    }
+}
+
+/// Whether `cond` held within `limit`.
+async fn wait_until_within(limit: Duration, mut cond: impl AsyncFnMut() -> bool) -> bool {
+    let started = Instant::now();
+    while started.elapsed() < limit {
+        if cond().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
 }
 
 /// Inserts one effect row (message, key, sequence within the key), waits
@@ -890,14 +978,7 @@ async fn a_fenced_lane_commits_nothing() {
     use std::sync::atomic::Ordering::SeqCst;
     let env = env("fenced-lanes", 1).await;
     env.produce_orders(0, &["f-0", "f-1", "f-2", "f-3"]).await;
-    let gated = Arc::new(Gated {
-        inner: ScriptedHandler::new([], Act::Succeed),
-        open: Arc::new(tokio::sync::Notify::new()),
-        opened: std::sync::atomic::AtomicBool::new(false),
-        running: std::sync::atomic::AtomicUsize::new(0),
-        most: std::sync::atomic::AtomicUsize::new(0),
-        held: std::sync::atomic::AtomicUsize::new(0),
-    });
+    let gated = Gated::closed();
     let lanes = Lanes::new(env.consumer("billing").await, inbox_kafka::Ordering::Key, 4);
     let cancel = CancellationToken::new();
     let mut tasks = Vec::new();

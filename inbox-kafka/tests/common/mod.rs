@@ -20,8 +20,17 @@ pub struct Env {
 }
 
 pub async fn env(prefix: &str, partitions: i32) -> Env {
+    env_on(
+        broker().unwrap_or_else(|e| panic!("{e}")),
+        prefix,
+        partitions,
+    )
+    .await
+}
+
+/// As [`env`], on `broker` (one of the test's own, that it can freeze).
+pub async fn env_on(broker: &'static Broker, prefix: &str, partitions: i32) -> Env {
     let store = fresh_store().await.unwrap_or_else(|e| panic!("{e}"));
-    let broker = broker().unwrap_or_else(|e| panic!("{e}"));
     let topic = broker
         .topic(prefix, partitions)
         .await
@@ -132,6 +141,15 @@ impl Env {
         .unwrap_or_else(|e| panic!("{e}"));
         (n >= 0).then_some(n)
     }
+}
+
+/// Sends `signal` (`-STOP`, `-CONT`, ...) to process `pid` with `kill`.
+pub fn signal(pid: u32, signal: &str) {
+    let status = std::process::Command::new("kill")
+        .args([signal, &pid.to_string()])
+        .status()
+        .unwrap_or_else(|e| panic!("kill {signal}: {e}"));
+    assert!(status.success(), "kill {signal} {pid}");
 }
 
 pub fn config(group: &str, strategy: AckStrategy) -> RunnerConfig {

@@ -543,6 +543,27 @@ async fn a_stored_offset_read_again_is_expected_after_the_next_pull() {
     assert_eq!(after.position.offset, 0, "stores 1 again, never lower");
 }
 
+/// A record whose offset a lane's transaction stored is finished in the
+/// flow: it leaves the member's hands, as one acknowledged after its
+/// commit does (left in hand, a partition's records would fill its flow
+/// and its fetch would pause for good).
+#[tokio::test(start_paused = true)]
+async fn a_record_stored_in_its_transaction_leaves_the_flow() {
+    let store = MemStore::new();
+    let broker = keyed_broker(2, 1, 1);
+    let consumer = InStore::new(&broker, &store);
+    let shared = Lanes::new(consumer, Ordering::Partition, 1);
+    let mut lane = shared.lanes().remove(0);
+    let m0 = lane.next().await.expect("next").expect("m0");
+    assert_eq!(shared.in_hand(), 2, "both records offered");
+    assert!(lane.transactional_ack(&m0).is_some());
+    lane.acked_in_transaction(&m0);
+    assert_eq!(shared.in_hand(), 1, "m0 finished");
+    let m1 = lane.next().await.expect("next").expect("m1");
+    lane.acked_in_transaction(&m1);
+    assert_eq!(shared.in_hand(), 0, "m1 finished");
+}
+
 /// Only under `Ordering::Partition` does a lane store its partition's
 /// offset in its transaction: under `Key` (and `Unordered`) the lanes
 /// share a partition, so its watermark is written apart, after the

@@ -177,13 +177,13 @@ impl<C: Consumer> Lane<C> {
             .max()
             .unwrap_or(0);
             part.stored_next = Some(stored);
-            let mut told = match part.told.take() {
-                Some(m) if m.position.as_ref().is_some_and(|p| p.offset >= stored - 1) => m,
-                _ => message.clone(),
-            };
+            // the stored offset, past any told before and not yet passed
+            // on (which it replaces)
+            let mut told = message.clone();
             if let Some(p) = told.position.as_mut() {
                 p.offset = p.offset.max(stored - 1);
             }
+            part.told = None;
             match inner.as_mut() {
                 Some(inner) => inner.acked_in_transaction(&told),
                 None => part.told = Some(told),

@@ -340,6 +340,8 @@ struct InStore {
     tried: Arc<AtomicUsize>,
     /// Acknowledgements written apart wait for a permit, when set.
     gate: Option<Arc<tokio::sync::Semaphore>>,
+    /// Acknowledgements written apart fail while set (the store is down).
+    refuse: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl InStore {
@@ -351,6 +353,7 @@ impl InStore {
             apart: Arc::default(),
             tried: Arc::default(),
             gate: None,
+            refuse: Arc::default(),
         }
     }
 
@@ -405,6 +408,9 @@ impl Consumer for InStore {
             .tx_ack_of(message)
             .ok_or_else(|| ConsumerError::Ack("not claimed".into()))?;
         self.tried.fetch_add(1, AtomicOrdering::Relaxed);
+        if self.refuse.load(AtomicOrdering::Relaxed) {
+            return Err(ConsumerError::Ack("the store is down".into()));
+        }
         self.store.store_ack(&ack).await.map_err(|e| match e.kind {
             StoreErrorKind::OffsetMoved => ConsumerError::OffsetMoved(e.to_string()),
             StoreErrorKind::Fenced => ConsumerError::Fenced(e.to_string()),
@@ -541,6 +547,33 @@ async fn a_stored_offset_read_again_is_expected_after_the_next_pull() {
     let after = lane.transactional_ack(&m0).expect("in the transaction");
     assert_eq!(after.expected_next, Some(1), "the offset read again");
     assert_eq!(after.position.offset, 0, "stores 1 again, never lower");
+}
+
+/// With synchronous acknowledgements (`AckStrategy::AtMostOnce`) a lane's
+/// acknowledgement fails when the offset past its record could not be
+/// stored, though the one before it was: the stored offset is then the
+/// record's own, not past it.
+#[tokio::test(start_paused = true)]
+async fn a_synchronous_ack_fails_when_the_offset_past_its_record_is_not_stored() {
+    let store = MemStore::new();
+    let broker = keyed_broker(2, 1, 1);
+    let consumer = InStore::new(&broker, &store);
+    let refuse = consumer.refuse.clone();
+    let shared = Lanes::new(consumer, Ordering::Key, 1)
+        .with_parking(None)
+        .with_synchronous_acks(true);
+    let mut lane = shared.lanes().remove(0);
+    let m0 = lane.next().await.expect("next").expect("m0");
+    lane.ack(&m0).await.expect("m0's offset stored");
+    assert_eq!(store.acked("billing", "orders", 0), Some(1));
+    let m1 = lane.next().await.expect("next").expect("m1");
+    refuse.store(true, AtomicOrdering::Relaxed);
+    let refused = lane.ack(&m1).await;
+    assert!(
+        matches!(refused, Err(ConsumerError::Ack(_))),
+        "acknowledged with the stored offset at m1 itself: {refused:?}"
+    );
+    assert_eq!(store.acked("billing", "orders", 0), Some(1));
 }
 
 /// A record whose offset a lane's transaction stored is finished in the

@@ -597,6 +597,37 @@ async fn a_record_stored_in_its_transaction_leaves_the_flow() {
     assert_eq!(shared.in_hand(), 0, "m1 finished");
 }
 
+/// The same when the partition's flow starts over meanwhile (the shared
+/// consumer reads it again from its stored offset): the lane still in its
+/// transaction is checked under the epoch it took its record under.
+#[tokio::test(start_paused = true)]
+async fn a_lane_whose_partition_starts_over_checks_the_epoch_it_took_its_records_under() {
+    let store = MemStore::new();
+    let broker = keyed_broker(2, 1, 1);
+    let consumer = InStore::new(&broker, &store);
+    let claims = consumer.claims.clone();
+    let shared = Lanes::new(consumer, Ordering::Partition, 2);
+    let mut lanes = shared.lanes();
+    let mut other = lanes.pop().expect("lane 1");
+    let mut lane = lanes.pop().expect("lane 0");
+    let m0 = lane.next().await.expect("next").expect("m0");
+    let taken = lane.owner_check(&m0).expect("an owner");
+    let claim = store
+        .claim_partition("billing", "orders", 0)
+        .await
+        .expect("claimed again");
+    claims
+        .lock()
+        .expect("claims")
+        .insert(0, (claim.owner_epoch, claim.next_offset));
+    // read again from the stored offset: the flow starts over at the
+    // other lane's pull, and the ownership is read again
+    other.offset_moved(&m0);
+    let _ = other.next().await.expect("next");
+    let checked = lane.owner_check(&m0).expect("an owner");
+    assert_eq!(checked.owner_epoch, taken.owner_epoch, "the owner check");
+}
+
 /// Only under `Ordering::Partition` does a lane store its partition's
 /// offset in its transaction: under `Key` (and `Unordered`) the lanes
 /// share a partition, so its watermark is written apart, after the

@@ -131,10 +131,12 @@ impl<C: Consumer> Lane<C> {
     }
 
     /// The epoch `message`'s transaction checks: the one this lane took
-    /// its records of the partition under, or the partition's owner's now
-    /// for a parked key's message it drains (or one it took none for).
+    /// its records of the partition under (still when the partition was
+    /// reset since: the lane's transaction is from before), or the
+    /// partition's owner's now for a parked key's message it drains (or
+    /// when it took none).
     pub(super) fn epoch_of(&self, part: &Part, message: &Message, owner: &TxAck) -> i64 {
-        if self.drains(message) || !part.flow.lane_holds(self.index) {
+        if self.drains(message) {
             return owner.owner_epoch;
         }
         part.lane_epochs

@@ -626,6 +626,87 @@ async fn a_lane_whose_partition_starts_over_checks_the_epoch_it_took_its_records
     let _ = other.next().await.expect("next");
     let checked = lane.owner_check(&m0).expect("an owner");
     assert_eq!(checked.owner_epoch, taken.owner_epoch, "the owner check");
+    // told fenced (as the runner does): the partition is this member's
+    // still, and a record written now is handed out
+    lane.fenced(&m0);
+    broker.produce("orders", 0, keyed("m2", "k0"));
+    let next = other.next().await.expect("next");
+    assert_eq!(
+        next.map(|m| m.message_id),
+        Some("m2".to_owned()),
+        "the partition was fenced for good"
+    );
+}
+
+/// Writes an invoice; at message `at`, first claims partition 0 again
+/// (as the shared consumer would after another member held it), once.
+struct Reclaim {
+    store: MemStore,
+    claims: Arc<Mutex<Claims>>,
+    at: &'static str,
+    done: std::sync::atomic::AtomicBool,
+}
+
+#[async_trait]
+impl<Tx: WriteInvoice + 'static> Handler<Tx> for Reclaim {
+    type Output = ();
+    async fn handle(&self, message: &Message, tx: &mut Tx) -> Result<(), HandlerError> {
+        if message.message_id == self.at && !self.done.swap(true, AtomicOrdering::SeqCst) {
+            let claim = self
+                .store
+                .claim_partition("billing", "orders", 0)
+                .await
+                .map_err(|e| HandlerError::msg(e.to_string()))?;
+            self.claims
+                .lock()
+                .expect("claims")
+                .insert(0, (claim.owner_epoch, claim.next_offset));
+        }
+        tx.write_invoice(&message.message_id).await?;
+        Ok(())
+    }
+}
+
+/// Runners over lanes: a partition claimed again by this member while a
+/// lane's handler runs fences that transaction (begun under the old
+/// claim), and the message runs again under the new one; the partition is
+/// not given up. Every message is handled once and its offset stored.
+/// Before, the refusal fenced the partition for good at this member,
+/// which held its only claim.
+#[tokio::test(start_paused = true)]
+async fn a_transaction_fenced_by_this_members_own_new_claim_runs_again_under_it() {
+    let store = MemStore::new();
+    let broker = keyed_broker(10, 1, 1);
+    let consumer = InStore::new(&broker, &store);
+    let handler = Arc::new(Reclaim {
+        store: store.clone(),
+        claims: consumer.claims.clone(),
+        at: "m3",
+        done: std::sync::atomic::AtomicBool::new(false),
+    });
+    let shared = Lanes::new(consumer, Ordering::Partition, 2);
+    let cancel = CancellationToken::new();
+    let mut tasks = Vec::new();
+    for lane in shared.lanes() {
+        let config = RunnerConfig::new("billing", "w-1").expect("config");
+        let mut runner = Runner::new(store.clone(), lane, handler.clone(), config);
+        let stop = cancel.clone();
+        tasks.push(tokio::spawn(async move {
+            runner.run(stop).await.expect("a valid configuration");
+        }));
+    }
+    let started = tokio::time::Instant::now();
+    while store.acked("billing", "orders", 0) != Some(10)
+        && started.elapsed() < Duration::from_secs(30)
+    {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    cancel.cancel();
+    for t in tasks {
+        t.await.expect("a lane's runner stopped");
+    }
+    assert_eq!(store.acked("billing", "orders", 0), Some(10));
+    assert_eq!(store.business_count("invoices"), 10, "each once");
 }
 
 /// Only under `Ordering::Partition` does a lane store its partition's
@@ -688,12 +769,18 @@ async fn a_lane_checks_the_epoch_it_took_its_records_under() {
     assert_eq!(checked.owner_epoch, taken.owner_epoch, "the owner check");
     let refused = store.store_ack(&stored).await.expect_err("fenced");
     assert_eq!(refused.kind, StoreErrorKind::Fenced);
-    // finished (as after the runner's rollback and rewind), its next
-    // records are taken under the claim made again
-    lane.ack(&m0).await.expect("finished");
-    let m1 = lane.next().await.expect("next").expect("m1");
-    let next = lane.transactional_ack(&m1).expect("in the transaction");
-    assert_eq!(next.owner_epoch, claim.owner_epoch);
+    // told fenced (as the runner does after the refusal): the partition
+    // is this member's under the new claim, so m0 comes back to the lane
+    // and runs under it
+    lane.fenced(&m0);
+    let again = lane.next().await.expect("next").expect("m0 again");
+    assert_eq!(again.message_id, m0.message_id);
+    let retried = lane.transactional_ack(&again).expect("in the transaction");
+    assert_eq!(retried.owner_epoch, claim.owner_epoch);
+    store
+        .store_ack(&retried)
+        .await
+        .expect("stored under the new claim");
 }
 
 /// A lane's transaction that stored its partition's offset is told to

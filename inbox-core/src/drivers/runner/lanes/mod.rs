@@ -689,15 +689,37 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
     }
 
     /// The partition is another member's: nothing more of it is handed
-    /// out, and the shared consumer stops reading it.
+    /// out, and the shared consumer stops reading it. Unless the lane's
+    /// transaction was fenced under an epoch older than the one the shared
+    /// consumer holds now (it claimed the partition again since the lane
+    /// took its records): the partition is this member's, and the lane's
+    /// records are handed back to it, to run under the new epoch.
     fn fenced(&mut self, message: &Message) {
         let Some(pos) = &message.position else {
             return;
         };
         self.gathering = false;
         let key = pos.partition_key();
+        // the partition's ownership as the shared consumer holds it now,
+        // when it is free (else as it was at the last pull)
+        let now = match self.shared.inner.try_lock() {
+            Ok(inner) => storing::ownership(&*inner, &key),
+            Err(_) => None,
+        };
         let mut state = self.shared.state();
-        state.stale.remove(&(self.index, key.clone()));
+        if let (Some(now), Some(part)) = (now, state.parts.get_mut(&key)) {
+            part.owner = Some(now);
+        }
+        // the runner neither acknowledges nor rewinds it: a stale lane's
+        // mark goes now
+        let stale = state.stale.remove(&(self.index, key.clone()));
+        if state
+            .parts
+            .get_mut(&key)
+            .is_some_and(|part| part.renewed(self.index, pos.offset, stale))
+        {
+            return;
+        }
         state.reset(&key);
         if let Some(part) = state.parts.get_mut(&key) {
             part.fenced = true;

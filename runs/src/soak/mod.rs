@@ -494,6 +494,9 @@ async fn soak(o: Options) -> Result<()> {
     let brokers = broker.address().to_owned();
     let mut consumer = ConsumerProcess::spawn(&topic, &o, &url, &brokers)?;
     let mut peaks: Vec<u64> = Vec::new();
+    // how long the end waits after a fault made once every record was
+    // acknowledged
+    const END_SETTLE: Duration = Duration::from_secs(3);
     let schedule = [
         Fault::Postgres,
         Fault::Broker,
@@ -567,9 +570,19 @@ async fn soak(o: Options) -> Result<()> {
                 next_fault
             );
         }
-        if progress >= total {
-            // every record acknowledged; under --keys the parked keys'
-            // queues drain after that
+        if progress >= total
+            && let Some((at, _)) = pending_resume
+            && at.elapsed() >= END_SETTLE
+        {
+            // a fault after every record was acknowledged (a fault before
+            // let the member run ahead): nothing is left to resume, the
+            // member had its time to do harm
+            pending_resume = None;
+        }
+        let faults_left = !o.no_faults && next_fault < schedule.len();
+        if progress >= total && !faults_left && pending_resume.is_none() {
+            // every record acknowledged and every fault made; under --keys
+            // the parked keys' queues drain after that
             let parked = scalar(
                 &store,
                 &format!("SELECT count(*) FROM {}", store.table().parked()),

@@ -151,6 +151,7 @@ fn drain_processor(
 ) -> Processor<PgStore, std::sync::Arc<ScriptedHandler>> {
     let mut config = ProcessorConfig::new("processor-1").unwrap_or_else(|e| panic!("{e}"));
     config.rules.backoff = Backoff::new(Duration::ZERO, Duration::ZERO, 1.0);
+    config.store_backoff = config.rules.backoff;
     config.claim = claim;
     Processor::new(
         store.clone(),
@@ -274,11 +275,25 @@ async fn a_full_disk_at_commit_is_retried_uncounted() {
         assert_eq!(
             row_of(&landed, "bad-1").await,
             ("pending".to_owned(), 0),
-            "{claim:?}: not charged"
+            "{claim:?}: not charged; {:#?}",
+            diagnose(&landed).await
         );
         for id in &ORDERS[1..] {
             assert_eq!(row_of(&landed, id).await.0, "completed", "{claim:?}: {id}");
         }
+        // the member starts again (the disk still full): the row whose
+        // COMMIT failed was finished (its retry written), not left by a
+        // crash, so its start does not charge it as one
+        let mut restarted = drain_processor(&landed, claim);
+        if let Err(e) = restarted.process_batch().await {
+            panic!("{claim:?}, after a start: {e}");
+        }
+        assert_eq!(
+            row_of(&landed, "bad-1").await,
+            ("pending".to_owned(), 0),
+            "{claim:?}: not charged as a crash by the next start; {:#?}",
+            diagnose(&landed).await
+        );
     }
     // room again
     exec("DELETE FROM disk_full").await;
@@ -309,7 +324,8 @@ async fn a_full_disk_at_commit_is_retried_uncounted() {
         assert_eq!(
             row_of(&landed, id).await,
             ("completed".to_owned(), 0),
-            "{id}"
+            "{id}: {:#?}",
+            diagnose(&landed).await
         );
     }
     assert_eq!(dead_letters(&store, "bad-1").await, 0);
@@ -322,7 +338,7 @@ async fn diagnose(store: &PgStore) -> Vec<String> {
         .standalone()
         .query_all_raw(inbox_postgres::sea_orm::Statement::from_string(
             inbox_postgres::sea_orm::DbBackend::Postgres,
-            "SELECT row_to_json(i)::text AS r FROM (SELECT id, message_id, status, attempts_made, locked_by, scheduled_at > now() AS later FROM inbox) i \
+            "SELECT row_to_json(i)::text AS r FROM (SELECT id, message_id, status, attempts_made, locked_by, scheduled_at > now() AS later, last_error FROM inbox) i \
              UNION ALL SELECT row_to_json(n)::text FROM inbox_processor_running n \
              UNION ALL SELECT row_to_json(l)::text FROM (SELECT locktype, relation::regclass::text, mode, granted, pid FROM pg_locks WHERE pid <> pg_backend_pid()) l",
         ))

@@ -209,6 +209,20 @@ where
             .await
     }
 
+    /// Forgets this member's note of the rows in hand
+    /// ([`ProcessorStore::take_unfinished`], its answer dropped): for a
+    /// batch that ended here other than by its noted transaction's
+    /// commit, so that a start after this does not suspect its rows. A
+    /// failure is logged: the next start may then charge them.
+    pub(super) async fn forget_running(&self) {
+        if !self.config.count_crashes {
+            return;
+        }
+        if let Err(e) = self.store.take_unfinished(&self.config.member_id).await {
+            tracing::debug!(error = %e, "forgetting the note of the rows in hand failed");
+        }
+    }
+
     /// Notes that this member runs `rows` in `tx` (see
     /// [`RowLocks::note_running`](crate::store::RowLocks::note_running)); a note that fails is logged
     /// (a crash in this batch then goes uncounted), never the batch's end.
@@ -384,6 +398,14 @@ where
             }
             batch.count(&update);
             outcomes.push((row, update));
+        }
+        if claim == ClaimMode::RowLock {
+            // the note of the rows in hand may name a transaction that
+            // failed (the batch's, or a row's refused at COMMIT and written
+            // in another, or skipped when the failed one's locks outlived
+            // its error): every row is finished or let go, none left by a
+            // crash, so a start after this must not charge one as such
+            self.forget_running().await;
         }
         self.state.outcomes_written(true);
         self.call_hook(outcomes.iter().map(|(r, u)| (*r, u)), &mut batch)

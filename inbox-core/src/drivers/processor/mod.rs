@@ -180,9 +180,7 @@ where
             // the batch was given up here, not by a crash: its note of the
             // rows in hand is forgotten, so a start after this does not
             // suspect them
-            if let Err(e) = self.store.take_unfinished(&self.config.member_id).await {
-                tracing::debug!(error = %e, "forgetting the note of the rows in hand failed");
-            }
+            self.forget_running().await;
         }
         if let Ok(b) = &result {
             span.record("claimed", b.claimed);

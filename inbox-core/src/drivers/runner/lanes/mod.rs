@@ -123,6 +123,10 @@ struct Part {
     /// not the one the shared consumer holds by the time they commit: a
     /// claim made again meanwhile fences them.
     lane_epochs: HashMap<usize, i64>,
+    /// Lanes holding records of the partition from before its reset:
+    /// their next acknowledgement or rewind of it is ignored, and they get
+    /// nothing more of it until then.
+    stale: HashSet<usize>,
 }
 
 impl Part {
@@ -140,6 +144,7 @@ impl Part {
             counted_keys: HashSet::new(),
             stored_next: None,
             lane_epochs: HashMap::new(),
+            stale: HashSet::new(),
             park: Parking {
                 load: if parking { Load::Due } else { Load::Off },
                 ..Parking::default()
@@ -164,10 +169,6 @@ impl Part {
 #[derive(Debug, Default)]
 struct State {
     parts: BTreeMap<PartitionKey, Part>,
-    /// (lane, partition): the lane holds records of the partition from
-    /// before its reset; its next acknowledgement or rewind there is
-    /// ignored, and it gets nothing more of it until then.
-    stale: HashSet<(usize, PartitionKey)>,
     /// Where the lanes' round over the partitions starts.
     cursor: usize,
     /// Messages without a position (nothing to order them by), for the
@@ -187,9 +188,7 @@ impl State {
     /// Forgets what partition `key` has in hand (see [`KeyedFlow::reset`]).
     fn reset(&mut self, key: &PartitionKey) {
         if let Some(part) = self.parts.get_mut(key) {
-            for lane in part.flow.lanes_in_hand() {
-                self.stale.insert((lane, key.clone()));
-            }
+            part.stale.extend(part.flow.lanes_in_hand());
             part.flow.reset();
             part.watermark = None;
             // read again by the shared consumer: what it last stored is
@@ -490,7 +489,11 @@ impl<C> Lane<C> {
     /// Whether the lane's acknowledgement or rewind of `key` is one from
     /// before the partition's reset (and so ignored, and forgotten).
     fn was_stale(&self, key: &PartitionKey) -> bool {
-        self.shared.state().stale.remove(&(self.index, key.clone()))
+        self.shared
+            .state()
+            .parts
+            .get_mut(key)
+            .is_some_and(|part| part.stale.remove(&self.index))
     }
 }
 
@@ -712,12 +715,10 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
         }
         // the runner neither acknowledges nor rewinds it: a stale lane's
         // mark goes now
-        let stale = state.stale.remove(&(self.index, key.clone()));
-        if state
-            .parts
-            .get_mut(&key)
-            .is_some_and(|part| part.renewed(self.index, pos.offset, stale))
-        {
+        if state.parts.get_mut(&key).is_some_and(|part| {
+            let stale = part.stale.remove(&self.index);
+            part.renewed(self.index, pos.offset, stale)
+        }) {
             return;
         }
         state.reset(&key);

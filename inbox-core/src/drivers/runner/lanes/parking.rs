@@ -146,11 +146,10 @@ impl<C: Consumer> Lane<C> {
         self.shared.park_after?;
         let now = tokio::time::Instant::now().into_std();
         let mut state = self.shared.state();
-        let State { parts, stale, .. } = &mut *state;
-        for (pk, part) in parts.iter_mut() {
+        for (pk, part) in state.parts.iter_mut() {
             // a lane still holding records from before the partition's
             // reset may be parking one: no drain decides on its key now
-            if part.fenced || stale.iter().any(|(_, k)| k == pk) {
+            if part.fenced || !part.stale.is_empty() {
                 continue;
             }
             match part.park.load {
@@ -223,7 +222,11 @@ impl<C: Consumer> Lane<C> {
         };
         let pk = pos.partition_key();
         let mut state = self.shared.state();
-        if state.stale.contains(&(self.index, pk.clone())) {
+        if state
+            .parts
+            .get(&pk)
+            .is_some_and(|part| part.stale.contains(&self.index))
+        {
             // from before a reset: what was in hand is forgotten
             return 0;
         }

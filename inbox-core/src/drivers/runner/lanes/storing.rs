@@ -124,7 +124,11 @@ impl<C: Consumer> Lane<C> {
         let pos = message.position.as_ref()?;
         let key = pos.partition_key();
         let state = self.shared.state();
-        if state.stale.contains(&(self.index, key.clone())) {
+        if state
+            .parts
+            .get(&key)
+            .is_some_and(|part| part.stale.contains(&self.index))
+        {
             return None;
         }
         // a watermark left to write, or being written, expects the same

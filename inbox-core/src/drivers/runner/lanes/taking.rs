@@ -2,7 +2,7 @@
 
 use super::parking::Load;
 use super::{Part, State};
-use crate::model::{Message, PartitionKey};
+use crate::model::Message;
 
 impl State {
     /// The next record for `lane`: one without a position first, else the
@@ -19,14 +19,14 @@ impl State {
         let now = tokio::time::Instant::now().into_std();
         let n = self.parts.len();
         let start = self.cursor % n.max(1);
-        let Self { parts, stale, .. } = self;
+        let parts = &mut self.parts;
         let holding = own_partitions && parts.values().any(|p| p.flow.lane_holds(lane));
-        let pick = |i: usize, key: &PartitionKey, part: &mut Part| {
+        let pick = |i: usize, part: &mut Part| {
             if holding && !part.flow.lane_holds(lane) {
                 return None;
             }
             if part.fenced
-                || stale.contains(&(lane, key.clone()))
+                || part.stale.contains(&lane)
                 || matches!(part.park.load, Load::Due | Load::Loading)
             {
                 return None;
@@ -41,16 +41,16 @@ impl State {
             Some((i, message))
         };
         let found = parts
-            .iter_mut()
+            .values_mut()
             .enumerate()
             .skip(start)
-            .find_map(|(i, (key, part))| pick(i, key, part))
+            .find_map(|(i, part)| pick(i, part))
             .or_else(|| {
                 parts
-                    .iter_mut()
+                    .values_mut()
                     .enumerate()
                     .take(start)
-                    .find_map(|(i, (key, part))| pick(i, key, part))
+                    .find_map(|(i, part)| pick(i, part))
             });
         let (i, message) = found?;
         self.cursor = i + 1;

@@ -57,6 +57,7 @@ pub mod error;
 pub mod headers;
 pub mod isolation;
 pub mod keyed;
+pub(crate) mod machine;
 pub mod model;
 pub mod outcome;
 mod panics;

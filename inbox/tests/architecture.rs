@@ -401,6 +401,84 @@ fn the_core_rules_import_no_product() {
     );
 }
 
+/// What a rule must not do: await, run on tokio, or read a clock (the
+/// time comes in as an argument, so a rule is tested, and simulated, in
+/// any time it is given).
+const NOT_IN_A_RULE: [&str; 6] = [
+    "async fn",
+    ".await",
+    "tokio",
+    "Instant::now",
+    "SystemTime::now",
+    "Utc::now",
+];
+
+/// The lines of the rules at the root of the crate at `src` (outside
+/// their tests and comments) that do what [`NOT_IN_A_RULE`] names, but
+/// the traits adapters implement (`consumer.rs`, `store.rs`: async by
+/// what they are) and `lib.rs` (re-exports).
+fn rules_doing_io(src: &Path) -> Vec<String> {
+    let mut found = Vec::new();
+    let entries = std::fs::read_dir(src).unwrap_or_else(|e| panic!("{}: {e}", src.display()));
+    for entry in entries {
+        let path = entry
+            .unwrap_or_else(|e| panic!("{}: {e}", src.display()))
+            .path();
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        if path.is_dir()
+            || !name.ends_with(".rs")
+            || ["consumer.rs", "store.rs", "lib.rs"].contains(&name.as_str())
+        {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{name}: {e}"));
+        for (n, line) in text
+            .lines()
+            .take_while(|l| !l.starts_with("#[cfg(test)]"))
+            .enumerate()
+        {
+            let code = line.trim_start();
+            if code.starts_with("//") {
+                continue;
+            }
+            if NOT_IN_A_RULE.iter().any(|bad| code.contains(bad)) {
+                found.push(format!("{name}:{}: {}", n + 1, code));
+            }
+        }
+    }
+    found.sort();
+    found
+}
+
+#[test]
+fn the_core_rules_await_nothing_and_read_no_clock() {
+    assert_eq!(
+        rules_doing_io(&root().join("inbox-core").join("src")),
+        Vec::<String>::new(),
+        "inbox-core: a rule at the root does I/O or reads the clock: pass the time in, let a driver await (docs/architecture.md)"
+    );
+}
+
+#[test]
+fn the_rule_check_finds_a_clock_read() {
+    let dir = std::env::temp_dir().join(format!("inbox-arch-clock-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
+    std::fs::write(
+        dir.join("rule.rs"),
+        "//! Instant::now in a comment is fine\nfn due() -> bool { std::time::Instant::now() > x() }\n",
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    std::fs::write(dir.join("store.rs"), "async fn begin();\n").unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        rules_doing_io(&dir),
+        vec!["rule.rs:2: fn due() -> bool { std::time::Instant::now() > x() }".to_owned()]
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Every `.rs` file below `dir`.
 fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     let entries = std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));

@@ -47,10 +47,10 @@ mod parking;
 mod storing;
 mod taking;
 
-use parking::{Load, Parking};
+use crate::machine::{Load, Part};
 
 use crate::model::PartitionKey;
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -59,7 +59,7 @@ use tokio::sync::Notify;
 
 use crate::consumer::{Consumer, DrainEnd, ParkLoad, ParkWork, TxAck};
 use crate::error::ConsumerError;
-use crate::keyed::{FlowKey, FlowLimits, KeyedFlow, Ordering};
+use crate::keyed::{FlowKey, FlowLimits, Ordering};
 use crate::model::{Message, Position};
 
 /// How long a lane with nothing to take waits for another lane's pull (or
@@ -81,90 +81,6 @@ pub const DEFAULT_PARK_AFTER: u32 = 3;
 /// again): a broker that answers nothing must not keep the partitions'
 /// finished work out of the stored offsets.
 const MARKS_DUE_WAIT: Duration = Duration::from_millis(200);
-
-/// One partition's flow and what is to be carried out for it.
-#[derive(Debug)]
-struct Part {
-    flow: KeyedFlow<Message>,
-    /// The partition's ownership, as the shared consumer last gave it (its
-    /// position is replaced by the message's).
-    owner: Option<TxAck>,
-    /// The watermark to acknowledge at the shared consumer.
-    watermark: Option<Message>,
-    /// A flush is writing a watermark of the partition now (a lane's
-    /// transaction does not store the offset meanwhile: both would expect
-    /// the same stored one).
-    writing: bool,
-    /// A lane's transaction stored the partition's offset past this
-    /// message: the shared consumer is to be told
-    /// ([`Consumer::acked_in_transaction`]).
-    told: Option<Message>,
-    /// Told fenced: the shared consumer is to be told (`Some`), then
-    /// nothing more of the partition is handed out.
-    fence: Option<Message>,
-    fenced: bool,
-    /// Told its stored offset moved: the shared consumer is to be told.
-    moved: Option<Message>,
-    /// Where the partition's log ended when the shared consumer first read
-    /// it ([`Consumer::log_end_at_start`]): the records below it may have
-    /// been running before this member started.
-    end_at_start: Option<i64>,
-    /// Keys one of whose records below `end_at_start` was counted before
-    /// its handler (under [`Ordering::Key`] the key's later records are no
-    /// suspects); emptied once the watermark passes `end_at_start`.
-    counted_keys: HashSet<Vec<u8>>,
-    /// The partition's parked keys.
-    park: Parking,
-    /// The next offset this member last stored for it (with synchronous
-    /// acknowledgements: what a lane's acknowledgement waits for).
-    stored_next: Option<i64>,
-    /// Per lane: the owner epoch when it took its first record of the
-    /// partition still in its hands. Its transactions check that epoch,
-    /// not the one the shared consumer holds by the time they commit: a
-    /// claim made again meanwhile fences them.
-    lane_epochs: HashMap<usize, i64>,
-    /// Lanes holding records of the partition from before its reset:
-    /// their next acknowledgement or rewind of it is ignored, and they get
-    /// nothing more of it until then.
-    stale: HashSet<usize>,
-}
-
-impl Part {
-    fn new(limits: FlowLimits, parking: bool) -> Self {
-        Self {
-            flow: KeyedFlow::new(limits),
-            owner: None,
-            watermark: None,
-            writing: false,
-            told: None,
-            fence: None,
-            fenced: false,
-            moved: None,
-            end_at_start: None,
-            counted_keys: HashSet::new(),
-            stored_next: None,
-            lane_epochs: HashMap::new(),
-            stale: HashSet::new(),
-            park: Parking {
-                load: if parking { Load::Due } else { Load::Off },
-                ..Parking::default()
-            },
-        }
-    }
-
-    /// Finishes `lane`'s records up to `offset` in the flow; where the
-    /// watermark moved to, if it did.
-    fn finish(&mut self, lane: usize, offset: i64) -> Option<Message> {
-        let (done, mark) = self.flow.ack(lane, offset)?;
-        self.park.rewinds.retain(|&o, _| o > done);
-        // every record below where the log ended at the start is
-        // finished: no suspect is left, nor any key to clear
-        if self.end_at_start.is_some_and(|end| done + 1 >= end) && !self.counted_keys.is_empty() {
-            self.counted_keys = HashSet::new();
-        }
-        Some(mark)
-    }
-}
 
 #[derive(Debug, Default)]
 struct State {
@@ -188,12 +104,7 @@ impl State {
     /// Forgets what partition `key` has in hand (see [`KeyedFlow::reset`]).
     fn reset(&mut self, key: &PartitionKey) {
         if let Some(part) = self.parts.get_mut(key) {
-            part.stale.extend(part.flow.lanes_in_hand());
-            part.flow.reset();
-            part.watermark = None;
-            // read again by the shared consumer: what it last stored is
-            // what its ownership says
-            part.stored_next = None;
+            part.reset();
         }
     }
 }
@@ -602,7 +513,7 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
         let after = self.shared.park_after;
         if let Some(part) = self.shared.state().parts.get_mut(&key) {
             part.flow.rewind(self.index, pos.offset);
-            part.note_rewind(after, message, pos);
+            part.note_rewind(after, message, pos, tokio::time::Instant::now().into_std());
         }
         Ok(())
     }

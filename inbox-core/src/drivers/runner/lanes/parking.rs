@@ -5,101 +5,7 @@
 use super::storing::ownership;
 #[allow(clippy::wildcard_imports)]
 use super::*;
-
-/// Where reading a partition's parked keys stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub(super) enum Load {
-    /// Not read yet: none of the partition's records is handed out.
-    #[default]
-    Due,
-    /// A lane's runner reads them.
-    Loading,
-    /// Read: the keys are known.
-    Loaded,
-    /// No parking (not asked for, or the store parks no key).
-    Off,
-}
-
-/// One partition's parked keys (see [`Lanes::with_parking`]).
-#[derive(Debug, Default)]
-pub(super) struct Parking {
-    pub(super) load: Load,
-    /// The parked keys.
-    pub(super) keys: HashMap<Vec<u8>, ParkedKey>,
-    /// Per offset in hand, how many times it was rewound in a row.
-    pub(super) rewinds: HashMap<i64, u32>,
-}
-
-/// A parked key.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct ParkedKey {
-    /// Its first parked message is not run again before this.
-    pub(super) due: std::time::Instant,
-    /// A lane drains it now: its live records wait.
-    pub(super) draining: bool,
-    /// Tries of its first message in a row (for the backoff).
-    pub(super) tries: u32,
-    /// Drained once since this member knows it: only the first drain can
-    /// have been running when the process last died (a suspect).
-    pub(super) drained_once: bool,
-}
-
-impl ParkedKey {
-    pub(super) fn new(tries: u32) -> Self {
-        Self {
-            due: tokio::time::Instant::now().into_std(),
-            draining: false,
-            tries,
-            drained_once: false,
-        }
-    }
-}
-
-impl Part {
-    /// `message` (at `pos`) was rewound: a key whose record keeps coming
-    /// back (`after` times in a row) is parked, its records to go to the
-    /// store and the watermark past them.
-    pub(super) fn note_rewind(&mut self, after: Option<u32>, message: &Message, pos: &Position) {
-        let (Some(after), Some(k), Load::Loaded) = (after, message.key.as_ref(), self.park.load)
-        else {
-            return;
-        };
-        let n = self.park.rewinds.entry(pos.offset).or_insert(0);
-        *n = n.saturating_add(1);
-        if *n >= after && !self.park.keys.contains_key(k) {
-            tracing::info!(topic = %pos.topic, partition = pos.partition, offset = pos.offset,
-                rewinds = *n, "a key keeps failing: parked (its records wait in the store, the partition goes on)");
-            let parked = ParkedKey::new(*n);
-            self.park.keys.insert(k.clone(), parked);
-        }
-    }
-
-    /// Holds `lane`'s rewound record at `offset` until `until`; a parked
-    /// key's record is not held (it is handed out at once, to be parked):
-    /// its queue's first message waits out the hold instead.
-    pub(super) fn hold(&mut self, lane: usize, offset: i64, until: std::time::Instant) -> bool {
-        let parked = match self.flow.key_of(offset) {
-            Some(FlowKey::Key(k)) => self.park.keys.get_mut(k),
-            _ => None,
-        };
-        match parked {
-            Some(p) => {
-                p.due = p.due.max(until);
-                true
-            }
-            None => self.flow.hold(lane, offset, until),
-        }
-    }
-
-    /// Whether `message` (of this partition) belongs to a parked key.
-    pub(super) fn parks(&self, message: &Message) -> bool {
-        self.park.load == Load::Loaded
-            && message
-                .key
-                .as_ref()
-                .is_some_and(|k| self.park.keys.contains_key(k))
-    }
-}
+use crate::machine::ParkedKey;
 
 impl State {
     /// Whether a partition's parked keys are still to be read (its records
@@ -249,10 +155,10 @@ impl<C: Consumer> Lane<C> {
                     part.park.load = Load::Loaded;
                     let tries = self.shared.park_after.unwrap_or(0);
                     for k in keys {
-                        part.park.keys.entry(k).or_insert(ParkedKey {
-                            due: now,
-                            ..ParkedKey::new(tries)
-                        });
+                        part.park
+                            .keys
+                            .entry(k)
+                            .or_insert(ParkedKey::new(tries, now));
                     }
                 }
                 ParkLoad::Failed => part.park.load = Load::Due,

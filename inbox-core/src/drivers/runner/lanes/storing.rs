@@ -48,42 +48,6 @@ impl<C> Lane<C> {
     }
 }
 
-impl Part {
-    /// The watermark to write, taken: none when a lane's transaction
-    /// stored the offset past it already.
-    pub(super) fn mark_to_write(&mut self) -> Option<Message> {
-        let stored = self.stored_next;
-        self.watermark.take().filter(|m| {
-            m.position
-                .as_ref()
-                .zip(stored)
-                .is_none_or(|(pos, next)| next <= pos.offset)
-        })
-    }
-}
-
-impl Part {
-    /// After `lane`'s transaction at `offset` was fenced: whether it was
-    /// fenced under an epoch older than the partition's owner's now (this
-    /// member claimed it again since the lane took its records). Then the
-    /// lane's records from `offset` are handed back to it (unless it is
-    /// `stale`: they were forgotten already) and its next transactions
-    /// check the new epoch.
-    pub(super) fn renewed(&mut self, lane: usize, offset: i64, stale: bool) -> bool {
-        let Some(now) = self.owner.as_ref().map(|o| o.owner_epoch) else {
-            return false;
-        };
-        if self.lane_epochs.get(&lane).is_none_or(|&e| e >= now) {
-            return false;
-        }
-        self.lane_epochs.insert(lane, now);
-        if !stale {
-            self.flow.rewind(lane, offset);
-        }
-        true
-    }
-}
-
 impl<C: Consumer> Shared<C> {
     /// Under [`Ordering::Partition`], after a pull: each partition's
     /// ownership as the shared consumer holds it now (its stored offset

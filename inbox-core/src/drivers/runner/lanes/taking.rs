@@ -1,7 +1,7 @@
 //! Which record a lane takes next, over the partitions' flows.
 
-use super::parking::Load;
 use super::{Part, State};
+use crate::machine::Load;
 use crate::model::Message;
 
 impl State {

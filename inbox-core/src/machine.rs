@@ -1,0 +1,250 @@
+//! One partition's state in the lanes and the rules that change it, with no
+//! I/O and no clock of its own (the time comes in as an argument): its
+//! [`KeyedFlow`], its ownership and the epochs its lanes took records
+//! under, the watermark to write and what the shared consumer is to be
+//! told, and its parked keys. The lanes (`drivers::runner::lanes`) carry
+//! out what it decides; the per-partition sans-IO machine grows here.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Instant;
+
+use crate::consumer::TxAck;
+use crate::keyed::{FlowKey, FlowLimits, KeyedFlow};
+use crate::model::{Message, Position};
+
+/// One partition's flow and what is to be carried out for it.
+#[derive(Debug)]
+pub(crate) struct Part {
+    pub(crate) flow: KeyedFlow<Message>,
+    /// The partition's ownership, as the shared consumer last gave it (its
+    /// position is replaced by the message's).
+    pub(crate) owner: Option<TxAck>,
+    /// The watermark to acknowledge at the shared consumer.
+    pub(crate) watermark: Option<Message>,
+    /// A flush is writing a watermark of the partition now (a lane's
+    /// transaction does not store the offset meanwhile: both would expect
+    /// the same stored one).
+    pub(crate) writing: bool,
+    /// A lane's transaction stored the partition's offset past this
+    /// message: the shared consumer is to be told
+    /// ([`Consumer::acked_in_transaction`](crate::consumer::Consumer::acked_in_transaction)).
+    pub(crate) told: Option<Message>,
+    /// Told fenced: the shared consumer is to be told (`Some`), then
+    /// nothing more of the partition is handed out.
+    pub(crate) fence: Option<Message>,
+    pub(crate) fenced: bool,
+    /// Told its stored offset moved: the shared consumer is to be told.
+    pub(crate) moved: Option<Message>,
+    /// Where the partition's log ended when the shared consumer first read
+    /// it ([`Consumer::log_end_at_start`](crate::consumer::Consumer::log_end_at_start)): the records below it may have
+    /// been running before this member started.
+    pub(crate) end_at_start: Option<i64>,
+    /// Keys one of whose records below `end_at_start` was counted before
+    /// its handler (under [`Ordering::Key`](crate::keyed::Ordering::Key) the key's later records are no
+    /// suspects); emptied once the watermark passes `end_at_start`.
+    pub(crate) counted_keys: HashSet<Vec<u8>>,
+    /// The partition's parked keys.
+    pub(crate) park: Parking,
+    /// The next offset this member last stored for it (with synchronous
+    /// acknowledgements: what a lane's acknowledgement waits for).
+    pub(crate) stored_next: Option<i64>,
+    /// Per lane: the owner epoch when it took its first record of the
+    /// partition still in its hands. Its transactions check that epoch,
+    /// not the one the shared consumer holds by the time they commit: a
+    /// claim made again meanwhile fences them.
+    pub(crate) lane_epochs: HashMap<usize, i64>,
+    /// Lanes holding records of the partition from before its reset:
+    /// their next acknowledgement or rewind of it is ignored, and they get
+    /// nothing more of it until then.
+    pub(crate) stale: HashSet<usize>,
+}
+
+impl Part {
+    /// A partition's state before any of its records arrives (its parked
+    /// keys to be read first when `parking`).
+    pub(crate) fn new(limits: FlowLimits, parking: bool) -> Self {
+        Self {
+            flow: KeyedFlow::new(limits),
+            owner: None,
+            watermark: None,
+            writing: false,
+            told: None,
+            fence: None,
+            fenced: false,
+            moved: None,
+            end_at_start: None,
+            counted_keys: HashSet::new(),
+            stored_next: None,
+            lane_epochs: HashMap::new(),
+            stale: HashSet::new(),
+            park: Parking {
+                load: if parking { Load::Due } else { Load::Off },
+                ..Parking::default()
+            },
+        }
+    }
+
+    /// Finishes `lane`'s records up to `offset` in the flow; where the
+    /// watermark moved to, if it did.
+    pub(crate) fn finish(&mut self, lane: usize, offset: i64) -> Option<Message> {
+        let (done, mark) = self.flow.ack(lane, offset)?;
+        self.park.rewinds.retain(|&o, _| o > done);
+        // every record below where the log ended at the start is
+        // finished: no suspect is left, nor any key to clear
+        if self.end_at_start.is_some_and(|end| done + 1 >= end) && !self.counted_keys.is_empty() {
+            self.counted_keys = HashSet::new();
+        }
+        Some(mark)
+    }
+}
+
+/// Where reading a partition's parked keys stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) enum Load {
+    /// Not read yet: none of the partition's records is handed out.
+    #[default]
+    Due,
+    /// A lane's runner reads them.
+    Loading,
+    /// Read: the keys are known.
+    Loaded,
+    /// No parking (not asked for, or the store parks no key).
+    Off,
+}
+
+/// One partition's parked keys (see `Lanes::with_parking`).
+#[derive(Debug, Default)]
+pub(crate) struct Parking {
+    pub(crate) load: Load,
+    /// The parked keys.
+    pub(crate) keys: HashMap<Vec<u8>, ParkedKey>,
+    /// Per offset in hand, how many times it was rewound in a row.
+    pub(crate) rewinds: HashMap<i64, u32>,
+}
+
+/// A parked key.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ParkedKey {
+    /// Its first parked message is not run again before this.
+    pub(crate) due: Instant,
+    /// A lane drains it now: its live records wait.
+    pub(crate) draining: bool,
+    /// Tries of its first message in a row (for the backoff).
+    pub(crate) tries: u32,
+    /// Drained once since this member knows it: only the first drain can
+    /// have been running when the process last died (a suspect).
+    pub(crate) drained_once: bool,
+}
+
+impl ParkedKey {
+    /// Parked after `tries`, due to be drained at `due`.
+    pub(crate) fn new(tries: u32, due: Instant) -> Self {
+        Self {
+            due,
+            draining: false,
+            tries,
+            drained_once: false,
+        }
+    }
+}
+
+impl Part {
+    /// `message` (at `pos`) was rewound: a key whose record keeps coming
+    /// back (`after` times in a row) is parked, its records to go to the
+    /// store and the watermark past them.
+    pub(crate) fn note_rewind(
+        &mut self,
+        after: Option<u32>,
+        message: &Message,
+        pos: &Position,
+        now: Instant,
+    ) {
+        let (Some(after), Some(k), Load::Loaded) = (after, message.key.as_ref(), self.park.load)
+        else {
+            return;
+        };
+        let n = self.park.rewinds.entry(pos.offset).or_insert(0);
+        *n = n.saturating_add(1);
+        if *n >= after && !self.park.keys.contains_key(k) {
+            tracing::info!(topic = %pos.topic, partition = pos.partition, offset = pos.offset,
+                rewinds = *n, "a key keeps failing: parked (its records wait in the store, the partition goes on)");
+            let parked = ParkedKey::new(*n, now);
+            self.park.keys.insert(k.clone(), parked);
+        }
+    }
+
+    /// Holds `lane`'s rewound record at `offset` until `until`; a parked
+    /// key's record is not held (it is handed out at once, to be parked):
+    /// its queue's first message waits out the hold instead.
+    pub(crate) fn hold(&mut self, lane: usize, offset: i64, until: Instant) -> bool {
+        let parked = match self.flow.key_of(offset) {
+            Some(FlowKey::Key(k)) => self.park.keys.get_mut(k),
+            _ => None,
+        };
+        match parked {
+            Some(p) => {
+                p.due = p.due.max(until);
+                true
+            }
+            None => self.flow.hold(lane, offset, until),
+        }
+    }
+
+    /// Whether `message` (of this partition) belongs to a parked key.
+    pub(crate) fn parks(&self, message: &Message) -> bool {
+        self.park.load == Load::Loaded
+            && message
+                .key
+                .as_ref()
+                .is_some_and(|k| self.park.keys.contains_key(k))
+    }
+}
+
+impl Part {
+    /// The watermark to write, taken: none when a lane's transaction
+    /// stored the offset past it already.
+    pub(crate) fn mark_to_write(&mut self) -> Option<Message> {
+        let stored = self.stored_next;
+        self.watermark.take().filter(|m| {
+            m.position
+                .as_ref()
+                .zip(stored)
+                .is_none_or(|(pos, next)| next <= pos.offset)
+        })
+    }
+}
+
+impl Part {
+    /// After `lane`'s transaction at `offset` was fenced: whether it was
+    /// fenced under an epoch older than the partition's owner's now (this
+    /// member claimed it again since the lane took its records). Then the
+    /// lane's records from `offset` are handed back to it (unless it is
+    /// `stale`: they were forgotten already) and its next transactions
+    /// check the new epoch.
+    pub(crate) fn renewed(&mut self, lane: usize, offset: i64, stale: bool) -> bool {
+        let Some(now) = self.owner.as_ref().map(|o| o.owner_epoch) else {
+            return false;
+        };
+        if self.lane_epochs.get(&lane).is_none_or(|&e| e >= now) {
+            return false;
+        }
+        self.lane_epochs.insert(lane, now);
+        if !stale {
+            self.flow.rewind(lane, offset);
+        }
+        true
+    }
+}
+
+impl Part {
+    /// Forgets what the partition has in hand (see [`KeyedFlow::reset`]):
+    /// the lanes holding its records are stale until they answer for them.
+    pub(crate) fn reset(&mut self) {
+        self.stale.extend(self.flow.lanes_in_hand());
+        self.flow.reset();
+        self.watermark = None;
+        // read again by the shared consumer: what it last stored is what
+        // its ownership says
+        self.stored_next = None;
+    }
+}

@@ -20,6 +20,7 @@ mod bench_outbox;
 mod bench_slow;
 mod demo;
 mod examples;
+mod failing_for;
 mod guide;
 mod operator;
 mod pipeline;
@@ -70,6 +71,10 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Keys that fail for minutes beside healthy traffic (no failure
+    /// budget, parked in PostgreSQL): the member's resident set every 30 s,
+    /// the healthy messages all handled.
+    FailingFor(failing_for::Options),
     /// Every example of the facade built and run against the throwaway
     /// PostgreSQL and broker, its effects checked with SQL.
     Examples,
@@ -115,6 +120,7 @@ fn main() -> ExitCode {
         Cmd::SoakConsumer { args } => soak::consumer(&args),
         Cmd::Scale => scale::run(),
         Cmd::Examples => examples::run(),
+        Cmd::FailingFor(o) => failing_for::run(&o),
         Cmd::Pooler => pooler::run(),
         Cmd::ScaleMember { args } => scale::member(&args),
         Cmd::PipelineRelay { args } => pipeline::relay(&args),

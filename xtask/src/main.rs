@@ -10,7 +10,8 @@
 //!   clippy with `-D warnings`, docs with warnings denied, every test of the
 //!   workspace, publish dry-runs, and every run of `inbox-runs`.
 //! - `cargo xtask demo`: the main job (see `runs/src/pipeline.rs`).
-//! - `cargo xtask bench [--release]`, `soak`, `scale`, `examples`, `pooler`:
+//! - `cargo xtask bench [--release]`, `soak`, `scale`, `examples`, `pooler`,
+//!   `failing-for`:
 //!   the runs, their options after the command (`cargo xtask soak --help`).
 
 use std::process::ExitCode;
@@ -62,6 +63,9 @@ enum Cmd {
     Scale(Pass),
     /// Every example of the facade built and run, its effects checked.
     Examples(Pass),
+    /// Keys that fail for minutes beside healthy traffic: the member's
+    /// resident set over time (`--minutes`, default 10).
+    FailingFor(Pass),
     /// The suites of the consumer, the relay, the processor and the
     /// command again, through PgBouncer in transaction pooling mode.
     Pooler(Pass),
@@ -78,6 +82,7 @@ impl Cmd {
             Cmd::Soak(p) => Some(("soak", p)),
             Cmd::Scale(p) => Some(("scale", p)),
             Cmd::Examples(p) => Some(("examples", p)),
+            Cmd::FailingFor(p) => Some(("failing-for", p)),
             Cmd::Pooler(p) => Some(("pooler", p)),
         }
     }
@@ -200,6 +205,7 @@ fn test() -> Result<()> {
             "--group",
         ],
         &["soak", "--messages", "40000", "--keys"],
+        &["failing-for", "--minutes", "1"],
     ] {
         println!("$ cargo xtask {}", run.join(" "));
         runs(run, false)?;

@@ -248,3 +248,172 @@ impl Part {
         self.stored_next = None;
     }
 }
+
+/// What became of a record offered to a partition ([`Part::offer`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Offer {
+    /// In the flow.
+    Taken,
+    /// Delivered again from lower down (the stored offset moved): what was
+    /// in hand was forgotten ([`Part::reset`]) and the flow starts over
+    /// from this record.
+    StartedOver,
+    /// The flow is full: not taken (to be read again once it has room).
+    Full,
+}
+
+impl Part {
+    /// Offers `message` at `offset`, of flow key `key`.
+    pub(crate) fn offer(&mut self, offset: i64, key: FlowKey, message: &Message) -> Offer {
+        if !self.flow.has_room() {
+            return Offer::Full;
+        }
+        let bytes = message.approximate_size();
+        if self.flow.offer(offset, key.clone(), bytes, message.clone()) {
+            return Offer::Taken;
+        }
+        self.reset();
+        self.flow.offer(offset, key, bytes, message.clone());
+        Offer::StartedOver
+    }
+
+    /// The partition's next record for `lane` at `now`: none while the
+    /// partition is fenced, the lane is stale in it, or its parked keys
+    /// are still to be read. A lane taking its first record of the
+    /// partition notes the owner epoch its transactions are to check.
+    pub(crate) fn take(&mut self, lane: usize, now: Instant) -> Option<Message> {
+        if self.fenced
+            || self.stale.contains(&lane)
+            || matches!(self.park.load, Load::Due | Load::Loading)
+        {
+            return None;
+        }
+        let held = self.flow.lane_holds(lane);
+        let (_, message) = self.flow.next_for(lane, now)?;
+        // the ownership the lane's transactions check while it holds
+        // records of the partition
+        if let (false, Some(owner)) = (held, &self.owner) {
+            self.lane_epochs.insert(lane, owner.owner_epoch);
+        }
+        Some(message)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(offset: i64, key: &str) -> Message {
+        let mut m = Message::new(format!("m-{offset}"), "orders", "", serde_json::Value::Null);
+        m.position = Some(Position::new("orders".to_owned(), 0, offset));
+        m.key = Some(key.as_bytes().to_vec());
+        m
+    }
+
+    fn key(k: &str) -> FlowKey {
+        FlowKey::Key(k.as_bytes().to_vec())
+    }
+
+    fn offered(part: &mut Part, offset: i64, k: &str) -> Offer {
+        part.offer(offset, key(k), &record(offset, k))
+    }
+
+    fn owned_at(epoch: i64) -> Option<TxAck> {
+        Some(TxAck {
+            consumer_group: "billing".to_owned(),
+            position: Position::new("orders".to_owned(), 0, 0),
+            owner_epoch: epoch,
+            expected_next: None,
+        })
+    }
+
+    fn offset_of(m: Option<Message>) -> Option<i64> {
+        m.and_then(|m| m.position).map(|p| p.offset)
+    }
+
+    #[test]
+    fn a_record_delivered_again_from_lower_down_starts_the_flow_over() {
+        let now = Instant::now();
+        let mut part = Part::new(FlowLimits::new(2), false);
+        assert_eq!(offered(&mut part, 0, "a"), Offer::Taken);
+        assert_eq!(offered(&mut part, 1, "b"), Offer::Taken);
+        assert_eq!(offset_of(part.take(0, now)), Some(0));
+        // the stored offset moved back: offset 0 again
+        assert_eq!(offered(&mut part, 0, "a"), Offer::StartedOver);
+        // lane 0 still runs the old record 0: nothing more for it
+        assert!(part.stale.contains(&0));
+        assert_eq!(part.take(0, now), None);
+        // the others take the partition from where it is read again
+        assert_eq!(offset_of(part.take(1, now)), Some(0));
+    }
+
+    #[test]
+    fn a_full_flow_takes_nothing_more() {
+        let mut part = Part::new(
+            FlowLimits {
+                lanes: 1,
+                max_buffered: 1,
+                max_bytes: 1 << 20,
+            },
+            false,
+        );
+        assert_eq!(offered(&mut part, 0, "a"), Offer::Taken);
+        assert_eq!(offered(&mut part, 1, "a"), Offer::Full);
+        assert_eq!(part.flow.unfinished(), 1, "offset 1 is not in the flow");
+        assert_eq!(part.flow.key_of(1), None);
+    }
+
+    #[test]
+    fn nothing_is_taken_until_the_parked_keys_are_read() {
+        let now = Instant::now();
+        let mut part = Part::new(FlowLimits::new(1), true);
+        offered(&mut part, 0, "a");
+        assert_eq!(part.take(0, now), None);
+        part.park.load = Load::Loading;
+        assert_eq!(part.take(0, now), None);
+        part.park.load = Load::Loaded;
+        assert_eq!(offset_of(part.take(0, now)), Some(0));
+    }
+
+    #[test]
+    fn a_lane_keeps_the_epoch_of_its_first_record_while_it_holds_any() {
+        let now = Instant::now();
+        let mut part = Part::new(FlowLimits::new(1), false);
+        part.owner = owned_at(1);
+        offered(&mut part, 0, "a");
+        offered(&mut part, 1, "b");
+        assert_eq!(offset_of(part.take(0, now)), Some(0));
+        part.owner = owned_at(2);
+        assert_eq!(offset_of(part.take(0, now)), Some(1));
+        assert_eq!(part.lane_epochs.get(&0), Some(&1), "taken under epoch 1");
+        // fenced under epoch 1 by this member's own new claim: renewed,
+        // its records handed back, its next transactions under epoch 2
+        assert!(part.renewed(0, 0, false));
+        assert_eq!(part.lane_epochs.get(&0), Some(&2));
+        assert!(
+            !part.renewed(0, 0, false),
+            "a fence under the owner's epoch fences"
+        );
+        assert_eq!(offset_of(part.take(0, now)), Some(0));
+    }
+
+    #[test]
+    fn a_key_rewound_as_often_as_allowed_is_parked_due_at_once() {
+        let now = Instant::now();
+        let mut part = Part::new(FlowLimits::new(1), true);
+        part.park.load = Load::Loaded;
+        let failing = record(0, "a");
+        let pos = Position::new("orders".to_owned(), 0, 0);
+        for _ in 0..2 {
+            part.note_rewind(Some(3), &failing, &pos, now);
+        }
+        assert!(!part.parks(&failing), "twice is not yet");
+        part.note_rewind(Some(3), &failing, &pos, now);
+        assert!(part.parks(&failing));
+        assert_eq!(
+            part.park.keys.get(b"a".as_slice()).map(|k| k.due),
+            Some(now)
+        );
+        assert!(!part.parks(&record(1, "b")));
+    }
+}

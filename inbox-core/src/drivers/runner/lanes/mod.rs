@@ -47,7 +47,7 @@ mod parking;
 mod storing;
 mod taking;
 
-use crate::machine::{Load, Part};
+use crate::machine::{Load, Offer, Part};
 
 use crate::model::PartitionKey;
 use std::collections::{BTreeMap, VecDeque};
@@ -208,27 +208,19 @@ impl<C: Consumer> Shared<C> {
                     part.owner = owner;
                 }
                 part.end_at_start = end_at_start.or(part.end_at_start);
-                if part.flow.has_room() {
-                    let flow_key = self.ordering.flow_key(message.key.as_deref(), pos.offset);
-                    let bytes = message.approximate_size();
-                    if !part
-                        .flow
-                        .offer(pos.offset, flow_key.clone(), bytes, message.clone())
-                    {
-                        // delivered again from lower down (the stored
-                        // offset moved): what was in hand is forgotten
+                let flow_key = self.ordering.flow_key(message.key.as_deref(), pos.offset);
+                match part.offer(pos.offset, flow_key, &message) {
+                    Offer::Full => true,
+                    Offer::Taken => {
+                        offered += 1;
+                        false
+                    }
+                    Offer::StartedOver => {
                         tracing::warn!(topic = %key.0, partition = key.1, offset = pos.offset,
                             "the consumer reads the partition again from lower down: its flow starts over");
-                        state.reset(&key);
-                        if let Some(part) = state.parts.get_mut(&key) {
-                            part.flow
-                                .offer(pos.offset, flow_key, bytes, message.clone());
-                        }
+                        offered += 1;
+                        false
                     }
-                    offered += 1;
-                    false
-                } else {
-                    true
                 }
             };
             if full {

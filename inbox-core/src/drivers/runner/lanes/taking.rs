@@ -1,7 +1,6 @@
 //! Which record a lane takes next, over the partitions' flows.
 
 use super::{Part, State};
-use crate::machine::Load;
 use crate::model::Message;
 
 impl State {
@@ -25,20 +24,7 @@ impl State {
             if holding && !part.flow.lane_holds(lane) {
                 return None;
             }
-            if part.fenced
-                || part.stale.contains(&lane)
-                || matches!(part.park.load, Load::Due | Load::Loading)
-            {
-                return None;
-            }
-            let held = part.flow.lane_holds(lane);
-            let (_, message) = part.flow.next_for(lane, now)?;
-            // the ownership the lane's transactions check while it holds
-            // records of the partition
-            if let (false, Some(owner)) = (held, &part.owner) {
-                part.lane_epochs.insert(lane, owner.owner_epoch);
-            }
-            Some((i, message))
+            part.take(lane, now).map(|message| (i, message))
         };
         let found = parts
             .values_mut()

@@ -299,6 +299,105 @@ impl Part {
     }
 }
 
+impl Part {
+    /// The acknowledgement to store in the transaction of `lane` at `pos`
+    /// (under `Ordering::Partition`: the partition is one key, held by one
+    /// lane at a time): when acknowledging the lane's records up to `pos`
+    /// moves the watermark to it (or past it), with the partition's
+    /// ownership and the next offset this member last stored (by a lane's
+    /// transaction or a flush) or its shared consumer did. None for a
+    /// parked key's message a lane `drains`, a stale lane, a fenced
+    /// partition, or while a watermark is left to write or being written
+    /// (it expects the same stored offset: this one is acknowledged after
+    /// it, coalesced).
+    pub(crate) fn tx_ack(&self, lane: usize, pos: &Position, drains: bool) -> Option<TxAck> {
+        if drains
+            || self.stale.contains(&lane)
+            || self.fenced
+            || self.writing
+            || self.watermark.is_some()
+        {
+            return None;
+        }
+        let owner = self.owner.as_ref()?;
+        if !self.flow.ack_reaches(lane, pos.offset) {
+            return None;
+        }
+        let expected_next = self.stored_next.max(owner.expected_next);
+        let mut position = pos.clone();
+        // a record below the stored offset (delivered again) stores it
+        // again, never a lower one
+        if let Some(next) = expected_next {
+            position.offset = position.offset.max(next.saturating_sub(1));
+        }
+        Some(TxAck {
+            position,
+            expected_next,
+            owner_epoch: self.epoch_of(lane, false, owner),
+            ..owner.clone()
+        })
+    }
+
+    /// The epoch a transaction of `lane` checks: the one the lane took its
+    /// records of the partition under (still when the partition was reset
+    /// since: the lane's transaction is from before), or the owner's now
+    /// for a parked key's message it `drains` (or when it took none).
+    pub(crate) fn epoch_of(&self, lane: usize, drains: bool, owner: &TxAck) -> i64 {
+        if drains {
+            return owner.owner_epoch;
+        }
+        self.lane_epochs
+            .get(&lane)
+            .copied()
+            .unwrap_or(owner.owner_epoch)
+    }
+
+    /// A transaction of `lane` stored the offset past `message` (at `pos`,
+    /// see [`tx_ack`](Self::tx_ack)) and committed: the stored offset is
+    /// noted, a watermark at or below it is not written, and the lane's
+    /// records up to it are finished (unless the lane is `stale`: they were
+    /// forgotten, so not finished here). The message to tell the shared
+    /// consumer of, at the stored offset (any told before and not yet
+    /// passed on is replaced).
+    pub(crate) fn stored_in_transaction(
+        &mut self,
+        lane: usize,
+        pos: &Position,
+        message: &Message,
+        stale: bool,
+    ) -> Message {
+        // past the message, or what the transaction expected when the
+        // message was below it (see `tx_ack`)
+        let expected = self.owner.as_ref().and_then(|o| o.expected_next);
+        let stored = [
+            Some(pos.offset.saturating_add(1)),
+            self.stored_next,
+            expected,
+        ]
+        .into_iter()
+        .flatten()
+        .max()
+        .unwrap_or(0);
+        self.stored_next = Some(stored);
+        let mut told = message.clone();
+        if let Some(p) = told.position.as_mut() {
+            p.offset = p.offset.max(stored - 1);
+        }
+        self.told = None;
+        // a watermark at or below the stored offset is not written (and
+        // would keep the next transaction from storing it)
+        let past = |m: &Message| m.position.as_ref().is_some_and(|p| p.offset > pos.offset);
+        if !self.watermark.as_ref().is_some_and(past) {
+            self.watermark = None;
+        }
+        // one above it only when records above were finished otherwise
+        if !stale && let Some(mark) = self.finish(lane, pos.offset).filter(past) {
+            self.watermark = Some(mark);
+        }
+        told
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -415,5 +514,86 @@ mod tests {
             Some(now)
         );
         assert!(!part.parks(&record(1, "b")));
+    }
+
+    /// A partition as one key (`Ordering::Partition`) owned at epoch 1,
+    /// records 0 to 2 offered, 0 taken by lane 0.
+    fn one_key_partition() -> Part {
+        let mut part = Part::new(FlowLimits::new(2), false);
+        part.owner = owned_at(1);
+        for offset in 0..3 {
+            part.offer(offset, FlowKey::Key(Vec::new()), &record(offset, "a"));
+        }
+        assert_eq!(offset_of(part.take(0, Instant::now())), Some(0));
+        part
+    }
+
+    fn at(offset: i64) -> Position {
+        Position::new("orders".to_owned(), 0, offset)
+    }
+
+    #[test]
+    fn a_lane_stores_the_offset_in_its_transaction_only_where_nothing_else_writes_it() {
+        let mut part = one_key_partition();
+        let ack = part.tx_ack(0, &at(0), false);
+        assert_eq!(
+            ack.as_ref().map(|a| (a.position.offset, a.owner_epoch)),
+            Some((0, 1))
+        );
+        assert_eq!(part.tx_ack(1, &at(0), false), None, "lane 1 holds nothing");
+        assert_eq!(
+            part.tx_ack(0, &at(0), true),
+            None,
+            "a drain stores no offset"
+        );
+        part.watermark = Some(record(0, "a"));
+        assert_eq!(
+            part.tx_ack(0, &at(0), false),
+            None,
+            "a watermark is left to write"
+        );
+        part.watermark = None;
+        part.writing = true;
+        assert_eq!(part.tx_ack(0, &at(0), false), None, "a flush writes one");
+        part.writing = false;
+        part.stale.insert(0);
+        assert_eq!(part.tx_ack(0, &at(0), false), None, "from before a reset");
+        part.stale.clear();
+        part.fenced = true;
+        assert_eq!(part.tx_ack(0, &at(0), false), None, "fenced");
+    }
+
+    #[test]
+    fn a_record_below_the_stored_offset_stores_it_again_never_lower() {
+        let mut part = one_key_partition();
+        part.stored_next = Some(5);
+        let ack = part.tx_ack(0, &at(0), false);
+        assert_eq!(
+            ack.map(|a| (a.position.offset, a.expected_next)),
+            Some((4, Some(5)))
+        );
+    }
+
+    #[test]
+    fn a_stored_offset_finishes_the_lanes_records_and_drops_a_lower_watermark() {
+        let mut part = one_key_partition();
+        part.watermark = Some(record(0, "a"));
+        part.told = Some(record(0, "a"));
+        let told = part.stored_in_transaction(0, &at(0), &record(0, "a"), false);
+        assert_eq!(offset_of(Some(told)), Some(0));
+        assert_eq!(part.stored_next, Some(1));
+        assert!(
+            part.watermark.is_none(),
+            "at the stored offset: not written"
+        );
+        assert!(part.told.is_none(), "replaced by the one returned");
+        assert_eq!(part.flow.unfinished(), 2, "record 0 finished");
+        // a stale lane's commit is noted, its records not finished here
+        let mut stale = one_key_partition();
+        stale.stored_next = Some(3);
+        let told = stale.stored_in_transaction(0, &at(0), &record(0, "a"), true);
+        assert_eq!(offset_of(Some(told)), Some(2), "told at the stored offset");
+        assert_eq!(stale.stored_next, Some(3), "never lower");
+        assert_eq!(stale.flow.unfinished(), 3);
     }
 }

@@ -535,7 +535,7 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
         let owner = part.owner.as_ref()?;
         Some(TxAck {
             position: pos.clone(),
-            owner_epoch: self.epoch_of(part, message, owner),
+            owner_epoch: part.epoch_of(self.index, self.drains(message), owner),
             ..owner.clone()
         })
     }

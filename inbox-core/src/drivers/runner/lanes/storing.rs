@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use std::sync::Mutex;
 
-use super::{Lane, Lanes, Part, Shared, State};
+use super::{Lane, Lanes, Shared, State};
 use crate::consumer::{Consumer, TxAck};
 use crate::error::ConsumerError;
 use crate::keyed::Ordering;
@@ -82,57 +82,16 @@ impl<C: Consumer> Lane<C> {
     /// partition's ownership and the next offset this member last stored
     /// (by a lane's transaction or a flush) or its shared consumer did.
     pub(super) fn tx_ack(&self, message: &Message) -> Option<TxAck> {
-        if self.shared.ordering != Ordering::Partition || self.drains(message) {
+        if self.shared.ordering != Ordering::Partition {
             return None;
         }
         let pos = message.position.as_ref()?;
-        let key = pos.partition_key();
-        let state = self.shared.state();
-        if state
+        let drains = self.drains(message);
+        self.shared
+            .state()
             .parts
-            .get(&key)
-            .is_some_and(|part| part.stale.contains(&self.index))
-        {
-            return None;
-        }
-        // a watermark left to write, or being written, expects the same
-        // stored offset: this one is acknowledged after it (coalesced)
-        let part = state
-            .parts
-            .get(&key)
-            .filter(|p| !p.fenced && !p.writing && p.watermark.is_none())?;
-        let owner = part.owner.as_ref()?;
-        if !part.flow.ack_reaches(self.index, pos.offset) {
-            return None;
-        }
-        let expected_next = part.stored_next.max(owner.expected_next);
-        let mut position = pos.clone();
-        // a record below the stored offset (delivered again) stores it
-        // again, never a lower one
-        if let Some(next) = expected_next {
-            position.offset = position.offset.max(next.saturating_sub(1));
-        }
-        Some(TxAck {
-            position,
-            expected_next,
-            owner_epoch: self.epoch_of(part, message, owner),
-            ..owner.clone()
-        })
-    }
-
-    /// The epoch `message`'s transaction checks: the one this lane took
-    /// its records of the partition under (still when the partition was
-    /// reset since: the lane's transaction is from before), or the
-    /// partition's owner's now for a parked key's message it drains (or
-    /// when it took none).
-    pub(super) fn epoch_of(&self, part: &Part, message: &Message, owner: &TxAck) -> i64 {
-        if self.drains(message) {
-            return owner.owner_epoch;
-        }
-        part.lane_epochs
-            .get(&self.index)
-            .copied()
-            .unwrap_or(owner.owner_epoch)
+            .get(&pos.partition_key())?
+            .tx_ack(self.index, pos, drains)
     }
 
     /// A transaction of this lane stored the offset past `message` (see
@@ -156,39 +115,10 @@ impl<C: Consumer> Lane<C> {
         // and lag follow at once), else at the next flush
         let mut inner = self.shared.inner.try_lock().ok();
         if let Some(part) = self.shared.state().parts.get_mut(&key) {
-            // past the message, or what the transaction expected when the
-            // message was below it (see `tx_ack`)
-            let expected = part.owner.as_ref().and_then(|o| o.expected_next);
-            let stored = [
-                Some(pos.offset.saturating_add(1)),
-                part.stored_next,
-                expected,
-            ]
-            .into_iter()
-            .flatten()
-            .max()
-            .unwrap_or(0);
-            part.stored_next = Some(stored);
-            // the stored offset, past any told before and not yet passed
-            // on (which it replaces)
-            let mut told = message.clone();
-            if let Some(p) = told.position.as_mut() {
-                p.offset = p.offset.max(stored - 1);
-            }
-            part.told = None;
+            let told = part.stored_in_transaction(self.index, pos, message, stale);
             match inner.as_mut() {
                 Some(inner) => inner.acked_in_transaction(&told),
                 None => part.told = Some(told),
-            }
-            // a watermark at or below the stored offset is not written
-            // (and would keep the next transaction from storing it)
-            let past = |m: &Message| m.position.as_ref().is_some_and(|p| p.offset > pos.offset);
-            if !part.watermark.as_ref().is_some_and(past) {
-                part.watermark = None;
-            }
-            // one above it only when records above were finished otherwise
-            if !stale && let Some(mark) = part.finish(self.index, pos.offset).filter(past) {
-                part.watermark = Some(mark);
             }
         }
         self.shared.changed.notify_waiters();

@@ -398,6 +398,27 @@ impl Part {
     }
 }
 
+impl Part {
+    /// `lane`'s transaction of `message` at `offset` was fenced. Under an
+    /// epoch older than the owner's now (this member claimed the partition
+    /// again since the lane took its records): renewed (see
+    /// [`renewed`](Self::renewed)), `true`. Else the partition is another
+    /// member's: what is in hand is forgotten, nothing more of it is handed
+    /// out, and the shared consumer is to be told with `message`. A stale
+    /// lane's mark goes either way (the runner neither acknowledges nor
+    /// rewinds a fenced message).
+    pub(crate) fn fenced_at(&mut self, lane: usize, offset: i64, message: &Message) -> bool {
+        let stale = self.stale.remove(&lane);
+        if self.renewed(lane, offset, stale) {
+            return true;
+        }
+        self.reset();
+        self.fenced = true;
+        self.fence = Some(message.clone());
+        false
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -595,5 +616,26 @@ mod tests {
         assert_eq!(offset_of(Some(told)), Some(2), "told at the stored offset");
         assert_eq!(stale.stored_next, Some(3), "never lower");
         assert_eq!(stale.flow.unfinished(), 3);
+    }
+
+    #[test]
+    fn a_fence_under_the_owners_epoch_gives_the_partition_up() {
+        let now = Instant::now();
+        let mut part = one_key_partition();
+        assert!(!part.fenced_at(0, 0, &record(0, "a")));
+        assert!(part.fenced);
+        assert_eq!(
+            offset_of(part.fence.clone()),
+            Some(0),
+            "the consumer to be told"
+        );
+        assert_eq!(part.flow.unfinished(), 0, "what was in hand is forgotten");
+        assert_eq!(part.take(1, now), None, "nothing more handed out");
+        // taken under epoch 1, fenced after the member claimed it at 2
+        let mut renewed = one_key_partition();
+        renewed.owner = owned_at(2);
+        assert!(renewed.fenced_at(0, 0, &record(0, "a")));
+        assert!(!renewed.fenced);
+        assert_eq!(offset_of(renewed.take(0, now)), Some(0), "handed back");
     }
 }

@@ -612,22 +612,11 @@ impl<C: Consumer + 'static> Consumer for Lane<C> {
             Ok(inner) => storing::ownership(&*inner, &key),
             Err(_) => None,
         };
-        let mut state = self.shared.state();
-        if let (Some(now), Some(part)) = (now, state.parts.get_mut(&key)) {
-            part.owner = Some(now);
-        }
-        // the runner neither acknowledges nor rewinds it: a stale lane's
-        // mark goes now
-        if state.parts.get_mut(&key).is_some_and(|part| {
-            let stale = part.stale.remove(&self.index);
-            part.renewed(self.index, pos.offset, stale)
-        }) {
-            return;
-        }
-        state.reset(&key);
-        if let Some(part) = state.parts.get_mut(&key) {
-            part.fenced = true;
-            part.fence = Some(message.clone());
+        if let Some(part) = self.shared.state().parts.get_mut(&key) {
+            if let Some(now) = now {
+                part.owner = Some(now);
+            }
+            part.fenced_at(self.index, pos.offset, message);
         }
     }
 

@@ -3,8 +3,10 @@
 //!
 //! A PostgreSQL server of its own (fsync on), an Apache Kafka broker of its
 //! own, a topic of [`PARTITIONS`] partitions written at `--rate` records a
-//! second for `--minutes` (keys `key-0` to `key-199` in turn, `message_id`
-//! headers), and one group member in this process (`Ordering::Key`, 16 at
+//! second (rounded down to tens) for `--minutes` (keys `key-0` to `key-199`
+//! in turn, four neighbouring keys to a partition, so that every partition
+//! has a failing key beside three healthy ones; `message_id` headers), and
+//! one group member in this process (`Ordering::Key`, 16 at
 //! once, no failure budget: a failing key fails for the whole run and is
 //! never dead-lettered). Every message of a quarter of the keys (`key-0`,
 //! `key-4`, ...) fails; the others insert one effect row. The failing keys
@@ -15,9 +17,11 @@
 //! and the producer's client beside it), the healthy effects so far against
 //! the healthy records written, and the parked keys' depth. It fails when
 //! the resident set at the end is more than [`GROWTH_MIB`] MiB above the
-//! one at the first minute (the failing keys' records must not pile up in
-//! memory), or when the healthy records written before the last half
-//! minute are not all handled (the failing keys must not hold the others).
+//! one at the first minute (at half the run for a run of a minute: the
+//! failing keys' records must not pile up in memory), when the healthy
+//! records written are not all handled within 30 s of the end (the failing
+//! keys must not hold the others), or when not every failing key is
+//! parked.
 //!
 //! [`DEFAULT_PARK_AFTER`]: inbox_core::drivers::runner::lanes::DEFAULT_PARK_AFTER
 
@@ -49,7 +53,7 @@ pub(crate) struct Options {
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     pub(crate) minutes: u64,
     /// Records written a second.
-    #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u64).range(8..=5_000))]
+    #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u64).range(10..=5_000))]
     pub(crate) rate: u64,
 }
 
@@ -107,7 +111,7 @@ async fn write(
     until: Instant,
     healthy: &AtomicU64,
 ) -> Result<()> {
-    // ten rounds a second, each a record per partition or more
+    // ten rounds a second
     let per_round = (rate / 10).max(1);
     let mut n: u64 = 0;
     let mut tick = tokio::time::interval(Duration::from_millis(100));
@@ -122,8 +126,9 @@ async fn write(
                 &[("message_id", &format!("m-{n}")), ("event_type", "order")],
             );
             record.key = Some(format!("key-{key}").into_bytes());
-            // a key's records stay in one partition
-            by_partition[usize::try_from(key % PARTITIONS as u64)?].push(record);
+            // a key's records stay in one partition, four neighbouring
+            // keys to a partition (one failing, three healthy)
+            by_partition[usize::try_from((key / 4) % PARTITIONS as u64)?].push(record);
             if !fails(key) {
                 fresh += 1;
             }
@@ -226,10 +231,14 @@ async fn failing_for(o: Options) -> Result<()> {
     let parked = store.parked_keys_status().await?;
     cancel.cancel();
     member.await.context("the member's task")??;
+    if samples.len() < 2 || samples.iter().any(|s| s.1 <= 0.0) {
+        bail!("the resident set was not read twice or more ({samples:?})");
+    }
+    // the first minute's, or half the run's for a short run
+    let settled = (o.minutes as f64 * 30.0).min(60.0);
     let first = samples
         .iter()
-        .find(|(t, _)| *t >= 60.0)
-        .or(samples.first())
+        .find(|(t, _)| *t >= settled - 1.0)
         .map_or(0.0, |s| s.1);
     let last = samples.last().map_or(0.0, |s| s.1);
     let peak = samples.iter().map(|s| s.1).fold(0.0, f64::max);

@@ -8,7 +8,7 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
-use crate::consumer::TxAck;
+use crate::consumer::{DrainEnd, ParkLoad, TxAck};
 use crate::keyed::{FlowKey, FlowLimits, KeyedFlow};
 use crate::model::{Message, Position};
 
@@ -419,6 +419,95 @@ impl Part {
     }
 }
 
+/// What a partition's parked keys ask of a lane ([`Part::park_task`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum ParkTask {
+    /// Read the partition's parked keys (none of its records is handed
+    /// out before).
+    Load,
+    /// Drain `key` (its first parked message tried `tries` times in a row).
+    Drain {
+        /// The key.
+        key: Vec<u8>,
+        /// Tries of its first message in a row.
+        tries: u32,
+    },
+}
+
+impl Part {
+    /// At `now`: the partition's parked keys to read, else a parked key
+    /// due to be drained none of whose records is in hand (a key whose
+    /// later records only wait is drained: they come after its whole
+    /// queue). The key taken is marked draining and its live records
+    /// blocked until the drain ends. Nothing for a fenced partition, or
+    /// while a lane still holds records from before its reset (it may be
+    /// parking one: no drain decides on its key now).
+    pub(crate) fn park_task(&mut self, now: Instant) -> Option<ParkTask> {
+        if self.fenced || !self.stale.is_empty() {
+            return None;
+        }
+        match self.park.load {
+            Load::Due => {
+                self.park.load = Load::Loading;
+                return Some(ParkTask::Load);
+            }
+            Load::Loading | Load::Off => return None,
+            Load::Loaded => {}
+        }
+        let Self { flow, park, .. } = self;
+        let (k, p) = park.keys.iter_mut().find(|(k, p)| {
+            !p.draining && p.due <= now && !flow.key_busy(&FlowKey::Key(k.to_vec()))
+        })?;
+        p.draining = true;
+        flow.block(FlowKey::Key(k.clone()));
+        Some(ParkTask::Drain {
+            key: k.clone(),
+            tries: p.tries,
+        })
+    }
+
+    /// The partition's parked keys were read (`loaded`) at `now`: each is
+    /// due to be drained at once, counted as parked after `tries`.
+    pub(crate) fn parked_loaded(&mut self, loaded: ParkLoad, tries: u32, now: Instant) {
+        match loaded {
+            ParkLoad::Keys(keys) => {
+                self.park.load = Load::Loaded;
+                for k in keys {
+                    self.park
+                        .keys
+                        .entry(k)
+                        .or_insert(ParkedKey::new(tries, now));
+                }
+            }
+            ParkLoad::Failed => self.park.load = Load::Due,
+            ParkLoad::Off => self.park.load = Load::Off,
+        }
+    }
+
+    /// The drain of `key` ended (`end`) at `now`: its live records are
+    /// free again; an empty queue unparks the key, a settled first message
+    /// makes the next due now, a retry waits out its time.
+    pub(crate) fn drain_ended(&mut self, key: &[u8], end: &DrainEnd, now: Instant) {
+        self.flow.unblock(&FlowKey::Key(key.to_vec()));
+        if let DrainEnd::Empty = end {
+            self.park.keys.remove(key);
+        } else if let Some(p) = self.park.keys.get_mut(key) {
+            p.draining = false;
+            p.drained_once = true;
+            match end {
+                DrainEnd::Retry { until } => {
+                    p.due = until.into_std();
+                    p.tries = p.tries.saturating_add(1);
+                }
+                DrainEnd::Settled | DrainEnd::Empty => {
+                    p.due = now;
+                    p.tries = 0;
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -637,5 +726,42 @@ mod tests {
         assert!(renewed.fenced_at(0, 0, &record(0, "a")));
         assert!(!renewed.fenced);
         assert_eq!(offset_of(renewed.take(0, now)), Some(0), "handed back");
+    }
+
+    #[test]
+    fn a_parked_key_is_drained_when_due_its_live_records_blocked_meanwhile() {
+        let now = Instant::now();
+        let mut part = Part::new(FlowLimits::new(2), true);
+        offered(&mut part, 0, "a");
+        offered(&mut part, 1, "b");
+        assert_eq!(part.park_task(now), Some(ParkTask::Load), "read first");
+        assert_eq!(part.park_task(now), None, "being read");
+        part.parked_loaded(ParkLoad::Keys(vec![b"a".to_vec()]), 3, now);
+        assert_eq!(
+            part.park_task(now),
+            Some(ParkTask::Drain {
+                key: b"a".to_vec(),
+                tries: 3
+            })
+        );
+        assert_eq!(part.park_task(now), None, "a key drains once at a time");
+        // a's live record waits for the drain; b runs
+        assert_eq!(offset_of(part.take(0, now)), Some(1));
+        assert_eq!(part.take(1, now), None);
+        // to be run again later: not due before then
+        let later = now + std::time::Duration::from_secs(5);
+        let end = DrainEnd::Retry {
+            until: tokio::time::Instant::from_std(later),
+        };
+        part.drain_ended(b"a", &end, now);
+        assert_eq!(part.park_task(now), None, "not due yet");
+        assert!(matches!(
+            part.park_task(later),
+            Some(ParkTask::Drain { tries: 4, .. })
+        ));
+        // its queue emptied: the key runs live again
+        part.drain_ended(b"a", &DrainEnd::Empty, later);
+        assert!(!part.parks(&record(0, "a")));
+        assert_eq!(offset_of(part.take(1, later)), Some(0));
     }
 }

@@ -5,7 +5,7 @@
 use super::storing::ownership;
 #[allow(clippy::wildcard_imports)]
 use super::*;
-use crate::machine::ParkedKey;
+use crate::machine::ParkTask;
 
 impl State {
     /// Whether a partition's parked keys are still to be read (its records
@@ -53,35 +53,17 @@ impl<C: Consumer> Lane<C> {
         let now = tokio::time::Instant::now().into_std();
         let mut state = self.shared.state();
         for (pk, part) in state.parts.iter_mut() {
-            // a lane still holding records from before the partition's
-            // reset may be parking one: no drain decides on its key now
-            if part.fenced || !part.stale.is_empty() {
-                continue;
-            }
-            match part.park.load {
-                Load::Due => {
-                    part.park.load = Load::Loading;
-                    return Some(ParkWork::Load(pk.clone()));
+            match part.park_task(now) {
+                Some(ParkTask::Load) => return Some(ParkWork::Load(pk.clone())),
+                Some(ParkTask::Drain { key, tries }) => {
+                    self.drain = Some((pk.clone(), key.clone()));
+                    return Some(ParkWork::Drain {
+                        partition: pk.clone(),
+                        key,
+                        tries,
+                    });
                 }
-                Load::Loading | Load::Off => continue,
-                Load::Loaded => {}
-            }
-            let Part { flow, park, .. } = part;
-            // a key whose later records only wait (none handed out) is
-            // drained: they come after its whole queue, and are blocked
-            // until the drain ends
-            let due = park.keys.iter_mut().find(|(k, p)| {
-                !p.draining && p.due <= now && !flow.key_busy(&FlowKey::Key(k.to_vec()))
-            });
-            if let Some((k, p)) = due {
-                p.draining = true;
-                flow.block(FlowKey::Key(k.clone()));
-                self.drain = Some((pk.clone(), k.clone()));
-                return Some(ParkWork::Drain {
-                    partition: pk.clone(),
-                    key: k.clone(),
-                    tries: p.tries,
-                });
+                None => {}
             }
         }
         None
@@ -149,21 +131,8 @@ impl<C: Consumer> Lane<C> {
             let Some(part) = state.parts.get_mut(partition) else {
                 return;
             };
-            let now = tokio::time::Instant::now().into_std();
-            match loaded {
-                ParkLoad::Keys(keys) => {
-                    part.park.load = Load::Loaded;
-                    let tries = self.shared.park_after.unwrap_or(0);
-                    for k in keys {
-                        part.park
-                            .keys
-                            .entry(k)
-                            .or_insert(ParkedKey::new(tries, now));
-                    }
-                }
-                ParkLoad::Failed => part.park.load = Load::Due,
-                ParkLoad::Off => part.park.load = Load::Off,
-            }
+            let tries = self.shared.park_after.unwrap_or(0);
+            part.parked_loaded(loaded, tries, tokio::time::Instant::now().into_std());
         }
         self.shared.changed.notify_waiters();
     }
@@ -176,23 +145,7 @@ impl<C: Consumer> Lane<C> {
             let Some(part) = state.parts.get_mut(partition) else {
                 return;
             };
-            part.flow.unblock(&FlowKey::Key(key.to_vec()));
-            if let DrainEnd::Empty = end {
-                part.park.keys.remove(key);
-            } else if let Some(p) = part.park.keys.get_mut(key) {
-                p.draining = false;
-                p.drained_once = true;
-                match end {
-                    DrainEnd::Retry { until } => {
-                        p.due = until.into_std();
-                        p.tries = p.tries.saturating_add(1);
-                    }
-                    DrainEnd::Settled | DrainEnd::Empty => {
-                        p.due = tokio::time::Instant::now().into_std();
-                        p.tries = 0;
-                    }
-                }
-            }
+            part.drain_ended(key, &end, tokio::time::Instant::now().into_std());
         }
         self.shared.changed.notify_waiters();
     }

@@ -2,7 +2,7 @@
 //! that an unchanged [`Runner`](super::Runner) drives, so every rule of the
 //! runner (budget, poison, batches, fencing) holds per lane.
 //!
-//! The plan is the [`KeyedFlow`]'s, one per partition: what a lane gets
+//! The plan is the [`KeyedFlow`](crate::keyed::KeyedFlow)'s, one per partition: what a lane gets
 //! next, what a lane's acknowledgement finishes, where the stored offset
 //! may go (the watermark). The lanes only carry it out:
 //!

@@ -2,9 +2,12 @@
 //! that an unchanged [`Runner`](super::Runner) drives, so every rule of the
 //! runner (budget, poison, batches, fencing) holds per lane.
 //!
-//! The plan is the [`KeyedFlow`](crate::keyed::KeyedFlow)'s, one per partition: what a lane gets
-//! next, what a lane's acknowledgement finishes, where the stored offset
-//! may go (the watermark). The lanes only carry it out:
+//! The plan is each partition's machine's (`inbox_core`'s module
+//! `machine`, over the partition's [`KeyedFlow`](crate::keyed::KeyedFlow)):
+//! what a lane gets next, what a lane's acknowledgement finishes, where
+//! the stored offset may go (the watermark), what a lane's transaction
+//! stores and checks, which parked key is drained. The lanes only carry it
+//! out:
 //!
 //! - `next` hands the lane the flow's next record for it; when there is
 //!   none, one lane at a time pulls from the shared consumer and offers

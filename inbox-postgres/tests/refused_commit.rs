@@ -348,3 +348,76 @@ async fn diagnose(store: &PgStore) -> Vec<String> {
         .filter_map(|r| r.try_get::<String>("", "r").ok())
         .collect()
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_charge_the_disk_refuses_never_runs_the_handler_again() {
+    let store = refusing_store_when("53100", "EXISTS (SELECT 1 FROM disk_full)").await;
+    land_orders(&store).await;
+    let exec = |sql: String| {
+        let store = store.clone();
+        async move {
+            store
+                .connection()
+                .execute_unprepared(&sql)
+                .await
+                .unwrap_or_else(|e| panic!("{sql}: {e}"));
+        }
+    };
+    // every write of the inbox table fails at COMMIT while the disk is full
+    exec(
+        "CREATE FUNCTION inbox_disk_full() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN IF EXISTS (SELECT 1 FROM disk_full) THEN \
+         RAISE EXCEPTION 'no room' USING ERRCODE = '53100'; END IF; RETURN NULL; END $$"
+            .to_owned(),
+    )
+    .await;
+    exec(
+        "CREATE CONSTRAINT TRIGGER inbox_disk_full AFTER UPDATE ON inbox \
+         DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION inbox_disk_full()"
+            .to_owned(),
+    )
+    .await;
+    // the member's last process died running bad-1 alone (its note names
+    // a transaction that never ended: one the server has not reached)
+    let bad = count(
+        &store,
+        "SELECT id FROM inbox WHERE message_id = 'bad-1'",
+        vec![],
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    exec(format!(
+        "INSERT INTO {} (member_id, row_ids, xid) VALUES ('processor-1', '{{{bad}}}', 9000000000)",
+        store.table().processor_running()
+    ))
+    .await;
+    exec("INSERT INTO disk_full DEFAULT VALUES".to_owned()).await;
+    let handler = ScriptedHandler::new([], Act::Succeed);
+    let mut config = ProcessorConfig::new("processor-1").unwrap_or_else(|e| panic!("{e}"));
+    config.claim = ClaimMode::RowLock;
+    let mut processor = Processor::new(store.clone(), handler.clone(), config);
+    for attempt in 0..3 {
+        assert!(
+            processor.process_batch().await.is_err(),
+            "attempt {attempt}: the charge's COMMIT fails"
+        );
+        assert_eq!(
+            handler.calls(),
+            0,
+            "attempt {attempt}: the handler that killed the process is not run again; {:#?}",
+            diagnose(&store).await
+        );
+    }
+    exec("DELETE FROM disk_full".to_owned()).await;
+    let charged = processor
+        .process_batch()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(charged.claimed, 1, "the charge, before any batch");
+    assert_eq!(handler.calls(), 0);
+    assert_eq!(
+        row_of(&store, "bad-1").await,
+        ("pending".to_owned(), 1),
+        "charged once"
+    );
+}

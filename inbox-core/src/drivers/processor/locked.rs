@@ -105,7 +105,7 @@ where
                 }
             }
         };
-        self.finish(tx, member, &rows, results, batch, ClaimMode::RowLock)
+        self.finish(tx, member, &rows, results, batch, ClaimMode::RowLock, true)
             .await
             .map(Some)
     }
@@ -190,7 +190,7 @@ where
 
     /// A counted failure for row `id`, whose handler killed the process
     /// that ran it alone: written without running it again (by row lock).
-    async fn charge_crash(
+    pub(super) async fn charge_crash(
         &mut self,
         member: &MemberId,
         id: RowId,
@@ -205,8 +205,16 @@ where
             transactions: 1,
             ..ProcessorBatch::default()
         };
-        self.finish(tx, member, &rows, results, batch, ClaimMode::RowLock)
-            .await
+        // never row by row: that runs the handlers, and this one killed the
+        // process. A charge the store fails is written again before any
+        // batch (the row is not run meanwhile)
+        let charged = self
+            .finish(tx, member, &rows, results, batch, ClaimMode::RowLock, false)
+            .await;
+        if charged.is_err() {
+            self.state.charge_again(id);
+        }
+        charged
     }
 
     /// Forgets this member's note of the rows in hand

@@ -192,6 +192,9 @@ where
 
     async fn claim_and_work(&mut self) -> Result<ProcessorBatch, ProcessorError> {
         let member = self.config.member_id.clone();
+        if let Some(id) = self.state.next_charge() {
+            return self.charge_crash(&member, id).await;
+        }
         if self.state.unfinished_due(self.config.count_crashes)
             && let Some(batch) = self.take_unfinished(&member).await?
         {
@@ -268,14 +271,19 @@ where
                 }
             }
         };
-        self.finish(tx, member, rows, results, batch, ClaimMode::Lease)
+        self.finish(tx, member, rows, results, batch, ClaimMode::Lease, true)
             .await
     }
 
     /// Writes the batch's outcomes on rows held by `claim` and commits, then
-    /// the dead-letter hook; a statement the store refuses sends the batch
-    /// row by row; fewer rows written than held (a lease lost) commits
-    /// nothing.
+    /// the dead-letter hook; a statement the store refuses, or a COMMIT it
+    /// refuses or fails for its own reasons, sends the batch row by row
+    /// (its handlers run again) when `rerun`, else is the error; fewer rows
+    /// written than held (a lease lost) commits nothing.
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "one batch's parts, as each caller holds them"
+    )]
     async fn finish(
         &mut self,
         mut tx: S::Tx,
@@ -284,6 +292,7 @@ where
         mut results: Vec<Result<HandlerResult, Failure>>,
         mut batch: ProcessorBatch,
         claim: ClaimMode,
+        rerun: bool,
     ) -> Result<ProcessorBatch, ProcessorError> {
         if let Err(e) = self.bound_uncounted(&mut tx, rows, &mut results).await {
             abandon(tx).await;
@@ -298,7 +307,7 @@ where
         let _ = tx.release_savepoint().await;
         let written = match Self::write(&mut tx, claim, member, &updates).await {
             Ok(n) => usize::try_from(n).unwrap_or(0),
-            Err(e) if refused(&e) => {
+            Err(e) if rerun && refused(&e) => {
                 // one row's outcome the store refuses fails the statement
                 // of the whole batch: row by row, so only that row is charged
                 abandon(tx).await;
@@ -325,8 +334,9 @@ where
         match tx.commit().await {
             Ok(()) => {}
             Err(e)
-                if crate::decision::refused_at_commit(e.kind)
-                    || crate::decision::charged_uncounted_at_commit(e.kind) =>
+                if rerun
+                    && (crate::decision::refused_at_commit(e.kind)
+                        || crate::decision::charged_uncounted_at_commit(e.kind)) =>
             {
                 // the database refused the batch's transaction for what it
                 // holds (a deferred constraint of a handler's writes), or

@@ -64,6 +64,10 @@ pub(crate) struct ProcessorState {
     unfinished_taken: bool,
     /// Rows suspected of having killed the process: run one at a time.
     suspects: VecDeque<RowId>,
+    /// The row charged for killing the process whose charge was not
+    /// written (the store failed): charged again before any batch, never
+    /// run again meanwhile.
+    charge_due: Option<RowId>,
     /// Batches failed in a row.
     failures: u32,
 }
@@ -89,6 +93,7 @@ impl ProcessorState {
             transient: HashMap::new(),
             unfinished_taken: false,
             suspects: VecDeque::new(),
+            charge_due: None,
             failures: 0,
         }
     }
@@ -168,6 +173,17 @@ impl ProcessorState {
                 Unfinished::Suspects
             }
         }
+    }
+
+    /// The charge of row `id` for killing the process was not written: it
+    /// is written before any batch.
+    pub(crate) fn charge_again(&mut self, id: RowId) {
+        self.charge_due = Some(id);
+    }
+
+    /// A charge for killing the process still to be written, taken.
+    pub(crate) fn next_charge(&mut self) -> Option<RowId> {
+        self.charge_due.take()
     }
 
     /// The next suspect to run alone, if any.

@@ -190,7 +190,36 @@ where
 
     /// A counted failure for row `id`, whose handler killed the process
     /// that ran it alone: written without running it again (by row lock).
+    /// Never row by row: that runs the handlers, and this one killed the
+    /// process. A charge the store fails (at any statement) is written
+    /// again before any batch, the row not run meanwhile, up to
+    /// `CHARGE_TRIES` times in a row.
     pub(super) async fn charge_crash(
+        &mut self,
+        member: &MemberId,
+        id: RowId,
+    ) -> Result<ProcessorBatch, ProcessorError> {
+        let charged = self.write_charge(member, id).await;
+        let failed = match &charged {
+            Ok(batch) if batch.claimed > 0 => {
+                self.state.charged(id);
+                return charged;
+            }
+            // not locked: no longer due (another member took it), or
+            // still locked a moment by the transaction whose COMMIT just
+            // failed (its locks can outlive the error): tried again
+            Ok(_) => "not locked".to_owned(),
+            Err(e) => e.to_string(),
+        };
+        if !self.state.charge_again(id) {
+            tracing::warn!(row = %id, error = %failed,
+                "the charge of the row that killed this member's process failed too often: given up (the row runs again)");
+        }
+        charged
+    }
+
+    /// [`charge_crash`](Self::charge_crash)'s one attempt.
+    async fn write_charge(
         &mut self,
         member: &MemberId,
         id: RowId,
@@ -205,16 +234,8 @@ where
             transactions: 1,
             ..ProcessorBatch::default()
         };
-        // never row by row: that runs the handlers, and this one killed the
-        // process. A charge the store fails is written again before any
-        // batch (the row is not run meanwhile)
-        let charged = self
-            .finish(tx, member, &rows, results, batch, ClaimMode::RowLock, false)
-            .await;
-        if charged.is_err() {
-            self.state.charge_again(id);
-        }
-        charged
+        self.finish(tx, member, &rows, results, batch, ClaimMode::RowLock, false)
+            .await
     }
 
     /// Forgets this member's note of the rows in hand

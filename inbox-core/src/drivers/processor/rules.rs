@@ -46,6 +46,9 @@ pub(crate) enum BatchEnd {
     Failed,
 }
 
+/// Failed attempts at writing a crash charge after which it is given up.
+pub(crate) const CHARGE_TRIES: u32 = 20;
+
 /// The processor's state between batches, and the rules over it.
 #[derive(Debug)]
 pub(crate) struct ProcessorState {
@@ -65,9 +68,10 @@ pub(crate) struct ProcessorState {
     /// Rows suspected of having killed the process: run one at a time.
     suspects: VecDeque<RowId>,
     /// The row charged for killing the process whose charge was not
-    /// written (the store failed): charged again before any batch, never
-    /// run again meanwhile.
-    charge_due: Option<RowId>,
+    /// written (the store failed), and how many times it failed: charged
+    /// again before any batch, never run again meanwhile, up to
+    /// [`CHARGE_TRIES`] times.
+    charge_due: Option<(RowId, u32)>,
     /// Batches failed in a row.
     failures: u32,
 }
@@ -177,13 +181,35 @@ impl ProcessorState {
 
     /// The charge of row `id` for killing the process was not written: it
     /// is written before any batch.
-    pub(crate) fn charge_again(&mut self, id: RowId) {
-        self.charge_due = Some(id);
+    ///
+    /// After [`CHARGE_TRIES`] failed charges in a row it is given up
+    /// (`false`): the processor goes on with its batches (the row among
+    /// them), so that a store refusing that one write every time does not
+    /// stop every row.
+    pub(crate) fn charge_again(&mut self, id: RowId) -> bool {
+        let failed = match self.charge_due.take() {
+            Some((due, n)) if due == id => n.saturating_add(1),
+            _ => 1,
+        };
+        if failed >= CHARGE_TRIES {
+            return false;
+        }
+        self.charge_due = Some((id, failed));
+        true
     }
 
-    /// A charge for killing the process still to be written, taken.
-    pub(crate) fn next_charge(&mut self) -> Option<RowId> {
-        self.charge_due.take()
+    /// A charge for killing the process still to be written (left in
+    /// place until it is written or given up: see
+    /// [`charge_again`](Self::charge_again)).
+    pub(crate) fn next_charge(&self) -> Option<RowId> {
+        self.charge_due.map(|(id, _)| id)
+    }
+
+    /// The charge of row `id` was written (or the row is no longer due).
+    pub(crate) fn charged(&mut self, id: RowId) {
+        if self.charge_due.is_some_and(|(due, _)| due == id) {
+            self.charge_due = None;
+        }
     }
 
     /// The next suspect to run alone, if any.
@@ -373,5 +399,21 @@ mod tests {
         assert!(is_failure(&Err(crash_failure())));
         assert!(!is_failure(&Ok(HandlerResult::completed())));
         assert!(is_failure(&Ok(HandlerResult::retry("later"))));
+    }
+
+    #[test]
+    fn a_crash_charge_the_store_fails_is_kept_until_written_or_given_up() {
+        let mut state = ProcessorState::new(&config());
+        assert_eq!(state.next_charge(), None);
+        for _ in 1..CHARGE_TRIES {
+            assert!(state.charge_again(id(7)), "kept");
+            assert_eq!(state.next_charge(), Some(id(7)), "before any batch");
+        }
+        assert!(!state.charge_again(id(7)), "given up after {CHARGE_TRIES}");
+        assert_eq!(state.next_charge(), None, "the batches go on");
+        // written: nothing left
+        assert!(state.charge_again(id(8)));
+        state.charged(id(8));
+        assert_eq!(state.next_charge(), None);
     }
 }

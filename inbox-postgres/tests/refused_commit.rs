@@ -144,6 +144,15 @@ async fn pending(store: &PgStore) -> i64 {
     .unwrap_or_else(|e| panic!("{e}"))
 }
 
+/// Runs `sql` on `store`.
+async fn exec(store: &PgStore, sql: &str) {
+    store
+        .connection()
+        .execute_unprepared(sql)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+}
+
 /// A processor that retries at once, `claim`ing its batch.
 fn drain_processor(
     store: &PgStore,
@@ -203,17 +212,7 @@ async fn the_processor_charges_a_refusal_at_commit_to_its_row() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_disk_at_commit_is_retried_uncounted() {
     let store = refusing_store_when("53100", "EXISTS (SELECT 1 FROM disk_full)").await;
-    let exec = |sql: &'static str| {
-        let store = store.clone();
-        async move {
-            store
-                .connection()
-                .execute_unprepared(sql)
-                .await
-                .unwrap_or_else(|e| panic!("{sql}: {e}"));
-        }
-    };
-    exec("INSERT INTO disk_full DEFAULT VALUES").await;
+    exec(&store, "INSERT INTO disk_full DEFAULT VALUES").await;
     // per message
     let broker = MemBroker::new();
     for id in ORDERS {
@@ -253,11 +252,7 @@ async fn a_full_disk_at_commit_is_retried_uncounted() {
     );
     // the processor, by lease and by row lock
     let landed = refusing_store_when("53100", "EXISTS (SELECT 1 FROM disk_full)").await;
-    landed
-        .connection()
-        .execute_unprepared("INSERT INTO disk_full DEFAULT VALUES")
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+    exec(&landed, "INSERT INTO disk_full DEFAULT VALUES").await;
     land_orders(&landed).await;
     for claim in [ClaimMode::Lease, ClaimMode::RowLock] {
         let mut processor = drain_processor(&landed, claim);
@@ -296,14 +291,10 @@ async fn a_full_disk_at_commit_is_retried_uncounted() {
         );
     }
     // room again
-    exec("DELETE FROM disk_full").await;
+    exec(&store, "DELETE FROM disk_full").await;
     process_until_acked(&mut runner, &broker, 7, Duration::from_secs(60)).await;
     assert_eq!(broker.acked("billing", "orders", 0), Some(7));
-    landed
-        .connection()
-        .execute_unprepared("DELETE FROM disk_full")
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+    exec(&landed, "DELETE FROM disk_full").await;
     let mut processor = drain_processor(&landed, ClaimMode::RowLock);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     while row_of(&landed, "bad-1").await.0 != "completed" && tokio::time::Instant::now() < deadline
@@ -353,28 +344,18 @@ async fn diagnose(store: &PgStore) -> Vec<String> {
 async fn a_crash_charge_the_disk_refuses_never_runs_the_handler_again() {
     let store = refusing_store_when("53100", "EXISTS (SELECT 1 FROM disk_full)").await;
     land_orders(&store).await;
-    let exec = |sql: String| {
-        let store = store.clone();
-        async move {
-            store
-                .connection()
-                .execute_unprepared(&sql)
-                .await
-                .unwrap_or_else(|e| panic!("{sql}: {e}"));
-        }
-    };
     // every write of the inbox table fails at COMMIT while the disk is full
     exec(
+        &store,
         "CREATE FUNCTION inbox_disk_full() RETURNS trigger LANGUAGE plpgsql AS $$ \
          BEGIN IF EXISTS (SELECT 1 FROM disk_full) THEN \
-         RAISE EXCEPTION 'no room' USING ERRCODE = '53100'; END IF; RETURN NULL; END $$"
-            .to_owned(),
+         RAISE EXCEPTION 'no room' USING ERRCODE = '53100'; END IF; RETURN NULL; END $$",
     )
     .await;
     exec(
+        &store,
         "CREATE CONSTRAINT TRIGGER inbox_disk_full AFTER UPDATE ON inbox \
-         DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION inbox_disk_full()"
-            .to_owned(),
+         DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION inbox_disk_full()",
     )
     .await;
     // the member's last process died running bad-1 alone (its note names
@@ -386,12 +367,15 @@ async fn a_crash_charge_the_disk_refuses_never_runs_the_handler_again() {
     )
     .await
     .unwrap_or_else(|e| panic!("{e}"));
-    exec(format!(
-        "INSERT INTO {} (member_id, row_ids, xid) VALUES ('processor-1', '{{{bad}}}', 9000000000)",
-        store.table().processor_running()
-    ))
+    exec(
+        &store,
+        &format!(
+            "INSERT INTO {} (member_id, row_ids, xid) VALUES ('processor-1', '{{{bad}}}', 9000000000)",
+            store.table().processor_running()
+        ),
+    )
     .await;
-    exec("INSERT INTO disk_full DEFAULT VALUES".to_owned()).await;
+    exec(&store, "INSERT INTO disk_full DEFAULT VALUES").await;
     let handler = ScriptedHandler::new([], Act::Succeed);
     let mut config = ProcessorConfig::new("processor-1").unwrap_or_else(|e| panic!("{e}"));
     config.claim = ClaimMode::RowLock;
@@ -411,7 +395,7 @@ async fn a_crash_charge_the_disk_refuses_never_runs_the_handler_again() {
         );
     }
     assert!(refused >= 1, "the charge's COMMIT failed ({refused} of 6)");
-    exec("DELETE FROM disk_full".to_owned()).await;
+    exec(&store, "DELETE FROM disk_full").await;
     // the row locked by another transaction at the next try (as the
     // refused one's lock can outlive its error): the charge is kept, not
     // taken for a row no longer due

@@ -205,7 +205,7 @@ impl ProcessorState {
         self.charge_due.map(|(id, _)| id)
     }
 
-    /// The charge of row `id` was written (or the row is no longer due).
+    /// The charge of row `id` was written.
     pub(crate) fn charged(&mut self, id: RowId) {
         if self.charge_due.is_some_and(|(due, _)| due == id) {
             self.charge_due = None;
